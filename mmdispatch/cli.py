@@ -1,0 +1,62 @@
+"""The `mmdispatch` command: one subcommand per role, each implemented in its own module.
+
+Subcommand modules are imported only when chosen, so `mmdispatch read` on a data node never
+pays for (or needs) the trainer's dependencies. Each module provides `add_arguments(parser)`
+and `run(args) -> int`; its docstring's first paragraph is the subcommand's description.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mmdispatch import __version__
+
+#: name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "gen-data": ("pipeline.gendata", "write reproducible synthetic multimodal WebDataset shards"),
+    "inspect": ("pipeline.inspect", "count tokens per modality in shards and print statistics"),
+}
+
+
+def _overview() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "commands:\n" + "\n".join(lines) + "\n\nRun 'mmdispatch COMMAND --help' for a command's options."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = argparse.ArgumentParser(
+        prog="mmdispatch",
+        description="Streaming data service that feeds multimodal LLM trainers with balanced work.",
+        epilog=_overview(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    top.add_argument("--version", action="version", version=f"mmdispatch {__version__}")
+    top.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND", help="see below")
+    top.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    if not argv:
+        top.print_help()
+        return 2
+    ns = top.parse_args(argv[:1])
+    module_name, help_ = COMMANDS[ns.command]
+    module = importlib.import_module(module_name)
+    doc = (module.__doc__ or help_).strip().split("\n\n")[0]
+    parser = argparse.ArgumentParser(
+        prog=f"mmdispatch {ns.command}",
+        description=doc,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The data model of a counted sample, as data nodes produce it.
+
+A record carries counts (what the planner needs) and the raw member bytes (what the trainer
+needs) side by side, so counting never forces a decode and shipping never forces a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Modality of an item -> the encoder phase that processes it.
+MODALITY_PHASE: dict[str, str] = {"image": "vision", "audio": "audio"}
+
+
+@dataclass(slots=True, kw_only=True)
+class Item:
+    """One image or audio clip of a sample, with its token counts."""
+
+    modality: str  # "image" | "audio"
+    member: str  # member suffix inside the sample, e.g. "0.jpg" or "wav"
+    enc_len: int  # sequence length its encoder attends over (patches, frames)
+    llm_len: int  # embeddings it becomes in the LLM sequence
+    meta: dict = field(default_factory=dict)  # header facts: width/height, duration_s, sample_rate...
+
+    @property
+    def phase(self) -> str:
+        return MODALITY_PHASE[self.modality]
+
+
+@dataclass(slots=True, kw_only=True)
+class SampleRecord:
+    """A counted sample: key, where it came from, its items, and its raw members.
+
+    `llm_len == text_len + sum(item.llm_len for item in items)`. Item order is the order of
+    the sample's LLM sequence (vision items, then audio items, then text), see the planner.
+    """
+
+    key: str
+    shard: str  # shard URL as given in the shard list
+    index: int  # position of the sample in its shard
+    items: list[Item]
+    text_len: int
+    llm_len: int
+    text: str = ""  # the text the text tokens were counted from
+    members: dict[str, bytes | memoryview] = field(default_factory=dict)  # suffix -> raw bytes
+
+    @property
+    def modality_mix(self) -> str:
+        """Canonical name of the sample's mix, e.g. 'image+audio+text' or 'text'."""
+        kinds = sorted({it.modality for it in self.items})
+        return "+".join([*kinds, "text"]) if self.text_len else "+".join(kinds) or "empty"
