@@ -17,7 +17,7 @@ from mmdispatch import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "gen-data": ("pipeline.gendata", "write reproducible synthetic multimodal WebDataset shards"),
     "inspect": ("pipeline.inspect", "count tokens per modality in shards and print statistics"),
-    "serve": ("dispatcher_server.serve", "run the dispatcher: collect counts, plan every step, stream to trainers"),
+    "serve": ("mmdispatch.serve", "run the dispatcher: collect counts, plan every step, stream to trainers"),
     "read": ("pipeline.service", "run a data-node reader that streams counted samples to the dispatcher"),
     "keygen": ("dispatcher_server.security", "create a CurveZMQ key pair for the dispatcher, a reader or a trainer"),
 }
