@@ -1,0 +1,308 @@
+"""Header-only token counting: how long each image, audio clip and text is for every model phase.
+
+Images are measured from their header (PNG/JPEG hand-parsed, other formats through Pillow's
+lazy `Image.open`), audio from its header (hand-parsed WAV/FLAC, `soundfile.info` for the
+rest), never decoding pixels or samples: counting must cost little more than reading bytes.
+Text uses a real tokenizer when one is configured, else a fast estimator whose error bound is
+documented and tested.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import soundfile
+from PIL import Image
+
+from pipeline.headers import HeaderError, flac_header, jpeg_size, png_size, wav_header
+
+
+class CountError(HeaderError):
+    """A member cannot be counted; `reason` is a short stable name for error counters."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ImageConfig:
+    """Dynamic-resolution ViT resize policy; defaults are Qwen2-VL's.
+
+    Source: Qwen2-VL `smart_resize` (transformers `image_processing_qwen2_vl.py`): 14 px patches,
+    2x2 patch merge (factor 28), min_pixels 56*56, and max_pixels 28*28*1280 as the model card
+    recommends. Encoder length = (H/patch)*(W/patch) patches, LLM length = that / merge^2.
+    """
+
+    patch_size: int = 14
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    max_aspect_ratio: float = 200.0  # Qwen2-VL refuses more extreme images
+    # Decompression-bomb guard on the *declared* size, checked before any pixel is touched;
+    # Pillow's own MAX_IMAGE_PIXELS (~9459x9459).
+    max_header_pixels: int = 89_478_485
+    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif")
+
+    def __post_init__(self) -> None:
+        if self.patch_size < 1 or self.merge_size < 1:
+            raise ValueError(f"patch_size={self.patch_size} and merge_size={self.merge_size} must be >= 1")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need 0 < min_pixels={self.min_pixels} <= max_pixels={self.max_pixels}")
+
+
+@dataclass(kw_only=True, slots=True)
+class AudioConfig:
+    """Audio encoder rates; defaults are Whisper's encoder with Qwen2-Audio's pooling.
+
+    Whisper: 16 kHz, 10 ms hop = 100 mel frames/s, conv stride 2 -> 50 encoder frames/s, 30 s
+    windows. Qwen2-Audio pools by 2 -> 25 LLM tokens/s. With `pad_window_s` set the encoder is
+    costed as padded (every window started is full: Whisper processes 1500 frames per 30 s),
+    while the LLM length follows the real duration (padding is masked out before the LLM).
+    """
+
+    encoder_frames_per_s: float = 50.0
+    llm_tokens_per_s: float = 25.0
+    pad_window_s: float | None = None
+    max_duration_s: float = 4 * 3600.0  # longer clips are corrupt headers or not training data
+    extensions: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
+
+    def __post_init__(self) -> None:
+        if self.encoder_frames_per_s <= 0 or self.llm_tokens_per_s <= 0:
+            raise ValueError(
+                f"encoder_frames_per_s={self.encoder_frames_per_s} and "
+                f"llm_tokens_per_s={self.llm_tokens_per_s} must be > 0"
+            )
+        if self.pad_window_s is not None and self.pad_window_s <= 0:
+            raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 or None")
+
+
+@dataclass(kw_only=True, slots=True)
+class TextConfig:
+    """Text members and how their tokens are counted.
+
+    With `tokenizer_path` (an HF `tokenizers` JSON file) counts are exact. Otherwise the
+    estimator charges one token per `ascii_bytes_per_token` ASCII characters (the usual ~4
+    characters per BPE token of English) plus `tokens_per_non_ascii_char` per non-ASCII
+    character (CJK runs near one token per character). Against a byte-level BPE trained in
+    the tests on Python's documentation it is within 15% in total, with median per-text error
+    under 20% and 95th percentile under 45% for texts of 100+ characters. It costs two C-speed
+    `len` calls, versus ~1 us per word for a regex pre-tokenizer.
+    JSON members use the first of `json_fields` present; a list value is a conversation of
+    {role|from, content|value} turns, each costing `chat_turn_overhead` extra tokens (ChatML's
+    `<|im_start|>role\\n ... <|im_end|>\\n`).
+    """
+
+    tokenizer_path: str | None = None
+    json_fields: tuple[str, ...] = ("text", "caption", "conversations", "messages")
+    chat_turn_overhead: int = 5
+    ascii_bytes_per_token: float = 4.0
+    tokens_per_non_ascii_char: float = 1.0
+    max_text_bytes: int = 64 << 20  # cap on decompressed .gz members (zip-bomb guard)
+    extensions: tuple[str, ...] = ("txt", "text")
+    json_extensions: tuple[str, ...] = ("json",)
+
+    def __post_init__(self) -> None:
+        if self.ascii_bytes_per_token <= 0:
+            raise ValueError(f"ascii_bytes_per_token={self.ascii_bytes_per_token} must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class CountingConfig:
+    """All counting rules; every default mirrors a real model (see each section)."""
+
+    image: ImageConfig = field(default_factory=ImageConfig)
+    audio: AudioConfig = field(default_factory=AudioConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+
+
+def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
+    """Qwen2-VL's resize: fit [min_pixels, max_pixels], keep aspect, sides multiple of patch*merge.
+
+    Mirrors the reference including Python's round-half-to-even, so counts match the model's.
+    """
+    factor = cfg.patch_size * cfg.merge_size
+    if min(height, width) < 1:
+        raise CountError("bad_image", f"image has empty side: {width}x{height}")
+    if max(height, width) / min(height, width) > cfg.max_aspect_ratio:
+        raise CountError("bad_image", f"aspect ratio of {width}x{height} exceeds {cfg.max_aspect_ratio}")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > cfg.max_pixels:
+        beta = math.sqrt(height * width / cfg.max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < cfg.min_pixels:
+        beta = math.sqrt(cfg.min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_lengths(width: int, height: int, cfg: ImageConfig) -> tuple[int, int]:
+    """(encoder patches, LLM tokens) of an image of the given size under the resize policy."""
+    h_bar, w_bar = smart_resize(height, width, cfg)
+    patches = (h_bar // cfg.patch_size) * (w_bar // cfg.patch_size)
+    return patches, patches // (cfg.merge_size * cfg.merge_size)
+
+
+def audio_lengths(duration_s: float, cfg: AudioConfig) -> tuple[int, int]:
+    """(encoder frames, LLM tokens) of a clip; the encoder is costed padded when configured."""
+    llm = max(1, math.ceil(duration_s * cfg.llm_tokens_per_s))
+    if cfg.pad_window_s is not None:
+        windows = max(1, math.ceil(duration_s / cfg.pad_window_s))
+        return math.ceil(windows * cfg.pad_window_s * cfg.encoder_frames_per_s), llm
+    return max(1, math.ceil(duration_s * cfg.encoder_frames_per_s)), llm
+
+
+def _utf8(data: bytes | memoryview, what: str) -> str:
+    try:
+        return str(data, "utf-8")
+    except UnicodeDecodeError as e:
+        raise CountError("bad_text", f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
+    """Decompress a gzip member, refusing to inflate beyond `max_bytes`."""
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        out = inflater.decompress(data, max_bytes + 1)
+    except zlib.error as e:
+        raise CountError("bad_gzip", f"gzip member is corrupt: {e}") from None
+    if len(out) > max_bytes:
+        raise CountError("bad_gzip", f"gzip member inflates beyond max_text_bytes={max_bytes}")
+    if not inflater.eof:
+        raise CountError("bad_gzip", "gzip member is truncated")
+    return out
+
+
+class Counter:
+    """Counts members under one `CountingConfig`; holds the loaded tokenizer, if any."""
+
+    def __init__(self, config: CountingConfig) -> None:
+        self.config = config
+        self._tokenizer = None
+        if config.text.tokenizer_path is not None:
+            from tokenizers import Tokenizer  # optional dependency, only when configured
+
+            self._tokenizer = Tokenizer.from_file(config.text.tokenizer_path)
+        self._pil_formats = ["JPEG", "PNG", "WEBP", "GIF"]
+
+    # -- images ---------------------------------------------------------------------------
+    def image(self, data: bytes | memoryview) -> tuple[int, int, dict]:
+        """(encoder length, LLM length, meta) from the image header."""
+        cfg = self.config.image
+        size = png_size(data)
+        fmt = "PNG"
+        if size is None:
+            size, fmt = jpeg_size(data), "JPEG"
+        if size is not None:
+            width, height = size
+        else:
+            width, height, fmt = self._pil_size(data)
+        if width * height > cfg.max_header_pixels:
+            raise CountError(
+                "image_too_large",
+                f"image header declares {width}x{height} pixels, over max_header_pixels={cfg.max_header_pixels}",
+            )
+        enc, llm = image_lengths(width, height, cfg)
+        return enc, llm, {"width": width, "height": height, "format": fmt}
+
+    def _pil_size(self, data: bytes | memoryview) -> tuple[int, int, str]:
+        try:
+            # Lazy open: parses the header only; Pillow allocates pixels at .load(), never here.
+            with Image.open(io.BytesIO(data), formats=self._pil_formats) as im:
+                return im.size[0], im.size[1], im.format
+        except Image.DecompressionBombError as e:
+            raise CountError("image_too_large", str(e)) from None
+        except Exception as e:  # Pillow raises many types on garbage: all mean "not an image"
+            raise CountError("bad_image", f"unreadable image header: {e}") from None
+
+    # -- audio ----------------------------------------------------------------------------
+    def audio(self, data: bytes | memoryview) -> tuple[int, int, dict]:
+        """(encoder length, LLM length, meta) from the audio header."""
+        cfg = self.config.audio
+        try:
+            header = wav_header(data) or flac_header(data)
+        except HeaderError as e:
+            raise CountError(e.reason, str(e)) from None
+        if header is None:
+            try:
+                info = soundfile.info(io.BytesIO(data))
+            except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
+                raise CountError("bad_audio", f"unreadable audio header: {e}") from None
+            rate, channels, duration = info.samplerate, info.channels, info.duration
+            if rate <= 0 or not math.isfinite(duration) or duration < 0:
+                raise CountError("bad_audio", f"audio header declares rate={rate} duration={duration}")
+        else:
+            rate, channels, duration = header
+        if duration > cfg.max_duration_s:
+            raise CountError("bad_audio", f"audio lasts {duration:.0f} s, over max_duration_s={cfg.max_duration_s}")
+        if duration <= 0:
+            raise CountError("bad_audio", "audio clip is empty")
+        enc, llm = audio_lengths(duration, cfg)
+        return enc, llm, {"duration_s": duration, "sample_rate": rate, "channels": channels}
+
+    # -- text -----------------------------------------------------------------------------
+    def count_text(self, text: str, num_bytes: int | None = None) -> int:
+        """Tokens of a text: exact with a tokenizer, else the documented estimator."""
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        return estimate_tokens(text, self.config.text, num_bytes)
+
+    def text(self, data: bytes | memoryview, ext: str, what: str) -> tuple[str, int]:
+        """(text, tokens) of a text or JSON member; JSON without a text field gives ("", 0)."""
+        cfg = self.config.text
+        text = _utf8(data, what)
+        if ext in cfg.json_extensions:
+            return self._json_text(text, what)
+        return text, self.count_text(text, len(data))
+
+    def _json_text(self, raw: str, what: str) -> tuple[str, int]:
+        cfg = self.config.text
+        try:
+            obj = json.loads(raw)
+        except ValueError as e:
+            raise CountError("bad_json", f"{what} is not valid JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an object")
+        value = next((obj[f] for f in cfg.json_fields if f in obj), None)
+        if value is None:
+            return "", 0  # metadata JSON: carried as payload, not text
+        if isinstance(value, str):
+            return value, self.count_text(value)
+        if isinstance(value, list):
+            turns = [_turn_text(turn, what) for turn in value]
+            text = "\n".join(turns)
+            return text, sum(self.count_text(t) for t in turns) + cfg.chat_turn_overhead * len(turns)
+        raise CountError("bad_json", f"{what} field holds a {type(value).__name__}, expected text or turns")
+
+
+def _turn_text(turn: object, what: str) -> str:
+    if not isinstance(turn, dict):
+        raise CountError("bad_json", f"{what} conversation turn is a {type(turn).__name__}, expected an object")
+    content = turn.get("content", turn.get("value"))
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI-style parts: only text parts carry text tokens
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    raise CountError("bad_json", f"{what} conversation turn has no content/value text")
+
+
+def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) -> int:
+    """Fast token estimate from character statistics only (C-speed str methods, no regex)."""
+    if not text:
+        return 0
+    num_chars = len(text)
+    if num_bytes is None:
+        num_bytes = num_chars if text.isascii() else len(text.encode("utf-8"))
+    # Every non-ASCII char takes 2-4 UTF-8 bytes; assume 3 (the CJK case) to split the two.
+    non_ascii = min(num_chars, (num_bytes - num_chars) // 2)
+    est = (num_chars - non_ascii) / cfg.ascii_bytes_per_token + non_ascii * cfg.tokens_per_non_ascii_char
+    return max(1, math.ceil(est))
+
+
+__all__ = [
+    "AudioConfig", "CountError", "Counter", "CountingConfig", "ImageConfig", "TextConfig",
+    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "smart_resize", "wav_header",
+]

@@ -1,0 +1,93 @@
+"""Per-sample error handling for readers: one policy (`raise | skip | warn`) and counters by reason.
+
+Bad input must neither crash a long-running reader nor pass silently: every failure is counted
+under a stable reason name and remembered with its shard and key, and a run of consecutive
+failures beyond a limit stops the reader (a wrong config looks like every sample failing).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger("mmdispatch.pipeline")
+
+ERROR_MODES: tuple[str, ...] = ("raise", "skip", "warn")
+
+
+class SampleError(ValueError):
+    """A sample (or a whole shard) could not be read or counted."""
+
+    def __init__(self, reason: str, shard: str, key: str | None, message: str) -> None:
+        where = f"shard {shard!r}" + (f" key {key!r}" if key is not None else "")
+        super().__init__(f"{reason}: {where}: {message}")
+        self.reason = reason
+        self.shard = shard
+        self.key = key
+        self.detail = message
+
+
+class TooManyErrors(RuntimeError):
+    """More consecutive failures than `ErrorPolicy.max_consecutive`: the input or config is wrong."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ErrorPolicy:
+    """What a reader does with a bad sample: raise, skip (count it), or warn (count and log it)."""
+
+    mode: str = "warn"
+    max_consecutive: int = 100
+
+    def __post_init__(self) -> None:
+        if self.mode not in ERROR_MODES:
+            raise ValueError(f"error mode {self.mode!r} must be one of {ERROR_MODES}")
+        if self.max_consecutive < 1:
+            raise ValueError(f"max_consecutive={self.max_consecutive} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ErrorStats:
+    """Counters a reader keeps; share one instance across shards to get a run's totals."""
+
+    num_samples: int = 0  # samples yielded
+    num_errors: int = 0
+    num_shards: int = 0  # shards opened
+    num_ignored_members: int = 0  # tar members without a webdataset suffix
+    by_reason: Counter = field(default_factory=Counter)
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (reason, shard, key, message)
+    consecutive: int = 0
+
+    def ok(self) -> None:
+        self.num_samples += 1
+        self.consecutive = 0
+
+    def handle(self, error: SampleError, policy: ErrorPolicy) -> None:
+        """Count `error`, then raise it or carry on as the policy says."""
+        self.num_errors += 1
+        self.consecutive += 1
+        self.by_reason[error.reason] += 1
+        self.recent.append((error.reason, error.shard, error.key, error.detail))
+        if policy.mode == "raise":
+            raise error
+        if policy.mode == "warn":
+            log.warning("mmdispatch.pipeline: skipped %s", error)
+        else:
+            log.debug("mmdispatch.pipeline: skipped %s", error)
+        if self.consecutive > policy.max_consecutive:
+            raise TooManyErrors(
+                f"{self.consecutive} consecutive failures (max_consecutive={policy.max_consecutive}); "
+                f"last: {error}"
+            ) from error
+
+    def as_dict(self) -> dict:
+        return {
+            "num_samples": self.num_samples,
+            "num_errors": self.num_errors,
+            "num_shards": self.num_shards,
+            "num_ignored_members": self.num_ignored_members,
+            "by_reason": dict(sorted(self.by_reason.items())),
+            "recent": [
+                {"reason": r, "shard": shard, "key": key, "message": msg} for r, shard, key, msg in self.recent
+            ],
+        }

@@ -1,0 +1,166 @@
+"""Count tokens per modality in shards and print statistics: lengths, modality mix, errors, histogram.
+
+Reads with the same reader and counting rules a data node uses, so what it reports is what the
+dispatcher will plan with. Human report by default (rich progress on stderr); `--json` prints
+one JSON object on stdout instead. Exits 1 when any sample or shard failed, so bad data never
+passes a script silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter as Tally
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pipeline.errors import ErrorStats
+from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
+from pipeline.shards import expand_shards
+
+_PERCENTILES = (50, 90, 99)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("shards", nargs="+", help="shard specs: paths, globs, {000..099} ranges, pipe:/file: URLs")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_reader_arguments(parser)
+
+
+def _summary(values: list[float] | np.ndarray) -> dict:
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return {"count": 0}
+    out = {"count": int(a.size), "mean": round(float(a.mean()), 3), "sum": float(a.sum())}
+    for p, v in zip(_PERCENTILES, np.percentile(a, _PERCENTILES)):
+        out[f"p{p}"] = round(float(v), 3)
+    out["max"] = float(a.max())
+    return out
+
+
+def log_histogram(values: np.ndarray) -> list[dict]:
+    """Counts in power-of-two buckets [2^k, 2^(k+1)) covering the values' range."""
+    values = np.asarray(values, dtype=np.int64)
+    if values.size == 0:
+        return []
+    exps = np.floor(np.log2(np.maximum(values, 1))).astype(np.int64)
+    counts = np.bincount(exps - exps.min())
+    return [
+        {"lo": 2 ** int(k), "hi": 2 ** int(k + 1), "count": int(c)}
+        for k, c in zip(range(int(exps.min()), int(exps.max()) + 1), counts)
+    ]
+
+
+def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> dict:
+    """Read every shard and return the statistics report as a JSON-ready dict."""
+    stats = ErrorStats()
+    lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "audio")}
+    durations: list[float] = []
+    text_lens: list[int] = []
+    sample_lens: list[int] = []
+    mixes: Tally = Tally()
+    images_per_sample: Tally = Tally()
+    start = time.perf_counter()
+    progress = Progress(
+        TextColumn("[bold]inspect"), BarColumn(), MofNCompleteColumn(), TextColumn("shards"),
+        TextColumn("{task.fields[samples]} samples"), TimeElapsedColumn(),
+        console=Console(stderr=True), transient=True, disable=not show_progress,
+    )
+    with progress:
+        task = progress.add_task("read", total=len(urls), samples=0)
+        for url in urls:
+            for rec in iter_shard(url, config, stats=stats):
+                for it in rec.items:
+                    lens[it.modality]["enc_len"].append(it.enc_len)
+                    lens[it.modality]["llm_len"].append(it.llm_len)
+                    if it.modality == "audio":
+                        durations.append(it.meta["duration_s"])
+                if rec.text_len:
+                    text_lens.append(rec.text_len)
+                sample_lens.append(rec.llm_len)
+                mixes[rec.modality_mix] += 1
+                images_per_sample[sum(it.modality == "image" for it in rec.items)] += 1
+            progress.update(task, advance=1, samples=stats.num_samples)
+    elapsed = time.perf_counter() - start
+    num_samples = len(sample_lens)
+    modalities = {
+        m: {"count": len(v["enc_len"]), "enc_len": _summary(v["enc_len"]), "llm_len": _summary(v["llm_len"])}
+        for m, v in lens.items()
+    }
+    modalities["audio"]["duration_s"] = _summary(durations)
+    modalities["text"] = {"count": len(text_lens), "llm_len": _summary(text_lens)}
+    return {
+        "num_shards": len(urls),
+        "num_samples": num_samples,
+        "samples": {"llm_len": _summary(sample_lens)},
+        "modalities": modalities,
+        "mix": {k: round(v / max(1, num_samples), 4) for k, v in mixes.most_common()},
+        "mix_counts": dict(mixes.most_common()),
+        "images_per_sample": {str(k): v for k, v in sorted(images_per_sample.items())},
+        "errors": stats.as_dict(),
+        "histogram": log_histogram(np.asarray(sample_lens)),
+        "elapsed_s": round(elapsed, 3),
+        "samples_per_s": round(num_samples / elapsed, 1) if elapsed > 0 else None,
+    }
+
+
+def render(report: dict, console: Console) -> None:
+    """Print the report as tables and a terminal histogram."""
+    console.print(
+        f"[bold]{report['num_samples']}[/] samples from {report['num_shards']} shards "
+        f"in {report['elapsed_s']:.2f} s ({report['samples_per_s']} samples/s)"
+    )
+    table = Table(title="lengths per modality (tokens)")
+    for col in ("modality", "length", "count", "p50", "p90", "p99", "max"):
+        table.add_column(col, justify="left" if col in ("modality", "length") else "right")
+
+    def row(name: str, what: str, s: dict) -> None:
+        if s.get("count"):
+            table.add_row(name, what, str(s["count"]), *(f"{s[k]:.0f}" for k in ("p50", "p90", "p99", "max")))
+
+    for m in ("image", "audio"):
+        row(m, "encoder", report["modalities"][m]["enc_len"])
+        row(m, "llm", report["modalities"][m]["llm_len"])
+    row("text", "llm", report["modalities"]["text"]["llm_len"])
+    row("sample", "llm total", report["samples"]["llm_len"])
+    console.print(table)
+    dur = report["modalities"]["audio"]["duration_s"]
+    if dur.get("count"):
+        console.print(f"audio duration s: p50 {dur['p50']:.1f}  p90 {dur['p90']:.1f}  p99 {dur['p99']:.1f}  max {dur['max']:.1f}")
+    mix = Table(title="modality mix")
+    mix.add_column("mix")
+    mix.add_column("samples", justify="right")
+    mix.add_column("share", justify="right")
+    for name, count in report["mix_counts"].items():
+        mix.add_row(name, str(count), f"{report['mix'][name]:.1%}")
+    console.print(mix)
+    per = report["images_per_sample"]
+    console.print("images per sample: " + ", ".join(f"{k}: {v}" for k, v in per.items()))
+    errors = report["errors"]
+    reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
+    console.print(f"errors: {errors['num_errors']} ({reasons}); ignored members: {errors['num_ignored_members']}")
+    hist = report["histogram"]
+    if hist:
+        console.print("[bold]sample LLM length histogram[/] (log2 buckets)")
+        peak = max(b["count"] for b in hist)
+        width = 50
+        for b in hist:
+            bar = "█" * math.ceil(width * b["count"] / peak) if b["count"] else ""
+            console.print(f"{b['lo']:>8}-{b['hi']:<8} {b['count']:>7} {bar}", highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    urls = expand_shards(args.shards)
+    config = reader_config_from_args(args, keep_members=False)
+    report = collect(urls, config, show_progress=sys.stderr.isatty())
+    if args.json:
+        print(json.dumps(report))
+    else:
+        render(report, Console())
+    return 1 if report["errors"]["num_errors"] else 0

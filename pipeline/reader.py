@@ -1,0 +1,289 @@
+"""Read shards into counted `SampleRecord`s: tar members -> samples grouped by key -> counts.
+
+Stages are small generators (webdataset style). Grouping follows webdataset's key convention
+(`dir/key.suffix`, the suffix starts at the basename's first dot), so `k.0.jpg` and `k.1.jpg`
+are two images of sample `k`. Failures go through one `ErrorPolicy`; a sample's index is its
+position in the shard counting failed samples too, so `start_index` resumes are stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
+from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
+from pipeline.records import Item, SampleRecord
+from pipeline.shards import open_shard
+from pipeline.tario import TarError, open_decompressed, tar_members
+
+
+@dataclass(kw_only=True, slots=True)
+class ReaderConfig:
+    """Counting rules plus what to do with bad samples."""
+
+    counting: CountingConfig = field(default_factory=CountingConfig)
+    errors: ErrorPolicy = field(default_factory=ErrorPolicy)
+    keep_members: bool = True  # carry raw member bytes in records (False: counts only)
+
+
+def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
+    """Command-line options for counting rules and error policy (shared by inspect and read)."""
+    image, audio, text, errors = ImageConfig(), AudioConfig(), TextConfig(), ErrorPolicy()
+    group = parser.add_argument_group("counting and errors")
+    add = group.add_argument
+    add("--min-pixels", type=int, default=image.min_pixels, help="image resize lower pixel budget")
+    add("--max-pixels", type=int, default=image.max_pixels, help="image resize upper pixel budget")
+    add("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
+    add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
+    add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
+    add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
+    add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
+    add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
+    add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (default: estimator)")
+    add("--json-field", action="append", default=None,
+        help=f"JSON text field, repeatable (default: {', '.join(text.json_fields)})")
+    add("--errors", choices=ERROR_MODES, default=errors.mode, help="what to do with a bad sample")
+    add("--max-consecutive-errors", type=int, default=errors.max_consecutive, help="stop after this many failures in a row")
+
+
+def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
+    """The `ReaderConfig` described by options added with `add_reader_arguments`."""
+    text_kwargs: dict = {"tokenizer_path": args.tokenizer}
+    if args.json_field:
+        text_kwargs["json_fields"] = tuple(args.json_field)
+    counting = CountingConfig(
+        image=ImageConfig(
+            min_pixels=args.min_pixels, max_pixels=args.max_pixels, patch_size=args.patch_size,
+            merge_size=args.merge_size, max_header_pixels=args.max_header_pixels,
+        ),
+        audio=AudioConfig(
+            encoder_frames_per_s=args.audio_frames_per_s, llm_tokens_per_s=args.audio_tokens_per_s,
+            pad_window_s=args.audio_pad_window,
+        ),
+        text=TextConfig(**text_kwargs),
+    )
+    errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
+    return ReaderConfig(counting=counting, errors=errors, keep_members=keep_members)
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """(key, suffix) of a member name, or None when the basename has no dot."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return None
+    return name[:dot], name[dot + 1 :]
+
+
+def group_samples(
+    members: Iterable[tuple[str, bytes]], on_ignored: Callable[[str], None]
+) -> Iterator[tuple[str, dict[str, bytes], str | None]]:
+    """Yield (key, {suffix: bytes}, problem) per run of consecutive members sharing a key.
+
+    A group still being filled when the member stream fails is dropped unless the failure is
+    known to lie in the next sample's first member.
+    """
+    key: str | None = None
+    group: dict[str, bytes] = {}
+    problem: str | None = None
+    try:
+        for name, data in members:
+            parts = split_name(name)
+            if parts is None:
+                on_ignored(name)
+                continue
+            k, suffix = parts
+            if k != key:
+                if key is not None:
+                    yield key, group, problem
+                key, group, problem = k, {}, None
+            if suffix in group:
+                problem = f"member {name!r} appears twice"
+            group[suffix] = data
+    except TarError as e:
+        # The pending sample is complete if the archive broke inside another sample's member.
+        failed = split_name(e.member) if e.member is not None else None
+        if key is not None and failed is not None and failed[0] != key:
+            yield key, group, problem
+        raise
+    if key is not None:
+        yield key, group, problem
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(suffix: str) -> tuple:
+    """Sort key putting `2.jpg` before `10.jpg`."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in _DIGITS.split(suffix))
+
+
+class SampleBuilder:
+    """Turns one grouped sample into a `SampleRecord` under a counting config."""
+
+    def __init__(self, config: ReaderConfig) -> None:
+        self.config = config
+        self.counter = Counter(config.counting)
+        c = config.counting
+        self._kinds: dict[str, str] = {}
+        for exts, kind in (
+            (c.image.extensions, "image"),
+            (c.audio.extensions, "audio"),
+            (c.text.extensions, "text"),
+            (c.text.json_extensions, "text"),
+        ):
+            for ext in exts:
+                self._kinds.setdefault(ext.lower(), kind)
+
+    def build(self, key: str, members: dict[str, bytes], shard: str, index: int) -> SampleRecord:
+        """Count a sample; raises `CountError` when a member cannot be counted."""
+        images: list[tuple[str, bytes]] = []
+        audios: list[tuple[str, bytes]] = []
+        texts: list[tuple[str, bytes, str]] = []
+        max_text = self.config.counting.text.max_text_bytes
+        for suffix, data in members.items():
+            ext = suffix[suffix.rfind(".") + 1 :].lower()
+            if ext == "gz":
+                inner = suffix[:-3]
+                ext = inner[inner.rfind(".") + 1 :].lower()
+                if self._kinds.get(ext) != "text":
+                    continue  # compressed non-text members are payload
+                data = gunzip(data, max_text)
+            kind = self._kinds.get(ext)
+            if kind == "image":
+                images.append((suffix, data))
+            elif kind == "audio":
+                audios.append((suffix, data))
+            elif kind == "text":
+                texts.append((suffix, data, ext))
+        items: list[Item] = []
+        # LLM sequence convention: images, then audio clips, each in natural name order.
+        for modality, group, count in (("image", images, self.counter.image), ("audio", audios, self.counter.audio)):
+            if len(group) > 1:
+                group.sort(key=lambda m: _natural(m[0]))
+            for suffix, data in group:
+                try:
+                    enc, llm, meta = count(data)
+                except CountError as e:
+                    raise CountError(e.reason, f"member {suffix!r}: {e}") from None
+                items.append(Item(modality=modality, member=suffix, enc_len=enc, llm_len=llm, meta=meta))
+        text_len = 0
+        text = ""
+        if texts:
+            if len(texts) > 1:
+                texts.sort(key=lambda m: _natural(m[0]))
+            parts = []
+            for suffix, data, ext in texts:
+                t, n = self.counter.text(data, ext, f"member {suffix!r}")
+                if n:
+                    parts.append(t)
+                    text_len += n
+            text = "\n".join(parts)
+        if not items and not text_len:
+            raise CountError("empty_sample", f"no countable text, image or audio among members {sorted(members)}")
+        return SampleRecord(
+            key=key,
+            shard=shard,
+            index=index,
+            items=items,
+            text_len=text_len,
+            llm_len=text_len + sum(it.llm_len for it in items),
+            text=text,
+            members=members if self.config.keep_members else {},
+        )
+
+
+_BUILDERS: dict[str, SampleBuilder] = {}
+
+
+def _builder(config: ReaderConfig) -> SampleBuilder:
+    # Keyed by the config's value: loading a tokenizer per shard would dominate small shards.
+    cache_key = repr(config)
+    builder = _BUILDERS.get(cache_key)
+    if builder is None:
+        if len(_BUILDERS) > 16:
+            _BUILDERS.clear()
+        builder = _BUILDERS[cache_key] = SampleBuilder(config)
+    return builder
+
+
+def iter_shard(
+    url: str, config: ReaderConfig | None = None, *, start_index: int = 0, stats: ErrorStats | None = None
+) -> Iterator[SampleRecord]:
+    """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
+
+    Pass an `ErrorStats` to read the counters afterwards. A shard holding fewer than
+    `start_index` samples raises ValueError whatever the policy: the resume point is wrong.
+    """
+    config = config or ReaderConfig()
+    if start_index < 0:
+        raise ValueError(f"start_index={start_index} must be >= 0")
+    stats = stats if stats is not None else ErrorStats()
+    policy = config.errors
+    builder = _builder(config)
+    stats.num_shards += 1
+    try:
+        stream = open_shard(url)
+    except OSError as e:
+        stats.handle(SampleError("open_failed", url, None, f"cannot open: {e}"), policy)
+        return
+
+    def ignored(name: str) -> None:
+        stats.num_ignored_members += 1
+
+    index = -1
+    last_key: str | None = None
+    seen: set[str] = set()
+    failure: SampleError | None = None
+    try:
+        for key, members, problem in group_samples(tar_members(open_decompressed(stream, url)), ignored):
+            index += 1
+            last_key = key
+            if key in seen:
+                problem = f"key {key!r} appears again at sample {index} (keys must be unique in a shard)"
+            seen.add(key)
+            if index < start_index:
+                continue
+            if problem is not None:
+                stats.handle(SampleError("duplicate_key", url, key, problem), policy)
+                continue
+            try:
+                record = builder.build(key, members, url, index)
+            except CountError as e:
+                stats.handle(SampleError(e.reason, url, key, str(e)), policy)
+                continue
+            stats.ok()
+            yield record
+    except TarError as e:
+        after = f" after key {last_key!r}" if last_key is not None else ""
+        failure = SampleError(e.reason, url, None, f"{e}{after}; the rest of the shard is lost")
+    finally:
+        try:
+            stream.close()
+        except OSError as e:
+            failure = failure or SampleError("shard_failed", url, None, str(e))
+    if failure is not None:
+        stats.handle(failure, policy)
+    elif index < 0:
+        stats.handle(SampleError("empty_shard", url, None, "shard holds no samples"), policy)
+    if index + 1 < start_index and failure is None:
+        raise ValueError(f"start_index={start_index} is beyond the {index + 1} samples of shard {url!r}")
+
+
+def iter_samples(
+    urls: Iterable[str], config: ReaderConfig | None = None, *, stats: ErrorStats | None = None
+) -> Iterator[SampleRecord]:
+    """Counted samples of several shards in order, sharing one set of error counters."""
+    config = config or ReaderConfig()
+    stats = stats if stats is not None else ErrorStats()
+    for url in urls:
+        yield from iter_shard(url, config, stats=stats)
+
+
+__all__ = [
+    "ReaderConfig", "SampleBuilder", "add_reader_arguments", "group_samples", "iter_samples", "iter_shard",
+    "reader_config_from_args", "split_name",
+]

@@ -1,0 +1,129 @@
+"""Shard lists: expand user specs into shard URLs, split them across nodes and workers, open them.
+
+Specs are local paths, directories, globs, brace ranges (`data-{000..099}.tar`, expanded with
+`braceexpand`, the library webdataset itself uses) and webdataset-style URLs (`pipe:CMD`,
+`file:PATH`). We do not import webdataset here: its package `__init__` imports torch when torch
+is installed, and a data node must never load torch.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+from collections.abc import Sequence
+from typing import BinaryIO
+
+import braceexpand
+
+#: File names a shard may have; gzip-compressed tars are decompressed while streaming.
+SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz")
+_GLOB_CHARS = frozenset("*?[")
+_READ_BUFFER = 1 << 20
+
+
+def _local_path(url: str) -> str | None:
+    """The filesystem path of a local shard URL, or None for `pipe:` URLs."""
+    if url.startswith("pipe:"):
+        return None
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    if url.startswith("file:"):
+        return url[len("file:"):]
+    if "://" in url:
+        raise ValueError(f"unsupported shard URL {url!r}: use a local path, file: or pipe:")
+    return url
+
+
+def _check_suffix(path: str, spec: str) -> None:
+    if not path.endswith(SHARD_SUFFIXES):
+        raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES}")
+
+
+def expand_shards(specs: Sequence[str] | str) -> list[str]:
+    """Expand shard specs into an ordered list of shard URLs, each listed once.
+
+    Local paths are checked now so a typo fails at startup, naming the path, instead of as a
+    skipped shard hours later. Directories expand to their shard files in name order.
+    """
+    if isinstance(specs, str):
+        specs = [specs]
+    urls: list[str] = []
+    for spec in specs:
+        for expanded in braceexpand.braceexpand(spec):
+            path = _local_path(expanded)
+            if path is None:
+                urls.append(expanded)
+                continue
+            prefix = expanded[: len(expanded) - len(path)]
+            if _GLOB_CHARS.intersection(path):
+                matches = sorted(p for p in glob.glob(path) if p.endswith(SHARD_SUFFIXES))
+                if not matches:
+                    raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r})")
+                urls.extend(prefix + m for m in matches)
+            elif os.path.isdir(path):
+                matches = sorted(
+                    os.path.join(path, name) for name in os.listdir(path) if name.endswith(SHARD_SUFFIXES)
+                )
+                if not matches:
+                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files")
+                urls.extend(prefix + m for m in matches)
+            else:
+                if not os.path.exists(path):
+                    raise FileNotFoundError(f"shard {path!r} does not exist (from spec {spec!r})")
+                _check_suffix(path, spec)
+                urls.append(expanded)
+    seen: set[str] = set()
+    for url in urls:
+        if url in seen:
+            raise ValueError(f"shard {url!r} is listed more than once; its samples would be read twice")
+        seen.add(url)
+    return urls
+
+
+def split_shards(
+    urls: Sequence[str], *, node_rank: int, num_nodes: int, worker_id: int, num_workers: int
+) -> list[str]:
+    """The shards one reader worker owns: every shard goes to exactly one (node, worker).
+
+    Round-robin over the flattened worker index keeps per-worker shard counts within one of
+    each other. With more workers than shards some workers get none; callers should warn.
+    """
+    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be in [0, num_nodes={num_nodes})")
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        raise ValueError(f"worker_id={worker_id} must be in [0, num_workers={num_workers})")
+    return list(urls[node_rank * num_workers + worker_id :: num_nodes * num_workers])
+
+
+class _PipeStream:
+    """Read end of a `pipe:` command; a non-zero exit status surfaces as an OSError on close."""
+
+    def __init__(self, url: str, command: str) -> None:
+        self.url = url
+        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=_READ_BUFFER)
+        assert self._proc.stdout is not None
+        self.stdout = self._proc.stdout
+
+    def read(self, size: int = -1) -> bytes:
+        return self.stdout.read(size)
+
+    def close(self) -> None:
+        self.stdout.close()
+        status = self._proc.wait()
+        if status != 0:
+            raise OSError(f"shard command {self.url!r} exited with status {status}")
+
+    def __enter__(self) -> _PipeStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_shard(url: str) -> BinaryIO:
+    """Open a shard URL for sequential binary reading (tar or gzip-compressed tar)."""
+    path = _local_path(url)
+    if path is None:
+        return _PipeStream(url, url[len("pipe:"):])  # type: ignore[return-value]
+    return open(path, "rb", buffering=_READ_BUFFER)

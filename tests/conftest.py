@@ -1,0 +1,17 @@
+"""Shared fixtures: small generated shards that any test may read (never write)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.gendata import generate
+
+SMALL_NUM_SAMPLES = 64
+SMALL_NUM_SHARDS = 4
+
+
+@pytest.fixture(scope="session")
+def small_shards(tmp_path_factory) -> list[str]:
+    """Paths of 4 generated shards holding 64 samples in total (seed 1); treat as read-only."""
+    out = tmp_path_factory.mktemp("small_shards")
+    return generate(str(out), num_samples=SMALL_NUM_SAMPLES, num_shards=SMALL_NUM_SHARDS, seed=1)

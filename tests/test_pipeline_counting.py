@@ -1,0 +1,301 @@
+"""Counting rules: image resize policy, audio durations from headers, text estimator accuracy."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import soundfile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from pipeline.counting import (
+    AudioConfig,
+    CountError,
+    Counter,
+    CountingConfig,
+    ImageConfig,
+    TextConfig,
+    audio_lengths,
+    estimate_tokens,
+    gunzip,
+    image_lengths,
+    smart_resize,
+    wav_header,
+)
+
+QWEN = ImageConfig()
+
+
+def _png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (1, 2, 3)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _wav(seconds: float, rate: int = 16000, channels: int = 1) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros((int(seconds * rate), channels), np.float32), rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "expected_hw", "patches"),
+    [
+        # 800/28=28.57 -> 29*28=812, 1000/28=35.71 -> 36*28=1008; 812*1008 fits the budget.
+        (1000, 800, (812, 1008), 58 * 72),
+        # 12M px over 1003520: beta=sqrt(12e6/1003520)=3.4580; floor(3000/beta/28)=30 -> 840,
+        # floor(4000/beta/28)=41 -> 1148.
+        (4000, 3000, (840, 1148), 60 * 82),
+        # 20x10 rounds to 28x28 < 3136: beta=sqrt(3136/200)=3.9598; ceil(10*beta/28)=2 -> 56,
+        # ceil(20*beta/28)=3 -> 84.
+        (20, 10, (56, 84), 4 * 6),
+        # Exactly on the grid: unchanged.
+        (448, 448, (448, 448), 32 * 32),
+    ],
+)
+def test_smart_resize_hand_computed(width, height, expected_hw, patches):
+    assert smart_resize(height, width, QWEN) == expected_hw
+    assert image_lengths(width, height, QWEN) == (patches, patches // 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(width=st.integers(1, 20000), height=st.integers(1, 20000))
+def test_smart_resize_respects_budget_and_grid(width, height):
+    if max(width, height) / min(width, height) > QWEN.max_aspect_ratio:
+        with pytest.raises(CountError):
+            smart_resize(height, width, QWEN)
+        return
+    h, w = smart_resize(height, width, QWEN)
+    assert h % 28 == 0 and w % 28 == 0
+    assert QWEN.min_pixels <= h * w <= QWEN.max_pixels
+    enc, llm = image_lengths(width, height, QWEN)
+    assert enc == (h // 14) * (w // 14) and llm * 4 == enc
+
+
+def test_image_header_counts_and_config_changes_them():
+    counter = Counter(CountingConfig())
+    enc, llm, meta = counter.image(_png(1000, 800))
+    assert (enc, llm) == (4176, 1044)
+    assert (meta["width"], meta["height"], meta["format"]) == (1000, 800, "PNG")
+    small_budget = Counter(CountingConfig(image=ImageConfig(max_pixels=28 * 28 * 64)))
+    enc_small, llm_small, _ = small_budget.image(_png(1000, 800))
+    assert llm_small <= 64 < llm
+
+
+def test_audio_lengths_plain_and_padded():
+    assert audio_lengths(10.0, AudioConfig()) == (500, 250)
+    padded = AudioConfig(pad_window_s=30.0)
+    assert audio_lengths(10.0, padded) == (1500, 250)  # encoder sees the whole 30 s window
+    assert audio_lengths(45.0, padded) == (3000, 1125)  # two windows, LLM follows real length
+    assert audio_lengths(0.01, AudioConfig()) == (1, 1)
+
+
+def test_wav_header_duration_and_lying_header():
+    data = _wav(2.5, rate=16000, channels=2)
+    rate, channels, duration = wav_header(data)
+    assert (rate, channels) == (16000, 2) and duration == pytest.approx(2.5)
+    enc, llm, meta = Counter(CountingConfig()).audio(data)
+    assert (enc, llm) == (125, 63) and meta["duration_s"] == pytest.approx(2.5)
+    # Claim 10 hours of audio in the data chunk while carrying 2.5 s.
+    pos = data.index(b"data")
+    lying = data[: pos + 4] + struct.pack("<I", 16000 * 4 * 36000) + data[pos + 8 :]
+    with pytest.raises(CountError, match="declares") as err:
+        Counter(CountingConfig()).audio(lying)
+    assert err.value.reason == "bad_audio"
+
+
+def test_flac_duration_via_soundfile():
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(8000 * 7, np.float32), 8000, format="FLAC")
+    enc, llm, meta = Counter(CountingConfig()).audio(out.getvalue())
+    assert meta["duration_s"] == pytest.approx(7.0) and meta["sample_rate"] == 8000
+    assert (enc, llm) == (350, 175)
+    with pytest.raises(CountError) as err:
+        Counter(CountingConfig()).audio(b"fLaC" + bytes(100))
+    assert err.value.reason == "bad_audio"
+
+
+def test_image_bomb_header_rejected_without_allocation():
+    import tracemalloc
+
+    bomb = _png_header(100000, 100000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CountError) as err:
+            Counter(CountingConfig()).image(bomb)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "image_too_large"
+    assert peak < 1 << 20  # 1e10 pixels would be 30 GB
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose IHDR declares width x height, with one tiny IDAT: valid header, no pixels."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+def test_guard_below_pillow_limit_is_ours():
+    cfg = CountingConfig(image=ImageConfig(max_header_pixels=5000 * 5000))
+    with pytest.raises(CountError, match="max_header_pixels") as err:
+        Counter(cfg).image(_png_header(6000, 6000))
+    assert err.value.reason == "image_too_large"
+    assert Counter(cfg).image(_png_header(4000, 4000))[0] > 0
+
+
+def test_json_text_fields_and_conversations():
+    counter = Counter(CountingConfig())
+    turns = [{"from": "human", "value": "a" * 40}, {"role": "assistant", "content": "b" * 80}]
+    text, n = counter.text(json.dumps({"conversations": turns}).encode(), "json", "m")
+    assert text == "a" * 40 + "\n" + "b" * 80
+    assert n == 10 + 20 + 2 * TextConfig().chat_turn_overhead
+    text, n = counter.text(json.dumps({"caption": "c" * 41}).encode(), "json", "m")
+    assert (text, n) == ("c" * 41, 11)
+    assert counter.text(b'{"url": "x"}', "json", "m") == ("", 0)
+    custom = Counter(CountingConfig(text=TextConfig(json_fields=("prompt",))))
+    assert custom.text(b'{"prompt": "abcdefgh", "text": "zz"}', "json", "m") == ("abcdefgh", 2)
+    for bad in (b"{not json", b"[1, 2]", b'{"text": 5}', b'{"messages": [{"role": "user"}]}'):
+        with pytest.raises(CountError) as err:
+            counter.text(bad, "json", "m")
+        assert err.value.reason == "bad_json"
+    with pytest.raises(CountError) as err:
+        counter.text(b"caf\xe9", "txt", "m")
+    assert err.value.reason == "bad_text"
+
+
+def test_gunzip_guard():
+    import gzip
+
+    data = gzip.compress(b"x" * 100_000)
+    assert gunzip(data, 100_000) == b"x" * 100_000
+    with pytest.raises(CountError, match="max_text_bytes"):
+        gunzip(data, 99_999)
+    with pytest.raises(CountError, match="truncated"):
+        gunzip(data[: len(data) // 2], 1 << 20)
+
+
+def _python_docs() -> list[str]:
+    topics = pytest.importorskip("pydoc_data.topics").topics
+    return [topics[k] for k in sorted(topics)]
+
+
+def test_estimator_error_bound_against_trained_bpe():
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    docs = _python_docs()
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=8000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(docs[::2], trainer)
+    texts = [p for d in docs[1::2] for p in d.split("\n\n") if len(p) >= 100]
+    assert len(texts) > 100
+    real = np.array([len(tok.encode(t).ids) for t in texts], dtype=np.float64)
+    est = np.array([estimate_tokens(t, TextConfig()) for t in texts], dtype=np.float64)
+    rel = np.abs(est - real) / real
+    # The bounds documented in TextConfig's docstring.
+    assert abs(est.sum() / real.sum() - 1) <= 0.15
+    assert np.median(rel) <= 0.20
+    assert np.percentile(rel, 95) <= 0.45
+
+
+def test_tokenizer_path_counts_exactly(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(_python_docs()[:40], trainers.BpeTrainer(vocab_size=2000, show_progress=False))
+    path = str(tmp_path / "tok.json")
+    tok.save(path)
+    text = "The quick brown fox jumps over the lazy dog, twice."
+    counter = Counter(CountingConfig(text=TextConfig(tokenizer_path=path)))
+    assert counter.text(text.encode(), "txt", "m") == (text, len(tok.encode(text).ids))
+
+
+def test_estimator_non_ascii():
+    assert estimate_tokens("東京都" * 10, TextConfig()) == 30
+    assert estimate_tokens("abcd" * 10, TextConfig()) == 10
+    assert estimate_tokens("", TextConfig()) == 0
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF"])
+def test_every_image_extension_format(fmt):
+    out = io.BytesIO()
+    Image.new("RGB", (300, 170), (5, 5, 5)).save(out, fmt)
+    enc, llm, meta = Counter(CountingConfig()).image(out.getvalue())
+    assert (meta["width"], meta["height"], meta["format"]) == (300, 170, fmt)
+    assert (enc, llm) == image_lengths(300, 170, QWEN)
+
+
+@pytest.mark.parametrize("fmt", ["MP3", "OGG"])
+def test_compressed_audio_via_soundfile(fmt):
+    if fmt not in soundfile.available_formats():
+        pytest.skip(f"libsndfile {soundfile.__libsndfile_version__} cannot read {fmt}")
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(16000 * 3, np.float32), 16000, format=fmt)
+    enc, llm, meta = Counter(CountingConfig()).audio(out.getvalue())
+    assert meta["duration_s"] == pytest.approx(3.0, abs=0.05)
+    assert llm == pytest.approx(75, abs=2) and enc == pytest.approx(150, abs=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    width=st.integers(1, 3000),
+    height=st.integers(1, 3000),
+    fmt=st.sampled_from(["JPEG", "PNG"]),
+    mode=st.sampled_from(["RGB", "L", "CMYK", "RGBA"]),
+    progressive=st.booleans(),
+)
+def test_fast_header_parsers_agree_with_pillow(width, height, fmt, mode, progressive):
+    from pipeline.headers import jpeg_size, png_size
+
+    if fmt == "JPEG" and mode == "RGBA" or fmt == "PNG" and mode == "CMYK":
+        mode = "RGB"
+    out = io.BytesIO()
+    extra = {"progressive": progressive, "exif": Image.Exif()} if fmt == "JPEG" else {}
+    Image.new(mode, (width, height)).save(out, fmt, **extra)
+    data = out.getvalue()
+    fast = png_size(data) if fmt == "PNG" else jpeg_size(data)
+    with Image.open(io.BytesIO(data)) as im:
+        assert fast == im.size
+
+
+def test_fast_header_parsers_decline_garbage():
+    from pipeline.headers import jpeg_size, png_size
+
+    good = io.BytesIO()
+    Image.new("RGB", (64, 32)).save(good, "PNG")
+    corrupt = bytearray(good.getvalue())
+    corrupt[18] ^= 0xFF  # width byte: IHDR CRC no longer matches
+    assert png_size(bytes(corrupt)) is None
+    assert jpeg_size(b"\xff\xd8\xff\xda" + bytes(50)) is None
+    assert jpeg_size(b"\xff\xd8 junk") is None and png_size(b"\x89PNG") is None
+    with pytest.raises(CountError) as err:
+        Counter(CountingConfig()).image(bytes(corrupt))
+    assert err.value.reason == "bad_image"
+
+
+@pytest.mark.parametrize(("rate", "channels", "frames"), [(8000, 1, 8000 * 7), (44100, 2, 12345), (16000, 1, 3)])
+def test_flac_fast_header_agrees_with_soundfile(rate, channels, frames):
+    from pipeline.headers import flac_header
+
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros((frames, channels), np.float32), rate, format="FLAC")
+    data = out.getvalue()
+    info = soundfile.info(io.BytesIO(data))
+    assert flac_header(data) == (info.samplerate, info.channels, pytest.approx(info.duration))
+    assert flac_header(b"fLaC" + bytes(60)) is None  # no STREAMINFO: left to libsndfile

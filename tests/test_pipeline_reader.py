@@ -1,0 +1,267 @@
+"""Reader: grouping, item order, payload, every bad-input case under each error policy, resume."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import struct
+import tarfile
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from pipeline.errors import ErrorPolicy, ErrorStats, SampleError, TooManyErrors
+from pipeline.reader import ReaderConfig, iter_samples, iter_shard
+from pipeline.shards import expand_shards
+
+POLICIES = ("raise", "skip", "warn")
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def jpeg(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 10, 10)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("L", (width, height), 7).save(out, "PNG")
+    return out.getvalue()
+
+
+def wav(seconds: float, rate: int = 8000) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(int(seconds * rate), np.float32), rate, format="WAV")
+    return out.getvalue()
+
+
+def good(key: str) -> list[tuple[str, bytes]]:
+    return [(f"{key}.txt", b"hello world, a fine sample")]
+
+
+def config(mode: str, max_consecutive: int = 100) -> ReaderConfig:
+    return ReaderConfig(errors=ErrorPolicy(mode=mode, max_consecutive=max_consecutive))
+
+
+def test_grouping_item_order_gz_and_payload(tmp_path):
+    conv = {"conversations": [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 40}]}
+    shard = write_tar(
+        tmp_path / "a.tar",
+        [
+            ("dir/s1.wav", wav(2.0)),
+            ("dir/s1.10.jpg", jpeg(280, 280)),
+            ("dir/s1.2.jpg", jpeg(56, 56)),
+            ("dir/s1.img_0.png", png(560, 280)),
+            ("dir/s1.txt.gz", gzip.compress(b"z" * 400)),
+            ("dir/s1.cls", b"7"),
+            ("dir/s2.json", json.dumps(conv).encode()),
+            ("dir/s3.txt", b"abcd" * 3),
+            ("noext", b"ignored member"),
+        ],
+    )
+    stats = ErrorStats()
+    recs = list(iter_shard(shard, config("raise"), stats=stats))
+    assert [r.key for r in recs] == ["dir/s1", "dir/s2", "dir/s3"]
+    assert [r.index for r in recs] == [0, 1, 2]
+    s1 = recs[0]
+    # Images first in natural name order, then audio; whatever the order in the tar.
+    assert [it.member for it in s1.items] == ["2.jpg", "10.jpg", "img_0.png", "wav"]
+    assert [it.modality for it in s1.items] == ["image", "image", "image", "audio"]
+    assert [it.llm_len for it in s1.items] == [4, 100, 200, 50]
+    assert s1.text_len == 100 and s1.text == "z" * 400
+    assert s1.llm_len == 100 + 4 + 100 + 200 + 50
+    assert s1.members["cls"] == b"7" and s1.members["txt.gz"][:2] == b"\x1f\x8b"
+    assert s1.modality_mix == "audio+image+text"
+    assert recs[1].text_len == 10 + 10 + 2 * 5 and recs[1].items == []
+    assert recs[2].llm_len == 3
+    assert stats.num_samples == 3 and stats.num_errors == 0 and stats.num_ignored_members == 1
+
+
+def _bad_case(tmp_path, case: str) -> tuple[str, str, int]:
+    """(shard path, expected reason, number of good samples readable) for one bad-input case."""
+    body = good("a0") + good("a1")
+    bomb_ihdr = struct.pack(">IIBBBBB", 100000, 100000, 8, 2, 0, 0, 0)
+
+    def chunk(kind, data):
+        import zlib
+
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", bomb_ihdr) + chunk(b"IEND", b"")
+    lying = bytearray(wav(1.0))
+    pos = lying.index(b"data")
+    lying[pos + 4 : pos + 8] = struct.pack("<I", 10**9)
+    bad_member = {
+        "garbage_jpg": ("bad.jpg", b"\xff\xd8 definitely not a jpeg " * 10, "bad_image"),
+        "bomb_png": ("bomb.png", bomb, "image_too_large"),
+        "lying_wav": ("bad.wav", bytes(lying), "bad_audio"),
+        "non_utf8": ("bad.txt", b"caf\xe9 \xff\xfe", "bad_text"),
+        "bad_json": ("bad.json", b'{"text": "unterminated', "bad_json"),
+    }
+    if case in bad_member:
+        name, data, reason = bad_member[case]
+        return write_tar(tmp_path / f"{case}.tar", [*body, ("b0.txt", b"text ok"), (f"b0.{name}", data), *good("c0")]), reason, 3
+    if case == "truncated":
+        full = write_tar(tmp_path / "full.tar", [*body, ("b0.txt", b"q" * 5000), *good("c0")])
+        data = open(full, "rb").read()
+        cut = data.index(b"q" * 100) + 1000  # inside b0's data
+        path = tmp_path / "truncated.tar"
+        path.write_bytes(data[:cut])
+        return str(path), "truncated_tar", 2
+    if case == "garbage_tar":
+        path = tmp_path / "garbage.tar"
+        path.write_bytes(b"\x07" * 4096)
+        return str(path), "bad_tar", 0
+    if case == "empty_tar":
+        return write_tar(tmp_path / "empty.tar", []), "empty_shard", 0
+    if case == "zero_bytes":
+        path = tmp_path / "zero.tar"
+        path.write_bytes(b"")
+        return str(path), "empty_shard", 0
+    if case == "duplicate_key":
+        return write_tar(tmp_path / "dup.tar", [*body, *good("c0"), ("a0.txt", b"again")]), "duplicate_key", 3
+    if case == "missing":
+        return str(tmp_path / "missing-shard-042.tar"), "open_failed", 0
+    raise AssertionError(case)
+
+
+CASES = (
+    "garbage_jpg", "bomb_png", "lying_wav", "non_utf8", "bad_json",
+    "truncated", "garbage_tar", "empty_tar", "zero_bytes", "duplicate_key", "missing",
+)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("mode", POLICIES)
+def test_bad_input_under_each_policy(tmp_path, caplog, case, mode):
+    shard, reason, num_good = _bad_case(tmp_path, case)
+    stats = ErrorStats()
+    if mode == "raise":
+        with pytest.raises(SampleError) as err:
+            list(iter_shard(shard, config(mode), stats=stats))
+        assert err.value.reason == reason and err.value.shard == shard
+        assert shard in str(err.value)
+        assert stats.by_reason == {reason: 1}
+        return
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.pipeline"):
+        recs = list(iter_shard(shard, config(mode), stats=stats))
+    assert len(recs) == num_good
+    assert stats.num_samples == num_good
+    assert stats.num_errors == 1 and stats.by_reason == {reason: 1}
+    (got_reason, got_shard, key, message) = stats.recent[-1]
+    assert got_reason == reason and got_shard == shard and message
+    if case in ("garbage_jpg", "bomb_png", "lying_wav", "non_utf8", "bad_json"):
+        assert key == "b0"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    if mode == "warn":
+        assert len(warnings) == 1 and shard in warnings[0].getMessage()
+    else:
+        assert warnings == []
+
+
+def test_missing_shard_path_named_by_expand(tmp_path):
+    missing = str(tmp_path / "missing-shard-042.tar")
+    with pytest.raises(FileNotFoundError, match="missing-shard-042.tar"):
+        expand_shards([missing])
+
+
+def test_consecutive_failure_limit(tmp_path):
+    members = [(f"k{i}.jpg", b"garbage") for i in range(5)]
+    shard = write_tar(tmp_path / "bad.tar", members)
+    with pytest.raises(TooManyErrors, match="3 consecutive"):
+        list(iter_shard(shard, config("skip", max_consecutive=2)))
+    # Successes in between reset the run.
+    mixed = write_tar(tmp_path / "mixed.tar", [m for i, m in enumerate(members) for m in (m, *good(f"g{i}"))])
+    stats = ErrorStats()
+    assert len(list(iter_shard(mixed, config("skip", max_consecutive=2), stats=stats))) == 5
+    assert stats.by_reason == {"bad_image": 5}
+
+
+def test_start_index_resumes_mid_shard(small_shards):
+    shard = small_shards[0]
+    full = list(iter_shard(shard))
+    assert len(full) > 5
+    for start in (0, 1, 5, len(full)):
+        tail = list(iter_shard(shard, start_index=start))
+        assert [(r.key, r.index, r.llm_len) for r in tail] == [(r.key, r.index, r.llm_len) for r in full[start:]]
+    with pytest.raises(ValueError, match="beyond"):
+        list(iter_shard(shard, start_index=len(full) + 1))
+
+
+def test_start_index_counts_failed_samples(tmp_path):
+    shard = write_tar(tmp_path / "s.tar", [*good("a"), ("b.jpg", b"junk"), *good("c"), *good("d")])
+    all_ok = [(r.key, r.index) for r in iter_shard(shard, config("skip"))]
+    assert all_ok == [("a", 0), ("c", 2), ("d", 3)]
+    assert [(r.key, r.index) for r in iter_shard(shard, config("skip"), start_index=2)] == [("c", 2), ("d", 3)]
+
+
+def test_small_shards_read_clean(small_shards):
+    from tests.conftest import SMALL_NUM_SAMPLES
+
+    stats = ErrorStats()
+    recs = list(iter_samples(small_shards, config("raise"), stats=stats))
+    assert len(recs) == SMALL_NUM_SAMPLES == stats.num_samples
+    assert len({r.key for r in recs}) == len(recs)
+    for r in recs:
+        assert r.llm_len == r.text_len + sum(it.llm_len for it in r.items) > 0
+        for it in r.items:
+            assert it.member in r.members and it.enc_len >= it.llm_len > 0
+    assert {"text", "image+text"} <= {r.modality_mix for r in recs}
+    assert any(len([i for i in r.items if i.modality == "image"]) > 1 for r in recs)
+    assert any(i.modality == "audio" for r in recs for i in r.items)
+
+
+def test_keep_members_false_drops_bytes(small_shards):
+    recs = list(iter_shard(small_shards[0], ReaderConfig(keep_members=False)))
+    assert recs and all(r.members == {} for r in recs)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_tar_members_match_tarfile(tmp_path, fmt):
+    from pipeline.tario import tar_members
+
+    long_dir = "d" * 90 + "/" + "e" * 60 if fmt != tarfile.USTAR_FORMAT else "d" * 90
+    members = [(f"{long_dir}/k{i}.{'txt' if i % 2 else 'bin'}", bytes([i]) * (i * 300)) for i in range(6)]
+    path = tmp_path / "t.tar"
+    with tarfile.open(path, "w", format=fmt) as tar:
+        info = tarfile.TarInfo("adir")
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with open(path, "rb") as f:
+        assert list(tar_members(f)) == members
+
+
+def test_header_lying_about_huge_size_fails_without_allocating(tmp_path):
+    import tracemalloc
+
+    from pipeline.tario import TarError, tar_members
+
+    info = tarfile.TarInfo("k.txt")
+    info.size = 1 << 40  # 1 TiB declared, 100 bytes present
+    data = info.tobuf(format=tarfile.GNU_FORMAT) + b"x" * 100
+    tracemalloc.start()
+    try:
+        with pytest.raises(TarError, match="declares") as err:
+            list(tar_members(io.BytesIO(data)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert err.value.reason == "truncated_tar" and err.value.member == "k.txt"
+    assert peak < 256 << 20

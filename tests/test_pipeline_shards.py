@@ -1,0 +1,110 @@
+"""Shard lists: expansion of paths, globs, brace ranges and URLs; exact split across workers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.reader import iter_shard
+from pipeline.shards import expand_shards, split_shards
+
+
+def _touch(path) -> str:
+    path.write_bytes(b"")
+    return str(path)
+
+
+def test_expand_brace_glob_dir_and_urls(tmp_path):
+    names = [f"data-{i:03d}.tar" for i in range(5)]
+    paths = [_touch(tmp_path / n) for n in names]
+    gz = _touch(tmp_path / "extra.tar.gz")
+    tgz = _touch(tmp_path / "more.tgz")
+    _touch(tmp_path / "notes.txt")
+
+    assert expand_shards([str(tmp_path / "data-{000..004}.tar")]) == paths
+    assert expand_shards(str(tmp_path / "data-00[13].tar")) == [paths[1], paths[3]]
+    assert expand_shards([str(tmp_path)]) == sorted([*paths, gz, tgz])
+    assert expand_shards([f"file:{paths[0]}", "pipe:cat x.tar"]) == [f"file:{paths[0]}", "pipe:cat x.tar"]
+    assert expand_shards([gz, tgz]) == [gz, tgz]
+
+
+def test_expand_errors_name_the_offender(tmp_path):
+    missing = str(tmp_path / "nope-007.tar")
+    with pytest.raises(FileNotFoundError, match="nope-007.tar"):
+        expand_shards([missing])
+    with pytest.raises(FileNotFoundError, match="nope-007.tar"):
+        expand_shards([f"file:{missing}"])
+    with pytest.raises(FileNotFoundError, match=r"zz-\*\.tar"):
+        expand_shards([str(tmp_path / "zz-*.tar")])
+    bad = _touch(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match="notes.txt"):
+        expand_shards([bad])
+    dup = _touch(tmp_path / "a.tar")
+    with pytest.raises(ValueError, match="more than once"):
+        expand_shards([dup, dup])
+    with pytest.raises(ValueError, match="s3://bucket/a.tar"):
+        expand_shards(["s3://bucket/a.tar"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_shards=st.integers(0, 60),
+    num_nodes=st.integers(1, 7),
+    num_workers=st.integers(1, 9),
+)
+def test_split_covers_every_shard_exactly_once(num_shards, num_nodes, num_workers):
+    urls = [f"s{i}.tar" for i in range(num_shards)]
+    owners: dict[str, tuple[int, int]] = {}
+    sizes = []
+    for node in range(num_nodes):
+        for worker in range(num_workers):
+            mine = split_shards(urls, node_rank=node, num_nodes=num_nodes, worker_id=worker, num_workers=num_workers)
+            sizes.append(len(mine))
+            for url in mine:
+                assert url not in owners, f"{url} read by {owners[url]} and {(node, worker)}"
+                owners[url] = (node, worker)
+    assert sorted(owners) == sorted(urls)
+    assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"node_rank": 2, "num_nodes": 2, "worker_id": 0, "num_workers": 1},
+        {"node_rank": 0, "num_nodes": 1, "worker_id": -1, "num_workers": 4},
+        {"node_rank": 0, "num_nodes": 0, "worker_id": 0, "num_workers": 1},
+    ],
+)
+def test_split_rejects_bad_ranks(kwargs):
+    with pytest.raises(ValueError):
+        split_shards(["a.tar"], **kwargs)
+
+
+def test_gz_and_pipe_shards_read_like_plain(small_shards, tmp_path):
+    import gzip
+    import shutil
+
+    plain = small_shards[0]
+    gz = str(tmp_path / "copy.tar.gz")
+    with open(plain, "rb") as src, gzip.open(gz, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    expected = [(r.key, r.llm_len) for r in iter_shard(plain)]
+    assert expected
+    assert [(r.key, r.llm_len) for r in iter_shard(gz)] == expected
+    assert [(r.key, r.llm_len) for r in iter_shard(f"pipe:cat {plain}")] == expected
+    assert [(r.key, r.llm_len) for r in iter_shard(f"file:{os.path.abspath(plain)}")] == expected
+
+
+def test_failing_pipe_command_is_a_counted_error(tmp_path):
+    from pipeline.errors import ErrorPolicy, ErrorStats, SampleError
+    from pipeline.reader import ReaderConfig
+
+    url = f"pipe:cat {tmp_path}/absent-shard.tar"
+    stats = ErrorStats()
+    assert list(iter_shard(url, ReaderConfig(errors=ErrorPolicy(mode="skip")), stats=stats)) == []
+    assert stats.by_reason == {"shard_failed": 1}
+    with pytest.raises(SampleError, match="absent-shard.tar"):
+        list(iter_shard(url, ReaderConfig(errors=ErrorPolicy(mode="raise"))))
