@@ -1,0 +1,374 @@
+"""A small, CPU-friendly reference multimodal model and the glue that runs one micro-batch.
+
+ViT-like vision encoder over patches (merge x merge patches -> 1 LLM token), audio encoder
+over frames (adaptive pooling to the counted LLM length), projectors, and a decoder-only LLM
+over packed variable-length sequences. Attention loops over the sequences of `cu_seqlens`
+instead of building a block-diagonal mask: O(sum L^2) memory, exact per-sample isolation and
+results independent of how samples were packed, which is what gradient-equality tests need.
+Users replace it with anything satisfying `MultimodalModel`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dispatcher_server.planner.types import RankMicrobatch
+from trainer_client.exchange import Exchanger, pack_llm_inputs
+
+#: Label value that the loss ignores (item embeddings, first token of a text-only sample).
+IGNORE_INDEX = -100
+
+
+class LLMOutput(NamedTuple):
+    logits: Tensor  # [total_len, vocab]
+    loss_sum: Tensor  # scalar: summed next-token cross-entropy over targets
+    num_targets: int
+
+
+@runtime_checkable
+class MultimodalModel(Protocol):
+    """What the trainer side needs from a model; all outputs are [tokens, hidden_size]."""
+
+    hidden_size: int
+
+    def encode_vision(self, items: Sequence[Tensor], llm_len: Sequence[int]) -> Tensor: ...
+
+    def encode_audio(self, items: Sequence[Tensor], llm_len: Sequence[int]) -> Tensor: ...
+
+    def embed_text(self, ids: Tensor) -> Tensor: ...
+
+    def llm(self, packed: Tensor, cu_seqlens: Tensor, position_ids: Tensor, labels: Tensor | None = None) -> LLMOutput: ...
+
+
+@dataclass(kw_only=True, slots=True)
+class VisionConfig:
+    patch_size: int  # pixels per patch side; a patch is 3 * patch_size**2 RGB features
+    hidden: int
+    num_layers: int = 1
+    num_heads: int = 2
+    merge: int = 2  # merge x merge patches become one LLM token
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size**2
+
+
+@dataclass(kw_only=True, slots=True)
+class AudioConfig:
+    frame_dim: int
+    hidden: int
+    num_layers: int = 1
+    num_heads: int = 2
+
+
+@dataclass(kw_only=True, slots=True)
+class LLMConfig:
+    vocab_size: int
+    hidden: int
+    num_layers: int = 2
+    num_heads: int = 2
+    mlp_ratio: int = 4
+    rope_theta: float = 10000.0
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    vision: VisionConfig
+    audio: AudioConfig
+    llm: LLMConfig
+
+    @staticmethod
+    def tiny(*, patch_size: int = 4, frame_dim: int = 16, vocab_size: int = 97, hidden: int = 16) -> ModelConfig:
+        """A few-thousand-parameter model for tests and the demo."""
+        return ModelConfig(
+            vision=VisionConfig(patch_size=patch_size, hidden=hidden),
+            audio=AudioConfig(frame_dim=frame_dim, hidden=hidden),
+            llm=LLMConfig(vocab_size=vocab_size, hidden=hidden),
+        )
+
+
+def _rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary position embedding on [T, heads, d] with integer positions [T]."""
+    d = x.shape[-1]
+    half = d // 2
+    freq = theta ** (-torch.arange(half, dtype=x.dtype, device=x.device) / max(half, 1))
+    ang = pos.to(x.dtype)[:, None] * freq[None, :]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    rot = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return torch.cat([rot, x[..., 2 * half :]], dim=-1)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; attention restricted to each [cu[i], cu[i+1]) segment."""
+
+    def __init__(self, hidden: int, num_heads: int, mlp_ratio: int = 4, rope_theta: float = 10000.0) -> None:
+        super().__init__()
+        if hidden % num_heads:
+            raise ValueError(f"hidden={hidden} is not divisible by num_heads={num_heads}")
+        self.num_heads, self.rope_theta = num_heads, rope_theta
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, mlp_ratio * hidden), nn.GELU(), nn.Linear(mlp_ratio * hidden, hidden))
+
+    def forward(self, x: Tensor, cu: Sequence[int], pos: Tensor, causal: bool) -> Tensor:
+        T, h = x.shape
+        H = self.num_heads
+        q, k, v = self.qkv(self.norm1(x)).view(T, 3, H, h // H).unbind(1)
+        q, k = _rope(q, pos, self.rope_theta), _rope(k, pos, self.rope_theta)
+        outs = []
+        for a, b in zip(cu[:-1], cu[1:]):
+            if b == a:
+                continue
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, d]
+            scores = qs @ ks.transpose(1, 2) / math.sqrt(h // H)
+            if causal:
+                mask = torch.ones(b - a, b - a, dtype=torch.bool, device=x.device).triu(1)
+                scores = scores.masked_fill(mask, float("-inf"))
+            outs.append((scores.softmax(-1) @ vs).transpose(0, 1).reshape(b - a, h))
+        att = torch.cat(outs) if outs else x.new_zeros(0, h)
+        x = x + self.proj(att)
+        return x + self.mlp(self.norm2(x))
+
+
+def _segments(lengths: Sequence[int]) -> tuple[list[int], Tensor]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + int(n))
+    pos = torch.cat([torch.arange(int(n)) for n in lengths]) if lengths else torch.zeros(0, dtype=torch.long)
+    return cu, pos
+
+
+def _stack_items(items: Sequence[Tensor], dim: int, what: str, like: Tensor) -> Tensor:
+    for i, t in enumerate(items):
+        if t.dim() != 2 or t.shape[1] != dim:
+            raise ValueError(f"{what} item {i} has shape {tuple(t.shape)}, expected [n, {dim}]")
+    return torch.cat(list(items)).to(device=like.device, dtype=like.dtype) if items else like.new_zeros(0, dim)
+
+
+class ReferenceModel(nn.Module):
+    """The reference implementation of `MultimodalModel`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        v, a, l = config.vision, config.audio, config.llm
+        self.hidden_size = l.hidden
+        self.patch_embed = nn.Linear(v.patch_dim, v.hidden)
+        self.vision_blocks = nn.ModuleList(Block(v.hidden, v.num_heads) for _ in range(v.num_layers))
+        self.vision_proj = nn.Sequential(nn.Linear(v.merge**2 * v.hidden, l.hidden), nn.GELU(), nn.Linear(l.hidden, l.hidden))
+        self.frame_embed = nn.Linear(a.frame_dim, a.hidden)
+        self.audio_blocks = nn.ModuleList(Block(a.hidden, a.num_heads) for _ in range(a.num_layers))
+        self.audio_proj = nn.Sequential(nn.Linear(a.hidden, l.hidden), nn.GELU(), nn.Linear(l.hidden, l.hidden))
+        self.tok_embed = nn.Embedding(l.vocab_size, l.hidden)
+        self.llm_blocks = nn.ModuleList(
+            Block(l.hidden, l.num_heads, l.mlp_ratio, l.rope_theta) for _ in range(l.num_layers)
+        )
+        self.final_norm = nn.LayerNorm(l.hidden)
+        self.lm_head = nn.Linear(l.hidden, l.vocab_size, bias=False)
+
+    def encode_vision(self, items: Sequence[Tensor], llm_len: Sequence[int] | None = None) -> Tensor:
+        """Patch features per image [enc_len, patch_dim] -> [sum(enc_len) / merge^2, hidden]."""
+        m2 = self.config.vision.merge ** 2
+        lens = [int(t.shape[0]) for t in items]
+        for i, n in enumerate(lens):
+            if n % m2:
+                raise ValueError(f"vision item {i} has {n} patches, not a multiple of merge^2={m2}")
+            if llm_len is not None and n // m2 != int(llm_len[i]):
+                raise ValueError(f"vision item {i}: {n} patches give {n // m2} tokens but llm_len={int(llm_len[i])}")
+        x = self.patch_embed(_stack_items(items, self.config.vision.patch_dim, "vision", self.patch_embed.weight))
+        cu, pos = _segments(lens)
+        for blk in self.vision_blocks:
+            x = blk(x, cu, pos.to(x.device), causal=False)
+        # consecutive merge^2 patches of an item form one token (see image_patches' ordering)
+        return self.vision_proj(x.reshape(-1, m2 * x.shape[1]))
+
+    def encode_audio(self, items: Sequence[Tensor], llm_len: Sequence[int]) -> Tensor:
+        """Frame features per clip [enc_len, frame_dim] -> [sum(llm_len), hidden] by average pooling."""
+        if len(llm_len) != len(items):
+            raise ValueError(f"{len(items)} audio items but {len(llm_len)} llm lengths")
+        lens = [int(t.shape[0]) for t in items]
+        for i, (n, k) in enumerate(zip(lens, llm_len)):
+            if n == 0 and int(k) > 0:
+                raise ValueError(f"audio item {i} has 0 frames but llm_len={int(k)}")
+        x = self.frame_embed(_stack_items(items, self.config.audio.frame_dim, "audio", self.frame_embed.weight))
+        cu, pos = _segments(lens)
+        for blk in self.audio_blocks:
+            x = blk(x, cu, pos.to(x.device), causal=False)
+        pooled = [
+            F.adaptive_avg_pool1d(x[a:b].T[None], int(k))[0].T
+            for a, b, k in zip(cu[:-1], cu[1:], llm_len)
+            if int(k) > 0
+        ]
+        x = torch.cat(pooled) if pooled else x.new_zeros(0, x.shape[1])
+        return self.audio_proj(x)
+
+    def embed_text(self, ids: Tensor) -> Tensor:
+        return self.tok_embed(ids)
+
+    def llm(self, packed: Tensor, cu_seqlens: Tensor, position_ids: Tensor, labels: Tensor | None = None) -> LLMOutput:
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if not cu or cu[0] != 0 or cu[-1] != packed.shape[0]:
+            raise ValueError(f"cu_seqlens {cu} do not cover the packed length {packed.shape[0]}")
+        x = packed
+        for blk in self.llm_blocks:
+            x = blk(x, cu, position_ids, causal=True)
+        logits = self.lm_head(self.final_norm(x))
+        if labels is None:
+            return LLMOutput(logits, logits.new_zeros(()), 0)
+        # sum, not mean: ranks and micro-batches add up to the global batch's loss exactly
+        loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return LLMOutput(logits, loss, int((labels != IGNORE_INDEX).sum()))
+
+
+def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor) -> Tensor:
+    """Next-token targets of a packed micro-batch: position p predicts the text token at p+1.
+
+    Text closes each sample, so its first token is predicted from the sample's last item
+    embedding (when it has items) and the sample's last position predicts nothing.
+    """
+    ids = torch.cat([*text_ids, torch.zeros(0, dtype=torch.long)]) if not isinstance(text_ids, Tensor) else text_ids
+    if ids.shape[0] != int(np.sum(rank_mb.text_len)):
+        raise ValueError(f"{ids.shape[0]} text ids given but the plan has {int(np.sum(rank_mb.text_len))} text tokens")
+    labels = torch.full((rank_mb.total_len,), IGNORE_INDEX, dtype=torch.long)
+    t = 0
+    for start, off, n in zip(rank_mb.sample_offsets, rank_mb.text_offsets, rank_mb.text_len):
+        off, n, start = int(off), int(n), int(start)
+        first = 1 if off == start else 0  # a text-only sample cannot predict its first token
+        labels[off - 1 + first : off - 1 + n] = ids[t + first : t + n]
+        t += n
+    return labels
+
+
+def forward_microbatch(
+    model: MultimodalModel,
+    rank_mb: RankMicrobatch,
+    *,
+    item_input: Callable[[str, int], Tensor],
+    text_ids: Callable[[int], Tensor],
+    exchanger: Exchanger,
+) -> LLMOutput:
+    """Encode this rank's items, exchange them to their LLM ranks, pack, run the LLM.
+
+    `item_input(phase, item_id)` gives an item's encoder input, `text_ids(sample_id)` a
+    sample's token ids. Every rank of the world must call this for the same micro-batch.
+    """
+    encoders = {"vision": model.encode_vision, "audio": model.encode_audio}
+    enc: dict[str, Tensor] = {}
+    for phase, px in rank_mb.exchanges.items():
+        if phase not in encoders:
+            raise ValueError(f"no encoder for phase {phase!r}")
+        items = [item_input(phase, int(i)) for i in px.encode_items]
+        enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
+    exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
+    ids = [text_ids(int(s)) for s in rank_mb.samples]
+    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), exchanged)
+    return model.llm(packed, cu, pos, packed_labels(rank_mb, flat).to(packed.device))
+
+
+# ------------------------------------------------------------------ encoder inputs from items
+def _seed(*parts: object) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def synthetic_features(seed: int, phase: str, item: int, rows: int, dim: int, dtype=torch.float32) -> Tensor:
+    """Deterministic N(0,1) encoder input for (seed, phase, item): same on every rank and run."""
+    gen = torch.Generator().manual_seed(_seed(seed, phase, item))
+    return torch.randn(rows, dim, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def synthetic_text_ids(seed: int, sample: int, text_len: int, vocab_size: int) -> Tensor:
+    gen = torch.Generator().manual_seed(_seed(seed, "text", sample))
+    return torch.randint(0, vocab_size, (text_len,), generator=gen)
+
+
+def text_token_ids(data: bytes | str, text_len: int, vocab_size: int) -> Tensor:
+    """Byte-level ids folded into the vocabulary, exactly `text_len` of them.
+
+    Longer text is split into `text_len` contiguous chunks, each hashed to one id (every byte
+    counts); shorter text repeats cyclically; empty text gives zeros.
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if text_len < 0 or vocab_size < 1:
+        raise ValueError(f"text_len={text_len} and vocab_size={vocab_size} must be >= 0 and >= 1")
+    b = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
+    if b.size == 0:
+        return torch.zeros(text_len, dtype=torch.long)
+    if b.size <= text_len:
+        ids = b[np.arange(text_len) % b.size]
+    else:
+        ids = np.array([int(np.sum(c * (257 ** np.arange(c.size) % 1_000_003))) for c in np.array_split(b, text_len)],
+                       dtype=np.int64)
+    return torch.as_tensor(ids % vocab_size, dtype=torch.long)
+
+
+def image_patches(data: bytes, llm_len: int, *, patch_size: int, merge: int) -> Tensor:
+    """Decode an image (JPEG/PNG bytes) into [llm_len * merge^2, 3 * patch_size^2] patch features.
+
+    The patch grid is (a*merge) x (b*merge) with a*b = llm_len and a/b closest to the image's
+    aspect ratio, the same token count the data node counted; the image is resized to that
+    grid and each merge x merge block of patches is emitted consecutively (what
+    `ReferenceModel.encode_vision` merges). Pixels are scaled to [-1, 1].
+    """
+    from PIL import Image
+
+    if llm_len <= 0:
+        return torch.zeros(0, 3 * patch_size**2)
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    aspect = img.height / max(img.width, 1)
+    a = min((d for d in range(1, llm_len + 1) if llm_len % d == 0), key=lambda d: abs(math.log(d * d / llm_len / aspect)))
+    b = llm_len // a
+    gh, gw = a * merge, b * merge
+    arr = np.asarray(img.resize((gw * patch_size, gh * patch_size), Image.BICUBIC), dtype=np.float32) / 127.5 - 1.0
+    # [a, m, p, b, m, p, 3] -> [a, b, m, m, p, p, 3]: blocks of merge x merge patches in row-major order
+    t = arr.reshape(a, merge, patch_size, b, merge, patch_size, 3).transpose(0, 3, 1, 4, 2, 5, 6)
+    return torch.from_numpy(np.ascontiguousarray(t).reshape(gh * gw, 3 * patch_size**2))
+
+
+def encoder_input(config: ModelConfig, phase: str, data: bytes, *, enc_len: int, llm_len: int) -> Tensor:
+    """An item's raw payload (as the dispatcher ships it) -> this model's encoder input.
+
+    `enc_len`/`llm_len` are the data node's counts; a vision count that disagrees with the
+    model's merge (enc_len != llm_len * merge^2) is a configuration mismatch and raises.
+    """
+    if phase == "vision":
+        v = config.vision
+        if enc_len != llm_len * v.merge**2:
+            raise ValueError(f"image counted as enc_len={enc_len}, llm_len={llm_len}, but the model "
+                             f"merges {v.merge}x{v.merge} patches per token")
+        return image_patches(data, llm_len, patch_size=v.patch_size, merge=v.merge)
+    if phase == "audio":
+        return audio_frames(data, enc_len, frame_dim=config.audio.frame_dim)
+    raise ValueError(f"no encoder input rule for phase {phase!r}")
+
+
+def audio_frames(data: bytes, enc_len: int, *, frame_dim: int) -> Tensor:
+    """Decode audio (WAV/FLAC bytes) into [enc_len, frame_dim] log-magnitude spectra.
+
+    The (mono-mixed) waveform is cut into `enc_len` contiguous, near-equal chunks, the count
+    the data node derived from the duration; each chunk becomes log1p|rfft| over frame_dim bins.
+    """
+    import soundfile
+
+    if enc_len <= 0:
+        return torch.zeros(0, frame_dim)
+    wave, _sr = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    wave = wave.mean(axis=1)
+    if wave.size == 0:
+        wave = np.zeros(1, dtype=np.float32)
+    chunks = np.array_split(wave, enc_len) if wave.size >= enc_len else [wave] * enc_len
+    spec = np.stack([np.abs(np.fft.rfft(c, n=2 * frame_dim))[:frame_dim] for c in chunks])
+    return torch.from_numpy(np.log1p(spec).astype(np.float32))
