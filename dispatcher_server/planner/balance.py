@@ -1,0 +1,427 @@
+"""Number-partitioning primitives, vectorised over bins and groups of bins (nodes).
+
+`lpt_rounds` is LPT that assigns a whole round of B items at once (the B largest left go to the
+B least-loaded bins), so its Python loop runs items/B times instead of items times; `lpt_home`
+is the same over all bins, bent toward each item's home bin; `refine` repairs what batching
+lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
+permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
+the textbook versions (baselines, and the sequential yardstick).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+
+def lpt_heap(sizes: np.ndarray, num_bins: int) -> np.ndarray:
+    """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin). O(n log n)."""
+    heap = [(0.0, b) for b in range(num_bins)]
+    out = np.zeros(len(sizes), dtype=np.int64)
+    for i in np.argsort(-np.asarray(sizes), kind="stable"):
+        load, b = heap[0]
+        out[i] = b
+        heapq.heapreplace(heap, (load + float(sizes[i]), b))
+    return out
+
+
+def karmarkar_karp(sizes: np.ndarray, num_bins: int) -> np.ndarray:
+    """k-way largest differencing. States are seeded from blocks of k sorted items (one item
+    per slot) rather than one state per item, which keeps memory O(n + k * n/k) at k = 2560."""
+    n = len(sizes)
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0 or num_bins == 1:
+        return out
+    order = np.argsort(-np.asarray(sizes, dtype=np.float64), kind="stable")
+    # A slot is represented by one of its items; merging two slots links one tree under the
+    # other in a parent forest resolved by pointer jumping at the end.
+    heap = []
+    for blk, start in enumerate(range(0, n, num_bins)):
+        ids = order[start:start + num_bins]
+        loads = np.zeros(num_bins)
+        loads[:len(ids)] = sizes[ids]
+        slots = np.full(num_bins, -1, dtype=np.int64)
+        slots[:len(ids)] = ids
+        heapq.heappush(heap, (-(loads[0] - loads[-1]), blk, loads, slots))
+    parent_arr = np.arange(n, dtype=np.int64)
+    seq = len(heap)
+    while len(heap) > 1:
+        _, _, la, sa = heapq.heappop(heap)
+        _, _, lb, sb = heapq.heappop(heap)
+        # heaviest slot of one state with the lightest of the other
+        loads = la + lb[::-1]
+        sb_r = sb[::-1]
+        slots = sa.copy()
+        empty_a = slots < 0
+        slots[empty_a] = sb_r[empty_a]
+        both = ~empty_a & (sb_r >= 0)
+        parent_arr[sb_r[both]] = slots[both]
+        o = np.argsort(-loads, kind="stable")
+        seq += 1
+        heapq.heappush(heap, (-(loads[o[0]] - loads[o[-1]]), seq, loads[o], slots[o]))
+    _, _, _, slots = heap[0]
+    root = parent_arr.copy()
+    while True:  # pointer jumping to each item's slot root
+        nxt = root[root]
+        if np.array_equal(nxt, root):
+            break
+        root = nxt
+    bin_of_root = np.full(n, -1, dtype=np.int64)
+    valid = slots >= 0
+    bin_of_root[slots[valid]] = np.flatnonzero(valid)
+    out = bin_of_root[root]
+    assert (out >= 0).all()
+    return out
+
+
+def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
+               cap: float | None = None) -> np.ndarray:
+    """LPT within each group of bins, a round of B items per group at a time.
+
+    `loads` is float64[G, B] (updated in place); returns each item's bin index within its group,
+    or -1 for an item that would push its bin over `cap` (left for the caller to place).
+    O(n log n + (n/B) * G B log B).
+    """
+    n = len(sizes)
+    G, B = loads.shape
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return out
+    order = np.lexsort((-sizes, groups))
+    g = groups[order]
+    pos = np.arange(n) - np.searchsorted(g, g)
+    rnd, slot = np.divmod(pos, B)
+    by_round = np.argsort(rnd, kind="stable")
+    bounds = np.searchsorted(rnd[by_round], np.arange(rnd.max() + 2))
+    for r in range(len(bounds) - 1):
+        sel = by_round[bounds[r]:bounds[r + 1]]
+        gs = g[sel]
+        rank_of = np.argsort(loads, axis=1, kind="stable")
+        b = rank_of[gs, slot[sel]]
+        add = sizes[order[sel]]
+        if cap is not None:
+            fits = loads[gs, b] + add <= cap
+            b = np.where(fits, b, -1)
+            gs, add = gs[fits], add[fits]
+        out[order[sel]] = b
+        loads[gs, b[b >= 0]] += add  # (group, bin) pairs are unique within a round
+    return out
+
+
+def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_size: int,
+             tol: float, round_size: int | None = None) -> np.ndarray:
+    """Batched LPT over all bins that bends toward each item's home bin (then home node).
+
+    Round r takes the next K largest items for the K least-loaded bins (K = `round_size`,
+    default all bins; smaller rounds are closer to sequential LPT and cost more rounds);
+    bins whose loads lie within `tol` of each other form a band, and inside a band an item
+    takes its home bin if free, otherwise bins are matched to items in node order. So it loses
+    at most about `tol` per round against batched LPT and keeps the big first-round items home.
+    `loads` (float64[B]) is updated in place; returns each item's bin.
+    """
+    n, nb = len(sizes), len(loads)
+    out = np.zeros(n, dtype=np.int64)
+    order = np.argsort(-sizes, kind="stable")
+    pos_of_bin = np.full(nb, -1, dtype=np.int64)
+    K = min(nb, round_size or nb)
+    is_home = np.zeros(nb, dtype=bool)
+    for start in range(0, n, K):
+        items = order[start:start + K]
+        k = len(items)
+        if k < nb:
+            # the k least-loaded bins, but among bins tied within `tol` of the k-th, this
+            # round's home bins first
+            kth = np.partition(loads, k - 1)[k - 1]
+            is_home[home[items]] = True
+            near = loads <= kth + tol
+            pick = np.lexsort((np.arange(nb), ~(is_home & near), np.where(near, 0.0, loads)))
+            bo = pick[:k]
+            bo = bo[np.argsort(loads[bo], kind="stable")]
+            is_home[home[items]] = False
+        else:
+            bo = np.argsort(loads, kind="stable")
+        bl = loads[bo]
+        band = ((bl - bl[0]) // tol).astype(np.int64) if tol > 0 else np.arange(k)
+        pos_of_bin[bo] = np.arange(k)
+        hp = pos_of_bin[home[items]]
+        claim = (hp >= 0) & (band[np.maximum(hp, 0)] == band)
+        take = np.zeros(k, dtype=np.int64) - 1
+        ci = np.flatnonzero(claim)
+        _, first = np.unique(hp[ci], return_index=True)
+        ci = ci[first]
+        take[ci] = hp[ci]
+        free_bin = np.ones(k, dtype=bool)
+        free_bin[hp[ci]] = False
+        ri = np.flatnonzero(take < 0)
+        rb = np.flatnonzero(free_bin)
+        if node_size > 1 and len(ri):
+            # same band and node first: join on (band, node, rank among equals)
+            ki = _ranked(band[ri] * nb + home[items[ri]] // node_size)
+            kb = _ranked(band[rb] * nb + bo[rb] // node_size)
+            _, a, b = np.intersect1d(ki, kb, assume_unique=True, return_indices=True)
+            take[ri[a]] = rb[b]
+            ri, rb = np.delete(ri, a), np.delete(rb, b)
+        ri = ri[np.argsort(band[ri], kind="stable")]
+        rb = rb[np.argsort(band[rb], kind="stable")]
+        take[ri] = rb
+        out[items] = bo[take]
+        loads[bo[take]] += sizes[items]
+        pos_of_bin[bo] = -1
+    return out
+
+
+def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_bins: int,
+                 node_size: int) -> np.ndarray:
+    """Which rank should hold each bin so that most `weight` stays on its home node, then on
+    its home rank: a permutation (bins are interchangeable for balance, so loads keep).
+
+    Greedy on (bin, node) affinities, heaviest first, each node taking `node_size` bins; then
+    the same inside each node for (bin, rank). Affinities are sparse (one per distinct home of
+    a bin's items), so this is O(n log n) plus a Python pass over the pairs. Returns
+    new_rank[bin]."""
+    N = num_bins // node_size
+    node_of_bin = [-1] * num_bins
+    room = [node_size] * N
+    b, h = _affinities(bin_of, home // node_size, weight, N)
+    for bb, hh in zip(b.tolist(), h.tolist()):
+        if node_of_bin[bb] < 0 and room[hh]:
+            node_of_bin[bb] = hh
+            room[hh] -= 1
+    node_arr = np.asarray(node_of_bin, dtype=np.int64)
+    left = np.flatnonzero(node_arr < 0)
+    node_arr[left] = np.repeat(np.arange(N), room)[:len(left)]
+    # inside nodes: bins to ranks by same-rank affinity, only with ranks of the bin's node
+    new_rank = [-1] * num_bins
+    taken = [False] * num_bins
+    b, r = _affinities(bin_of, home, weight, num_bins)
+    ok = node_arr[b] == r // node_size
+    for bb, rr in zip(b[ok].tolist(), r[ok].tolist()):
+        if new_rank[bb] < 0 and not taken[rr]:
+            new_rank[bb] = rr
+            taken[rr] = True
+    out = np.asarray(new_rank, dtype=np.int64)
+    # every node has as many unplaced bins as free ranks: match them in node order
+    bins_left = np.flatnonzero(out < 0)
+    bins_left = bins_left[np.argsort(node_arr[bins_left], kind="stable")]
+    out[bins_left] = np.flatnonzero(~np.asarray(taken))  # free ranks, already in node order
+    return out
+
+
+def _affinities(bin_of, target, weight, num_targets):
+    """(bin, target) pairs with positive summed weight, heaviest first (ties: bin, target)."""
+    key = bin_of * num_targets + target
+    uk, inv = np.unique(key, return_inverse=True)
+    w = np.bincount(inv, weights=weight)
+    order = np.lexsort((uk, -w))
+    order = order[w[order] > 0]
+    return uk[order] // num_targets, uk[order] % num_targets
+
+
+def _ranked(keys: np.ndarray) -> np.ndarray:
+    """Unique int keys: key * n + rank of the element among equal keys."""
+    n = len(keys)
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    rank = np.empty(n, dtype=np.int64)
+    rank[order] = np.arange(n) - np.searchsorted(k, k)
+    return keys * n + rank
+
+
+def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
+           movable: np.ndarray | None = None, bins_per_group: int | None = None,
+           target: float = 0.0, max_iter: int = 64, all_pairs: bool = False) -> None:
+    """Lower the heaviest bins by moving one item or swapping two between paired bins.
+
+    Each iteration pairs heavy bins with light ones, inside each group of `bins_per_group`
+    consecutive bins or globally, the partner rotating over iterations among the lightest bins;
+    with `all_pairs` (global only, for few items per bin) each of the heaviest bins is tried
+    against each of the lightest bins at once and conflicts go to the heaviest. Every chosen
+    pair applies the move or swap that most lowers its maximum. Stops at `target`, after
+    `max_iter`, or when nothing more helps.
+    `bin_of` and `loads` are updated in place.
+    """
+    nb = len(loads)
+    if nb < 2 or len(sizes) == 0:
+        return
+    if movable is None:
+        movable = np.ones(len(sizes), dtype=bool)
+    cand = np.flatnonzero(movable & (sizes > 0))
+    if len(cand) == 0 or (bins_per_group is not None and bins_per_group < 2):
+        return
+    # all pairs costs items_per_bin^2 per pair of bins: worth it only for coarse bins
+    all_pairs = all_pairs and len(cand) <= _ALL_PAIRS_ITEMS_PER_BIN * nb
+    # with many items per bin, single moves suffice and swaps cost items_per_bin^2 per pair
+    swaps = len(cand) <= _SWAP_ITEMS_PER_BIN * nb
+    idle = 0
+    for it in range(max_iter):
+        top = loads.max()
+        if top <= target * (1 + 1e-12):
+            break
+        if bins_per_group is None and all_pairs:
+            moved = _all_pairs_step(sizes, bin_of, loads, cand, target)
+            idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
+            if idle >= 3:
+                break
+            continue
+        if bins_per_group is None:
+            mean = loads.mean()
+            cut = max(target, mean + 0.25 * (top - mean))
+            k = int(min(nb // 2, max(1, (loads > cut).sum())))
+            heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
+            rotations = -(-len(pool) // k)
+            light = pool[(np.arange(k) + (it % rotations) * k) % len(pool)]
+        else:
+            B = bins_per_group
+            grid = loads.reshape(-1, B)
+            busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
+            if len(busy) == 0:
+                break
+            o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
+            h = B // 2
+            rotations = h
+            heavy = o[:, ::-1][:, :h].ravel()
+            light = o[:, (np.arange(h) + it) % h].ravel()
+        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps)
+        idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
+        if idle >= rotations + 2:
+            break
+
+
+def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the num_heavy heaviest bins, heaviest first; the num_light lightest, lightest first):
+    O(nb) selection plus a sort of the few selected, ties broken by bin index."""
+    nb = len(loads)
+    if num_heavy + num_light >= nb // 2:
+        order = np.argsort(loads, kind="stable")
+        return order[::-1][:num_heavy], order[:num_light]
+    top = np.argpartition(loads, nb - num_heavy)[nb - num_heavy:]
+    top = top[np.lexsort((top, -loads[top]))]
+    low = np.argpartition(loads, num_light)[:num_light]
+    low = low[np.lexsort((low, loads[low]))]
+    return top, low
+
+
+_MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 500_000
+_ALL_PAIRS_ITEMS_PER_BIN = 8
+_SWAP_ITEMS_PER_BIN = 16
+
+
+def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
+    """Heaviest bins x lightest bins: best move/swap for each heavy bin; False if none helps."""
+    nb = len(loads)
+    top, mean = loads.max(), loads.mean()
+    cut = max(target, mean + 0.25 * (top - mean))
+    kh = int(min(nb // 2, _MAX_HEAVY, max(1, (loads > cut).sum())))
+    kl = int(min(nb - kh, _MAX_LIGHT))
+    heavy, light = _extremes(loads, kh, kl)
+    role = np.full(nb, -1, dtype=np.int64)
+    role[heavy] = np.arange(kh)
+    role[light] = kh + np.arange(kl)
+    sel = cand[role[bin_of[cand]] >= 0]
+    rs = role[bin_of[sel]]
+    hv = rs < kh
+    if not hv.any():
+        return False
+    hs, ls = sel[hv], sel[~hv]
+    C, hpos = _padded(rs[hv], kh)
+    lr = rs[~hv] - kh
+    D, lpos = _padded(lr, kl)
+    while kh * kl * C * (D + 1) > _CELLS and kl > 1:
+        kl //= 2  # keep the lightest half
+        keep = lr < kl
+        ls, lr, lpos = ls[keep], lr[keep], lpos[keep]
+        D = int(lpos.max()) + 1 if len(lpos) else 0
+        light = light[:kl]
+    Sh = np.full((kh, C), np.nan)
+    Sh[rs[hv], hpos] = sizes[hs]
+    Ih = np.full((kh, C), -1, dtype=np.int64)
+    Ih[rs[hv], hpos] = hs
+    Sl = np.zeros((kl, D + 1))  # column 0 is "nothing": a plain move
+    Sl[lr, lpos + 1] = sizes[ls]
+    Il = np.full((kl, D + 1), -1, dtype=np.int64)
+    Il[lr, lpos + 1] = ls
+    d = Sh[:, None, :, None] - Sl[None, :, None, :]  # heavy, light, heavy item, light item
+    lh = loads[heavy][:, None, None, None]
+    ll = loads[light][None, :, None, None]
+    with np.errstate(invalid="ignore"):
+        new = np.where(d > 0, np.maximum(lh - d, ll + d), np.inf)  # also drops NaN padding
+    flat = new.reshape(kh, kl, -1)
+    best_ij = np.argmin(flat, axis=2)
+    v = np.take_along_axis(flat, best_ij[:, :, None], axis=2)[:, :, 0]
+    best_l = np.argmin(v, axis=1)
+    hk = np.flatnonzero(v[np.arange(kh), best_l] < loads[heavy] * (1 - 1e-12))
+    if len(hk) == 0:
+        return False
+    _, first = np.unique(best_l[hk], return_index=True)  # heaviest bin wins a shared partner
+    hk = hk[np.sort(first)]
+    lk = best_l[hk]
+    i, j = np.divmod(best_ij[hk, lk], D + 1)
+    delta = d[hk, lk, i, j]
+    mi, mj = Ih[hk, i], Il[lk, j]
+    bin_of[mi] = light[lk]
+    has = mj >= 0
+    bin_of[mj[has]] = heavy[hk][has]
+    loads[heavy[hk]] -= delta
+    loads[light[lk]] += delta
+    return True
+
+
+def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> bool:
+    """Best move or swap for every (heavy[k], light[k]) pair at once; False if none helps."""
+    nb, K = len(loads), len(heavy)
+    pair_of = np.full(nb, -1, dtype=np.int64)
+    pair_of[heavy] = np.arange(K)
+    pair_of[light] = np.arange(K)
+    is_heavy = np.zeros(nb, dtype=bool)
+    is_heavy[heavy] = True
+    sel = cand[pair_of[bin_of[cand]] >= 0]
+    if len(sel) == 0:
+        return False
+    pk = pair_of[bin_of[sel]]
+    hv = is_heavy[bin_of[sel]]
+    if not swaps:  # light bins' items are not candidates: moves only
+        sel, pk, hv = sel[hv], pk[hv], hv[hv]
+    hs, ls = sel[hv], sel[~hv]
+    H, hpos = _padded(pk[hv], K)
+    Lm, lpos = _padded(pk[~hv], K)
+    Sh = np.full((K, max(H, 1)), np.nan)
+    Sh[pk[hv], hpos] = sizes[hs]
+    Sl = np.zeros((K, Lm + 1))  # column 0 is "nothing": a plain move
+    Sl[pk[~hv], lpos + 1] = sizes[ls]
+    Ih = np.full((K, max(H, 1)), -1, dtype=np.int64)
+    Ih[pk[hv], hpos] = hs
+    Il = np.full((K, Lm + 1), -1, dtype=np.int64)
+    Il[pk[~hv], lpos + 1] = ls
+    lh, ll = loads[heavy][:, None, None], loads[light][:, None, None]
+    d = Sh[:, :, None] - Sl[:, None, :]
+    with np.errstate(invalid="ignore"):
+        new = np.where(d > 0, np.maximum(lh - d, ll + d), np.inf)  # also drops NaN padding
+    flat = new.reshape(K, -1)
+    best = np.argmin(flat, axis=1)
+    bestv = flat[np.arange(K), best]
+    ok = bestv < loads[heavy] * (1 - 1e-12)
+    if not ok.any():
+        return False
+    ki = np.flatnonzero(ok)
+    i, j = np.divmod(best[ki], Lm + 1)
+    mi, mj = Ih[ki, i], Il[ki, j]
+    delta = d.reshape(K, -1)[ki, best[ki]]
+    bin_of[mi] = light[ki]
+    has = mj >= 0
+    bin_of[mj[has]] = heavy[ki][has]
+    loads[heavy[ki]] -= delta
+    loads[light[ki]] += delta
+    return True
+
+
+def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:
+    """(max count per key, position of each element among equal keys)."""
+    if len(keys) == 0:
+        return 0, np.zeros(0, dtype=np.int64)
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    pos_sorted = np.arange(len(k)) - np.searchsorted(k, k)
+    pos = np.empty(len(k), dtype=np.int64)
+    pos[order] = pos_sorted
+    return int(pos.max()) + 1, pos

@@ -1,0 +1,65 @@
+"""Configuration of the planner: micro-batch rule, capacities, oversize policy, cost model.
+
+Capacities are per rank per micro-batch and count tokens a rank holds at once (LLM tokens;
+encoder tokens as the encoder processes them, i.e. padded for windowed encoders).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .cost import CostModel
+from .types import ENCODER_PHASES, StepInputs, Topology
+
+#: Embedding bytes per LLM token: a 4096-wide LLM in bf16.
+DEFAULT_BYTES_PER_TOKEN = 4096 * 2
+
+OVERSIZE_POLICIES = ("error", "isolate")
+
+
+@dataclass(kw_only=True, slots=True)
+class PlannerConfig:
+    """How to plan a step. Set exactly one of `num_microbatches`, `microbatch_token_budget`."""
+
+    num_microbatches: int | None = None
+    microbatch_token_budget: int | None = None  # LLM tokens per rank per micro-batch -> M
+    llm_capacity: int | None = None  # LLM tokens per rank per micro-batch
+    encoder_capacity: dict[str, int] = field(default_factory=dict)  # phase -> tokens
+    # A sample no (rank, micro-batch) can hold: "error" raises PlanError naming it; "isolate"
+    # warns and runs it alone on one rank in an extra micro-batch (up to W such samples share
+    # one extra micro-batch, one per rank; M grows for every rank alike). Never dropped.
+    oversize: str = "error"
+    cost: CostModel = field(default_factory=CostModel)
+    bytes_per_token: dict[str, int] = field(default_factory=dict)  # phase -> bytes
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.num_microbatches is None) == (self.microbatch_token_budget is None):
+            raise ValueError("set exactly one of num_microbatches and microbatch_token_budget, "
+                             f"got {self.num_microbatches} and {self.microbatch_token_budget}")
+        if self.num_microbatches is not None and self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        if self.microbatch_token_budget is not None and self.microbatch_token_budget < 1:
+            raise ValueError(f"microbatch_token_budget must be >= 1, "
+                             f"got {self.microbatch_token_budget}")
+        if self.llm_capacity is not None and self.llm_capacity < 1:
+            raise ValueError(f"llm_capacity must be >= 1, got {self.llm_capacity}")
+        for phase, cap in self.encoder_capacity.items():
+            if phase not in ENCODER_PHASES or cap < 1:
+                raise ValueError(f"bad encoder_capacity entry {phase!r}: {cap}")
+        for phase, bpt in self.bytes_per_token.items():
+            if phase not in ENCODER_PHASES or bpt < 0:
+                raise ValueError(f"bad bytes_per_token entry {phase!r}: {bpt}")
+        if self.oversize not in OVERSIZE_POLICIES:
+            raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
+
+    def bytes_for(self, phase: str) -> int:
+        return self.bytes_per_token.get(phase, DEFAULT_BYTES_PER_TOKEN)
+
+    def microbatches_for(self, inputs: StepInputs, topology: Topology) -> int:
+        """M for this step, the same for every rank."""
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        total = int(inputs.llm_len.sum())
+        return max(1, math.ceil(total / (topology.world_size * self.microbatch_token_budget)))

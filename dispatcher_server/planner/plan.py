@@ -1,0 +1,461 @@
+"""StepPlan: one step's placement, its packed layouts, exchange tables, metrics and checks.
+
+A plan is stored as a few flat arrays (micro-batch and LLM rank per sample, encoder rank per
+item); everything a rank needs is derived once into CSR orders sorted by (micro-batch, rank), so
+slicing one rank's share is O(its items) and shipping a plan never needs W x W tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CostModel
+from .types import (
+    ENCODER_PHASES, LLM_PHASE, PHASES, EncoderItems, ExchangeTable, PhaseExchange, PlanError,
+    RankMicrobatch, StepInputs, Topology,
+)
+
+
+def _i64(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = False
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(exclusive cumsum of `values` within equal `keys`, in original order; the order used).
+    Within a key the order is by position, or by decreasing value with `by_size`."""
+    order = np.lexsort((-values, keys)) if by_size else np.argsort(keys, kind="stable")
+    k, v = keys[order], values[order]
+    cs = np.cumsum(v) - v
+    if len(k):
+        new = np.empty(len(k), dtype=bool)
+        new[0] = True
+        np.not_equal(k[1:], k[:-1], out=new[1:])
+        base = cs[np.flatnonzero(new)][np.cumsum(new) - 1]
+    else:
+        base = cs
+    out = np.empty_like(values)
+    out[order] = cs - base
+    return out, order
+
+
+def _ptr(sorted_groups: np.ndarray, num_groups: int) -> np.ndarray:
+    return np.searchsorted(sorted_groups, np.arange(num_groups + 1)).astype(np.int64)
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """Derived send/receive orders and sparse pairs of one encoder phase, all micro-batches."""
+
+    send_order: np.ndarray  # items by (mb, src, dst, id)
+    send_ptr: np.ndarray  # CSR over mb*W + src
+    recv_order: np.ndarray  # items by (mb, dst, src, id)
+    recv_ptr: np.ndarray  # CSR over mb*W + dst
+    pair_mb: np.ndarray  # pairs by (mb, src, dst)
+    pair_src: np.ndarray
+    pair_dst: np.ndarray
+    pair_items: np.ndarray
+    pair_tokens: np.ndarray
+    pair_src_ptr: np.ndarray  # CSR over mb*W + src into pairs
+    pair_dst_perm: np.ndarray  # pairs by (mb, dst, src)
+    pair_dst_ptr: np.ndarray  # CSR over mb*W + dst into pair_dst_perm
+    # lengths and offsets pre-gathered in send/receive order, so a rank's share is a slice
+    send_enc_len: np.ndarray
+    send_llm_len: np.ndarray
+    recv_llm_len: np.ndarray
+    recv_offsets: np.ndarray
+    pair_src_by_dst: np.ndarray  # pair_src[pair_dst_perm]
+    pair_tokens_by_dst: np.ndarray
+    ptr_lists: tuple  # send_ptr, recv_ptr, pair_src_ptr, pair_dst_ptr as Python lists
+
+
+class StepPlan:
+    """Placement of one step: micro-batch and LLM rank per sample, encoder rank per item.
+
+    Layout of a (rank, micro-batch) packed LLM sequence: its samples in increasing sample id;
+    inside a sample its vision items, then audio items (item order), then its text.
+    """
+
+    def __init__(self, *, inputs: StepInputs, topology: Topology, num_microbatches: int,
+                 sample_mb, sample_rank, item_rank: dict[str, np.ndarray],
+                 cost: CostModel, bytes_per_token: dict[str, int],
+                 llm_capacity: int | None = None, encoder_capacity: dict[str, int] | None = None,
+                 isolated_microbatches=()):
+        self.inputs = inputs
+        self.topology = topology
+        self.num_microbatches = int(num_microbatches)
+        self.sample_mb = _i64(sample_mb)
+        self.sample_rank = _i64(sample_rank)
+        self.item_rank = {p: _i64(item_rank.get(p, np.zeros(0))) for p in ENCODER_PHASES}
+        self.cost = cost
+        self.bytes_per_token = {p: int(bytes_per_token[p]) for p in ENCODER_PHASES}
+        self.llm_capacity = llm_capacity
+        self.encoder_capacity = dict(encoder_capacity or {})
+        self.isolated_microbatches = _i64(isolated_microbatches)
+        self._exchanges: dict[str, _Exchange] = {}
+        self._sorted: tuple | None = None
+        self._sample_order_ro: np.ndarray | None = None
+        self._sample_ptr_l: list[int] = []
+        self._ex_list: list = []
+        self._layout()
+        self.metrics = compute_metrics(self)
+
+    # ---- layout -------------------------------------------------------------------------
+    def _layout(self) -> None:
+        W, M = self.topology.world_size, self.num_microbatches
+        if (self.sample_mb.shape != self.inputs.llm_len.shape
+                or self.sample_rank.shape != self.inputs.llm_len.shape):
+            raise PlanError("sample_mb/sample_rank do not match the number of samples")
+        groups = self.sample_mb * W + self.sample_rank
+        self.sample_offset, self.sample_order = group_excl_cumsum(groups, _i64(self.inputs.llm_len))
+        self.sample_ptr = _ptr(groups[self.sample_order], W * M)
+        prefix = self.sample_offset.copy()
+        self.item_offset: dict[str, np.ndarray] = {}
+        for p in ENCODER_PHASES:
+            it = self.inputs.items(p)
+            within, _ = group_excl_cumsum(_i64(it.sample), _i64(it.llm_len))
+            self.item_offset[p] = prefix[it.sample] + within
+            prefix = prefix + np.bincount(it.sample, weights=it.llm_len,
+                                          minlength=len(prefix)).astype(np.int64)
+        self.text_offset = prefix
+
+    def _exchange(self, phase: str) -> _Exchange:
+        ex = self._exchanges.get(phase)
+        if ex is not None:
+            return ex
+        W, M = self.topology.world_size, self.num_microbatches
+        it = self.inputs.items(phase)
+        mb = self.sample_mb[it.sample]
+        src, dst = self.item_rank[phase], self.sample_rank[it.sample]
+        send_key = (mb * W + src) * W + dst
+        send_order = np.argsort(send_key, kind="stable")
+        sk = send_key[send_order]
+        recv_key = (mb * W + dst) * W + src
+        recv_order = np.argsort(recv_key, kind="stable")
+        if len(sk):
+            starts = np.flatnonzero(np.r_[True, sk[1:] != sk[:-1]])
+            pair_key = sk[starts]
+            pair_items = np.diff(np.r_[starts, len(sk)]).astype(np.int64)
+            pair_tokens = np.add.reduceat(_i64(it.llm_len)[send_order], starts).astype(np.int64)
+        else:
+            pair_key = pair_items = pair_tokens = np.zeros(0, dtype=np.int64)
+        pair_mb, rest = np.divmod(pair_key, W * W)
+        pair_src, pair_dst = np.divmod(rest, W)
+        dkey = (pair_mb * W + pair_dst) * W + pair_src
+        perm = np.argsort(dkey, kind="stable")
+        ex = _Exchange(
+            send_order=send_order, send_ptr=_ptr(sk // W, W * M),
+            recv_order=recv_order, recv_ptr=_ptr(recv_key[recv_order] // W, W * M),
+            pair_mb=pair_mb, pair_src=pair_src, pair_dst=pair_dst, pair_items=pair_items,
+            pair_tokens=pair_tokens, pair_src_ptr=_ptr(pair_key // W, W * M),
+            pair_dst_perm=perm, pair_dst_ptr=_ptr(dkey[perm] // W, W * M),
+            send_enc_len=_i64(it.enc_len)[send_order], send_llm_len=_i64(it.llm_len)[send_order],
+            recv_llm_len=_i64(it.llm_len)[recv_order],
+            recv_offsets=self.item_offset[phase][recv_order],
+            pair_src_by_dst=pair_src[perm], pair_tokens_by_dst=pair_tokens[perm], ptr_lists=(),
+        )
+        ex.ptr_lists = tuple(a.tolist() for a in (ex.send_ptr, ex.recv_ptr, ex.pair_src_ptr,
+                                                  ex.pair_dst_ptr))
+        for name in ("send_order", "recv_order", "send_enc_len", "send_llm_len", "recv_llm_len",
+                     "recv_offsets"):
+            _readonly(getattr(ex, name))
+        self._exchanges[phase] = ex
+        return ex
+
+    # ---- slicing ------------------------------------------------------------------------
+    def _check_rank_mb(self, rank: int, mb: int) -> int:
+        W, M = self.topology.world_size, self.num_microbatches
+        if not (0 <= rank < W and 0 <= mb < M):
+            raise ValueError(f"(rank={rank}, microbatch={mb}) outside W={W}, M={M}")
+        return mb * W + rank
+
+    def rank_microbatch(self, rank: int, mb: int) -> RankMicrobatch:
+        """What `rank` runs in micro-batch `mb`: its samples and its side of each exchange.
+
+        Arrays are read-only views into the plan (copy before modifying), so slicing all W*M
+        shares costs O(W*M + samples + items) in total."""
+        W, M = self.topology.world_size, self.num_microbatches
+        if not (0 <= rank < W and 0 <= mb < M):
+            raise ValueError(f"(rank={rank}, microbatch={mb}) outside W={W}, M={M}")
+        g = mb * W + rank
+        if self._sorted is None:
+            o = self.sample_order
+            self._sorted = tuple(_readonly(a) for a in (
+                self.sample_offset[o], _i64(self.inputs.llm_len)[o], self.text_offset[o],
+                _i64(self.inputs.text_len)[o]))
+            self._sample_order_ro = _readonly(o.copy())
+            self._sample_ptr_l = self.sample_ptr.tolist()  # Python ints slice fastest
+            self._ex_list = [(p, self._exchange(p)) for p in ENCODER_PHASES]
+        s0, s1 = self._sample_ptr_l[g], self._sample_ptr_l[g + 1]
+        exchanges = {}
+        for p, ex in self._ex_list:
+            sp, rp, psp, pdp = ex.ptr_lists
+            a, b, c, d = sp[g], sp[g + 1], rp[g], rp[g + 1]
+            send_tokens = np.zeros(W, dtype=np.int64)
+            e, f = psp[g], psp[g + 1]
+            send_tokens[ex.pair_dst[e:f]] = ex.pair_tokens[e:f]
+            recv_tokens = np.zeros(W, dtype=np.int64)
+            e, f = pdp[g], pdp[g + 1]
+            recv_tokens[ex.pair_src_by_dst[e:f]] = ex.pair_tokens_by_dst[e:f]
+            exchanges[p] = PhaseExchange(
+                phase=p, encode_items=ex.send_order[a:b], encode_enc_len=ex.send_enc_len[a:b],
+                encode_llm_len=ex.send_llm_len[a:b], send_tokens=send_tokens,
+                recv_items=ex.recv_order[c:d], recv_llm_len=ex.recv_llm_len[c:d],
+                recv_offsets=ex.recv_offsets[c:d], recv_tokens=recv_tokens,
+            )
+        off, llm, text_off, text = self._sorted
+        return RankMicrobatch(
+            rank=rank, microbatch=mb, samples=self._sample_order_ro[s0:s1],
+            sample_offsets=off[s0:s1], sample_llm_len=llm[s0:s1],
+            text_offsets=text_off[s0:s1], text_len=text[s0:s1], exchanges=exchanges,
+        )
+
+    def exchange_table(self, mb: int, phase: str) -> ExchangeTable:
+        """Sparse encoder->LLM traffic of `phase` in micro-batch `mb` (same-rank pairs included)."""
+        if phase not in ENCODER_PHASES:
+            raise ValueError(f"no exchange for phase {phase!r}")
+        W = self.topology.world_size
+        self._check_rank_mb(0, mb)
+        ex = self._exchange(phase)
+        a, b = ex.pair_src_ptr[mb * W], ex.pair_src_ptr[(mb + 1) * W]
+        src, dst, tokens = ex.pair_src[a:b], ex.pair_dst[a:b], ex.pair_tokens[a:b]
+        return ExchangeTable(
+            src=src, dst=dst, items=ex.pair_items[a:b], tokens=tokens,
+            bytes=tokens * self.bytes_per_token[phase],
+            locality=_locality(src, dst, self.topology),
+        )
+
+    # ---- serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        """msgpack-ready dict (arrays as bytes + dtype + shape); `from_dict` rebuilds it exactly."""
+        inp = self.inputs
+        return {
+            "version": 1,
+            "topology": {"world_size": self.topology.world_size,
+                         "ranks_per_node": self.topology.ranks_per_node},
+            "num_microbatches": self.num_microbatches,
+            "inputs": {
+                "text_len": _enc(inp.text_len), "llm_len": _enc(inp.llm_len),
+                "encoders": {p: {"enc_len": _enc(e.enc_len), "llm_len": _enc(e.llm_len),
+                                 "sample": _enc(e.sample)} for p, e in inp.encoders.items()},
+            },
+            "sample_mb": _enc(self.sample_mb), "sample_rank": _enc(self.sample_rank),
+            "item_rank": {p: _enc(a) for p, a in self.item_rank.items()},
+            "cost": self.cost.to_dict(), "bytes_per_token": dict(self.bytes_per_token),
+            "llm_capacity": self.llm_capacity, "encoder_capacity": dict(self.encoder_capacity),
+            "isolated_microbatches": _enc(self.isolated_microbatches),
+        }
+
+    @staticmethod
+    def from_dict(d: dict) -> StepPlan:
+        if d.get("version") != 1:
+            raise ValueError(f"unsupported StepPlan version {d.get('version')!r}")
+        i = d["inputs"]
+        inputs = StepInputs(
+            text_len=_dec(i["text_len"]), llm_len=_dec(i["llm_len"]),
+            encoders={p: EncoderItems(enc_len=_dec(e["enc_len"]), llm_len=_dec(e["llm_len"]),
+                                      sample=_dec(e["sample"])) for p, e in i["encoders"].items()},
+        )
+        return StepPlan(
+            inputs=inputs, topology=Topology(**d["topology"]),
+            num_microbatches=d["num_microbatches"], sample_mb=_dec(d["sample_mb"]),
+            sample_rank=_dec(d["sample_rank"]),
+            item_rank={p: _dec(a) for p, a in d["item_rank"].items()},
+            cost=CostModel.from_dict(d["cost"]), bytes_per_token=d["bytes_per_token"],
+            llm_capacity=d["llm_capacity"], encoder_capacity=d["encoder_capacity"],
+            isolated_microbatches=_dec(d["isolated_microbatches"]),
+        )
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def _enc(a: np.ndarray) -> dict:
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _dec(d: dict) -> np.ndarray:
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(d["shape"]).copy()
+
+
+def _locality(src: np.ndarray, dst: np.ndarray, topology: Topology) -> np.ndarray:
+    same_node = topology.node_of(src) == topology.node_of(dst)
+    return np.where(src == dst, 0, np.where(same_node, 1, 2)).astype(np.int8)
+
+
+# ---- metrics ------------------------------------------------------------------------------
+def phase_costs(inputs: StepInputs, cost: CostModel) -> dict[str, np.ndarray]:
+    """Cost of every unit each phase balances: items for encoders, samples for the LLM."""
+    out = {p: cost.cost(p, inputs.items(p).enc_len) for p in ENCODER_PHASES}
+    out[LLM_PHASE] = cost.cost(LLM_PHASE, inputs.llm_len)
+    return out
+
+
+def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
+    """Per group, a lower bound on the heaviest of `bins` bins holding its units `c`:
+    max(total/bins, largest, s_bins + s_(bins+1)) - the last term by pigeonhole: two of the
+    bins+1 largest units share a bin."""
+    total = np.bincount(group, weights=c, minlength=num_groups)
+    lb = total / bins
+    if len(c) == 0:
+        return lb
+    order = np.lexsort((-c, group))
+    g, s = group[order], c[order]
+    pos = np.arange(len(s)) - np.searchsorted(g, g)
+    lb = np.maximum(lb, np.bincount(g[pos == 0], weights=s[pos == 0], minlength=num_groups))
+    pair = (pos == bins - 1) | (pos == bins)
+    lb = np.maximum(lb, np.bincount(g[pair], weights=s[pair], minlength=num_groups)
+                    * (np.bincount(g[pair], minlength=num_groups) == 2))
+    return lb
+
+
+def compute_metrics(plan: StepPlan) -> dict:
+    """Loads per phase/micro-batch/rank, lower bounds, imbalance, step time, bytes.
+
+    lb[p][m] = `unit_bound` of micro-batch m's units over W ranks: max(total/W, largest unit,
+    s_W + s_(W+1)), for the plan's own micro-batch split. The split-free bound sums over phases
+    max(total_p/W, largest_p, s_WM + s_(WM+1)) and holds for any split into M micro-batches
+    (per-micro-batch maxima sum to at least total/W; one micro-batch holds the largest unit; two
+    of the WM+1 largest units share a (rank, micro-batch)).
+    """
+    W, M = plan.topology.world_size, plan.num_microbatches
+    costs = phase_costs(plan.inputs, plan.cost)
+    loads, lb, mx, mean = {}, {}, {}, {}
+    split_free = 0.0
+    for p in PHASES:
+        if p == LLM_PHASE:
+            mb, rank = plan.sample_mb, plan.sample_rank
+        else:
+            mb, rank = plan.sample_mb[plan.inputs.items(p).sample], plan.item_rank[p]
+        c = costs[p]
+        load = np.bincount(mb * W + rank, weights=c, minlength=W * M).reshape(M, W)
+        loads[p], mean[p] = load, load.sum(axis=1) / W
+        lb[p] = unit_bound(c, mb, M, W)
+        mx[p] = load.max(axis=1)
+        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * M)[0]
+        split_free += max(float(c.sum()) / W, float(one))
+
+    def ratio(num, den):
+        d = float(den.sum())
+        return float(num.sum()) / d if d > 0 else 1.0
+
+    byts = dict.fromkeys(("same_rank", "intra_node", "inter_node"), 0)
+    for p in ENCODER_PHASES:
+        it = plan.inputs.items(p)
+        loc = _locality(plan.item_rank[p], plan.sample_rank[it.sample], plan.topology)
+        b = np.bincount(loc, weights=it.llm_len, minlength=3) * plan.bytes_per_token[p]
+        for k, name in enumerate(byts):
+            byts[name] += int(b[k])
+    step = float(sum(mx[p].sum() for p in PHASES))
+    lb_step = float(sum(lb[p].sum() for p in PHASES))
+    return {
+        "loads": loads, "lb": lb, "max": mx, "mean": mean,
+        "max_over_lb": {p: ratio(mx[p], lb[p]) for p in PHASES},
+        "max_over_mean": {p: ratio(mx[p], mean[p]) for p in PHASES},
+        "step_time": step, "lb_step_time": lb_step, "split_free_lb_step_time": float(split_free),
+        "step_time_over_lb": step / lb_step if lb_step > 0 else 1.0,
+        "bytes": byts,
+    }
+
+
+# ---- validation ---------------------------------------------------------------------------
+def validate(plan: StepPlan, inputs: StepInputs) -> None:
+    """Prove the plan's post-conditions from scratch; raise PlanError on the first violation.
+
+    Checks: the plan is for these inputs; every sample and item is placed exactly once in a
+    valid (rank, micro-batch) and every rank has exactly M micro-batches; packed offsets are
+    contiguous and follow the layout convention; capacities hold outside isolated micro-batches
+    (the extra ones that run oversize samples alone, one per rank).
+    """
+    W, M = plan.topology.world_size, plan.num_microbatches
+    S = inputs.num_samples
+    if M < 1:
+        raise PlanError(f"num_microbatches must be >= 1, got {M}")
+    pi = plan.inputs
+    if not (np.array_equal(pi.llm_len, inputs.llm_len)
+            and np.array_equal(pi.text_len, inputs.text_len)):
+        raise PlanError("plan was made for different samples")
+    for p in ENCODER_PHASES:
+        a, b = pi.items(p), inputs.items(p)
+        if not all(np.array_equal(x, y) for x, y in
+                   ((a.enc_len, b.enc_len), (a.llm_len, b.llm_len), (a.sample, b.sample))):
+            raise PlanError(f"plan was made for different {p} items")
+    # Inputs themselves must be consistent, else offsets cannot be.
+    total = _i64(inputs.text_len).copy()
+    for p in ENCODER_PHASES:
+        it = inputs.items(p)
+        if len(it) and (it.sample.min() < 0 or it.sample.max() >= S):
+            raise PlanError(f"{p} item owned by a sample outside 0..{S - 1}")
+        total += np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
+    if not np.array_equal(total, inputs.llm_len):
+        bad = int(np.flatnonzero(total != inputs.llm_len)[0])
+        raise PlanError(f"sample {bad}: llm_len {inputs.llm_len[bad]} != text + items {total[bad]}")
+
+    def in_range(name, a, n, hi):
+        if a.shape != (n,):
+            raise PlanError(f"{name} has shape {a.shape}, expected ({n},)")
+        if n and (a.min() < 0 or a.max() >= hi):
+            raise PlanError(f"{name} outside [0, {hi}): min {a.min()}, max {a.max()}")
+
+    in_range("sample_mb", plan.sample_mb, S, M)
+    in_range("sample_rank", plan.sample_rank, S, W)
+    for p in ENCODER_PHASES:
+        in_range(f"item_rank[{p}]", plan.item_rank[p], len(inputs.items(p)), W)
+
+    # Packing order: a permutation of the samples, grouped by (mb, rank), W*M groups.
+    order, ptr = plan.sample_order, plan.sample_ptr
+    if ptr.shape != (W * M + 1,) or ptr[0] != 0 or ptr[-1] != S or np.any(np.diff(ptr) < 0):
+        raise PlanError(f"packing index does not describe W*M={W * M} (rank, micro-batch) groups")
+    if order.shape != (S,) or (S and np.bincount(order, minlength=S).max(initial=0) != 1):
+        raise PlanError("packing order does not hold every sample exactly once")
+    groups = plan.sample_mb * W + plan.sample_rank
+    expect_group = np.repeat(np.arange(W * M), np.diff(ptr))
+    if not np.array_equal(groups[order], expect_group):
+        raise PlanError("packing order puts a sample in a (rank, micro-batch) it is not planned on")
+    # Offsets: contiguous in packing order, items then text inside each sample.
+    llm = _i64(inputs.llm_len)[order]
+    cs = np.cumsum(llm) - llm
+    start = cs[ptr[expect_group]]
+    if not np.array_equal(plan.sample_offset[order], cs - start):
+        raise PlanError("sample offsets are not contiguous in packing order")
+    prefix = plan.sample_offset.copy()
+    for p in ENCODER_PHASES:
+        it = inputs.items(p)
+        within, _ = group_excl_cumsum(_i64(it.sample), _i64(it.llm_len))
+        if not np.array_equal(plan.item_offset[p], prefix[it.sample] + within):
+            raise PlanError(f"{p} item offsets break the layout convention")
+        prefix = prefix + np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
+    if not np.array_equal(plan.text_offset, prefix):
+        raise PlanError("text offsets break the layout convention")
+
+    # Isolated micro-batches hold at most one sample per rank; capacities hold elsewhere.
+    iso = plan.isolated_microbatches
+    if len(iso) and (iso.min() < 0 or iso.max() >= M):
+        raise PlanError(f"isolated micro-batches {iso} outside 0..{M - 1}")
+    per_slot = np.bincount(groups, minlength=W * M).reshape(M, W)
+    if len(iso) and (np.any(per_slot[iso] > 1) or np.any(per_slot[iso].sum(axis=1) == 0)):
+        raise PlanError("an isolated micro-batch must hold at most one sample per rank")
+    free = np.ones(M, dtype=bool)
+    free[iso] = False
+    if plan.llm_capacity is not None:
+        tok = np.bincount(groups, weights=inputs.llm_len, minlength=W * M).reshape(M, W)
+        over = np.argwhere((tok > plan.llm_capacity) & free[:, None])
+        if len(over):
+            m, r = over[0]
+            raise PlanError(f"rank {r} micro-batch {m}: {int(tok[m, r])} LLM tokens > "
+                            f"capacity {plan.llm_capacity}")
+    for p, cap in plan.encoder_capacity.items():
+        it = inputs.items(p)
+        g = plan.sample_mb[it.sample] * W + plan.item_rank[p]
+        padded = plan.cost.phase(p).padded_len(it.enc_len) if p in plan.cost.phases else it.enc_len
+        tok = np.bincount(g, weights=padded, minlength=W * M).reshape(M, W)
+        over = np.argwhere((tok > cap) & free[:, None])
+        if len(over):
+            m, r = over[0]
+            raise PlanError(f"rank {r} micro-batch {m}: {int(tok[m, r])} {p} tokens > "
+                            f"capacity {cap}")

@@ -1,0 +1,544 @@
+"""mmdispatch's per-step planner: micro-batch split, node-aware LLM placement, encoder rebalance.
+
+Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches; vectorised):
+1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Samples holding a
+   "giant" unit (above the mean rank load) go greedily, in blocks of W/16, where they raise the
+   bound least, so giants share a micro-batch; the rest go by class (audio, vision, text-only)
+   to targets that first fill the room under giant-set bounds, then level the totals (largest
+   members to the micro-batch with the largest bound). A polish pass moves a micro-batch's
+   largest unit away when it alone sets that micro-batch's bound.
+2. Per micro-batch, samples to nodes by batched LPT plus pairwise refine, one class per phase
+   (audio on audio cost, vision on vision cost, text-only last on LLM cost), so every node holds
+   about 1/N of every phase; then to ranks in each node by batched LPT on LLM cost; then LLM
+   refine in nodes, across nodes with text-only samples (they carry no embeddings), then any.
+3. Encoder items keep their sample's LLM rank up to the bound (largest first: zero bytes for the
+   items with the most bytes); the excess fills ranks of the same node up to the bound, the rest
+   goes to the least-loaded ranks; pairwise refine in nodes. If that leaves the slowest rank
+   above bound * 1.005 (balance outranks bytes), LPT over all ranks is tried too, batched and
+   bent toward home ranks, and sequential; their bins are then relabelled onto ranks so each
+   bin sits on the node (then rank) most of its embeddings go to. Lowest maximum wins, then
+   fewest bytes across nodes. Last, off-node items return home wherever that raises no rank
+   above the maximum.
+Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
+placement moves almost nothing, and the fallbacks restore balance when items are coarse.
+Cost: O(n log n) sorting, O(n/B) batched-LPT rounds of O(B log B), and refine iterations of
+O(n + pairs * items^2); ~50 ms at W = 2560, n = 20k on one core (bench/planner.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .config import PlannerConfig
+from .plan import StepPlan, group_excl_cumsum, phase_costs, unit_bound
+from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
+
+_ROOM_SLACK = 0.5  # fill a giant-dominated micro-batch up to half a mean sample below its bound
+_GOOD_ENOUGH = 0.005  # node-first encoder placement within 0.5% of the bound is kept as is
+_CATCH_UP = 1.08  # node-first gets a cross-node refine only if within 8% of the global try
+_BAND = 0.02  # home-biased LPT treats loads within 2% of the bound (over a rank's items) as equal
+
+
+def check_inputs(inputs: StepInputs) -> None:
+    """ValueError naming the first inconsistency in a step's arrays."""
+    S = inputs.num_samples
+    if inputs.text_len.shape != (S,):
+        raise ValueError(f"text_len has shape {inputs.text_len.shape}, llm_len has ({S},)")
+    for p, it in inputs.encoders.items():
+        if p not in ENCODER_PHASES:
+            raise ValueError(f"unknown encoder phase {p!r}")
+        n = len(it)
+        if it.llm_len.shape != (n,) or it.sample.shape != (n,):
+            raise ValueError(f"{p} item arrays differ in length")
+        if n and (it.sample.min() < 0 or it.sample.max() >= S):
+            raise ValueError(f"{p} item owned by sample outside 0..{S - 1}")
+        if n and (it.enc_len.min() < 0 or it.llm_len.min() < 0):
+            raise ValueError(f"{p} item with negative length")
+    if S and inputs.text_len.min() < 0:
+        raise ValueError("negative text_len")
+    total = np.asarray(inputs.text_len, dtype=np.int64).copy()
+    for p in ENCODER_PHASES:
+        it = inputs.items(p)
+        total += np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
+    bad = np.flatnonzero(total != inputs.llm_len)
+    if len(bad):
+        s = int(bad[0])
+        raise ValueError(f"sample {s}: llm_len {inputs.llm_len[s]} != text + item tokens "
+                         f"{total[s]}")
+
+
+def sample_phase_costs(inputs: StepInputs, unit_costs: dict[str, np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """(cost[P, S] per sample and phase, largest unit cost[P, S] per sample and phase)."""
+    S = inputs.num_samples
+    cost = np.zeros((len(PHASES), S))
+    big = np.zeros((len(PHASES), S))
+    for k, p in enumerate(PHASES):
+        if p == LLM_PHASE:
+            cost[k] = big[k] = unit_costs[p]
+        else:
+            it = inputs.items(p)
+            cost[k] = np.bincount(it.sample, weights=unit_costs[p], minlength=S)
+            np.maximum.at(big[k], it.sample, unit_costs[p])
+    return cost, big
+
+
+def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
+               pad: float) -> np.ndarray:
+    """Amount per micro-batch: fill the free room under each micro-batch's bound first (minus
+    `pad` per rank, what packing needs), then level the totals."""
+    room = np.maximum(0.0, W * (largest - pad) - total)
+    if room.sum() >= amount:
+        return amount * room / room.sum() if amount > 0 else np.zeros_like(total)
+    rest = amount - room.sum()
+    level = total + room
+    srt = np.sort(level)
+    # smallest lambda with sum(max(0, lambda - level)) = rest
+    k = np.arange(1, len(srt) + 1)
+    cand = (rest + np.cumsum(srt)) / k
+    ok = np.r_[cand[:-1] <= srt[1:], True]
+    lam = cand[np.argmax(ok)]
+    return room + np.maximum(0.0, lam - level)
+
+
+def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
+                       rng: np.random.Generator, slack: float = _ROOM_SLACK) -> np.ndarray:
+    """Micro-batch of each sample in `idx` (see module docstring, step 1).
+
+    A unit counts as a giant above the mean rank load of the step; a second pass lowers that
+    to the lowest mean rank load any micro-batch got in the first (concentrating giants can
+    leave other micro-batches so light that mid-size units set their bound), and the pass with
+    the smaller sum of bounds wins."""
+    if M == 1 or len(idx) == 0:
+        return np.zeros(len(idx), dtype=np.int64)
+    c, b = cost[:, idx], big[:, idx]
+    seed = rng.integers(2**63)
+    first = _split_pass(c, b, c.sum(axis=1) / (W * M), M, W, np.random.default_rng(seed), slack)
+    best, best_bound = first, _split_bound(c, b, first, M, W)
+    T = np.stack([np.bincount(first, weights=ck, minlength=M) for ck in c])
+    lowest, tau = T.min(axis=1) / W, c.sum(axis=1) / (W * M)
+    if slack < 1 and np.any(lowest < 0.9 * tau):
+        second = _split_pass(c, b, lowest, M, W, np.random.default_rng(seed), slack)
+        bound = _split_bound(c, b, second, M, W)
+        if bound < best_bound:
+            best, best_bound = second, bound
+    _polish_split(c, b, best, M, W)
+    return best
+
+
+def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
+    T = np.stack([np.bincount(mb, weights=ck, minlength=M) for ck in c])
+    L = np.zeros_like(T)
+    for k in range(len(c)):
+        np.maximum.at(L[k], mb, b[k])
+    return float(np.maximum(T / W, L).sum())
+
+
+def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
+                rng: np.random.Generator, slack: float) -> np.ndarray:
+    P, n = c.shape
+    out = np.zeros(n, dtype=np.int64)
+    T, L = np.zeros((P, M)), np.zeros((P, M))
+    has = c.sum(axis=1) > 0
+    # slack >= 1 is the capacity fallback: no concentrating, only level the totals
+    is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
+        else np.zeros(n, dtype=bool)
+    giants = np.flatnonzero(is_giant)
+    tau = np.where(has, c.sum(axis=1) / (W * M), 1.0)
+    score = (b[:, giants] / tau[:, None]).max(axis=0) if len(giants) else np.zeros(0)
+    giants = giants[np.argsort(-score, kind="stable")]
+    share = np.where(has, 1.0 / np.maximum(c.sum(axis=1), 1e-300), 0.0)
+    # Greedy in blocks of giants (one at a time for small W): each block goes where it raises
+    # the bound least; ties go to the lighter micro-batch.
+    block = max(1, W // 16)
+    if len(giants):
+        starts = np.arange(0, len(giants), block)
+        block_sum = np.add.reduceat(c[:, giants], starts, axis=1)
+        block_max = np.maximum.reduceat(b[:, giants], starts, axis=1)
+    else:
+        starts = np.zeros(0, dtype=np.int64)
+        block_sum = block_max = np.zeros((P, 0))
+    # Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates.
+    Tl, Ll, shr = T.tolist(), L.tolist(), share.tolist()
+    bsum, bmax = block_sum.T.tolist(), block_max.T.tolist()
+    for j, start in enumerate(starts.tolist()):
+        incs, ties, bounds = [], [], []
+        for m in range(M):
+            inc = tie = bnd = 0.0
+            for q in range(P):
+                t, l = Tl[q][m], Ll[q][m]
+                old = max(t / W, l)
+                inc += max((t + bsum[j][q]) / W, max(l, bmax[j][q])) - old
+                tie += shr[q] * t
+                bnd += old
+            incs.append(inc), ties.append(tie), bounds.append(bnd)
+        lo = min(incs)
+        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
+        m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
+        out[giants[start:start + block]] = m
+        for q in range(P):
+            Tl[q][m] += bsum[j][q]
+            Ll[q][m] = max(Ll[q][m], bmax[j][q])
+    T, L = np.asarray(Tl), np.asarray(Ll)
+    rest = ~is_giant
+    k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
+    has_a = rest & (c[k_aud] > 0)
+    has_v = rest & ~has_a & (c[k_vis] > 0)
+    text = rest & ~has_a & ~has_v
+    for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
+        members = np.flatnonzero(mask)
+        if len(members) == 0:
+            continue
+        amount = float(c[k, members].sum())
+        pad = np.inf if slack >= 1 else slack * amount / len(members)
+        x = _waterfill(T[k], L[k], amount, W, pad)
+        # Large members (above half the lowest per-rank level) go first, largest first, to the
+        # micro-batches with the largest bound, where they raise no bound; the rest in random
+        # order so every micro-batch gets a representative mix.
+        level = ((T[k] + x) / W).min()
+        big_first = c[k, members] > 0.5 * level
+        large = members[big_first]
+        large = large[np.argsort(-c[k, large], kind="stable")]
+        members = np.concatenate([large, rng.permutation(members[~big_first])])
+        mb_order = np.argsort(-L[k], kind="stable")
+        cum = np.cumsum(c[k, members])
+        pos = np.searchsorted(np.cumsum(x[mb_order])[:-1], cum - c[k, members] / 2)
+        m = mb_order[np.minimum(pos, M - 1)]
+        out[members] = m
+        for q in range(P):  # 1-D ufunc.at and bincount are the fast paths
+            T[q] += np.bincount(m, weights=c[q, members], minlength=M)
+            np.maximum.at(L[q], m, b[q, members])
+    return out
+
+
+def _top2(b: np.ndarray, mb: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per phase and micro-batch: (largest unit, its sample, second largest unit)."""
+    P, S = b.shape
+    first, who, second = np.zeros((P, M)), np.full((P, M), -1, dtype=np.int64), np.zeros((P, M))
+    for k in range(P):
+        np.maximum.at(first[k], mb, b[k])
+        is_top = (b[k] == first[k][mb]) & (b[k] > 0)
+        idx = np.flatnonzero(is_top)
+        who[k][mb[idx[::-1]]] = idx[::-1]  # lowest sample id wins ties
+        rest = np.ones(S, dtype=bool)
+        rest[who[k][who[k] >= 0]] = False
+        np.maximum.at(second[k], mb[rest], b[k][rest])
+    return first, who, second
+
+
+def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
+                  max_iter: int = 4) -> None:
+    """Move a micro-batch's largest unit elsewhere when it alone sets that micro-batch's bound
+    and moving it lowers sum_m,p max(total/W, largest) (the class split above ignores sizes)."""
+    for _ in range(max_iter):
+        T = np.stack([np.bincount(mb, weights=c[k], minlength=M) for k in range(len(c))])
+        first, who, second = _top2(b, mb, M)
+        moved = False
+        for k, m in zip(*np.nonzero(first > T / W)):
+            s = who[k, m]
+            if s < 0 or mb[s] != m:
+                continue
+            L_wo = np.where(who[:, m] == s, second[:, m], first[:, m])
+            before = np.maximum(T[:, m] / W, first[:, m]).sum()
+            after_m = np.maximum((T[:, m] - c[:, s]) / W, L_wo).sum()
+            gains = []
+            for m2 in range(M):
+                if m2 == m:
+                    gains.append(-np.inf)
+                    continue
+                old2 = np.maximum(T[:, m2] / W, first[:, m2]).sum()
+                new2 = np.maximum((T[:, m2] + c[:, s]) / W, np.maximum(first[:, m2], b[:, s])).sum()
+                gains.append(before + old2 - after_m - new2)
+            m2 = int(np.argmax(gains))
+            if gains[m2] > 1e-9 * before:
+                mb[s] = m2
+                moved = True
+                break  # totals changed: recompute
+        if not moved:
+            return
+
+
+def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
+                      items_in: dict[str, np.ndarray], inputs: StepInputs, topology: Topology,
+                      sample_rank: np.ndarray, item_rank: dict[str, np.ndarray]) -> None:
+    """Steps 2-4 of the module docstring for one micro-batch's samples `samp`."""
+    W, g, N = topology.world_size, topology.ranks_per_node, topology.num_nodes
+    k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
+    c = cost[:, samp]
+    node = np.zeros(len(samp), dtype=np.int64)
+    if N > 1:
+        has_a = c[k_aud] > 0
+        has_v = ~has_a & (c[k_vis] > 0)
+        text = ~has_a & ~has_v
+        node_load = np.zeros((len(PHASES), N))
+        for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
+            sel = np.flatnonzero(mask)
+            if len(sel) == 0:
+                continue
+            row = node_load[k][None, :].copy()
+            nsel = lpt_rounds(c[k, sel], np.zeros(len(sel), dtype=np.int64), row)
+            # batched LPT is coarse with few samples per node: even it out, per node load
+            refine(c[k, sel], nsel, row[0], target=row[0].mean() * 1.001, max_iter=8)
+            node[sel] = nsel
+            for q in range(len(PHASES)):
+                node_load[q] += np.bincount(nsel, weights=c[q, sel], minlength=N)
+    local = lpt_rounds(c[k_llm], node, np.zeros((N, g)))
+    rank = node * g + local
+    loads = np.bincount(rank, weights=c[k_llm], minlength=W)
+    llm_lb = max(loads.sum() / W, c[k_llm].max(initial=0.0))
+    refine(c[k_llm], rank, loads, bins_per_group=g, target=llm_lb)
+    no_items = (c[k_vis] == 0) & (c[k_aud] == 0)
+    if N > 1:
+        refine(c[k_llm], rank, loads, movable=no_items, target=llm_lb)
+        refine(c[k_llm], rank, loads, target=llm_lb)
+    # last, all pairs (coarse bins only); across nodes only samples without embeddings
+    refine(c[k_llm], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
+           all_pairs=True, max_iter=16)
+    sample_rank[samp] = rank
+    for p in ENCODER_PHASES:
+        it = items_in[p]
+        if len(it) == 0:
+            continue
+        sz = unit_costs[p][it]
+        home = sample_rank[inputs.items(p).sample[it]]
+        lb = float(unit_bound(sz, np.zeros(len(sz), dtype=np.int64), 1, W)[0])
+        # Keep each rank's largest items at home up to the bound (zero bytes, and large items
+        # carry the most bytes); the excess is LPT-ed over the ranks of the same node.
+        within, _ = group_excl_cumsum(home, sz, by_size=True)
+        keep = within + sz <= lb * (1 + 1e-9)
+        r = home.copy()
+        loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
+        pool = np.flatnonzero(~keep)
+        if len(pool):
+            # the excess first fills its own node up to the bound, then the least-loaded ranks
+            grid = loads.reshape(N, g)  # a view: lpt_rounds updates `loads`
+            local = lpt_rounds(sz[pool], home[pool] // g, grid, cap=lb * (1 + 1e-9))
+            r[pool] = np.where(local >= 0, home[pool] // g * g + local, -1)
+            left = pool[local < 0]
+            if len(left):
+                r[left] = lpt_rounds(sz[left], np.zeros(len(left), dtype=np.int64), loads[None, :])
+        refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=4)
+        if loads.max() > lb * (1 + _GOOD_ENOUGH):
+            # Node-first packing left the slowest rank above the bound. Balance comes first in
+            # the objective, so also try LPT over all ranks: batched in rounds of W/4 items and
+            # bent toward home ranks, and sequential; node-first, if close, refines across
+            # nodes to catch up. Lowest maximum wins, then fewest embeddings crossing nodes.
+            cands = [(r, loads)]
+            per_rank = -(-len(sz) // W)
+            alt_loads = np.zeros(W)
+            alt = lpt_home(sz, home, alt_loads, node_size=g, tol=_BAND * lb / per_rank,
+                           round_size=max(1, W // 4))
+            cands.append((alt, alt_loads))
+            plain = lpt_heap(sz, W)  # sequential LPT: the yardstick, O(n log W) in Python
+            cands.append((plain, np.bincount(plain, weights=sz, minlength=W)))
+            nbytes = inputs.items(p).llm_len[it].astype(np.float64)
+            for k, (alt, alt_loads) in enumerate(cands[1:], 1):
+                refine(sz, alt, alt_loads, target=lb, all_pairs=True, max_iter=16)
+                # ranks are interchangeable for balance: hand each bin to the rank (node
+                # first) where most of its embeddings are going anyway
+                new_rank = relabel_bins(alt, home, nbytes, W, g)
+                moved = np.empty(W)
+                moved[new_rank] = alt_loads
+                cands[k] = (new_rank[alt], moved)
+            best_alt = min(ld.max() for _, ld in cands[1:])
+            if loads.max() <= best_alt * _CATCH_UP:
+                refine(sz, r, loads, target=max(lb, best_alt), all_pairs=True, max_iter=16)
+            r, loads = min(cands, key=lambda cand: (round(cand[1].max() / lb, 9),
+                                                    nbytes[cand[0] // g != home // g].sum()))
+        elif N > 1 and loads.max() > lb * (1 + 1e-9):
+            refine(sz, r, loads, target=lb, all_pairs=True, max_iter=8)  # a small residual
+        pull_home(sz, home, r, loads, g)
+        item_rank[p][it] = r
+
+
+def pull_home(sz: np.ndarray, home: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int,
+              max_rounds: int = 4) -> None:
+    """Move items placed off their home node back to it (its home rank, else the node's
+    least-loaded rank), then off-home items back to their home rank, wherever that keeps every
+    rank at or under today's maximum: bytes drop, the slowest rank does not get slower."""
+    cap = loads.max() * (1 + 1e-12)
+    W = len(loads)
+    for same_node in (False, True):
+        for _ in range(max_rounds):
+            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
+            if len(off) == 0:
+                break
+            h = home[off]
+            dest = h
+            if not same_node:
+                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
+                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
+            ok = loads[dest] + sz[off] <= cap
+            off, dest = off[ok], dest[ok]
+            if len(off) == 0:
+                break
+            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
+            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
+            pick = order[first]
+            off, dest = off[pick], dest[pick]
+            np.subtract.at(loads, r[off], sz[off])
+            loads[dest] += sz[off]
+            r[off] = dest
+
+
+def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
+    """Balanced, node-aware plan of one step (see module docstring). Deterministic in `seed`."""
+    check_inputs(inputs)
+    W = topology.world_size
+    S = inputs.num_samples
+    M = config.microbatches_for(inputs, topology)
+    rng = np.random.default_rng(config.seed)
+    unit_costs = phase_costs(inputs, config.cost)
+    cost, big = sample_phase_costs(inputs, unit_costs)
+    oversize = find_oversize(inputs, config)
+    if len(oversize) and config.oversize == "error":
+        s = int(oversize[0])
+        raise PlanError(f"sample {s} fits no capacity (llm_len {inputs.llm_len[s]}, "
+                        f"llm_capacity {config.llm_capacity}, encoder capacity "
+                        f"{config.encoder_capacity}); set oversize='isolate' to run it alone")
+    regular = np.ones(S, dtype=bool)
+    regular[oversize] = False
+    idx = np.flatnonzero(regular)
+    sample_mb = np.zeros(S, dtype=np.int64)
+    sample_rank = np.zeros(S, dtype=np.int64)
+    item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
+    mb = split_microbatches(cost, big, idx, M, W, rng)
+    if not _split_fits(inputs, config, idx, mb, M, W):
+        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
+    sample_mb[idx] = mb
+    item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
+    for m in range(M):
+        samp = idx[mb == m]
+        items_in = {p: np.flatnonzero((item_mb[p] == m) & regular[inputs.items(p).sample])
+                    for p in ENCODER_PHASES}
+        _place_microbatch(cost, samp, unit_costs, items_in, inputs, topology, sample_rank,
+                          item_rank)
+    isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
+    if len(oversize):
+        warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
+                      f"in an extra micro-batch ({M} -> {M + len(isolated)} micro-batches)",
+                      stacklevel=2)
+        _place_isolated(inputs, topology, oversize, M, unit_costs, sample_mb, sample_rank,
+                        item_rank)
+    plan = StepPlan(
+        inputs=inputs, topology=topology, num_microbatches=M + len(isolated),
+        sample_mb=sample_mb, sample_rank=sample_rank, item_rank=item_rank, cost=config.cost,
+        bytes_per_token={p: config.bytes_for(p) for p in ENCODER_PHASES},
+        llm_capacity=config.llm_capacity, encoder_capacity=config.encoder_capacity,
+        isolated_microbatches=isolated,
+    )
+    if config.llm_capacity is not None or config.encoder_capacity:
+        plan = repair_capacity(plan)
+    return plan
+
+
+def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
+    """Samples that fit no (rank, micro-batch): too many LLM tokens or one item too large."""
+    S = inputs.num_samples
+    bad = np.zeros(S, dtype=bool)
+    if config.llm_capacity is not None:
+        bad |= inputs.llm_len > config.llm_capacity
+    for p, cap in config.encoder_capacity.items():
+        it = inputs.items(p)
+        padded = config.cost.phase(p).padded_len(it.enc_len)
+        bad[it.sample[padded > cap]] = True
+    return np.flatnonzero(bad)
+
+
+def _split_fits(inputs, config, idx, mb, M, W) -> bool:
+    """Whether the split leaves every micro-batch's tokens comfortably under W x capacity."""
+    tight = 0.9
+    if config.llm_capacity is not None:
+        tok = np.bincount(mb, weights=inputs.llm_len[idx], minlength=M)
+        if tok.max(initial=0) > tight * W * config.llm_capacity:
+            return False
+    pos = np.full(inputs.num_samples, -1, dtype=np.int64)
+    pos[idx] = mb
+    for p, cap in config.encoder_capacity.items():
+        it = inputs.items(p)
+        m = pos[it.sample]
+        keep = m >= 0
+        tok = np.bincount(m[keep], weights=config.cost.phase(p).padded_len(it.enc_len)[keep],
+                          minlength=M)
+        if tok.max(initial=0) > tight * W * cap:
+            return False
+    return True
+
+
+def _place_isolated(inputs, topology, oversize, first_mb, unit_costs, sample_mb, sample_rank,
+                    item_rank) -> None:
+    """Oversize samples alone on a rank each, W per extra micro-batch, spread over nodes first;
+    a sample's encoder items are spread over its node's ranks."""
+    W, g = topology.world_size, topology.ranks_per_node
+    rank_seq = np.arange(W).reshape(W // g, g).T.ravel()  # node-major interleave
+    for k, s in enumerate(oversize):
+        r = int(rank_seq[k % W])
+        sample_mb[s], sample_rank[s] = first_mb + k // W, r
+        base = (r // g) * g
+        for p in ENCODER_PHASES:
+            it = inputs.items(p)
+            sel = np.flatnonzero(it.sample == s)
+            if len(sel):
+                loads = np.zeros((1, g))
+                item_rank[p][sel] = base + lpt_rounds(unit_costs[p][sel],
+                                                      np.zeros(len(sel), dtype=np.int64), loads)
+
+
+def repair_capacity(plan: StepPlan) -> StepPlan:
+    """Move units off (rank, micro-batch)s over capacity onto the roomiest rank of the same
+    micro-batch (same node first); PlanError if some rank cannot be brought under capacity."""
+    inp, topo = plan.inputs, plan.topology
+    W, M, g = topo.world_size, plan.num_microbatches, topo.ranks_per_node
+    free = np.ones(M, dtype=bool)
+    free[plan.isolated_microbatches] = False
+    sample_rank = plan.sample_rank.copy()
+    item_rank = {p: a.copy() for p, a in plan.item_rank.items()}
+    changed = False
+    units = []
+    if plan.llm_capacity is not None:
+        units.append((None, plan.sample_mb, sample_rank, np.asarray(inp.llm_len, np.float64),
+                      plan.llm_capacity))
+    for p, cap in plan.encoder_capacity.items():
+        it = inp.items(p)
+        units.append((p, plan.sample_mb[it.sample], item_rank[p],
+                      plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64), cap))
+    for name, mb, rank, tok, cap in units:
+        load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
+        for grp in np.flatnonzero(load > cap):
+            m, r = divmod(int(grp), W)
+            if not free[m]:
+                continue
+            members = np.flatnonzero((mb == m) & (rank == r))
+            for u in members[np.argsort(tok[members], kind="stable")]:
+                if load[grp] <= cap:
+                    break
+                row = load[m * W:(m + 1) * W]
+                room = cap - row
+                node = (np.arange(W) // g) == (r // g)
+                fits = room >= tok[u]
+                fits[r] = False
+                if not fits.any():
+                    continue
+                pick = np.flatnonzero(fits & node)
+                if len(pick) == 0:
+                    pick = np.flatnonzero(fits)
+                dst = int(pick[np.argmax(room[pick])])
+                rank[u] = dst
+                load[grp] -= tok[u]
+                load[m * W + dst] += tok[u]
+                changed = True
+            if load[grp] > cap:
+                what = "LLM" if name is None else name
+                raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
+                                f"{int(load[grp])} under capacity {cap}")
+    if not changed:
+        return plan
+    return StepPlan(
+        inputs=inp, topology=topo, num_microbatches=M, sample_mb=plan.sample_mb,
+        sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
+        bytes_per_token=plan.bytes_per_token, llm_capacity=plan.llm_capacity,
+        encoder_capacity=plan.encoder_capacity, isolated_microbatches=plan.isolated_microbatches,
+    )

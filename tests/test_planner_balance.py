@@ -1,0 +1,98 @@
+"""Partitioning primitives: valid assignments, known answers, refine never makes things worse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dispatcher_server.planner.balance import (
+    karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _loads(sizes, bins, k):
+    return np.bincount(bins, weights=sizes, minlength=k)
+
+
+def test_karmarkar_karp_known_answer():
+    sizes = np.array([8.0, 7, 6, 5, 4])
+    bins = karmarkar_karp(sizes, 2)
+    # differencing: 8-7=1, 6-5=1, then {4,1,1} -> 4-1=3, 3-1=2: sums 16 and 14
+    assert sorted(_loads(sizes, bins, 2)) == [14.0, 16.0]
+    assert sorted(_loads(sizes, lpt_heap(sizes, 2), 2)) == [13.0, 17.0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 16, 100])
+def test_partitions_use_every_item_once(k):
+    rng = np.random.default_rng(k)
+    sizes = rng.lognormal(0, 1, 500)
+    for bins in (karmarkar_karp(sizes, k), lpt_heap(sizes, k)):
+        assert bins.shape == (500,) and bins.min() >= 0 and bins.max() < k
+        loads = _loads(sizes, bins, k)
+        assert loads.sum() == pytest.approx(sizes.sum())
+        assert loads.max() <= sizes.sum() / k + sizes.max() + 1e-9  # LPT/KK guarantee
+
+
+def test_lpt_rounds_groups_and_cap():
+    rng = np.random.default_rng(1)
+    sizes = rng.uniform(1, 10, 300)
+    groups = rng.integers(0, 5, 300)
+    loads = np.zeros((5, 4))
+    bins = lpt_rounds(sizes, groups, loads)
+    for g in range(5):
+        sel = groups == g
+        assert np.allclose(loads[g], _loads(sizes[sel], bins[sel], 4))
+    capped = np.zeros((1, 4))
+    bins = lpt_rounds(sizes, np.zeros(300, dtype=np.int64), capped, cap=50.0)
+    assert capped.max() <= 50.0 and (bins == -1).any()
+    assert np.allclose(capped[0], _loads(sizes[bins >= 0], bins[bins >= 0], 4))
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(all_pairs=True), dict(bins_per_group=4)])
+def test_refine_lowers_the_max_and_keeps_loads_consistent(mode):
+    rng = np.random.default_rng(2)
+    sizes = rng.lognormal(0, 1, 400)
+    bins = rng.integers(0, 32, 400)
+    loads = _loads(sizes, bins, 32)
+    before = loads.max()
+    movable = rng.random(400) < 0.8
+    fixed = bins[~movable].copy()
+    refine(sizes, bins, loads, movable=movable, target=sizes.sum() / 32, **mode)
+    assert np.allclose(loads, _loads(sizes, bins, 32))
+    assert loads.max() < before
+    assert np.array_equal(bins[~movable], fixed)
+
+
+def test_refine_in_groups_never_crosses_groups():
+    rng = np.random.default_rng(3)
+    sizes = rng.lognormal(0, 1, 200)
+    bins = rng.integers(0, 16, 200)
+    group_before = bins // 4
+    loads = _loads(sizes, bins, 16)
+    refine(sizes, bins, loads, bins_per_group=4, target=0.0)
+    assert np.array_equal(bins // 4, group_before)
+
+
+def test_lpt_home_keeps_first_round_at_home_when_loads_tie():
+    sizes = np.array([10.0, 9, 8, 7])
+    home = np.array([3, 2, 1, 0])
+    loads = np.zeros(4)
+    bins = lpt_home(sizes, home, loads, node_size=2, tol=1.0)
+    assert np.array_equal(bins, home)
+    assert np.allclose(loads, _loads(sizes, bins, 4))
+
+
+def test_relabel_bins_is_a_permutation_that_brings_weight_home():
+    rng = np.random.default_rng(4)
+    W, g = 32, 4
+    home = rng.integers(0, W, 300)
+    # bins filled with items of one home node each, but sitting on the wrong nodes
+    bins = (home // g * g + rng.integers(0, g, 300) + g) % W
+    weight = rng.uniform(1, 5, 300)
+    new_rank = relabel_bins(bins, home, weight, W, g)
+    assert sorted(new_rank.tolist()) == list(range(W))
+    before = weight[bins // g != home // g].sum()
+    after = weight[new_rank[bins] // g != home // g].sum()
+    assert before > 0 and after == 0.0

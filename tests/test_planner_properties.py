@@ -1,0 +1,105 @@
+"""Property tests: every method yields a valid plan on arbitrary small steps and topologies."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from dispatcher_server.planner import (
+    BASELINES, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig, StepInputs, StepPlan,
+    Topology, plan_step, validate,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@st.composite
+def steps(draw):
+    ranks_per_node = draw(st.sampled_from([1, 2, 4]))
+    num_nodes = draw(st.sampled_from([1, 2, 3]))
+    topo = Topology(world_size=ranks_per_node * num_nodes, ranks_per_node=ranks_per_node)
+    S = draw(st.integers(0, 40))
+    text = np.array(draw(st.lists(st.integers(0, 3000), min_size=S, max_size=S)), dtype=np.int64)
+    enc = {}
+    for phase, hi in (("vision", 20000), ("audio", 40000)):
+        n = draw(st.integers(0, 2 * S)) if S else 0
+        owner = np.sort(np.array(draw(st.lists(st.integers(0, max(S - 1, 0)), min_size=n,
+                                               max_size=n)), dtype=np.int64))
+        e = np.array(draw(st.lists(st.integers(1, hi), min_size=n, max_size=n)), dtype=np.int64)
+        if n and draw(st.booleans()):
+            e[draw(st.integers(0, n - 1))] = hi * 8  # one giant item
+        enc[phase] = EncoderItems(enc_len=e, llm_len=e // 4, sample=owner)
+    llm = text.copy()
+    for it in enc.values():
+        llm += np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
+    inputs = StepInputs(text_len=text, llm_len=llm, encoders=enc)
+    M = draw(st.integers(1, 3))
+    cap = draw(st.sampled_from([None, 2000, 6000, 50000]))
+    cfg = PlannerConfig(num_microbatches=M, llm_capacity=cap,
+                        encoder_capacity={"vision": 40000} if cap else {},
+                        oversize="isolate", seed=draw(st.integers(0, 3)))
+    return inputs, topo, cfg
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps())
+def test_mmdispatch_plans_are_valid(case):
+    inputs, topo, cfg = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = plan_step(inputs, topo, cfg)
+        except PlanError as e:
+            # only a capacity that packing cannot meet may refuse, and it must say where; with
+            # at most half the room used, first-fit-style repair always finds a place
+            assert "capacity" in str(e)
+            room = 0.5 * topo.world_size * cfg.num_microbatches
+            vision = inputs.items("vision").enc_len.sum()
+            assert (inputs.llm_len.sum() > room * cfg.llm_capacity
+                    or vision > room * cfg.encoder_capacity["vision"])
+            event("refused")
+            return
+    event(f"planned, isolated={len(plan.isolated_microbatches) > 0}")
+    validate(plan, inputs)
+    W, M = topo.world_size, plan.num_microbatches
+    assert M >= cfg.num_microbatches
+    assert plan.sample_ptr.shape == (W * M + 1,)  # every rank has exactly M micro-batches
+    m = plan.metrics
+    assert m["step_time"] >= m["lb_step_time"] * (1 - 1e-9) - 1e-6
+    assert m["step_time"] >= m["split_free_lb_step_time"] * (1 - 1e-9) - 1e-6
+    again = StepPlan.from_dict(plan.to_dict())
+    validate(again, inputs)
+    assert np.array_equal(again.sample_rank, plan.sample_rank)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps(), st.sampled_from(sorted(BASELINES)))
+def test_baseline_plans_are_valid(case, name):
+    inputs, topo, cfg = case
+    plan = BASELINES[name](inputs, topo, cfg)
+    validate(plan, inputs)
+    for p in ENCODER_PHASES:
+        for m in range(plan.num_microbatches):
+            t = plan.exchange_table(m, p)
+            assert t.tokens.sum() == inputs.items(p).llm_len[
+                plan.sample_mb[inputs.items(p).sample] == m].sum()
+
+
+@pytest.mark.parametrize("W,g", [(1, 1), (8, 8), (16, 4)])
+def test_all_text_and_empty_steps(W, g):
+    topo = Topology(world_size=W, ranks_per_node=g)
+    cfg = PlannerConfig(num_microbatches=2)
+    for S in (0, 1, 3 * W):
+        text = np.arange(1, S + 1, dtype=np.int64) * 7
+        inputs = StepInputs(text_len=text, llm_len=text.copy())
+        plan = plan_step(inputs, topo, cfg)
+        validate(plan, inputs)
+        assert plan.metrics["bytes"] == {"same_rank": 0, "intra_node": 0, "inter_node": 0}
+        for r in range(W):
+            for m in range(2):
+                rm = plan.rank_microbatch(r, m)
+                assert all(len(ex.encode_items) == 0 for ex in rm.exchanges.values())
