@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 import soundfile
 from PIL import Image
 
-from pipeline.headers import HeaderError, flac_header, jpeg_size, png_size, wav_header
+from pipeline.headers import (
+    HeaderError, flac_header, gif_problem, jpeg_problem, jpeg_size, png_problem, png_size, wav_header,
+)
+
+
+#: Framing checks by image format (WEBP needs none: Pillow's open already refuses a cut file).
+_BODY_CHECKS = {"PNG": png_problem, "JPEG": jpeg_problem, "GIF": gif_problem}
 
 
 class CountError(HeaderError):
@@ -65,6 +71,10 @@ class AudioConfig:
     llm_tokens_per_s: float = 25.0
     pad_window_s: float | None = None
     max_duration_s: float = 4 * 3600.0  # longer clips are corrupt headers or not training data
+    # Telephone speech is 8 kHz, studio masters reach 384 kHz (a few 768 kHz): a header outside
+    # this range is corrupt, and its duration cannot be trusted either.
+    min_sample_rate: int = 1000
+    max_sample_rate: int = 768_000
     extensions: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
 
     def __post_init__(self) -> None:
@@ -75,6 +85,10 @@ class AudioConfig:
             )
         if self.pad_window_s is not None and self.pad_window_s <= 0:
             raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 or None")
+        if not 0 < self.min_sample_rate <= self.max_sample_rate:
+            raise ValueError(
+                f"need 0 < min_sample_rate={self.min_sample_rate} <= max_sample_rate={self.max_sample_rate}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,13 +112,18 @@ class TextConfig:
     chat_turn_overhead: int = 5
     ascii_bytes_per_token: float = 4.0
     tokens_per_non_ascii_char: float = 1.0
-    max_text_bytes: int = 64 << 20  # cap on decompressed .gz members (zip-bomb guard)
+    # Largest text member, raw or inflated from .gz (zip-bomb guard); larger ones are skipped as
+    # `text_too_large` before decoding. 8 MiB is ~2M tokens, beyond any model's context, and a
+    # sample's text travels in one message header (32 MiB limit in the wire protocol).
+    max_text_bytes: int = 8 << 20
     extensions: tuple[str, ...] = ("txt", "text")
     json_extensions: tuple[str, ...] = ("json",)
 
     def __post_init__(self) -> None:
         if self.ascii_bytes_per_token <= 0:
             raise ValueError(f"ascii_bytes_per_token={self.ascii_bytes_per_token} must be > 0")
+        if self.max_text_bytes < 1:
+            raise ValueError(f"max_text_bytes={self.max_text_bytes} must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -163,17 +182,26 @@ def _utf8(data: bytes | memoryview, what: str) -> str:
 
 
 def gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
-    """Decompress a gzip member, refusing to inflate beyond `max_bytes`."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    """Decompress a gzip file, refusing to inflate beyond `max_bytes`.
+
+    Concatenated gzip members (`gzip -c a >> b`) are one file, as gzip itself reads them: the
+    first member alone would silently undercount the text. Trailing NUL padding is tolerated.
+    """
+    out = b""
+    rest = data
     try:
-        out = inflater.decompress(data, max_bytes + 1)
+        while True:
+            inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+            out += inflater.decompress(rest, max_bytes + 1 - len(out))
+            if len(out) > max_bytes:
+                raise CountError("text_too_large", f"gzip member inflates beyond max_text_bytes={max_bytes}")
+            if not inflater.eof:
+                raise CountError("bad_gzip", "gzip member is truncated")
+            rest = inflater.unused_data
+            if not rest.strip(b"\0"):
+                return out
     except zlib.error as e:
         raise CountError("bad_gzip", f"gzip member is corrupt: {e}") from None
-    if len(out) > max_bytes:
-        raise CountError("bad_gzip", f"gzip member inflates beyond max_text_bytes={max_bytes}")
-    if not inflater.eof:
-        raise CountError("bad_gzip", "gzip member is truncated")
-    return out
 
 
 class Counter:
@@ -206,6 +234,12 @@ class Counter:
                 f"image header declares {width}x{height} pixels, over max_header_pixels={cfg.max_header_pixels}",
             )
         enc, llm = image_lengths(width, height, cfg)
+        # A header can be intact over a cut or garbage body; the trainer's decoder would fail on
+        # it after the sample was planned, so the cheap framing checks run here.
+        check = _BODY_CHECKS.get(fmt)
+        problem = check(data) if check is not None else None
+        if problem is not None:
+            raise CountError("bad_image", f"{fmt} {width}x{height}: {problem}")
         return enc, llm, {"width": width, "height": height, "format": fmt}
 
     def _pil_size(self, data: bytes | memoryview) -> tuple[int, int, str]:
@@ -236,6 +270,11 @@ class Counter:
                 raise CountError("bad_audio", f"audio header declares rate={rate} duration={duration}")
         else:
             rate, channels, duration = header
+        if not cfg.min_sample_rate <= rate <= cfg.max_sample_rate:
+            raise CountError(
+                "bad_audio",
+                f"audio header declares {rate} Hz, outside [{cfg.min_sample_rate}, {cfg.max_sample_rate}]",
+            )
         if duration > cfg.max_duration_s:
             raise CountError("bad_audio", f"audio lasts {duration:.0f} s, over max_duration_s={cfg.max_duration_s}")
         if duration <= 0:
@@ -253,6 +292,10 @@ class Counter:
     def text(self, data: bytes | memoryview, ext: str, what: str) -> tuple[str, int]:
         """(text, tokens) of a text or JSON member; JSON without a text field gives ("", 0)."""
         cfg = self.config.text
+        if len(data) > cfg.max_text_bytes:
+            raise CountError(
+                "text_too_large", f"{what} holds {len(data)} bytes, over max_text_bytes={cfg.max_text_bytes}"
+            )
         text = _utf8(data, what)
         if ext in cfg.json_extensions:
             return self._json_text(text, what)
@@ -270,12 +313,23 @@ class Counter:
         if value is None:
             return "", 0  # metadata JSON: carried as payload, not text
         if isinstance(value, str):
-            return value, self.count_text(value)
+            return _sendable(value, what), self.count_text(value)
         if isinstance(value, list):
             turns = [_turn_text(turn, what) for turn in value]
-            text = "\n".join(turns)
+            text = _sendable("\n".join(turns), what)
             return text, sum(self.count_text(t) for t in turns) + cfg.chat_turn_overhead * len(turns)
         raise CountError("bad_json", f"{what} field holds a {type(value).__name__}, expected text or turns")
+
+
+def _sendable(text: str, what: str) -> str:
+    """`text`, refused if a JSON escape left an unpaired surrogate: it cannot be encoded as
+    UTF-8, so it could be neither counted nor sent."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise CountError("bad_text", f"{what} escapes an unpaired surrogate at character {e.start}") from None
+    return text
 
 
 def _turn_text(turn: object, what: str) -> str:

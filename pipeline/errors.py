@@ -15,11 +15,36 @@ log = logging.getLogger("mmdispatch.pipeline")
 
 ERROR_MODES: tuple[str, ...] = ("raise", "skip", "warn")
 
+#: Every reason a reader counts, and what it means. Shard-level reasons (the archive itself is
+#: unusable from some byte on) carry no key; the others name the sample's key.
+REASONS: dict[str, str] = {
+    # shard level
+    "open_failed": "the shard could not be opened",
+    "shard_failed": "the shard's stream failed on close (e.g. a pipe: command exited non-zero)",
+    "empty_shard": "the shard holds no samples",
+    "truncated_tar": "the archive (or its gzip stream) ends early; samples from the break on are lost",
+    "bad_tar": "a corrupt tar header, pax record or gzip stream; samples from there on are lost",
+    # sample level
+    "duplicate_key": "a key or member name seen before in the same shard",
+    "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",
+    "member_too_large": "a member over ReaderConfig.max_member_bytes",
+    "sample_too_large": "a sample whose members together exceed ReaderConfig.max_sample_bytes",
+    "empty_sample": "no countable text, image or audio among the sample's members",
+    "bad_image": "an image header that is unreadable, impossible, or over a cut or garbage body",
+    "image_too_large": "an image header declaring more than ImageConfig.max_header_pixels",
+    "bad_audio": "an audio header that is unreadable, inconsistent, or lies about rate or length",
+    "bad_text": "text that is not UTF-8 (or escapes an unpaired surrogate)",
+    "text_too_large": "a text member, raw or inflated, over TextConfig.max_text_bytes",
+    "bad_json": "a JSON member that does not parse or has no usable text field",
+    "bad_gzip": "a .gz member that is corrupt or truncated",
+}
+
 
 class SampleError(ValueError):
     """A sample (or a whole shard) could not be read or counted."""
 
     def __init__(self, reason: str, shard: str, key: str | None, message: str) -> None:
+        assert reason in REASONS, f"undocumented error reason {reason!r}"
         where = f"shard {shard!r}" + (f" key {key!r}" if key is not None else "")
         super().__init__(f"{reason}: {where}: {message}")
         self.reason = reason

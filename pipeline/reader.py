@@ -17,7 +17,7 @@ from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, 
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
-from pipeline.tario import TarError, open_decompressed, tar_members
+from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,6 +27,18 @@ class ReaderConfig:
     counting: CountingConfig = field(default_factory=CountingConfig)
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
     keep_members: bool = True  # carry raw member bytes in records (False: counts only)
+    # Members over this are read through and the sample skipped (`member_too_large`): one member
+    # is held in memory whole, and the wire protocol's frame limit is 256 MiB anyway.
+    max_member_bytes: int = 256 << 20
+    # A sample's members are held together until its key changes; a shard whose members all
+    # share one key would otherwise be held whole. 1 GiB is the wire protocol's message limit.
+    max_sample_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.max_member_bytes < 1:
+            raise ValueError(f"max_member_bytes={self.max_member_bytes} must be >= 1")
+        if self.max_sample_bytes < 1:
+            raise ValueError(f"max_sample_bytes={self.max_sample_bytes} must be >= 1")
 
 
 def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +55,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
     add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (default: estimator)")
+    add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
+    add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
+        help="skip samples with a member larger than this (read through, never held)")
     add("--json-field", action="append", default=None,
         help=f"JSON text field, repeatable (default: {', '.join(text.json_fields)})")
     add("--errors", choices=ERROR_MODES, default=errors.mode, help="what to do with a bad sample")
@@ -51,7 +66,7 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
     """The `ReaderConfig` described by options added with `add_reader_arguments`."""
-    text_kwargs: dict = {"tokenizer_path": args.tokenizer}
+    text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes}
     if args.json_field:
         text_kwargs["json_fields"] = tuple(args.json_field)
     counting = CountingConfig(
@@ -66,7 +81,9 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
         text=TextConfig(**text_kwargs),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
-    return ReaderConfig(counting=counting, errors=errors, keep_members=keep_members)
+    return ReaderConfig(
+        counting=counting, errors=errors, keep_members=keep_members, max_member_bytes=args.max_member_bytes
+    )
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -78,17 +95,37 @@ def split_name(name: str) -> tuple[str, str] | None:
     return name[:dot], name[dot + 1 :]
 
 
+def _utf8_name(name: str) -> bool:
+    """Whether a member name survives UTF-8 encoding (names travel as UTF-8 on the wire)."""
+    if name.isascii():
+        return True
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable_key(key: str) -> str:
+    """`key` with the raw bytes of a non-UTF-8 name shown as `\\xNN`, safe to log and send."""
+    return key if _utf8_name(key) else key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def group_samples(
-    members: Iterable[tuple[str, bytes]], on_ignored: Callable[[str], None]
-) -> Iterator[tuple[str, dict[str, bytes], str | None]]:
+    members: Iterable[tuple[str, bytes | TooLarge]],
+    on_ignored: Callable[[str], None],
+    max_sample_bytes: int | None = None,
+) -> Iterator[tuple[str, dict[str, bytes], tuple[str, str] | None]]:
     """Yield (key, {suffix: bytes}, problem) per run of consecutive members sharing a key.
 
-    A group still being filled when the member stream fails is dropped unless the failure is
-    known to lie in the next sample's first member.
+    `problem` is None or (reason, message) for a sample that must be skipped whole. A group
+    still being filled when the member stream fails is dropped (its key is left on the error
+    as `dropped_key`) unless the failure is known to lie in the next sample's first member.
     """
     key: str | None = None
     group: dict[str, bytes] = {}
-    problem: str | None = None
+    problem: tuple[str, str] | None = None
+    held = 0  # bytes of the pending group
     try:
         for name, data in members:
             parts = split_name(name)
@@ -99,15 +136,31 @@ def group_samples(
             if k != key:
                 if key is not None:
                     yield key, group, problem
-                key, group, problem = k, {}, None
-            if suffix in group:
-                problem = f"member {name!r} appears twice"
+                key, group, problem, held = k, {}, None, 0
+            if problem is not None:
+                continue  # the first problem explains the skip; the sample's bytes are not kept
+            if isinstance(data, TooLarge):
+                problem = ("member_too_large", f"member {printable_key(name)!r} holds {data.size} bytes, "
+                           "over max_member_bytes")
+            elif not _utf8_name(name):
+                problem = ("bad_key", f"member name {printable_key(name)!r} is not UTF-8")
+            elif suffix in group:
+                problem = ("duplicate_key", f"member {name!r} appears twice")
+            elif max_sample_bytes is not None and held + len(data) > max_sample_bytes:
+                problem = ("sample_too_large", f"members reach {held + len(data)} bytes at {name!r}, "
+                           f"over max_sample_bytes={max_sample_bytes}")
+            if problem is not None:
+                group.clear()
+                continue
             group[suffix] = data
+            held += len(data)
     except TarError as e:
         # The pending sample is complete if the archive broke inside another sample's member.
         failed = split_name(e.member) if e.member is not None else None
         if key is not None and failed is not None and failed[0] != key:
             yield key, group, problem
+        elif key is not None:
+            e.dropped_key = key
         raise
     if key is not None:
         yield key, group, problem
@@ -239,16 +292,17 @@ def iter_shard(
     seen: set[str] = set()
     failure: SampleError | None = None
     try:
-        for key, members, problem in group_samples(tar_members(open_decompressed(stream, url)), ignored):
+        members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes)
+        for key, members, problem in group_samples(members_of, ignored, config.max_sample_bytes):
             index += 1
             last_key = key
-            if key in seen:
-                problem = f"key {key!r} appears again at sample {index} (keys must be unique in a shard)"
+            if key in seen and problem is None:
+                problem = ("duplicate_key", f"key {key!r} appears again at sample {index} (must be unique in a shard)")
             seen.add(key)
             if index < start_index:
                 continue
             if problem is not None:
-                stats.handle(SampleError("duplicate_key", url, key, problem), policy)
+                stats.handle(SampleError(problem[0], url, printable_key(key), problem[1]), policy)
                 continue
             try:
                 record = builder.build(key, members, url, index)
@@ -258,8 +312,11 @@ def iter_shard(
             stats.ok()
             yield record
     except TarError as e:
-        after = f" after key {last_key!r}" if last_key is not None else ""
-        failure = SampleError(e.reason, url, None, f"{e}{after}; the rest of the shard is lost")
+        after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""
+        lost = f" from key {printable_key(e.dropped_key)!r}" if e.dropped_key is not None else ""
+        failure = SampleError(
+            e.reason, url, None, f"{e}{after}; samples from index {index + 1}{lost} on are lost"
+        )
     finally:
         try:
             stream.close()
@@ -285,5 +342,5 @@ def iter_samples(
 
 __all__ = [
     "ReaderConfig", "SampleBuilder", "add_reader_arguments", "group_samples", "iter_samples", "iter_shard",
-    "reader_config_from_args", "split_name",
+    "printable_key", "reader_config_from_args", "split_name",
 ]

@@ -11,13 +11,22 @@ from __future__ import annotations
 import gzip
 import zlib
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 _BLOCK = 512
 _ZERO_BLOCK = bytes(_BLOCK)
 _BIG_MEMBER = 64 << 20
+_SKIP_CHUNK = 1 << 20
 _REGULAR = (b"0", b"\0", b"7")
+_META = (b"L", b"x")  # GNU long name, pax extended header: they name the next member
+_MAX_META = 1 << 20
 _SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"D", b"V")  # links, dirs, devices, globals
+
+
+class TooLarge(NamedTuple):
+    """Stands in for the bytes of a member over `max_member_bytes`: read through, not kept."""
+
+    size: int
 
 
 class TarError(ValueError):
@@ -27,6 +36,7 @@ class TarError(ValueError):
         super().__init__(message)
         self.reason = reason
         self.member = member  # name of the member being read when the archive failed, if known
+        self.dropped_key: str | None = None  # set by readers: the partly read sample they dropped
 
 
 def _number(field: bytes, offset: int) -> int:
@@ -39,19 +49,27 @@ def _number(field: bytes, offset: int) -> int:
         raise TarError("bad_tar", f"corrupt numeric field {field!r} in header at byte {offset}") from None
 
 
-def _pax_path(records: bytes) -> str | None:
-    """The `path` of a pax extended header ("LEN key=value\\n" records), if any."""
+def _pax_path(records: bytes, offset: int) -> str | None:
+    """The `path` of a pax extended header ("LEN key=value\\n" records), if any.
+
+    Every record is checked: a zero or garbage length would otherwise loop forever or escape
+    as a bare ValueError.
+    """
     pos = 0
     path = None
     while pos < len(records):
         space = records.find(b" ", pos)
-        if space < 0:
-            break
-        length = int(records[pos:space])
-        key, _, value = records[space + 1 : pos + length - 1].partition(b"=")
+        digits = records[pos:space] if space > pos else b""
+        length = int(digits) if digits.isdigit() else 0
+        end = pos + length
+        if space < 0 or length <= space - pos + 1 or end > len(records) or records[end - 1 : end] != b"\n":
+            if not records[pos:].strip(b"\0"):
+                break  # NUL padding after the last record, as some writers leave it
+            raise TarError("bad_tar", f"corrupt pax record at byte {pos} of the extended header at byte {offset}")
+        key, _, value = records[space + 1 : end - 1].partition(b"=")
         if key == b"path":
             path = value.decode("utf-8", "surrogateescape")
-        pos += length
+        pos = end
     return path
 
 
@@ -69,6 +87,17 @@ def _read_member(read, size: int) -> bytes:
     return bytes(parts)
 
 
+def _skip_member(read, size: int) -> int:
+    """Read and drop `size` bytes in bounded chunks; returns how many the stream held."""
+    done = 0
+    while done < size:
+        chunk = read(min(_SKIP_CHUNK, size - done))
+        if not chunk:
+            break
+        done += len(chunk)
+    return done
+
+
 def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
     """Wrap `stream` in a gzip inflater when the shard name says it is compressed."""
     if url.endswith((".gz", ".tgz")):
@@ -76,13 +105,19 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
     return stream
 
 
-def tar_members(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
-    """Yield (member name, member bytes) for each regular file, in archive order."""
+def tar_members(stream: BinaryIO, max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes | TooLarge]]:
+    """Yield (member name, member bytes) for each regular file, in archive order.
+
+    A regular member over `max_member_bytes` is read through in 1 MiB chunks and yielded as
+    `TooLarge(size)` instead of its bytes, so one huge member cannot exhaust memory.
+    """
     read = stream.read
     offset = 0
     long_name: str | None = None
+    name: str | None = None  # the member being read, for errors raised by the decompressor
     try:
         while True:
+            name = None
             header = read(_BLOCK)
             if len(header) < _BLOCK:
                 if offset == 0 and not header:
@@ -106,26 +141,37 @@ def tar_members(stream: BinaryIO) -> Iterator[tuple[str, bytes]]:
                     if header[257:263] == b"ustar\0" and header[345] != 0:
                         raw = header[345:500].split(b"\0", 1)[0] + b"/" + raw
                     name = raw.decode("utf-8", "surrogateescape")
+            if name is None and kind in _META and size > _MAX_META:
+                raise TarError("bad_tar", f"extended header at byte {offset} declares {size} bytes")
+            # Members nobody keeps (directories, links, oversized files) are read through, not held.
+            if kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
+                present = _skip_member(read, size)
+                data: bytes | TooLarge = TooLarge(size)
             else:
-                name = None
-            data = _read_member(read, size)
-            if len(data) < size:
+                data = _read_member(read, size)
+                present = len(data)
+            if present < size:
                 raise TarError(
                     "truncated_tar",
-                    f"member at byte {offset} declares {size} bytes, archive ends after {len(data)}",
+                    f"member at byte {offset} declares {size} bytes, archive ends after {present}",
                     name,
                 )
             pad = -size % _BLOCK
             if pad and len(read(pad)) < pad:
                 raise TarError("truncated_tar", f"archive ends inside the padding of member at byte {offset}", name)
-            offset += _BLOCK + size + pad
             if name is not None:
+                offset += _BLOCK + size + pad
                 yield name, data
-            elif kind == b"L":
+                continue
+            if kind == b"L":
                 long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                long_name = _pax_path(data) or long_name
-            elif kind not in _SKIPPED:
+                long_name = _pax_path(data, offset) or long_name
+            elif kind in _SKIPPED:
+                long_name = None  # a long name applies to the very next member only
+            else:
                 raise TarError("bad_tar", f"unknown tar member type {kind!r} at byte {offset}")
+            offset += _BLOCK + size + pad
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise TarError("truncated_tar" if isinstance(e, EOFError) else "bad_tar", f"compressed shard: {e}") from None
+        reason = "truncated_tar" if isinstance(e, EOFError) else "bad_tar"
+        raise TarError(reason, f"compressed shard at tar byte {offset}: {e}", name) from None
