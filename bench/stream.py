@@ -1,0 +1,317 @@
+"""End-to-end streaming throughput: shards -> R readers -> dispatcher -> W trainers, vs a bare read.
+
+Every party is a real process on 127.0.0.1. The baseline, in the same run, is a bare webdataset
+read of the same shards by R processes (no counting, no planning, no sockets). Rates are taken
+between the first and the last sample seen by the consuming processes (process start-up is
+excluded on both sides). A second phase makes one trainer slow and records the dispatcher's
+peak RSS against its configured bound.
+
+    python -m bench.stream [--json]
+
+CPU per sample is reported per party (dispatcher and readers from /proc, zmq I/O threads
+included; readers include their start-up; trainers from READY to their last step): on a small
+machine the ratio is bounded by the total CPU the chain spends per sample against the bare read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MiB = 1 << 20
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class ProcSampler:
+    """Every 10 ms from /proc: the dispatcher's peak RSS, and the CPU seconds of each group."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.pid, self.peak = server_pid, 0.0
+        self.groups: dict[str, list[int]] = {}
+        self.cpu: dict[int, float] = {}
+        self.cpu0: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss_mb(self.pid))
+            for pid in [self.pid, *(p for g in self.groups.values() for p in g)]:
+                t = _cpu_s(pid)
+                if t is not None:
+                    self.cpu[pid] = t
+                    # Baselines: the dispatcher was started and idle before the first reading;
+                    # readers are counted from their spawn (imports included: an overestimate).
+                    self.cpu0.setdefault(pid, 0.0 if pid in self.groups.get("readers", ()) else t)
+
+    def stop(self) -> tuple[float, dict[str, float]]:
+        self._stop.set()
+        self._thread.join(5)
+        groups = {"dispatcher": [self.pid], **self.groups}
+        return self.peak, {g: sum(self.cpu.get(p, 0.0) - self.cpu0.get(p, 0.0) for p in pids)
+                           for g, pids in groups.items()}
+
+
+# -- worker roles (run as subprocesses of this module) -----------------------------------------
+def raw_worker(shards: list[str], epochs: int) -> dict:
+    import webdataset as wds
+
+    print("READY", flush=True)
+    sys.stdin.readline()  # start together: imports are not part of the measurement
+    n = nbytes = 0
+    t_first, cpu0 = time.time(), time.process_time()
+    for _ in range(epochs):
+        for sample in wds.WebDataset(shards, shardshuffle=False, empty_check=False):
+            nbytes += sum(len(v) for v in sample.values() if isinstance(v, bytes))
+            n += 1
+    return {"samples": n, "bytes": nbytes, "t_first": t_first, "t_last": time.time(),
+            "cpu_s": time.process_time() - cpu0}
+
+
+def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> dict:
+    from trainer_client.client import ClientConfig, DispatcherClient
+
+    n = nbytes = steps = 0
+    t_first = None
+    client = DispatcherClient(address, rank, world_size, world_size,
+                              config=ClientConfig(prefetch=2, step_timeout_s=300)).start()
+    import torch
+
+    # torch initialises its op dispatch on first use (~0.5 s CPU); do it before the clock runs.
+    torch.cumsum(torch.frombuffer(bytearray(16), dtype=torch.int64), 0)
+    print("READY", flush=True)  # connected: readers start only now, so nothing is pre-buffered
+    cpu0 = time.process_time()
+    try:
+        for step in client:
+            if t_first is None:
+                t_first = time.time()
+            for mb in step.microbatches:
+                n += len(mb.keys)
+                nbytes += sum(len(t) for t in mb.texts)
+                for enc in mb.encoders.values():
+                    nbytes += sum(p.nbytes for p in enc.payloads)
+            steps += 1
+            if slow_ms:
+                time.sleep(slow_ms / 1e3)
+    finally:
+        client.close()
+    return {"samples": n, "bytes": nbytes, "steps": steps, "t_first": t_first, "t_last": time.time(),
+            "cpu_s": time.process_time() - cpu0}
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def _wait_ready(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        line = p.stdout.readline()
+        if line.strip() != "READY":
+            raise RuntimeError(f"worker {p.args} did not start: {line!r}")
+
+
+def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"worker {p.args} failed with status {p.returncode}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def _rate(results: list[dict]) -> tuple[float, float, int, int]:
+    span = max(r["t_last"] for r in results) - min(r["t_first"] for r in results)
+    n = sum(r["samples"] for r in results)
+    b = sum(r["bytes"] for r in results)
+    return n / span, b / span / MiB, n, b
+
+
+def run_raw(shards: list[str], num_procs: int, epochs: int) -> dict:
+    procs = [_spawn(["-m", "bench.stream", "--role", "raw", "--epochs", str(epochs),
+                     "--worker-shards", *shards[i::num_procs]]) for i in range(num_procs)]
+    _wait_ready(procs)
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = _collect(procs, 600)
+    rate, mbps, n, _ = _rate(results)
+    cpu = sum(r["cpu_s"] for r in results)
+    return {"samples_per_s": rate, "mb_per_s": mbps, "samples": n,
+            "cpu_ms_per_sample": round(1e3 * cpu / n, 3)}
+
+
+def _start_serve(args: list[str]) -> tuple[subprocess.Popen, dict]:
+    errors = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=errors, text=True)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if sel.select(0.2):
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                return proc, json.loads(line[6:])
+            if not line:
+                break
+    proc.kill()
+    proc.wait(10)
+    errors.seek(0)
+    raise RuntimeError("dispatcher did not start: " + errors.read()[-2000:])
+
+
+def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float) -> dict:
+    serve_args = ["--shards", *shards, "--world-size", str(a.trainers), "--global-batch",
+                  str(a.global_batch), "--num-microbatches", str(a.microbatches),
+                  "--max-epochs", str(a.epochs), "--exit-when-done", "--log-level", "WARNING",
+                  "--max-buffered-samples", str(a.max_buffered_samples),
+                  "--max-buffered-bytes", str(a.max_buffered_mb * MiB),
+                  "--max-retained-steps", str(a.retained_steps),
+                  "--inflight-shards", str(a.inflight_shards or 2 * a.readers),
+                  "--credit-batch", str(a.credit_batch)]
+    server, ready = _start_serve(serve_args)
+    time.sleep(0.3)  # let the interpreter settle before taking the idle RSS
+    sampler = ProcSampler(server.pid)
+    idle_rss = _rss_mb(server.pid)
+    trainers = [_spawn(["-m", "bench.stream", "--role", "trainer", "--address", ready["trainers"],
+                        "--rank", str(r), "--trainers", str(a.trainers),
+                        "--slow-ms", str(slow_ms if r == 0 else 0)]) for r in range(a.trainers)]
+    _wait_ready(trainers)
+    # One process per reader worker, so each one's CPU time can be read from /proc.
+    readers = [subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                                 ready["readers"], "--workers", "1", "--batch", "32"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for _ in range(a.readers)]
+    sampler.groups = {"readers": [p.pid for p in readers]}
+    try:
+        results = _collect(trainers, 900)
+        server.wait(60)
+    finally:
+        peak, cpu = sampler.stop()
+        for p in (*readers, server, *trainers):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    rate, mbps, n, _ = _rate(results)
+    # Trainers report their own CPU from READY to their last step (their interpreter shutdown,
+    # ~0.5 s of torch teardown, is not streaming work); the others are read from /proc.
+    cpu["trainers"] = sum(r["cpu_s"] for r in results)
+    return {"samples_per_s": rate, "mb_per_s": mbps, "samples": n, "idle_rss_mb": idle_rss,
+            "peak_rss_mb": peak, "steps": results[0]["steps"],
+            "cpu_ms_per_sample": {g: round(1e3 * t / n, 3) for g, t in cpu.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--samples", type=int, default=3200)
+    p.add_argument("--shards", type=int, default=32)
+    p.add_argument("--readers", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=512)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--max-buffered-samples", type=int, default=2048)
+    p.add_argument("--max-buffered-mb", type=int, default=96)
+    p.add_argument("--credit-batch", type=int, default=128, help="samples per reader credit")
+    p.add_argument("--inflight-shards", type=int, default=None, help="default: 2 x readers")
+    p.add_argument("--retained-steps", type=int, default=2)
+    p.add_argument("--skip-raw", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--slow-ms", type=float, default=100.0, help="per-step delay of the slow trainer")
+    p.add_argument("--data", default=None, help="reuse/generate shards here (default: temp dir)")
+    # worker roles
+    p.add_argument("--role", choices=("raw", "trainer"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-shards", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--address", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.role == "raw":
+        print(json.dumps(raw_worker(a.worker_shards, a.epochs)))
+        return 0
+    if a.role == "trainer":
+        print(json.dumps(trainer_worker(a.address, a.rank, a.trainers, a.slow_ms)))
+        return 0
+
+    from pipeline.gendata import generate
+
+    tmp = None
+    if a.data is None:
+        tmp = tempfile.TemporaryDirectory(prefix="mmdispatch-bench-")
+        a.data = tmp.name
+    shards = sorted(os.path.join(a.data, f) for f in os.listdir(a.data) if f.endswith(".tar")) \
+        if os.path.isdir(a.data) else []
+    if len(shards) != a.shards:
+        shards = generate(a.data, num_samples=a.samples, num_shards=a.shards, seed=0)
+    raw = run_raw(shards, a.readers, a.epochs) if not a.skip_raw else \
+        {"samples_per_s": float("nan"), "mb_per_s": float("nan"), "samples": 0,
+         "cpu_ms_per_sample": None}
+    e2e = run_e2e(shards, a, 0.0)
+    slow = run_e2e(shards, a, a.slow_ms)
+    # The bound the configuration promises: the idle process plus the buffered payload, twice
+    # (received frames and the send queues referencing them can briefly coexist).
+    rss_bound = slow["idle_rss_mb"] + 2 * a.max_buffered_mb
+    out = {
+        "readers": a.readers, "trainers": a.trainers, "cpus": os.cpu_count(),
+        "samples_per_epoch": a.samples, "epochs": a.epochs, "global_batch": a.global_batch,
+        "e2e_samples_per_s": round(e2e["samples_per_s"], 1),
+        "raw_samples_per_s": round(raw["samples_per_s"], 1),
+        "e2e_vs_raw": round(e2e["samples_per_s"] / raw["samples_per_s"], 3),
+        "payload_mb_per_s": round(e2e["mb_per_s"], 2),
+        "raw_mb_per_s": round(raw["mb_per_s"], 2),
+        "e2e_samples_delivered": e2e["samples"], "raw_samples_read": raw["samples"],
+        "raw_cpu_ms_per_sample": raw["cpu_ms_per_sample"],
+        "e2e_cpu_ms_per_sample": e2e["cpu_ms_per_sample"],
+        "dispatcher_idle_rss_mb": round(e2e["idle_rss_mb"], 1),
+        "dispatcher_peak_rss_mb": round(e2e["peak_rss_mb"], 1),
+        "slow_trainer_ms_per_step": a.slow_ms,
+        "slow_samples_per_s": round(slow["samples_per_s"], 1),
+        "slow_dispatcher_peak_rss_mb": round(slow["peak_rss_mb"], 1),
+        "max_buffered_mb": a.max_buffered_mb,
+        "rss_bound_mb": round(rss_bound, 1),
+        "rss_within_bound": slow["peak_rss_mb"] <= rss_bound,
+    }
+    if tmp is not None:
+        tmp.cleanup()
+    if a.json:
+        print(json.dumps(out))
+    else:
+        width = max(map(len, out))
+        for k, v in out.items():
+            print(f"{k:<{width}}  {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Configuration of the dispatcher server: what to read, how to batch, how much to hold, where to bind.
+
+Memory is bounded by `FlowConfig` alone: samples held anywhere in the dispatcher (shard
+buffers, the step being filled, steps sent but not yet acknowledged) plus reader credits
+outstanding never exceed `max_buffered_samples`, and new credits stop at `max_buffered_bytes`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dispatcher_server.planner.config import PlannerConfig
+from dispatcher_server.protocol import DEFAULT_LIMITS, Limits
+
+MODES = ("deterministic", "arrival")
+
+
+@dataclass(kw_only=True, slots=True)
+class BatchConfig:
+    """Global batch rule: `global_batch` samples per step, cut earlier at `token_budget` LLM tokens."""
+
+    global_batch: int
+    token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FlowConfig:
+    """Credits and memory bounds."""
+
+    max_buffered_samples: int = 4096
+    max_buffered_bytes: int = 256 << 20
+    max_retained_steps: int = 4  # steps planned but not yet acknowledged by every rank
+    num_inflight_shards: int = 8  # shards read at once (the reorder window of deterministic mode)
+    credit_batch: int = 32  # samples per reader credit grant (and per SAMPLES message)
+
+
+@dataclass(kw_only=True, slots=True)
+class LivenessConfig:
+    heartbeat_s: float = 1.0
+    timeout_s: float = 5.0
+    poll_ms: int = 50
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.timeout_s:
+            raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < timeout_s ({self.timeout_s})")
+
+
+@dataclass(kw_only=True, slots=True)
+class CurveConfig:
+    """Require CurveZMQ: the server's secret key file and a directory of allowed public keys."""
+
+    server_secret_file: str
+    allowed_keys_dir: str
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    shards: list[str]
+    world_size: int
+    batch: BatchConfig
+    planner: PlannerConfig
+    ranks_per_node: int = 1
+    seed: int = 0
+    mode: str = "deterministic"
+    reader_bind: str = "tcp://127.0.0.1:0"
+    trainer_bind: str = "tcp://127.0.0.1:0"
+    journal_dir: str | None = None
+    journal_fsync: bool = True
+    max_epochs: int | None = 1
+    max_steps: int | None = None
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)
+    limits: Limits = DEFAULT_LIMITS
+    curve: CurveConfig | None = None
+    metrics_port: int = 0  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"
+    step_log: str | None = None  # JSON lines per planned step, with the random baseline's metrics
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not self.shards:
+            raise ValueError("the shard list is empty")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.max_epochs is not None and self.max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1 or None, got {self.max_epochs}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        f = self.flow
+        if f.max_retained_steps < 1 or f.num_inflight_shards < 1 or f.credit_batch < 1:
+            raise ValueError(f"flow counts must be >= 1: {f}")
+        if self.shard_cap < 1:
+            raise ValueError(
+                f"max_buffered_samples={f.max_buffered_samples} is too small: it must exceed "
+                f"(max_retained_steps + 1) * global_batch = "
+                f"{(f.max_retained_steps + 1) * self.batch.global_batch} by at least "
+                f"num_inflight_shards={f.num_inflight_shards}")
+
+    @property
+    def shard_cap(self) -> int:
+        """Samples one open shard may hold (buffered plus credited) so the head never starves."""
+        f = self.flow
+        spare = f.max_buffered_samples - (f.max_retained_steps + 1) * self.batch.global_batch
+        return spare // f.num_inflight_shards
+
+    def fingerprint(self) -> dict:
+        return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,
+                "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget}

@@ -1,0 +1,266 @@
+"""The mmdispatch wire protocol: message types, header schemas, frame layout, version and limits.
+
+Every message is a ZeroMQ multipart message: frame 0 is a msgpack header `{v, type, seq, ...}`,
+the further frames are raw payloads that are never copied (received with `copy=False`, shipped
+on as-is). Headers are plain dicts checked against the schemas below on decode, so a peer can
+send anything and `decode` still raises nothing but `ProtocolError`. Imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import msgpack
+
+#: Bumped on any incompatible change of a header schema or the frame layout.
+VERSION = 1
+
+HELLO = "hello"  # peer -> dispatcher: version, role and who it is
+WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
+ERROR = "error"  # either way: {code, message}; its schema never changes across versions
+HEARTBEAT = "heartbeat"  # either way: liveness (any message counts as one)
+SHARD_REQUEST = "shard_request"  # reader -> dispatcher: give me a shard
+SHARD_ASSIGN = "shard_assign"  # dispatcher -> reader: read shard from start_index
+CANCEL = "cancel"  # dispatcher -> reader: stop an assignment (reassigned or rewound)
+SAMPLES = "samples"  # reader -> dispatcher: sample headers + one payload frame per item
+SHARD_DONE = "shard_done"  # reader -> dispatcher: assignment finished, count + skipped keys
+CREDIT = "credit"  # dispatcher -> reader: samples it may send; trainer -> dispatcher: steps
+STEP = "step"  # dispatcher -> trainer: one rank's micro-batches of one step
+END = "end"  # dispatcher -> trainer: no more steps (max steps / epochs reached)
+COMMIT = "commit"  # trainer -> dispatcher: step checkpointed; echoed back once journaled
+BYE = "bye"  # peer -> dispatcher: leaving on purpose
+
+ROLES = ("reader", "trainer")
+_INT = int
+_OPT_INT = (int, type(None))
+
+#: type -> field -> (accepted python types, required). `v`, `type`, `seq` are always required.
+SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
+    HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
+            "world_size": (_INT, False), "local_world_size": (_INT, False),
+            "next_step": (_OPT_INT, False), "prefetch": (_INT, False)},
+    WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),
+              "world_size": (_INT, False), "next_step": (_INT, False),
+              "num_microbatches": (_OPT_INT, False)},
+    ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
+    HEARTBEAT: {},
+    SHARD_REQUEST: {},
+    SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
+                   "epoch": (_INT, True), "start_index": (_INT, True)},
+    CANCEL: {"assign_id": (_INT, True)},
+    SAMPLES: {"assign_id": (_INT, True), "samples": (list, True)},
+    SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True)},
+    CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
+             "upto": (_INT, False), "received": (_INT, False)},
+    STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
+           "world_size": (_INT, True), "microbatches": (list, True)},
+    END: {"next_step": (_INT, True), "reason": (str, True)},
+    COMMIT: {"step": (_INT, True)},
+    BYE: {},
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Size limits; `max_frame_bytes` is also set as zmq.MAXMSGSIZE so the socket refuses more."""
+
+    max_frames: int = 1 << 16
+    max_header_bytes: int = 32 << 20
+    max_frame_bytes: int = 256 << 20
+    max_message_bytes: int = 1 << 30
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol (bad layout, schema, version or size)."""
+
+    def __init__(self, message: str, *, code: str = "malformed", peer_version: Any = None):
+        super().__init__(message)
+        self.code = code
+        self.peer_version = peer_version
+
+
+@dataclass(slots=True)
+class Message:
+    """A decoded message: its type, the sender's sequence number, header fields and payloads."""
+
+    type: str
+    seq: int
+    header: dict[str, Any]
+    frames: list[memoryview] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.header[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.header.get(name, default)
+
+
+def encode(type_: str, *, seq: int = 0, frames: Iterable[Any] = (), **fields: Any) -> list[Any]:
+    """Frames of one message: the msgpack header, then the payloads untouched (no copies)."""
+    if type_ not in SCHEMAS:
+        raise ValueError(f"unknown message type {type_!r}")
+    header = {"v": VERSION, "type": type_, "seq": seq}
+    header.update(fields)
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _view(frame: Any) -> memoryview:
+    # zmq.Frame exposes .buffer; bytes/bytearray/memoryview convert directly.
+    return memoryview(getattr(frame, "buffer", frame)).cast("B")
+
+
+def decode(frames: Iterable[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one multipart message; any defect raises `ProtocolError`, nothing else."""
+    try:
+        views = [_view(f) for f in frames]
+    except Exception as e:  # noqa: BLE001 - fuzzed input: anything odd is a protocol error
+        raise ProtocolError(f"frames are not buffers: {e}") from None
+    if not views:
+        raise ProtocolError("empty message")
+    if len(views) > limits.max_frames:
+        raise ProtocolError(f"{len(views)} frames > limit {limits.max_frames}", code="too_large")
+    if views[0].nbytes > limits.max_header_bytes:
+        raise ProtocolError(f"header of {views[0].nbytes} bytes > limit", code="too_large")
+    total = sum(v.nbytes for v in views)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"message of {total} bytes > limit", code="too_large")
+    try:
+        header = msgpack.unpackb(views[0], raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001
+        raise ProtocolError(f"header is not msgpack: {type(e).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a map")
+    type_, v, seq = header.get("type"), header.get("v"), header.get("seq")
+    if not isinstance(type_, str) or type_ not in SCHEMAS:
+        raise ProtocolError(f"unknown message type {str(type_)[:40]!r}", code="unknown_type")
+    # ERROR keeps its schema forever, so a peer of another version can still read why.
+    if v != VERSION and type_ != ERROR:
+        raise ProtocolError(
+            f"protocol version mismatch: peer speaks v{v}, this side speaks v{VERSION}",
+            code="version", peer_version=v if isinstance(v, (int, str)) else None)
+    if not _is_int(seq):
+        raise ProtocolError("seq must be an integer")
+    fields = {k: val for k, val in header.items() if k not in ("v", "type", "seq")}
+    _check_fields(type_, fields)
+    payloads = views[1:]
+    _CHECKS.get(type_, _no_payload)(fields, payloads)
+    return Message(type=type_, seq=seq, header=fields, frames=payloads)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is(x: Any, types: Any) -> bool:
+    if isinstance(x, bool):
+        return types is bool or (isinstance(types, tuple) and bool in types)
+    if types is float:
+        return isinstance(x, (int, float))
+    return isinstance(x, types)
+
+
+def _check_fields(type_: str, fields: dict[str, Any]) -> None:
+    schema = SCHEMAS[type_]
+    for name, (types, required) in schema.items():
+        if name not in fields:
+            if required:
+                raise ProtocolError(f"{type_}: missing field {name!r}")
+            continue
+        if not _is(fields[name], types):
+            raise ProtocolError(f"{type_}: field {name!r} has type {type(fields[name]).__name__}")
+    for name in fields:
+        if not isinstance(name, str) or name not in schema:
+            raise ProtocolError(f"{type_}: unknown field {str(name)[:40]!r}")
+
+
+def _no_payload(fields: dict, payloads: list) -> None:
+    if payloads:
+        raise ProtocolError(f"{len(payloads)} unexpected payload frames")
+
+
+def _check_hello(fields: dict, payloads: list) -> None:
+    _no_payload(fields, payloads)
+    if fields["role"] not in ROLES:
+        raise ProtocolError(f"hello: unknown role {fields['role'][:40]!r}")
+
+
+def _list_of(x: Any, n: int, types: tuple, what: str) -> list:
+    if not isinstance(x, list) or len(x) != n or not all(_is(a, t) for a, t in zip(x, types)):
+        raise ProtocolError(f"malformed {what}")
+    return x
+
+
+#: SAMPLES: one sample header, payload frames follow in (sample, item) order.
+SAMPLE_FIELDS = ("key", "index", "text_len", "llm_len", "text", "items")
+ITEM_FIELDS = ("modality", "member", "enc_len", "llm_len", "meta")
+
+
+def _check_samples(fields: dict, payloads: list) -> None:
+    # The dispatcher's hottest check (every sample passes here): exact type tests, no helpers.
+    num_items = 0
+    for s in fields["samples"]:
+        if (type(s) is not list or len(s) != 6 or type(s[0]) is not str or type(s[1]) is not int
+                or type(s[2]) is not int or type(s[3]) is not int or type(s[4]) is not bytes
+                or type(s[5]) is not list):
+            raise ProtocolError("malformed sample header")
+        for it in s[5]:
+            if (type(it) is not list or len(it) != 5 or type(it[0]) is not str
+                    or type(it[1]) is not str or type(it[2]) is not int or type(it[3]) is not int
+                    or type(it[4]) is not dict):
+                raise ProtocolError("malformed item header")
+        num_items += len(s[5])
+    if num_items != len(payloads):
+        raise ProtocolError(f"samples: {num_items} items but {len(payloads)} payload frames")
+
+
+def _check_shard_done(fields: dict, payloads: list) -> None:
+    _no_payload(fields, payloads)
+    for s in fields["skipped"]:
+        _list_of(s, 2, (str, str), "skipped entry")
+
+
+#: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then
+#: one payload frame per encoder item this rank encodes (phases in ENCODER_PHASES order).
+MICROBATCH_FIELDS = {"arrays": list, "keys": list, "texts": list, "items": list, "payloads": int}
+
+
+def _check_step(fields: dict, payloads: list) -> None:
+    expected = 0
+    for mb in fields["microbatches"]:
+        if not isinstance(mb, dict) or set(mb) != set(MICROBATCH_FIELDS):
+            raise ProtocolError("step: malformed micro-batch header")
+        for name, t in MICROBATCH_FIELDS.items():
+            if not _is(mb[name], t):
+                raise ProtocolError(f"step: micro-batch field {name!r} malformed")
+        if not all(_is_int(n) and n >= 0 for n in mb["arrays"]) or mb["payloads"] < 0:
+            raise ProtocolError("step: negative counts")
+        if len(mb["keys"]) != len(mb["texts"]) or not all(isinstance(k, str) for k in mb["keys"]):
+            raise ProtocolError("step: keys and texts disagree")
+        if not all(isinstance(t, bytes) for t in mb["texts"]):
+            raise ProtocolError("step: texts must be bytes")
+        if len(mb["items"]) != mb["payloads"]:
+            raise ProtocolError("step: item headers and payload count disagree")
+        for it in mb["items"]:
+            _list_of(it, 4, (str, str, str, dict), "step item header")
+        expected += 1 + mb["payloads"]
+    if expected != len(payloads):
+        raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
+
+
+_CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
+           STEP: _check_step}
+
+
+def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int = 0) -> None:
+    """Options every mmdispatch socket gets: refuse oversized frames, never block on close."""
+    import zmq
+
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    # Credits bound what is in flight; high-water marks would only add silent drops or stalls.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)

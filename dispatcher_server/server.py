@@ -1,0 +1,422 @@
+"""The dispatcher: one ROUTER for readers, one for trainers, and a single poll loop between them.
+
+After every poll it handles messages, then pumps: open shards in the order window, assign them
+to idle readers, move samples into the step being filled, plan and journal full steps, send each
+rank its part within its credits, drop steps every rank acknowledged, grant reader credits,
+expire silent peers and send heartbeats. One thread owns all state, so there are no locks; the
+price is that planning a step pauses receiving, which credits absorb.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.batching import Sample, sample_problem
+from dispatcher_server.config import ServerConfig
+from dispatcher_server.journal import Journal, JournalError
+from dispatcher_server.metrics import Metrics, event
+from dispatcher_server.ordering import Cursor, ShardOrder
+from dispatcher_server.peers import Assignment, Reader, RetainedStep, ShardProgress, TrainerSlot
+from dispatcher_server.planner.types import Topology
+from dispatcher_server.pump import Pump
+from dispatcher_server.steplog import StepLog
+
+
+def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
+    """Bind, waiting out a previous owner of a fixed port whose close is still in flight."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+class Dispatcher(Pump):
+    """Bind, then `run()` (blocking) or `start()` (background thread); `stop()` ends the loop."""
+
+    def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.ctx = context or zmq.Context.instance()
+        self.order = ShardOrder(config.shards, config.seed, config.max_epochs)
+        self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
+        # The journal first: a restore that cannot be honoured fails before anything is opened.
+        self.journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync)
+                        if config.journal_dir else None)
+        self.metrics = Metrics(config.metrics_port, config.metrics_host)
+        self.step_log = StepLog(config.step_log) if config.step_log else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._auth = None
+        self._seq = 0
+        self._next_assign = 1
+        self.readers: dict[bytes, Reader] = {}
+        self.slots = [TrainerSlot(rank=r) for r in range(config.world_size)]
+        self.cursors: dict[int, dict] = {}  # step -> cursor after it (in-memory journal index)
+        self.skipped: list[tuple[str, str]] = []
+        self._bytes_seen = self._samples_seen = 0
+        start = 0
+        if self.journal is not None:
+            start = self.journal.last_committed + 1
+            self.cursors = {s: e.cursor_after for s, e in self.journal.steps.items()}
+        try:
+            self._reset(start, Cursor.from_wire(self._cursor_before(start)))
+            self._bind()
+        except BaseException:
+            for sock in (getattr(self, "reader_sock", None), getattr(self, "trainer_sock", None)):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            self.metrics.close()
+            if self.journal is not None:
+                self.journal.close()
+            raise
+
+    # -- setup ------------------------------------------------------------------------
+    def _bind(self) -> None:
+        cfg = self.config
+        curve = cfg.curve
+        if curve is not None:
+            from dispatcher_server.security import apply_server_curve, start_authenticator
+
+            self._auth = start_authenticator(self.ctx, curve.allowed_keys_dir)
+        self.reader_sock = self.ctx.socket(zmq.ROUTER)
+        self.trainer_sock = self.ctx.socket(zmq.ROUTER)
+        for sock, addr in ((self.reader_sock, cfg.reader_bind), (self.trainer_sock, cfg.trainer_bind)):
+            P.socket_limits(sock, cfg.limits)
+            if curve is not None:
+                apply_server_curve(sock, curve.server_secret_file)
+            _bind_retrying(sock, addr)
+        self.reader_endpoint = self.reader_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.trainer_endpoint = self.trainer_sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        event("bound", readers=self.reader_endpoint, trainers=self.trainer_endpoint,
+              next_step=self.next_plan, metrics_port=self.metrics.port)
+
+    def _cursor_before(self, step: int) -> dict:
+        if step == 0:
+            return Cursor().to_wire()
+        if step - 1 not in self.cursors:
+            raise JournalError(f"cannot resume at step {step}: no cursor for step {step - 1} "
+                               f"(known steps: {min(self.cursors, default=0)}.."
+                               f"{max(self.cursors, default=-1)})")
+        return self.cursors[step - 1]
+
+    def _reset(self, step: int, cursor: Cursor) -> None:
+        """Start (or rewind) delivery at `step` whose first sample is at `cursor`."""
+        for r in self.readers.values():
+            if r.assignment is not None:
+                self._send_reader(r, P.CANCEL, assign_id=r.assignment.id)
+                r.assignment = None
+        self.cursor = cursor
+        self.progress: dict[int, ShardProgress] = {}
+        self.assignments: dict[int, Assignment] = {}
+        self.arrival: deque[int] = deque()
+        self.acc: list[Sample] = []
+        self.acc_tokens = self.acc_bytes = 0
+        self.acc_cut = False
+        self.retained: deque[RetainedStep] = deque()
+        self.next_plan = step
+        for slot in self.slots:
+            slot.next_send = slot.received = step
+            slot.end_sent = False
+        self.replay = {}
+        if self.journal is not None:
+            self.replay = {s: e for s, e in self.journal.steps.items()
+                           if s >= step and e.plan is not None
+                           and e.world_size == self.config.world_size}
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> Dispatcher:
+        self._thread = threading.Thread(target=self.run, name="mmdispatch-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop_soon(self) -> None:
+        """Ask the loop to end after its current iteration (signal-handler safe)."""
+        self._stop.set()
+
+    def done(self) -> bool:
+        """The stream ended and every rank was told so."""
+        return self._finished() and all(s.end_sent for s in self.slots)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def run(self, until_done: bool = False) -> None:
+        poller = zmq.Poller()
+        poller.register(self.reader_sock, zmq.POLLIN)
+        poller.register(self.trainer_sock, zmq.POLLIN)
+        live = self.config.liveness
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(live.poll_ms))
+                if self.reader_sock in ready:
+                    self._drain(self.reader_sock, self._on_reader)
+                if self.trainer_sock in ready:
+                    self._drain(self.trainer_sock, self._on_trainer)
+                self._pump()
+                self._liveness(time.monotonic())
+                if until_done and self.done():
+                    break
+        finally:
+            # After the end of the stream, give the queued END messages a moment to leave.
+            self._close(linger_ms=2000 if until_done and self.done() else 0)
+
+    def _close(self, linger_ms: int = 0) -> None:
+        for sock in (self.reader_sock, self.trainer_sock):
+            sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
+        if self.journal is not None:
+            self.journal.close()
+        if self.step_log is not None:
+            self.step_log.close()
+        self.metrics.close()
+
+    # -- receiving --------------------------------------------------------------------
+    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
+        role = "reader" if sock is self.reader_sock else "trainer"
+        for _ in range(budget):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            ident, body = frames[0].bytes, frames[1:]
+            self.metrics.bytes_in.labels(role).inc(sum(len(f) for f in body))
+            try:
+                msg = P.decode(body, self.config.limits)
+            except P.ProtocolError as e:
+                self.metrics.error(e.code, role=role, detail=str(e)[:200])
+                if e.code == "version":
+                    msg_text = (f"protocol version mismatch: peer speaks v{e.peer_version}, "
+                                f"dispatcher speaks v{P.VERSION}")
+                else:
+                    msg_text = str(e)
+                self._send(sock, ident, P.ERROR, code=e.code, message=msg_text)
+                continue
+            try:
+                handler(ident, msg, time.monotonic())
+            except Exception as e:  # noqa: BLE001 - one odd message must not stop the service
+                logging.getLogger("mmdispatch.server").exception("handling %s failed", msg.type)
+                self.metrics.error("internal", role=role, type=msg.type, detail=repr(e)[:200])
+                self._send(sock, ident, P.ERROR, code="internal",
+                           message=f"{msg.type} could not be handled: {e!r}"[:500])
+
+    def _on_reader(self, ident: bytes, msg: P.Message, now: float) -> None:
+        reader = self.readers.get(ident)
+        if msg.type == P.HELLO:
+            if msg["role"] != "reader":
+                self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
+                           message=f"role {msg['role']!r} connected to the reader endpoint")
+                return
+            if reader is not None:
+                self._drop_reader(reader, "re-hello")
+            self.readers[ident] = Reader(ident=ident, name=msg.get("name", ""), last_seen=now)
+            self.metrics.peers.labels("reader").set(len(self.readers))
+            event("reader_joined", name=msg.get("name", ""))
+            self._send(self.reader_sock, ident, P.WELCOME, role="reader", ack=msg.seq,
+                       heartbeat_s=float(self.config.liveness.heartbeat_s))
+            return
+        if reader is None:
+            self._send(self.reader_sock, ident, P.ERROR, code="unknown_peer",
+                       message="say hello first (the dispatcher may have restarted)")
+            return
+        reader.last_seen = now
+        if msg.type == P.SHARD_REQUEST:
+            reader.wants_shard = True
+        elif msg.type == P.SAMPLES:
+            self._on_samples(reader, msg)
+        elif msg.type == P.SHARD_DONE:
+            self._on_shard_done(reader, msg)
+        elif msg.type == P.BYE:
+            self._drop_reader(reader, "bye")
+        elif msg.type != P.HEARTBEAT:
+            self.metrics.error("unexpected", role="reader", type=msg.type)
+            self._send(self.reader_sock, ident, P.ERROR, code="unexpected",
+                       message=f"{msg.type} is not a reader message")
+
+    def _on_samples(self, reader: Reader, msg: P.Message) -> None:
+        a = reader.assignment
+        if a is None or a.id != msg["assign_id"]:
+            self._send_reader(reader, P.CANCEL, assign_id=msg["assign_id"])
+            return
+        prog = self.progress[a.pos]
+        if len(msg["samples"]) > a.credits:
+            self.metrics.error("credit_overrun", reader=reader.name, sent=len(msg["samples"]),
+                               credits=a.credits)
+        at = 0
+        bad: list[tuple[str, str]] = []
+        for header in msg["samples"]:
+            n = len(header[5])
+            s = Sample.from_wire(header, a.pos, msg.frames[at:at + n])
+            at += n
+            if s.index < prog.next_index:
+                self.metrics.error("out_of_order", key=s.key, index=s.index)
+                continue
+            problem = sample_problem(s)
+            if problem is not None:  # counted as read, reported as skipped: never planned
+                prog.next_index = s.index + 1
+                a.received += 1
+                bad.append((s.key, problem))
+                continue
+            prog.buffer.append(s)
+            prog.nbytes += s.nbytes
+            prog.next_index = s.index + 1
+            a.received += 1
+            self._bytes_seen += s.nbytes
+            self._samples_seen += 1
+            if self.config.mode == "arrival":
+                self.arrival.append(a.pos)
+        a.credits = max(0, a.credits - len(msg["samples"]))
+        self.metrics.samples_in.inc(len(msg["samples"]))
+        if bad:
+            self._skip(prog.url, bad)
+
+    def _on_shard_done(self, reader: Reader, msg: P.Message) -> None:
+        a = reader.assignment
+        if a is None or a.id != msg["assign_id"]:
+            return
+        prog = self.progress[a.pos]
+        if msg["count"] != a.received:
+            self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
+        self._skip(prog.url, [(k, r) for k, r in msg["skipped"]])
+        prog.reader_done = True
+        prog.assignment = None
+        reader.assignment = None
+        del self.assignments[a.id]
+
+    def _skip(self, url: str, skipped: list[tuple[str, str]]) -> None:
+        """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""
+        if not skipped:
+            return
+        self.skipped.extend(skipped)
+        self.metrics.skipped.inc(len(skipped))
+        for key, reason in skipped:
+            event("sample_skipped", logging.WARNING, shard=url, key=key, reason=reason)
+        if self.journal is not None:
+            self.journal.record_skipped(url, skipped)
+
+    def _on_trainer(self, ident: bytes, msg: P.Message, now: float) -> None:
+        if msg.type == P.HELLO:
+            self._trainer_hello(ident, msg, now)
+            return
+        slot = next((s for s in self.slots if s.ident == ident), None)
+        if slot is None:
+            self._send(self.trainer_sock, ident, P.ERROR, code="unknown_peer",
+                       message="say hello first (the dispatcher may have restarted)")
+            return
+        slot.last_seen = now
+        if msg.type == P.CREDIT:
+            slot.upto = msg.get("upto", slot.upto)
+            slot.received = max(slot.received, msg.get("received", slot.received))
+        elif msg.type == P.COMMIT:
+            self._commit(slot, msg["step"])
+        elif msg.type == P.BYE:
+            slot.ident = None
+            self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+        elif msg.type != P.HEARTBEAT:
+            self.metrics.error("unexpected", role="trainer", type=msg.type)
+            self._send(self.trainer_sock, ident, P.ERROR, code="unexpected",
+                       message=f"{msg.type} is not a trainer message")
+
+    def _trainer_hello(self, ident: bytes, msg: P.Message, now: float) -> None:
+        W = self.config.world_size
+
+        def refuse(code: str, text: str) -> None:
+            self.metrics.error(code, role="trainer", detail=text)
+            self._send(self.trainer_sock, ident, P.ERROR, code=code, message=text, ack=msg.seq)
+
+        rank, world = msg.get("rank"), msg.get("world_size")
+        if msg["role"] != "trainer" or rank is None or world is None:
+            return refuse("role", "trainer hello needs role='trainer', rank and world_size")
+        if world != W:
+            return refuse("world_size", f"trainer says world_size={world}, dispatcher plans for "
+                          f"world_size={W}; restart the dispatcher with --world-size {world}")
+        if not 0 <= rank < W:
+            return refuse("rank", f"rank {rank} is outside [0, {W})")
+        slot = self.slots[rank]
+        want = msg.get("next_step")
+        want = slot.received if want is None else want
+        lowest = self.retained[0].step if self.retained else self.next_plan
+        if not lowest <= want <= self.next_plan:
+            try:
+                cursor = Cursor.from_wire(self._cursor_before(want))
+            except JournalError as e:
+                return refuse("resume", str(e))
+            event("rewind", step=want, requested_by=rank)
+            self._reset(want, cursor)
+        slot.ident, slot.last_seen, slot.end_sent = ident, now, False
+        slot.next_send = slot.received = want
+        slot.upto = want + max(1, msg.get("prefetch", 1))
+        self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+        event("trainer_joined", rank=rank, next_step=want)
+        self._send(self.trainer_sock, ident, P.WELCOME, role="trainer", ack=msg.seq,
+                   heartbeat_s=float(self.config.liveness.heartbeat_s), world_size=W,
+                   next_step=want, num_microbatches=self.config.planner.num_microbatches)
+
+    def _commit(self, slot: TrainerSlot, step: int) -> None:
+        try:
+            if self.journal is not None and self.journal.commit(step):
+                event("commit", step=step, rank=slot.rank)
+        except JournalError as e:
+            self.metrics.error("commit", detail=str(e))
+            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=str(e))
+            return
+        self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
+
+    # -- liveness and sending -------------------------------------------------------
+    def _liveness(self, now: float) -> None:
+        live = self.config.liveness
+        for reader in list(self.readers.values()):
+            if now - reader.last_seen > live.timeout_s:
+                self._drop_reader(reader, "timeout")
+            elif now - reader.last_sent > live.heartbeat_s:
+                self._send_reader(reader, P.HEARTBEAT)
+        for slot in self.slots:
+            if slot.ident is None:
+                continue
+            if now - slot.last_seen > live.timeout_s:
+                event("trainer_lost", logging.WARNING, rank=slot.rank)
+                slot.ident = None
+                self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+            elif now - slot.last_sent > live.heartbeat_s:
+                self._send(self.trainer_sock, slot.ident, P.HEARTBEAT)
+                slot.last_sent = now
+
+    def _drop_reader(self, reader: Reader, why: str) -> None:
+        a = reader.assignment
+        if a is not None:
+            prog = self.progress.get(a.pos)
+            if prog is not None:
+                prog.assignment = None
+            self.assignments.pop(a.id, None)
+        self.readers.pop(reader.ident, None)
+        self.metrics.peers.labels("reader").set(len(self.readers))
+        event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
+              name=reader.name, why=why, shard=None if a is None else self.order.url(a.pos))
+
+    def _send_reader(self, reader: Reader, type_: str, **fields) -> None:
+        self._send(self.reader_sock, reader.ident, type_, **fields)
+        reader.last_sent = time.monotonic()
+
+    def _send(self, sock: zmq.Socket, ident: bytes, type_: str, **fields) -> None:
+        self._seq += 1
+        role = "reader" if sock is self.reader_sock else "trainer"
+        self._send_frames(sock, ident, P.encode(type_, seq=self._seq, **fields), role)
+
+    def _send_frames(self, sock: zmq.Socket, ident: bytes, frames: list, role: str) -> None:
+        self.metrics.bytes_out.labels(role).inc(sum(memoryview(f).nbytes for f in frames))
+        sock.send_multipart([ident, *frames], copy=False)

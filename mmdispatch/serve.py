@@ -1,0 +1,136 @@
+"""Run the dispatcher: collect counts from readers, plan every step, stream each rank its part.
+
+Settings come from a TOML file (`--config`, flat keys named like the options below with
+underscores) and flags, flags winning. On startup one line `READY {json}` on stdout gives the
+bound endpoints (bind to port 0 to let the OS pick), then structured log lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tomllib
+
+import zmq
+
+from dispatcher_server.config import (
+    BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
+)
+from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.server import Dispatcher
+from pipeline.shards import expand_shards
+
+#: dest -> (flag type, default, help). Defaults live here, not in argparse, so TOML can fill gaps.
+OPTIONS: dict[str, tuple[object, object, str]] = {
+    "shards": (str, None, "shard specs (paths, dirs, globs, {000..009} ranges); required"),
+    "seed": (int, 0, "seed of the per-epoch shard order"),
+    "mode": (str, "deterministic", "deterministic (order fixed by shards+seed+epoch) or arrival"),
+    "world_size": (int, None, "data-parallel ranks (trainers); required"),
+    "ranks_per_node": (int, 1, "consecutive ranks per node (LOCAL_WORLD_SIZE)"),
+    "global_batch": (int, None, "samples per step; required"),
+    "token_budget": (int, None, "also cut a step at this many LLM tokens"),
+    "num_microbatches": (int, None, "micro-batches per step per rank (default 1 unless "
+                                    "--microbatch-token-budget is set)"),
+    "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch"),
+    "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
+    "oversize": (str, "error", "samples over capacity: error or isolate"),
+    "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
+    "max_buffered_bytes": (int, 256 << 20, "payload bytes after which reader credits stop"),
+    "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank"),
+    "inflight_shards": (int, 8, "shards read at once (deterministic reorder window)"),
+    "credit_batch": (int, 32, "samples per reader credit grant"),
+    "heartbeat": (float, 1.0, "heartbeat interval, seconds"),
+    "timeout": (float, 5.0, "peer silence before it is considered gone, seconds"),
+    "reader_bind": (str, "tcp://127.0.0.1:0", "endpoint readers connect to"),
+    "trainer_bind": (str, "tcp://127.0.0.1:0", "endpoint trainers connect to"),
+    "journal_dir": (str, None, "journal directory (enables exact resume)"),
+    "no_fsync": (bool, False, "skip fsync of journal records (tests only)"),
+    "metrics_port": (int, 0, "Prometheus HTTP port; 0 = off"),
+    "metrics_host": (str, "127.0.0.1", "address the metrics endpoint binds"),
+    "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline)"),
+    "curve_secret": (str, None, "require CurveZMQ: the dispatcher's NAME.key_secret"),
+    "curve_allowed_dir": (str, None, "require CurveZMQ: directory of allowed public keys"),
+    "max_epochs": (int, 1, "epochs to serve; 0 = unbounded"),
+    "max_steps": (int, None, "stop after this many steps"),
+    "exit_when_done": (bool, False, "exit once every rank got the end of the stream"),
+    "io_threads": (int, 2, "ZeroMQ I/O threads: 2 lets reader and trainer traffic move in parallel"),
+    "log_level": (str, "INFO", "logging level"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=argparse.SUPPRESS,
+                        help="TOML file with any of the settings below (default: none)")
+    for dest, (type_, default, help_) in OPTIONS.items():
+        flag = "--" + dest.replace("_", "-")
+        text = f"{help_} (default: {default})"
+        if type_ is bool:
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+        elif dest == "shards":
+            parser.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
+        else:
+            parser.add_argument(flag, type=type_, default=argparse.SUPPRESS, help=text)
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Settings from defaults, then the TOML file, then flags."""
+    values = {dest: default for dest, (_, default, _) in OPTIONS.items()}
+    path = getattr(args, "config", None)
+    if path:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        unknown = sorted(set(data) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown settings {unknown} in {path!r}")
+        values.update(data)
+    values.update({k: v for k, v in vars(args).items() if k in OPTIONS})
+    for required in ("shards", "world_size", "global_batch"):
+        if values[required] is None:
+            raise ValueError(f"--{required.replace('_', '-')} is required (flag or config file)")
+    if isinstance(values["shards"], str):
+        values["shards"] = [values["shards"]]
+    return values
+
+
+def build_config(v: dict) -> ServerConfig:
+    if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
+        v["num_microbatches"] = 1
+    if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
+        raise ValueError("--curve-secret and --curve-allowed-dir go together")
+    return ServerConfig(
+        shards=expand_shards(v["shards"]), world_size=v["world_size"],
+        ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],
+        batch=BatchConfig(global_batch=v["global_batch"], token_budget=v["token_budget"]),
+        planner=PlannerConfig(num_microbatches=v["num_microbatches"],
+                              microbatch_token_budget=v["microbatch_token_budget"],
+                              llm_capacity=v["llm_capacity"], oversize=v["oversize"]),
+        flow=FlowConfig(max_buffered_samples=v["max_buffered_samples"],
+                        max_buffered_bytes=v["max_buffered_bytes"],
+                        max_retained_steps=v["max_retained_steps"],
+                        num_inflight_shards=v["inflight_shards"], credit_batch=v["credit_batch"]),
+        liveness=LivenessConfig(heartbeat_s=v["heartbeat"], timeout_s=v["timeout"]),
+        reader_bind=v["reader_bind"], trainer_bind=v["trainer_bind"],
+        journal_dir=v["journal_dir"], journal_fsync=not v["no_fsync"],
+        max_epochs=v["max_epochs"] or None, max_steps=v["max_steps"],
+        metrics_port=v["metrics_port"], metrics_host=v["metrics_host"], step_log=v["step_log"],
+        curve=CurveConfig(server_secret_file=v["curve_secret"],
+                          allowed_keys_dir=v["curve_allowed_dir"]) if v["curve_secret"] else None,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    values = resolve(args)
+    logging.basicConfig(level=values["log_level"].upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    if values["io_threads"] < 1:
+        raise ValueError(f"--io-threads must be >= 1, got {values['io_threads']}")
+    server = Dispatcher(build_config(values), context=zmq.Context(io_threads=values["io_threads"]))
+    ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
+             "metrics_port": server.metrics.port, "next_step": server.next_plan}
+    print("READY " + json.dumps(ready), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop_soon())
+    server.run(until_done=values["exit_when_done"])
+    return 0

@@ -1,0 +1,298 @@
+"""Run a data-node reader: ask the dispatcher for shards, stream counted samples within credits.
+
+Each worker is one DEALER peer with one shard at a time; it reads only as many samples as the
+dispatcher granted, so a data node never races ahead of the trainers. Workers reconnect with
+backoff when the dispatcher goes silent and say HELLO again; the dispatcher decides where each
+shard (re)starts, so a worker keeps no state worth saving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.auth
+
+from dispatcher_server import protocol as P
+from pipeline.errors import ErrorStats
+from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
+from pipeline.records import SampleRecord
+
+log = logging.getLogger("mmdispatch.reader")
+
+
+@dataclass(kw_only=True, slots=True)
+class ReaderServiceConfig:
+    dispatcher: str  # tcp://HOST:PORT of the dispatcher's reader endpoint
+    name: str = ""
+    reader: ReaderConfig = field(default_factory=ReaderConfig)
+    batch: int = 32  # most samples per SAMPLES message
+    timeout_s: float = 5.0  # dispatcher silent this long: reconnect
+    poll_ms: int = 50
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    secret_file: str | None = None  # CurveZMQ: this reader's key pair
+    server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
+
+
+class _Disconnected(Exception):
+    """A send found no live connection: drop this session and reconnect."""
+
+
+class FatalReaderError(RuntimeError):
+    """The dispatcher refused this reader for a reason a reconnect cannot fix (e.g. version)."""
+
+
+@dataclass(slots=True)
+class _Assignment:
+    id: int
+    shard: str
+    records: object  # iterator of SampleRecord
+    stats: ErrorStats
+    credits: int = 0
+    count: int = 0
+    skipped: list = field(default_factory=list)
+
+
+def sample_header(rec: SampleRecord) -> tuple[list, list]:
+    """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers."""
+    items = [[it.modality, it.member, int(it.enc_len), int(it.llm_len), dict(it.meta)]
+             for it in rec.items]
+    header = [rec.key, int(rec.index), int(rec.text_len), int(rec.llm_len),
+              rec.text.encode("utf-8"), items]
+    return header, [rec.members[it.member] for it in rec.items]
+
+
+class ReaderWorker:
+    """One reader peer. `run(stop)` until `stop` is set; raises FatalReaderError on refusal."""
+
+    def __init__(self, config: ReaderServiceConfig, *, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.assignment: _Assignment | None = None
+        self.welcomed = False
+        self.heartbeat_s = 1.0
+        self.num_samples_sent = 0
+        self._seq = 0
+        self._hello_seq = -1
+        self._last_recv = self._last_sent = 0.0
+
+    # -- connection ----------------------------------------------------------------------
+    def _connect(self) -> None:
+        cfg = self.config
+        sock = self.ctx.socket(zmq.DEALER)
+        P.socket_limits(sock)
+        if cfg.secret_file:
+            public, secret = zmq.auth.load_certificate(cfg.secret_file)
+            server_public, _ = zmq.auth.load_certificate(cfg.server_public_file)
+            sock.curve_publickey, sock.curve_secretkey = public, secret
+            sock.curve_serverkey = server_public
+        sock.connect(cfg.dispatcher)
+        self.sock = sock
+        self.welcomed = False
+        self._last_recv = time.monotonic()
+        self._hello_seq = self._send(P.HELLO, role="reader", name=cfg.name or f"pid{os.getpid()}")
+
+    def _disconnect(self) -> None:
+        self._drop_assignment()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def _drop_assignment(self) -> None:
+        if self.assignment is not None:
+            close = getattr(self.assignment.records, "close", None)
+            if close is not None:
+                close()
+            self.assignment = None
+
+    def _send(self, type_: str, frames=(), **fields) -> int:
+        self._seq += 1
+        try:
+            # A DEALER with no live connection blocks on send; a reader must never hang there.
+            self.sock.send_multipart(P.encode(type_, seq=self._seq, frames=frames, **fields),
+                                     zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise _Disconnected(type_) from None
+        self._last_sent = time.monotonic()
+        return self._seq
+
+    # -- main loop -----------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> None:
+        stop = stop or threading.Event()
+        backoff = self.config.backoff_min_s
+        try:
+            while not stop.is_set():
+                try:
+                    self._connect()
+                    healthy = self._session(stop)
+                except _Disconnected:
+                    healthy = self.welcomed
+                self._disconnect()
+                if stop.is_set():
+                    break
+                backoff = self.config.backoff_min_s if healthy else min(
+                    backoff * 2, self.config.backoff_max_s)
+                log.warning("mmdispatch event=reader_reconnect dispatcher=%s backoff_s=%.2f",
+                            self.config.dispatcher, backoff)
+                stop.wait(backoff)
+        finally:
+            if self.sock is not None:
+                try:
+                    self._send(P.BYE)
+                except (zmq.ZMQError, _Disconnected):
+                    pass
+            self._disconnect()
+
+    def _session(self, stop: threading.Event) -> bool:
+        """Serve one connection; returns whether it was welcomed (resets the backoff)."""
+        cfg = self.config
+        while not stop.is_set():
+            busy = self.welcomed and self.assignment is not None and self.assignment.credits > 0
+            if self.sock.poll(0 if busy else cfg.poll_ms, zmq.POLLIN):
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._last_recv = time.monotonic()
+                    if not self._handle(frames):
+                        return self.welcomed
+            if busy:
+                self._stream()
+            now = time.monotonic()
+            if now - self._last_recv > cfg.timeout_s:
+                return self.welcomed
+            if self.welcomed and now - self._last_sent > self.heartbeat_s:
+                self._send(P.HEARTBEAT)
+        return self.welcomed
+
+    def _handle(self, frames) -> bool:
+        """Act on one message; False means drop the connection and say HELLO again."""
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as e:
+            log.warning("mmdispatch event=reader_bad_message detail=%r", str(e)[:200])
+            return True
+        a = self.assignment
+        if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
+            self.welcomed = True
+            self.heartbeat_s = float(msg["heartbeat_s"])
+            self._send(P.SHARD_REQUEST)
+        elif msg.type == P.SHARD_ASSIGN:
+            self._drop_assignment()
+            stats = ErrorStats()
+            records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
+                                 stats=stats)
+            self.assignment = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=records,
+                                          stats=stats)
+        elif msg.type == P.CREDIT and a is not None and msg.get("assign_id") == a.id:
+            a.credits += msg.get("samples", 0)
+        elif msg.type == P.CANCEL and a is not None and msg["assign_id"] == a.id:
+            self._drop_assignment()
+            self._send(P.SHARD_REQUEST)
+        elif msg.type == P.ERROR:
+            if msg["code"] in ("version", "role"):
+                raise FatalReaderError(f"dispatcher refused this reader: {msg['message']}")
+            log.warning("mmdispatch event=reader_error code=%s message=%r", msg["code"], msg["message"])
+            return msg["code"] != "unknown_peer"
+        return True
+
+    def _stream(self) -> None:
+        """Send up to min(credits, batch) samples of the current shard; finish it when exhausted."""
+        a = self.assignment
+        headers, frames = [], []
+        done = False
+        while len(headers) < min(a.credits, self.config.batch):
+            before = a.stats.num_errors
+            try:
+                rec = next(a.records)
+            except StopIteration:
+                done = True
+            self._collect_skipped(a, before)
+            if done:
+                break
+            h, f = sample_header(rec)
+            headers.append(h)
+            frames.extend(f)
+        if headers:
+            self._send(P.SAMPLES, frames=frames, assign_id=a.id, samples=headers)
+            a.credits -= len(headers)
+            a.count += len(headers)
+            self.num_samples_sent += len(headers)
+        if done:
+            self._send(P.SHARD_DONE, assign_id=a.id, count=a.count, skipped=a.skipped)
+            self.assignment = None
+            self._send(P.SHARD_REQUEST)
+
+    @staticmethod
+    def _collect_skipped(a: _Assignment, before: int) -> None:
+        new = a.stats.num_errors - before
+        if new > 0:
+            recent = list(a.stats.recent)[-new:]
+            a.skipped.extend([key or "", reason] for reason, _shard, key, _msg in recent)
+
+
+# -- the `read` command ---------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dispatcher", required=True,
+                        help="the dispatcher's reader endpoint, tcp://HOST:PORT")
+    parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
+    parser.add_argument("--name", default="", help="name shown in the dispatcher's logs")
+    parser.add_argument("--batch", type=int, default=32, help="most samples per message")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds of dispatcher silence before reconnecting")
+    parser.add_argument("--curve-secret", default=None,
+                        help="CurveZMQ: this reader's NAME.key_secret file")
+    parser.add_argument("--curve-server-key", default=None,
+                        help="CurveZMQ: the dispatcher's public NAME.key file")
+    add_reader_arguments(parser)  # counting rules and error policy, shared with `inspect`
+
+
+def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderServiceConfig:
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if bool(args.curve_secret) != bool(args.curve_server_key):
+        raise ValueError("--curve-secret and --curve-server-key go together")
+    name = f"{args.name or os.uname().nodename}/{worker}"
+    return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
+                               timeout_s=args.timeout,
+                               reader=reader_config_from_args(args),
+                               secret_file=args.curve_secret, server_public_file=args.curve_server_key)
+
+
+def _worker_main(args: argparse.Namespace, worker: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    ReaderWorker(config_from_args(args, worker)).run(stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    config_from_args(args)  # validate before forking
+    if args.workers == 1:
+        _worker_main(args, 0)
+        return 0
+    mp = multiprocessing.get_context("spawn")
+    procs = [mp.Process(target=_worker_main, args=(args, w), name=f"reader-{w}")
+             for w in range(args.workers)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    return max((p.exitcode or 0) for p in procs)

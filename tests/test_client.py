@@ -1,0 +1,128 @@
+"""Trainer client: zero-copy decoding, torchrun defaults, DataLoader adapter, reconnects."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+from dispatcher_server import protocol as P
+from dispatcher_server.batching import Sample, build_batch, rank_message
+from dispatcher_server.planner import PlannerConfig, Topology, plan_step
+from dispatcher_server.server import Dispatcher
+from tests.test_service import (
+    all_keys, client_config, consume, dispatcher, make_config, readers, shards,  # noqa: F401
+)
+from trainer_client.client import DispatcherClient, DispatcherDataset, decode_step
+
+
+def _samples(n: int = 10) -> list[Sample]:
+    rng = np.random.default_rng(1)
+    out = []
+    for i in range(n):
+        items, payloads = [], []
+        for j in range(int(rng.integers(0, 3))):
+            modality = "image" if j % 2 == 0 else "audio"
+            enc = int(rng.integers(16, 200))
+            items.append([modality, f"{j}.bin", enc, enc // 4, {"j": j}])
+            payloads.append(memoryview(bytes([i, j]) * 50))
+        text_len = int(rng.integers(1, 40))
+        llm = text_len + sum(it[3] for it in items)
+        out.append(Sample(key=f"s{i}", pos=0, index=i, text_len=text_len, llm_len=llm,
+                          text=f"text {i}".encode(), items=items, payloads=payloads,
+                          nbytes=sum(p.nbytes for p in payloads)))
+    return out
+
+
+def test_decoded_step_is_views_over_the_received_frames():
+    samples = _samples()
+    batch = build_batch(samples)
+    plan = plan_step(batch.inputs, Topology(world_size=2, ranks_per_node=1),
+                     PlannerConfig(num_microbatches=2))
+    seen_keys = []
+    for rank in range(2):
+        frames = [bytearray(memoryview(f)) for f in rank_message(batch, plan, step=3, epoch=0,
+                                                                 rank=rank, seq=1)]
+        step = decode_step(P.decode(frames))
+        assert (step.step, step.rank, len(step.microbatches)) == (3, rank, 2)
+        at = 1
+        for m, mb in enumerate(step.microbatches):
+            ref = plan.rank_microbatch(rank, m)
+            np.testing.assert_array_equal(mb.plan.samples, ref.samples)
+            assert mb.keys == [samples[i].key for i in ref.samples]
+            assert mb.texts == [samples[i].text for i in ref.samples]
+            assert mb.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
+            arrays = frames[at]
+            if mb.text_len.numel():
+                # The tensor aliases the received frame: writing the frame shows in the tensor.
+                before = int(mb.tensors["samples"][0])
+                view = np.frombuffer(arrays, dtype=np.int64)
+                view[0] = 12345
+                assert int(mb.tensors["samples"][0]) == 12345
+                view[0] = before
+            n_items = sum(len(e.payloads) for e in mb.encoders.values())
+            for e in mb.encoders.values():
+                for p, item_id, key in zip(e.payloads, e.item_ids.tolist(), e.sample_keys):
+                    si, ii = batch.item_refs[e.phase][item_id]
+                    assert samples[si].key == key and bytes(p) == bytes(samples[si].payloads[ii])
+            at += 1 + n_items
+            seen_keys += mb.keys
+    assert sorted(seen_keys) == sorted(s.key for s in samples)
+
+
+def test_torchrun_environment_gives_the_defaults(monkeypatch):
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    c = DispatcherClient("tcp://127.0.0.1:1")
+    assert (c.rank, c.world_size, c.local_world_size) == (2, 4, 2)
+    assert c.state_dict() == {"next_step": None, "rank": 2, "world_size": 4}
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK='x'"):
+        DispatcherClient("tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="rank=5"):
+        DispatcherClient("tcp://127.0.0.1:1", rank=5, world_size=4)
+
+
+def test_dataloader_adapter_yields_steps(shards):
+    with dispatcher(make_config(shards, world_size=1, max_steps=4)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        ds = DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
+                               config=client_config())
+        try:
+            loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0)
+            steps = [(s.step, len(s.microbatches)) for s in loader]
+        finally:
+            ds.client.close()
+    assert steps == [(0, 2), (1, 2), (2, 2), (3, 2)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_client_survives_a_dispatcher_restart_on_the_same_address(shards, tmp_path):
+    ports = _free_port(), _free_port()
+    cfg = make_config(shards, world_size=1, journal_dir=str(tmp_path),
+                      reader_bind=f"tcp://127.0.0.1:{ports[0]}",
+                      trainer_bind=f"tcp://127.0.0.1:{ports[1]}")
+    with dispatcher(make_config(shards, world_size=1)) as srv, readers(srv.reader_endpoint, 1):
+        reference = consume(srv.trainer_endpoint, 1)[0]
+    got = []
+    with readers(f"tcp://127.0.0.1:{ports[0]}", 1):
+        srv = Dispatcher(cfg).start()
+        client = DispatcherClient(f"tcp://127.0.0.1:{ports[1]}", 0, 1, 1, config=client_config())
+        try:
+            got += [(s.step, [mb.keys for mb in s.microbatches]) for _, s in zip(range(3), client)]
+            srv.stop()  # the client keeps its socket; the new dispatcher does not know it
+            srv = Dispatcher(cfg).start()
+            got += [(s.step, [mb.keys for mb in s.microbatches]) for s in client]
+        finally:
+            client.close()
+            srv.stop()
+    assert got == reference
+    assert sorted(k for _, mbs in got for keys in mbs for k in keys) == sorted(all_keys(shards))

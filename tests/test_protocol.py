@@ -1,0 +1,195 @@
+"""Wire protocol: round trips, validation, limits, a fuzzed decoder; journal and order helpers."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dispatcher_server import protocol as P
+from dispatcher_server.journal import Journal, JournalError, StepEntry
+from dispatcher_server.ordering import Cursor, ShardOrder, epoch_order
+from dispatcher_server.planner import PlannerConfig, StepInputs, Topology, plan_step
+from dispatcher_server.planner.types import EncoderItems
+from dispatcher_server.stepwire import pack_microbatch, unpack_microbatch
+
+
+def _raw(header: dict, *frames) -> list:
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def test_round_trip_keeps_fields_and_payloads_without_copies():
+    payload = bytearray(b"\x00\x01jpegbytes" * 100)
+    sample = ["k1", 3, 10, 74, b"hello", [["image", "jpg", 256, 64, {"width": 32}]]]
+    frames = P.encode(P.SAMPLES, seq=7, frames=[payload], assign_id=2, samples=[sample])
+    msg = P.decode(frames)
+    assert (msg.type, msg.seq, msg["assign_id"], msg["samples"]) == (P.SAMPLES, 7, 2, [sample])
+    assert bytes(msg.frames[0]) == bytes(payload)
+    payload[0] = 0xFF  # the decoded frame is a view over the sender's buffer, not a copy
+    assert msg.frames[0][0] == 0xFF
+
+
+@pytest.mark.parametrize("type_,fields", [
+    (P.HELLO, {"role": "trainer", "rank": 1, "world_size": 4, "next_step": None, "prefetch": 2}),
+    (P.WELCOME, {"role": "reader", "ack": 1, "heartbeat_s": 0.5}),
+    (P.ERROR, {"code": "x", "message": "y"}),
+    (P.HEARTBEAT, {}),
+    (P.SHARD_ASSIGN, {"assign_id": 1, "shard": "a.tar", "pos": 3, "epoch": 0, "start_index": 5}),
+    (P.SHARD_DONE, {"assign_id": 1, "count": 9, "skipped": [["k", "bad_image"]]}),
+    (P.CREDIT, {"upto": 5, "received": 3}),
+    (P.END, {"next_step": 4, "reason": "max_epochs"}),
+    (P.COMMIT, {"step": 3}),
+])
+def test_every_type_round_trips(type_, fields):
+    msg = P.decode(P.encode(type_, seq=1, **fields))
+    assert msg.type == type_ and msg.header == fields
+
+
+@pytest.mark.parametrize("header,frames,code", [
+    ({"v": P.VERSION, "type": "nope", "seq": 1}, [], "unknown_type"),
+    ({"v": P.VERSION + 1, "type": P.HELLO, "seq": 1, "role": "reader"}, [], "version"),
+    ({"v": P.VERSION, "type": P.HELLO, "seq": 1}, [], "malformed"),  # missing role
+    ({"v": P.VERSION, "type": P.HELLO, "seq": 1, "role": "spy"}, [], "malformed"),
+    ({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": True}, [], "malformed"),  # bool is no int
+    ({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": 1, "extra": 0}, [], "malformed"),
+    ({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": 1}, [b"x"], "malformed"),
+    ({"v": P.VERSION, "type": P.SAMPLES, "seq": 1, "assign_id": 1,
+      "samples": [["k", 0, 1, 1, b"", [["image", "jpg", 1, 1, {}]]]]}, [], "malformed"),
+])
+def test_decode_rejects_with_a_code(header, frames, code):
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(_raw(header, *frames))
+    assert info.value.code == code
+    if code == "version":
+        assert info.value.peer_version == P.VERSION + 1 and f"v{P.VERSION}" in str(info.value)
+
+
+def test_error_of_another_version_still_decodes():
+    msg = P.decode(_raw({"v": 99, "type": P.ERROR, "seq": 0, "code": "c", "message": "m"}))
+    assert msg["message"] == "m"
+
+
+def test_limits_are_enforced():
+    limits = P.Limits(max_frames=3, max_header_bytes=64, max_frame_bytes=100, max_message_bytes=200)
+    with pytest.raises(P.ProtocolError, match="frames"):
+        P.decode(P.encode(P.HEARTBEAT, frames=[b"a"] * 3), limits)
+    with pytest.raises(P.ProtocolError, match="header"):
+        P.decode(P.encode(P.ERROR, code="x", message="y" * 100), limits)
+    with pytest.raises(P.ProtocolError, match="message"):
+        P.decode(P.encode(P.HEARTBEAT, frames=[b"a" * 199]), limits)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=4))
+def test_fuzz_random_frames_raise_only_protocol_error(frames):
+    try:
+        P.decode(frames)
+    except P.ProtocolError:
+        pass
+
+
+_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+                  st.text(max_size=8), st.binary(max_size=8))
+_value = st.recursive(_leaf, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                 st.dictionaries(st.text(max_size=6), c, max_size=4)),
+                      max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(sorted(P.SCHEMAS)), st.dictionaries(st.text(max_size=12), _value, max_size=5),
+       st.lists(st.binary(max_size=16), max_size=3), st.sampled_from([P.VERSION, 0, "1"]))
+def test_fuzz_structured_headers_raise_only_protocol_error(type_, fields, frames, version):
+    header = {**fields, "v": version, "type": type_, "seq": 1}
+    # Also try the real field names with garbage values, which reach the nested validators.
+    for h in (header, {**header, **{k: v for k, v in zip(P.SCHEMAS[type_], fields.values())}}):
+        try:
+            msg = P.decode(_raw(h, *frames))
+        except P.ProtocolError:
+            continue
+        assert msg.type == type_
+
+
+def _plan(world_size=3, num_microbatches=2):
+    rng = np.random.default_rng(0)
+    S = 12
+    text = rng.integers(1, 50, S)
+    owner = np.sort(rng.integers(0, S, 8))
+    enc = rng.integers(4, 100, 8)
+    llm_items = enc // 4
+    llm = text + np.bincount(owner, weights=llm_items, minlength=S).astype(np.int64)
+    inputs = StepInputs(text_len=text, llm_len=llm,
+                        encoders={"vision": EncoderItems(enc_len=enc, llm_len=llm_items, sample=owner)})
+    return plan_step(inputs, Topology(world_size=world_size, ranks_per_node=1),
+                     PlannerConfig(num_microbatches=num_microbatches))
+
+
+def test_microbatch_wire_round_trip_is_exact():
+    plan = _plan()
+    for rank in range(3):
+        for mb in range(2):
+            rmb = plan.rank_microbatch(rank, mb)
+            lengths, buf = pack_microbatch(rmb)
+            back = unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=rank, microbatch=mb)
+            assert set(back.exchanges) == {p for p, e in rmb.exchanges.items()}
+            for name in ("samples", "sample_offsets", "sample_llm_len", "text_offsets", "text_len"):
+                np.testing.assert_array_equal(getattr(back, name), getattr(rmb, name))
+            for phase, ex in rmb.exchanges.items():
+                for name in ("encode_items", "send_tokens", "recv_items", "recv_offsets"):
+                    np.testing.assert_array_equal(getattr(back.exchanges[phase], name), getattr(ex, name))
+    with pytest.raises(P.ProtocolError):
+        unpack_microbatch(memoryview(buf.tobytes())[:-8], lengths, rank=0, microbatch=0)
+
+
+def test_epoch_order_is_a_seeded_permutation():
+    a = epoch_order(50, seed=1, epoch=0)
+    assert sorted(a) == list(range(50))
+    assert a == epoch_order(50, seed=1, epoch=0)
+    assert a != epoch_order(50, seed=1, epoch=1) and a != epoch_order(50, seed=2, epoch=0)
+    order = ShardOrder([f"s{i}.tar" for i in range(5)], seed=3, max_epochs=2)
+    assert order.end == 10 and order.epoch_of(7) == 1 and order.epoch_end(7) == 10
+    assert sorted(order.url(p) for p in range(5, 10)) == sorted(order.shards)
+
+
+def test_cursor_consume_finish_and_wire():
+    c = Cursor()
+    c.consume(0, 4)
+    c.finish(1)
+    assert (c.base, c.start_index(0), c.is_open(1)) == (0, 5, False)
+    c.finish(0)
+    assert c.base == 2 and not c.done and not c.partial
+    c.consume(3, 0)
+    assert Cursor.from_wire(c.to_wire()) == c
+
+
+def _fp(**kw):
+    return {"shards": ["a.tar", "b.tar"], "seed": 0, "mode": "deterministic", "global_batch": 8,
+            "token_budget": None, **kw}
+
+
+def _entry(step):
+    return StepEntry(step=step, epoch=0, world_size=2, cursor_before={"base": step}, num_samples=8,
+                     cursor_after={"base": step + 1}, digest="d", plan={"p": step})
+
+
+def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
+    j = Journal(str(tmp_path), _fp())
+    for s in range(3):
+        j.record_step(_entry(s))
+    j.commit(1)
+    j.close()
+    with open(j.path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00garbage")  # a record cut short by a crash
+    j2 = Journal(str(tmp_path), _fp())
+    assert j2.last_committed == 1 and sorted(j2.steps) == [0, 1, 2]
+    assert j2.steps[2].plan == {"p": 2} and j2.steps[0].plan is None  # committed plans dropped
+    assert j2.cursor_before(2, {}) == {"base": 2}
+    with pytest.raises(JournalError, match="never planned"):
+        j2.commit(7)
+    j2.close()
+    assert os.path.getsize(j2.path) > 0
+    with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
+        Journal(str(tmp_path), _fp(seed=5))

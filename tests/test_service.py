@@ -1,0 +1,377 @@
+"""Dispatcher + readers + trainer clients over real loopback sockets: delivery, order, failures.
+
+The dispatcher and readers run as threads here (fast); tests about processes (killed readers,
+dispatcher restarts) live in test_service_process.py. Helpers below are shared with it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import msgpack
+import pytest
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.config import BatchConfig, FlowConfig, LivenessConfig, ServerConfig
+from dispatcher_server.ordering import ShardOrder
+from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.server import Dispatcher
+from pipeline.gendata import generate
+from pipeline.reader import iter_samples
+from pipeline.service import ReaderServiceConfig, ReaderWorker
+from trainer_client.client import ClientConfig, DispatcherClient
+
+NUM_SAMPLES, NUM_SHARDS = 90, 6
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> list[str]:
+    return generate(str(tmp_path_factory.mktemp("svc")), num_samples=NUM_SAMPLES,
+                    num_shards=NUM_SHARDS, seed=3)
+
+
+def all_keys(shards: list[str]) -> list[str]:
+    return [r.key for r in iter_samples(shards)]
+
+
+def make_config(shards, *, world_size=3, global_batch=8, num_microbatches=2, **kw) -> ServerConfig:
+    flow = kw.pop("flow", FlowConfig(max_buffered_samples=256, num_inflight_shards=3, credit_batch=8))
+    return ServerConfig(
+        shards=list(shards), world_size=world_size, batch=BatchConfig(global_batch=global_batch),
+        planner=PlannerConfig(num_microbatches=num_microbatches), flow=flow,
+        liveness=kw.pop("liveness", LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=20)),
+        journal_fsync=False, **kw)
+
+
+@contextmanager
+def readers(endpoint: str, num: int, **kw):
+    """`num` reader workers as threads; stopped and joined on exit."""
+    stop = threading.Event()
+    workers = [ReaderWorker(ReaderServiceConfig(dispatcher=endpoint, name=f"r{i}", batch=8,
+                                                timeout_s=1.5, **kw)) for i in range(num)]
+    threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    try:
+        yield workers
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads), "a reader thread did not stop"
+
+
+@contextmanager
+def dispatcher(config: ServerConfig):
+    server = Dispatcher(config).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def client_config(**kw) -> ClientConfig:
+    return ClientConfig(heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=30, **kw)
+
+
+def consume(endpoint: str, world_size: int, *, max_steps: int | None = None, states=None,
+            ranks=None, commit_at: int | None = None, **client_kw) -> dict[int, list]:
+    """Run one client per rank in threads; per rank a list of (step, [keys per micro-batch])."""
+    out: dict[int, list] = {}
+    errors: list[BaseException] = []
+    ranks = range(world_size) if ranks is None else ranks
+
+    def train(rank: int) -> None:
+        try:
+            client = DispatcherClient(endpoint, rank, world_size, world_size,
+                                      config=client_config(**client_kw))
+            if states is not None:
+                client.load_state_dict(states[rank])
+            got = []
+            try:
+                for step in client:
+                    got.append((step.step, [mb.keys for mb in step.microbatches]))
+                    if step.step == commit_at:
+                        client.commit(step.step)
+                    if max_steps is not None and len(got) >= max_steps:
+                        break
+            finally:
+                client.close()
+            out[rank] = got
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
+    return out
+
+
+def flat_keys(per_rank: dict[int, list]) -> list[str]:
+    return [k for steps in per_rank.values() for _, mbs in steps for keys in mbs for k in keys]
+
+
+def test_full_epoch_exactly_once_across_ranks(shards):
+    with dispatcher(make_config(shards)) as srv, readers(srv.reader_endpoint, 2):
+        got = consume(srv.trainer_endpoint, 3)
+    keys = flat_keys(got)
+    assert sorted(keys) == sorted(all_keys(shards))  # every sample once, none twice
+    steps = [[s for s, _ in got[r]] for r in range(3)]
+    assert steps[0] == steps[1] == steps[2] == list(range(-(-NUM_SAMPLES // 8)))
+    for r in range(3):
+        for _, mbs in got[r]:
+            assert len(mbs) == 2  # exactly M micro-batches for every rank, every step
+    # No rank sees the whole batch: per step the ranks' key sets are disjoint.
+    for i in range(len(steps[0])):
+        per_rank = [sum(got[r][i][1], []) for r in range(3)]
+        assert sum(map(len, per_rank)) == len(set().union(*per_rank))
+        assert max(map(len, per_rank)) < sum(map(len, per_rank))
+
+
+def test_arrival_mode_is_exactly_once_too(shards):
+    with dispatcher(make_config(shards, mode="arrival", world_size=2)) as srv, \
+            readers(srv.reader_endpoint, 3):
+        got = consume(srv.trainer_endpoint, 2)
+    assert sorted(flat_keys(got)) == sorted(all_keys(shards))
+
+
+def test_deterministic_order_does_not_depend_on_reader_count(shards):
+    runs = []
+    for num_readers in (1, 3):
+        with dispatcher(make_config(shards, seed=11, max_epochs=2)) as srv, \
+                readers(srv.reader_endpoint, num_readers):
+            runs.append(consume(srv.trainer_endpoint, 3))
+    assert runs[0] == runs[1]
+    keys = flat_keys(runs[0])
+    assert len(keys) == 2 * NUM_SAMPLES and sorted(set(keys)) == sorted(all_keys(shards))
+    # Each epoch's steps follow that epoch's shard order: step 0 of epoch e holds only keys of
+    # the first shard of epoch e's permutation.
+    order = ShardOrder(shards, seed=11, max_epochs=2)
+    steps_per_epoch = -(-NUM_SAMPLES // 8)
+    for epoch in range(2):
+        step_keys = {k for r in runs[0] for s, mbs in runs[0][r] if s == epoch * steps_per_epoch
+                     for keys in mbs for k in keys}
+        first_shard = {rec.key for rec in iter_samples([order.url(epoch * NUM_SHARDS)])}
+        assert len(step_keys) == 8 and step_keys <= first_shard
+
+
+def test_client_restart_resumes_where_its_state_says(shards):
+    cfg = make_config(shards, world_size=2)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        reference = consume(srv.trainer_endpoint, 2)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        first = consume(srv.trainer_endpoint, 2, max_steps=4)
+        states = {r: {"next_step": 4, "rank": r, "world_size": 2} for r in range(2)}
+        second = consume(srv.trainer_endpoint, 2, states=states)
+    for r in range(2):
+        assert first[r] + second[r] == reference[r]
+
+
+def test_version_mismatch_gets_an_error_naming_both_versions(shards):
+    with dispatcher(make_config(shards, world_size=1)) as srv:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(srv.trainer_endpoint)
+            sock.send(msgpack.packb({"v": P.VERSION + 41, "type": P.HELLO, "seq": 1,
+                                     "role": "trainer", "rank": 0, "world_size": 1}))
+            assert sock.poll(5000), "no answer to a hello of another version"
+            msg = P.decode(sock.recv_multipart())
+        finally:
+            sock.close(linger=0)
+    assert msg.type == P.ERROR and msg["code"] == "version"
+    assert f"v{P.VERSION + 41}" in msg["message"] and f"v{P.VERSION}" in msg["message"]
+
+
+def test_wrong_world_size_is_refused_clearly(shards):
+    with dispatcher(make_config(shards, world_size=2)) as srv:
+        client = DispatcherClient(srv.trainer_endpoint, 0, 3, 3, config=client_config())
+        try:
+            with pytest.raises(Exception, match="world_size=3.*world_size=2"):
+                next(client)
+        finally:
+            client.close()
+
+
+def test_oversized_and_malformed_messages_leave_the_server_serving(shards):
+    limits = P.Limits(max_frame_bytes=1 << 20)
+    cfg = make_config(shards, world_size=1, limits=limits, max_steps=3)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1):
+        ctx = zmq.Context.instance()
+        bad = ctx.socket(zmq.DEALER)
+        try:
+            bad.connect(srv.trainer_endpoint)
+            bad.send_multipart([P.encode(P.HEARTBEAT)[0], b"x" * (2 << 20)])  # refused by socket
+            bad.close(linger=500)
+            bad = ctx.socket(zmq.DEALER)
+            bad.connect(srv.trainer_endpoint)
+            bad.send(b"\xc1 definitely not msgpack")
+            assert bad.poll(5000)
+            answer = P.decode(bad.recv_multipart())
+            bad.send_multipart(P.encode(P.HELLO, role="trainer", rank=0, world_size=1) + [b"extra"])
+            assert bad.poll(5000)
+            answer2 = P.decode(bad.recv_multipart())
+        finally:
+            bad.close(linger=0)
+        got = consume(srv.trainer_endpoint, 1)
+        errors = {s.labels["kind"]: s.value for m in srv.metrics.registry.collect()
+                  if m.name == "mmdispatch_errors" for s in m.samples if s.name.endswith("_total")}
+    assert answer.type == P.ERROR and answer["code"] == "malformed"
+    assert answer2.type == P.ERROR and "payload" in answer2["message"]
+    assert [s for s, _ in got[0]] == [0, 1, 2]
+    assert errors.get("malformed", 0) >= 2
+
+
+def test_slow_trainer_bounds_the_dispatcher_memory(shards):
+    flow = FlowConfig(max_buffered_samples=48, num_inflight_shards=2, max_retained_steps=2,
+                      credit_batch=4)
+    cfg = make_config(shards, world_size=2, global_batch=8, flow=flow)
+    peak = 0
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        fast = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config(prefetch=1))
+        slow = DispatcherClient(srv.trainer_endpoint, 1, 2, 2, config=client_config(prefetch=1))
+        try:
+            slow_steps = [next(slow).step]
+            fast_steps = [next(fast).step for _ in range(3)]
+            deadline = time.monotonic() + 1.5
+            while time.monotonic() < deadline:  # the slow rank stalls: nothing may grow
+                held = srv.metrics.registry.get_sample_value("mmdispatch_buffered_samples")
+                peak = max(peak, held)
+                time.sleep(0.02)
+            # slow consumed 1 step and holds 1 prefetched: at most max_retained more are planned
+            assert srv.next_plan <= 2 + flow.max_retained_steps
+            rest = threading.Thread(target=lambda: fast_steps.extend(s.step for s in fast))
+            rest.start()
+            slow_steps += [s.step for s in slow]
+            rest.join(30)
+        finally:
+            fast.close()
+            slow.close()
+    assert 0 < peak <= flow.max_buffered_samples
+    assert slow_steps == fast_steps == list(range(len(fast_steps)))
+
+
+def test_metrics_are_served_over_http(shards):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with dispatcher(make_config(shards, world_size=2, max_steps=3, metrics_port=port)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics.port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    assert "mmdispatch_steps_served_total 3.0" in text
+    assert 'mmdispatch_peers_connected{role="reader"} 1.0' in text
+    assert "mmdispatch_plan_ms_count 3.0" in text
+    assert 'mmdispatch_imbalance_max_over_mean{phase="llm"}' in text
+
+
+def test_bad_samples_are_reported_by_key_not_lost(tmp_path):
+    import io
+    import tarfile
+
+    from dispatcher_server.journal import Journal
+    from pipeline.gendata import make_sample
+
+    path = str(tmp_path / "bad.tar")
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(12):
+            members = make_sample(7, i) if i not in (2, 9) else {"jpg": b"not an image", "txt": b"x"}
+            for suffix, data in members.items():
+                info = tarfile.TarInfo(f"{i:08d}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    journal = str(tmp_path / "journal")
+    with dispatcher(make_config([path], world_size=2, global_batch=4, journal_dir=journal)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        got = consume(srv.trainer_endpoint, 2)
+        skipped = list(srv.skipped)
+    assert sorted(flat_keys(got)) == [f"{i:08d}" for i in range(12) if i not in (2, 9)]
+    assert skipped == [("00000002", "bad_image"), ("00000009", "bad_image")]
+    fp = make_config([path], world_size=2, global_batch=4).fingerprint()
+    j = Journal(journal, fp)
+    try:
+        assert j.num_skipped == 2
+    finally:
+        j.close()
+
+
+def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
+    import argparse
+
+    from mmdispatch import serve
+
+    toml = tmp_path / "d.toml"
+    toml.write_text(f'shards = {list(shards)!r}\nworld_size = 4\nglobal_batch = 32\nseed = 3\n'
+                    'mode = "arrival"\n'.replace("'", '"'))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    help_text = parser.format_help()
+    for dest, (_, default, _) in serve.OPTIONS.items():
+        assert "--" + dest.replace("_", "-") in help_text and f"(default: {default})" in " ".join(
+            help_text.split())
+    values = serve.resolve(parser.parse_args(["--config", str(toml), "--seed", "8"]))
+    cfg = serve.build_config(values)
+    assert (cfg.world_size, cfg.batch.global_batch, cfg.seed, cfg.mode) == (4, 32, 8, "arrival")
+    assert cfg.shards == list(shards) and cfg.planner.num_microbatches == 1
+    toml.write_text('world_size = 2\nbogus = 1\n')
+    with pytest.raises(ValueError, match="bogus"):
+        serve.resolve(parser.parse_args(["--config", str(toml)]))
+    with pytest.raises(ValueError, match="--shards is required"):
+        serve.resolve(parser.parse_args(["--world-size", "2", "--global-batch", "4"]))
+
+
+def test_step_log_records_every_planned_step(shards, tmp_path):
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    with dispatcher(make_config(shards, world_size=2, max_steps=3, step_log=str(path))) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["num_samples"] == 8 and r["world_size"] == 2 for r in records)
+
+
+def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards):
+    def recv(sock, type_):
+        while True:
+            assert sock.poll(5000), f"no {type_} from the dispatcher"
+            msg = P.decode(sock.recv_multipart())
+            if msg.type == type_:
+                return msg
+
+    with dispatcher(make_config(shards[:1], world_size=1)) as srv:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            sock.connect(srv.reader_endpoint)
+            sock.send_multipart(P.encode(P.HELLO, seq=1, role="reader", name="rogue"))
+            recv(sock, P.WELCOME)
+            sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
+            assign = recv(sock, P.SHARD_ASSIGN)
+            recv(sock, P.CREDIT)
+            bad = [["k-video", 0, 1, 5, b"t", [["video", "mp4", 3, 4, {}]]],
+                   ["k-len", 1, 1, 99, b"t", []]]
+            sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[b"x"], assign_id=assign["assign_id"],
+                                         samples=bad))
+            sock.send_multipart(P.encode(P.BYE, seq=4))
+            time.sleep(0.3)
+        finally:
+            sock.close(linger=0)
+        assert srv._thread.is_alive()
+        assert srv.skipped == [("k-video", "invalid_header"), ("k-len", "invalid_llm_len")]
+        with readers(srv.reader_endpoint, 1):  # the shard is finished by an honest reader
+            got = consume(srv.trainer_endpoint, 1)
+    expected = all_keys(shards[:1])
+    assert sorted(flat_keys(got)) == sorted(expected[2:])  # indices 0, 1 were consumed as bad

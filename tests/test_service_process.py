@@ -1,0 +1,189 @@
+"""Failures of real processes: a reader killed mid-shard, a dispatcher killed and restarted from
+its journal (same and different world size), a restore that cannot be honoured, CurveZMQ."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dispatcher_server.config import CurveConfig, FlowConfig
+from dispatcher_server.journal import JournalError
+from dispatcher_server.security import create_keypair
+from dispatcher_server.server import Dispatcher
+from mmdispatch import cli
+from tests.test_service import (
+    all_keys, client_config, consume, dispatcher, flat_keys, make_config, readers,
+    shards,  # noqa: F401 - fixture
+)
+from trainer_client.client import DispatcherClient
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
+def kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def start_serve(args: list[str], timeout: float = 30.0) -> tuple[subprocess.Popen, dict]:
+    """`mmdispatch serve` on port 0; returns the process and its READY line."""
+    proc = spawn(["serve", *args])
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(0.2):
+            line = proc.stdout.readline()
+            if line.startswith("READY "):
+                return proc, json.loads(line[len("READY "):])
+            if not line:
+                break
+    kill(proc)
+    raise AssertionError("mmdispatch serve did not report its endpoints")
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_reader_killed_mid_shard_loses_and_duplicates_nothing(shards):
+    # Tiny credits: the reader stalls inside a shard, holding a partly delivered shard when killed.
+    flow = FlowConfig(max_buffered_samples=28, num_inflight_shards=2, max_retained_steps=1,
+                      credit_batch=3)
+    with dispatcher(make_config(shards, world_size=2, flow=flow)) as srv:
+        proc = spawn(["read", "--dispatcher", srv.reader_endpoint, "--timeout", "1.5", "--batch", "3"])
+        try:
+            registry = srv.metrics.registry
+            wait_for(lambda: registry.get_sample_value("mmdispatch_samples_in_total") >= 20)
+            partial = [p for p in list(srv.progress.values())
+                       if 0 < p.next_index and not p.reader_done]
+            assert partial, "the reader should be in the middle of a shard"
+        finally:
+            kill(proc)
+        with readers(srv.reader_endpoint, 2):
+            got = consume(srv.trainer_endpoint, 2)
+    assert sorted(flat_keys(got)) == sorted(all_keys(shards))
+
+
+def _serve_args(shards, journal, world_size):
+    return ["--shards", *shards, "--world-size", str(world_size), "--global-batch", "8",
+            "--num-microbatches", "2", "--journal-dir", journal, "--heartbeat", "0.2",
+            "--timeout", "1.5", "--max-retained-steps", "3", "--inflight-shards", "3",
+            "--max-buffered-samples", "256", "--credit-batch", "8", "--seed", "5"]
+
+
+def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(shards, tmp_path):
+    journal = str(tmp_path / "journal")
+    reference_cfg = make_config(shards, world_size=2, seed=5)
+    with dispatcher(reference_cfg) as srv, readers(srv.reader_endpoint, 2):
+        reference = consume(srv.trainer_endpoint, 2)
+    commit_at = 4
+
+    proc, ready = start_serve(_serve_args(shards, journal, 2))
+    try:
+        with readers(ready["readers"], 2):
+            first = consume(ready["trainers"], 2, max_steps=commit_at + 1, commit_at=commit_at)
+    finally:
+        kill(proc)  # SIGKILL: no clean shutdown, the journal is all that survives
+    for r in range(2):
+        assert first[r] == reference[r][:commit_at + 1]
+
+    states = {r: {"next_step": commit_at + 1, "rank": r, "world_size": 2} for r in range(2)}
+    proc, ready = start_serve(_serve_args(shards, journal, 2))
+    try:
+        assert ready["next_step"] == commit_at + 1  # resumes after the last committed step
+        with readers(ready["readers"], 1):
+            second = consume(ready["trainers"], 2, states=states)
+    finally:
+        kill(proc)
+    for r in range(2):
+        assert second[r] == reference[r][commit_at + 1:]
+
+    # Three ranks now: same samples per step from the same position, planned for 3 ranks.
+    states = {r: {"next_step": commit_at + 1, "rank": r, "world_size": 2} for r in range(3)}
+    proc, ready = start_serve(_serve_args(shards, journal, 3))
+    try:
+        with readers(ready["readers"], 2):
+            third = consume(ready["trainers"], 3, states=states)
+    finally:
+        kill(proc)
+
+    def step_sets(per_rank):
+        out: dict[int, set] = {}
+        for steps in per_rank.values():
+            for s, mbs in steps:
+                out.setdefault(s, set()).update(k for keys in mbs for k in keys)
+        return out
+
+    expected = {s: keys for s, keys in step_sets(reference).items() if s > commit_at}
+    assert step_sets(third) == expected
+    assert all(len(third[r]) == len(expected) for r in range(3))
+
+
+def test_restore_with_another_seed_fails_loudly(shards, tmp_path):
+    cfg = make_config(shards, world_size=1, journal_dir=str(tmp_path), max_steps=2)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 1, commit_at=1)
+    with pytest.raises(JournalError, match="seed: journal has 0, config has 9"):
+        Dispatcher(make_config(shards, world_size=1, journal_dir=str(tmp_path), seed=9))
+    # Asking for a step the journal cannot place is refused by name, not silently replanned.
+    with dispatcher(make_config(shards, world_size=1, journal_dir=str(tmp_path))) as srv:
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        client.load_state_dict({"next_step": 40})
+        try:
+            with pytest.raises(Exception, match="cannot resume at step 40"):
+                next(client)
+        finally:
+            client.close()
+
+
+def test_curve_admits_allowed_keys_only(shards, tmp_path):
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    assert cli.main(["keygen", "server", "--dir", str(keys)]) == 0
+    server_public, server_secret = str(keys / "server.key"), str(keys / "server.key_secret")
+    assert os.stat(server_secret).st_mode & 0o777 == 0o600
+    for name in ("reader", "trainer"):
+        public, _ = create_keypair(str(keys), name)
+        shutil.copy(public, allowed)
+    create_keypair(str(keys), "intruder")
+    curve = CurveConfig(server_secret_file=server_secret, allowed_keys_dir=str(allowed))
+    cfg = make_config(shards, world_size=1, curve=curve, max_steps=2)
+
+    def client(name: str) -> DispatcherClient:
+        return DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config(
+            secret_file=str(keys / f"{name}.key_secret"), server_public_file=server_public))
+
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1,
+                                         secret_file=str(keys / "reader.key_secret"),
+                                         server_public_file=server_public):
+        intruder = client("intruder")
+        intruder.config.step_timeout_s = 2.0
+        try:
+            with pytest.raises(TimeoutError):
+                next(intruder)
+        finally:
+            intruder.close()
+        good = client("trainer")
+        try:
+            steps = [s.step for s in good]
+        finally:
+            good.close()
+    assert steps == [0, 1]

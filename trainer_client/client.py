@@ -1,0 +1,426 @@
+"""Trainer side of the dispatcher: receive this rank's pre-packed micro-batches as torch tensors.
+
+A background thread owns the DEALER socket: it says HELLO (with the step it needs next),
+receives and decodes STEP messages into tensors that are views over the received frames (no
+extra copies), grants K steps of credit as the trainer consumes, heartbeats, and reconnects
+with backoff. The training loop only iterates; the trade-off is that up to K decoded steps
+wait in memory, which is what hides the dispatcher's latency.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
+from dispatcher_server.stepwire import SAMPLE_ARRAYS, split_arrays, unpack_microbatch
+
+log = logging.getLogger("mmdispatch.client")
+_END = object()
+
+
+class DispatcherError(RuntimeError):
+    """The dispatcher refused this trainer (version, world size, resume point...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"dispatcher refused trainer ({code}): {message}")
+        self.code = code
+
+
+@dataclass(slots=True)
+class EncoderBatch:
+    """The items this rank encodes for one phase in one micro-batch, in encode (send) order."""
+
+    phase: str
+    item_ids: torch.Tensor  # int64[n], ids within the step's phase items
+    enc_len: torch.Tensor  # int64[n]
+    llm_len: torch.Tensor  # int64[n]
+    payloads: list[memoryview]  # raw member bytes (jpg/png/wav...), views over received frames
+    modalities: list[str]
+    sample_keys: list[str]  # owning sample of each item
+    members: list[str]
+    meta: list[dict]
+
+
+@dataclass(slots=True)
+class Microbatch:
+    """One rank's micro-batch: its LLM samples, its encoder items and its exchange plan."""
+
+    step: int
+    index: int
+    plan: RankMicrobatch  # numpy views; the exchange tables live in plan.exchanges
+    keys: list[str]  # LLM samples in packing order
+    texts: list[bytes]
+    text_len: torch.Tensor  # int64[s]
+    sample_llm_len: torch.Tensor  # int64[s]
+    cu_seqlens: torch.Tensor  # int32[s+1], varlen-attention boundaries of the packed sequence
+    encoders: dict[str, EncoderBatch]
+    tensors: dict[str, torch.Tensor]  # every plan array by name, as views
+
+
+@dataclass(slots=True)
+class Step:
+    step: int
+    epoch: int
+    rank: int
+    microbatches: list[Microbatch] = field(default_factory=list)
+
+
+def _tensor(view: np.ndarray) -> torch.Tensor:
+    if view.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    # The frame outlives the tensor (the tensor keeps the buffer alive); no copy is made.
+    return torch.frombuffer(view, dtype=torch.int64)
+
+
+def decode_step(msg: P.Message) -> Step:
+    """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header."""
+    out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
+    at = 0
+    for m, mb in enumerate(msg["microbatches"]):
+        buf = msg.frames[at]
+        payloads = msg.frames[at + 1: at + 1 + mb["payloads"]]
+        at += 1 + mb["payloads"]
+        plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m)
+        names = list(SAMPLE_ARRAYS) + [f"{p}.{n}" for p in ENCODER_PHASES for n in
+                                       ("encode_items", "encode_enc_len", "encode_llm_len",
+                                        "send_tokens", "recv_items", "recv_llm_len",
+                                        "recv_offsets", "recv_tokens")]
+        tensors = {n: _tensor(v) for n, v in zip(names, split_arrays(buf, mb["arrays"]))}
+        encoders, k = {}, 0
+        for phase in ENCODER_PHASES:
+            ex = plan.exchanges.get(phase)
+            n = 0 if ex is None else len(ex.encode_items)
+            heads = mb["items"][k:k + n]
+            if len(heads) != n:
+                raise P.ProtocolError("step: fewer item headers than encode items")
+            if ex is not None:
+                encoders[phase] = EncoderBatch(
+                    phase=phase, item_ids=tensors[f"{phase}.encode_items"],
+                    enc_len=tensors[f"{phase}.encode_enc_len"],
+                    llm_len=tensors[f"{phase}.encode_llm_len"], payloads=list(payloads[k:k + n]),
+                    modalities=[h[0] for h in heads], sample_keys=[h[1] for h in heads],
+                    members=[h[2] for h in heads], meta=[h[3] for h in heads])
+            k += n
+        if k != len(payloads) or len(mb["keys"]) != len(plan.samples):
+            raise P.ProtocolError("step: payload or key counts disagree with the plan arrays")
+        cu = torch.zeros(len(plan.samples) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(tensors["sample_llm_len"], 0)
+        out.microbatches.append(Microbatch(
+            step=out.step, index=m, plan=plan, keys=list(mb["keys"]), texts=list(mb["texts"]),
+            text_len=tensors["text_len"], sample_llm_len=tensors["sample_llm_len"],
+            cu_seqlens=cu, encoders=encoders, tensors=tensors))
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class ClientConfig:
+    prefetch: int = 2  # K: steps granted ahead of the one being consumed
+    heartbeat_s: float = 1.0
+    timeout_s: float = 5.0  # dispatcher silent this long: reconnect
+    poll_ms: int = 10
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    step_timeout_s: float | None = 600.0  # longest wait for one step before TimeoutError
+    secret_file: str | None = None  # CurveZMQ: this trainer's key pair
+    server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class DispatcherClient:
+    """Iterator of this rank's steps; each `Step` holds exactly M micro-batches.
+
+    rank / world_size / local_world_size default to torchrun's RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE. Restore with `load_state_dict()` before iterating; call `commit(step)`
+    when the checkpoint holding `state_dict()` is durable.
+    """
+
+    def __init__(self, address: str, rank: int | None = None, world_size: int | None = None,
+                 local_world_size: int | None = None, *, config: ClientConfig | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.address = address
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.local_world_size = (_env_int("LOCAL_WORLD_SIZE", self.world_size)
+                                 if local_world_size is None else local_world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        self.config = config or ClientConfig()
+        if self.config.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.config.prefetch}")
+        self.ctx = context or zmq.Context.instance()
+        self._steps: queue.Queue = queue.Queue()
+        self._commands: queue.Queue = queue.Queue()
+        self._consumed: int | None = None  # next step to hand to the trainer
+        self._next_expected: int | None = None  # next step to receive
+        self._commit_waiters: list[tuple[int, threading.Event, list]] = []
+        self._fatal: Exception | None = None
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ended = False
+        self.num_reconnects = 0
+
+    # -- trainer-facing API --------------------------------------------------------------
+    def start(self) -> DispatcherClient:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"mmdispatch-client-{self.rank}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Step:
+        if self._ended:
+            raise StopIteration
+        self.start()
+        limit = self.config.step_timeout_s
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            try:
+                item = self._steps.get(timeout=0.1)
+            except queue.Empty:
+                if self._fatal is not None:
+                    raise self._fatal
+                if not self._thread.is_alive():
+                    raise RuntimeError("dispatcher client thread stopped")
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no step from {self.address} within {limit} s")
+                continue
+            if item is _END:
+                self._ended = True
+                raise StopIteration
+            if isinstance(item, Exception):
+                raise item
+            if self._consumed is not None and item.step != self._consumed:
+                continue  # left over from before a resync
+            self._consumed = item.step + 1
+            return item
+
+    def state_dict(self) -> dict:
+        return {"next_step": self._consumed, "rank": self.rank, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at `state['next_step']` (replayed exactly as the first run delivered it)."""
+        if state.get("world_size") not in (None, self.world_size):
+            log.warning("mmdispatch event=resume_world_size_changed saved=%s now=%s: the dispatcher "
+                        "re-plans from the same sample position", state["world_size"], self.world_size)
+        step = state.get("next_step")
+        if step is not None and (not isinstance(step, int) or step < 0):
+            raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
+        self._consumed = step
+        self._ended = False
+        if self._thread is not None:
+            self._commands.put(("resync", step))
+        else:
+            self._next_expected = step
+
+    def commit(self, step: int, timeout: float = 30.0) -> None:
+        """Tell the dispatcher `step` is checkpointed; returns once it is journaled."""
+        done, error = threading.Event(), []
+        self.start()
+        self._commands.put(("commit", step, done, error))
+        if not done.wait(timeout):
+            raise TimeoutError(f"commit({step}) not acknowledged within {timeout} s")
+        if error:
+            raise error[0]
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+
+    def __enter__(self) -> DispatcherClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- background thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = self.config.backoff_min_s
+        try:
+            while not self._closing.is_set() and self._fatal is None:
+                self._connect()
+                welcomed = self._session()
+                self._disconnect()
+                if self._closing.is_set() or self._fatal is not None:
+                    break
+                self.num_reconnects += 1
+                backoff = self.config.backoff_min_s if welcomed else min(
+                    2 * backoff, self.config.backoff_max_s)
+                log.warning("mmdispatch event=client_reconnect rank=%d backoff_s=%.2f",
+                            self.rank, backoff)
+                self._closing.wait(backoff)
+        except Exception as e:  # noqa: BLE001 - surfaced to the training loop
+            self._fatal = e
+            self._steps.put(e)
+            self._disconnect()
+
+    def _connect(self) -> None:
+        cfg = self.config
+        sock = self.ctx.socket(zmq.DEALER)
+        P.socket_limits(sock)
+        if cfg.secret_file:
+            from dispatcher_server.security import PeerCurve
+
+            PeerCurve(secret_file=cfg.secret_file, server_public_file=cfg.server_public_file).apply(sock)
+        sock.connect(self.address)
+        self.sock, self._seq, self._welcomed = sock, 0, False
+        self._last_recv = time.monotonic()
+        self._credit_sent = None
+        self._hello()
+
+    def _hello(self) -> None:
+        self._welcomed = False
+        self._hello_seq = self._send(
+            P.HELLO, role="trainer", name=f"rank{self.rank}", rank=self.rank,
+            world_size=self.world_size, local_world_size=self.local_world_size,
+            next_step=self._next_expected, prefetch=self.config.prefetch)
+
+    def _disconnect(self) -> None:
+        sock, self.sock = getattr(self, "sock", None), None
+        if sock is not None:
+            if not self._closing.is_set() or self._fatal is not None:
+                sock.close(linger=0)
+                return
+            try:
+                sock.send_multipart(P.encode(P.BYE), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            sock.close(linger=0)
+
+    def _send(self, type_: str, **fields) -> int:
+        self._seq += 1
+        try:
+            # A DEALER with no live connection blocks on send; never block the receiver thread.
+            self.sock.send_multipart(P.encode(type_, seq=self._seq, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # not connected: the liveness timeout reconnects and says HELLO again
+        self._last_sent = time.monotonic()
+        return self._seq
+
+    def _session(self) -> bool:
+        cfg = self.config
+        ever_welcomed = False
+        while not self._closing.is_set():
+            self._do_commands()
+            if self.sock.poll(cfg.poll_ms, zmq.POLLIN):
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._last_recv = time.monotonic()
+                    if not self._handle(frames):
+                        return ever_welcomed
+            ever_welcomed |= self._welcomed
+            now = time.monotonic()
+            if self._welcomed:
+                credit = (self._consumed + cfg.prefetch, self._next_expected)
+                if credit != self._credit_sent:
+                    self._send(P.CREDIT, upto=credit[0], received=credit[1])
+                    self._credit_sent = credit
+            if now - self._last_recv > cfg.timeout_s:
+                return ever_welcomed
+            if now - self._last_sent > cfg.heartbeat_s:
+                self._send(P.HEARTBEAT)
+        return ever_welcomed
+
+    def _do_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "commit":
+                self._commit_waiters.append((cmd[1], cmd[2], cmd[3]))
+                self._send(P.COMMIT, step=cmd[1])
+            elif cmd[0] == "resync":
+                while not self._steps.empty():
+                    self._steps.get_nowait()
+                self._next_expected = cmd[1]
+                self._hello()
+
+    def _handle(self, frames) -> bool:
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as e:
+            log.warning("mmdispatch event=client_bad_message rank=%d detail=%r", self.rank, str(e)[:200])
+            return True
+        if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
+            self._welcomed = True
+            self._next_expected = msg["next_step"]
+            if self._consumed is None:
+                self._consumed = msg["next_step"]
+        elif msg.type == P.STEP and self._welcomed:
+            if msg["step"] > self._next_expected:
+                self._hello()  # a step was lost (peer reconnected): ask again from ours
+            elif msg["step"] == self._next_expected:
+                self._steps.put(decode_step(msg))
+                self._next_expected += 1
+        elif msg.type == P.END and self._welcomed and msg["next_step"] == self._next_expected:
+            self._steps.put(_END)
+        elif msg.type == P.COMMIT:
+            for w in [w for w in self._commit_waiters if w[0] <= msg["step"]]:
+                self._commit_waiters.remove(w)
+                w[1].set()
+        elif msg.type == P.ERROR:
+            return self._on_error(msg)
+        return True
+
+    def _on_error(self, msg: P.Message) -> bool:
+        code, text = msg["code"], msg["message"]
+        if code == "unknown_peer":
+            self._hello()
+            return True
+        if code == "commit":
+            for _, done, error in self._commit_waiters:
+                error.append(DispatcherError(code, text))
+                done.set()
+            self._commit_waiters.clear()
+            return True
+        if code in ("version", "world_size", "rank", "role", "resume"):
+            self._fatal = DispatcherError(code, text)
+            self._steps.put(self._fatal)
+            return False
+        log.warning("mmdispatch event=client_error rank=%d code=%s message=%r", self.rank, code, text)
+        return True
+
+
+class DispatcherDataset(torch.utils.data.IterableDataset):
+    """DataLoader adapter: yields `Step`s; use `DataLoader(ds, batch_size=None, num_workers=0)`.
+
+    The client is created lazily in `__iter__`, so the dataset itself pickles (no sockets).
+    """
+
+    def __init__(self, address: str, **client_kwargs) -> None:
+        super().__init__()
+        self.address = address
+        self.client_kwargs = client_kwargs
+        self.client: DispatcherClient | None = None
+
+    def __iter__(self):
+        if self.client is None:
+            self.client = DispatcherClient(self.address, **self.client_kwargs)
+        return iter(self.client)
