@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("mmdispatch.serve", "run the dispatcher: collect counts, plan every step, stream to trainers"),
     "read": ("pipeline.service", "run a data-node reader that streams counted samples to the dispatcher"),
     "keygen": ("dispatcher_server.security", "create a CurveZMQ key pair for the dispatcher, a reader or a trainer"),
+    "demo": ("mmdispatch.demo", "run data, dispatcher, readers and torchrun trainers locally, then report"),
+    "report": ("mmdispatch.report", "render a step log as a table and figures"),
 }
 
 
