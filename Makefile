@@ -21,12 +21,13 @@ test: install
 	$(PY) -m pytest -q
 
 demo: install
-	$(VENV)/bin/mmdispatch gen-data $(DEMO_DIR) --samples 512 --shards 8 --seed 0
-	$(VENV)/bin/mmdispatch inspect '$(DEMO_DIR)/shard-{000000..000007}.tar'
+	$(VENV)/bin/mmdispatch demo --data $(DEMO_DIR)
 
 bench: install
 	$(PY) -m bench.counting
 	$(PY) -m bench.planner
+	$(PY) -m bench.exchange
+	$(PY) -m bench.stream
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) reports .pytest_cache

@@ -110,19 +110,21 @@ def render_figure(plans: list[dict], trains: list[dict], out_png: str | Path) ->
     # Top row: one representative step (the one where random was most imbalanced overall).
     worst = max(plans, key=lambda p: p["random"]["step_time"] / max(p["balanced"]["step_time"], 1e-30))
     for ax, ph in zip(axes[0], phases):
-        # loads are [micro-batch][rank]; the step pays the slowest rank of each micro-batch.
+        # loads are [micro-batch][rank]; the step pays the slowest rank of each micro-batch,
+        # so every (micro-batch, rank) slot gets its own pair of bars.
         rnd = np.asarray(worst["random"]["loads"][ph], dtype=float)
         bal = np.asarray(worst["balanced"]["loads"][ph], dtype=float)
         scale = max(rnd.max(), bal.max(), 1e-30)
-        ranks = np.arange(rnd.shape[1])
-        for m in range(rnd.shape[0]):
-            ax.bar(ranks + m * 0.2 - 0.3, rnd[m] / scale, width=0.18, color="tab:red", alpha=0.4 + 0.3 * m,
-                   label="random" if m == 0 else None)
-            ax.bar(ranks + m * 0.2 + 0.1, bal[m] / scale, width=0.18, color="tab:blue", alpha=0.5 + 0.3 * m,
-                   label="balanced" if m == 0 else None)
-        ax.set_title(f"{ph}: per-rank load, step {worst['step']} (bars per micro-batch)")
-        ax.set_xlabel("rank")
-        ax.set_ylabel("relative cost")
+        num_mb, num_ranks = rnd.shape
+        slots = np.arange(num_mb * num_ranks)
+        ax.bar(slots - 0.2, rnd.reshape(-1) / scale, width=0.4, color="tab:red", alpha=0.7, label="random")
+        ax.bar(slots + 0.2, bal.reshape(-1) / scale, width=0.4, color="tab:blue", alpha=0.8, label="balanced")
+        for m in range(1, num_mb):
+            ax.axvline(m * num_ranks - 0.5, color="gray", lw=0.8, ls=":")
+        if len(slots) <= 32:
+            ax.set_xticks(slots, [f"r{r}\nmb{m}" for m in range(num_mb) for r in range(num_ranks)], fontsize=7)
+        ax.set_title(f"{ph}: load per rank and micro-batch, step {worst['step']}")
+        ax.set_ylabel("cost / largest")
         ax.legend(fontsize=8)
     for ax in axes[0][len(phases):]:
         ax.axis("off")

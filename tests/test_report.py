@@ -1,0 +1,67 @@
+"""The step log and `mmdispatch report`: records from real plans, figures and summary numbers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.planner import synthetic_step
+from dispatcher_server.planner import PlannerConfig, Topology, plan_step
+from dispatcher_server.steplog import StepLog, plan_record
+from mmdispatch import cli, report
+
+
+@pytest.fixture
+def step_logs(tmp_path):
+    rng = np.random.default_rng(0)
+    config = PlannerConfig(num_microbatches=2)
+    topo = Topology(world_size=8, ranks_per_node=4)
+    log = StepLog(tmp_path / "steps.jsonl")
+    for step in range(3):
+        plan = plan_step(synthetic_step(rng, 64), topo, config)
+        log.write(plan_record(step, plan, config=config, plan_ms=1.5 + step))
+    log.close()
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 5.0 - s, "samples": 64,
+                                         "samples_per_s": 10.0 * (s + 1)}) + "\n" for s in range(3)))
+    return tmp_path / "steps.jsonl", train
+
+
+def test_plan_record_compares_balanced_with_random(step_logs):
+    plans, trains = report.load_step_log(list(step_logs))
+    assert [p["step"] for p in plans] == [0, 1, 2] and len(trains) == 3
+    for p in plans:
+        assert p["balanced"]["step_time"] <= p["random"]["step_time"]
+        assert p["predicted_speedup_vs_random"] == pytest.approx(p["random"]["step_time"] / p["balanced"]["step_time"])
+        assert np.asarray(p["balanced"]["loads"]["llm"]).shape == (2, 8)
+        # random keeps encoders with their samples, so it moves nothing off-rank
+        assert p["random"]["bytes"]["intra_node"] == p["random"]["bytes"]["inter_node"] == 0
+
+
+def test_summary_aggregates_over_steps(step_logs):
+    plans, trains = report.load_step_log(list(step_logs))
+    s = report.summarize(plans, trains)
+    expected = sum(p["random"]["step_time"] for p in plans) / sum(p["balanced"]["step_time"] for p in plans)
+    assert s["predicted_speedup_vs_random"] == pytest.approx(expected)
+    assert s["plan_ms_p50"] == pytest.approx(2.5)
+    assert (s["loss_first"], s["loss_last"], s["samples_per_s_p50"]) == (5.0, 3.0, 20.0)
+
+
+def test_report_command_writes_a_figure_and_json(step_logs, tmp_path, capsys):
+    out = tmp_path / "fig.png"
+    assert cli.main(["report", *map(str, step_logs), "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["figure"] == str(out) and summary["num_steps"] == 3
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+
+
+def test_a_log_without_plans_is_refused(tmp_path):
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"kind": "train", "step": 0, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="no plan records"):
+        report.load_step_log(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(ValueError, match="x.jsonl:1"):
+        report.load_step_log(bad)
