@@ -98,6 +98,19 @@ def _step_line(plan: dict, train: dict) -> str:
             f"exchange MB intra {b['intra_node'] / 1e6:.2f} inter {b['inter_node'] / 1e6:.2f} | loss {train['loss']:.3f}")
 
 
+def _inspect(shards: list[Path]) -> None:
+    """The data node's view of the dataset, counted with the demo's rules (`mmdispatch inspect`)."""
+    from rich.console import Console
+
+    from pipeline import inspect
+    from pipeline.reader import add_reader_arguments, reader_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_reader_arguments(parser)
+    config = reader_config_from_args(parser.parse_args(list(DEMO_READER_ARGS)), keep_members=False)
+    inspect.render(inspect.collect([str(s) for s in shards], config, show_progress=False), Console())
+
+
 def run(args: argparse.Namespace) -> int:
     from pipeline.gendata import generate
 
@@ -106,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if not shards:
         print(f"generating {args.samples} samples in {args.shards} shards into {data}/", flush=True)
         shards = [Path(p) for p in generate(data, num_samples=args.samples, num_shards=args.shards, seed=args.seed)]
+    _inspect(shards)
     out = Path(args.reports) / time.strftime("demo-%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     steps_log, train_log = out / "steps.jsonl", out / "train.jsonl"

@@ -29,7 +29,7 @@ from trainer_client.model import (
 log = logging.getLogger("mmdispatch.train")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m trainer_client.train",
         description="Train the reference multimodal model on micro-batches from an mmdispatch dispatcher "
@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
-    return p.parse_args(argv)
+    return p
 
 
 class ItemInputs:
@@ -139,7 +139,7 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return train(parse_args(argv))
+    return train(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
