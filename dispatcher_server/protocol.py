@@ -1,8 +1,9 @@
 """The mmdispatch wire protocol: message types, header schemas, frame layout, version and limits.
 
 Every message is a ZeroMQ multipart message: frame 0 is a msgpack header `{v, type, seq, ...}`,
-the further frames are raw payloads that are never copied (received with `copy=False`, shipped
-on as-is). Headers are plain dicts checked against the schemas below on decode, so a peer can
+the further frames are raw payloads that are never copied on receipt (`copy=False`). Payloads
+of many items travel coalesced in one frame with their sizes in the header (v2): a frame costs
+far more than a memcpy of a typical member, and receivers slice memoryviews out of it. Headers are plain dicts checked against the schemas below on decode, so a peer can
 send anything and `decode` still raises nothing but `ProtocolError`. Imports nothing of ours.
 """
 
@@ -14,7 +15,8 @@ from typing import Any, Iterable
 import msgpack
 
 #: Bumped on any incompatible change of a header schema or the frame layout.
-VERSION = 1
+#: v2: SAMPLES and STEP carry their item payloads coalesced, one frame plus a `sizes` list.
+VERSION = 2
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -23,7 +25,7 @@ HEARTBEAT = "heartbeat"  # either way: liveness (any message counts as one)
 SHARD_REQUEST = "shard_request"  # reader -> dispatcher: give me a shard
 SHARD_ASSIGN = "shard_assign"  # dispatcher -> reader: read shard from start_index
 CANCEL = "cancel"  # dispatcher -> reader: stop an assignment (reassigned or rewound)
-SAMPLES = "samples"  # reader -> dispatcher: sample headers + one payload frame per item
+SAMPLES = "samples"  # reader -> dispatcher: sample headers + the items' payloads (see below)
 SHARD_DONE = "shard_done"  # reader -> dispatcher: assignment finished, count + skipped keys
 CREDIT = "credit"  # dispatcher -> reader: samples it may send; trainer -> dispatcher: steps
 STEP = "step"  # dispatcher -> trainer: one rank's micro-batches of one step
@@ -49,7 +51,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True)},
     CANCEL: {"assign_id": (_INT, True)},
-    SAMPLES: {"assign_id": (_INT, True), "samples": (list, True)},
+    SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False)},
@@ -194,7 +196,9 @@ def _list_of(x: Any, n: int, types: tuple, what: str) -> list:
     return x
 
 
-#: SAMPLES: one sample header, payload frames follow in (sample, item) order.
+#: SAMPLES: one sample header per sample; the payloads follow in (sample, item) order, either
+#: one frame per item (no `sizes`), or coalesced in exactly one frame sliced by `sizes` (bytes
+#: per item), which is what readers send: one frame per message instead of one per item.
 SAMPLE_FIELDS = ("key", "index", "text_len", "llm_len", "text", "items")
 ITEM_FIELDS = ("modality", "member", "enc_len", "llm_len", "meta")
 
@@ -213,8 +217,30 @@ def _check_samples(fields: dict, payloads: list) -> None:
                     or type(it[4]) is not dict):
                 raise ProtocolError("malformed item header")
         num_items += len(s[5])
-    if num_items != len(payloads):
-        raise ProtocolError(f"samples: {num_items} items but {len(payloads)} payload frames")
+    sizes = fields.get("sizes")
+    if sizes is None:
+        if num_items != len(payloads):
+            raise ProtocolError(f"samples: {num_items} items but {len(payloads)} payload frames")
+        return
+    _check_sizes(sizes, num_items, payloads, "samples")
+
+
+def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
+    """A coalesced payload frame: one frame whose bytes are exactly the items' sizes."""
+    if len(sizes) != num_items or not all(type(n) is int and n >= 0 for n in sizes):
+        raise ProtocolError(f"{what}: {len(sizes)} sizes for {num_items} items, or a bad size")
+    if len(payloads) != 1 or payloads[0].nbytes != sum(sizes):
+        raise ProtocolError(f"{what}: sizes add up to {sum(sizes)} bytes but the payload frames "
+                            f"hold {sum(p.nbytes for p in payloads)} in {len(payloads)} frames")
+
+
+def split_payload(frame: memoryview, sizes: list[int]) -> list[memoryview]:
+    """Views (no copies) of each item in a coalesced payload frame; sizes were checked on decode."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(frame[at:at + n])
+        at += n
+    return out
 
 
 def _check_shard_done(fields: dict, payloads: list) -> None:
@@ -224,8 +250,10 @@ def _check_shard_done(fields: dict, payloads: list) -> None:
 
 
 #: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then
-#: one payload frame per encoder item this rank encodes (phases in ENCODER_PHASES order).
-MICROBATCH_FIELDS = {"arrays": list, "keys": list, "texts": list, "items": list, "payloads": int}
+#: one frame holding the payloads of the encoder items this rank encodes, coalesced in
+#: encode order (phases in ENCODER_PHASES order), `sizes` bytes each; `payloads` counts them.
+MICROBATCH_FIELDS = {"arrays": list, "keys": list, "texts": list, "items": list, "payloads": int,
+                     "sizes": list}
 
 
 def _check_step(fields: dict, payloads: list) -> None:
@@ -246,9 +274,11 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: item headers and payload count disagree")
         for it in mb["items"]:
             _list_of(it, 4, (str, str, str, dict), "step item header")
-        expected += 1 + mb["payloads"]
+        expected += 2
     if expected != len(payloads):
         raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
+    for m, mb in enumerate(fields["microbatches"]):
+        _check_sizes(mb["sizes"], mb["payloads"], payloads[2 * m + 1: 2 * m + 2], "step")
 
 
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
@@ -264,3 +294,25 @@ def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int 
     # Credits bound what is in flight; high-water marks would only add silent drops or stalls.
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+
+
+def keep_freed_memory(threshold_mb: int) -> bool:
+    """Let glibc reuse freed blocks below `threshold_mb` instead of mapping fresh pages each time.
+
+    Coalesced payload frames are MBs each; by default glibc serves them with mmap and unmaps
+    them on free, so every frame pays page faults on first write (measured: most of the
+    dispatcher's copy and free time). With a fixed mmap threshold and trim threshold the heap
+    keeps the pages: RSS stays at the working-set peak, which credits already bound. Returns
+    whether it applied (glibc only; 0 turns it off).
+    """
+    if threshold_mb <= 0:
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, threshold_mb << 20)
+                    and libc.mallopt(m_trim_threshold, 2 * threshold_mb << 20))
+    except (OSError, AttributeError):
+        return False

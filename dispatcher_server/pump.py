@@ -59,6 +59,7 @@ class Pump:
     def _assign(self) -> None:
         idle = [r for r in self.readers.values() if r.wants_shard and r.assignment is None]
         if not idle:
+            self._preempt()
             return
         todo = sorted(p for p, pr in self.progress.items() if pr.assignment is None and not pr.reader_done)
         for reader, pos in zip(idle, todo):
@@ -72,6 +73,24 @@ class Pump:
                               epoch=self.order.epoch_of(pos), start_index=prog.next_index)
             event("shard_assigned", shard=prog.url, pos=pos, start=prog.next_index,
                   reader=reader.name)
+
+    def _preempt(self) -> None:
+        """A lost reader's shard may sit below shards others hold at their credit cap, and only
+        lower positions drain: cancel the highest assignment so its reader takes the lower one."""
+        if any(r.assignment is None for r in self.readers.values()):
+            return  # a reader is between shards already: it will ask for the lowest
+        todo = [p for p, pr in self.progress.items() if pr.assignment is None and not pr.reader_done]
+        if not todo or not self.assignments:
+            return
+        a = max(self.assignments.values(), key=lambda a: a.pos)
+        reader = self.readers.get(a.reader)
+        if a.pos < min(todo) or reader is None:
+            return
+        self._send_reader(reader, P.CANCEL, assign_id=a.id)
+        self.progress[a.pos].assignment = None  # its buffer and next_index stay: nothing is lost
+        del self.assignments[a.id]
+        reader.assignment = None
+        event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _acc_epoch_end(self) -> int:
         return self.order.epoch_end(self.acc[0].pos)

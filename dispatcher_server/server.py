@@ -127,7 +127,9 @@ class Dispatcher(Pump):
         self.retained: deque[RetainedStep] = deque()
         self.next_plan = step
         for slot in self.slots:
-            slot.next_send = slot.received = step
+            # A rank already past `step` (its credits say so) keeps its place: lowering it would
+            # hold every later step until that rank, which never asks again, acknowledged them.
+            slot.next_send = slot.received = max(step, slot.received)
             slot.end_sent = False
         self.replay = {}
         if self.journal is not None:
@@ -231,6 +233,7 @@ class Dispatcher(Pump):
                        heartbeat_s=float(self.config.liveness.heartbeat_s))
             return
         if reader is None:
+            self.metrics.error("unknown_peer", role="reader", type=msg.type)
             self._send(self.reader_sock, ident, P.ERROR, code="unknown_peer",
                        message="say hello first (the dispatcher may have restarted)")
             return
@@ -251,17 +254,28 @@ class Dispatcher(Pump):
     def _on_samples(self, reader: Reader, msg: P.Message) -> None:
         a = reader.assignment
         if a is None or a.id != msg["assign_id"]:
+            self.metrics.error("stale_samples", reader=reader.name, assign_id=msg["assign_id"])
             self._send_reader(reader, P.CANCEL, assign_id=msg["assign_id"])
             return
         prog = self.progress[a.pos]
         if len(msg["samples"]) > a.credits:
             self.metrics.error("credit_overrun", reader=reader.name, sent=len(msg["samples"]),
                                credits=a.credits)
+            # Refused whole, shard taken back (it restarts at next_index): a reader ignoring
+            # credits must not grow the dispatcher past its memory bounds.
+            self._send_reader(reader, P.CANCEL, assign_id=a.id)
+            prog.assignment = None
+            del self.assignments[a.id]
+            reader.assignment = None
+            return
         at = 0
         bad: list[tuple[str, str]] = []
+        sizes = msg.get("sizes")
+        # Coalesced payloads: every item is a view of the one frame (no copy, no frame per item).
+        views = msg.frames if sizes is None else P.split_payload(msg.frames[0], sizes)
         for header in msg["samples"]:
             n = len(header[5])
-            s = Sample.from_wire(header, a.pos, msg.frames[at:at + n])
+            s = Sample.from_wire(header, a.pos, views[at:at + n])
             at += n
             if s.index < prog.next_index:
                 self.metrics.error("out_of_order", key=s.key, index=s.index)
@@ -315,6 +329,7 @@ class Dispatcher(Pump):
             return
         slot = next((s for s in self.slots if s.ident == ident), None)
         if slot is None:
+            self.metrics.error("unknown_peer", role="trainer", type=msg.type)
             self._send(self.trainer_sock, ident, P.ERROR, code="unknown_peer",
                        message="say hello first (the dispatcher may have restarted)")
             return
@@ -351,13 +366,18 @@ class Dispatcher(Pump):
         want = msg.get("next_step")
         want = slot.received if want is None else want
         lowest = self.retained[0].step if self.retained else self.next_plan
-        if not lowest <= want <= self.next_plan:
+        target = want
+        if want > self.next_plan:
+            # A reset moves every rank to its step: never past a connected rank that is behind.
+            target = min([want] + [s.received for s in self.slots
+                                   if s.ident is not None and s is not slot])
+        if not lowest <= target <= self.next_plan:
             try:
-                cursor = Cursor.from_wire(self._cursor_before(want))
+                cursor = Cursor.from_wire(self._cursor_before(target))
             except JournalError as e:
                 return refuse("resume", str(e))
-            event("rewind", step=want, requested_by=rank)
-            self._reset(want, cursor)
+            event("rewind", step=target, requested_by=rank)
+            self._reset(target, cursor)
         slot.ident, slot.last_seen, slot.end_sent = ident, now, False
         slot.next_send = slot.received = want
         slot.upto = want + max(1, msg.get("prefetch", 1))

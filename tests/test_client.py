@@ -62,12 +62,19 @@ def test_decoded_step_is_views_over_the_received_frames():
                 view[0] = 12345
                 assert int(mb.tensors["samples"][0]) == 12345
                 view[0] = before
-            n_items = sum(len(e.payloads) for e in mb.encoders.values())
+            coalesced = frames[at + 1]  # v2: one payload frame per micro-batch
+            assert len(coalesced) == sum(p.nbytes for e in mb.encoders.values() for p in e.payloads)
             for e in mb.encoders.values():
                 for p, item_id, key in zip(e.payloads, e.item_ids.tolist(), e.sample_keys):
                     si, ii = batch.item_refs[e.phase][item_id]
                     assert samples[si].key == key and bytes(p) == bytes(samples[si].payloads[ii])
-            at += 1 + n_items
+            if any(p.nbytes for e in mb.encoders.values() for p in e.payloads):
+                # Payloads are slices of the received frame, not copies.
+                first = next(p for e in mb.encoders.values() for p in e.payloads if p.nbytes)
+                old = first[0]
+                coalesced[coalesced.index(bytes(first))] ^= 0xFF
+                assert first[0] == old ^ 0xFF
+            at += 2
             seen_keys += mb.keys
     assert sorted(seen_keys) == sorted(s.key for s in samples)
 

@@ -33,6 +33,49 @@ def test_round_trip_keeps_fields_and_payloads_without_copies():
     assert msg.frames[0][0] == 0xFF
 
 
+def test_coalesced_samples_slice_one_frame_without_copies():
+    members = [b"\x89PNG" * 10, b"", b"RIFFwave" * 7]
+    frame = bytearray(b"".join(members))
+    samples = [["k1", 0, 3, 13, b"a", [["image", "png", 40, 10, {}]]],
+               ["k2", 1, 2, 2, b"b", []],
+               ["k3", 2, 1, 9, b"c", [["image", "jpg", 4, 1, {}], ["audio", "wav", 32, 7, {}]]]]
+    msg = P.decode(P.encode(P.SAMPLES, frames=[frame], assign_id=1, samples=samples,
+                            sizes=[len(m) for m in members]))
+    views = P.split_payload(msg.frames[0], msg["sizes"])
+    assert [bytes(v) for v in views] == members
+    frame[0] = 0  # the slices are views of the received frame
+    assert views[0][0] == 0
+
+
+@pytest.mark.parametrize("sizes,frames", [
+    ([3, 4], [b"abcdefgh"]),  # sizes say 7 bytes, the frame holds 8
+    ([3], [b"abc"]),  # one size for two items
+    ([3, -1], [b"ab"]),  # negative size
+    ([3, 4], [b"abc", b"defg"]),  # coalesced means exactly one frame
+])
+def test_coalesced_samples_with_wrong_sizes_are_malformed(sizes, frames):
+    samples = [["k", 0, 1, 3, b"", [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(P.encode(P.SAMPLES, frames=frames, assign_id=1, samples=samples, sizes=sizes))
+    assert info.value.code == "malformed"
+
+
+def test_step_payload_frame_must_match_its_sizes():
+    mb = {"arrays": [0] * 21, "keys": [], "texts": [], "items": [["image", "k", "png", {}]],
+          "payloads": 1, "sizes": [5]}
+    good = P.encode(P.STEP, frames=[b"", b"12345"], step=0, epoch=0, rank=0, world_size=1,
+                    microbatches=[mb])
+    assert P.decode(good).frames[1].nbytes == 5
+    for frames in ([b"", b"1234"], [b""], [b"", b"12", b"345"]):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(P.STEP, frames=frames, step=0, epoch=0, rank=0, world_size=1,
+                              microbatches=[mb]))
+
+
+def test_keep_freed_memory_is_off_at_zero():
+    assert P.keep_freed_memory(0) is False
+
+
 @pytest.mark.parametrize("type_,fields", [
     (P.HELLO, {"role": "trainer", "rank": 1, "world_size": 4, "next_step": None, "prefetch": 2}),
     (P.WELCOME, {"role": "reader", "ack": 1, "heartbeat_s": 0.5}),

@@ -85,11 +85,10 @@ def _tensor(view: np.ndarray) -> torch.Tensor:
 def decode_step(msg: P.Message) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header."""
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
-    at = 0
     for m, mb in enumerate(msg["microbatches"]):
-        buf = msg.frames[at]
-        payloads = msg.frames[at + 1: at + 1 + mb["payloads"]]
-        at += 1 + mb["payloads"]
+        buf = msg.frames[2 * m]
+        # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
+        payloads = P.split_payload(msg.frames[2 * m + 1], mb["sizes"])
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m)
         names = list(SAMPLE_ARRAYS) + [f"{p}.{n}" for p in ENCODER_PHASES for n in
                                        ("encode_items", "encode_enc_len", "encode_llm_len",
@@ -373,6 +372,9 @@ class DispatcherClient:
             self._next_expected = msg["next_step"]
             if self._consumed is None:
                 self._consumed = msg["next_step"]
+            for step, _, _ in self._commit_waiters:
+                # Sent to a dispatcher that died or forgot us: the new session journals it.
+                self._send(P.COMMIT, step=step)
         elif msg.type == P.STEP and self._welcomed:
             if msg["step"] > self._next_expected:
                 self._hello()  # a step was lost (peer reconnected): ask again from ours
