@@ -20,8 +20,14 @@ def create_keypair(directory: str, name: str) -> tuple[str, str]:
     """Write NAME.key (public) and NAME.key_secret into `directory`; returns both paths."""
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name")
-    os.makedirs(directory, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    # pyzmq writes the files with the process umask: the secret would be readable by others
+    # until the chmod below; an owner-only umask closes that window.
+    umask = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(umask)
     for path in (public, secret):
         os.chmod(path, 0o600)
     return public, secret
