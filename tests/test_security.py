@@ -293,7 +293,9 @@ def test_rogue_dealers_cannot_crash_grow_or_disturb_the_dispatcher(corpus, tmp_p
     assert errors.get("malformed", 0) >= sent["malformed"]
     assert sum(errors.values()) >= sum(v for k, v in sent.items() if k != "oversized")
     assert metrics["mmdispatch_samples_skipped_total"] == 0  # nothing injected got in
-    assert peak - rss0 < 48 << 20, f"dispatcher RSS grew {(peak - rss0) >> 20} MiB under attack"
+    # 48 MiB of working set under attack, plus the 16 MiB of freed blocks glibc may keep
+    # (`serve --malloc-keep-mb`, default 16): growth must not scale with the rogue traffic.
+    assert peak - rss0 < 64 << 20, f"dispatcher RSS grew {(peak - rss0) >> 20} MiB under attack"
 
 
 # -- CurveZMQ ----------------------------------------------------------------------------------
