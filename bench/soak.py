@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -37,6 +36,7 @@ import threading
 import time
 from collections import Counter
 
+from mmdispatch.serve import read_ready
 from pipeline.gendata import generate
 from pipeline.reader import iter_samples
 
@@ -65,17 +65,7 @@ def _spawn(args: list[str], log: str) -> subprocess.Popen:
 
 
 def _ready(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(0.2):
-            line = proc.stdout.readline()
-            if line.startswith("READY "):
-                return json.loads(line[6:])
-            if not line:
-                break
-    raise RuntimeError("mmdispatch serve did not start")
+    return read_ready(proc.stdout, timeout)
 
 
 def _kill(proc: subprocess.Popen | None) -> None:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from mmdispatch import report
+from mmdispatch.serve import read_ready
 
 #: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches) and audio at
 #: 5 encoder frames/s, so the CPU reference model stays fast; the trainers use the same
@@ -133,10 +134,10 @@ def run(args: argparse.Namespace) -> int:
             "--seed", str(args.seed), "--max-epochs", "0", "--max-steps", str(args.steps), "--exit-when-done",
             "--journal-dir", str(out / "journal"), "--step-log", str(steps_log)],
             stdout=subprocess.PIPE, text=True)
-        ready = dispatcher.stdout.readline()
-        if not ready.startswith("READY "):
-            raise RuntimeError(f"dispatcher did not start: {kids.failed() or ready!r}")
-        endpoints = json.loads(ready[len("READY "):])
+        try:
+            endpoints = read_ready(dispatcher.stdout, timeout=60)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}: {kids.failed()}") from None
         print(f"dispatcher: readers {endpoints['readers']}, trainers {endpoints['trainers']}", flush=True)
         for r in range(args.readers):
             kids.start(f"reader{r}", [sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",

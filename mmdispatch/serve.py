@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import selectors
 import signal
 import sys
+import time
 import tomllib
 
 import zmq
@@ -122,6 +124,28 @@ def build_config(v: dict) -> ServerConfig:
         curve=CurveConfig(server_secret_file=v["curve_secret"],
                           allowed_keys_dir=v["curve_allowed_dir"]) if v["curve_secret"] else None,
     )
+
+
+def read_ready(stdout, timeout: float = 30.0) -> dict:
+    """The endpoints a `mmdispatch serve` child printed on its `READY {json}` line.
+
+    For launchers (demo, tests, benchmarks) that start the dispatcher with port 0; raises
+    RuntimeError if the child exits or stays silent for `timeout` seconds.
+    """
+    sel = selectors.DefaultSelector()
+    sel.register(stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if sel.select(0.2):
+                line = stdout.readline()
+                if line.startswith("READY "):
+                    return json.loads(line[len("READY "):])
+                if not line:
+                    break
+    finally:
+        sel.close()
+    raise RuntimeError(f"mmdispatch serve reported no endpoints within {timeout} s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ import argparse
 import io
 import json
 import os
-import selectors
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ import time
 import urllib.request
 from collections import Counter
 
+from mmdispatch.serve import read_ready
 from pipeline.gendata import generate
 from pipeline.reader import iter_samples
 
@@ -83,24 +83,6 @@ def kill(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
         proc.stdout.close()
 
 
-def wait_line(proc: subprocess.Popen, prefix: str, timeout: float = 30.0) -> str:
-    """The first stdout line of `proc` starting with `prefix` (its remainder)."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if sel.select(0.2):
-                line = proc.stdout.readline()
-                if line.startswith(prefix):
-                    return line[len(prefix):].strip()
-                if not line:
-                    break
-    finally:
-        sel.close()
-    raise AssertionError(f"process {proc.args[3:5]} never printed {prefix!r}")
-
-
 def serve(shards: list[str], *, world_size: int, extra: list[str] = (), log: str | None = None,
           global_batch: int = 8, num_microbatches: int = 2, seed: int = 5,
           timeout: float = 30.0) -> tuple[subprocess.Popen, dict]:
@@ -110,7 +92,7 @@ def serve(shards: list[str], *, world_size: int, extra: list[str] = (), log: str
             "--heartbeat", "0.2", "--timeout", "1.5", "--no-fsync", *extra]
     proc = spawn(args, log=log)
     try:
-        return proc, json.loads(wait_line(proc, "READY ", timeout))
+        return proc, read_ready(proc.stdout, timeout)
     except BaseException:
         kill(proc)
         raise

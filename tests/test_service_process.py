@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ from dispatcher_server.journal import JournalError
 from dispatcher_server.security import create_keypair
 from dispatcher_server.server import Dispatcher
 from mmdispatch import cli
+from mmdispatch.serve import read_ready
 from tests.test_service import (
     all_keys, client_config, consume, dispatcher, flat_keys, make_config, readers,
     shards,  # noqa: F401 - fixture
@@ -42,18 +42,11 @@ def kill(proc: subprocess.Popen) -> None:
 def start_serve(args: list[str], timeout: float = 30.0) -> tuple[subprocess.Popen, dict]:
     """`mmdispatch serve` on port 0; returns the process and its READY line."""
     proc = spawn(["serve", *args])
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if sel.select(0.2):
-            line = proc.stdout.readline()
-            if line.startswith("READY "):
-                return proc, json.loads(line[len("READY "):])
-            if not line:
-                break
-    kill(proc)
-    raise AssertionError("mmdispatch serve did not report its endpoints")
+    try:
+        return proc, read_ready(proc.stdout, timeout)
+    except BaseException:
+        kill(proc)
+        raise
 
 
 def wait_for(predicate, timeout: float = 20.0) -> None:
