@@ -33,8 +33,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _resolved(env: dict) -> dict:
-    out = subprocess.run([COMPOSE, "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+def _resolved(env: dict, overrides: tuple[str, ...] = ()) -> dict:
+    files = [a for f in ("docker-compose.yml", *overrides) for a in ("-f", str(ROOT / f))]
+    out = subprocess.run([COMPOSE, *files, "config", "--format", "json"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -60,6 +61,25 @@ def _local_command(service: dict, mounts: dict[str, Path]) -> list[str]:
     return exe + argv[1:]
 
 
+def _silent_to_plaintext(endpoint: str) -> bool:
+    import zmq
+
+    from dispatcher_server import protocol as P
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+        try:
+            sock.send_multipart(P.encode(P.HELLO, seq=1, role="trainer", name="intruder", rank=0,
+                                         world_size=2, local_world_size=2, next_step=None, prefetch=1),
+                                zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # no completed handshake, no pipe
+        return sock.poll(1500) == 0
+    finally:
+        sock.close(linger=0)
+
+
 def test_compose_file_is_valid_and_wires_services_together():
     cfg = _resolved({**os.environ})
     services = cfg["services"]
@@ -75,15 +95,35 @@ def test_compose_file_is_valid_and_wires_services_together():
 
 
 @pytest.mark.timeout(240)
-def test_compose_topology_runs_as_plain_processes(tmp_path):
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     ports = {name: _free_port() for name in ("READER", "TRAINER", "METRICS")}
     steps, ranks = 3, 2
     env = {**os.environ, "MMD_SAMPLES": "192", "MMD_SHARDS": "4", "MMD_STEPS": str(steps),
            "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
            **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
-    services = _resolved(env)["services"]
     mounts = {"/config/dispatcher.toml": ROOT / "deploy" / "dispatcher.toml",
               "/data": tmp_path / "data", "/journal": tmp_path / "journal"}
+    overrides: tuple[str, ...] = ()
+    if curve:  # deploy/compose.curve.yml: keys made as its header says, secrets mapped to files
+        from dispatcher_server.security import create_keypair
+
+        keys = tmp_path / "keys"
+        for name in ("dispatcher", "reader", "trainer"):
+            create_keypair(str(keys), name)
+        (keys / "allowed").mkdir()
+        for name in ("reader", "trainer"):
+            shutil.copy(keys / f"{name}.key", keys / "allowed")
+        env["MMD_KEYS_DIR"] = str(keys)
+        overrides = ("deploy/compose.curve.yml",)
+        mounts = {"/keys": keys, **{f"/run/secrets/{n}_secret": keys / f"{n}.key_secret"
+                                    for n in ("dispatcher", "reader", "trainer")}, **mounts}
+    resolved = _resolved(env, overrides)
+    services = resolved["services"]
+    if curve:
+        assert {s for svc in services.values() for s in (x["source"] for x in svc.get("secrets", []))} == {
+            "dispatcher_secret", "reader_secret", "trainer_secret"}
+        assert "--curve-allowed-dir" in services["dispatcher"]["command"]
     for path in (tmp_path / "data", tmp_path / "journal"):
         path.mkdir()
 
@@ -109,6 +149,8 @@ def test_compose_topology_runs_as_plain_processes(tmp_path):
         trainer = start("trainer")
         procs.append(trainer)
         assert trainer.wait(180) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+        if curve:  # while it serves the keyed trainers, a peer without keys hears nothing
+            refused_plaintext = _silent_to_plaintext(f"tcp://127.0.0.1:{ports['TRAINER']}")
     finally:
         for p in procs:
             if p.poll() is None:
@@ -128,3 +170,5 @@ def test_compose_topology_runs_as_plain_processes(tmp_path):
     planned = {p["step"]: p for p in plans}
     assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [global_batch] * steps
     assert all(planned[s]["world_size"] == ranks for s in range(steps))
+    if curve:
+        assert refused_plaintext, "the dispatcher answered a peer without keys"

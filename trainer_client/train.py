@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
+    p.add_argument("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
+    p.add_argument("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")
     return p
 
 
@@ -77,6 +79,8 @@ class ItemInputs:
 
 
 def train(args: argparse.Namespace) -> int:
+    if bool(args.curve_secret) != bool(args.curve_server_key):
+        raise ValueError("--curve-secret and --curve-server-key go together")
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     ctx = RankContext.from_process_group()
@@ -89,7 +93,8 @@ def train(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     exchanger = Exchanger(ExchangeConfig(mode=args.exchange), ctx)
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
-                              config=ClientConfig(prefetch=args.prefetch))
+                              config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
+                                                  server_public_file=args.curve_server_key))
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
     done = 0
     try:
