@@ -296,6 +296,20 @@ def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int 
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
+def pending(sock: Any, budget: int | None = None):
+    """Yield the multipart messages already waiting on `sock` (zero-copy frames), never blocking;
+    at most `budget` of them, so one busy socket cannot starve the rest of a poll loop."""
+    import zmq
+
+    count = 0
+    while budget is None or count < budget:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        count += 1
+
+
 def keep_freed_memory(threshold_mb: int) -> bool:
     """Let glibc reuse freed blocks below `threshold_mb` instead of mapping fresh pages each time.
 

@@ -191,11 +191,7 @@ class Dispatcher(Pump):
     # -- receiving --------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
         role = "reader" if sock is self.reader_sock else "trainer"
-        for _ in range(budget):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for frames in P.pending(sock, budget):
             ident, body = frames[0].bytes, frames[1:]
             self.metrics.bytes_in.labels(role).inc(sum(len(f) for f in body))
             try:
@@ -233,9 +229,7 @@ class Dispatcher(Pump):
                        heartbeat_s=float(self.config.liveness.heartbeat_s))
             return
         if reader is None:
-            self.metrics.error("unknown_peer", role="reader", type=msg.type)
-            self._send(self.reader_sock, ident, P.ERROR, code="unknown_peer",
-                       message="say hello first (the dispatcher may have restarted)")
+            self._refuse_unknown(self.reader_sock, ident, "reader", msg)
             return
         reader.last_seen = now
         if msg.type == P.SHARD_REQUEST:
@@ -323,15 +317,18 @@ class Dispatcher(Pump):
         if self.journal is not None:
             self.journal.record_skipped(url, skipped)
 
+    def _refuse_unknown(self, sock: zmq.Socket, ident: bytes, role: str, msg: P.Message) -> None:
+        self.metrics.error("unknown_peer", role=role, type=msg.type)
+        self._send(sock, ident, P.ERROR, code="unknown_peer",
+                   message="say hello first (the dispatcher may have restarted)")
+
     def _on_trainer(self, ident: bytes, msg: P.Message, now: float) -> None:
         if msg.type == P.HELLO:
             self._trainer_hello(ident, msg, now)
             return
         slot = next((s for s in self.slots if s.ident == ident), None)
         if slot is None:
-            self.metrics.error("unknown_peer", role="trainer", type=msg.type)
-            self._send(self.trainer_sock, ident, P.ERROR, code="unknown_peer",
-                       message="say hello first (the dispatcher may have restarted)")
+            self._refuse_unknown(self.trainer_sock, ident, "trainer", msg)
             return
         slot.last_seen = now
         if msg.type == P.CREDIT:

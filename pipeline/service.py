@@ -158,11 +158,7 @@ class ReaderWorker:
         while not stop.is_set():
             busy = self.welcomed and self.assignment is not None and self.assignment.credits > 0
             if self.sock.poll(0 if busy else cfg.poll_ms, zmq.POLLIN):
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in P.pending(self.sock):
                     self._last_recv = time.monotonic()
                     if not self._handle(frames):
                         return self.welcomed

@@ -325,11 +325,7 @@ class DispatcherClient:
         while not self._closing.is_set():
             self._do_commands()
             if self.sock.poll(cfg.poll_ms, zmq.POLLIN):
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in P.pending(self.sock):
                     self._last_recv = time.monotonic()
                     if not self._handle(frames):
                         return ever_welcomed
