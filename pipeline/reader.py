@@ -54,7 +54,7 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
-    add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (default: estimator)")
+    add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (unset: the fast estimator)")
     add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
     add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
         help="skip samples with a member larger than this (read through, never held)")

@@ -23,7 +23,7 @@ from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
 from trainer_client.exchange import ExchangeConfig, Exchanger
 from trainer_client.model import (
-    ModelConfig, ReferenceModel, audio_frames, forward_microbatch, image_patches, text_token_ids,
+    ModelConfig, ReferenceModel, encoder_input, forward_microbatch, text_token_ids,
 )
 
 log = logging.getLogger("mmdispatch.train")
@@ -57,25 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
 class ItemInputs:
     """Encoder inputs and text ids of one micro-batch, decoded from the payloads the rank got."""
 
-    def __init__(self, mb: Microbatch, model: ReferenceModel, patch_size: int, merge: int) -> None:
-        self.mb, self.model, self.patch_size, self.merge = mb, model, patch_size, merge
+    def __init__(self, mb: Microbatch, model: ReferenceModel) -> None:
+        self.mb, self.config = mb, model.config
         self.where = {ph: {int(i): k for k, i in enumerate(eb.item_ids.tolist())}
                       for ph, eb in mb.encoders.items()}
         self.sample_pos = {int(s): k for k, s in enumerate(mb.plan.samples.tolist())}
-        self.vocab = model.config.llm.vocab_size
-        self.frame_dim = model.config.audio.frame_dim
 
     def item(self, phase: str, item_id: int) -> torch.Tensor:
         eb = self.mb.encoders[phase]
         k = self.where[phase][item_id]
-        data = bytes(eb.payloads[k])
-        if phase == "vision":
-            return image_patches(data, int(eb.llm_len[k]), patch_size=self.patch_size, merge=self.merge)
-        return audio_frames(data, int(eb.enc_len[k]), frame_dim=self.frame_dim)
+        return encoder_input(self.config, phase, bytes(eb.payloads[k]),
+                             enc_len=int(eb.enc_len[k]), llm_len=int(eb.llm_len[k]))
 
     def text(self, sample_id: int) -> torch.Tensor:
         k = self.sample_pos[sample_id]
-        return text_token_ids(self.mb.texts[k], int(self.mb.text_len[k]), self.vocab)
+        return text_token_ids(self.mb.texts[k], int(self.mb.text_len[k]), self.config.llm.vocab_size)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -102,7 +98,7 @@ def train(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             loss_sum, targets, samples = 0.0, 0, 0
             for mb in step.microbatches:
-                inputs = ItemInputs(mb, model, args.patch_size, args.merge)
+                inputs = ItemInputs(mb, model)
                 out = forward_microbatch(model, mb.plan, item_input=inputs.item, text_ids=inputs.text,
                                          exchanger=exchanger)
                 out.loss_sum.backward()
