@@ -283,3 +283,36 @@ def test_isolated_samples_share_an_extra_microbatch_one_per_rank():
     bad._layout()
     with pytest.raises(PlanError, match="at most one sample per rank"):
         validate(bad, inp)
+
+
+@pytest.mark.parametrize("world,per_node,samples", [(4, 4, 512), (8, 8, 256), (8, 4, 256),
+                                                    (16, 8, 256)])
+def test_small_worlds_plan_as_the_vectorised_kernels_do(world, per_node, samples, monkeypatch):
+    """Small worlds (one node included) take the plain-Python kernels: the plans must be valid,
+    give every rank all M micro-batches, and equal the vectorised kernels' plans (so balance
+    and bytes are exactly as good), on seeded random steps."""
+    from dispatcher_server.planner import balance
+
+    topo = Topology(world_size=world, ranks_per_node=per_node)
+    cfg = PlannerConfig(num_microbatches=2, seed=5)
+    rng = np.random.default_rng([world, per_node])
+    for _ in range(3):
+        inp = synthetic_step(rng, samples)
+        plan = plan_step(inp, topo, cfg)
+        validate(plan, inp)
+        assert plan.num_microbatches == 2
+        for m in range(2):
+            for r in range(world):
+                rm = plan.rank_microbatch(r, m)
+                assert rm.rank == r and rm.microbatch == m
+        loads = plan.metrics["loads"]
+        assert all(loads[p].shape == (2, world) for p in loads)
+        with monkeypatch.context() as mp:
+            mp.setattr(balance, "_PY_MAX_BINS", 0)
+            ref = plan_step(inp, topo, cfg)
+        assert np.array_equal(plan.sample_mb, ref.sample_mb)
+        assert np.array_equal(plan.sample_rank, ref.sample_rank)
+        for p in ENCODER_PHASES:
+            assert np.array_equal(plan.item_rank[p], ref.item_rank[p]), p
+        assert plan.metrics["step_time"] == ref.metrics["step_time"]
+        assert plan.metrics["bytes"] == ref.metrics["bytes"]

@@ -22,7 +22,9 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
 placement moves almost nothing, and the fallbacks restore balance when items are coarse.
 Cost: O(n log n) sorting, O(n/B) batched-LPT rounds of O(B log B), and refine iterations of
-O(n + pairs * items^2); ~50 ms at W = 2560, n = 20k on one core (bench/planner.py).
+O(n + pairs * items^2); ~40 ms at W = 2560, n = 20k on one core (bench/planner.py). Up to 32
+ranks the kernels run in plain Python (same choices, without numpy's per-call cost): ~2 ms at
+W = 4, n = 512 (bench/planner.py, small_worlds).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
 from .config import PlannerConfig
-from .plan import StepPlan, group_excl_cumsum, phase_costs, unit_bound
+from .plan import StepPlan, group_excl_cumsum, phase_costs
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
 
 _ROOM_SLACK = 0.5  # fill a giant-dominated micro-batch up to half a mean sample below its bound
@@ -90,6 +92,8 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
                pad: float) -> np.ndarray:
     """Amount per micro-batch: fill the free room under each micro-batch's bound first (minus
     `pad` per rank, what packing needs), then level the totals."""
+    if len(total) < 8:  # numpy sums fewer than 8 numbers left to right, as Python does
+        return np.asarray(_waterfill_py(total.tolist(), largest.tolist(), amount, W, pad))
     room = np.maximum(0.0, W * (largest - pad) - total)
     if room.sum() >= amount:
         return amount * room / room.sum() if amount > 0 else np.zeros_like(total)
@@ -102,6 +106,28 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
     ok = np.r_[cand[:-1] <= srt[1:], True]
     lam = cand[np.argmax(ok)]
     return room + np.maximum(0.0, lam - level)
+
+
+def _waterfill_py(total: list, largest: list, amount: float, W: int, pad: float) -> list:
+    """`_waterfill` for a few micro-batches in Python floats: the same operations in the same
+    order, so the same result."""
+    room = [max(0.0, W * (lg - pad) - t) for t, lg in zip(total, largest)]
+    rs = 0.0
+    for r in room:
+        rs += r
+    if rs >= amount:
+        return [amount * r / rs for r in room] if amount > 0 else [0.0] * len(room)
+    rest = amount - rs
+    level = [t + r for t, r in zip(total, room)]
+    srt = sorted(level)
+    lam, cum = None, 0.0
+    for k, v in enumerate(srt):
+        cum += v
+        cand = (rest + cum) / (k + 1)
+        if k + 1 == len(srt) or cand <= srt[k + 1]:
+            lam = cand
+            break
+    return [r + max(0.0, lam - lv) for r, lv in zip(room, level)]
 
 
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
@@ -141,76 +167,87 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
                 rng: np.random.Generator, slack: float) -> np.ndarray:
     P, n = c.shape
     out = np.zeros(n, dtype=np.int64)
-    T, L = np.zeros((P, M)), np.zeros((P, M))
-    has = c.sum(axis=1) > 0
+    csum = c.sum(axis=1)
+    has = csum > 0
     # slack >= 1 is the capacity fallback: no concentrating, only level the totals
     is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
         else np.zeros(n, dtype=bool)
     giants = np.flatnonzero(is_giant)
-    tau = np.where(has, c.sum(axis=1) / (W * M), 1.0)
-    score = (b[:, giants] / tau[:, None]).max(axis=0) if len(giants) else np.zeros(0)
-    giants = giants[np.argsort(-score, kind="stable")]
-    share = np.where(has, 1.0 / np.maximum(c.sum(axis=1), 1e-300), 0.0)
-    # Greedy in blocks of giants (one at a time for small W): each block goes where it raises
-    # the bound least; ties go to the lighter micro-batch.
-    block = max(1, W // 16)
+    # Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates;
+    # per micro-batch, its totals, largest units, bounds and tie-break key, refreshed on change.
+    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
     if len(giants):
+        tau = np.where(has, csum / (W * M), 1.0)
+        score = (b[:, giants] / tau[:, None]).max(axis=0)
+        giants = giants[np.argsort(-score, kind="stable")]
+        shr = np.where(has, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
+        # Greedy in blocks of giants (one at a time for small W): each block goes where it
+        # raises the bound least; ties go to the lighter micro-batch.
+        block = max(1, W // 16)
         starts = np.arange(0, len(giants), block)
-        block_sum = np.add.reduceat(c[:, giants], starts, axis=1)
-        block_max = np.maximum.reduceat(b[:, giants], starts, axis=1)
-    else:
-        starts = np.zeros(0, dtype=np.int64)
-        block_sum = block_max = np.zeros((P, 0))
-    # Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates.
-    Tl, Ll, shr = T.tolist(), L.tolist(), share.tolist()
-    bsum, bmax = block_sum.T.tolist(), block_max.T.tolist()
-    for j, start in enumerate(starts.tolist()):
-        incs, ties, bounds = [], [], []
-        for m in range(M):
-            inc = tie = bnd = 0.0
+        bsum = np.add.reduceat(c[:, giants], starts, axis=1).T.tolist()
+        bmax = np.maximum.reduceat(b[:, giants], starts, axis=1).T.tolist()
+        olds, ties, bounds = [[0.0] * P for _ in range(M)], [0.0] * M, [0.0] * M
+        chosen = []
+        for bs, bx in zip(bsum, bmax):
+            incs = []
+            for m in range(M):
+                Tm, Lm, om = Tc[m], Lc[m], olds[m]
+                inc = 0.0
+                for q in range(P):
+                    t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
+                    if v > l:
+                        l = v
+                    if l > t:
+                        t = l
+                    inc += t - om[q]
+                incs.append(inc)
+            lo = min(incs)
+            eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
+            m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
+            chosen.append(m)
+            Tm, Lm, om = Tc[m], Lc[m], olds[m]
+            tie = bnd = 0.0
             for q in range(P):
-                t, l = Tl[q][m], Ll[q][m]
-                old = max(t / W, l)
-                inc += max((t + bsum[j][q]) / W, max(l, bmax[j][q])) - old
-                tie += shr[q] * t
-                bnd += old
-            incs.append(inc), ties.append(tie), bounds.append(bnd)
-        lo = min(incs)
-        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-        m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
-        out[giants[start:start + block]] = m
-        for q in range(P):
-            Tl[q][m] += bsum[j][q]
-            Ll[q][m] = max(Ll[q][m], bmax[j][q])
-    T, L = np.asarray(Tl), np.asarray(Ll)
+                Tm[q] += bs[q]
+                Lm[q] = max(Lm[q], bx[q])
+                om[q] = max(Tm[q] / W, Lm[q])
+                tie += shr[q] * Tm[q]
+                bnd += om[q]
+            ties[m], bounds[m] = tie, bnd
+        out[giants] = np.repeat(chosen, block)[:len(giants)]
+    T, L = np.array(Tc).T.copy(), np.array(Lc).T.copy()
     rest = ~is_giant
     k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
     has_a = rest & (c[k_aud] > 0)
     has_v = rest & ~has_a & (c[k_vis] > 0)
     text = rest & ~has_a & ~has_v
+    rows = np.arange(P)[:, None] * M
     for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
         members = np.flatnonzero(mask)
         if len(members) == 0:
             continue
-        amount = float(c[k, members].sum())
+        ck = c[k, members]
+        amount = float(ck.sum())
         pad = np.inf if slack >= 1 else slack * amount / len(members)
         x = _waterfill(T[k], L[k], amount, W, pad)
         # Large members (above half the lowest per-rank level) go first, largest first, to the
         # micro-batches with the largest bound, where they raise no bound; the rest in random
         # order so every micro-batch gets a representative mix.
         level = ((T[k] + x) / W).min()
-        big_first = c[k, members] > 0.5 * level
+        big_first = ck > 0.5 * level
         large = members[big_first]
-        large = large[np.argsort(-c[k, large], kind="stable")]
+        large = large[np.argsort(-ck[big_first], kind="stable")]
         members = np.concatenate([large, rng.permutation(members[~big_first])])
+        ck = c[k, members]
         mb_order = np.argsort(-L[k], kind="stable")
-        cum = np.cumsum(c[k, members])
-        pos = np.searchsorted(np.cumsum(x[mb_order])[:-1], cum - c[k, members] / 2)
+        pos = np.searchsorted(np.cumsum(x[mb_order])[:-1], np.cumsum(ck) - ck / 2)
         m = mb_order[np.minimum(pos, M - 1)]
         out[members] = m
-        for q in range(P):  # 1-D ufunc.at and bincount are the fast paths
-            T[q] += np.bincount(m, weights=c[q, members], minlength=M)
-            np.maximum.at(L[q], m, b[q, members])
+        # per (phase, micro-batch) sums in member order, as one bincount per phase would give
+        key = (rows + m).ravel()
+        T += np.bincount(key, weights=c[:, members].ravel(), minlength=P * M).reshape(P, M)
+        np.maximum.at(L.reshape(-1), key, b[:, members].ravel())
     return out
 
 
@@ -304,7 +341,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
             continue
         sz = unit_costs[p][it]
         home = sample_rank[inputs.items(p).sample[it]]
-        lb = float(unit_bound(sz, np.zeros(len(sz), dtype=np.int64), 1, W)[0])
+        lb = _bound_one(sz, W)
         # Keep each rank's largest items at home up to the bound (zero bytes, and large items
         # carry the most bytes); the excess is LPT-ed over the ranks of the same node.
         within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -352,6 +389,18 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
             refine(sz, r, loads, target=lb, all_pairs=True, max_iter=8)  # a small residual
         pull_home(sz, home, r, loads, g)
         item_rank[p][it] = r
+
+
+def _bound_one(c: np.ndarray, bins: int) -> float:
+    """`unit_bound` of one group, max(total/bins, largest, s_bins + s_(bins+1)), with the same
+    float operations (a sequential total) in a few calls."""
+    if len(c) == 0:
+        return 0.0
+    lb = float(np.cumsum(c)[-1]) / bins
+    if len(c) > bins:
+        s = np.partition(-c, (0, bins - 1, bins))
+        return max(lb, float(-s[0]), float(-s[bins - 1]) + float(-s[bins]))
+    return max(lb, float(c.max()))
 
 
 def pull_home(sz: np.ndarray, home: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int,
