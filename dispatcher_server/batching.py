@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import SAMPLE_FIELDS, STEP, encode
+from dispatcher_server.protocol import STEP, encode
 from dispatcher_server.stepwire import pack_microbatch
 
 _PHASE_OF = {"image": "vision", "audio": "audio"}
@@ -34,98 +34,110 @@ class Sample:
     payloads: list  # one buffer per item
     nbytes: int
 
-    @staticmethod
-    def from_wire(header: list, pos: int, payloads: list) -> Sample:
-        f = dict(zip(SAMPLE_FIELDS, header))
-        nbytes = len(f["text"]) + sum(p.nbytes for p in payloads)
-        return Sample(key=f["key"], pos=pos, index=f["index"], text_len=f["text_len"],
-                      llm_len=f["llm_len"], text=f["text"], items=f["items"],
-                      payloads=payloads, nbytes=nbytes)
 
+def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
+    """Why a received sample header cannot be planned (a reader bug or a hostile peer), or None.
 
-def sample_problem(s: Sample) -> str | None:
-    """Why a received sample cannot be planned (a reader bug or a hostile peer), or None."""
-    if s.text_len < 0 or any(it[0] not in _PHASE_OF or it[2] < 0 or it[3] < 0 for it in s.items):
+    Takes the header's fields, so a sample that will be refused is never built; `decode` has
+    already checked their types (SAMPLE_FIELDS, ITEM_FIELDS), this checks their values.
+    """
+    if text_len < 0:
         return "invalid_header"
-    if s.llm_len != s.text_len + sum(it[3] for it in s.items):
-        return "invalid_llm_len"
-    return None
-
-
-def phase_of(modality: str) -> str:
-    phase = _PHASE_OF.get(modality)
-    if phase is None:
-        raise ValueError(f"unknown item modality {modality!r}")
-    return phase
+    total = text_len
+    for it in items:
+        if it[0] not in _PHASE_OF or it[2] < 0 or it[3] < 0:
+            return "invalid_header"
+        total += it[3]
+    return "invalid_llm_len" if llm_len != total else None
 
 
 @dataclass(slots=True)
 class StepBatch:
-    """The samples of one step, the planner inputs built from them, and item -> sample refs."""
+    """The samples of one step, the planner inputs built from them, and item -> sample refs.
+
+    Also, by item id per phase, each item's STEP header, payload and size, gathered once here
+    so that a rank's message only selects the ids it encodes.
+    """
 
     samples: list[Sample]
     inputs: StepInputs
     item_refs: dict[str, list[tuple[int, int]]]  # phase -> (sample id, item index) per item id
+    keys: list[str]  # per sample id
+    texts: list[bytes]  # per sample id
+    item_headers: dict[str, list[list]]  # phase -> [modality, key, member, meta] per item id
+    item_payloads: dict[str, list]  # phase -> payload buffer per item id
+    item_sizes: dict[str, list[int]]  # phase -> payload bytes per item id
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.samples)
 
     def digest(self) -> str:
+        """Hash of the keys, each followed by a NUL byte (one update: the same bytes hashed)."""
         h = hashlib.blake2b(digest_size=16)
-        for s in self.samples:
-            h.update(s.key.encode())
-            h.update(b"\0")
+        h.update("".join([k + "\0" for k in self.keys]).encode())
         return h.hexdigest()
 
 
 def build_batch(samples: list[Sample]) -> StepBatch:
     """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order."""
-    refs: dict[str, list[tuple[int, int]]] = {p: [] for p in ENCODER_PHASES}
-    cols: dict[str, tuple[list, list, list]] = {p: ([], [], []) for p in ENCODER_PHASES}
+    # Per phase: refs, enc_len, llm_len, owner, header, payload, size of each item.
+    cols = {p: ([], [], [], [], [], [], []) for p in ENCODER_PHASES}
+    by_modality = {m: cols[p] for m, p in _PHASE_OF.items()}
     for si, s in enumerate(samples):
+        if not s.items:
+            continue
+        key, payloads = s.key, s.payloads
         for ii, it in enumerate(s.items):
-            phase = phase_of(it[0])
-            refs[phase].append((si, ii))
-            enc, llm, owner = cols[phase]
-            enc.append(it[2])
-            llm.append(it[3])
-            owner.append(si)
-    encoders = {p: EncoderItems(enc_len=np.asarray(c[0], dtype=np.int64),
-                                llm_len=np.asarray(c[1], dtype=np.int64),
-                                sample=np.asarray(c[2], dtype=np.int64))
+            c = by_modality.get(it[0])
+            if c is None:
+                raise ValueError(f"unknown item modality {it[0]!r}")
+            c[0].append((si, ii))
+            c[1].append(it[2])
+            c[2].append(it[3])
+            c[3].append(si)
+            c[4].append([it[0], key, it[1], it[4]])
+            p = payloads[ii]
+            c[5].append(p)
+            c[6].append(memoryview(p).nbytes)
+    encoders = {p: EncoderItems(enc_len=np.asarray(c[1], dtype=np.int64),
+                                llm_len=np.asarray(c[2], dtype=np.int64),
+                                sample=np.asarray(c[3], dtype=np.int64))
                 for p, c in cols.items() if c[0]}
     inputs = StepInputs(
         text_len=np.asarray([s.text_len for s in samples], dtype=np.int64),
         llm_len=np.asarray([s.llm_len for s in samples], dtype=np.int64),
         encoders=encoders,
     )
-    return StepBatch(samples=samples, inputs=inputs, item_refs=refs)
+    return StepBatch(samples=samples, inputs=inputs, item_refs={p: c[0] for p, c in cols.items()},
+                     keys=[s.key for s in samples], texts=[s.text for s in samples],
+                     item_headers={p: c[4] for p, c in cols.items()},
+                     item_payloads={p: c[5] for p, c in cols.items()},
+                     item_sizes={p: c[6] for p, c in cols.items()})
 
 
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:
     """The STEP message for one rank: exactly `plan.num_microbatches` micro-batches, only its part."""
     mbs, frames = [], []
-    samples = batch.samples
+    keys, texts = batch.keys, batch.texts
     for m in range(plan.num_microbatches):
         rmb = plan.rank_microbatch(rank, m)
         lengths, arrays = pack_microbatch(rmb)
-        items, payloads = [], []
+        items, payloads, sizes = [], [], []
         for phase in ENCODER_PHASES:
             ex = rmb.exchanges.get(phase)
             if ex is None:
                 continue
-            refs = batch.item_refs[phase]
-            for item_id in ex.encode_items.tolist():
-                si, ii = refs[item_id]
-                s = samples[si]
-                it = s.items[ii]
-                items.append([it[0], s.key, it[1], it[4]])
-                payloads.append(s.payloads[ii])
+            ids = ex.encode_items.tolist()
+            headers, buffers, nbytes = (batch.item_headers[phase], batch.item_payloads[phase],
+                                        batch.item_sizes[phase])
+            items += [headers[i] for i in ids]
+            payloads += [buffers[i] for i in ids]
+            sizes += [nbytes[i] for i in ids]
         ids = rmb.samples.tolist()
-        mbs.append({"arrays": lengths, "keys": [samples[i].key for i in ids],
-                    "texts": [samples[i].text for i in ids], "items": items,
-                    "payloads": len(payloads), "sizes": [memoryview(p).nbytes for p in payloads]})
+        mbs.append({"arrays": lengths, "keys": [keys[i] for i in ids],
+                    "texts": [texts[i] for i in ids], "items": items,
+                    "payloads": len(payloads), "sizes": sizes})
         frames.append(arrays)
         frames.append(b"".join(payloads))
     return encode(STEP, seq=seq, frames=frames, step=step, epoch=epoch, rank=rank,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dispatcher_server.planner.config import PlannerConfig
-from dispatcher_server.protocol import DEFAULT_LIMITS, Limits
+from dispatcher_server.protocol import DEFAULT_LIMITS, PAYLOAD_MODES, Limits, reference_path
 
 MODES = ("deterministic", "arrival")
 
@@ -81,12 +81,18 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
     step_log: str | None = None  # JSON lines per planned step, with the random baseline's metrics
+    payloads: str = "inline"  # or "reference": trainers read member bytes from the shard files
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not self.shards:
             raise ValueError("the shard list is empty")
+        if self.payloads not in PAYLOAD_MODES:
+            raise ValueError(f"payloads must be one of {PAYLOAD_MODES}, got {self.payloads!r}")
+        if self.payloads == "reference":
+            for url in self.shards:
+                reference_path(url)  # ValueError naming the first shard trainers cannot read
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.max_epochs is not None and self.max_epochs < 1:

@@ -44,6 +44,9 @@ class Metrics:
                                     "Steps sent but not acknowledged by every rank", registry=r)
         self.bytes_in = Counter("mmdispatch_bytes_in", "Bytes received", ["role"], registry=r)
         self.bytes_out = Counter("mmdispatch_bytes_out", "Bytes sent", ["role"], registry=r)
+        # Per-message counters by role, resolved once: labels() locks and looks up every call.
+        self.bytes_in_of = {role: self.bytes_in.labels(role) for role in ("reader", "trainer")}
+        self.bytes_out_of = {role: self.bytes_out.labels(role) for role in ("reader", "trainer")}
         self.peers = Gauge("mmdispatch_peers_connected", "Connected peers", ["role"], registry=r)
         self.errors = Counter("mmdispatch_errors", "Errors by kind", ["kind"], registry=r)
         self.skipped = Counter("mmdispatch_samples_skipped", "Bad samples skipped by readers",

@@ -31,16 +31,11 @@ class ShardOrder:
         self.shards = list(shards)
         self.seed = seed
         self.max_epochs = max_epochs
+        # Plain attributes, not properties: the pump reads them for every block it moves.
+        self.num_shards = len(self.shards)
+        #: One past the last position, or None when epochs are unbounded.
+        self.end = None if max_epochs is None else max_epochs * self.num_shards
         self._orders: dict[int, list[int]] = {}
-
-    @property
-    def num_shards(self) -> int:
-        return len(self.shards)
-
-    @property
-    def end(self) -> int | None:
-        """One past the last position, or None when epochs are unbounded."""
-        return None if self.max_epochs is None else self.max_epochs * self.num_shards
 
     def epoch_of(self, pos: int) -> int:
         return pos // self.num_shards

@@ -10,6 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher_server.batching import Sample, StepBatch
+from dispatcher_server.protocol import reference_path
 
 
 @dataclass(slots=True, kw_only=True)
@@ -44,6 +45,11 @@ class ShardProgress:
     nbytes: int = 0
     assignment: int | None = None
     reader_done: bool = False
+
+    @property
+    def ref_path(self) -> bytes:
+        """The file that `reference` payloads of this shard must name (see protocol.pack_ref)."""
+        return reference_path(self.url).encode("utf-8", "surrogateescape")
 
 
 @dataclass(slots=True, kw_only=True)

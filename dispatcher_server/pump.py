@@ -95,22 +95,50 @@ class Pump:
     def _acc_epoch_end(self) -> int:
         return self.order.epoch_end(self.acc[0].pos)
 
-    def _take(self, prog: ShardProgress) -> bool:
-        """Move the head sample of `prog` into the step being filled; False if it must wait."""
-        s = prog.buffer[0]
+    def _take(self, prog: ShardProgress, limit: int) -> int:
+        """Move up to `limit` head samples of `prog` into the step being filled, as one block;
+        how many moved (0 if the head must wait).
+
+        The block shares one position, hence one epoch, so only its head is checked against the
+        step's epoch; the token budget is checked sample by sample and cuts the step where the
+        next sample would exceed it, exactly as taking one sample at a time would.
+        """
+        buf = prog.buffer
+        head = buf[0]
         budget = self.config.batch.token_budget
-        if self.acc and budget is not None and self.acc_tokens + s.llm_len > budget:
-            self.acc_cut = True
-            return False
-        if self.acc and self.order.epoch_of(s.pos) != self.order.epoch_of(self.acc[0].pos):
-            return False  # steps never span epochs
-        prog.buffer.popleft()
-        prog.nbytes -= s.nbytes
-        self.cursor.consume(s.pos, s.index)
-        self.acc.append(s)
-        self.acc_tokens += s.llm_len
-        self.acc_bytes += s.nbytes
-        return True
+        tokens = self.acc_tokens
+        if self.acc:
+            if budget is not None and tokens + head.llm_len > budget:
+                self.acc_cut = True
+                return 0
+            if self.order.epoch_of(head.pos) != self.order.epoch_of(self.acc[0].pos):
+                return 0  # steps never span epochs
+        n = min(limit, len(buf))
+        if budget is not None:
+            fits = 0
+            for s in buf:
+                if fits == n:
+                    break
+                if (fits or self.acc) and tokens + s.llm_len > budget:
+                    self.acc_cut = True
+                    break
+                tokens += s.llm_len
+                fits += 1
+            n = fits
+        if n == len(buf):
+            taken = list(buf)
+            buf.clear()
+        else:
+            taken = [buf.popleft() for _ in range(n)]
+        if budget is None:
+            tokens += sum(s.llm_len for s in taken)
+        nbytes = sum(s.nbytes for s in taken)
+        prog.nbytes -= nbytes
+        self.cursor.consume(head.pos, taken[-1].index)
+        self.acc.extend(taken)
+        self.acc_tokens = tokens
+        self.acc_bytes += nbytes
+        return n
 
     def _finish_drained(self) -> None:
         for pos in [p for p, pr in self.progress.items() if pr.reader_done and not pr.buffer]:
@@ -119,16 +147,23 @@ class Pump:
 
     def _fill(self) -> None:
         G = self.config.batch.global_batch
+        deterministic = self.config.mode == "deterministic"
         while len(self.acc) < G and not self.acc_cut:
             self._finish_drained()
-            if self.config.mode == "deterministic":
+            if deterministic:
                 prog = self.progress.get(self.cursor.base)
-                if prog is None or not prog.buffer or not self._take(prog):
+                if prog is None or not prog.buffer or not self._take(prog, G - len(self.acc)):
                     return
             else:
-                if not self.arrival or not self._take(self.progress[self.arrival[0]]):
+                if not self.arrival:
                     return
-                self.arrival.popleft()
+                run = self.arrival[0]  # [pos, count]: that many of pos's buffer, in order
+                moved = self._take(self.progress[run[0]], min(G - len(self.acc), run[1]))
+                if not moved:
+                    return
+                run[1] -= moved
+                if not run[1]:
+                    self.arrival.popleft()
         self._finish_drained()
 
     def _step_ready(self) -> bool:

@@ -17,7 +17,7 @@ from collections import deque
 import zmq
 
 from dispatcher_server import protocol as P
-from dispatcher_server.batching import Sample, sample_problem
+from dispatcher_server.batching import Sample, header_problem
 from dispatcher_server.config import ServerConfig
 from dispatcher_server.journal import Journal, JournalError
 from dispatcher_server.metrics import Metrics, event
@@ -120,7 +120,7 @@ class Dispatcher(Pump):
         self.cursor = cursor
         self.progress: dict[int, ShardProgress] = {}
         self.assignments: dict[int, Assignment] = {}
-        self.arrival: deque[int] = deque()
+        self.arrival: deque[list[int]] = deque()  # [pos, count] runs, in arrival order
         self.acc: list[Sample] = []
         self.acc_tokens = self.acc_bytes = 0
         self.acc_cut = False
@@ -193,7 +193,7 @@ class Dispatcher(Pump):
         role = "reader" if sock is self.reader_sock else "trainer"
         for frames in P.pending(sock, budget):
             ident, body = frames[0].bytes, frames[1:]
-            self.metrics.bytes_in.labels(role).inc(sum(len(f) for f in body))
+            self.metrics.bytes_in_of[role].inc(sum(len(f) for f in body))
             try:
                 msg = P.decode(body, self.config.limits)
             except P.ProtocolError as e:
@@ -226,7 +226,8 @@ class Dispatcher(Pump):
             self.metrics.peers.labels("reader").set(len(self.readers))
             event("reader_joined", name=msg.get("name", ""))
             self._send(self.reader_sock, ident, P.WELCOME, role="reader", ack=msg.seq,
-                       heartbeat_s=float(self.config.liveness.heartbeat_s))
+                       heartbeat_s=float(self.config.liveness.heartbeat_s),
+                       payloads=self.config.payloads)
             return
         if reader is None:
             self._refuse_unknown(self.reader_sock, ident, "reader", msg)
@@ -257,41 +258,59 @@ class Dispatcher(Pump):
                                credits=a.credits)
             # Refused whole, shard taken back (it restarts at next_index): a reader ignoring
             # credits must not grow the dispatcher past its memory bounds.
-            self._send_reader(reader, P.CANCEL, assign_id=a.id)
-            prog.assignment = None
-            del self.assignments[a.id]
-            reader.assignment = None
+            self._take_back(reader, a)
             return
-        at = 0
-        bad: list[tuple[str, str]] = []
         sizes = msg.get("sizes")
         # Coalesced payloads: every item is a view of the one frame (no copy, no frame per item).
         views = msg.frames if sizes is None else P.split_payload(msg.frames[0], sizes)
-        for header in msg["samples"]:
-            n = len(header[5])
-            s = Sample.from_wire(header, a.pos, views[at:at + n])
-            at += n
-            if s.index < prog.next_index:
-                self.metrics.error("out_of_order", key=s.key, index=s.index)
+        if self.config.payloads == "reference" and not P.refs_point_into(views, prog.ref_path):
+            # Trainers read what references name: only the assigned shard's file may be named.
+            self.metrics.error("bad_reference", reader=reader.name, shard=prog.url)
+            self._take_back(reader, a)
+            return
+        # The message as one block: its samples move into the shard's buffer in a loop over
+        # header fields (checked by decode), and the counters are updated once at the end.
+        pos, append, next_index = a.pos, prog.buffer.append, prog.next_index
+        item_bytes = sizes if sizes is not None else [v.nbytes for v in views]
+        at = received = nbytes = 0
+        bad: list[tuple[str, str]] = []
+        for key, index, text_len, llm_len, text, items in msg["samples"]:  # P.SAMPLE_FIELDS
+            start, at = at, at + len(items)
+            if index < next_index:
+                self.metrics.error("out_of_order", key=key, index=index)
                 continue
-            problem = sample_problem(s)
+            next_index = index + 1
+            received += 1
+            problem = header_problem(text_len, llm_len, items)
             if problem is not None:  # counted as read, reported as skipped: never planned
-                prog.next_index = s.index + 1
-                a.received += 1
-                bad.append((s.key, problem))
+                bad.append((key, problem))
                 continue
-            prog.buffer.append(s)
-            prog.nbytes += s.nbytes
-            prog.next_index = s.index + 1
-            a.received += 1
-            self._bytes_seen += s.nbytes
-            self._samples_seen += 1
-            if self.config.mode == "arrival":
-                self.arrival.append(a.pos)
+            size = len(text) + sum(item_bytes[start:at])
+            append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size))
+            nbytes += size
+        kept = received - len(bad)
+        prog.next_index = next_index
+        prog.nbytes += nbytes
+        a.received += received
+        self._bytes_seen += nbytes
+        self._samples_seen += kept
+        if kept and self.config.mode == "arrival":
+            runs = self.arrival
+            if runs and runs[-1][0] == pos:
+                runs[-1][1] += kept
+            else:
+                runs.append([pos, kept])
         a.credits = max(0, a.credits - len(msg["samples"]))
         self.metrics.samples_in.inc(len(msg["samples"]))
         if bad:
             self._skip(prog.url, bad)
+
+    def _take_back(self, reader: Reader, a) -> None:
+        """Cancel `a` and free its shard (it restarts at next_index: nothing is lost)."""
+        self._send_reader(reader, P.CANCEL, assign_id=a.id)
+        self.progress[a.pos].assignment = None
+        del self.assignments[a.id]
+        reader.assignment = None
 
     def _on_shard_done(self, reader: Reader, msg: P.Message) -> None:
         a = reader.assignment
@@ -382,7 +401,8 @@ class Dispatcher(Pump):
         event("trainer_joined", rank=rank, next_step=want)
         self._send(self.trainer_sock, ident, P.WELCOME, role="trainer", ack=msg.seq,
                    heartbeat_s=float(self.config.liveness.heartbeat_s), world_size=W,
-                   next_step=want, num_microbatches=self.config.planner.num_microbatches)
+                   next_step=want, num_microbatches=self.config.planner.num_microbatches,
+                   payloads=self.config.payloads)
 
     def _commit(self, slot: TrainerSlot, step: int) -> None:
         try:
@@ -435,5 +455,5 @@ class Dispatcher(Pump):
         self._send_frames(sock, ident, P.encode(type_, seq=self._seq, **fields), role)
 
     def _send_frames(self, sock: zmq.Socket, ident: bytes, frames: list, role: str) -> None:
-        self.metrics.bytes_out.labels(role).inc(sum(memoryview(f).nbytes for f in frames))
+        self.metrics.bytes_out_of[role].inc(sum(memoryview(f).nbytes for f in frames))
         sock.send_multipart([ident, *frames], copy=False)

@@ -7,6 +7,8 @@ and an allocation per array; the price is one concatenation on the dispatcher.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, PhaseExchange, RankMicrobatch
@@ -17,17 +19,21 @@ EXCHANGE_ARRAYS = ("encode_items", "encode_enc_len", "encode_llm_len", "send_tok
                    "recv_items", "recv_llm_len", "recv_offsets", "recv_tokens")
 NUM_ARRAYS = len(SAMPLE_ARRAYS) + len(ENCODER_PHASES) * len(EXCHANGE_ARRAYS)
 _EMPTY = np.zeros(0, dtype=np.int64)
+_sample_arrays = attrgetter(*SAMPLE_ARRAYS)
+_exchange_arrays = attrgetter(*EXCHANGE_ARRAYS)
+_ABSENT = (_EMPTY,) * len(EXCHANGE_ARRAYS)
 
 
 def pack_microbatch(rmb: RankMicrobatch) -> tuple[list[int], np.ndarray]:
     """(array lengths, one int64 buffer holding every array in the fixed order above)."""
-    arrays = [getattr(rmb, name) for name in SAMPLE_ARRAYS]
+    arrays = list(_sample_arrays(rmb))
     for phase in ENCODER_PHASES:
         ex = rmb.exchanges.get(phase)
         # An absent phase travels as all-empty arrays; a present one always has W-long tokens.
-        arrays += [getattr(ex, name) if ex is not None else _EMPTY for name in EXCHANGE_ARRAYS]
-    arrays = [np.asarray(a, dtype=np.int64).ravel() for a in arrays]
-    return [int(a.shape[0]) for a in arrays], np.concatenate(arrays)
+        arrays += _ABSENT if ex is None else _exchange_arrays(ex)
+    # axis=None ravels every array; unsafe casting converts as np.asarray(a, dtype=int64) does.
+    return ([a.size for a in arrays],
+            np.concatenate(arrays, axis=None, dtype=np.int64, casting="unsafe"))
 
 
 def split_arrays(buffer, lengths: list[int]) -> list[np.ndarray]:

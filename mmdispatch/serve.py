@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import selectors
 import signal
 import sys
@@ -22,7 +23,7 @@ from dispatcher_server.config import (
     BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
 )
 from dispatcher_server.planner import PlannerConfig
-from dispatcher_server.protocol import keep_freed_memory
+from dispatcher_server.protocol import keep_freed_memory, relax_gc
 from dispatcher_server.server import Dispatcher
 from pipeline.shards import expand_shards
 
@@ -54,6 +55,9 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "metrics_port": (int, 0, "Prometheus HTTP port; 0 = off"),
     "metrics_host": (str, "127.0.0.1", "address the metrics endpoint binds"),
     "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline)"),
+    "payloads": (str, "inline", "inline: member bytes flow reader -> dispatcher -> trainer; "
+                                "reference: only their offsets do, and trainers read the bytes "
+                                "from the shard files (same paths on every host, plain tars)"),
     "curve_secret": (str, None, "require CurveZMQ: the dispatcher's NAME.key_secret"),
     "curve_allowed_dir": (str, None, "require CurveZMQ: directory of allowed public keys"),
     "max_epochs": (int, 1, "epochs to serve; 0 = unbounded"),
@@ -105,8 +109,13 @@ def build_config(v: dict) -> ServerConfig:
         v["num_microbatches"] = 1
     if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
         raise ValueError("--curve-secret and --curve-allowed-dir go together")
+    shards = expand_shards(v["shards"])
+    if v["payloads"] == "reference":
+        # Trainers open these paths themselves, from their own working directories.
+        shards = [os.path.abspath(u) if "://" not in u and not u.startswith("pipe:") else u
+                  for u in shards]
     return ServerConfig(
-        shards=expand_shards(v["shards"]), world_size=v["world_size"],
+        shards=shards, world_size=v["world_size"],
         ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],
         batch=BatchConfig(global_batch=v["global_batch"], token_budget=v["token_budget"]),
         planner=PlannerConfig(num_microbatches=v["num_microbatches"],
@@ -121,6 +130,7 @@ def build_config(v: dict) -> ServerConfig:
         journal_dir=v["journal_dir"], journal_fsync=not v["no_fsync"],
         max_epochs=v["max_epochs"] or None, max_steps=v["max_steps"],
         metrics_port=v["metrics_port"], metrics_host=v["metrics_host"], step_log=v["step_log"],
+        payloads=v["payloads"],
         curve=CurveConfig(server_secret_file=v["curve_secret"],
                           allowed_keys_dir=v["curve_allowed_dir"]) if v["curve_secret"] else None,
     )
@@ -155,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if values["io_threads"] < 1:
         raise ValueError(f"--io-threads must be >= 1, got {values['io_threads']}")
     keep_freed_memory(values["malloc_keep_mb"])
+    relax_gc()
     server = Dispatcher(build_config(values), context=zmq.Context(io_threads=values["io_threads"]))
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}

@@ -264,9 +264,17 @@ def _builder(config: ReaderConfig) -> SampleBuilder:
 
 
 def iter_shard(
-    url: str, config: ReaderConfig | None = None, *, start_index: int = 0, stats: ErrorStats | None = None
+    url: str,
+    config: ReaderConfig | None = None,
+    *,
+    start_index: int = 0,
+    stats: ErrorStats | None = None,
+    spans: bool = False,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
+
+    With `spans`, each record also says where its items' bytes lie in the shard file
+    (`SampleRecord.spans`); only uncompressed shards have such offsets (ValueError otherwise).
 
     Pass an `ErrorStats` to read the counters afterwards. A shard holding fewer than
     `start_index` samples raises ValueError whatever the policy: the resume point is wrong.
@@ -274,6 +282,8 @@ def iter_shard(
     config = config or ReaderConfig()
     if start_index < 0:
         raise ValueError(f"start_index={start_index} must be >= 0")
+    if spans and url.endswith((".gz", ".tgz")):
+        raise ValueError(f"spans need an uncompressed shard; {url!r} is gzip")
     stats = stats if stats is not None else ErrorStats()
     policy = config.errors
     builder = _builder(config)
@@ -292,8 +302,17 @@ def iter_shard(
     seen: set[str] = set()
     failure: SampleError | None = None
     try:
-        members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes)
+        offsets: dict[str, int] | None = {} if spans else None
+        members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes,
+                                 None if offsets is None else offsets.__setitem__)
         for key, members, problem in group_samples(members_of, ignored, config.max_sample_bytes):
+            if offsets is not None:
+                where = {sfx: offsets.get(f"{key}.{sfx}", -1) for sfx in members}
+                # The newest entry may be the next sample's first member: keep only that one.
+                newest = next(reversed(offsets.items()), None)
+                offsets.clear()
+                if newest is not None:
+                    offsets[newest[0]] = newest[1]
             index += 1
             last_key = key
             if key in seen and problem is None:
@@ -306,6 +325,9 @@ def iter_shard(
                 continue
             try:
                 record = builder.build(key, members, url, index)
+                if offsets is not None:
+                    record.spans = {it.member: (where[it.member], len(members[it.member]))
+                                    for it in record.items}
             except CountError as e:
                 stats.handle(SampleError(e.reason, url, key, str(e)), policy)
                 continue

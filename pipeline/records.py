@@ -43,6 +43,9 @@ class SampleRecord:
     llm_len: int
     text: str = ""  # the text the text tokens were counted from
     members: dict[str, bytes | memoryview] = field(default_factory=dict)  # suffix -> raw bytes
+    # suffix -> (offset, size) of each item's bytes in the shard file; filled on request
+    # (`iter_shard(spans=True)`) for payloads sent by reference.
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def modality_mix(self) -> str:

@@ -59,14 +59,18 @@ class _Assignment:
     credits: int = 0
     count: int = 0
     skipped: list = field(default_factory=list)
+    ref_path: bytes | None = None  # reference payload mode: the shard file references name
 
 
-def sample_header(rec: SampleRecord) -> tuple[list, list]:
-    """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers."""
+def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[list, list]:
+    """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers,
+    or with `ref_path` (reference payload mode) references to their bytes in that file."""
     items = [[it.modality, it.member, int(it.enc_len), int(it.llm_len), dict(it.meta)]
              for it in rec.items]
     header = [rec.key, int(rec.index), int(rec.text_len), int(rec.llm_len),
               rec.text.encode("utf-8"), items]
+    if ref_path is not None:
+        return header, [P.pack_ref(ref_path, *rec.spans[it.member]) for it in rec.items]
     return header, [rec.members[it.member] for it in rec.items]
 
 
@@ -80,6 +84,7 @@ class ReaderWorker:
         self.assignment: _Assignment | None = None
         self.welcomed = False
         self.heartbeat_s = 1.0
+        self.payloads = "inline"  # the dispatcher's choice, from WELCOME
         self.num_samples_sent = 0
         self._seq = 0
         self._hello_seq = -1
@@ -180,16 +185,22 @@ class ReaderWorker:
             return True
         a = self.assignment
         if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
+            if msg.get("payloads", "inline") not in P.PAYLOAD_MODES:
+                raise FatalReaderError(f"dispatcher asks for unknown payload mode {msg['payloads']!r}")
             self.welcomed = True
             self.heartbeat_s = float(msg["heartbeat_s"])
+            self.payloads = msg.get("payloads", "inline")
             self._send(P.SHARD_REQUEST)
         elif msg.type == P.SHARD_ASSIGN:
             self._drop_assignment()
             stats = ErrorStats()
+            ref_path = None
+            if self.payloads == "reference":
+                ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
             records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
-                                 stats=stats)
+                                 stats=stats, spans=ref_path is not None)
             self.assignment = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=records,
-                                          stats=stats)
+                                          stats=stats, ref_path=ref_path)
         elif msg.type == P.CREDIT and a is not None and msg.get("assign_id") == a.id:
             a.credits += msg.get("samples", 0)
         elif msg.type == P.CANCEL and a is not None and msg["assign_id"] == a.id:
@@ -216,7 +227,7 @@ class ReaderWorker:
             self._collect_skipped(a, before)
             if done:
                 break
-            h, f = sample_header(rec)
+            h, f = sample_header(rec, a.ref_path)
             headers.append(h)
             frames.extend(f)
         if headers:
@@ -277,6 +288,7 @@ def _worker_main(args: argparse.Namespace, worker: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     P.keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
+    P.relax_gc()
     ReaderWorker(config_from_args(args, worker)).run(stop)
 
 

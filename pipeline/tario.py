@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
 
 _BLOCK = 512
@@ -105,11 +105,15 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
     return stream
 
 
-def tar_members(stream: BinaryIO, max_member_bytes: int | None = None) -> Iterator[tuple[str, bytes | TooLarge]]:
+def tar_members(
+    stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None
+) -> Iterator[tuple[str, bytes | TooLarge]]:
     """Yield (member name, member bytes) for each regular file, in archive order.
 
     A regular member over `max_member_bytes` is read through in 1 MiB chunks and yielded as
     `TooLarge(size)` instead of its bytes, so one huge member cannot exhaust memory.
+    `on_member(name, data_offset)`, if given, learns where each member's bytes start in the
+    (uncompressed) archive just before the member is yielded.
     """
     read = stream.read
     offset = 0
@@ -160,6 +164,8 @@ def tar_members(stream: BinaryIO, max_member_bytes: int | None = None) -> Iterat
             if pad and len(read(pad)) < pad:
                 raise TarError("truncated_tar", f"archive ends inside the padding of member at byte {offset}", name)
             if name is not None:
+                if on_member is not None:
+                    on_member(name, offset + _BLOCK)
                 offset += _BLOCK + size + pad
                 yield name, data
                 continue

@@ -82,13 +82,65 @@ def _tensor(view: np.ndarray) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.int64)
 
 
-def decode_step(msg: P.Message) -> Step:
-    """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header."""
+class ShardFiles:
+    """Reads `reference` payloads: each item's bytes straight from its shard file.
+
+    One buffer per micro-batch, filled in place with `os.preadv` (the only copy: page cache to
+    buffer); the most recently used files stay open. Only the paths the dispatcher accepted
+    from its readers (the configured shards) ever arrive here.
+    """
+
+    def __init__(self, max_open: int = 64) -> None:
+        self.max_open = max_open
+        self._fds: dict[bytes, int] = {}  # insertion order = recency
+
+    def read(self, refs: memoryview, sizes: list[int]) -> tuple[memoryview, list[int]]:
+        """(coalesced frame, sizes) holding the bytes the references in `refs` name."""
+        spans = [P.unpack_ref(r) for r in P.split_payload(refs, sizes)]
+        out_sizes = [n for _, _, n in spans]
+        buf = memoryview(bytearray(sum(out_sizes)))
+        at = 0
+        for path, offset, n in spans:
+            got = os.preadv(self._fd(path), [buf[at:at + n]], offset) if n else 0
+            if got != n:
+                raise OSError(f"shard {path.decode(errors='replace')!r} holds {got} of the {n} "
+                              f"bytes at offset {offset} its reader counted: changed on disk?")
+            at += n
+        return buf, out_sizes
+
+    def _fd(self, path: bytes) -> int:
+        fd = self._fds.pop(path, None)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as e:
+                raise OSError(f"payloads='reference': this trainer cannot open shard "
+                              f"{path.decode(errors='replace')!r} ({e.strerror}); it must be "
+                              f"mounted at the same path as on the data nodes") from None
+            if len(self._fds) >= self.max_open:
+                os.close(self._fds.pop(next(iter(self._fds))))
+        self._fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
+    """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
+
+    With `files` (reference payload mode) the payload frames hold references, read from disk.
+    """
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
     for m, mb in enumerate(msg["microbatches"]):
         buf = msg.frames[2 * m]
+        frame, sizes = msg.frames[2 * m + 1], mb["sizes"]
+        if files is not None:
+            frame, sizes = files.read(frame, sizes)
         # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
-        payloads = P.split_payload(msg.frames[2 * m + 1], mb["sizes"])
+        payloads = P.split_payload(frame, sizes)
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m)
         names = list(SAMPLE_ARRAYS) + [f"{p}.{n}" for p in ENCODER_PHASES for n in
                                        ("encode_items", "encode_enc_len", "encode_llm_len",
@@ -172,6 +224,7 @@ class DispatcherClient:
         self._next_expected: int | None = None  # next step to receive
         self._commit_waiters: list[tuple[int, threading.Event, list]] = []
         self._fatal: Exception | None = None
+        self._files: ShardFiles | None = None  # reference payload mode, owned by the thread
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
         self._ended = False
@@ -275,6 +328,10 @@ class DispatcherClient:
             self._fatal = e
             self._steps.put(e)
             self._disconnect()
+        finally:
+            if self._files is not None:
+                self._files.close()
+                self._files = None
 
     def _connect(self) -> None:
         cfg = self.config
@@ -364,6 +421,14 @@ class DispatcherClient:
             log.warning("mmdispatch event=client_bad_message rank=%d detail=%r", self.rank, str(e)[:200])
             return True
         if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
+            mode = msg.get("payloads", "inline")
+            if mode not in P.PAYLOAD_MODES:
+                raise DispatcherError("payloads", f"unknown payload mode {mode!r}")
+            if mode == "reference" and self._files is None:
+                self._files = ShardFiles()
+            elif mode == "inline" and self._files is not None:
+                self._files.close()
+                self._files = None
             self._welcomed = True
             self._next_expected = msg["next_step"]
             if self._consumed is None:
@@ -375,7 +440,7 @@ class DispatcherClient:
             if msg["step"] > self._next_expected:
                 self._hello()  # a step was lost (peer reconnected): ask again from ours
             elif msg["step"] == self._next_expected:
-                self._steps.put(decode_step(msg))
+                self._steps.put(decode_step(msg, self._files))
                 self._next_expected += 1
         elif msg.type == P.END and self._welcomed and msg["next_step"] == self._next_expected:
             self._steps.put(_END)

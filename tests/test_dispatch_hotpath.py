@@ -1,0 +1,149 @@
+"""The dispatcher's block paths against a per-sample reference, on random inputs.
+
+SAMPLES messages are taken in as one block each, and `_fill` moves whole runs of a shard's
+buffer into the step being filled. Here a real `Dispatcher` (loopback sockets, no peers) is fed
+random messages through `_on_samples` / `_on_shard_done` and pumped; its planned steps must be
+exactly what taking one sample at a time gives: `global_batch`, token-budget cuts, epoch ends,
+deterministic and arrival order, bad samples skipped by key, duplicates ignored, and the
+buffered-bytes accounting back to zero at the end.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dispatcher_server import protocol as P
+from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
+from dispatcher_server.peers import Assignment, Reader
+from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.server import Dispatcher
+
+
+def _corpus(rng: random.Random, num_shards: int, epochs: int) -> dict[int, list[dict]]:
+    """Per global position, its samples (the same shard contents in every epoch)."""
+    shards = []
+    for shard in range(num_shards):
+        samples = []
+        for index in range(rng.randint(0, 12)):
+            items = [["image" if rng.random() < 0.6 else "audio", f"{j}.bin", rng.randint(4, 90),
+                      rng.randint(1, 20), {}] for j in range(rng.randint(0, 2))]
+            text_len = rng.randint(1, 30)
+            llm_len = text_len + sum(it[3] for it in items)
+            bad = rng.random() < 0.05
+            samples.append({"key": f"s{shard}-{index}", "index": index, "text_len": text_len,
+                            "llm_len": llm_len + (1 if bad else 0), "items": items, "bad": bad,
+                            "payloads": [bytes([index % 251]) * rng.randint(0, 40) for _ in items]})
+        shards.append(samples)
+    return {e * num_shards + i: shards[i] for e in range(epochs) for i in range(num_shards)}
+
+
+def _message(dispatcher: Dispatcher, assign_id: int, samples: list[dict], coalesced: bool):
+    headers = [[s["key"], s["index"], s["text_len"], s["llm_len"], b"t", s["items"]]
+               for s in samples]
+    payloads = [p for s in samples for p in s["payloads"]]
+    if coalesced:
+        frames = P.encode(P.SAMPLES, frames=[b"".join(payloads)], assign_id=assign_id,
+                          samples=headers, sizes=[len(p) for p in payloads])
+    else:
+        frames = P.encode(P.SAMPLES, frames=payloads, assign_id=assign_id, samples=headers)
+    return P.decode(frames, dispatcher.config.limits)
+
+
+def _reference_steps(order: list[dict], num_shards: int, global_batch: int,
+                     budget: int | None) -> list[list[str]]:
+    """Steps from taking one sample at a time: full batch, token budget, never across epochs."""
+    steps: list[list[str]] = []
+    acc: list[dict] = []
+    tokens = 0
+    for s in order:
+        if acc and (len(acc) == global_batch
+                    or (budget is not None and tokens + s["llm_len"] > budget)
+                    or s["pos"] // num_shards != acc[0]["pos"] // num_shards):
+            steps.append([a["key"] for a in acc])
+            acc, tokens = [], 0
+        acc.append(s)
+        tokens += s["llm_len"]
+    if acc:
+        steps.append([a["key"] for a in acc])
+    return steps
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_block_paths_plan_the_per_sample_steps(seed):
+    rng = random.Random(seed)
+    num_shards, epochs = rng.randint(1, 4), rng.randint(1, 3)
+    mode = rng.choice(["deterministic", "arrival"])
+    global_batch = rng.choice([1, 3, 7, 16])
+    budget = rng.choice([None, 40, 150])
+    corpus = _corpus(rng, num_shards, epochs)
+    config = ServerConfig(
+        shards=[f"/data/shard-{i}.tar" for i in range(num_shards)], world_size=1,
+        batch=BatchConfig(global_batch=global_batch, token_budget=budget),
+        planner=PlannerConfig(num_microbatches=1), mode=mode, max_epochs=epochs,
+        flow=FlowConfig(max_buffered_samples=10_000, num_inflight_shards=rng.randint(1, 3)))
+    d = Dispatcher(config)
+    try:
+        reader = Reader(ident=b"r", name="r", last_seen=0.0)
+        d.readers[reader.ident] = reader
+        sent = {pos: 0 for pos in corpus}
+        arrived: list[dict] = []  # accepted samples, in the order the dispatcher received them
+        skipped: list[tuple[str, str]] = []
+        steps: list[list[str]] = []
+        consumed: dict[int, int] = {}  # pos -> one past the last index planned or being filled
+        for _ in range(10_000):
+            d._pump()
+            for rs in d.retained:
+                if rs.step >= len(steps):
+                    steps.append([s.key for s in rs.batch.samples])
+                    consumed.update((s.pos, s.index + 1) for s in rs.batch.samples)
+            # The cursor (what a resume starts from) counts exactly the samples taken.
+            pending = {**consumed, **{s.pos: s.index + 1 for s in d.acc}}
+            for p in d.progress:
+                assert d.cursor.start_index(p) == pending.get(p, 0)
+            for slot in d.slots:
+                slot.received = d.next_plan  # every step acknowledged: _evict drops it
+            if d._finished():
+                break
+            open_ = [p for p, pr in d.progress.items() if not pr.reader_done]
+            if not open_:
+                continue  # the window moved during this pump: the next one opens shards
+            pos = rng.choice(open_)
+            a = Assignment(id=d._next_assign, pos=pos, reader=reader.ident, credits=1_000)
+            d._next_assign += 1
+            d.assignments[a.id], d.progress[pos].assignment, reader.assignment = a, a.id, a
+            todo = corpus[pos][sent[pos]:sent[pos] + rng.randint(1, 6)]
+            batch = [dict(s) for s in todo]
+            if sent[pos] and rng.random() < 0.2:  # a duplicate of the last sample sent: ignored
+                batch.insert(0, dict(corpus[pos][sent[pos] - 1]))
+            if batch:
+                d._on_samples(reader, _message(d, a.id, batch, rng.random() < 0.7))
+            for s in todo:
+                if s["bad"]:
+                    skipped.append((s["key"], "invalid_llm_len"))
+                else:
+                    arrived.append({**s, "pos": pos})
+            sent[pos] += len(todo)
+            if sent[pos] == len(corpus[pos]):
+                d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id,
+                                                           count=a.received, skipped=[])))
+            else:
+                del d.assignments[a.id]
+                d.progress[pos].assignment = reader.assignment = None
+            # Bytes accounting is exact after every message and every fill.
+            for prog in d.progress.values():
+                assert prog.nbytes == sum(s.nbytes for s in prog.buffer)
+            assert d.acc_bytes == sum(s.nbytes for s in d.acc)
+            assert sum(n for _, n in d.arrival) == (sum(len(p.buffer) for p in d.progress.values())
+                                                    if mode == "arrival" else 0)
+        else:
+            pytest.fail("the stream did not finish")
+        order = (arrived if mode == "arrival"
+                 else sorted(arrived, key=lambda s: (s["pos"], s["index"])))
+        assert steps == _reference_steps(order, num_shards, global_batch, budget)
+        assert d.skipped == skipped
+        assert not d.acc and d.acc_bytes == 0 and not d.progress and not d.arrival
+        assert d._samples_seen == len(arrived)
+    finally:
+        d._close()

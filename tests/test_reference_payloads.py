@@ -1,0 +1,195 @@
+"""`reference` payload mode: readers send where each member's bytes lie, trainers read them.
+
+The dispatcher then carries metadata only; these tests hold the mode to the same delivery as
+`inline` (same keys, same steps, byte-identical payloads) and check what it refuses.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+
+import pytest
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.config import FlowConfig
+from pipeline.reader import iter_shard
+from tests.test_service import client_config, dispatcher, make_config, readers, shards  # noqa: F401
+from trainer_client.client import DispatcherClient, ShardFiles
+
+
+def test_spans_locate_every_item_in_its_shard_file(shards):
+    seen = 0
+    for url in shards:
+        with open(url, "rb") as f:
+            for rec in iter_shard(url, spans=True):
+                assert set(rec.spans) == {it.member for it in rec.items}
+                for member, (offset, size) in rec.spans.items():
+                    f.seek(offset)
+                    assert f.read(size) == rec.members[member]
+                    seen += 1
+    assert seen > 20
+
+
+def test_spans_follow_long_names_and_refuse_gzip(tmp_path):
+    # A GNU long name puts an extra header before the member: offsets must count it.
+    path = tmp_path / "long.tar"
+    name = "d" * 120 + "/sample"
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for suffix, data in (("txt", b"hello there"), ("wav", _wav(800))):
+            info = tarfile.TarInfo(f"{name}.{suffix}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (rec,) = list(iter_shard(str(path), spans=True))
+    offset, size = rec.spans["wav"]
+    assert path.read_bytes()[offset:offset + size] == _wav(800)
+    with pytest.raises(ValueError, match="uncompressed"):
+        next(iter_shard(str(tmp_path / "x.tar.gz"), spans=True))
+
+
+def _wav(frames: int) -> bytes:
+    import wave
+
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"\0\1" * frames)
+    return buf.getvalue()
+
+
+def test_reference_path_and_ref_round_trip():
+    ref = P.pack_ref(b"/data/a.tar", 1536, 70000)
+    assert P.unpack_ref(memoryview(ref)) == (b"/data/a.tar", 1536, 70000)
+    assert P.refs_point_into([memoryview(ref)], b"/data/a.tar")
+    assert not P.refs_point_into([memoryview(ref)], b"/data/b.tar")
+    assert not P.refs_point_into([memoryview(ref[:-1])], b"/data/a.tar")
+    assert P.reference_path("file:///data/a.tar") == "/data/a.tar"
+    for url in ("pipe:curl -s http://x/a.tar", "s3://bucket/a.tar", "/data/a.tar.gz"):
+        with pytest.raises(ValueError, match="payloads='inline'"):
+            P.reference_path(url)
+    with pytest.raises(P.ProtocolError):
+        P.unpack_ref(b"\0" * 16)
+
+
+def test_server_config_refuses_shards_trainers_cannot_read(shards):
+    with pytest.raises(ValueError, match="is a stream"):
+        make_config(["pipe:cat a.tar"], payloads="reference")
+    with pytest.raises(ValueError, match="payloads must be one of"):
+        make_config(shards, payloads="by-carrier-pigeon")
+
+
+def _deliver(endpoint: str, world_size: int) -> dict[int, list]:
+    """Per rank: (step, keys, texts, {phase: [(key, member, payload bytes)]}) per micro-batch."""
+    out, errors = {}, []
+
+    def train(rank: int) -> None:
+        try:
+            client = DispatcherClient(endpoint, rank, world_size, world_size, config=client_config())
+            got = []
+            try:
+                for step in client:
+                    for mb in step.microbatches:
+                        enc = {p: [(k, m, bytes(b)) for k, m, b in
+                                   zip(e.sample_keys, e.members, e.payloads)]
+                               for p, e in mb.encoders.items()}
+                        got.append((step.step, mb.keys, mb.texts, enc))
+            finally:
+                client.close()
+            out[rank] = got
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
+    return out
+
+
+def test_reference_mode_delivers_exactly_what_inline_delivers(shards):
+    runs = {}
+    for mode in ("inline", "reference"):
+        with dispatcher(make_config(shards, payloads=mode)) as srv, readers(srv.reader_endpoint, 2):
+            runs[mode] = _deliver(srv.trainer_endpoint, 3)
+            bytes_in = srv.metrics.bytes_in.labels("reader")._value.get()
+        runs[mode + "_bytes_in"] = bytes_in
+    assert runs["reference"] == runs["inline"]  # same steps, keys, texts and payload bytes
+    payload = sum(len(b) for got in runs["inline"].values() for *_, enc in got
+                  for items in enc.values() for _, _, b in items)
+    assert payload > 100_000
+    # Payload bytes no longer pass through the dispatcher: what readers send shrinks by them.
+    assert runs["reference_bytes_in"] < runs["inline_bytes_in"] - 0.9 * payload
+
+
+def test_reference_outside_the_assigned_shard_is_refused(shards, tmp_path):
+    """A reader naming another file (a bug or a hostile peer) gets its shard taken back, and
+    the trainers never read what it named; honest readers still deliver every sample."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not training data" * 100)
+    config = make_config(shards, payloads="reference", world_size=1,
+                         flow=FlowConfig(max_buffered_samples=256, num_inflight_shards=1,
+                                         credit_batch=8))
+    with dispatcher(config) as srv:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        P.socket_limits(sock)
+        sock.connect(srv.reader_endpoint)
+        try:
+            sock.send_multipart(P.encode(P.HELLO, seq=1, role="reader", name="rogue"))
+            assert _recv(sock)["payloads"] == "reference"
+            sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
+            assign = _wait_for(sock, P.SHARD_ASSIGN)
+            _wait_for(sock, P.CREDIT)
+            ref = P.pack_ref(str(secret).encode(), 0, 17)
+            header = ["k0", 0, 1, 1 + 4, b"x", [["image", "jpg", 16, 4, {}]]]
+            sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[ref],
+                                         assign_id=assign["assign_id"], samples=[header],
+                                         sizes=[len(ref)]))
+            assert _wait_for(sock, P.CANCEL)["assign_id"] == assign["assign_id"]
+        finally:
+            sock.close(linger=0)
+        assert srv.metrics.errors.labels("bad_reference")._value.get() == 1
+        with readers(srv.reader_endpoint, 1):
+            got = _deliver(srv.trainer_endpoint, 1)
+    keys = [k for _, keys, _, _ in got[0] for k in keys]
+    assert "k0" not in keys and len(keys) == len(set(keys)) == 90
+
+
+def _recv(sock, timeout_ms: int = 5000) -> P.Message:
+    assert sock.poll(timeout_ms), "no reply from the dispatcher"
+    return P.decode(sock.recv_multipart(copy=False))
+
+
+def _wait_for(sock, type_: str) -> P.Message:
+    for _ in range(50):
+        msg = _recv(sock)
+        if msg.type == type_:
+            return msg
+    raise AssertionError(f"no {type_} within 50 messages")
+
+
+def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path):
+    path = tmp_path / "s.tar"
+    path.write_bytes(bytes(range(256)) * 8)
+    refs = [P.pack_ref(str(path).encode(), 10, 5), P.pack_ref(str(path).encode(), 600, 0),
+            P.pack_ref(str(path).encode(), 2000, 48)]
+    files = ShardFiles(max_open=1)
+    frame, sizes = files.read(memoryview(b"".join(refs)), [len(r) for r in refs])
+    data = path.read_bytes()
+    assert sizes == [5, 0, 48] and bytes(frame) == data[10:15] + data[2000:2048]
+    short = P.pack_ref(str(path).encode(), 2040, 48)
+    with pytest.raises(OSError, match="changed on disk"):
+        files.read(memoryview(short), [len(short)])
+    gone = P.pack_ref(str(tmp_path / "missing.tar").encode(), 0, 4)
+    with pytest.raises(OSError, match="mounted at the same path"):
+        files.read(memoryview(gone), [len(gone)])
+    files.close()
+    files.close()  # a second close (client teardown after an error) must not raise
