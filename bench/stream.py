@@ -8,25 +8,27 @@ peak RSS against its configured bound.
 
     python -m bench.stream [--json]
 
-CPU per sample is reported per party (dispatcher and readers from /proc, zmq I/O threads
-included; readers include their start-up; trainers from READY to their last step): on a small
-machine the ratio is bounded by the total CPU the chain spends per sample against the bare read
-(`e2e_vs_raw_cpu_bound`). Raw and e2e runs alternate `--repeat` times; medians are reported.
-The e2e window opens at the first step a trainer gets, so the pipeline fill before it is not
-timed; `e2e_samples_per_s_from_reader_spawn` times it (and the readers' imports) instead.
+Both payload modes run (`--payloads both`, the default), alternating with the bare read:
+`inline` (members travel reader -> dispatcher -> trainer) and `reference` (trainers read the
+members from the shard files; the dispatcher carries metadata). The headline keys are the last
+mode run; each mode's full figures are under its name.
 
-What limits the ratio (2-core machine, 37 KB/sample, G=512, W=4, M=2; CPU ms per sample):
-the bare read spends ~0.075 in one process per core. The chain spends, besides the readers'
-own tar reading and header counting (~0.05, comparable to the bare read), (1) planning:
-~0.02 in the dispatcher (~10 ms per step of 512 in the planner's Python loops), (2) moving
-every payload byte through two TCP hops, reader -> dispatcher -> trainer (kernel copies and
-zmq I/O threads on both ends of each hop, ~0.02 per hop), (3) per-message Python work in all
-three parties (decode, validation, STEP building, tensors), and (4) the readers' start-up.
-Coalesced payload frames, 128-sample messages, heap reuse for the MB-sized frames and
-planning for the real topology (one node) cut the chain from ~0.21 to ~0.17; the ratio
-cannot reach 0.8 on 2 cores while payloads cross the dispatcher and planning costs what it
-does: that needs the metadata-only mode (payloads reader -> trainer, one hop, none through
-the dispatcher) and a cheaper planner, or simply more cores than processes.
+CPU per sample is reported per party over the timed window (from the first step a trainer gets
+to the end; start-up and imports excluded, as for the bare read): dispatcher and readers from
+/proc (zmq I/O threads included), trainers from their own process time. On a small machine the
+ratio is bounded by the total CPU the chain spends per sample against the bare read
+(`e2e_vs_raw_cpu_bound`): with R = cores, the bare read owns every core while the chain's
+7 processes share them.
+
+What limits the ratio (2-core machine, 37 KB/sample, G=512, W=4, M=2; CPU ms per sample,
+2026-11-22): the bare read spends ~0.07-0.08. The chain spends ~0.05 in the readers (tar
+reading and header counting ~0.03, the rest building and sending SAMPLES messages), ~0.03-0.045
+in the dispatcher (planning ~0.004 since the small-world planner kernels; decode, batching,
+STEP building, and in inline mode a second TCP hop for every payload byte) and ~0.03 in the
+trainers (receive, decode, and in reference mode the preadv of their items). Steps that took it
+from 0.19 to ~0.11: plain-Python planner kernels for few bins (7.5 -> 2.1 ms per step),
+block processing of SAMPLES messages and runs of samples in the dispatcher, relaxed GC in
+the service processes, and reference payloads.
 """
 
 from __future__ import annotations
@@ -66,13 +68,16 @@ def _cpu_s(pid: int) -> float | None:
 
 
 class ProcSampler:
-    """Every 10 ms from /proc: the dispatcher's peak RSS, and the CPU seconds of each group."""
+    """Every 10 ms from /proc: the dispatcher's peak RSS, and the CPU seconds of each process.
+
+    CPU is kept as a time series so it can be read over the same window as the rates: from the
+    first step a trainer got to the end (start-up and imports excluded, as for the bare read).
+    """
 
     def __init__(self, server_pid: int) -> None:
         self.pid, self.peak = server_pid, 0.0
         self.groups: dict[str, list[int]] = {}
-        self.cpu: dict[int, float] = {}
-        self.cpu0: dict[int, float] = {}
+        self.series: dict[int, list[tuple[float, float]]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -80,20 +85,27 @@ class ProcSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.01):
             self.peak = max(self.peak, _rss_mb(self.pid))
+            now = time.time()
             for pid in [self.pid, *(p for g in self.groups.values() for p in g)]:
                 t = _cpu_s(pid)
                 if t is not None:
-                    self.cpu[pid] = t
-                    # Baselines: the dispatcher was started and idle before the first reading;
-                    # readers are counted from their spawn (imports included: an overestimate).
-                    self.cpu0.setdefault(pid, 0.0 if pid in self.groups.get("readers", ()) else t)
+                    self.series.setdefault(pid, []).append((now, t))
 
-    def stop(self) -> tuple[float, dict[str, float]]:
+    def stop(self, since: float) -> tuple[float, dict[str, float]]:
+        """Peak RSS, and CPU seconds per group from time `since` to the last reading."""
         self._stop.set()
         self._thread.join(5)
         groups = {"dispatcher": [self.pid], **self.groups}
-        return self.peak, {g: sum(self.cpu.get(p, 0.0) - self.cpu0.get(p, 0.0) for p in pids)
-                           for g, pids in groups.items()}
+        cpu = {}
+        for g, pids in groups.items():
+            total = 0.0
+            for pid in pids:
+                series = self.series.get(pid, [])
+                before = [c for t, c in series if t <= since]
+                if series:
+                    total += series[-1][1] - (before[-1] if before else 0.0)
+            cpu[g] = total
+        return self.peak, cpu
 
 
 # -- worker roles (run as subprocesses of this module) -----------------------------------------
@@ -124,11 +136,11 @@ def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> 
     # torch initialises its op dispatch on first use (~0.5 s CPU); do it before the clock runs.
     torch.cumsum(torch.frombuffer(bytearray(16), dtype=torch.int64), 0)
     print("READY", flush=True)  # connected: readers start only now, so nothing is pre-buffered
-    cpu0 = time.process_time()
+    cpu0 = None
     try:
         for step in client:
             if t_first is None:
-                t_first = time.time()
+                t_first, cpu0 = time.time(), time.process_time()
             for mb in step.microbatches:
                 n += len(mb.keys)
                 nbytes += sum(len(t) for t in mb.texts)
@@ -144,8 +156,10 @@ def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> 
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
-                            stdin=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True,
+                            stdin=subprocess.PIPE, stderr=(errors := tempfile.TemporaryFile("w+")))
+    proc.errors = errors  # read back if the worker fails
+    return proc
 
 
 def _wait_ready(procs: list[subprocess.Popen]) -> None:
@@ -160,7 +174,9 @@ def _collect(procs: list[subprocess.Popen], timeout: float) -> list[dict]:
     for p in procs:
         stdout, _ = p.communicate(timeout=timeout)
         if p.returncode != 0:
-            raise RuntimeError(f"worker {p.args} failed with status {p.returncode}")
+            p.errors.seek(0)
+            raise RuntimeError(f"worker {p.args} failed with status {p.returncode}: "
+                               f"{p.errors.read()[-2000:]}")
         out.append(json.loads(stdout.strip().splitlines()[-1]))
     return out
 
@@ -206,7 +222,7 @@ def _start_serve(args: list[str]) -> tuple[subprocess.Popen, dict]:
     raise RuntimeError("dispatcher did not start: " + errors.read()[-2000:])
 
 
-def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float) -> dict:
+def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float, payloads: str = "inline") -> dict:
     # The trainers all run on this host and say LOCAL_WORLD_SIZE = trainers: plan for one node.
     serve_args = ["--shards", *shards, "--world-size", str(a.trainers),
                   "--ranks-per-node", str(a.trainers), "--global-batch",
@@ -216,7 +232,8 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float) -> dict:
                   "--max-buffered-bytes", str(a.max_buffered_mb * MiB),
                   "--max-retained-steps", str(a.retained_steps),
                   "--inflight-shards", str(a.inflight_shards or 2 * a.readers),
-                  "--credit-batch", str(a.credit_batch), "--io-threads", str(a.io_threads)]
+                  "--credit-batch", str(a.credit_batch), "--io-threads", str(a.io_threads),
+                  "--payloads", payloads]
     if a.transport == "ipc":  # same-host peers over Unix sockets (an option; TCP is the default)
         ipc_dir = tempfile.mkdtemp(prefix="mmdispatch-ipc-")
         serve_args += ["--reader-bind", f"ipc://{ipc_dir}/readers",
@@ -236,11 +253,12 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float) -> dict:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for _ in range(a.readers)]
     sampler.groups = {"readers": [p.pid for p in readers]}
+    results = []
     try:
         results = _collect(trainers, 900)
         server.wait(60)
     finally:
-        peak, cpu = sampler.stop()
+        peak, cpu = sampler.stop(min((r["t_first"] for r in results), default=0.0))
         for p in (*readers, server, *trainers):
             if p.poll() is None:
                 p.terminate()
@@ -249,8 +267,8 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float) -> dict:
                 except subprocess.TimeoutExpired:
                     p.kill()
     rate, mbps, n, _ = _rate(results)
-    # Trainers report their own CPU from READY to their last step (their interpreter shutdown,
-    # ~0.5 s of torch teardown, is not streaming work); the others are read from /proc.
+    # Trainers report their own CPU from their first step to their last (their interpreter
+    # shutdown, ~0.5 s of torch teardown, is not streaming work); the others are read from /proc.
     cpu["trainers"] = sum(r["cpu_s"] for r in results)
     return {"samples_per_s": rate, "mb_per_s": mbps, "samples": n, "idle_rss_mb": idle_rss,
             "samples_per_s_from_spawn": n / (max(r["t_last"] for r in results) - t_spawn),
@@ -281,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
                    help="how readers and trainers reach the dispatcher on this host")
     p.add_argument("--inflight-shards", type=int, default=None, help="default: 2 x readers")
+    p.add_argument("--payloads", choices=("inline", "reference", "both"), default="both",
+                   help="payload mode(s) of the e2e runs (serve --payloads)")
     p.add_argument("--retained-steps", type=int, default=2)
     p.add_argument("--skip-raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--slow-ms", type=float, default=100.0, help="per-step delay of the slow trainer")
@@ -308,27 +328,42 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.isdir(a.data) else []
     if len(shards) != a.shards:
         shards = generate(a.data, num_samples=a.samples, num_shards=a.shards, seed=0)
-    # Raw and e2e alternate, so each pair sees the same background load on a shared machine;
-    # the ratio is the median of the per-pair ratios, the rates and CPU figures are medians.
-    raws, e2es = [], []
+    # Raw and e2e runs alternate, so each trio sees the same background load on a shared
+    # machine; ratios are medians of the per-trio ratios, rates and CPU figures are medians.
+    modes = ("inline", "reference") if a.payloads == "both" else (a.payloads,)
+    raws, e2es = [], {m: [] for m in modes}
     for _ in range(a.repeat):
         raws.append(run_raw(shards, a.readers, a.epochs) if not a.skip_raw else
                     {"samples_per_s": float("nan"), "mb_per_s": float("nan"), "samples": 0,
                      "cpu_ms_per_sample": None})
-        e2es.append(run_e2e(shards, a, 0.0))
-    ratios = [e["samples_per_s"] / r["samples_per_s"] for e, r in zip(e2es, raws)]
+        for m in modes:
+            e2es[m].append(run_e2e(shards, a, 0.0, m))
     raw = {k: _median([r[k] for r in raws]) for k in ("samples_per_s", "mb_per_s")}
     raw.update(samples=raws[0]["samples"], cpu_ms_per_sample=_median(
         [r["cpu_ms_per_sample"] for r in raws]) if not a.skip_raw else None)
-    e2e = {k: _median([e[k] for e in e2es]) for k in
-           ("samples_per_s", "mb_per_s", "samples_per_s_from_spawn", "idle_rss_mb")}
-    e2e.update(samples=e2es[0]["samples"], peak_rss_mb=max(e["peak_rss_mb"] for e in e2es),
-               cpu_ms_per_sample={g: _median([e["cpu_ms_per_sample"][g] for e in e2es])
-                                  for g in e2es[0]["cpu_ms_per_sample"]})
-    slow = run_e2e(shards, a, a.slow_ms)
+    per_mode = {}
+    for m in modes:
+        runs = e2es[m]
+        ratios = [e["samples_per_s"] / r["samples_per_s"] for e, r in zip(runs, raws)]
+        cpu = {g: round(_median([e["cpu_ms_per_sample"][g] for e in runs]), 3)
+               for g in runs[0]["cpu_ms_per_sample"]}
+        per_mode[m] = {
+            "e2e_samples_per_s": round(_median([e["samples_per_s"] for e in runs]), 1),
+            "e2e_vs_raw": round(_median(ratios), 3),
+            "e2e_vs_raw_runs": [round(r, 3) for r in ratios],
+            "payload_mb_per_s": round(_median([e["mb_per_s"] for e in runs]), 2),
+            "e2e_samples_delivered": runs[0]["samples"],
+            "e2e_cpu_ms_per_sample": cpu,
+            # Where both sides are CPU-bound on the same cores, the ratio tends to this.
+            "e2e_vs_raw_cpu_bound": (round(raw["cpu_ms_per_sample"] / sum(cpu.values()), 3)
+                                     if raw["cpu_ms_per_sample"] else None),
+            "dispatcher_peak_rss_mb": round(max(e["peak_rss_mb"] for e in runs), 1),
+        }
+    slow = run_e2e(shards, a, a.slow_ms, "inline")  # inline: where payloads fill its memory
     # The bound the configuration promises: the idle process plus the buffered payload, twice
     # (received frames and the send queues referencing them can briefly coexist).
     rss_bound = slow["idle_rss_mb"] + 2 * a.max_buffered_mb
+    head = per_mode[modes[-1]]
     out = {
         "readers": a.readers, "trainers": a.trainers, "cpus": os.cpu_count(),
         "samples_per_epoch": a.samples, "epochs": a.epochs, "global_batch": a.global_batch,
@@ -338,24 +373,19 @@ def main(argv: list[str] | None = None) -> int:
                    "inflight_shards": a.inflight_shards or 2 * a.readers,
                    "max_buffered_samples": a.max_buffered_samples,
                    "retained_steps": a.retained_steps, "prefetch": 2,
-                   "payload_frames": "coalesced (protocol v2)", "malloc_keep_mb": 16,
+                   "payload_frames": "coalesced (protocol v3)", "malloc_keep_mb": 16,
                    "repeat": a.repeat},
-        "e2e_samples_per_s": round(e2e["samples_per_s"], 1),
+        # Headline figures: the last mode run (`reference` when both are), each mode in full below.
+        "payloads": modes[-1],
+        "e2e_samples_per_s": head["e2e_samples_per_s"],
         "raw_samples_per_s": round(raw["samples_per_s"], 1),
-        "e2e_vs_raw": round(_median(ratios), 3),
-        "e2e_vs_raw_runs": [round(r, 3) for r in ratios],
-        "e2e_samples_per_s_from_reader_spawn": round(e2e["samples_per_s_from_spawn"], 1),
-        "payload_mb_per_s": round(e2e["mb_per_s"], 2),
+        "e2e_vs_raw": head["e2e_vs_raw"],
+        "payload_mb_per_s": head["payload_mb_per_s"],
         "raw_mb_per_s": round(raw["mb_per_s"], 2),
-        "e2e_samples_delivered": e2e["samples"], "raw_samples_read": raw["samples"],
+        "raw_samples_read": raw["samples"],
         "raw_cpu_ms_per_sample": raw["cpu_ms_per_sample"],
-        "e2e_cpu_ms_per_sample": e2e["cpu_ms_per_sample"],
-        # Where both sides are CPU-bound on the same cores, the ratio tends to this (readers'
-        # start-up is in their figure, so it errs low); steadier than wall-clock rates.
-        "e2e_vs_raw_cpu_bound": (round(raw["cpu_ms_per_sample"] / sum(
-            e2e["cpu_ms_per_sample"].values()), 3) if raw["cpu_ms_per_sample"] else None),
-        "dispatcher_idle_rss_mb": round(e2e["idle_rss_mb"], 1),
-        "dispatcher_peak_rss_mb": round(e2e["peak_rss_mb"], 1),
+        **{f"{m}": v for m, v in per_mode.items()},
+        "dispatcher_peak_rss_mb": max(v["dispatcher_peak_rss_mb"] for v in per_mode.values()),
         "slow_trainer_ms_per_step": a.slow_ms,
         "slow_samples_per_s": round(slow["samples_per_s"], 1),
         "slow_dispatcher_peak_rss_mb": round(slow["peak_rss_mb"], 1),
