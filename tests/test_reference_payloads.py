@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import tarfile
-import threading
 
 import pytest
 import zmq
@@ -16,8 +15,8 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.config import FlowConfig
 from pipeline.reader import iter_shard
-from tests.test_service import client_config, dispatcher, make_config, readers, shards  # noqa: F401
-from trainer_client.client import DispatcherClient, ShardFiles
+from tests.test_service import consume, dispatcher, make_config, readers, shards  # noqa: F401
+from trainer_client.client import ShardFiles
 
 
 def test_spans_locate_every_item_in_its_shard_file(shards):
@@ -82,36 +81,16 @@ def test_server_config_refuses_shards_trainers_cannot_read(shards):
         make_config(shards, payloads="by-carrier-pigeon")
 
 
+def _contents(step) -> list:
+    """Per micro-batch: (step, keys, texts, {phase: [(key, member, payload bytes)]})."""
+    return [(step.step, mb.keys, mb.texts,
+             {p: [(k, m, bytes(b)) for k, m, b in zip(e.sample_keys, e.members, e.payloads)]
+              for p, e in mb.encoders.items()}) for mb in step.microbatches]
+
+
 def _deliver(endpoint: str, world_size: int) -> dict[int, list]:
-    """Per rank: (step, keys, texts, {phase: [(key, member, payload bytes)]}) per micro-batch."""
-    out, errors = {}, []
-
-    def train(rank: int) -> None:
-        try:
-            client = DispatcherClient(endpoint, rank, world_size, world_size, config=client_config())
-            got = []
-            try:
-                for step in client:
-                    for mb in step.microbatches:
-                        enc = {p: [(k, m, bytes(b)) for k, m, b in
-                                   zip(e.sample_keys, e.members, e.payloads)]
-                               for p, e in mb.encoders.items()}
-                        got.append((step.step, mb.keys, mb.texts, enc))
-            finally:
-                client.close()
-            out[rank] = got
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a trainer thread hung"
-    return out
+    return {r: [mb for step in steps for mb in step] for r, steps in
+            consume(endpoint, world_size, record=_contents).items()}
 
 
 def test_reference_mode_delivers_exactly_what_inline_delivers(shards):

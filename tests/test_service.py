@@ -78,8 +78,9 @@ def client_config(**kw) -> ClientConfig:
 
 
 def consume(endpoint: str, world_size: int, *, max_steps: int | None = None, states=None,
-            ranks=None, commit_at: int | None = None, **client_kw) -> dict[int, list]:
-    """Run one client per rank in threads; per rank a list of (step, [keys per micro-batch])."""
+            ranks=None, commit_at: int | None = None, record=None, **client_kw) -> dict[int, list]:
+    """Run one client per rank in threads; per rank a list of `record(step)` per step, by
+    default (step, [keys per micro-batch])."""
     out: dict[int, list] = {}
     errors: list[BaseException] = []
     ranks = range(world_size) if ranks is None else ranks
@@ -93,7 +94,8 @@ def consume(endpoint: str, world_size: int, *, max_steps: int | None = None, sta
             got = []
             try:
                 for step in client:
-                    got.append((step.step, [mb.keys for mb in step.microbatches]))
+                    got.append(record(step) if record is not None else
+                               (step.step, [mb.keys for mb in step.microbatches]))
                     if step.step == commit_at:
                         client.commit(step.step)
                     if max_steps is not None and len(got) >= max_steps:
