@@ -21,6 +21,17 @@ import numpy as np
 # the ~10-40 calls of a round or refine iteration outweighs the O(bins) Python work. Same result.
 _PY_MAX_BINS = 32
 
+def np_mean(values: list[float]) -> float:
+    """`float(np.mean(values))`, bit for bit, without numpy's call cost for short lists: numpy
+    adds fewer than 8 numbers left to right (pairwise summation starts at 8)."""
+    if len(values) >= 8:
+        return float(np.mean(values))
+    total = 0.0
+    for x in values:
+        total += x
+    return total / len(values)
+
+
 def lpt_heap(sizes: np.ndarray, num_bins: int) -> np.ndarray:
     """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin). O(n log n)."""
     heap = [(0.0, b) for b in range(num_bins)]
@@ -443,13 +454,7 @@ def _refine_py(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swa
                 break
             continue
         if bins_per_group is None:
-            if nb < 8:  # numpy sums fewer than 8 numbers left to right
-                mean = 0.0
-                for x in ld:
-                    mean += x
-                mean /= nb
-            else:
-                mean = float(np.mean(ld))  # numpy's pairwise sum, as the vectorised path
+            mean = np_mean(ld)
             cut = max(target, mean + 0.25 * (top - mean))
             k = int(min(nb // 2, max(1, sum(x > cut for x in ld))))
             num_light = min(nb - k, 4 * k)
@@ -513,13 +518,7 @@ def _all_pairs_py(members, szl, ld, bin_of, target) -> bool:
     """`_all_pairs_step` in plain Python on per-bin item lists (item order); same choices."""
     nb = len(ld)
     top = max(ld)
-    if nb < 8:  # numpy sums fewer than 8 numbers left to right
-        mean = 0.0
-        for x in ld:
-            mean += x
-        mean /= nb
-    else:
-        mean = float(np.mean(ld))
+    mean = np_mean(ld)
     cut = max(target, mean + 0.25 * (top - mean))
     kh = int(min(nb // 2, _MAX_HEAVY, max(1, sum(x > cut for x in ld))))
     kl = int(min(nb - kh, _MAX_LIGHT))
