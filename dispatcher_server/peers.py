@@ -30,8 +30,9 @@ class Reader:
     name: str
     last_seen: float
     last_sent: float = 0.0
-    wants_shard: bool = False
-    assignment: Assignment | None = None
+    ready: bool = False  # asked for shards (SHARD_REQUEST): assign whenever a slot is free
+    slots: int = 1  # shards it holds at once: one being read, the rest queued behind it
+    assignments: list[Assignment] = field(default_factory=list)  # in the order assigned
 
 
 @dataclass(slots=True, kw_only=True)

@@ -27,7 +27,7 @@ HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
 ERROR = "error"  # either way: {code, message}; its schema never changes across versions
 HEARTBEAT = "heartbeat"  # either way: liveness (any message counts as one)
-SHARD_REQUEST = "shard_request"  # reader -> dispatcher: give me a shard
+SHARD_REQUEST = "shard_request"  # reader -> dispatcher: ready for shards, `shards` at a time
 SHARD_ASSIGN = "shard_assign"  # dispatcher -> reader: read shard from start_index
 CANCEL = "cancel"  # dispatcher -> reader: stop an assignment (reassigned or rewound)
 SAMPLES = "samples"  # reader -> dispatcher: sample headers + the items' payloads (see below)
@@ -39,6 +39,11 @@ COMMIT = "commit"  # trainer -> dispatcher: step checkpointed; echoed back once 
 BYE = "bye"  # peer -> dispatcher: leaving on purpose
 
 ROLES = ("reader", "trainer")
+#: Most shards a reader holds at once (SHARD_REQUEST `shards`, default 1): it reads one and
+#: keeps the rest queued, so finishing a shard never waits on a round trip to the dispatcher.
+#: It reads whichever of them has credits, oldest first; the dispatcher assigns a free slot
+#: without being asked again and may CANCEL any of them.
+MAX_READER_SHARDS = 4
 #: inline: payload frames hold the members' bytes, reader -> dispatcher -> trainer.
 #: reference: they hold (offset, size, path) of each member in its shard file; trainers read
 #: the bytes from a filesystem they share with the data nodes, so payloads skip both hops.
@@ -56,7 +61,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
               "num_microbatches": (_OPT_INT, False), "payloads": (str, False)},
     ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
     HEARTBEAT: {},
-    SHARD_REQUEST: {},
+    SHARD_REQUEST: {"shards": (_INT, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True)},
     CANCEL: {"assign_id": (_INT, True)},

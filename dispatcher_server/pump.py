@@ -38,7 +38,13 @@ class Pump:
 
     def _window_end(self) -> int:
         base = self.cursor.base
-        end = min(base + self.config.flow.num_inflight_shards, self.order.epoch_end(base))
+        end = base + self.config.flow.num_inflight_shards
+        # Deterministic mode takes positions in order, so the window may run on into the next
+        # epoch (readers do not idle while an epoch's last shards drain; its samples wait in
+        # their buffers, since steps never span epochs). Arrival mode plans in arrival order:
+        # it opens an epoch only once the last one is consumed.
+        if self.config.mode != "deterministic":
+            end = min(end, self.order.epoch_end(base))
         return end if self.order.end is None else min(end, self.order.end)
 
     def _finished(self) -> bool:
@@ -57,17 +63,24 @@ class Pump:
                                                    next_index=start)
 
     def _assign(self) -> None:
-        idle = [r for r in self.readers.values() if r.wants_shard and r.assignment is None]
-        if not idle:
+        """Lowest free positions first, each to the ready reader holding the fewest shards (so
+        every reader has one to read before any gets one queued behind it)."""
+        free = [r for r in self.readers.values() if r.ready and len(r.assignments) < r.slots]
+        if not free:
             self._preempt()
             return
         todo = sorted(p for p, pr in self.progress.items() if pr.assignment is None and not pr.reader_done)
-        for reader, pos in zip(idle, todo):
+        for pos in todo:
+            if not free:
+                break
+            reader = min(free, key=lambda r: len(r.assignments))
             prog = self.progress[pos]
             a = Assignment(id=self._next_assign, pos=pos, reader=reader.ident)
             self._next_assign += 1
             prog.assignment = a.id
-            reader.assignment, reader.wants_shard = a, False
+            reader.assignments.append(a)
+            if len(reader.assignments) >= reader.slots:
+                free.remove(reader)
             self.assignments[a.id] = a
             self._send_reader(reader, P.SHARD_ASSIGN, assign_id=a.id, shard=prog.url, pos=pos,
                               epoch=self.order.epoch_of(pos), start_index=prog.next_index)
@@ -77,8 +90,8 @@ class Pump:
     def _preempt(self) -> None:
         """A lost reader's shard may sit below shards others hold at their credit cap, and only
         lower positions drain: cancel the highest assignment so its reader takes the lower one."""
-        if any(r.assignment is None for r in self.readers.values()):
-            return  # a reader is between shards already: it will ask for the lowest
+        if any(len(r.assignments) < r.slots for r in self.readers.values()):
+            return  # a reader has a free slot already: it gets the lowest once ready
         todo = [p for p, pr in self.progress.items() if pr.assignment is None and not pr.reader_done]
         if not todo or not self.assignments:
             return
@@ -87,9 +100,7 @@ class Pump:
         if a.pos < min(todo) or reader is None:
             return
         self._send_reader(reader, P.CANCEL, assign_id=a.id)
-        self.progress[a.pos].assignment = None  # its buffer and next_index stay: nothing is lost
-        del self.assignments[a.id]
-        reader.assignment = None
+        self._release(reader, a)  # its buffer and next_index stay: nothing is lost
         event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _acc_epoch_end(self) -> int:

@@ -114,9 +114,9 @@ class Dispatcher(Pump):
     def _reset(self, step: int, cursor: Cursor) -> None:
         """Start (or rewind) delivery at `step` whose first sample is at `cursor`."""
         for r in self.readers.values():
-            if r.assignment is not None:
-                self._send_reader(r, P.CANCEL, assign_id=r.assignment.id)
-                r.assignment = None
+            for a in r.assignments:
+                self._send_reader(r, P.CANCEL, assign_id=a.id)
+            r.assignments.clear()
         self.cursor = cursor
         self.progress: dict[int, ShardProgress] = {}
         self.assignments: dict[int, Assignment] = {}
@@ -234,7 +234,8 @@ class Dispatcher(Pump):
             return
         reader.last_seen = now
         if msg.type == P.SHARD_REQUEST:
-            reader.wants_shard = True
+            reader.ready = True
+            reader.slots = max(1, min(int(msg.get("shards", 1)), P.MAX_READER_SHARDS))
         elif msg.type == P.SAMPLES:
             self._on_samples(reader, msg)
         elif msg.type == P.SHARD_DONE:
@@ -246,9 +247,13 @@ class Dispatcher(Pump):
             self._send(self.reader_sock, ident, P.ERROR, code="unexpected",
                        message=f"{msg.type} is not a reader message")
 
+    def _assignment_of(self, reader: Reader, assign_id: int) -> Assignment | None:
+        a = self.assignments.get(assign_id)
+        return a if a is not None and a.reader == reader.ident else None
+
     def _on_samples(self, reader: Reader, msg: P.Message) -> None:
-        a = reader.assignment
-        if a is None or a.id != msg["assign_id"]:
+        a = self._assignment_of(reader, msg["assign_id"])
+        if a is None:
             self.metrics.error("stale_samples", reader=reader.name, assign_id=msg["assign_id"])
             self._send_reader(reader, P.CANCEL, assign_id=msg["assign_id"])
             return
@@ -308,22 +313,26 @@ class Dispatcher(Pump):
     def _take_back(self, reader: Reader, a) -> None:
         """Cancel `a` and free its shard (it restarts at next_index: nothing is lost)."""
         self._send_reader(reader, P.CANCEL, assign_id=a.id)
-        self.progress[a.pos].assignment = None
-        del self.assignments[a.id]
-        reader.assignment = None
+        self._release(reader, a)
+
+    def _release(self, reader: Reader, a: Assignment) -> None:
+        """Forget assignment `a` (its shard's buffer and next_index stay: nothing is lost)."""
+        prog = self.progress.get(a.pos)
+        if prog is not None and prog.assignment == a.id:
+            prog.assignment = None
+        self.assignments.pop(a.id, None)
+        reader.assignments.remove(a)
 
     def _on_shard_done(self, reader: Reader, msg: P.Message) -> None:
-        a = reader.assignment
-        if a is None or a.id != msg["assign_id"]:
+        a = self._assignment_of(reader, msg["assign_id"])
+        if a is None:
             return
         prog = self.progress[a.pos]
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
         self._skip(prog.url, [(k, r) for k, r in msg["skipped"]])
         prog.reader_done = True
-        prog.assignment = None
-        reader.assignment = None
-        del self.assignments[a.id]
+        self._release(reader, a)
 
     def _skip(self, url: str, skipped: list[tuple[str, str]]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""
@@ -434,16 +443,13 @@ class Dispatcher(Pump):
                 slot.last_sent = now
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
-        a = reader.assignment
-        if a is not None:
-            prog = self.progress.get(a.pos)
-            if prog is not None:
-                prog.assignment = None
-            self.assignments.pop(a.id, None)
+        shards = [self.order.url(a.pos) for a in reader.assignments]
+        for a in list(reader.assignments):
+            self._release(reader, a)
         self.readers.pop(reader.ident, None)
         self.metrics.peers.labels("reader").set(len(self.readers))
         event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
-              name=reader.name, why=why, shard=None if a is None else self.order.url(a.pos))
+              name=reader.name, why=why, shards=",".join(shards) or None)
 
     def _send_reader(self, reader: Reader, type_: str, **fields) -> None:
         self._send(self.reader_sock, reader.ident, type_, **fields)

@@ -1,7 +1,8 @@
 """Run a data-node reader: ask the dispatcher for shards, stream counted samples within credits.
 
-Each worker is one DEALER peer with one shard at a time; it reads only as many samples as the
-dispatcher granted, so a data node never races ahead of the trainers. Workers reconnect with
+Each worker is one DEALER peer reading one shard at a time, with `prefetch_shards` more assigned
+and queued behind it so the next one starts without a round trip; it reads only as many samples
+as the dispatcher granted, so a data node never races ahead of the trainers. Workers reconnect with
 backoff when the dispatcher goes silent and say HELLO again; the dispatcher decides where each
 shard (re)starts, so a worker keeps no state worth saving.
 """
@@ -34,6 +35,7 @@ class ReaderServiceConfig:
     name: str = ""
     reader: ReaderConfig = field(default_factory=ReaderConfig)
     batch: int = 32  # most samples per SAMPLES message
+    prefetch_shards: int = 1  # shards held assigned beyond the one being read
     timeout_s: float = 5.0  # dispatcher silent this long: reconnect
     poll_ms: int = 50
     backoff_min_s: float = 0.1
@@ -81,7 +83,7 @@ class ReaderWorker:
         self.config = config
         self.ctx = context or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
-        self.assignment: _Assignment | None = None
+        self.assignments: list[_Assignment] = []  # in the order assigned
         self.welcomed = False
         self.heartbeat_s = 1.0
         self.payloads = "inline"  # the dispatcher's choice, from WELCOME
@@ -107,17 +109,24 @@ class ReaderWorker:
         self._hello_seq = self._send(P.HELLO, role="reader", name=cfg.name or f"pid{os.getpid()}")
 
     def _disconnect(self) -> None:
-        self._drop_assignment()
+        for a in list(self.assignments):
+            self._drop_assignment(a)
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
 
-    def _drop_assignment(self) -> None:
-        if self.assignment is not None:
-            close = getattr(self.assignment.records, "close", None)
-            if close is not None:
-                close()
-            self.assignment = None
+    def _drop_assignment(self, a: _Assignment) -> None:
+        close = getattr(a.records, "close", None)
+        if close is not None:
+            close()  # shuts the shard file if reading began
+        self.assignments.remove(a)
+
+    def _find(self, assign_id) -> _Assignment | None:
+        return next((a for a in self.assignments if a.id == assign_id), None)
+
+    def _request_shards(self) -> None:
+        self._send(P.SHARD_REQUEST, shards=min(1 + max(0, self.config.prefetch_shards),
+                                               P.MAX_READER_SHARDS))
 
     def _send(self, type_: str, frames=(), **fields) -> int:
         self._seq += 1
@@ -161,14 +170,16 @@ class ReaderWorker:
         """Serve one connection; returns whether it was welcomed (resets the backoff)."""
         cfg = self.config
         while not stop.is_set():
-            busy = self.welcomed and self.assignment is not None and self.assignment.credits > 0
-            if self.sock.poll(0 if busy else cfg.poll_ms, zmq.POLLIN):
+            # The oldest assignment with credits: usually the shard being read; another when
+            # that one waits for credits the dispatcher gives a lower position first.
+            work = next((a for a in self.assignments if a.credits > 0), None) if self.welcomed else None
+            if self.sock.poll(0 if work else cfg.poll_ms, zmq.POLLIN):
                 for frames in P.pending(self.sock):
                     self._last_recv = time.monotonic()
                     if not self._handle(frames):
                         return self.welcomed
-            if busy:
-                self._stream()
+            if work is not None and work in self.assignments and work.credits > 0:
+                self._stream(work)
             now = time.monotonic()
             if now - self._last_recv > cfg.timeout_s:
                 return self.welcomed
@@ -183,29 +194,27 @@ class ReaderWorker:
         except P.ProtocolError as e:
             log.warning("mmdispatch event=reader_bad_message detail=%r", str(e)[:200])
             return True
-        a = self.assignment
         if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
             if msg.get("payloads", "inline") not in P.PAYLOAD_MODES:
                 raise FatalReaderError(f"dispatcher asks for unknown payload mode {msg['payloads']!r}")
             self.welcomed = True
             self.heartbeat_s = float(msg["heartbeat_s"])
             self.payloads = msg.get("payloads", "inline")
-            self._send(P.SHARD_REQUEST)
+            self._request_shards()
         elif msg.type == P.SHARD_ASSIGN:
-            self._drop_assignment()
             stats = ErrorStats()
             ref_path = None
             if self.payloads == "reference":
                 ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
             records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
                                  stats=stats, spans=ref_path is not None)
-            self.assignment = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=records,
-                                          stats=stats, ref_path=ref_path)
-        elif msg.type == P.CREDIT and a is not None and msg.get("assign_id") == a.id:
+            self.assignments.append(_Assignment(id=msg["assign_id"], shard=msg["shard"],
+                                                records=records, stats=stats, ref_path=ref_path))
+        elif msg.type == P.CREDIT and (a := self._find(msg.get("assign_id"))) is not None:
             a.credits += msg.get("samples", 0)
-        elif msg.type == P.CANCEL and a is not None and msg["assign_id"] == a.id:
-            self._drop_assignment()
-            self._send(P.SHARD_REQUEST)
+        elif msg.type == P.CANCEL and (a := self._find(msg["assign_id"])) is not None:
+            self._drop_assignment(a)
+            self._request_shards()
         elif msg.type == P.ERROR:
             if msg["code"] in ("version", "role"):
                 raise FatalReaderError(f"dispatcher refused this reader: {msg['message']}")
@@ -213,9 +222,8 @@ class ReaderWorker:
             return msg["code"] != "unknown_peer"
         return True
 
-    def _stream(self) -> None:
-        """Send up to min(credits, batch) samples of the current shard; finish it when exhausted."""
-        a = self.assignment
+    def _stream(self, a: _Assignment) -> None:
+        """Send up to min(credits, batch) samples of `a`'s shard; finish it when exhausted."""
         headers, frames = [], []
         done = False
         while len(headers) < min(a.credits, self.config.batch):
@@ -240,8 +248,8 @@ class ReaderWorker:
             self.num_samples_sent += len(headers)
         if done:
             self._send(P.SHARD_DONE, assign_id=a.id, count=a.count, skipped=a.skipped)
-            self.assignment = None
-            self._send(P.SHARD_REQUEST)
+            self._drop_assignment(a)
+            self._request_shards()
 
     @staticmethod
     def _collect_skipped(a: _Assignment, before: int) -> None:
@@ -258,6 +266,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
     parser.add_argument("--name", default="", help="name shown in the dispatcher's logs")
     parser.add_argument("--batch", type=int, default=32, help="most samples per message")
+    parser.add_argument("--prefetch-shards", type=int, default=1,
+                        help="shards held assigned beyond the one being read, so the next starts "
+                             f"without a round trip to the dispatcher (0 to {P.MAX_READER_SHARDS - 1})")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds of dispatcher silence before reconnecting")
     parser.add_argument("--malloc-keep-mb", type=int, default=16,
@@ -273,10 +284,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderServiceConfig:
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if not 0 <= args.prefetch_shards < P.MAX_READER_SHARDS:
+        raise ValueError(f"--prefetch-shards must be 0 to {P.MAX_READER_SHARDS - 1}, "
+                         f"got {args.prefetch_shards}")
     if bool(args.curve_secret) != bool(args.curve_server_key):
         raise ValueError("--curve-secret and --curve-server-key go together")
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
+                               prefetch_shards=args.prefetch_shards,
                                timeout_s=args.timeout,
                                reader=reader_config_from_args(args),
                                secret_file=args.curve_secret, server_public_file=args.curve_server_key)

@@ -112,7 +112,8 @@ def test_block_paths_plan_the_per_sample_steps(seed):
             pos = rng.choice(open_)
             a = Assignment(id=d._next_assign, pos=pos, reader=reader.ident, credits=1_000)
             d._next_assign += 1
-            d.assignments[a.id], d.progress[pos].assignment, reader.assignment = a, a.id, a
+            d.assignments[a.id], d.progress[pos].assignment = a, a.id
+            reader.assignments.append(a)
             todo = corpus[pos][sent[pos]:sent[pos] + rng.randint(1, 6)]
             batch = [dict(s) for s in todo]
             if sent[pos] and rng.random() < 0.2:  # a duplicate of the last sample sent: ignored
@@ -129,8 +130,7 @@ def test_block_paths_plan_the_per_sample_steps(seed):
                 d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id,
                                                            count=a.received, skipped=[])))
             else:
-                del d.assignments[a.id]
-                d.progress[pos].assignment = reader.assignment = None
+                d._release(reader, a)
             # Bytes accounting is exact after every message and every fill.
             for prog in d.progress.values():
                 assert prog.nbytes == sum(s.nbytes for s in prog.buffer)
