@@ -68,7 +68,7 @@ def _cpu_s(pid: int) -> float | None:
 
 
 class ProcSampler:
-    """Every 10 ms from /proc: the dispatcher's peak RSS, and the CPU seconds of each process.
+    """Every 20 ms from /proc: the dispatcher's peak RSS, and the CPU seconds of each process.
 
     CPU is kept as a time series so it can be read over the same window as the rates: from the
     first step a trainer got to the end (start-up and imports excluded, as for the bare read).
@@ -83,7 +83,7 @@ class ProcSampler:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.01):
+        while not self._stop.wait(0.02):
             self.peak = max(self.peak, _rss_mb(self.pid))
             now = time.time()
             for pid in [self.pid, *(p for g in self.groups.values() for p in g)]:
@@ -136,7 +136,7 @@ def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> 
     # torch initialises its op dispatch on first use (~0.5 s CPU); do it before the clock runs.
     torch.cumsum(torch.frombuffer(bytearray(16), dtype=torch.int64), 0)
     print("READY", flush=True)  # connected: readers start only now, so nothing is pre-buffered
-    cpu0 = None
+    cpu0 = t_last = None
     try:
         for step in client:
             if t_first is None:
@@ -149,10 +149,11 @@ def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> 
             steps += 1
             if slow_ms:
                 time.sleep(slow_ms / 1e3)
+        t_last, cpu_s = time.time(), time.process_time() - cpu0  # the stream ended (END)
     finally:
         client.close()
-    return {"samples": n, "bytes": nbytes, "steps": steps, "t_first": t_first, "t_last": time.time(),
-            "cpu_s": time.process_time() - cpu0}
+    return {"samples": n, "bytes": nbytes, "steps": steps, "t_first": t_first, "t_last": t_last,
+            "cpu_s": cpu_s}
 
 
 def _spawn(args: list[str]) -> subprocess.Popen:
@@ -231,7 +232,7 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float, payloads: 
                   "--max-buffered-samples", str(a.max_buffered_samples),
                   "--max-buffered-bytes", str(a.max_buffered_mb * MiB),
                   "--max-retained-steps", str(a.retained_steps),
-                  "--inflight-shards", str(a.inflight_shards or 2 * a.readers),
+                  "--inflight-shards", str(a.inflight_shards),
                   "--credit-batch", str(a.credit_batch), "--io-threads", str(a.io_threads),
                   "--payloads", payloads]
     if a.transport == "ipc":  # same-host peers over Unix sockets (an option; TCP is the default)
@@ -287,21 +288,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=32)
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--trainers", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--repeat", type=int, default=3, help="raw/e2e pairs; medians are reported")
     p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--max-buffered-samples", type=int, default=2048)
+    # Reference-mode samples are ~1 KB in the dispatcher: the bytes bound is what caps memory.
+    p.add_argument("--max-buffered-samples", type=int, default=8192)
     p.add_argument("--max-buffered-mb", type=int, default=96)
     p.add_argument("--credit-batch", type=int, default=128, help="samples per reader credit")
     p.add_argument("--reader-batch", type=int, default=128, help="most samples per SAMPLES message")
     p.add_argument("--io-threads", type=int, default=2, help="dispatcher ZeroMQ I/O threads")
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
                    help="how readers and trainers reach the dispatcher on this host")
-    p.add_argument("--inflight-shards", type=int, default=None, help="default: 2 x readers")
+    p.add_argument("--inflight-shards", type=int, default=8, help="reorder window (serve's default)")
     p.add_argument("--payloads", choices=("inline", "reference", "both"), default="both",
                    help="payload mode(s) of the e2e runs (serve --payloads)")
-    p.add_argument("--retained-steps", type=int, default=2)
+    p.add_argument("--retained-steps", type=int, default=4, help="serve's default")
     p.add_argument("--skip-raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--slow-ms", type=float, default=100.0, help="per-step delay of the slow trainer")
     p.add_argument("--data", default=None, help="reuse/generate shards here (default: temp dir)")
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"transport": a.transport, "ranks_per_node": a.trainers,
                    "num_microbatches": a.microbatches, "reader_batch": a.reader_batch,
                    "credit_batch": a.credit_batch, "io_threads": a.io_threads,
-                   "inflight_shards": a.inflight_shards or 2 * a.readers,
+                   "inflight_shards": a.inflight_shards,
                    "max_buffered_samples": a.max_buffered_samples,
                    "retained_steps": a.retained_steps, "prefetch": 2,
                    "payload_frames": "coalesced (protocol v3)", "malloc_keep_mb": 16,

@@ -77,4 +77,4 @@ class RetainedStep:
     plan: object
     messages: list  # per rank, encoded lazily on first send
     num_samples: int
-    nbytes: int
+    nbytes: int  # bytes held: its samples' payloads, plus each rank message once encoded

@@ -238,9 +238,13 @@ class Pump:
                 rs = self.retained[slot.next_send - first]
                 if rs.messages[slot.rank] is None:
                     self._seq += 1
-                    rs.messages[slot.rank] = rank_message(rs.batch, rs.plan, step=rs.step,
-                                                          epoch=rs.epoch, rank=slot.rank,
-                                                          seq=self._seq)
+                    msg = rank_message(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch,
+                                       rank=slot.rank, seq=self._seq)
+                    rs.messages[slot.rank] = msg
+                    # The message copies its items' payloads into one frame per micro-batch and
+                    # is kept until the step is evicted: it counts against max_buffered_bytes
+                    # like the samples it came from, so credits shrink while it is held.
+                    rs.nbytes += sum(memoryview(f).nbytes for f in msg)
                 self._send_frames(self.trainer_sock, slot.ident, rs.messages[slot.rank], "trainer")
                 slot.last_sent = time.monotonic()
                 slot.next_send += 1

@@ -33,6 +33,10 @@ class ReaderConfig:
     # A sample's members are held together until its key changes; a shard whose members all
     # share one key would otherwise be held whole. 1 GiB is the wire protocol's message limit.
     max_sample_bytes: int = 1 << 30
+    # Local uncompressed shards are read through a memory map (members are views of the page
+    # cache, never copied; see `MappedShard`). False reads them with copies, for files that may
+    # be truncated while read (a mapped file then kills the process with SIGBUS).
+    map_shards: bool = True
 
     def __post_init__(self) -> None:
         if self.max_member_bytes < 1:
@@ -60,6 +64,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip samples with a member larger than this (read through, never held)")
     add("--json-field", action="append", default=None,
         help=f"JSON text field, repeatable (default: {', '.join(text.json_fields)})")
+    add("--no-map-shards", dest="map_shards", action="store_false",
+        help="read local shards with copies instead of a memory map (for files that may be "
+             "truncated while read)")
     add("--errors", choices=ERROR_MODES, default=errors.mode, help="what to do with a bad sample")
     add("--max-consecutive-errors", type=int, default=errors.max_consecutive, help="stop after this many failures in a row")
 
@@ -82,7 +89,8 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(
-        counting=counting, errors=errors, keep_members=keep_members, max_member_bytes=args.max_member_bytes
+        counting=counting, errors=errors, keep_members=keep_members, max_member_bytes=args.max_member_bytes,
+        map_shards=getattr(args, "map_shards", True),
     )
 
 
@@ -289,7 +297,7 @@ def iter_shard(
     builder = _builder(config)
     stats.num_shards += 1
     try:
-        stream = open_shard(url)
+        stream = open_shard(url, mapped=config.map_shards)
     except OSError as e:
         stats.handle(SampleError("open_failed", url, None, f"cannot open: {e}"), policy)
         return

@@ -170,9 +170,9 @@ def tar_members(
                 yield name, data
                 continue
             if kind == b"L":
-                long_name = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                long_name = bytes(data).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
             elif kind == b"x":
-                long_name = _pax_path(data, offset) or long_name
+                long_name = _pax_path(bytes(data), offset) or long_name
             elif kind in _SKIPPED:
                 long_name = None  # a long name applies to the very next member only
             else:

@@ -63,14 +63,16 @@ def test_corpus_covers_the_issue_and_documents_its_reasons(corpus):
         assert (c.bad_key is None) == (c.reason == "ok" or c.reason in ("truncated_tar", "bad_tar")), c.case
 
 
-@pytest.mark.parametrize("mode", ["skip", "warn"])
+@pytest.mark.parametrize("mode, map_shards", [("skip", True), ("warn", True), ("skip", False)])
 @pytest.mark.parametrize("name", CASE_NAMES)
-def test_case_yields_good_samples_counts_the_bad_one_and_reads_on(corpus, clean, caplog, name, mode):
+def test_case_yields_good_samples_counts_the_bad_one_and_reads_on(corpus, clean, caplog, name, mode,
+                                                                  map_shards):
     case = corpus[name]
     clean_path, clean_keys = clean
     stats = ErrorStats()
     with caplog.at_level(logging.WARNING, logger="mmdispatch.pipeline"):
-        records = list(iter_samples([case.path, clean_path], _config(mode), stats=stats))
+        records = list(iter_samples([case.path, clean_path], _config(mode, map_shards=map_shards),
+                                    stats=stats))
     assert [r.key for r in records] == [*case.good_keys, *clean_keys]
     assert [r.shard for r in records] == [case.path] * len(case.good_keys) + [clean_path] * len(clean_keys)
     assert stats.num_samples == len(records) and stats.num_shards == 2

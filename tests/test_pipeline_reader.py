@@ -265,3 +265,51 @@ def test_header_lying_about_huge_size_fails_without_allocating(tmp_path):
         tracemalloc.stop()
     assert err.value.reason == "truncated_tar" and err.value.member == "k.txt"
     assert peak < 256 << 20
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
+def test_mapped_shard_yields_the_same_members_as_views(tmp_path, fmt):
+    from pipeline.shards import MappedShard
+    from pipeline.tario import tar_members
+
+    long_dir = "d" * 90 + "/" + "e" * 60 if fmt != tarfile.USTAR_FORMAT else "d" * 90
+    members = [(f"{long_dir}/k{i}.bin", bytes([i]) * (i * 3000)) for i in range(6)]
+    path = str(tmp_path / "t.tar")
+    with tarfile.open(path, "w", format=fmt) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with MappedShard(path) as shard:
+        got = list(tar_members(shard))
+    # Equal bytes; long members are read-only views of the map that outlive close().
+    assert [(n, bytes(d)) for n, d in got] == members
+    views = [d for _, d in got if len(d) > 4096]
+    assert views and all(isinstance(d, memoryview) and d.readonly for d in views)
+    assert bytes(views[-1]) == members[-1][1]
+
+
+def test_mapped_and_streamed_reads_give_identical_records(small_shards):
+    def records(map_shards):
+        out = []
+        for r in iter_samples(small_shards, ReaderConfig(map_shards=map_shards)):
+            out.append((r.key, r.index, r.items, r.text_len, r.text,
+                        {k: bytes(v) for k, v in r.members.items()}))
+        return out
+
+    mapped, streamed = records(True), records(False)
+    assert mapped == streamed and len(mapped) > 10
+
+
+def test_empty_and_truncated_files_read_through_the_map_fail_as_streams_do(tmp_path):
+    empty = tmp_path / "empty.tar"
+    empty.write_bytes(b"")
+    full = write_tar(tmp_path / "full.tar", good("a") + [("b.txt", b"x" * 9000)] + good("c"))
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(open(full, "rb").read()[:2000])  # inside b.txt
+    for map_shards in (True, False):
+        stats = ErrorStats()
+        cfg = ReaderConfig(errors=ErrorPolicy(mode="skip"), map_shards=map_shards)
+        keys = [r.key for r in iter_samples([str(empty), str(cut), full], cfg, stats=stats)]
+        assert keys == ["a", "a", "b", "c"]
+        assert stats.by_reason == {"empty_shard": 1, "truncated_tar": 1}
