@@ -147,3 +147,38 @@ def test_block_paths_plan_the_per_sample_steps(seed):
         assert d._samples_seen == len(arrived)
     finally:
         d._close()
+
+
+def test_retained_step_messages_count_against_the_byte_bound():
+    """A rank's STEP message copies its items' payloads and is kept until every rank acked the
+    step: those bytes are held too, so they count against max_buffered_bytes until eviction."""
+    config = ServerConfig(
+        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+        planner=PlannerConfig(num_microbatches=1), max_epochs=1,
+        flow=FlowConfig(max_buffered_samples=1_000, max_buffered_bytes=100_000,
+                        num_inflight_shards=1, credit_batch=4))
+    d = Dispatcher(config)
+    try:
+        reader = Reader(ident=b"r", name="r", last_seen=0.0)
+        d.readers[reader.ident] = reader
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        samples = [{"key": f"k{i}", "index": i, "text_len": 5, "llm_len": 9,
+                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [bytes([i]) * 1000]}
+                   for i in range(4)]
+        d._on_samples(reader, _message(d, a.id, samples, True))
+        samples_bytes = 4 * (len(b"t") + 1000)
+        assert d._gauges()[1] == samples_bytes
+        slot = d.slots[0]
+        slot.ident, slot.upto = b"t", 10  # a connected rank with credit: the step is sent
+        d._pump()
+        (rs,) = d.retained
+        message_bytes = sum(memoryview(f).nbytes for f in rs.messages[0])
+        assert message_bytes > 4 * 1000  # the coalesced payload copy
+        assert rs.nbytes == samples_bytes + message_bytes == d._gauges()[1]
+        slot.received = 1  # acknowledged: evicted, nothing held
+        d._pump()
+        assert not d.retained and d._gauges()[1] == 0
+    finally:
+        d._close()
