@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--trainers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=12)
-    p.add_argument("--repeat", type=int, default=3, help="raw/e2e pairs; medians are reported")
+    p.add_argument("--repeat", type=int, default=5, help="raw/e2e trios; medians are reported")
     p.add_argument("--global-batch", type=int, default=512)
     p.add_argument("--microbatches", type=int, default=2)
     # Reference-mode samples are ~1 KB in the dispatcher: the bytes bound is what caps memory.

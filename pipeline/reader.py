@@ -198,6 +198,25 @@ class SampleBuilder:
         ):
             for ext in exts:
                 self._kinds.setdefault(ext.lower(), kind)
+        # suffix -> (kind or None, ext): a dataset repeats a handful of suffixes millions of times.
+        self._suffixes: dict[str, tuple[str | None, str]] = {}
+
+    def _classify(self, suffix: str) -> tuple[str | None, str]:
+        """(kind, extension) of a member suffix; `.gz` text members are kind "text.gz"."""
+        got = self._suffixes.get(suffix)
+        if got is None:
+            ext = suffix[suffix.rfind(".") + 1 :].lower()
+            if ext == "gz":
+                inner = suffix[:-3]
+                ext = inner[inner.rfind(".") + 1 :].lower()
+                # compressed non-text members are payload
+                got = ("text.gz", ext) if self._kinds.get(ext) == "text" else (None, ext)
+            else:
+                got = (self._kinds.get(ext), ext)
+            if len(self._suffixes) >= 4096:
+                self._suffixes.clear()
+            self._suffixes[suffix] = got
+        return got
 
     def build(self, key: str, members: dict[str, bytes], shard: str, index: int) -> SampleRecord:
         """Count a sample; raises `CountError` when a member cannot be counted."""
@@ -206,14 +225,9 @@ class SampleBuilder:
         texts: list[tuple[str, bytes, str]] = []
         max_text = self.config.counting.text.max_text_bytes
         for suffix, data in members.items():
-            ext = suffix[suffix.rfind(".") + 1 :].lower()
-            if ext == "gz":
-                inner = suffix[:-3]
-                ext = inner[inner.rfind(".") + 1 :].lower()
-                if self._kinds.get(ext) != "text":
-                    continue  # compressed non-text members are payload
-                data = gunzip(data, max_text)
-            kind = self._kinds.get(ext)
+            kind, ext = self._classify(suffix)
+            if kind == "text.gz":
+                data, kind = gunzip(data, max_text), "text"
             if kind == "image":
                 images.append((suffix, data))
             elif kind == "audio":
@@ -221,6 +235,7 @@ class SampleBuilder:
             elif kind == "text":
                 texts.append((suffix, data, ext))
         items: list[Item] = []
+        items_llm = 0
         # LLM sequence convention: images, then audio clips, each in natural name order.
         for modality, group, count in (("image", images, self.counter.image), ("audio", audios, self.counter.audio)):
             if len(group) > 1:
@@ -231,6 +246,7 @@ class SampleBuilder:
                 except CountError as e:
                     raise CountError(e.reason, f"member {suffix!r}: {e}") from None
                 items.append(Item(modality=modality, member=suffix, enc_len=enc, llm_len=llm, meta=meta))
+                items_llm += llm
         text_len = 0
         text = ""
         if texts:
@@ -251,7 +267,7 @@ class SampleBuilder:
             index=index,
             items=items,
             text_len=text_len,
-            llm_len=text_len + sum(it.llm_len for it in items),
+            llm_len=text_len + items_llm,
             text=text,
             members=members if self.config.keep_members else {},
         )
@@ -315,11 +331,11 @@ def iter_shard(
                                  None if offsets is None else offsets.__setitem__)
         for key, members, problem in group_samples(members_of, ignored, config.max_sample_bytes):
             if offsets is not None:
-                where = {sfx: offsets.get(f"{key}.{sfx}", -1) for sfx in members}
-                # The newest entry may be the next sample's first member: keep only that one.
-                newest = next(reversed(offsets.items()), None)
-                offsets.clear()
-                if newest is not None:
+                where = {sfx: offsets.pop(f"{key}.{sfx}", -1) for sfx in members}
+                if len(offsets) > 1:  # members read but not grouped (ignored, skipped samples)
+                    # The newest entry may be the next sample's first member: keep only that one.
+                    newest = next(reversed(offsets.items()))
+                    offsets.clear()
                     offsets[newest[0]] = newest[1]
             index += 1
             last_key = key

@@ -143,15 +143,29 @@ class MappedShard:
             # An empty file cannot be mapped; it reads as empty (an empty shard).
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        self._len = len(self._view)
         self._pos = 0
 
     def read(self, size: int = -1) -> bytes | memoryview:
         start = self._pos
-        end = len(self._view) if size < 0 else min(start + size, len(self._view))
+        end = start + size if size >= 0 else self._len
+        if end > self._len:
+            end = self._len
         self._pos = end
         if end - start <= _SMALL_READ:
             return self._map[start:end] if self._map is not None else b""
         return self._view[start:end]
+
+    def take(self, size: int, pad: int) -> tuple[bytes | memoryview, int]:
+        """A tar member's `size` bytes (fewer at end of file) and then its `pad` bytes of
+        padding in one step: (data, how many padding bytes the file held)."""
+        data = self.read(size)
+        start = self._pos
+        end = start + pad
+        if end > self._len:
+            end = self._len
+        self._pos = end
+        return data, end - start
 
     def close(self) -> None:
         self._view.release()

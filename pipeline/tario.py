@@ -116,6 +116,8 @@ def tar_members(
     (uncompressed) archive just before the member is yielded.
     """
     read = stream.read
+    # A mapped shard hands out a member and skips its padding in one call (`MappedShard.take`).
+    take = getattr(stream, "take", None)
     offset = 0
     long_name: str | None = None
     name: str | None = None  # the member being read, for errors raised by the decompressor
@@ -147,10 +149,15 @@ def tar_members(
                     name = raw.decode("utf-8", "surrogateescape")
             if name is None and kind in _META and size > _MAX_META:
                 raise TarError("bad_tar", f"extended header at byte {offset} declares {size} bytes")
+            pad = -size % _BLOCK
+            padded = None  # padding bytes present, when read together with the member
             # Members nobody keeps (directories, links, oversized files) are read through, not held.
             if kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
                 present = _skip_member(read, size)
-                data: bytes | TooLarge = TooLarge(size)
+                data: bytes | TooLarge | memoryview = TooLarge(size)
+            elif take is not None:
+                data, padded = take(size, pad)
+                present = len(data)
             else:
                 data = _read_member(read, size)
                 present = len(data)
@@ -160,8 +167,7 @@ def tar_members(
                     f"member at byte {offset} declares {size} bytes, archive ends after {present}",
                     name,
                 )
-            pad = -size % _BLOCK
-            if pad and len(read(pad)) < pad:
+            if pad and (len(read(pad)) if padded is None else padded) < pad:
                 raise TarError("truncated_tar", f"archive ends inside the padding of member at byte {offset}", name)
             if name is not None:
                 if on_member is not None:
