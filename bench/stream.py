@@ -124,13 +124,14 @@ def raw_worker(shards: list[str], epochs: int) -> dict:
             "cpu_s": time.process_time() - cpu0}
 
 
-def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float) -> dict:
+def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float, map_shards: bool) -> dict:
     from trainer_client.client import ClientConfig, DispatcherClient
 
     n = nbytes = steps = 0
     t_first = None
     client = DispatcherClient(address, rank, world_size, world_size,
-                              config=ClientConfig(prefetch=2, step_timeout_s=300)).start()
+                              config=ClientConfig(prefetch=2, step_timeout_s=300,
+                                                  map_shards=map_shards)).start()
     import torch
 
     # torch initialises its op dispatch on first use (~0.5 s CPU); do it before the clock runs.
@@ -245,7 +246,8 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float, payloads: 
     idle_rss = _rss_mb(server.pid)
     trainers = [_spawn(["-m", "bench.stream", "--role", "trainer", "--address", ready["trainers"],
                         "--rank", str(r), "--trainers", str(a.trainers),
-                        "--slow-ms", str(slow_ms if r == 0 else 0)]) for r in range(a.trainers)]
+                        "--slow-ms", str(slow_ms if r == 0 else 0),
+                        "--trainer-reads", a.trainer_reads]) for r in range(a.trainers)]
     _wait_ready(trainers)
     # One process per reader worker, so each one's CPU time can be read from /proc.
     t_spawn = time.time()
@@ -304,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--payloads", choices=("inline", "reference", "both"), default="both",
                    help="payload mode(s) of the e2e runs (serve --payloads)")
     p.add_argument("--retained-steps", type=int, default=4, help="serve's default")
+    p.add_argument("--trainer-reads", choices=("map", "copy"), default="map",
+                   help="reference payloads in the trainers: views of the mapped shard files, or "
+                        "copies read with preadv (ClientConfig.map_shards)")
     p.add_argument("--skip-raw", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--slow-ms", type=float, default=100.0, help="per-step delay of the slow trainer")
     p.add_argument("--data", default=None, help="reuse/generate shards here (default: temp dir)")
@@ -317,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(raw_worker(a.worker_shards, a.epochs)))
         return 0
     if a.role == "trainer":
-        print(json.dumps(trainer_worker(a.address, a.rank, a.trainers, a.slow_ms)))
+        print(json.dumps(trainer_worker(a.address, a.rank, a.trainers, a.slow_ms,
+                                        a.trainer_reads == "map")))
         return 0
 
     from pipeline.gendata import generate
@@ -375,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                    "inflight_shards": a.inflight_shards,
                    "max_buffered_samples": a.max_buffered_samples,
                    "retained_steps": a.retained_steps, "prefetch": 2,
+                   "trainer_reads": a.trainer_reads,
                    "payload_frames": "coalesced (protocol v3)", "malloc_keep_mb": 16,
                    "repeat": a.repeat},
         # Headline figures: the last mode run (`reference` when both are), each mode in full below.

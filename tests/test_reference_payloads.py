@@ -155,15 +155,26 @@ def _wait_for(sock, type_: str) -> P.Message:
     raise AssertionError(f"no {type_} within 50 messages")
 
 
-def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path):
+@pytest.mark.parametrize("mapped", [True, False])
+def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path, mapped):
     path = tmp_path / "s.tar"
     path.write_bytes(bytes(range(256)) * 8)
+    other = tmp_path / "t.tar"
+    other.write_bytes(b"t" * 100)
     refs = [P.pack_ref(str(path).encode(), 10, 5), P.pack_ref(str(path).encode(), 600, 0),
-            P.pack_ref(str(path).encode(), 2000, 48)]
-    files = ShardFiles(max_open=1)
-    frame, sizes = files.read(memoryview(b"".join(refs)), [len(r) for r in refs])
+            P.pack_ref(str(other).encode(), 7, 3), P.pack_ref(str(path).encode(), 2000, 48)]
+    files = ShardFiles(max_open=1, mapped=mapped)  # one file held open at a time: reopened
+    views = files.read(memoryview(b"".join(refs)), [len(r) for r in refs])
     data = path.read_bytes()
-    assert sizes == [5, 0, 48] and bytes(frame) == data[10:15] + data[2000:2048]
+    assert [bytes(v) for v in views] == [data[10:15], b"", b"ttt", data[2000:2048]]
+    assert all(v.readonly for v in views) == mapped
+    files.close()
+    assert bytes(views[-1]) == data[2000:2048]  # views outlive the reader
+    # A file rewritten since it was opened is read again, not served stale.
+    path.write_bytes(b"x" * 4096)
+    (view,) = files.read(memoryview(refs[-1]), [len(refs[-1])])
+    assert bytes(view) == b"x" * 48
+    path.write_bytes(bytes(range(256)) * 8)
     short = P.pack_ref(str(path).encode(), 2040, 48)
     with pytest.raises(OSError, match="changed on disk"):
         files.read(memoryview(short), [len(short)])

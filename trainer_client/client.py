@@ -10,6 +10,7 @@ wait in memory, which is what hides the dispatcher's latency.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -44,7 +45,9 @@ class EncoderBatch:
     item_ids: torch.Tensor  # int64[n], ids within the step's phase items
     enc_len: torch.Tensor  # int64[n]
     llm_len: torch.Tensor  # int64[n]
-    payloads: list[memoryview]  # raw member bytes (jpg/png/wav...), views over received frames
+    # raw member bytes (jpg/png/wav...): views over received frames (inline payloads) or over
+    # the shard files' pages (reference payloads, mapped; read-only either way)
+    payloads: list[memoryview]
     modalities: list[str]
     sample_keys: list[str]  # owning sample of each item
     members: list[str]
@@ -85,38 +88,88 @@ def _tensor(view: np.ndarray) -> torch.Tensor:
 class ShardFiles:
     """Reads `reference` payloads: each item's bytes straight from its shard file.
 
-    One buffer per micro-batch, filled in place with `os.preadv` (the only copy: page cache to
-    buffer); the most recently used files stay open. Only the paths the dispatcher accepted
-    from its readers (the configured shards) ever arrive here.
+    Mapped (the default): every item is a read-only view of its shard file's pages, so the
+    payload is never copied and ranks on one node share the page cache instead of holding
+    copies; views stay valid as long as they are held. Shards must then not be truncated
+    while trainers read them (a mapped file that shrinks kills the process with SIGBUS).
+    `mapped=False` copies each micro-batch's items into one buffer with `os.preadv` instead.
+    The most recently used files stay open (or mapped). Only the paths the dispatcher
+    accepted from its readers (the configured shards) ever arrive here.
     """
 
-    def __init__(self, max_open: int = 64) -> None:
+    def __init__(self, max_open: int = 64, *, mapped: bool = True) -> None:
         self.max_open = max_open
+        self.mapped = mapped
         self._fds: dict[bytes, int] = {}  # insertion order = recency
+        # the same for mapped files, with the (inode, size, mtime) they were mapped at
+        self._maps: dict[bytes, tuple[memoryview, tuple]] = {}
 
-    def read(self, refs: memoryview, sizes: list[int]) -> tuple[memoryview, list[int]]:
-        """(coalesced frame, sizes) holding the bytes the references in `refs` name."""
+    def read(self, refs: memoryview, sizes: list[int]) -> list[memoryview]:
+        """The bytes each reference in `refs` names, one view per item."""
         spans = [P.unpack_ref(r) for r in P.split_payload(refs, sizes)]
-        out_sizes = [n for _, _, n in spans]
-        buf = memoryview(bytearray(sum(out_sizes)))
-        at = 0
+        if self.mapped:
+            out, views = [], {}
+            for path, offset, n in spans:
+                view = views.get(path)
+                if view is None:  # once per file and call: is the map still the file?
+                    view = views[path] = self._map(path)
+                if offset + n > len(view):
+                    self._changed(path, max(0, min(n, len(view) - offset)), n, offset)
+                out.append(view[offset:offset + n])
+            return out
+        buf = memoryview(bytearray(sum(n for _, _, n in spans)))
+        out, at = [], 0
         for path, offset, n in spans:
             got = os.preadv(self._fd(path), [buf[at:at + n]], offset) if n else 0
             if got != n:
-                raise OSError(f"shard {path.decode(errors='replace')!r} holds {got} of the {n} "
-                              f"bytes at offset {offset} its reader counted: changed on disk?")
+                self._changed(path, got, n, offset)
+            out.append(buf[at:at + n])
             at += n
-        return buf, out_sizes
+        return out
+
+    @staticmethod
+    def _changed(path: bytes, got: int, n: int, offset: int) -> None:
+        raise OSError(f"shard {path.decode(errors='replace')!r} holds {got} of the {n} "
+                      f"bytes at offset {offset} its reader counted: changed on disk?")
+
+    def _map(self, path: bytes) -> memoryview:
+        """The file mapped whole; mapped again if it was replaced or resized since (a map
+        longer than its file would hand out views that fault)."""
+        held = self._maps.pop(path, None)
+        try:
+            st = os.stat(path)
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            sig = None  # _open below says why
+        if held is None or held[1] != sig:
+            fd = self._open(path)
+            try:
+                st = os.fstat(fd)
+                sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+                view = (memoryview(mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ))
+                        if st.st_size else memoryview(b""))
+            finally:
+                os.close(fd)  # the map keeps the file
+            if len(self._maps) >= self.max_open:
+                # Dropped, not closed: payload views still held keep their map alive.
+                self._maps.pop(next(iter(self._maps)))
+            held = (view, sig)
+        self._maps[path] = held
+        return held[0]
+
+    @staticmethod
+    def _open(path: bytes) -> int:
+        try:
+            return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise OSError(f"payloads='reference': this trainer cannot open shard "
+                          f"{path.decode(errors='replace')!r} ({e.strerror}); it must be "
+                          f"mounted at the same path as on the data nodes") from None
 
     def _fd(self, path: bytes) -> int:
         fd = self._fds.pop(path, None)
         if fd is None:
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as e:
-                raise OSError(f"payloads='reference': this trainer cannot open shard "
-                              f"{path.decode(errors='replace')!r} ({e.strerror}); it must be "
-                              f"mounted at the same path as on the data nodes") from None
+            fd = self._open(path)
             if len(self._fds) >= self.max_open:
                 os.close(self._fds.pop(next(iter(self._fds))))
         self._fds[path] = fd
@@ -126,6 +179,7 @@ class ShardFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._maps.clear()  # unmapped once no payload view refers to them
 
 
 def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
@@ -136,11 +190,9 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
     for m, mb in enumerate(msg["microbatches"]):
         buf = msg.frames[2 * m]
-        frame, sizes = msg.frames[2 * m + 1], mb["sizes"]
-        if files is not None:
-            frame, sizes = files.read(frame, sizes)
         # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
-        payloads = P.split_payload(frame, sizes)
+        payloads = P.split_payload(msg.frames[2 * m + 1], mb["sizes"]) if files is None \
+            else files.read(msg.frames[2 * m + 1], mb["sizes"])
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m)
         names = list(SAMPLE_ARRAYS) + [f"{p}.{n}" for p in ENCODER_PHASES for n in
                                        ("encode_items", "encode_enc_len", "encode_llm_len",
@@ -182,6 +234,9 @@ class ClientConfig:
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     step_timeout_s: float | None = 600.0  # longest wait for one step before TimeoutError
+    # Reference payloads as views of the mapped shard files (no copy); False copies them with
+    # os.preadv, for shard files that may be truncated while read (see ShardFiles).
+    map_shards: bool = True
     secret_file: str | None = None  # CurveZMQ: this trainer's key pair
     server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
 
@@ -425,7 +480,7 @@ class DispatcherClient:
             if mode not in P.PAYLOAD_MODES:
                 raise DispatcherError("payloads", f"unknown payload mode {mode!r}")
             if mode == "reference" and self._files is None:
-                self._files = ShardFiles()
+                self._files = ShardFiles(mapped=self.config.map_shards)
             elif mode == "inline" and self._files is not None:
                 self._files.close()
                 self._files = None

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
     p.add_argument("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
     p.add_argument("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")
+    p.add_argument("--no-map-shards", dest="map_shards", action="store_false",
+                   help="reference payloads: copy items out of the shard files instead of mapping them "
+                        "(for files that may be truncated while read)")
     return p
 
 
@@ -90,7 +93,8 @@ def train(args: argparse.Namespace) -> int:
     exchanger = Exchanger(ExchangeConfig(mode=args.exchange), ctx)
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
                               config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
-                                                  server_public_file=args.curve_server_key))
+                                                  server_public_file=args.curve_server_key,
+                                                  map_shards=args.map_shards))
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
     done = 0
     try:
