@@ -9,6 +9,7 @@ price is that planning a step pauses receiving, which credits absorb.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -133,7 +134,9 @@ class Dispatcher(Pump):
             slot.end_sent = False
         self.replay = {}
         if self.journal is not None:
-            self.replay = {s: e for s, e in self.journal.steps.items()
+            # Copies: a commit arriving before a step is replayed (a rank ahead of another)
+            # drops the journal's plans up to it, and the step must still replay verbatim.
+            self.replay = {s: copy.copy(e) for s, e in self.journal.steps.items()
                            if s >= step and e.plan is not None
                            and e.world_size == self.config.world_size}
 

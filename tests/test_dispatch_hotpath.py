@@ -182,3 +182,46 @@ def test_retained_step_messages_count_against_the_byte_bound():
         assert not d.retained and d._gauges()[1] == 0
     finally:
         d._close()
+
+
+def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
+    """After a restart, one rank may commit a step another rank still needs replayed: the
+    journal then drops that plan, and the replay must still send the journaled one."""
+    def run(commit_first: bool) -> tuple[list, float]:
+        """Plan steps 0 and 1 of one shard: (their journaled plans, replay mismatches)."""
+        config = ServerConfig(
+            shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+            planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=str(tmp_path),
+            journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000,
+                                                 num_inflight_shards=1, credit_batch=8))
+        d = Dispatcher(config)
+        try:
+            if commit_first:
+                d.journal.commit(1)  # a rank ahead of the others checkpointed step 1
+            reader = Reader(ident=b"r", name="r", last_seen=0.0)
+            d.readers[reader.ident] = reader
+            d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+            d._pump()
+            (a,) = reader.assignments
+            samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
+                        "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]}
+                       for i in range(8)]
+            d._on_samples(reader, _message(d, a.id, samples, True))
+            slot = d.slots[0]
+            slot.ident, slot.upto = b"t", 10
+            d._pump()
+            slot.received = 2
+            d._pump()
+            plans = [d.journal.steps[s].plan for s in (0, 1)]
+            mismatches = d.metrics.registry.get_sample_value(
+                "mmdispatch_errors_total", {"kind": "replay_mismatch"}) or 0
+            return plans, mismatches
+        finally:
+            d._close()
+
+    plans, _ = run(False)  # plans steps 0 and 1 and journals them
+    assert all(p is not None for p in plans)
+    # Restarted from the journal, a commit of step 1 arrives before steps 0 and 1 are replayed:
+    # they are replayed from the journaled plans (before the fix: a crash on the dropped plan).
+    _, mismatches = run(True)
+    assert mismatches == 0
