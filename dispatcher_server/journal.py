@@ -54,6 +54,8 @@ class Journal:
         self.fingerprint = {f: fingerprint[f] for f in FINGERPRINT_FIELDS}
         self.last_committed = -1
         self.steps: dict[int, StepEntry] = {}
+        self._last_step = -1  # the newest step recorded
+        self._oldest_plan = 0  # no step below this holds a plan
         self.num_skipped = 0
         records = self._load()
         self._file = open(self.path, "ab")
@@ -102,15 +104,23 @@ class Journal:
                     "journal directory.")
         elif kind == "step":
             entry = StepEntry(**{k: v for k, v in rec.items() if k != "kind"})
+            if entry.step <= self._last_step:
+                # A re-planned step supersedes every later one (the run rewound to it).
+                for later in [s for s in self.steps if s > entry.step]:
+                    del self.steps[later]
             self.steps[entry.step] = entry
-            # A re-planned step supersedes every later one (the run rewound to it).
-            for later in [s for s in self.steps if s > entry.step]:
-                del self.steps[later]
+            self._last_step = entry.step
+            if entry.plan is not None:
+                self._oldest_plan = min(self._oldest_plan, entry.step)
         elif kind == "commit":
             self.last_committed = max(self.last_committed, int(rec["step"]))
-            for s, e in self.steps.items():
-                if s <= self.last_committed:
-                    e.plan = None  # committed steps are never replayed verbatim
+            # Committed steps are never replayed verbatim: drop their plans. Only the steps
+            # since the last drop are visited (a scan of every step would grow with the run).
+            for s in range(self._oldest_plan, self.last_committed + 1):
+                e = self.steps.get(s)
+                if e is not None:
+                    e.plan = None
+            self._oldest_plan = max(self._oldest_plan, self.last_committed + 1)
         elif kind == "skipped":
             self.num_skipped += len(rec.get("keys", []))
 

@@ -236,3 +236,22 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
     assert os.path.getsize(j2.path) > 0
     with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
         Journal(str(tmp_path), _fp(seed=5))
+
+
+def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_commit(tmp_path):
+    j = Journal(str(tmp_path), _fp())
+    for s in range(6):
+        j.record_step(_entry(s))
+    j.commit(3)
+    assert [j.steps[s].plan is None for s in range(6)] == [True] * 4 + [False] * 2
+    j.record_step(_entry(2))  # a rollback re-plans step 2: later steps are superseded
+    assert sorted(j.steps) == [0, 1, 2] and j.steps[2].plan == {"p": 2}
+    for s in (3, 4):
+        j.record_step(_entry(s))
+    j.commit(4)
+    assert all(j.steps[s].plan is None for s in range(5))
+    j.close()
+    reopened = Journal(str(tmp_path), _fp())  # the same state from the file
+    assert sorted(reopened.steps) == [0, 1, 2, 3, 4] and reopened.last_committed == 4
+    assert all(reopened.steps[s].plan is None for s in range(5))
+    reopened.close()
