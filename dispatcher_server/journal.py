@@ -29,13 +29,26 @@ class JournalError(ValueError):
     """The journal cannot be honoured: corrupted, or written for a different configuration."""
 
 
+def pack_cursor(cursor: dict) -> bytes:
+    """A wire cursor as kept in memory per step: msgpack bytes, ~15x smaller than the dict
+    (a journal holds one per step of the run)."""
+    return msgpack.packb(cursor, use_bin_type=True)
+
+
+def unpack_cursor(packed: bytes) -> dict:
+    return msgpack.unpackb(packed, raw=False)
+
+
 @dataclass(slots=True, kw_only=True)
 class StepEntry:
+    """A step as written. In `Journal.steps` the cursors are kept packed (`pack_cursor`) and
+    `cursor_before` is None: it is the previous step's `cursor_after`."""
+
     step: int
     epoch: int
     world_size: int
-    cursor_before: dict
-    cursor_after: dict
+    cursor_before: dict | None
+    cursor_after: dict | bytes
     num_samples: int
     digest: str  # hash of the step's sample keys, to catch data that changed under a replay
     plan: dict | None = None
@@ -104,6 +117,7 @@ class Journal:
                     "journal directory.")
         elif kind == "step":
             entry = StepEntry(**{k: v for k, v in rec.items() if k != "kind"})
+            entry.cursor_before, entry.cursor_after = None, pack_cursor(entry.cursor_after)
             if entry.step <= self._last_step:
                 # A re-planned step supersedes every later one (the run rewound to it).
                 for later in [s for s in self.steps if s > entry.step]:
@@ -163,7 +177,7 @@ class Journal:
             raise JournalError(
                 f"cannot resume at step {step}: the journal knows steps "
                 f"{min(self.steps, default=0)}..{max(self.steps, default=-1)}")
-        return prev.cursor_after
+        return unpack_cursor(prev.cursor_after)
 
     def close(self) -> None:
         if not self._file.closed:

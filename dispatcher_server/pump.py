@@ -13,7 +13,7 @@ import time
 
 from dispatcher_server import protocol as P
 from dispatcher_server.batching import build_batch, rank_message
-from dispatcher_server.journal import StepEntry
+from dispatcher_server.journal import StepEntry, pack_cursor
 from dispatcher_server.metrics import event
 from dispatcher_server.peers import Assignment, RetainedStep, ShardProgress
 from dispatcher_server.planner import plan_step
@@ -211,7 +211,7 @@ class Pump:
                 step=step, epoch=epoch, world_size=self.config.world_size,
                 cursor_before=cursor_before, cursor_after=cursor_after,
                 num_samples=len(batch.samples), digest=digest, plan=plan.to_dict()))
-        self.cursors[step] = cursor_after
+        self.cursors[step] = pack_cursor(cursor_after)
         self.retained.append(RetainedStep(step=step, epoch=epoch, batch=batch, plan=plan,
                                           messages=[None] * self.config.world_size,
                                           num_samples=len(batch.samples), nbytes=self.acc_bytes))

@@ -20,7 +20,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.batching import Sample, header_problem
 from dispatcher_server.config import ServerConfig
-from dispatcher_server.journal import Journal, JournalError
+from dispatcher_server.journal import Journal, JournalError, pack_cursor, unpack_cursor
 from dispatcher_server.metrics import Metrics, event
 from dispatcher_server.ordering import Cursor, ShardOrder
 from dispatcher_server.peers import Assignment, Reader, RetainedStep, ShardProgress, TrainerSlot
@@ -62,7 +62,8 @@ class Dispatcher(Pump):
         self._next_assign = 1
         self.readers: dict[bytes, Reader] = {}
         self.slots = [TrainerSlot(rank=r) for r in range(config.world_size)]
-        self.cursors: dict[int, dict] = {}  # step -> cursor after it (in-memory journal index)
+        # step -> cursor after it, packed (in-memory journal index: one per step of the run)
+        self.cursors: dict[int, bytes] = {}
         self.skipped: list[tuple[str, str]] = []
         self._bytes_seen = self._samples_seen = 0
         start = 0
@@ -110,7 +111,7 @@ class Dispatcher(Pump):
             raise JournalError(f"cannot resume at step {step}: no cursor for step {step - 1} "
                                f"(known steps: {min(self.cursors, default=0)}.."
                                f"{max(self.cursors, default=-1)})")
-        return self.cursors[step - 1]
+        return unpack_cursor(self.cursors[step - 1])
 
     def _reset(self, step: int, cursor: Cursor) -> None:
         """Start (or rewind) delivery at `step` whose first sample is at `cursor`."""

@@ -254,4 +254,8 @@ def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_
     reopened = Journal(str(tmp_path), _fp())  # the same state from the file
     assert sorted(reopened.steps) == [0, 1, 2, 3, 4] and reopened.last_committed == 4
     assert all(reopened.steps[s].plan is None for s in range(5))
+    # One entry per step of the run stays in memory: its cursor packed, the one before derived.
+    assert all(isinstance(e.cursor_after, bytes) and e.cursor_before is None
+               for e in reopened.steps.values())
+    assert reopened.cursor_before(3, {}) == {"base": 3}
     reopened.close()
