@@ -196,7 +196,8 @@ class Pump:
         digest = batch.digest()
         t0 = time.perf_counter()
         replay = self.replay.pop(step, None)
-        if replay is not None and replay.digest == digest:
+        verbatim = replay is not None and replay.digest == digest
+        if verbatim:
             plan = StepPlan.from_dict(replay.plan)
         else:
             if replay is not None and self.config.mode == "deterministic":
@@ -206,7 +207,9 @@ class Pump:
         plan_ms = (time.perf_counter() - t0) * 1e3
         cursor_before = self._cursor_before(step)
         cursor_after = self.cursor.to_wire()
-        if self.journal is not None:
+        # A verbatim replay is already journaled: recording it again would supersede the
+        # journaled steps after it, which ranks ahead of the others may be committing.
+        if self.journal is not None and not verbatim:
             self.journal.record_step(StepEntry(
                 step=step, epoch=epoch, world_size=self.config.world_size,
                 cursor_before=cursor_before, cursor_after=cursor_after,

@@ -225,3 +225,42 @@ def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
     # they are replayed from the journaled plans (before the fix: a crash on the dropped plan).
     _, mismatches = run(True)
     assert mismatches == 0
+
+
+def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_path):
+    """After a restart the slowest rank sets the replay point; a faster rank still commits
+    steps past it, which the journal must still know while the replay catches up."""
+    def start(**flow) -> tuple[Dispatcher, Reader]:
+        d = Dispatcher(ServerConfig(
+            shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=2),
+            planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=str(tmp_path),
+            journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1,
+                                                 credit_batch=8, **flow)))
+        reader = Reader(ident=b"r", name="r", last_seen=0.0)
+        d.readers[reader.ident] = reader
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
+                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
+        d._on_samples(reader, _message(d, a.id, samples, True))
+        d.slots[0].ident, d.slots[0].upto = b"t", 10
+        return d, reader
+
+    d, _ = start()
+    try:
+        for acked in range(1, 5):  # plan and journal steps 0..3
+            d._pump()
+            d.slots[0].received = acked
+        d._pump()
+        assert sorted(d.journal.steps) == [0, 1, 2, 3]
+    finally:
+        d._close()
+    d, _ = start(max_retained_steps=1)  # restarted: replays step 0 and waits for its ack
+    try:
+        d._pump()
+        assert [rs.step for rs in d.retained] == [0]
+        assert d.journal.commit(3)  # a rank that had step 3 checkpointed it
+        assert sorted(d.journal.steps) == [0, 1, 2, 3]
+    finally:
+        d._close()
