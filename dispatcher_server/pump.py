@@ -205,16 +205,16 @@ class Pump:
                                    detail="samples differ from the journal; shards changed on disk?")
             plan = plan_step(batch.inputs, self.topology, self.config.planner)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        cursor_before = self._cursor_before(step)
         cursor_after = self.cursor.to_wire()
         # A verbatim replay is already journaled: recording it again would supersede the
         # journaled steps after it, which ranks ahead of the others may be committing.
         if self.journal is not None and not verbatim:
             self.journal.record_step(StepEntry(
                 step=step, epoch=epoch, world_size=self.config.world_size,
-                cursor_before=cursor_before, cursor_after=cursor_after,
+                cursor_before=self._cursor_before(step), cursor_after=cursor_after,
                 num_samples=len(batch.samples), digest=digest, plan=plan.to_dict()))
-        self.cursors[step] = pack_cursor(cursor_after)
+        if self.journal is None:
+            self.cursors[step] = pack_cursor(cursor_after)
         self.retained.append(RetainedStep(step=step, epoch=epoch, batch=batch, plan=plan,
                                           messages=[None] * self.config.world_size,
                                           num_samples=len(batch.samples), nbytes=self.acc_bytes))

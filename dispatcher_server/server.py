@@ -20,7 +20,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.batching import Sample, header_problem
 from dispatcher_server.config import ServerConfig
-from dispatcher_server.journal import Journal, JournalError, pack_cursor, unpack_cursor
+from dispatcher_server.journal import Journal, JournalError, unpack_cursor
 from dispatcher_server.metrics import Metrics, event
 from dispatcher_server.ordering import Cursor, ShardOrder
 from dispatcher_server.peers import Assignment, Reader, RetainedStep, ShardProgress, TrainerSlot
@@ -62,14 +62,15 @@ class Dispatcher(Pump):
         self._next_assign = 1
         self.readers: dict[bytes, Reader] = {}
         self.slots = [TrainerSlot(rank=r) for r in range(config.world_size)]
-        # step -> cursor after it, packed (in-memory journal index: one per step of the run)
+        # Without a journal: step -> cursor after it, packed, from the last commit on (with one
+        # the journal keeps them, on disk for all but the uncommitted steps).
         self.cursors: dict[int, bytes] = {}
+        self._committed = -1
         self.skipped: list[tuple[str, str]] = []
         self._bytes_seen = self._samples_seen = 0
         start = 0
         if self.journal is not None:
             start = self.journal.last_committed + 1
-            self.cursors = {s: e.cursor_after for s, e in self.journal.steps.items()}
         try:
             self._reset(start, Cursor.from_wire(self._cursor_before(start)))
             self._bind()
@@ -107,10 +108,13 @@ class Dispatcher(Pump):
     def _cursor_before(self, step: int) -> dict:
         if step == 0:
             return Cursor().to_wire()
+        if self.journal is not None:
+            return self.journal.cursor_before(step, Cursor().to_wire())
         if step - 1 not in self.cursors:
-            raise JournalError(f"cannot resume at step {step}: no cursor for step {step - 1} "
-                               f"(known steps: {min(self.cursors, default=0)}.."
-                               f"{max(self.cursors, default=-1)})")
+            raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
+                               f"knows the steps from the last commit on "
+                               f"({min(self.cursors, default=0)}..{max(self.cursors, default=-1)}); "
+                               "run it with --journal-dir to resume further back")
         return unpack_cursor(self.cursors[step - 1])
 
     def _reset(self, step: int, cursor: Cursor) -> None:
@@ -137,7 +141,7 @@ class Dispatcher(Pump):
         if self.journal is not None:
             # Copies: a commit arriving before a step is replayed (a rank ahead of another)
             # drops the journal's plans up to it, and the step must still replay verbatim.
-            self.replay = {s: copy.copy(e) for s, e in self.journal.steps.items()
+            self.replay = {s: copy.copy(e) for s, e in self.journal.pending.items()
                            if s >= step and e.plan is not None
                            and e.world_size == self.config.world_size}
 
@@ -421,6 +425,11 @@ class Dispatcher(Pump):
         try:
             if self.journal is not None and self.journal.commit(step):
                 event("commit", step=step, rank=slot.rank)
+            elif self.journal is None and step > self._committed:
+                # Steps before a commit are never resumed from: their cursors go.
+                for s in range(max(0, self._committed), step):
+                    self.cursors.pop(s, None)
+                self._committed = step
         except JournalError as e:
             self.metrics.error("commit", detail=str(e))
             self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=str(e))

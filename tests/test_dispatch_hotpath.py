@@ -16,6 +16,7 @@ import pytest
 
 from dispatcher_server import protocol as P
 from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
+from dispatcher_server.journal import JournalError
 from dispatcher_server.peers import Assignment, Reader
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.server import Dispatcher
@@ -212,7 +213,7 @@ def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
             d._pump()
             slot.received = 2
             d._pump()
-            plans = [d.journal.steps[s].plan for s in (0, 1)]
+            plans = [d.journal.read_entry(s).plan for s in (0, 1)]
             mismatches = d.metrics.registry.get_sample_value(
                 "mmdispatch_errors_total", {"kind": "replay_mismatch"}) or 0
             return plans, mismatches
@@ -253,7 +254,7 @@ def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_pat
             d._pump()
             d.slots[0].received = acked
         d._pump()
-        assert sorted(d.journal.steps) == [0, 1, 2, 3]
+        assert d.journal.last_step == 3
     finally:
         d._close()
     d, _ = start(max_retained_steps=1)  # restarted: replays step 0 and waits for its ack
@@ -261,6 +262,39 @@ def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_pat
         d._pump()
         assert [rs.step for rs in d.retained] == [0]
         assert d.journal.commit(3)  # a rank that had step 3 checkpointed it
-        assert sorted(d.journal.steps) == [0, 1, 2, 3]
+        assert d.journal.last_step == 3
+    finally:
+        d._close()
+
+
+def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept(tmp_path):
+    """No journal: the dispatcher keeps a packed cursor per step, and drops the ones before a
+    commit (memory flat over a long run); resuming before it is refused with the reason."""
+    d = Dispatcher(ServerConfig(
+        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=2),
+        planner=PlannerConfig(num_microbatches=1), max_epochs=1,
+        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8)))
+    try:
+        reader = Reader(ident=b"r", name="r", last_seen=0.0)
+        d.readers[reader.ident] = reader
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
+                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
+        d._on_samples(reader, _message(d, a.id, samples, True))
+        slot = d.slots[0]
+        slot.ident, slot.upto = b"t", 10
+        for acked in range(1, 5):
+            d._pump()
+            slot.received = acked
+        d._pump()
+        assert sorted(d.cursors) == [0, 1, 2, 3]
+        assert d._cursor_before(3) == {"base": 0, "partial": [[0, 6]], "done": []}
+        d._commit(slot, 2)
+        assert sorted(d.cursors) == [2, 3]
+        assert d._cursor_before(3)["partial"] == [[0, 6]]
+        with pytest.raises(JournalError, match="from the last commit on .*--journal-dir"):
+            d._cursor_before(2)
     finally:
         d._close()

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatcher_server import protocol as P
+from dispatcher_server import journal as journal_module
 from dispatcher_server.journal import Journal, JournalError, StepEntry
 from dispatcher_server.ordering import Cursor, ShardOrder, epoch_order
 from dispatcher_server.planner import PlannerConfig, StepInputs, Topology, plan_step
@@ -227,11 +228,14 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
     with open(j.path, "ab") as f:
         f.write(b"\x40\x00\x00\x00garbage")  # a record cut short by a crash
     j2 = Journal(str(tmp_path), _fp())
-    assert j2.last_committed == 1 and sorted(j2.steps) == [0, 1, 2]
-    assert j2.steps[2].plan == {"p": 2} and j2.steps[0].plan is None  # committed plans dropped
-    assert j2.cursor_before(2, {}) == {"base": 2}
+    assert j2.last_committed == 1 and j2.last_step == 2
+    assert sorted(j2.pending) == [2] and j2.pending[2].plan == {"p": 2}  # committed plans dropped
+    assert j2.cursor_before(2, {}) == {"base": 2}  # step 1 is committed: read back from the file
+    assert j2.read_entry(0).plan == {"p": 0}
     with pytest.raises(JournalError, match="never planned"):
         j2.commit(7)
+    with pytest.raises(JournalError, match="knows steps 0..2"):
+        j2.cursor_before(9, {})
     j2.close()
     assert os.path.getsize(j2.path) > 0
     with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
@@ -243,19 +247,53 @@ def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_
     for s in range(6):
         j.record_step(_entry(s))
     j.commit(3)
-    assert [j.steps[s].plan is None for s in range(6)] == [True] * 4 + [False] * 2
+    assert sorted(j.pending) == [4, 5]
     j.record_step(_entry(2))  # a rollback re-plans step 2: later steps are superseded
-    assert sorted(j.steps) == [0, 1, 2] and j.steps[2].plan == {"p": 2}
+    assert j.last_step == 2 and sorted(j.pending) == [2] and j.pending[2].plan == {"p": 2}
     for s in (3, 4):
         j.record_step(_entry(s))
     j.commit(4)
-    assert all(j.steps[s].plan is None for s in range(5))
+    assert not j.pending
     j.close()
     reopened = Journal(str(tmp_path), _fp())  # the same state from the file
-    assert sorted(reopened.steps) == [0, 1, 2, 3, 4] and reopened.last_committed == 4
-    assert all(reopened.steps[s].plan is None for s in range(5))
-    # One entry per step of the run stays in memory: its cursor packed, the one before derived.
-    assert all(isinstance(e.cursor_after, bytes) and e.cursor_before is None
-               for e in reopened.steps.values())
-    assert reopened.cursor_before(3, {}) == {"base": 3}
+    assert reopened.last_step == 4 and reopened.last_committed == 4 and not reopened.pending
+    assert [reopened.cursor_before(s, {}) for s in range(6)] == [{}] + [{"base": s} for s in range(1, 6)]
     reopened.close()
+
+
+def test_journal_memory_stays_flat_and_a_reopen_compacts_stale_plans(tmp_path, monkeypatch):
+    """A long run holds only its uncommitted steps in memory; reopening a file that is mostly
+    plans of committed or superseded steps rewrites it with the same meaning, smaller."""
+    big = {"p": "x" * 2000}
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(400):
+        j.record_step(StepEntry(step=s, epoch=0, world_size=2, cursor_before=None, num_samples=8,
+                                cursor_after={"base": s + 1}, digest=f"d{s}", plan=big))
+        if s % 10 == 9 and s < 390:
+            j.commit(s)
+    j.record_step(StepEntry(step=395, epoch=0, world_size=2, cursor_before=None, num_samples=8,
+                            cursor_after={"base": 1000}, digest="again", plan={"p": "rewound"}))
+    j.record_skipped("a.tar", [("k1", "bad_image"), ("k2", "bad_audio")])
+    assert j.last_step == 395 and sorted(j.pending) == list(range(390, 396))
+    j.close()
+    size = os.path.getsize(j.path)
+    monkeypatch.setattr(journal_module, "COMPACT_MIN_BYTES", 10 * size)
+    untouched = Journal(str(tmp_path), _fp())  # small file: left as it is
+    assert os.path.getsize(j.path) == size
+    untouched.close()
+    monkeypatch.setattr(journal_module, "COMPACT_MIN_BYTES", 1)
+    c = Journal(str(tmp_path), _fp())
+    try:
+        assert os.path.getsize(c.path) < size / 5
+        assert (c.last_step, c.last_committed, c.num_skipped) == (395, 389, 2)
+        assert sorted(c.pending) == list(range(390, 396)) and c.pending[395].plan == {"p": "rewound"}
+        assert c.pending[391].plan == big and c.read_entry(12).plan is None
+        assert [c.cursor_after(s) for s in range(395)] == [{"base": s + 1} for s in range(395)]
+        assert c.cursor_after(395) == {"base": 1000} and c.read_entry(200).digest == "d200"
+        c.record_step(_entry(396))  # and it goes on appending
+        assert c.commit(396) and not c.pending
+    finally:
+        c.close()
+    again = Journal(str(tmp_path), _fp())
+    assert (again.last_step, again.last_committed, again.cursor_after(396)) == (396, 396, {"base": 397})
+    again.close()
