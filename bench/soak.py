@@ -18,6 +18,8 @@ Figures (`--json`):
   lived at least twice the warm-up; after_warmup is the first RSS sample taken `warmup`
   seconds (20% of the run, at least 5 s) after the incarnation started, final its last
   sample (taken every 0.25 s). Target under 0.10.
+- journal_mib: the journal file's size before the dispatcher restart, once the restarted one
+  reopened it (compacted: stale plans dropped) and at the end.
 - longest_stall_s: the longest gap between two consecutive steps on any rank (fault recovery
   included: the heartbeat timeout of a killed reader bounds it).
 """
@@ -36,6 +38,7 @@ import threading
 import time
 from collections import Counter
 
+from dispatcher_server.journal import JOURNAL_FILE
 from mmdispatch.serve import read_ready
 from pipeline.gendata import generate
 from pipeline.reader import iter_samples
@@ -118,6 +121,7 @@ class Soak:
         self.last_epoch: dict[int, int] = {}
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
+        self.journal_mib: dict[str, float] = {}
 
     # -- processes ---------------------------------------------------------------------------
     def start_server(self) -> None:
@@ -224,8 +228,10 @@ class Soak:
                         restart_server_at = None
                         faults.append(now)
                         survived.append(None)
+                        self.journal_mib["at_restart"] = self._journal_mib()
                         self.kill(self.server)
-                        self.start_server()
+                        self.start_server()  # returns once the journal is reopened
+                        self.journal_mib["after_reopen"] = self._journal_mib()
                     elif a.readers > 1 and now >= next_fault:
                         name = names[victim]
                         faults.append(now)
@@ -245,14 +251,20 @@ class Soak:
         finally:
             self.stop.set()
             end = time.monotonic()
+            # Trainers first, while the stream still flows: each stops at its next step, so
+            # none is cut off mid-commit by the teardown.
+            for t in threads:
+                t.join(15)
             for p in self.procs:
                 if p.popen is not None and p.ended is None:
                     self.kill(p)
-            for t in threads:
-                t.join(15)
+        self.journal_mib["final"] = self._journal_mib()
         self.fold(getattr(self, "_final_epoch", -1))
         self.fold(1 << 62, complete=False)  # steps past the last full epoch: counted, not audited
         return self.figures(len(faults), sum(1 for v in survived if v), warmup, end)
+
+    def _journal_mib(self) -> float:
+        return round(os.path.getsize(os.path.join(self.tmp, "journal", JOURNAL_FILE)) / 2**20, 2)
 
     def _epoch_boundary_passed(self) -> bool:
         if not hasattr(self, "_final_epoch"):
@@ -276,6 +288,7 @@ class Soak:
             "samples_duplicated": self.totals["duplicated"],
             "faults_injected": num_faults, "faults_survived": survived,
             "rss_growth": round(growth, 4), "longest_stall_s": round(self.longest_gap, 3),
+            "journal_mib": self.journal_mib,
             "errors": [repr(e)[:200] for e in self.errors], "rss": rss,
         }
 
