@@ -185,34 +185,50 @@ def test_retained_step_messages_count_against_the_byte_bound():
         d._close()
 
 
+def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_feed=None,
+                    **flow) -> Dispatcher:
+    """A one-rank dispatcher of one shard whose reader delivered all 8 samples and whose rank 0
+    is connected with credits for 10 steps; `before_feed(d)` runs first (after a restart)."""
+    d = Dispatcher(ServerConfig(
+        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=global_batch),
+        planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=journal_dir,
+        journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1,
+                                             credit_batch=8, **flow)))
+    try:
+        if before_feed is not None:
+            before_feed(d)
+        reader = Reader(ident=b"r", name="r", last_seen=0.0)
+        d.readers[reader.ident] = reader
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
+                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
+        d._on_samples(reader, _message(d, a.id, samples, True))
+        d.slots[0].ident, d.slots[0].upto = b"t", 10
+    except BaseException:
+        d._close()
+        raise
+    return d
+
+
+def _serve_steps(d: Dispatcher, n: int) -> None:
+    """Plan steps 0..n-1, rank 0 acknowledging each."""
+    for acked in range(1, n + 1):
+        d._pump()
+        d.slots[0].received = acked
+    d._pump()
+
+
 def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
     """After a restart, one rank may commit a step another rank still needs replayed: the
     journal then drops that plan, and the replay must still send the journaled one."""
     def run(commit_first: bool) -> tuple[list, float]:
         """Plan steps 0 and 1 of one shard: (their journaled plans, replay mismatches)."""
-        config = ServerConfig(
-            shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
-            planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=str(tmp_path),
-            journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000,
-                                                 num_inflight_shards=1, credit_batch=8))
-        d = Dispatcher(config)
+        # A rank ahead of the others checkpointed step 1 before anything was replayed.
+        d = _fed_dispatcher(4, str(tmp_path), (lambda d: d.journal.commit(1)) if commit_first else None)
         try:
-            if commit_first:
-                d.journal.commit(1)  # a rank ahead of the others checkpointed step 1
-            reader = Reader(ident=b"r", name="r", last_seen=0.0)
-            d.readers[reader.ident] = reader
-            d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
-            d._pump()
-            (a,) = reader.assignments
-            samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
-                        "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]}
-                       for i in range(8)]
-            d._on_samples(reader, _message(d, a.id, samples, True))
-            slot = d.slots[0]
-            slot.ident, slot.upto = b"t", 10
-            d._pump()
-            slot.received = 2
-            d._pump()
+            _serve_steps(d, 2)
             plans = [d.journal.read_entry(s).plan for s in (0, 1)]
             mismatches = d.metrics.registry.get_sample_value(
                 "mmdispatch_errors_total", {"kind": "replay_mismatch"}) or 0
@@ -231,33 +247,13 @@ def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
 def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_path):
     """After a restart the slowest rank sets the replay point; a faster rank still commits
     steps past it, which the journal must still know while the replay catches up."""
-    def start(**flow) -> tuple[Dispatcher, Reader]:
-        d = Dispatcher(ServerConfig(
-            shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=2),
-            planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=str(tmp_path),
-            journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1,
-                                                 credit_batch=8, **flow)))
-        reader = Reader(ident=b"r", name="r", last_seen=0.0)
-        d.readers[reader.ident] = reader
-        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
-        d._pump()
-        (a,) = reader.assignments
-        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
-                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
-        d._on_samples(reader, _message(d, a.id, samples, True))
-        d.slots[0].ident, d.slots[0].upto = b"t", 10
-        return d, reader
-
-    d, _ = start()
+    d = _fed_dispatcher(2, str(tmp_path))
     try:
-        for acked in range(1, 5):  # plan and journal steps 0..3
-            d._pump()
-            d.slots[0].received = acked
-        d._pump()
+        _serve_steps(d, 4)  # plan and journal steps 0..3
         assert d.journal.last_step == 3
     finally:
         d._close()
-    d, _ = start(max_retained_steps=1)  # restarted: replays step 0 and waits for its ack
+    d = _fed_dispatcher(2, str(tmp_path), max_retained_steps=1)  # restarted: replays step 0
     try:
         d._pump()
         assert [rs.step for rs in d.retained] == [0]
@@ -267,31 +263,15 @@ def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_pat
         d._close()
 
 
-def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept(tmp_path):
+def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept():
     """No journal: the dispatcher keeps a packed cursor per step, and drops the ones before a
     commit (memory flat over a long run); resuming before it is refused with the reason."""
-    d = Dispatcher(ServerConfig(
-        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=2),
-        planner=PlannerConfig(num_microbatches=1), max_epochs=1,
-        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8)))
+    d = _fed_dispatcher(2)
     try:
-        reader = Reader(ident=b"r", name="r", last_seen=0.0)
-        d.readers[reader.ident] = reader
-        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
-        d._pump()
-        (a,) = reader.assignments
-        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
-                    "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
-        d._on_samples(reader, _message(d, a.id, samples, True))
-        slot = d.slots[0]
-        slot.ident, slot.upto = b"t", 10
-        for acked in range(1, 5):
-            d._pump()
-            slot.received = acked
-        d._pump()
+        _serve_steps(d, 4)
         assert sorted(d.cursors) == [0, 1, 2, 3]
         assert d._cursor_before(3) == {"base": 0, "partial": [[0, 6]], "done": []}
-        d._commit(slot, 2)
+        d._commit(d.slots[0], 2)
         assert sorted(d.cursors) == [2, 3]
         assert d._cursor_before(3)["partial"] == [[0, 6]]
         with pytest.raises(JournalError, match="from the last commit on .*--journal-dir"):
