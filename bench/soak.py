@@ -18,8 +18,9 @@ Figures (`--json`):
   lived at least twice the warm-up; after_warmup is the first RSS sample taken `warmup`
   seconds (20% of the run, at least 5 s) after the incarnation started, final its last
   sample (taken every 0.25 s). Target under 0.10.
-- journal_mib: the journal file's size before the dispatcher restart, once the restarted one
-  reopened it (compacted: stale plans dropped) and at the end.
+- journal_mib: the journal directory's size (journal and plan files) just before the
+  dispatcher restart, once the restarted one reopened it, and at the end: at most about twice
+  `--journal-plan-file-mb` plus the step records (~170 bytes a step).
 - longest_stall_s: the longest gap between two consecutive steps on any rank (fault recovery
   included: the heartbeat timeout of a killed reader bounds it).
 """
@@ -38,7 +39,6 @@ import threading
 import time
 from collections import Counter
 
-from dispatcher_server.journal import JOURNAL_FILE
 from mmdispatch.serve import read_ready
 from pipeline.gendata import generate
 from pipeline.reader import iter_samples
@@ -130,7 +130,8 @@ class Soak:
         popen = _spawn(["serve", "--shards", *self.shards, "--world-size", str(a.world_size),
                         "--global-batch", str(a.global_batch), "--num-microbatches", "2",
                         "--max-epochs", "0", "--journal-dir", os.path.join(self.tmp, "journal"),
-                        "--no-fsync", "--heartbeat", "0.5", "--timeout", "2",
+                        "--no-fsync", "--journal-plan-file-mb", str(a.journal_plan_file_mb),
+                        "--heartbeat", "0.5", "--timeout", "2",
                         "--reader-bind", f"tcp://127.0.0.1:{self.reader_port}",
                         "--trainer-bind", f"tcp://127.0.0.1:{self.trainer_port}",
                         "--log-level", "WARNING"], log)
@@ -264,7 +265,10 @@ class Soak:
         return self.figures(len(faults), sum(1 for v in survived if v), warmup, end)
 
     def _journal_mib(self) -> float:
-        return round(os.path.getsize(os.path.join(self.tmp, "journal", JOURNAL_FILE)) / 2**20, 2)
+        """The journal directory's size (journal.mmd and the plan files)."""
+        journal = os.path.join(self.tmp, "journal")
+        return round(sum(os.path.getsize(os.path.join(journal, f)) for f in os.listdir(journal))
+                     / 2**20, 2)
 
     def _epoch_boundary_passed(self) -> bool:
         if not hasattr(self, "_final_epoch"):
@@ -304,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=12)
     p.add_argument("--reader-restart-s", type=float, default=15.0,
                    help="seconds between reader SIGKILL + restart")
+    p.add_argument("--journal-plan-file-mb", type=int, default=16,
+                   help="the dispatcher's plan file size (small: files are reused within the run)")
     p.add_argument("--dispatcher-restart", action="store_true",
                    help="also SIGKILL the dispatcher once, mid-run, and restart it from its journal")
     args = p.parse_args(argv)

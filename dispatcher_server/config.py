@@ -72,6 +72,7 @@ class ServerConfig:
     trainer_bind: str = "tcp://127.0.0.1:0"
     journal_dir: str | None = None
     journal_fsync: bool = True
+    journal_plan_file_bytes: int = 64 << 20  # see journal.Journal
     max_epochs: int | None = 1
     max_steps: int | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)

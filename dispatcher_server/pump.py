@@ -210,10 +210,9 @@ class Pump:
         # journaled steps after it, which ranks ahead of the others may be committing.
         if self.journal is not None and not verbatim:
             self.journal.record_step(StepEntry(
-                step=step, epoch=epoch, world_size=self.config.world_size,
-                cursor_before=self._cursor_before(step), cursor_after=cursor_after,
+                step=step, epoch=epoch, world_size=self.config.world_size, cursor_after=cursor_after,
                 num_samples=len(batch.samples), digest=digest, plan=plan.to_dict()))
-        if self.journal is None:
+        elif self.journal is None:
             self.cursors[step] = pack_cursor(cursor_after)
         self.retained.append(RetainedStep(step=step, epoch=epoch, batch=batch, plan=plan,
                                           messages=[None] * self.config.world_size,

@@ -51,7 +51,8 @@ class Dispatcher(Pump):
         self.order = ShardOrder(config.shards, config.seed, config.max_epochs)
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
         # The journal first: a restore that cannot be honoured fails before anything is opened.
-        self.journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync)
+        self.journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync,
+                                plan_file_bytes=config.journal_plan_file_bytes)
                         if config.journal_dir else None)
         self.metrics = Metrics(config.metrics_port, config.metrics_host)
         self.step_log = StepLog(config.step_log) if config.step_log else None

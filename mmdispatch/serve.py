@@ -52,6 +52,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "trainer_bind": (str, "tcp://127.0.0.1:0", "endpoint trainers connect to"),
     "journal_dir": (str, None, "journal directory (enables exact resume)"),
     "no_fsync": (bool, False, "skip fsync of journal records (tests only)"),
+    "journal_plan_file_mb": (int, 64, "size at which the journal's plan file being written hands "
+                                      "over to the other (disk: about twice this)"),
     "metrics_port": (int, 0, "Prometheus HTTP port; 0 = off"),
     "metrics_host": (str, "127.0.0.1", "address the metrics endpoint binds"),
     "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline)"),
@@ -128,6 +130,7 @@ def build_config(v: dict) -> ServerConfig:
         liveness=LivenessConfig(heartbeat_s=v["heartbeat"], timeout_s=v["timeout"]),
         reader_bind=v["reader_bind"], trainer_bind=v["trainer_bind"],
         journal_dir=v["journal_dir"], journal_fsync=not v["no_fsync"],
+        journal_plan_file_bytes=v["journal_plan_file_mb"] << 20,
         max_epochs=v["max_epochs"] or None, max_steps=v["max_steps"],
         metrics_port=v["metrics_port"], metrics_host=v["metrics_host"], step_log=v["step_log"],
         payloads=v["payloads"],

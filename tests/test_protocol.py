@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import msgpack
 import numpy as np
@@ -215,7 +216,7 @@ def _fp(**kw):
 
 
 def _entry(step):
-    return StepEntry(step=step, epoch=0, world_size=2, cursor_before={"base": step}, num_samples=8,
+    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
                      cursor_after={"base": step + 1}, digest="d", plan={"p": step})
 
 
@@ -261,39 +262,85 @@ def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_
     reopened.close()
 
 
-def test_journal_memory_stays_flat_and_a_reopen_compacts_stale_plans(tmp_path, monkeypatch):
-    """A long run holds only its uncommitted steps in memory; reopening a file that is mostly
-    plans of committed or superseded steps rewrites it with the same meaning, smaller."""
+def _big_entry(step: int, plan: dict) -> StepEntry:
+    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
+                     cursor_after={"base": step + 1}, digest=f"d{step}", plan=plan)
+
+
+def _plan_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in journal_module.PLAN_FILES)
+
+
+def test_journal_plan_files_take_turns_so_disk_and_memory_stay_flat(tmp_path):
+    """Plans go to two files used in turn: a full one hands over to the other once none of
+    that one's plans is still needed; memory holds only the uncommitted steps."""
     big = {"p": "x" * 2000}
-    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)  # ~10 plans a file
+    peak = 0
     for s in range(400):
-        j.record_step(StepEntry(step=s, epoch=0, world_size=2, cursor_before=None, num_samples=8,
-                                cursor_after={"base": s + 1}, digest=f"d{s}", plan=big))
+        j.record_step(_big_entry(s, big))
         if s % 10 == 9 and s < 390:
             j.commit(s)
-    j.record_step(StepEntry(step=395, epoch=0, world_size=2, cursor_before=None, num_samples=8,
-                            cursor_after={"base": 1000}, digest="again", plan={"p": "rewound"}))
+        peak = max(peak, _plan_bytes(tmp_path))
+        assert len(j.pending) <= 10
+    assert peak < 2 * 20_000 + 2 * 2100  # not 400 plans: ~0.8 MB
+    j.record_step(_big_entry(395, {"p": "rewound"}))  # a rollback supersedes 396..399
     j.record_skipped("a.tar", [("k1", "bad_image"), ("k2", "bad_audio")])
-    assert j.last_step == 395 and sorted(j.pending) == list(range(390, 396))
+    journal_size = os.path.getsize(j.path)
     j.close()
-    size = os.path.getsize(j.path)
-    monkeypatch.setattr(journal_module, "COMPACT_MIN_BYTES", 10 * size)
-    untouched = Journal(str(tmp_path), _fp())  # small file: left as it is
-    assert os.path.getsize(j.path) == size
-    untouched.close()
-    monkeypatch.setattr(journal_module, "COMPACT_MIN_BYTES", 1)
-    c = Journal(str(tmp_path), _fp())
+    assert journal_size < 400 * 200  # one small record per step, no plans
+    r = Journal(str(tmp_path), _fp(), plan_file_bytes=20_000)
     try:
-        assert os.path.getsize(c.path) < size / 5
-        assert (c.last_step, c.last_committed, c.num_skipped) == (395, 389, 2)
-        assert sorted(c.pending) == list(range(390, 396)) and c.pending[395].plan == {"p": "rewound"}
-        assert c.pending[391].plan == big and c.read_entry(12).plan is None
-        assert [c.cursor_after(s) for s in range(395)] == [{"base": s + 1} for s in range(395)]
-        assert c.cursor_after(395) == {"base": 1000} and c.read_entry(200).digest == "d200"
-        c.record_step(_entry(396))  # and it goes on appending
-        assert c.commit(396) and not c.pending
+        assert (r.last_step, r.last_committed, r.num_skipped) == (395, 389, 2)
+        assert sorted(r.pending) == list(range(390, 396)) and r.pending[395].plan == {"p": "rewound"}
+        assert r.pending[391].plan == big and r.read_entry(391).plan == big
+        assert r.read_entry(12).plan is None and r.read_entry(12).digest == "d12"  # file reused
+        assert [r.cursor_after(s) for s in range(396)] == [{"base": s + 1} for s in range(396)]
+        r.record_step(_entry(396))  # and it goes on appending
+        assert r.commit(396) and not r.pending
     finally:
-        c.close()
-    again = Journal(str(tmp_path), _fp())
-    assert (again.last_step, again.last_committed, again.cursor_after(396)) == (396, 396, {"base": 397})
-    again.close()
+        r.close()
+
+
+def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
+    for s in range(60):  # no commit: no plan file can be reused, they grow
+        j.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
+    assert _plan_bytes(tmp_path) > 60 * 2000
+    j.close()
+    r = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
+    try:
+        assert [r.pending[s].plan for s in range(60)] == [{"p": f"{s:04d}" * 500} for s in range(60)]
+        r.commit(59)
+        r.record_step(_big_entry(60, {"p": "after"}))  # the full file hands over to the other,
+        sizes = [os.path.getsize(tmp_path / f) for f in journal_module.PLAN_FILES]
+        assert min(sizes) < 200 and r.pending[60].plan == {"p": "after"}  # emptied first
+        for s in range(61, 75):  # and at the next turn the backlog's file is emptied too
+            r.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
+            r.commit(s)
+        assert _plan_bytes(tmp_path) < 2 * (20_000 + 2100)
+    finally:
+        r.close()
+
+
+def test_journal_written_with_inline_plans_still_opens(tmp_path):
+    """Journals written before plan files held each plan (and the cursor before the step)
+    inside the step record: they load, and new steps go on in the current format."""
+    def record(rec: dict) -> bytes:
+        payload = msgpack.packb(rec, use_bin_type=True)
+        return journal_module._HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+    old = [{"kind": "config", **_fp()}]
+    old += [{"kind": "step", "step": s, "epoch": 0, "world_size": 2, "cursor_before": {"base": s},
+             "cursor_after": {"base": s + 1}, "num_samples": 8, "digest": "d", "plan": {"p": s}}
+            for s in range(4)]
+    old += [{"kind": "commit", "step": 1}]
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(map(record, old)))
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert sorted(j.pending) == [2, 3] and j.pending[3].plan == {"p": 3}
+        assert j.cursor_before(2, {}) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
+        j.record_step(_entry(4))
+        assert j.read_entry(4).plan == {"p": 4} and j.cursor_after(4) == {"base": 5}
+    finally:
+        j.close()
