@@ -195,10 +195,6 @@ class Journal:
             return unpack_cursor(entry.cursor_after)
         return self._read_step(step)["cursor_after"]
 
-    def cursor_before(self, step: int, initial: dict) -> dict:
-        """The cursor at which `step` starts: after step-1, or `initial` for step 0."""
-        return initial if step == 0 else self.cursor_after(step - 1)
-
     def read_entry(self, step: int) -> StepEntry:
         """A step's entry as journaled; its plan None once the plan file it was in was reused."""
         if not 0 <= step <= self.last_step:

@@ -208,12 +208,12 @@ class Pump:
         cursor_after = self.cursor.to_wire()
         # A verbatim replay is already journaled: recording it again would supersede the
         # journaled steps after it, which ranks ahead of the others may be committing.
-        if self.journal is not None and not verbatim:
+        if self.journal is None:
+            self.cursors[step] = pack_cursor(cursor_after)
+        elif not verbatim:
             self.journal.record_step(StepEntry(
                 step=step, epoch=epoch, world_size=self.config.world_size, cursor_after=cursor_after,
                 num_samples=len(batch.samples), digest=digest, plan=plan.to_dict()))
-        elif self.journal is None:
-            self.cursors[step] = pack_cursor(cursor_after)
         self.retained.append(RetainedStep(step=step, epoch=epoch, batch=batch, plan=plan,
                                           messages=[None] * self.config.world_size,
                                           num_samples=len(batch.samples), nbytes=self.acc_bytes))

@@ -9,7 +9,6 @@ price is that planning a step pauses receiving, which credits absorb.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -110,7 +109,7 @@ class Dispatcher(Pump):
         if step == 0:
             return Cursor().to_wire()
         if self.journal is not None:
-            return self.journal.cursor_before(step, Cursor().to_wire())
+            return self.journal.cursor_after(step - 1)
         if step - 1 not in self.cursors:
             raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
                                f"knows the steps from the last commit on "
@@ -140,9 +139,9 @@ class Dispatcher(Pump):
             slot.end_sent = False
         self.replay = {}
         if self.journal is not None:
-            # Copies: a commit arriving before a step is replayed (a rank ahead of another)
-            # drops the journal's plans up to it, and the step must still replay verbatim.
-            self.replay = {s: copy.copy(e) for s, e in self.journal.pending.items()
+            # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
+            # another) drops the journal's entries up to it, and the step must still replay.
+            self.replay = {s: e for s, e in self.journal.pending.items()
                            if s >= step and e.plan is not None
                            and e.world_size == self.config.world_size}
 

@@ -10,6 +10,7 @@ buffered-bytes accounting back to zero at the end.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -223,25 +224,28 @@ def _serve_steps(d: Dispatcher, n: int) -> None:
 def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
     """After a restart, one rank may commit a step another rank still needs replayed: the
     journal then drops that plan, and the replay must still send the journaled one."""
-    def run(commit_first: bool) -> tuple[list, float]:
-        """Plan steps 0 and 1 of one shard: (their journaled plans, replay mismatches)."""
+    def run(commit_first: bool) -> tuple[list, float, int]:
+        """Plan steps 0 and 1 of one shard: (their journaled plans, replay mismatches, bytes
+        the journal grew by while serving them)."""
         # A rank ahead of the others checkpointed step 1 before anything was replayed.
         d = _fed_dispatcher(4, str(tmp_path), (lambda d: d.journal.commit(1)) if commit_first else None)
         try:
+            size = os.path.getsize(d.journal.path)
             _serve_steps(d, 2)
             plans = [d.journal.read_entry(s).plan for s in (0, 1)]
             mismatches = d.metrics.registry.get_sample_value(
                 "mmdispatch_errors_total", {"kind": "replay_mismatch"}) or 0
-            return plans, mismatches
+            return plans, mismatches, os.path.getsize(d.journal.path) - size
         finally:
             d._close()
 
-    plans, _ = run(False)  # plans steps 0 and 1 and journals them
-    assert all(p is not None for p in plans)
+    plans, _, grew = run(False)  # plans steps 0 and 1 and journals them
+    assert all(p is not None for p in plans) and grew > 0
     # Restarted from the journal, a commit of step 1 arrives before steps 0 and 1 are replayed:
-    # they are replayed from the journaled plans (before the fix: a crash on the dropped plan).
-    _, mismatches = run(True)
-    assert mismatches == 0
+    # they are replayed verbatim from the journaled plans, so nothing new is journaled (before
+    # the fix: a crash on the dropped plan; planning them again would journal them again).
+    _, mismatches, grew = run(True)
+    assert mismatches == 0 and grew == 0
 
 
 def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_path):

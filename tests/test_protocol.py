@@ -231,12 +231,12 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
     j2 = Journal(str(tmp_path), _fp())
     assert j2.last_committed == 1 and j2.last_step == 2
     assert sorted(j2.pending) == [2] and j2.pending[2].plan == {"p": 2}  # committed plans dropped
-    assert j2.cursor_before(2, {}) == {"base": 2}  # step 1 is committed: read back from the file
+    assert j2.cursor_after(1) == {"base": 2}  # step 1 is committed: read back from the file
     assert j2.read_entry(0).plan == {"p": 0}
     with pytest.raises(JournalError, match="never planned"):
         j2.commit(7)
     with pytest.raises(JournalError, match="knows steps 0..2"):
-        j2.cursor_before(9, {})
+        j2.cursor_after(8)
     j2.close()
     assert os.path.getsize(j2.path) > 0
     with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
@@ -258,7 +258,7 @@ def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_
     j.close()
     reopened = Journal(str(tmp_path), _fp())  # the same state from the file
     assert reopened.last_step == 4 and reopened.last_committed == 4 and not reopened.pending
-    assert [reopened.cursor_before(s, {}) for s in range(6)] == [{}] + [{"base": s} for s in range(1, 6)]
+    assert [reopened.cursor_after(s) for s in range(5)] == [{"base": s} for s in range(1, 6)]
     reopened.close()
 
 
@@ -339,7 +339,7 @@ def test_journal_written_with_inline_plans_still_opens(tmp_path):
     j = Journal(str(tmp_path), _fp(), fsync=False)
     try:
         assert sorted(j.pending) == [2, 3] and j.pending[3].plan == {"p": 3}
-        assert j.cursor_before(2, {}) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
+        assert j.cursor_after(1) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
         j.record_step(_entry(4))
         assert j.read_entry(4).plan == {"p": 4} and j.cursor_after(4) == {"base": 5}
     finally:
