@@ -219,6 +219,7 @@ def _start_serve(args: list[str]) -> tuple[subprocess.Popen, dict]:
         if sel.select(0.2):
             line = proc.stdout.readline()
             if line.startswith("READY "):
+                proc.errors = errors  # read back if the run fails
                 return proc, json.loads(line[6:])
             if not line:
                 break
@@ -264,6 +265,10 @@ def run_e2e(shards: list[str], a: argparse.Namespace, slow_ms: float, payloads: 
     try:
         results = _collect(trainers, 900)
         server.wait(60)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        server.errors.seek(0)
+        raise RuntimeError(f"{e}\ndispatcher (exit status {server.poll()}): "
+                           f"{server.errors.read()[-2000:]}") from e
     finally:
         peak, cpu = sampler.stop(min((r["t_first"] for r in results), default=0.0))
         for p in (*readers, server, *trainers):

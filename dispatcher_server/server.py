@@ -156,8 +156,10 @@ class Dispatcher(Pump):
         self._stop.set()
 
     def done(self) -> bool:
-        """The stream ended and every rank was told so."""
-        return self._finished() and all(s.end_sent for s in self.slots)
+        """The stream ended, every rank was told so and acknowledged its last step. (END queued
+        is not enough: a server exiting then drops what a slow rank has not yet read.)"""
+        return self._finished() and all(s.end_sent and s.received >= self.next_plan
+                                        for s in self.slots)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -282,3 +282,26 @@ def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept():
             d._cursor_before(2)
     finally:
         d._close()
+
+
+def test_the_stream_is_done_only_once_every_rank_has_its_last_step():
+    """`--exit-when-done` leaves after done(): END queued behind steps a rank has not read yet
+    must not count (the exit dropped them, and the rank reconnected to nobody until its step
+    timeout: seen in bench.stream)."""
+    d = _fed_dispatcher(4)
+    try:
+        _serve_steps(d, 0)
+        (reader,) = d.readers.values()
+        (a,) = reader.assignments
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id, count=8,
+                                                     skipped=[])), 0.0)
+        d._pump()
+        slot = d.slots[0]
+        assert d._finished() and d.next_plan == 2 and slot.end_sent  # both steps and END queued
+        assert not d.done()
+        d._on_trainer(slot.ident, P.decode(P.encode(P.CREDIT, upto=12, received=1)), 0.0)
+        assert not d.done()
+        d._on_trainer(slot.ident, P.decode(P.encode(P.CREDIT, upto=12, received=2)), 0.0)
+        assert d.done()
+    finally:
+        d._close()
