@@ -536,9 +536,31 @@ def _place_isolated(inputs, topology, oversize, first_mb, unit_costs, sample_mb,
                                                       np.zeros(len(sel), dtype=np.int64), loads)
 
 
+def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
+    """Ranks for units of sizes `tok` over W ranks of capacity `cap`, largest first: into the
+    roomiest rank that fits (balanced), else into the fullest that fits (packs tighter);
+    None if neither fits them all."""
+    order = np.argsort(-tok, kind="stable")
+    for tightest in (False, True):
+        load = np.zeros(W)
+        out = np.empty(len(tok), dtype=np.int64)
+        for u in order:
+            fits = np.flatnonzero(load + tok[u] <= cap)
+            if len(fits) == 0:
+                break
+            r = int(fits[np.argmax(load[fits]) if tightest else np.argmin(load[fits])])
+            out[u] = r
+            load[r] += tok[u]
+        else:
+            return out
+    return None
+
+
 def repair_capacity(plan: StepPlan) -> StepPlan:
     """Move units off (rank, micro-batch)s over capacity onto the roomiest rank of the same
-    micro-batch (same node first); PlanError if some rank cannot be brought under capacity."""
+    micro-batch (same node first); where moving units one by one does not get there, pack the
+    micro-batch's units of that phase again, largest first (`_repack`); PlanError if some rank
+    still cannot be brought under capacity."""
     inp, topo = plan.inputs, plan.topology
     W, M, g = topo.world_size, plan.num_microbatches, topo.ranks_per_node
     free = np.ones(M, dtype=bool)
@@ -579,6 +601,13 @@ def repair_capacity(plan: StepPlan) -> StepPlan:
                 load[grp] -= tok[u]
                 load[m * W + dst] += tok[u]
                 changed = True
+            if load[grp] > cap:
+                in_mb = np.flatnonzero(mb == m)
+                packed = _repack(tok[in_mb], W, cap)
+                if packed is not None:
+                    rank[in_mb] = packed
+                    load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
+                    changed = True
             if load[grp] > cap:
                 what = "LLM" if name is None else name
                 raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
