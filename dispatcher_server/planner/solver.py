@@ -434,11 +434,34 @@ def pull_home(sz: np.ndarray, home: np.ndarray, r: np.ndarray, loads: np.ndarray
 
 
 def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
-    """Balanced, node-aware plan of one step (see module docstring). Deterministic in `seed`."""
+    """Balanced, node-aware plan of one step (see module docstring). Deterministic in `seed`.
+
+    With `oversize="isolate"`, a step whose M micro-batches cannot be packed under the
+    capacities gets more (M + 1, + 2, + 4, ... for every rank alike, with a warning) rather
+    than a PlanError: like an isolated sample, it runs in more, smaller micro-batches."""
     check_inputs(inputs)
+    M = config.microbatches_for(inputs, topology)
+    try:
+        return _plan_with(inputs, topology, config, M)
+    except PlanError as refused:
+        if config.oversize != "isolate":
+            raise
+        extra = 1
+        while extra <= inputs.num_samples:
+            try:
+                plan = _plan_with(inputs, topology, config, M + extra)
+            except PlanError:
+                extra *= 2
+                continue
+            warnings.warn(f"{refused}: planned the step in {M + extra} micro-batches instead "
+                          f"of {M}", stacklevel=2)
+            return plan
+        raise
+
+
+def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M: int) -> StepPlan:
     W = topology.world_size
     S = inputs.num_samples
-    M = config.microbatches_for(inputs, topology)
     rng = np.random.default_rng(config.seed)
     unit_costs = phase_costs(inputs, config.cost)
     cost, big = sample_phase_costs(inputs, unit_costs)
@@ -457,6 +480,8 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
     mb = split_microbatches(cost, big, idx, M, W, rng)
     if not _split_fits(inputs, config, idx, mb, M, W):
         mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
+        if not _split_fits(inputs, config, idx, mb, M, W):
+            mb = _split_by_capacity(inputs, config, idx, M)
     sample_mb[idx] = mb
     item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
     for m in range(M):
@@ -495,6 +520,33 @@ def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
         padded = config.cost.phase(p).padded_len(it.enc_len)
         bad[it.sample[padded > cap]] = True
     return np.flatnonzero(bad)
+
+
+def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray,
+                       M: int) -> np.ndarray:
+    """Micro-batch of each sample in `idx` by its share of each capacity: heaviest first, into
+    the micro-batch whose fullest phase stays lowest. For steps whose cost-balanced splits
+    crowd one micro-batch past what its ranks can hold (the step-time optimum often puts the
+    heavy samples together)."""
+    shares = []
+    if config.llm_capacity is not None:
+        shares.append(inputs.llm_len[idx] / config.llm_capacity)
+    pos = np.full(inputs.num_samples, -1, dtype=np.int64)
+    pos[idx] = np.arange(len(idx))
+    for p, cap in config.encoder_capacity.items():
+        it = inputs.items(p)
+        at = pos[it.sample]
+        keep = at >= 0
+        tok = config.cost.phase(p).padded_len(it.enc_len)[keep]
+        shares.append(np.bincount(at[keep], weights=tok, minlength=len(idx)) / cap)
+    share = np.stack(shares, axis=1) if shares else np.zeros((len(idx), 1))
+    full = np.zeros((M, share.shape[1]))
+    mb = np.empty(len(idx), dtype=np.int64)
+    for i in np.argsort(-share.max(axis=1), kind="stable"):
+        m = int(np.argmin((full + share[i]).max(axis=1)))
+        mb[i] = m
+        full[m] += share[i]
+    return mb
 
 
 def _split_fits(inputs, config, idx, mb, M, W) -> bool:
