@@ -522,12 +522,8 @@ def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
     return np.flatnonzero(bad)
 
 
-def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray,
-                       M: int) -> np.ndarray:
-    """Micro-batch of each sample in `idx` by its share of each capacity: heaviest first, into
-    the micro-batch whose fullest phase stays lowest. For steps whose cost-balanced splits
-    crowd one micro-batch past what its ranks can hold (the step-time optimum often puts the
-    heavy samples together)."""
+def _capacity_shares(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray) -> np.ndarray:
+    """(len(idx), capacities): each sample's tokens of every capped phase over its capacity."""
     shares = []
     if config.llm_capacity is not None:
         shares.append(inputs.llm_len[idx] / config.llm_capacity)
@@ -539,11 +535,20 @@ def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarra
         keep = at >= 0
         tok = config.cost.phase(p).padded_len(it.enc_len)[keep]
         shares.append(np.bincount(at[keep], weights=tok, minlength=len(idx)) / cap)
-    share = np.stack(shares, axis=1) if shares else np.zeros((len(idx), 1))
+    return np.stack(shares, axis=1) if shares else np.zeros((len(idx), 0))
+
+
+def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray,
+                       M: int) -> np.ndarray:
+    """Micro-batch of each sample in `idx` by its share of each capacity: heaviest first, into
+    the micro-batch whose fullest phase stays lowest. For steps whose cost-balanced splits
+    crowd one micro-batch past what its ranks can hold (the step-time optimum often puts the
+    heavy samples together)."""
+    share = _capacity_shares(inputs, config, idx)
     full = np.zeros((M, share.shape[1]))
     mb = np.empty(len(idx), dtype=np.int64)
-    for i in np.argsort(-share.max(axis=1), kind="stable"):
-        m = int(np.argmin((full + share[i]).max(axis=1)))
+    for i in np.argsort(-share.max(axis=1, initial=0), kind="stable"):
+        m = int(np.argmin((full + share[i]).max(axis=1, initial=0)))
         mb[i] = m
         full[m] += share[i]
     return mb
@@ -552,21 +557,9 @@ def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarra
 def _split_fits(inputs, config, idx, mb, M, W) -> bool:
     """Whether the split leaves every micro-batch's tokens comfortably under W x capacity."""
     tight = 0.9
-    if config.llm_capacity is not None:
-        tok = np.bincount(mb, weights=inputs.llm_len[idx], minlength=M)
-        if tok.max(initial=0) > tight * W * config.llm_capacity:
-            return False
-    pos = np.full(inputs.num_samples, -1, dtype=np.int64)
-    pos[idx] = mb
-    for p, cap in config.encoder_capacity.items():
-        it = inputs.items(p)
-        m = pos[it.sample]
-        keep = m >= 0
-        tok = np.bincount(m[keep], weights=config.cost.phase(p).padded_len(it.enc_len)[keep],
-                          minlength=M)
-        if tok.max(initial=0) > tight * W * cap:
-            return False
-    return True
+    share = _capacity_shares(inputs, config, idx)
+    return all(np.bincount(mb, weights=share[:, k], minlength=M).max(initial=0) <= tight * W
+               for k in range(share.shape[1]))
 
 
 def _place_isolated(inputs, topology, oversize, first_mb, unit_costs, sample_mb, sample_rank,
