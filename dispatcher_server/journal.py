@@ -74,7 +74,6 @@ class Journal:
         if missing:
             raise ValueError(f"journal fingerprint lacks fields {missing}")
         os.makedirs(directory, exist_ok=True)
-        self.directory = directory
         self.path = os.path.join(directory, JOURNAL_FILE)
         self.fsync = fsync
         if plan_file_bytes < 1:

@@ -99,8 +99,7 @@ class Pump:
         reader = self.readers.get(a.reader)
         if a.pos < min(todo) or reader is None:
             return
-        self._send_reader(reader, P.CANCEL, assign_id=a.id)
-        self._release(reader, a)  # its buffer and next_index stay: nothing is lost
+        self._take_back(reader, a)
         event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _acc_epoch_end(self) -> int:

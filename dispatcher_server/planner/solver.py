@@ -478,10 +478,11 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     sample_rank = np.zeros(S, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
     mb = split_microbatches(cost, big, idx, M, W, rng)
-    if not _split_fits(inputs, config, idx, mb, M, W):
+    share = _capacity_shares(inputs, config, idx)
+    if not _split_fits(share, mb, M, W):
         mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
-        if not _split_fits(inputs, config, idx, mb, M, W):
-            mb = _split_by_capacity(inputs, config, idx, M)
+        if not _split_fits(share, mb, M, W):
+            mb = _split_by_capacity(share, M)
     sample_mb[idx] = mb
     item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
     for m in range(M):
@@ -538,15 +539,13 @@ def _capacity_shares(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray)
     return np.stack(shares, axis=1) if shares else np.zeros((len(idx), 0))
 
 
-def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray,
-                       M: int) -> np.ndarray:
-    """Micro-batch of each sample in `idx` by its share of each capacity: heaviest first, into
+def _split_by_capacity(share: np.ndarray, M: int) -> np.ndarray:
+    """Micro-batch of each sample by its `share` of each capacity: heaviest first, into
     the micro-batch whose fullest phase stays lowest. For steps whose cost-balanced splits
     crowd one micro-batch past what its ranks can hold (the step-time optimum often puts the
     heavy samples together)."""
-    share = _capacity_shares(inputs, config, idx)
     full = np.zeros((M, share.shape[1]))
-    mb = np.empty(len(idx), dtype=np.int64)
+    mb = np.empty(len(share), dtype=np.int64)
     for i in np.argsort(-share.max(axis=1, initial=0), kind="stable"):
         m = int(np.argmin((full + share[i]).max(axis=1, initial=0)))
         mb[i] = m
@@ -554,10 +553,9 @@ def _split_by_capacity(inputs: StepInputs, config: PlannerConfig, idx: np.ndarra
     return mb
 
 
-def _split_fits(inputs, config, idx, mb, M, W) -> bool:
+def _split_fits(share: np.ndarray, mb: np.ndarray, M: int, W: int) -> bool:
     """Whether the split leaves every micro-batch's tokens comfortably under W x capacity."""
     tight = 0.9
-    share = _capacity_shares(inputs, config, idx)
     return all(np.bincount(mb, weights=share[:, k], minlength=M).max(initial=0) <= tight * W
                for k in range(share.shape[1]))
 
