@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import STEP, encode
+from dispatcher_server.protocol import STEP, StepItemHeader, encode
 from dispatcher_server.stepwire import pack_microbatch
 
 _PHASE_OF = {"image": "vision", "audio": "audio"}
@@ -30,7 +30,7 @@ class Sample:
     text_len: int
     llm_len: int
     text: bytes
-    items: list  # [modality, member, enc_len, llm_len, meta] per item
+    items: list  # ItemHeader per item
     payloads: list  # one buffer per item
     nbytes: int
 
@@ -45,9 +45,9 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
         return "invalid_header"
     total = text_len
     for it in items:
-        if it[0] not in _PHASE_OF or it[2] < 0 or it[3] < 0:
+        if it.modality not in _PHASE_OF or it.enc_len < 0 or it.llm_len < 0:
             return "invalid_header"
-        total += it[3]
+        total += it.llm_len
     return "invalid_llm_len" if llm_len != total else None
 
 
@@ -64,7 +64,7 @@ class StepBatch:
     item_refs: dict[str, list[tuple[int, int]]]  # phase -> (sample id, item index) per item id
     keys: list[str]  # per sample id
     texts: list[bytes]  # per sample id
-    item_headers: dict[str, list[list]]  # phase -> [modality, key, member, meta] per item id
+    item_headers: dict[str, list[StepItemHeader]]  # phase -> header per item id
     item_payloads: dict[str, list]  # phase -> payload buffer per item id
     item_sizes: dict[str, list[int]]  # phase -> payload bytes per item id
 
@@ -89,14 +89,14 @@ def build_batch(samples: list[Sample]) -> StepBatch:
             continue
         key, payloads = s.key, s.payloads
         for ii, it in enumerate(s.items):
-            c = by_modality.get(it[0])
+            c = by_modality.get(it.modality)
             if c is None:
-                raise ValueError(f"unknown item modality {it[0]!r}")
+                raise ValueError(f"unknown item modality {it.modality!r}")
             c[0].append((si, ii))
-            c[1].append(it[2])
-            c[2].append(it[3])
+            c[1].append(it.enc_len)
+            c[2].append(it.llm_len)
             c[3].append(si)
-            c[4].append([it[0], key, it[1], it[4]])
+            c[4].append(StepItemHeader(it.modality, key, it.member, it.meta))
             p = payloads[ii]
             c[5].append(p)
             c[6].append(memoryview(p).nbytes)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import msgpack
 
 #: Bumped on any incompatible change of a header schema or the frame layout.
 #: v2: SAMPLES and STEP carry their item payloads coalesced, one frame plus a `sizes` list.
 #: v3: WELCOME says the session's payload mode; in `reference` mode payloads are references.
-VERSION = 3
+#: v4: skipped samples travel with SAMPLES as they happen, as (key, reason, index) records;
+#:     HELLO/WELCOME carry the dataset fingerprint; END also tells readers the job is done.
+VERSION = 4
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -30,11 +32,11 @@ HEARTBEAT = "heartbeat"  # either way: liveness (any message counts as one)
 SHARD_REQUEST = "shard_request"  # reader -> dispatcher: ready for shards, `shards` at a time
 SHARD_ASSIGN = "shard_assign"  # dispatcher -> reader: read shard from start_index
 CANCEL = "cancel"  # dispatcher -> reader: stop an assignment (reassigned or rewound)
-SAMPLES = "samples"  # reader -> dispatcher: sample headers + the items' payloads (see below)
-SHARD_DONE = "shard_done"  # reader -> dispatcher: assignment finished, count + skipped keys
+SAMPLES = "samples"  # reader -> dispatcher: sample headers, skipped samples, items' payloads
+SHARD_DONE = "shard_done"  # reader -> dispatcher: assignment finished, count + last skips
 CREDIT = "credit"  # dispatcher -> reader: samples it may send; trainer -> dispatcher: steps
 STEP = "step"  # dispatcher -> trainer: one rank's micro-batches of one step
-END = "end"  # dispatcher -> trainer: no more steps (max steps / epochs reached)
+END = "end"  # dispatcher -> peer: no more steps (trainers) / the job is done (readers)
 COMMIT = "commit"  # trainer -> dispatcher: step checkpointed; echoed back once journaled
 BYE = "bye"  # peer -> dispatcher: leaving on purpose
 
@@ -55,23 +57,26 @@ _OPT_INT = (int, type(None))
 SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
             "world_size": (_INT, False), "local_world_size": (_INT, False),
-            "next_step": (_OPT_INT, False), "prefetch": (_INT, False)},
+            "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
+            "dataset": (dict, False)},
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),
               "world_size": (_INT, False), "next_step": (_INT, False),
-              "num_microbatches": (_OPT_INT, False), "payloads": (str, False)},
+              "num_microbatches": (_OPT_INT, False), "payloads": (str, False),
+              "dataset": (dict, False)},
     ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
     HEARTBEAT: {},
     SHARD_REQUEST: {"shards": (_INT, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True)},
     CANCEL: {"assign_id": (_INT, True)},
-    SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False)},
+    SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
+              "skipped": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
            "world_size": (_INT, True), "microbatches": (list, True)},
-    END: {"next_step": (_INT, True), "reason": (str, True)},
+    END: {"next_step": (_INT, False), "reason": (str, True)},
     COMMIT: {"step": (_INT, True)},
     BYE: {},
 }
@@ -213,30 +218,73 @@ def _list_of(x: Any, n: int, types: tuple, what: str) -> list:
 #: SAMPLES: one sample header per sample; the payloads follow in (sample, item) order, either
 #: one frame per item (no `sizes`), or coalesced in exactly one frame sliced by `sizes` (bytes
 #: per item), which is what readers send: one frame per message instead of one per item.
-SAMPLE_FIELDS = ("key", "index", "text_len", "llm_len", "text", "items")
-ITEM_FIELDS = ("modality", "member", "enc_len", "llm_len", "meta")
+#: On the wire headers are msgpack arrays (compact); `decode` hands them out as the named
+#: records below, so no code indexes a header by position.
+class ItemHeader(NamedTuple):
+    """One image/audio item of a sample, as a reader counted it."""
+
+    modality: str
+    member: str  # member suffix inside the sample, e.g. "0.jpg"
+    enc_len: int
+    llm_len: int
+    meta: dict
+
+
+class SampleHeader(NamedTuple):
+    """One counted sample: its place in the shard, its lengths, its text and its items."""
+
+    key: str
+    index: int  # raw index in its shard
+    text_len: int
+    llm_len: int
+    text: bytes
+    items: list  # of ItemHeader
+
+
+class SkipRecord(NamedTuple):
+    """A sample a reader could not use: reported by key and index, never silently lost.
+    `index` is -1 for shard-level failures (the rest of the shard is unreadable)."""
+
+    key: str
+    reason: str
+    index: int
+
+
+SAMPLE_FIELDS = SampleHeader._fields
+ITEM_FIELDS = ItemHeader._fields
 
 
 def _check_samples(fields: dict, payloads: list) -> None:
     # The dispatcher's hottest check (every sample passes here): exact type tests, no helpers.
     num_items = 0
+    headers = []
     for s in fields["samples"]:
         if (type(s) is not list or len(s) != 6 or type(s[0]) is not str or type(s[1]) is not int
                 or type(s[2]) is not int or type(s[3]) is not int or type(s[4]) is not bytes
                 or type(s[5]) is not list):
             raise ProtocolError("malformed sample header")
+        items = []
         for it in s[5]:
             if (type(it) is not list or len(it) != 5 or type(it[0]) is not str
                     or type(it[1]) is not str or type(it[2]) is not int or type(it[3]) is not int
                     or type(it[4]) is not dict):
                 raise ProtocolError("malformed item header")
-        num_items += len(s[5])
+            items.append(ItemHeader(*it))
+        num_items += len(items)
+        headers.append(SampleHeader(s[0], s[1], s[2], s[3], s[4], items))
+    fields["samples"] = headers
+    if "skipped" in fields:
+        fields["skipped"] = _skip_records(fields["skipped"])
     sizes = fields.get("sizes")
     if sizes is None:
         if num_items != len(payloads):
             raise ProtocolError(f"samples: {num_items} items but {len(payloads)} payload frames")
         return
     _check_sizes(sizes, num_items, payloads, "samples")
+
+
+def _skip_records(entries: list) -> list[SkipRecord]:
+    return [SkipRecord(*_list_of(e, 3, (str, str, int), "skipped entry")) for e in entries]
 
 
 def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
@@ -297,13 +345,22 @@ def split_payload(frame: memoryview, sizes: list[int]) -> list[memoryview]:
 
 def _check_shard_done(fields: dict, payloads: list) -> None:
     _no_payload(fields, payloads)
-    for s in fields["skipped"]:
-        _list_of(s, 2, (str, str), "skipped entry")
+    fields["skipped"] = _skip_records(fields["skipped"])
 
 
 #: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then
 #: one frame holding the payloads of the encoder items this rank encodes, coalesced in
 #: encode order (phases in ENCODER_PHASES order), `sizes` bytes each; `payloads` counts them.
+#: Each entry of `items` is a StepItemHeader.
+class StepItemHeader(NamedTuple):
+    """An encoder item as a trainer receives it: what it is and which sample owns it."""
+
+    modality: str
+    key: str  # the owning sample's key
+    member: str
+    meta: dict
+
+
 MICROBATCH_FIELDS = {"arrays": list, "keys": list, "texts": list, "items": list, "payloads": int,
                      "sizes": list}
 
@@ -324,8 +381,8 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: texts must be bytes")
         if len(mb["items"]) != mb["payloads"]:
             raise ProtocolError("step: item headers and payload count disagree")
-        for it in mb["items"]:
-            _list_of(it, 4, (str, str, str, dict), "step item header")
+        mb["items"] = [StepItemHeader(*_list_of(it, 4, (str, str, str, dict), "step item header"))
+                       for it in mb["items"]]
         expected += 2
     if expected != len(payloads):
         raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
@@ -360,42 +417,3 @@ def pending(sock: Any, budget: int | None = None):
         except zmq.Again:
             return
         count += 1
-
-
-def keep_freed_memory(threshold_mb: int) -> bool:
-    """Let glibc reuse freed blocks below `threshold_mb` instead of mapping fresh pages each time.
-
-    Coalesced payload frames are MBs each; by default glibc serves them with mmap and unmaps
-    them on free, so every frame pays page faults on first write (measured: most of the
-    dispatcher's copy and free time). With a fixed mmap threshold and trim threshold the heap
-    keeps the pages: RSS stays at the working-set peak, which credits already bound. Returns
-    whether it applied (glibc only; 0 turns it off).
-    """
-    if threshold_mb <= 0:
-        return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, threshold_mb << 20)
-                    and libc.mallopt(m_trim_threshold, 2 * threshold_mb << 20))
-    except (OSError, AttributeError):
-        return False
-
-
-def relax_gc(young_threshold: int = 50_000) -> None:
-    """Collect garbage less often in a service process (dispatcher, reader).
-
-    Their hot loops allocate many short-lived acyclic objects (message headers, per-sample
-    lists), which the default young-generation threshold of 700 turns into thousands of
-    collections per second, each also walking everything buffered. Freezing what start-up
-    created and raising the threshold keeps cycles collected while cutting that work (measured:
-    ~10-15% of the dispatcher's non-planning CPU). Not for trainer processes: their GC is theirs.
-    """
-    import gc
-
-    gc.freeze()
-    _, second, third = gc.get_threshold()
-    gc.set_threshold(young_threshold, second, third)
-

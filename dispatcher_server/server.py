@@ -289,7 +289,7 @@ class Dispatcher(Pump):
         item_bytes = sizes if sizes is not None else [v.nbytes for v in views]
         at = received = nbytes = 0
         bad: list[tuple[str, str]] = []
-        for key, index, text_len, llm_len, text, items in msg["samples"]:  # P.SAMPLE_FIELDS
+        for key, index, text_len, llm_len, text, items in msg["samples"]:  # P.SampleHeader
             start, at = at, at + len(items)
             if index < next_index:
                 self.metrics.error("out_of_order", key=key, index=index)
@@ -340,7 +340,7 @@ class Dispatcher(Pump):
         prog = self.progress[a.pos]
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
-        self._skip(prog.url, [(k, r) for k, r in msg["skipped"]])
+        self._skip(prog.url, [(s.key, s.reason) for s in msg["skipped"]])
         prog.reader_done = True
         self._release(reader, a)
 

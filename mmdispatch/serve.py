@@ -23,7 +23,7 @@ from dispatcher_server.config import (
     BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
 )
 from dispatcher_server.planner import PlannerConfig
-from dispatcher_server.protocol import keep_freed_memory, relax_gc
+from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from dispatcher_server.server import Dispatcher
 from pipeline.shards import expand_shards
 

@@ -22,6 +22,7 @@ import zmq
 import zmq.auth
 
 from dispatcher_server import protocol as P
+from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.records import SampleRecord
@@ -256,7 +257,7 @@ class ReaderWorker:
         new = a.stats.num_errors - before
         if new > 0:
             recent = list(a.stats.recent)[-new:]
-            a.skipped.extend([key or "", reason] for reason, _shard, key, _msg in recent)
+            a.skipped.extend([key or "", reason, -1] for reason, _shard, key, _msg in recent)
 
 
 # -- the `read` command ---------------------------------------------------------------------
@@ -302,8 +303,8 @@ def _worker_main(args: argparse.Namespace, worker: int) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    P.keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
-    P.relax_gc()
+    keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
+    relax_gc()
     ReaderWorker(config_from_args(args, worker)).run(stop)
 
 

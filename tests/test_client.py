@@ -26,10 +26,10 @@ def _samples(n: int = 10) -> list[Sample]:
         for j in range(int(rng.integers(0, 3))):
             modality = "image" if j % 2 == 0 else "audio"
             enc = int(rng.integers(16, 200))
-            items.append([modality, f"{j}.bin", enc, enc // 4, {"j": j}])
+            items.append(P.ItemHeader(modality, f"{j}.bin", enc, enc // 4, {"j": j}))
             payloads.append(memoryview(bytes([i, j]) * 50))
         text_len = int(rng.integers(1, 40))
-        llm = text_len + sum(it[3] for it in items)
+        llm = text_len + sum(it.llm_len for it in items)
         out.append(Sample(key=f"s{i}", pos=0, index=i, text_len=text_len, llm_len=llm,
                           text=f"text {i}".encode(), items=items, payloads=payloads,
                           nbytes=sum(p.nbytes for p in payloads)))

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dispatcher_server import protocol as P
+from dispatcher_server.tuning import keep_freed_memory
 from dispatcher_server import journal as journal_module
 from dispatcher_server.journal import Journal, JournalError, StepEntry
 from dispatcher_server.ordering import Cursor, ShardOrder, epoch_order
@@ -29,7 +30,13 @@ def test_round_trip_keeps_fields_and_payloads_without_copies():
     sample = ["k1", 3, 10, 74, b"hello", [["image", "jpg", 256, 64, {"width": 32}]]]
     frames = P.encode(P.SAMPLES, seq=7, frames=[payload], assign_id=2, samples=[sample])
     msg = P.decode(frames)
-    assert (msg.type, msg.seq, msg["assign_id"], msg["samples"]) == (P.SAMPLES, 7, 2, [sample])
+    assert (msg.type, msg.seq, msg["assign_id"]) == (P.SAMPLES, 7, 2)
+    # Headers come out as named records with the same values in the same order.
+    (got,) = msg["samples"]
+    assert isinstance(got, P.SampleHeader) and isinstance(got.items[0], P.ItemHeader)
+    assert (got.key, got.index, got.text_len, got.llm_len, got.text) == ("k1", 3, 10, 74, b"hello")
+    assert got.items[0] == P.ItemHeader("image", "jpg", 256, 64, {"width": 32})
+    assert [list(got[:5]) + [[list(it) for it in got.items]]] == [sample]
     assert bytes(msg.frames[0]) == bytes(payload)
     payload[0] = 0xFF  # the decoded frame is a view over the sender's buffer, not a copy
     assert msg.frames[0][0] == 0xFF
@@ -75,7 +82,7 @@ def test_step_payload_frame_must_match_its_sizes():
 
 
 def test_keep_freed_memory_is_off_at_zero():
-    assert P.keep_freed_memory(0) is False
+    assert keep_freed_memory(0) is False
 
 
 @pytest.mark.parametrize("type_,fields", [
@@ -84,7 +91,7 @@ def test_keep_freed_memory_is_off_at_zero():
     (P.ERROR, {"code": "x", "message": "y"}),
     (P.HEARTBEAT, {}),
     (P.SHARD_ASSIGN, {"assign_id": 1, "shard": "a.tar", "pos": 3, "epoch": 0, "start_index": 5}),
-    (P.SHARD_DONE, {"assign_id": 1, "count": 9, "skipped": [["k", "bad_image"]]}),
+    (P.SHARD_DONE, {"assign_id": 1, "count": 9, "skipped": [P.SkipRecord("k", "bad_image", 3)]}),
     (P.CREDIT, {"upto": 5, "received": 3}),
     (P.END, {"next_step": 4, "reason": "max_epochs"}),
     (P.COMMIT, {"step": 3}),
@@ -92,6 +99,17 @@ def test_keep_freed_memory_is_off_at_zero():
 def test_every_type_round_trips(type_, fields):
     msg = P.decode(P.encode(type_, seq=1, **fields))
     assert msg.type == type_ and msg.header == fields
+
+
+def test_skips_travel_as_named_records_in_samples_and_shard_done():
+    skipped = [["k7", "bad_image", 7], ["", "truncated_tar", -1]]
+    msg = P.decode(P.encode(P.SAMPLES, frames=[b""], assign_id=1, samples=[], sizes=[],
+                            skipped=skipped))
+    assert msg["skipped"] == [P.SkipRecord("k7", "bad_image", 7), P.SkipRecord("", "truncated_tar", -1)]
+    done = P.decode(P.encode(P.SHARD_DONE, assign_id=1, count=3, skipped=skipped))
+    assert [s.index for s in done["skipped"]] == [7, -1]
+    with pytest.raises(P.ProtocolError):  # an index is required: a skip says where it was
+        P.decode(P.encode(P.SHARD_DONE, assign_id=1, count=3, skipped=[["k", "bad_image"]]))
 
 
 @pytest.mark.parametrize("header,frames,code", [

@@ -42,11 +42,12 @@ def _step_frames() -> list[bytes]:
     rng = np.random.default_rng(2)
     samples = []
     for i in range(6):
-        items = [["image", "jpg", 64, 16, {"w": 8}]] if i % 2 else [["audio", "wav", 50, 10, {}]]
+        items = ([P.ItemHeader("image", "jpg", 64, 16, {"w": 8})] if i % 2
+                 else [P.ItemHeader("audio", "wav", 50, 10, {})])
         payloads = [memoryview(bytes([i]) * 20)]
         text_len = int(rng.integers(1, 30))
         samples.append(Sample(key=f"k{i}", pos=0, index=i, text_len=text_len,
-                              llm_len=text_len + items[0][3], text=b"t", items=items,
+                              llm_len=text_len + items[0].llm_len, text=b"t", items=items,
                               payloads=payloads, nbytes=20))
     batch = build_batch(samples)
     plan = plan_step(batch.inputs, Topology(world_size=2, ranks_per_node=1),
@@ -64,7 +65,7 @@ def valid_messages() -> list[list[bytes]]:
         P.encode(P.SAMPLES, frames=[b"\xff\xd8jpeg", b"RIFFwav"], assign_id=2, samples=[
             ["k1", 3, 10, 74, b"hello", [["image", "jpg", 256, 64, {"width": 32}]]],
             ["k2", 4, 1, 11, b"", [["audio", "wav", 40, 10, {"sr": 16000}]]]]),
-        P.encode(P.SHARD_DONE, assign_id=1, count=9, skipped=[["k", "bad_image"]]),
+        P.encode(P.SHARD_DONE, assign_id=1, count=9, skipped=[["k", "bad_image", 3]]),
         P.encode(P.CREDIT, upto=5, received=3),
         P.encode(P.END, next_step=4, reason="max_epochs"),
         P.encode(P.COMMIT, step=3),

@@ -211,8 +211,8 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
                     phase=phase, item_ids=tensors[f"{phase}.encode_items"],
                     enc_len=tensors[f"{phase}.encode_enc_len"],
                     llm_len=tensors[f"{phase}.encode_llm_len"], payloads=list(payloads[k:k + n]),
-                    modalities=[h[0] for h in heads], sample_keys=[h[1] for h in heads],
-                    members=[h[2] for h in heads], meta=[h[3] for h in heads])
+                    modalities=[h.modality for h in heads], sample_keys=[h.key for h in heads],
+                    members=[h.member for h in heads], meta=[h.meta for h in heads])
             k += n
         if k != len(payloads) or len(mb["keys"]) != len(plan.samples):
             raise P.ProtocolError("step: payload or key counts disagree with the plan arrays")
