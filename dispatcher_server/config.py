@@ -7,6 +7,7 @@ outstanding never exceed `max_buffered_samples`, and new credits stop at `max_bu
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from dispatcher_server.planner.config import PlannerConfig
@@ -116,6 +117,14 @@ class ServerConfig:
         f = self.flow
         spare = f.max_buffered_samples - (f.max_retained_steps + 1) * self.batch.global_batch
         return spare // f.num_inflight_shards
+
+    def dataset_fingerprint(self) -> dict:
+        """What a trainer's checkpoint must match to resume here: the sample sequence's inputs
+        (shard list as a digest, so it stays small at thousands of shards)."""
+        digest = hashlib.blake2b("\0".join(self.shards).encode(), digest_size=8).hexdigest()
+        return {"shards": digest, "num_shards": len(self.shards), "seed": self.seed,
+                "mode": self.mode, "global_batch": self.batch.global_batch,
+                "token_budget": self.batch.token_budget}
 
     def fingerprint(self) -> dict:
         return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,

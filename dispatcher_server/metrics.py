@@ -66,3 +66,37 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class SkipLog:
+    """Skipped samples: every key kept (and counted in the metrics), but logged as one line per
+    (shard, reason): at once the first time, then at most once every `every_s` seconds with the
+    count since, so a bad shard of 10,000 samples is a few warnings, not 10,000."""
+
+    def __init__(self, metrics: Metrics, every_s: float = 5.0) -> None:
+        self.metrics = metrics
+        self.every_s = every_s
+        self.keys: list[tuple[str, str]] = []  # (key, reason) in the order reported
+        self._pending: dict[tuple[str, str], list[str]] = {}  # (shard, reason) -> keys
+        self._logged: set[tuple[str, str]] = set()  # logged in the current interval
+        self._interval_start = 0.0
+
+    def add(self, shard: str, skipped: list[tuple[str, str]]) -> None:
+        self.keys.extend(skipped)
+        self.metrics.skipped.inc(len(skipped))
+        for key, reason in skipped:
+            self._pending.setdefault((shard, reason), []).append(key)
+
+    def flush(self, now: float | None) -> None:
+        """Log what is due: new (shard, reason) pairs, and everything once the interval is over
+        (or when `now` is None, at shutdown)."""
+        due = now is None or now - self._interval_start >= self.every_s
+        for what in [w for w in self._pending if due or w not in self._logged]:
+            keys = self._pending.pop(what)
+            shown = ",".join(keys[:5]) + (",..." if len(keys) > 5 else "")
+            event("sample_skipped", logging.WARNING, shard=what[0], reason=what[1],
+                  count=len(keys), keys=shown)
+            self._logged.add(what)
+        if due and now is not None:
+            self._logged.clear()
+            self._interval_start = now

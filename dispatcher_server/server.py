@@ -1,10 +1,13 @@
 """The dispatcher: one ROUTER for readers, one for trainers, and a single poll loop between them.
 
-After every poll it handles messages, then pumps: open shards in the order window, assign them
-to idle readers, move samples into the step being filled, plan and journal full steps, send each
-rank its part within its credits, drop steps every rank acknowledged, grant reader credits,
-expire silent peers and send heartbeats. One thread owns all state, so there are no locks; the
-price is that planning a step pauses receiving, which credits absorb.
+This module is socket I/O and message dispatch only; the decisions live in parts that own
+their state and are tested without sockets: the step assembler (window, shard progress,
+cursor, the step being filled), the reader pool (who reads which shard), credit control,
+delivery (retained steps, sends, END) and the replay source (journal, cursors, commits).
+After every poll the loop pumps them in that order, expires silent peers and heartbeats. One
+thread owns all state, so there are no locks; planning a step pauses receiving, which credits
+absorb. A journal write that fails stops the loop (the journal on disk stays consistent and a
+restart resumes from it); so does a step the planner refuses, once, with the samples named.
 """
 
 from __future__ import annotations
@@ -12,20 +15,31 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 
 import zmq
 
 from dispatcher_server import protocol as P
-from dispatcher_server.batching import Sample, header_problem
+from dispatcher_server.assembler import StepAssembler
+from dispatcher_server.batching import build_batch, rank_message
 from dispatcher_server.config import ServerConfig
-from dispatcher_server.journal import Journal, JournalError, unpack_cursor
-from dispatcher_server.metrics import Metrics, event
-from dispatcher_server.ordering import Cursor, ShardOrder
-from dispatcher_server.peers import Assignment, Reader, RetainedStep, ShardProgress, TrainerSlot
+from dispatcher_server.credits import Holdings, grants
+from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
+from dispatcher_server.halt import Halt, oversize_report
+from dispatcher_server.journal import Journal, JournalError, StepEntry
+from dispatcher_server.metrics import Metrics, SkipLog, event
+from dispatcher_server.ordering import ShardOrder
+from dispatcher_server.planner import PlanError, plan_step
+from dispatcher_server.planner.plan import StepPlan
 from dispatcher_server.planner.types import Topology
-from dispatcher_server.pump import Pump
-from dispatcher_server.steplog import StepLog
+from dispatcher_server.readerpool import Assignment, Reader, ReaderPool
+from dispatcher_server.replay import ReplaySource
+from dispatcher_server.steplog import StepLog, plan_record
+
+log = logging.getLogger("mmdispatch.server")
+
+
+class Fatal(Exception):
+    """The dispatcher must stop: the message says why and what to do."""
 
 
 def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
@@ -41,49 +55,78 @@ def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
-class Dispatcher(Pump):
-    """Bind, then `run()` (blocking) or `start()` (background thread); `stop()` ends the loop."""
+class Dispatcher:
+    """Bind, then `run()` (blocking) or `start()` (background thread); `stop()` ends the loop.
+
+    After `run()` returns, `fatal` holds the reason if the dispatcher stopped on its own
+    (a failed journal write, a step the planner refused); None otherwise.
+    """
 
     def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None) -> None:
         self.config = config
         self.ctx = context or zmq.Context.instance()
         self.order = ShardOrder(config.shards, config.seed, config.max_epochs)
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
+        self.dataset = config.dataset_fingerprint()
+        self.fatal: str | None = None
+        self._halt = Halt(config.journal_dir, config.planner) if config.journal_dir else None
+        if self._halt is not None:
+            self._halt.check()  # a job the planner ended does not start into the same step
         # The journal first: a restore that cannot be honoured fails before anything is opened.
-        self.journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync,
-                                plan_file_bytes=config.journal_plan_file_bytes)
-                        if config.journal_dir else None)
-        self.metrics = Metrics(config.metrics_port, config.metrics_host)
+        journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync,
+                           plan_file_bytes=config.journal_plan_file_bytes)
+                   if config.journal_dir else None)
+        self.journal = journal
+        try:
+            self.metrics = Metrics(config.metrics_port, config.metrics_host)
+        except BaseException:
+            if journal is not None:
+                journal.close()
+            raise
         self.step_log = StepLog(config.step_log) if config.step_log else None
+        self.skip_log = SkipLog(self.metrics)
+        self.assembler = StepAssembler(self.order, mode=config.mode, batch=config.batch,
+                                       num_inflight_shards=config.flow.num_inflight_shards)
+        self.pool = ReaderPool()
+        self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
+        self.replay = ReplaySource(journal, config.world_size)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth = None
         self._seq = 0
-        self._next_assign = 1
-        self.readers: dict[bytes, Reader] = {}
-        self.slots = [TrainerSlot(rank=r) for r in range(config.world_size)]
-        # Without a journal: step -> cursor after it, packed, from the last commit on (with one
-        # the journal keeps them, on disk for all but the uncommitted steps).
-        self.cursors: dict[int, bytes] = {}
-        self._committed = -1
-        self.skipped: list[tuple[str, str]] = []
-        self._bytes_seen = self._samples_seen = 0
-        start = 0
-        if self.journal is not None:
-            start = self.journal.last_committed + 1
+        self._readers_ended = False
+        start = self.replay.committed + 1
         try:
-            self._reset(start, Cursor.from_wire(self._cursor_before(start)))
+            self._reset(start)
             self._bind()
         except BaseException:
-            for sock in (getattr(self, "reader_sock", None), getattr(self, "trainer_sock", None)):
-                if sock is not None:
-                    sock.close(linger=0)
-            if self._auth is not None:
-                self._auth.stop()
-            self.metrics.close()
-            if self.journal is not None:
-                self.journal.close()
+            self._close()
             raise
+
+    # -- views of the parts, for operators and tests ---------------------------------
+    @property
+    def next_plan(self) -> int:
+        return self.delivery.next_plan
+
+    @property
+    def slots(self) -> list[TrainerSlot]:
+        return self.delivery.slots
+
+    @property
+    def retained(self):
+        return self.delivery.retained
+
+    @property
+    def readers(self) -> dict[bytes, Reader]:
+        return self.pool.readers
+
+    @property
+    def progress(self):
+        return self.assembler.progress
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        return self.skip_log.keys
 
     # -- setup ------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -105,45 +148,15 @@ class Dispatcher(Pump):
         event("bound", readers=self.reader_endpoint, trainers=self.trainer_endpoint,
               next_step=self.next_plan, metrics_port=self.metrics.port)
 
-    def _cursor_before(self, step: int) -> dict:
-        if step == 0:
-            return Cursor().to_wire()
-        if self.journal is not None:
-            return self.journal.cursor_after(step - 1)
-        if step - 1 not in self.cursors:
-            raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
-                               f"knows the steps from the last commit on "
-                               f"({min(self.cursors, default=0)}..{max(self.cursors, default=-1)}); "
-                               "run it with --journal-dir to resume further back")
-        return unpack_cursor(self.cursors[step - 1])
-
-    def _reset(self, step: int, cursor: Cursor) -> None:
-        """Start (or rewind) delivery at `step` whose first sample is at `cursor`."""
-        for r in self.readers.values():
-            for a in r.assignments:
-                self._send_reader(r, P.CANCEL, assign_id=a.id)
-            r.assignments.clear()
-        self.cursor = cursor
-        self.progress: dict[int, ShardProgress] = {}
-        self.assignments: dict[int, Assignment] = {}
-        self.arrival: deque[list[int]] = deque()  # [pos, count] runs, in arrival order
-        self.acc: list[Sample] = []
-        self.acc_tokens = self.acc_bytes = 0
-        self.acc_cut = False
-        self.retained: deque[RetainedStep] = deque()
-        self.next_plan = step
-        for slot in self.slots:
-            # A rank already past `step` (its credits say so) keeps its place: lowering it would
-            # hold every later step until that rank, which never asks again, acknowledged them.
-            slot.next_send = slot.received = max(step, slot.received)
-            slot.end_sent = False
-        self.replay = {}
-        if self.journal is not None:
-            # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
-            # another) drops the journal's entries up to it, and the step must still replay.
-            self.replay = {s: e for s, e in self.journal.pending.items()
-                           if s >= step and e.plan is not None
-                           and e.world_size == self.config.world_size}
+    def _reset(self, step: int) -> None:
+        """Start (or rewind) delivery at `step`; JournalError if its cursor is not known."""
+        cursor = self.replay.cursor_before(step)
+        for reader in self.pool.readers.values():
+            for a in list(reader.assignments):
+                self._take_back(reader, a)
+        self.assembler.reset(cursor)
+        self.delivery.reset(step)
+        self.replay.reset(step)
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -155,11 +168,16 @@ class Dispatcher(Pump):
         """Ask the loop to end after its current iteration (signal-handler safe)."""
         self._stop.set()
 
+    def finished(self) -> bool:
+        """No step will ever be planned again (data or step budget exhausted, or halted)."""
+        max_steps = self.config.max_steps
+        return (self.fatal is not None or self.assembler.exhausted
+                or (max_steps is not None and self.next_plan >= max_steps))
+
     def done(self) -> bool:
         """The stream ended, every rank was told so and acknowledged its last step. (END queued
         is not enough: a server exiting then drops what a slow rank has not yet read.)"""
-        return self._finished() and all(s.end_sent and s.received >= self.next_plan
-                                        for s in self.slots)
+        return self.finished() and self.delivery.all_received()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -172,31 +190,185 @@ class Dispatcher(Pump):
         poller.register(self.reader_sock, zmq.POLLIN)
         poller.register(self.trainer_sock, zmq.POLLIN)
         live = self.config.liveness
+        linger = 0
+        halted_at = None
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(live.poll_ms))
-                if self.reader_sock in ready:
-                    self._drain(self.reader_sock, self._on_reader)
-                if self.trainer_sock in ready:
-                    self._drain(self.trainer_sock, self._on_trainer)
-                self._pump()
-                self._liveness(time.monotonic())
+                try:
+                    if self.reader_sock in ready:
+                        self._drain(self.reader_sock, self._on_reader)
+                    if self.trainer_sock in ready:
+                        self._drain(self.trainer_sock, self._on_trainer)
+                    self._pump()
+                except Fatal as e:
+                    self._halt_now(str(e))
+                now = time.monotonic()
+                self._liveness(now)
+                self.skip_log.flush(now)
                 if until_done and self.done():
+                    # The job is done: readers may exit too (a Job or `compose up` completes).
+                    # Without until_done the dispatcher stays, and so do readers, for a rewind.
+                    self._end_readers()
+                    linger = 2000  # give the queued END messages a moment to leave
                     break
+                if self.fatal is not None:
+                    # Stopped on its own: tell connected ranks (END), then leave.
+                    halted_at = halted_at or now
+                    if not self.delivery.ends_due() or now - halted_at > live.timeout_s:
+                        linger = 2000
+                        break
         finally:
-            # After the end of the stream, give the queued END messages a moment to leave.
-            self._close(linger_ms=2000 if until_done and self.done() else 0)
+            self.skip_log.flush(None)
+            self._close(linger_ms=linger)
+
+    def _halt_now(self, why: str) -> None:
+        if self.fatal is None:
+            self.fatal = why
+            log.error("mmdispatch event=fatal %s", why)
+            self._send_ends()
 
     def _close(self, linger_ms: int = 0) -> None:
-        for sock in (self.reader_sock, self.trainer_sock):
-            sock.close(linger=linger_ms)
+        for name in ("reader_sock", "trainer_sock"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=linger_ms)
         if self._auth is not None:
             self._auth.stop()
+            self._auth = None
         if self.journal is not None:
             self.journal.close()
         if self.step_log is not None:
             self.step_log.close()
         self.metrics.close()
+
+    # -- the pump ---------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Open shards, assign them, plan every full step there is room for, send, evict, grant."""
+        if not self.finished():
+            self.assembler.open_window()
+        self._assign()
+        while not self.finished() and self.delivery.has_room():
+            self.assembler.fill()
+            if not self.assembler.step_ready():
+                break
+            self._plan()
+        self._send_steps()
+        self.delivery.evict()
+        self._grant()
+
+    def _assign(self) -> None:
+        todo = self.assembler.unassigned()
+        made = self.pool.assign(todo)
+        for reader, a in made:
+            prog = self.assembler.progress[a.pos]
+            prog.assignment = a.id
+            self._send_reader(reader, P.SHARD_ASSIGN, assign_id=a.id, shard=prog.url, pos=a.pos,
+                              epoch=self.order.epoch_of(a.pos), start_index=prog.next_index)
+            event("shard_assigned", shard=prog.url, pos=a.pos, start=prog.next_index,
+                  reader=reader.name)
+        if made:
+            return
+        victim = self.pool.victim(todo)
+        if victim is not None:
+            reader, a = victim
+            self._take_back(reader, a)
+            event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
+
+    def _plan(self) -> None:
+        filled = self.assembler.take_step()
+        step, batch = self.next_plan, build_batch(filled.samples)
+        digest = batch.digest()
+        t0 = time.perf_counter()
+        journaled, mismatch = self.replay.journaled_plan(step, digest)
+        if mismatch and self.config.mode == "deterministic":
+            self.metrics.error("replay_mismatch", step=step,
+                               detail="samples differ from the journal; shards changed on disk?")
+        try:
+            plan = (StepPlan.from_dict(journaled) if journaled is not None
+                    else plan_step(batch.inputs, self.topology, self.config.planner))
+        except PlanError as e:
+            why = oversize_report(step, batch, self.config.planner, e)
+            if self._halt is not None:
+                self._halt.record(step, why)
+            raise Fatal(why) from e
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
+                          cursor_after=self.assembler.cursor.to_wire(),
+                          num_samples=len(batch.samples), digest=digest, plan=plan.to_dict())
+        try:
+            self.replay.record(entry, verbatim=journaled is not None)
+        except OSError as e:
+            raise Fatal(f"journal write failed at step {step} ({e}); stopping. Free the space "
+                        "(or fix the journal directory) and start the dispatcher again: it "
+                        "resumes from the journal") from e
+        self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
+                                       messages=[None] * self.config.world_size,
+                                       num_samples=len(batch.samples), nbytes=filled.nbytes))
+        self._observe(step, filled.epoch, plan, plan_ms)
+
+    def _observe(self, step: int, epoch: int, plan: StepPlan, plan_ms: float) -> None:
+        if self.step_log is not None:
+            self.step_log.write(plan_record(step, plan, config=self.config.planner,
+                                            plan_ms=plan_ms, epoch=epoch))
+        m = self.metrics
+        m.steps_served.inc()
+        m.plan_ms.observe(plan_ms)
+        for phase, value in plan.metrics.get("max_over_mean", {}).items():
+            m.imbalance.labels(phase).set(value)
+        event("step_planned", step=step, epoch=epoch, samples=plan.inputs.num_samples,
+              microbatches=plan.num_microbatches, plan_ms=f"{plan_ms:.2f}",
+              lb_ratio=f"{plan.metrics.get('step_time_over_lb', 0):.3f}")
+
+    def _send_steps(self) -> None:
+        def encode(rs: RetainedStep, rank: int) -> list:
+            self._seq += 1
+            return rank_message(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, rank=rank,
+                                seq=self._seq)
+
+        for slot, frames in self.delivery.sends(encode):
+            self._send_frames(self.trainer_sock, slot.ident, frames, "trainer")
+            slot.last_sent = time.monotonic()
+        if self.finished():
+            self._send_ends()
+
+    def _send_ends(self) -> None:
+        max_steps = self.config.max_steps
+        reason = ("halted" if self.fatal is not None
+                  else "max_steps" if max_steps is not None and self.next_plan >= max_steps
+                  else "max_epochs")
+        for slot in self.delivery.ends_due():
+            self._send(self.trainer_sock, slot.ident, P.END, next_step=self.next_plan,
+                       reason=reason)
+            slot.end_sent = True
+
+    def _end_readers(self) -> None:
+        self._readers_ended = True
+        for reader in list(self.pool.readers.values()):
+            self._send_reader(reader, P.END, reason="done")
+
+    def _grant(self) -> None:
+        held = self._gauges()
+        if self.finished() or not self.pool.assignments:
+            return
+        todo = grants(self.pool.by_position(), self.assembler.progress,
+                      head=self.assembler.cursor.base, held=held,
+                      avg_sample_bytes=self.assembler.avg_sample_bytes, flow=self.config.flow,
+                      shard_cap=self.config.shard_cap)
+        for a, n in todo:
+            a.credits += n
+            reader = self.pool.readers.get(a.reader)
+            if reader is not None:
+                self._send_reader(reader, P.CREDIT, assign_id=a.id, samples=n)
+
+    def _gauges(self) -> Holdings:
+        samples, nbytes = self.assembler.held()
+        r_samples, r_bytes = self.delivery.held()
+        held = Holdings(samples=samples + r_samples, nbytes=nbytes + r_bytes)
+        self.metrics.buffered_samples.set(held.samples)
+        self.metrics.buffered_bytes.set(held.nbytes)
+        self.metrics.retained_steps.set(len(self.delivery.retained))
+        return held
 
     # -- receiving --------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
@@ -217,35 +389,25 @@ class Dispatcher(Pump):
                 continue
             try:
                 handler(ident, msg, time.monotonic())
+            except Fatal:
+                raise
             except Exception as e:  # noqa: BLE001 - one odd message must not stop the service
-                logging.getLogger("mmdispatch.server").exception("handling %s failed", msg.type)
+                log.exception("handling %s failed", msg.type)
                 self.metrics.error("internal", role=role, type=msg.type, detail=repr(e)[:200])
-                self._send(sock, ident, P.ERROR, code="internal",
+                self._send(sock, ident, P.ERROR, code="internal", ack=msg.seq,
                            message=f"{msg.type} could not be handled: {e!r}"[:500])
 
     def _on_reader(self, ident: bytes, msg: P.Message, now: float) -> None:
-        reader = self.readers.get(ident)
+        reader = self.pool.readers.get(ident)
         if msg.type == P.HELLO:
-            if msg["role"] != "reader":
-                self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
-                           message=f"role {msg['role']!r} connected to the reader endpoint")
-                return
-            if reader is not None:
-                self._drop_reader(reader, "re-hello")
-            self.readers[ident] = Reader(ident=ident, name=msg.get("name", ""), last_seen=now)
-            self.metrics.peers.labels("reader").set(len(self.readers))
-            event("reader_joined", name=msg.get("name", ""))
-            self._send(self.reader_sock, ident, P.WELCOME, role="reader", ack=msg.seq,
-                       heartbeat_s=float(self.config.liveness.heartbeat_s),
-                       payloads=self.config.payloads)
+            self._reader_hello(ident, reader, msg, now)
             return
         if reader is None:
             self._refuse_unknown(self.reader_sock, ident, "reader", msg)
             return
         reader.last_seen = now
         if msg.type == P.SHARD_REQUEST:
-            reader.ready = True
-            reader.slots = max(1, min(int(msg.get("shards", 1)), P.MAX_READER_SHARDS))
+            self.pool.request(reader, int(msg.get("shards", 1)))
         elif msg.type == P.SAMPLES:
             self._on_samples(reader, msg)
         elif msg.type == P.SHARD_DONE:
@@ -257,19 +419,32 @@ class Dispatcher(Pump):
             self._send(self.reader_sock, ident, P.ERROR, code="unexpected",
                        message=f"{msg.type} is not a reader message")
 
-    def _assignment_of(self, reader: Reader, assign_id: int) -> Assignment | None:
-        a = self.assignments.get(assign_id)
-        return a if a is not None and a.reader == reader.ident else None
+    def _reader_hello(self, ident: bytes, reader: Reader | None, msg: P.Message, now: float) -> None:
+        if msg["role"] != "reader":
+            self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
+                       message=f"role {msg['role']!r} connected to the reader endpoint")
+            return
+        if reader is not None:
+            self._drop_reader(reader, "re-hello")
+        reader = self.pool.join(ident, msg.get("name", ""), now)
+        self.metrics.peers.labels("reader").set(len(self.pool.readers))
+        event("reader_joined", name=reader.name)
+        self._send_reader(reader, P.WELCOME, role="reader", ack=msg.seq,
+                          heartbeat_s=float(self.config.liveness.heartbeat_s),
+                          payloads=self.config.payloads)
+        if self._readers_ended:
+            self._send_reader(reader, P.END, reason="done")
 
     def _on_samples(self, reader: Reader, msg: P.Message) -> None:
-        a = self._assignment_of(reader, msg["assign_id"])
+        a = self.pool.find(reader, msg["assign_id"])
         if a is None:
             self.metrics.error("stale_samples", reader=reader.name, assign_id=msg["assign_id"])
             self._send_reader(reader, P.CANCEL, assign_id=msg["assign_id"])
             return
-        prog = self.progress[a.pos]
-        if len(msg["samples"]) > a.credits:
-            self.metrics.error("credit_overrun", reader=reader.name, sent=len(msg["samples"]),
+        prog = self.assembler.progress[a.pos]
+        headers = msg["samples"]
+        if len(headers) > a.credits:
+            self.metrics.error("credit_overrun", reader=reader.name, sent=len(headers),
                                credits=a.credits)
             # Refused whole, shard taken back (it restarts at next_index): a reader ignoring
             # credits must not grow the dispatcher past its memory bounds.
@@ -283,77 +458,53 @@ class Dispatcher(Pump):
             self.metrics.error("bad_reference", reader=reader.name, shard=prog.url)
             self._take_back(reader, a)
             return
-        # The message as one block: its samples move into the shard's buffer in a loop over
-        # header fields (checked by decode), and the counters are updated once at the end.
-        pos, append, next_index = a.pos, prog.buffer.append, prog.next_index
         item_bytes = sizes if sizes is not None else [v.nbytes for v in views]
-        at = received = nbytes = 0
-        bad: list[tuple[str, str]] = []
-        for key, index, text_len, llm_len, text, items in msg["samples"]:  # P.SampleHeader
-            start, at = at, at + len(items)
-            if index < next_index:
-                self.metrics.error("out_of_order", key=key, index=index)
-                continue
-            next_index = index + 1
-            received += 1
-            problem = header_problem(text_len, llm_len, items)
-            if problem is not None:  # counted as read, reported as skipped: never planned
-                bad.append((key, problem))
-                continue
-            size = len(text) + sum(item_bytes[start:at])
-            append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size))
-            nbytes += size
-        kept = received - len(bad)
-        prog.next_index = next_index
-        prog.nbytes += nbytes
-        a.received += received
-        self._bytes_seen += nbytes
-        self._samples_seen += kept
-        if kept and self.config.mode == "arrival":
-            runs = self.arrival
-            if runs and runs[-1][0] == pos:
-                runs[-1][1] += kept
-            else:
-                runs.append([pos, kept])
-        a.credits = max(0, a.credits - len(msg["samples"]))
-        self.metrics.samples_in.inc(len(msg["samples"]))
-        if bad:
-            self._skip(prog.url, bad)
+        got = self.assembler.receive(a.pos, headers, views, item_bytes, msg.get("skipped", ()))
+        for key, index in got.out_of_order:
+            self.metrics.error("out_of_order", key=key, index=index)
+        a.received += got.read
+        a.credits = max(0, a.credits - len(headers))
+        self.metrics.samples_in.inc(len(headers))
+        self._skip(prog.url, got.skipped + [(f"{prog.url}#{lo}..{hi - 1}", "unaccounted")
+                                            for lo, hi in got.gaps])
 
-    def _take_back(self, reader: Reader, a) -> None:
+    def _take_back(self, reader: Reader, a: Assignment) -> None:
         """Cancel `a` and free its shard (it restarts at next_index: nothing is lost)."""
         self._send_reader(reader, P.CANCEL, assign_id=a.id)
         self._release(reader, a)
 
     def _release(self, reader: Reader, a: Assignment) -> None:
         """Forget assignment `a` (its shard's buffer and next_index stay: nothing is lost)."""
-        prog = self.progress.get(a.pos)
+        prog = self.assembler.progress.get(a.pos)
         if prog is not None and prog.assignment == a.id:
             prog.assignment = None
-        self.assignments.pop(a.id, None)
-        reader.assignments.remove(a)
+        self.pool.release(reader, a)
 
     def _on_shard_done(self, reader: Reader, msg: P.Message) -> None:
-        a = self._assignment_of(reader, msg["assign_id"])
+        a = self.pool.find(reader, msg["assign_id"])
         if a is None:
             return
-        prog = self.progress[a.pos]
+        prog = self.assembler.progress[a.pos]
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
-        self._skip(prog.url, [(s.key, s.reason) for s in msg["skipped"]])
-        prog.reader_done = True
+        # The skips first (journaled), then the state: a failed journal write stops the
+        # dispatcher before the shard counts as read, so a restart reads it again.
+        self._skip(prog.url, [(s.key, s.reason) for s in msg["skipped"]
+                              if s.index < 0 or s.index >= prog.next_index])
+        self.assembler.reader_done(a.pos)
         self._release(reader, a)
 
     def _skip(self, url: str, skipped: list[tuple[str, str]]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""
         if not skipped:
             return
-        self.skipped.extend(skipped)
-        self.metrics.skipped.inc(len(skipped))
-        for key, reason in skipped:
-            event("sample_skipped", logging.WARNING, shard=url, key=key, reason=reason)
-        if self.journal is not None:
-            self.journal.record_skipped(url, skipped)
+        try:
+            self.replay.record_skipped(url, skipped)
+        except OSError as e:
+            raise Fatal(f"journal write failed recording {len(skipped)} skipped samples of "
+                        f"{url} ({e}); stopping. Free the space and start the dispatcher again: "
+                        "it resumes from the journal and the shard is read again") from e
+        self.skip_log.add(url, skipped)
 
     def _refuse_unknown(self, sock: zmq.Socket, ident: bytes, role: str, msg: P.Message) -> None:
         self.metrics.error("unknown_peer", role=role, type=msg.type)
@@ -364,7 +515,7 @@ class Dispatcher(Pump):
         if msg.type == P.HELLO:
             self._trainer_hello(ident, msg, now)
             return
-        slot = next((s for s in self.slots if s.ident == ident), None)
+        slot = self.delivery.slot_of(ident)
         if slot is None:
             self._refuse_unknown(self.trainer_sock, ident, "trainer", msg)
             return
@@ -373,86 +524,105 @@ class Dispatcher(Pump):
             slot.upto = msg.get("upto", slot.upto)
             slot.received = max(slot.received, msg.get("received", slot.received))
         elif msg.type == P.COMMIT:
-            self._commit(slot, msg["step"])
+            self._commit(slot, msg)
         elif msg.type == P.BYE:
             slot.ident = None
-            self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+            self.metrics.peers.labels("trainer").set(self.delivery.connected())
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="trainer", type=msg.type)
             self._send(self.trainer_sock, ident, P.ERROR, code="unexpected",
                        message=f"{msg.type} is not a trainer message")
 
-    def _trainer_hello(self, ident: bytes, msg: P.Message, now: float) -> None:
+    def _hello_problem(self, msg: P.Message) -> tuple[str, str] | None:
+        """(code, message) refusing a trainer's HELLO, or None to accept it."""
         W = self.config.world_size
-
-        def refuse(code: str, text: str) -> None:
-            self.metrics.error(code, role="trainer", detail=text)
-            self._send(self.trainer_sock, ident, P.ERROR, code=code, message=text, ack=msg.seq)
-
         rank, world = msg.get("rank"), msg.get("world_size")
         if msg["role"] != "trainer" or rank is None or world is None:
-            return refuse("role", "trainer hello needs role='trainer', rank and world_size")
+            return "role", "trainer hello needs role='trainer', rank and world_size"
         if world != W:
-            return refuse("world_size", f"trainer says world_size={world}, dispatcher plans for "
-                          f"world_size={W}; restart the dispatcher with --world-size {world}")
+            return "world_size", (f"trainer says world_size={world}, dispatcher plans for "
+                                  f"world_size={W}; restart the dispatcher with --world-size {world}")
         if not 0 <= rank < W:
-            return refuse("rank", f"rank {rank} is outside [0, {W})")
-        slot = self.slots[rank]
+            return "rank", f"rank {rank} is outside [0, {W})"
+        theirs = msg.get("dataset")
+        if theirs is not None and theirs != self.dataset:
+            diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, dispatcher {self.dataset.get(k)!r}"
+                             for k in sorted(set(theirs) | set(self.dataset))
+                             if theirs.get(k) != self.dataset.get(k))
+            return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
+                               f"({diff}); restore a checkpoint of this job or start the "
+                               "dispatcher with that job's settings")
+        return None
+
+    def _trainer_hello(self, ident: bytes, msg: P.Message, now: float) -> None:
+        problem = self._hello_problem(msg)
+        if problem is not None:
+            self.metrics.error(problem[0], role="trainer", detail=problem[1])
+            self._send(self.trainer_sock, ident, P.ERROR, code=problem[0], message=problem[1],
+                       ack=msg.seq)
+            return
+        rank = msg["rank"]
+        slot = self.delivery.slots[rank]
         want = msg.get("next_step")
         want = slot.received if want is None else want
-        lowest = self.retained[0].step if self.retained else self.next_plan
         target = want
         if want > self.next_plan:
             # A reset moves every rank to its step: never past a connected rank that is behind.
-            target = min([want] + [s.received for s in self.slots
+            target = min([want] + [s.received for s in self.delivery.slots
                                    if s.ident is not None and s is not slot])
-        if not lowest <= target <= self.next_plan:
+        if not self.delivery.lowest <= target <= self.next_plan:
             try:
-                cursor = Cursor.from_wire(self._cursor_before(target))
+                self._reset(target)
             except JournalError as e:
-                return refuse("resume", str(e))
+                self.metrics.error("resume", role="trainer", detail=str(e))
+                self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=str(e),
+                           ack=msg.seq)
+                return
             event("rewind", step=target, requested_by=rank)
-            self._reset(target, cursor)
         slot.ident, slot.last_seen, slot.end_sent = ident, now, False
         slot.next_send = slot.received = want
         slot.upto = want + max(1, msg.get("prefetch", 1))
-        self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+        self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         self._send(self.trainer_sock, ident, P.WELCOME, role="trainer", ack=msg.seq,
-                   heartbeat_s=float(self.config.liveness.heartbeat_s), world_size=W,
-                   next_step=want, num_microbatches=self.config.planner.num_microbatches,
-                   payloads=self.config.payloads)
+                   heartbeat_s=float(self.config.liveness.heartbeat_s),
+                   world_size=self.config.world_size, next_step=want,
+                   num_microbatches=self.config.planner.num_microbatches,
+                   payloads=self.config.payloads, dataset=self.dataset)
 
-    def _commit(self, slot: TrainerSlot, step: int) -> None:
+    def _commit(self, slot: TrainerSlot, msg: P.Message) -> None:
+        step = msg["step"]
         try:
-            if self.journal is not None and self.journal.commit(step):
+            if self.replay.commit(step):
                 event("commit", step=step, rank=slot.rank)
-            elif self.journal is None and step > self._committed:
-                # Steps before a commit are never resumed from: their cursors go.
-                for s in range(max(0, self._committed), step):
-                    self.cursors.pop(s, None)
-                self._committed = step
         except JournalError as e:
             self.metrics.error("commit", detail=str(e))
-            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=str(e))
+            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=str(e),
+                       ack=msg.seq)
             return
+        except OSError as e:
+            why = (f"commit({step}) was not made durable: the journal write failed ({e}); "
+                   "the dispatcher stops and resumes from its journal once restarted")
+            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=why,
+                       ack=msg.seq)
+            raise Fatal(why) from e
         self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
 
     # -- liveness and sending -------------------------------------------------------
     def _liveness(self, now: float) -> None:
         live = self.config.liveness
-        for reader in list(self.readers.values()):
+        for reader in list(self.pool.readers.values()):
             if now - reader.last_seen > live.timeout_s:
                 self._drop_reader(reader, "timeout")
             elif now - reader.last_sent > live.heartbeat_s:
                 self._send_reader(reader, P.HEARTBEAT)
-        for slot in self.slots:
+        for slot in self.delivery.slots:
             if slot.ident is None:
                 continue
             if now - slot.last_seen > live.timeout_s:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
                 slot.ident = None
-                self.metrics.peers.labels("trainer").set(sum(s.ident is not None for s in self.slots))
+                self.metrics.peers.labels("trainer").set(self.delivery.connected())
             elif now - slot.last_sent > live.heartbeat_s:
                 self._send(self.trainer_sock, slot.ident, P.HEARTBEAT)
                 slot.last_sent = now
@@ -461,8 +631,8 @@ class Dispatcher(Pump):
         shards = [self.order.url(a.pos) for a in reader.assignments]
         for a in list(reader.assignments):
             self._release(reader, a)
-        self.readers.pop(reader.ident, None)
-        self.metrics.peers.labels("reader").set(len(self.readers))
+        self.pool.drop(reader)
+        self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
               name=reader.name, why=why, shards=",".join(shards) or None)
 

@@ -24,6 +24,7 @@ from dispatcher_server.config import (
 )
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
+from dispatcher_server.halt import HaltedJob
 from dispatcher_server.server import Dispatcher
 from pipeline.shards import expand_shards
 
@@ -169,10 +170,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--io-threads must be >= 1, got {values['io_threads']}")
     keep_freed_memory(values["malloc_keep_mb"])
     relax_gc()
-    server = Dispatcher(build_config(values), context=zmq.Context(io_threads=values["io_threads"]))
+    try:
+        server = Dispatcher(build_config(values),
+                            context=zmq.Context(io_threads=values["io_threads"]))
+    except HaltedJob as e:
+        print(f"mmdispatch serve: {e}", file=sys.stderr)
+        return 2
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     print("READY " + json.dumps(ready), flush=True)
     signal.signal(signal.SIGTERM, lambda *_: server.stop_soon())
     server.run(until_done=values["exit_when_done"])
+    if server.fatal is not None:
+        print(f"mmdispatch serve: stopped: {server.fatal}", file=sys.stderr)
+        return 1
     return 0

@@ -1,6 +1,6 @@
 """The dispatcher's block paths against a per-sample reference, on random inputs.
 
-SAMPLES messages are taken in as one block each, and `_fill` moves whole runs of a shard's
+SAMPLES messages are taken in as one block each, and the assembler's `fill` moves whole runs of a shard's
 buffer into the step being filled. Here a real `Dispatcher` (loopback sockets, no peers) is fed
 random messages through `_on_samples` / `_on_shard_done` and pumped; its planned steps must be
 exactly what taking one sample at a time gives: `global_batch`, token-budget cuts, epoch ends,
@@ -18,7 +18,7 @@ import pytest
 from dispatcher_server import protocol as P
 from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
 from dispatcher_server.journal import JournalError
-from dispatcher_server.peers import Assignment, Reader
+from dispatcher_server.readerpool import Assignment, Reader
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.server import Dispatcher
 
@@ -101,20 +101,20 @@ def test_block_paths_plan_the_per_sample_steps(seed):
                     steps.append([s.key for s in rs.batch.samples])
                     consumed.update((s.pos, s.index + 1) for s in rs.batch.samples)
             # The cursor (what a resume starts from) counts exactly the samples taken.
-            pending = {**consumed, **{s.pos: s.index + 1 for s in d.acc}}
+            pending = {**consumed, **{s.pos: s.index + 1 for s in d.assembler.acc}}
             for p in d.progress:
-                assert d.cursor.start_index(p) == pending.get(p, 0)
+                assert d.assembler.cursor.start_index(p) == pending.get(p, 0)
             for slot in d.slots:
                 slot.received = d.next_plan  # every step acknowledged: _evict drops it
-            if d._finished():
+            if d.finished():
                 break
             open_ = [p for p, pr in d.progress.items() if not pr.reader_done]
             if not open_:
                 continue  # the window moved during this pump: the next one opens shards
             pos = rng.choice(open_)
-            a = Assignment(id=d._next_assign, pos=pos, reader=reader.ident, credits=1_000)
-            d._next_assign += 1
-            d.assignments[a.id], d.progress[pos].assignment = a, a.id
+            a = Assignment(id=d.pool.next_id, pos=pos, reader=reader.ident, credits=1_000)
+            d.pool.next_id += 1
+            d.pool.assignments[a.id], d.progress[pos].assignment = a, a.id
             reader.assignments.append(a)
             todo = corpus[pos][sent[pos]:sent[pos] + rng.randint(1, 6)]
             batch = [dict(s) for s in todo]
@@ -136,8 +136,8 @@ def test_block_paths_plan_the_per_sample_steps(seed):
             # Bytes accounting is exact after every message and every fill.
             for prog in d.progress.values():
                 assert prog.nbytes == sum(s.nbytes for s in prog.buffer)
-            assert d.acc_bytes == sum(s.nbytes for s in d.acc)
-            assert sum(n for _, n in d.arrival) == (sum(len(p.buffer) for p in d.progress.values())
+            assert d.assembler.acc_bytes == sum(s.nbytes for s in d.assembler.acc)
+            assert sum(n for _, n in d.assembler.arrival) == (sum(len(p.buffer) for p in d.progress.values())
                                                     if mode == "arrival" else 0)
         else:
             pytest.fail("the stream did not finish")
@@ -145,8 +145,9 @@ def test_block_paths_plan_the_per_sample_steps(seed):
                  else sorted(arrived, key=lambda s: (s["pos"], s["index"])))
         assert steps == _reference_steps(order, num_shards, global_batch, budget)
         assert d.skipped == skipped
-        assert not d.acc and d.acc_bytes == 0 and not d.progress and not d.arrival
-        assert d._samples_seen == len(arrived)
+        assert (not d.assembler.acc and d.assembler.acc_bytes == 0 and not d.progress
+                and not d.assembler.arrival)
+        assert d.assembler.samples_seen == len(arrived)
     finally:
         d._close()
 
@@ -171,17 +172,17 @@ def test_retained_step_messages_count_against_the_byte_bound():
                    for i in range(4)]
         d._on_samples(reader, _message(d, a.id, samples, True))
         samples_bytes = 4 * (len(b"t") + 1000)
-        assert d._gauges()[1] == samples_bytes
+        assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
         slot.ident, slot.upto = b"t", 10  # a connected rank with credit: the step is sent
         d._pump()
         (rs,) = d.retained
         message_bytes = sum(memoryview(f).nbytes for f in rs.messages[0])
         assert message_bytes > 4 * 1000  # the coalesced payload copy
-        assert rs.nbytes == samples_bytes + message_bytes == d._gauges()[1]
+        assert rs.nbytes == samples_bytes + message_bytes == d._gauges().nbytes
         slot.received = 1  # acknowledged: evicted, nothing held
         d._pump()
-        assert not d.retained and d._gauges()[1] == 0
+        assert not d.retained and d._gauges().nbytes == 0
     finally:
         d._close()
 
@@ -273,13 +274,13 @@ def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept():
     d = _fed_dispatcher(2)
     try:
         _serve_steps(d, 4)
-        assert sorted(d.cursors) == [0, 1, 2, 3]
-        assert d._cursor_before(3) == {"base": 0, "partial": [[0, 6]], "done": []}
-        d._commit(d.slots[0], 2)
-        assert sorted(d.cursors) == [2, 3]
-        assert d._cursor_before(3)["partial"] == [[0, 6]]
+        assert sorted(d.replay.cursors) == [0, 1, 2, 3]
+        assert d.replay.cursor_before(3).to_wire() == {"base": 0, "partial": [[0, 6]], "done": []}
+        assert d.replay.commit(2)
+        assert sorted(d.replay.cursors) == [2, 3]
+        assert d.replay.cursor_before(3).to_wire()["partial"] == [[0, 6]]
         with pytest.raises(JournalError, match="from the last commit on .*--journal-dir"):
-            d._cursor_before(2)
+            d.replay.cursor_before(2)
     finally:
         d._close()
 
@@ -297,7 +298,7 @@ def test_the_stream_is_done_only_once_every_rank_has_its_last_step():
                                                      skipped=[])), 0.0)
         d._pump()
         slot = d.slots[0]
-        assert d._finished() and d.next_plan == 2 and slot.end_sent  # both steps and END queued
+        assert d.finished() and d.next_plan == 2 and slot.end_sent  # both steps and END queued
         assert not d.done()
         d._on_trainer(slot.ident, P.decode(P.encode(P.CREDIT, upto=12, received=1)), 0.0)
         assert not d.done()

@@ -14,7 +14,7 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
-from dispatcher_server.peers import Reader
+from dispatcher_server.readerpool import Reader
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.server import Dispatcher
 from pipeline.gendata import generate
@@ -46,8 +46,8 @@ def test_every_reader_gets_one_shard_before_any_gets_a_second():
         r1, r2 = _ready(d, "r1", 2), _ready(d, "r2", 2)
         d._pump()
         assert (_held(r1), _held(r2)) == ([0, 2], [1, 3])
-        assert {a.id for a in (*r1.assignments, *r2.assignments)} == set(d.assignments)
-        assert all(d.progress[a.pos].assignment == a.id for a in d.assignments.values())
+        assert {a.id for a in (*r1.assignments, *r2.assignments)} == set(d.pool.assignments)
+        assert all(d.progress[a.pos].assignment == a.id for a in d.pool.assignments.values())
         # Finishing a shard frees its slot: the next position goes there without a new request.
         first = r1.assignments[0]
         d._on_reader(r1.ident, P.decode(P.encode(P.SHARD_DONE, assign_id=first.id, count=0,

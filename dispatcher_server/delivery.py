@@ -1,0 +1,117 @@
+"""Delivery: planned steps kept until every rank acknowledged them, sent within each rank's credits.
+
+A rank's STEP message is encoded on its first send and kept with the step, so a rank that
+reconnects gets the same bytes again; a step is evicted once every rank's credits say it was
+received. The stream ends for a rank (END) once no step will ever be planned again and it was
+sent every planned one. No sockets: `sends` yields what to send to whom.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from dispatcher_server.batching import StepBatch
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainerSlot:
+    """One data-parallel rank; survives its trainer reconnecting under a new socket identity."""
+
+    rank: int
+    ident: bytes | None = None
+    last_seen: float = 0.0
+    last_sent: float = 0.0
+    next_send: int = 0  # next step to send
+    received: int = 0  # steps below this were received (acknowledged)
+    upto: int = 0  # credit: steps below this may be sent
+    end_sent: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class RetainedStep:
+    """A planned step kept until every rank acknowledged it, so a reconnecting rank gets it again."""
+
+    step: int
+    epoch: int
+    batch: StepBatch
+    plan: object
+    messages: list  # per rank, encoded lazily on first send
+    num_samples: int
+    nbytes: int  # bytes held: its samples' payloads, plus each rank message once encoded
+
+
+class Delivery:
+    """Trainer slots, the retained steps and the next step to plan."""
+
+    def __init__(self, world_size: int, max_retained_steps: int) -> None:
+        self.slots = [TrainerSlot(rank=r) for r in range(world_size)]
+        self.max_retained_steps = max_retained_steps
+        self.retained: deque[RetainedStep] = deque()
+        self.next_plan = 0
+
+    def reset(self, step: int) -> None:
+        """Deliver from `step` on: retained steps go (they are planned again)."""
+        self.retained.clear()
+        self.next_plan = step
+        for slot in self.slots:
+            # A rank already past `step` (its credits say so) keeps its place: lowering it would
+            # hold every later step until that rank, which never asks again, acknowledged them.
+            slot.next_send = slot.received = max(step, slot.received)
+            slot.end_sent = False
+
+    @property
+    def lowest(self) -> int:
+        """The oldest step a rank can still be sent."""
+        return self.retained[0].step if self.retained else self.next_plan
+
+    def has_room(self) -> bool:
+        return len(self.retained) < self.max_retained_steps
+
+    def add(self, rs: RetainedStep) -> None:
+        assert rs.step == self.next_plan, (rs.step, self.next_plan)
+        self.retained.append(rs)
+        self.next_plan = rs.step + 1
+
+    def sends(self, encode: Callable[[RetainedStep, int], list]) -> Iterator[tuple[TrainerSlot, list]]:
+        """(slot, frames) of every step a connected rank may be sent now, in order; `encode`
+        builds a rank's message the first time it is needed."""
+        first = self.lowest
+        for slot in self.slots:
+            if slot.ident is None:
+                continue
+            while slot.next_send < slot.upto and first <= slot.next_send < self.next_plan:
+                rs = self.retained[slot.next_send - first]
+                msg = rs.messages[slot.rank]
+                if msg is None:
+                    msg = rs.messages[slot.rank] = encode(rs, slot.rank)
+                    # Kept until the step is evicted: it counts against max_buffered_bytes like
+                    # the samples it came from, so credits shrink while it is held.
+                    rs.nbytes += sum(memoryview(f).nbytes for f in msg)
+                yield slot, msg
+                slot.next_send += 1
+
+    def ends_due(self) -> list[TrainerSlot]:
+        """Connected ranks that were sent every planned step and not yet END (call once no step
+        will ever be planned again)."""
+        return [s for s in self.slots if s.ident is not None and not s.end_sent
+                and s.next_send >= self.next_plan]
+
+    def evict(self) -> None:
+        while self.retained and all(s.received > self.retained[0].step for s in self.slots):
+            self.retained.popleft()
+
+    def all_received(self) -> bool:
+        """Every rank was told the stream ended and acknowledged its last step."""
+        return all(s.end_sent and s.received >= self.next_plan for s in self.slots)
+
+    def connected(self) -> int:
+        return sum(s.ident is not None for s in self.slots)
+
+    def slot_of(self, ident: bytes) -> TrainerSlot | None:
+        return next((s for s in self.slots if s.ident == ident), None)
+
+    def held(self) -> tuple[int, int]:
+        return (sum(rs.num_samples for rs in self.retained),
+                sum(rs.nbytes for rs in self.retained))

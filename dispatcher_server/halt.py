@@ -1,0 +1,69 @@
+"""A job the planner ended: recorded beside the journal so a restart does not walk into it again.
+
+Under `oversize="error"` a step the planner cannot fit under the capacities ends the job once,
+naming its largest samples. Restarting with the same planner settings would plan the same
+samples into the same refusal, so the dispatcher refuses to start instead, with the same
+message; once the settings change (a larger capacity, `--oversize isolate`), it resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+from dispatcher_server.batching import StepBatch
+from dispatcher_server.planner import PlannerConfig
+
+HALT_FILE = "halted.json"
+
+
+class HaltedJob(RuntimeError):
+    """The journal's job was ended by the planner and the planner settings did not change."""
+
+
+def _settings_digest(config: PlannerConfig) -> str:
+    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+class Halt:
+    """Reads and writes `halted.json` in the journal directory."""
+
+    def __init__(self, directory: str, planner: PlannerConfig) -> None:
+        self.path = os.path.join(directory, HALT_FILE)
+        self.settings = _settings_digest(planner)
+
+    def check(self) -> None:
+        """HaltedJob if the job was halted under these planner settings; forget an older halt."""
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                halt = json.load(f)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as e:
+            raise HaltedJob(f"{self.path} is unreadable ({e}); remove it to resume") from None
+        if halt.get("settings") == self.settings:
+            raise HaltedJob(f"this job was ended at step {halt.get('step')}: {halt.get('why')} "
+                            f"(change the planner settings to resume, or remove {self.path})")
+        os.unlink(self.path)
+
+    def record(self, step: int, why: str) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"step": step, "why": why, "settings": self.settings}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: Exception) -> str:
+    """One line naming the step, its largest samples by key and the ways out."""
+    llm = batch.inputs.llm_len
+    order = sorted(range(len(llm)), key=lambda i: -int(llm[i]))[:3]
+    largest = ", ".join(f"{batch.keys[i]} ({int(llm[i])} LLM tokens)" for i in order)
+    cap = "" if config.llm_capacity is None else f" over --llm-capacity {config.llm_capacity}"
+    return (f"step {step} cannot be planned{cap} ({error}); largest samples: {largest}. Raise "
+            "the capacities, or use --oversize isolate to run such samples alone in extra "
+            "micro-batches")

@@ -1,0 +1,109 @@
+"""The readers the dispatcher knows and the shards each one holds.
+
+Decides who reads what: the lowest unassigned positions go to the ready readers holding the
+fewest shards, and a lost reader's low position may preempt the highest held one (only lower
+positions drain in deterministic order). Returns what must be said to readers instead of
+saying it, so it is tested without sockets; assignment ids are never reused, so stale
+traffic is recognisable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dispatcher_server.protocol import MAX_READER_SHARDS
+
+
+@dataclass(slots=True, kw_only=True)
+class Assignment:
+    """One shard position handed to one reader."""
+
+    id: int
+    pos: int
+    reader: bytes
+    credits: int = 0  # samples the reader may still send
+    received: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class Reader:
+    ident: bytes
+    name: str
+    last_seen: float
+    last_sent: float = 0.0
+    ready: bool = False  # asked for shards (SHARD_REQUEST): assign whenever a slot is free
+    slots: int = 1  # shards it holds at once: one being read, the rest queued behind it
+    assignments: list[Assignment] = field(default_factory=list)  # in the order assigned
+
+
+class ReaderPool:
+    """Readers by socket identity and their assignments by id."""
+
+    def __init__(self) -> None:
+        self.readers: dict[bytes, Reader] = {}
+        self.assignments: dict[int, Assignment] = {}
+        self.next_id = 1
+
+    def join(self, ident: bytes, name: str, now: float) -> Reader:
+        reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now)
+        return reader
+
+    def request(self, reader: Reader, shards: int) -> None:
+        reader.ready = True
+        reader.slots = max(1, min(shards, MAX_READER_SHARDS))
+
+    def find(self, reader: Reader, assign_id: int) -> Assignment | None:
+        """`reader`'s assignment `assign_id`, or None if it is stale or someone else's."""
+        a = self.assignments.get(assign_id)
+        return a if a is not None and a.reader == reader.ident else None
+
+    def assign(self, todo: list[int]) -> list[tuple[Reader, Assignment]]:
+        """Hand positions `todo` (lowest first) to ready readers with a free slot, each to the one
+        holding the fewest shards (every reader gets one to read before any gets one queued)."""
+        free = [r for r in self.readers.values() if r.ready and len(r.assignments) < r.slots]
+        made = []
+        for pos in todo:
+            if not free:
+                break
+            reader = min(free, key=lambda r: len(r.assignments))
+            a = Assignment(id=self.next_id, pos=pos, reader=reader.ident)
+            self.next_id += 1
+            reader.assignments.append(a)
+            if len(reader.assignments) >= reader.slots:
+                free.remove(reader)
+            self.assignments[a.id] = a
+            made.append((reader, a))
+        return made
+
+    def has_free_slot(self) -> bool:
+        return any(len(r.assignments) < r.slots for r in self.readers.values())
+
+    def victim(self, todo: list[int]) -> tuple[Reader, Assignment] | None:
+        """The assignment to cancel so that the lowest waiting position gets read: the highest
+        held one, if it lies above it and every reader is full."""
+        if not todo or not self.assignments or self.has_free_slot():
+            return None
+        a = max(self.assignments.values(), key=lambda a: a.pos)
+        reader = self.readers.get(a.reader)
+        if a.pos < todo[0] or reader is None:
+            return None
+        return reader, a
+
+    def release(self, reader: Reader, a: Assignment) -> None:
+        self.assignments.pop(a.id, None)
+        reader.assignments.remove(a)
+
+    def drop(self, reader: Reader) -> list[Assignment]:
+        """Forget `reader`; returns the assignments it held (their shards are free again)."""
+        held = list(reader.assignments)
+        for a in held:
+            self.release(reader, a)
+        self.readers.pop(reader.ident, None)
+        return held
+
+    def by_position(self) -> list[Assignment]:
+        return sorted(self.assignments.values(), key=lambda a: a.pos)
+
+    def outstanding(self) -> int:
+        """Credits granted and not yet used."""
+        return sum(a.credits for a in self.assignments.values())

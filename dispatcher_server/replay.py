@@ -1,0 +1,92 @@
+"""The replay source: what the dispatcher remembers of planned steps, durable or not.
+
+With a journal, every step's cursor and plan are persisted before any rank sees the step, and
+the uncommitted steps replay verbatim after a restart or a rewind. Without one, only the
+cursors after the last commit are kept in memory (a rewind within the run still works, a
+restart starts over). Both refuse a commit of a step never planned, the same way.
+"""
+
+from __future__ import annotations
+
+from dispatcher_server.journal import Journal, JournalError, StepEntry, pack_cursor, unpack_cursor
+from dispatcher_server.ordering import Cursor
+
+
+class ReplaySource:
+    """Cursors before each step, the plans to replay, and commits."""
+
+    def __init__(self, journal: Journal | None, world_size: int) -> None:
+        self.journal = journal
+        self.world_size = world_size
+        # Without a journal: step -> cursor after it, packed, from the last commit on.
+        self.cursors: dict[int, bytes] = {}
+        self.committed = journal.last_committed if journal is not None else -1
+        self.replay: dict[int, StepEntry] = {}
+
+    @property
+    def last_step(self) -> int:
+        """The newest step planned (-1 for none)."""
+        if self.journal is not None:
+            return self.journal.last_step
+        return max(self.cursors, default=self.committed)
+
+    def cursor_before(self, step: int) -> Cursor:
+        if step == 0:
+            return Cursor()
+        if self.journal is not None:
+            return Cursor.from_wire(self.journal.cursor_after(step - 1))
+        if step - 1 not in self.cursors:
+            raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
+                               f"knows the steps from the last commit on "
+                               f"({min(self.cursors, default=0)}..{max(self.cursors, default=-1)}); "
+                               "run it with --journal-dir to resume further back")
+        return Cursor.from_wire(unpack_cursor(self.cursors[step - 1]))
+
+    def reset(self, step: int) -> None:
+        """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim."""
+        self.replay = {}
+        if self.journal is not None:
+            # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
+            # another) drops the journal's entries up to it, and the step must still replay.
+            self.replay = {s: e for s, e in self.journal.pending.items()
+                           if s >= step and e.plan is not None and e.world_size == self.world_size}
+
+    def journaled_plan(self, step: int, digest: str) -> tuple[dict | None, bool]:
+        """(plan to replay or None, whether a journaled plan was dropped because the step's
+        samples differ from what was journaled)."""
+        entry = self.replay.pop(step, None)
+        if entry is None:
+            return None, False
+        if entry.digest == digest:
+            return entry.plan, False
+        return None, True
+
+    def record(self, entry: StepEntry, *, verbatim: bool) -> None:
+        """Remember a planned step before it is sent (raises JournalWriteError if it cannot)."""
+        if self.journal is None:
+            self.cursors[entry.step] = pack_cursor(entry.cursor_after)
+        elif not verbatim:
+            # A verbatim replay is journaled already: recording it again would supersede the
+            # journaled steps after it, which ranks ahead of the others may be committing.
+            self.journal.record_step(entry)
+
+    def commit(self, step: int) -> bool:
+        """Record that trainers checkpointed `step`; False if not newer than the last commit.
+        JournalError for a step never planned."""
+        if step <= self.committed:
+            return False
+        if step > self.last_step:
+            raise JournalError(f"cannot commit step {step}: it was never planned "
+                               f"(the dispatcher has planned steps up to {self.last_step})")
+        if self.journal is not None:
+            self.journal.commit(step)
+        else:
+            # Steps before a commit are never resumed from: their cursors go.
+            for s in [s for s in self.cursors if s < step]:
+                del self.cursors[s]
+        self.committed = step
+        return True
+
+    def record_skipped(self, url: str, skipped: list[tuple[str, str]]) -> None:
+        if self.journal is not None and skipped:
+            self.journal.record_skipped(url, skipped)

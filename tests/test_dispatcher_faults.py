@@ -1,0 +1,330 @@
+"""Regression tests for the dispatcher's fault paths: skips reported as they happen, index gaps
+named, commits refused the same way with or without a journal, a failed journal write that
+stops cleanly, a step the planner refuses that ends the job once, and a trainer restored from
+another job's state refused. Parts are driven without peers where possible; sockets (a raw
+DEALER on loopback) where the behaviour is what a peer sees.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.assembler import StepAssembler
+from dispatcher_server.config import BatchConfig, FlowConfig, LivenessConfig, ServerConfig
+from dispatcher_server.halt import HaltedJob
+from dispatcher_server.journal import JournalError
+from dispatcher_server.ordering import ShardOrder
+from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.readerpool import Reader
+from dispatcher_server.server import Dispatcher, Fatal
+
+
+def _header(key: str, index: int, llm: int = 9) -> P.SampleHeader:
+    return P.SampleHeader(key, index, llm - 4, llm, b"t", [P.ItemHeader("image", "jpg", 16, 4, {})])
+
+
+def _assembler() -> StepAssembler:
+    a = StepAssembler(ShardOrder(["/d/s0.tar"], 0, 1), mode="deterministic",
+                      batch=BatchConfig(global_batch=64), num_inflight_shards=1)
+    a.open_window()
+    return a
+
+
+# -- defect 2: skips travel with samples and move the resume point ----------------------------
+def test_skips_in_a_samples_message_move_the_resume_point_past_them():
+    """10 good, 30 bad, then good: a reader that passed the bad run and died has already
+    reported every skip, and its replacement starts after them (they are never lost)."""
+    a = _assembler()
+    good = [_header(f"g{i}", i) for i in range(10)] + [_header(f"g{i}", i) for i in range(40, 45)]
+    skips = [P.SkipRecord(f"b{i}", "bad_image", i) for i in range(10, 40)]
+    got = a.receive(0, good, [memoryview(b"x")] * len(good), [1] * len(good), skips)
+    assert got.skipped == [(f"b{i}", "bad_image") for i in range(10, 40)]
+    assert not got.gaps and got.kept == 15
+    assert a.progress[0].next_index == 45  # a reassigned reader starts at 45
+    # Heard of already: the same skips sent again (a re-read) are not reported twice.
+    again = a.receive(0, [], [], [], skips)
+    assert again.skipped == []
+
+
+def test_trailing_skips_without_samples_still_advance_and_gaps_are_named():
+    a = _assembler()
+    a.receive(0, [_header("g0", 0)], [memoryview(b"x")], [1],
+              [P.SkipRecord("b1", "bad_image", 1), P.SkipRecord("b2", "bad_audio", 2)])
+    assert a.progress[0].next_index == 3
+    # Index 3..6 neither delivered nor skipped: a gap, reported, never passed over in silence.
+    got = a.receive(0, [_header("g7", 7)], [memoryview(b"x")], [1])
+    assert got.gaps == [(3, 7)]
+    # A hostile index far ahead costs one range, not a loop over it.
+    far = a.receive(0, [_header("far", 2**62)], [memoryview(b"x")], [1])
+    assert far.gaps == [(8, 2**62)] and a.progress[0].next_index == 2**62 + 1
+
+
+def test_a_shard_level_skip_is_reported_without_moving_the_resume_point():
+    a = _assembler()
+    got = a.receive(0, [], [], [], [P.SkipRecord("", "shard_changed", -1)])
+    assert got.skipped == [("", "shard_changed")] and a.progress[0].next_index == 0
+
+
+def _config(tmp_path=None, **kw) -> ServerConfig:
+    planner = kw.pop("planner", PlannerConfig(num_microbatches=1))
+    return ServerConfig(
+        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=kw.pop("gb", 4)),
+        planner=planner, max_epochs=1, journal_fsync=False,
+        journal_dir=None if tmp_path is None else str(tmp_path),
+        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8),
+        liveness=LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=10), **kw)
+
+
+def _samples_msg(assign_id: int, headers: list, skipped=()) -> P.Message:
+    payloads = [b"x" * 10 for h in headers for _ in h.items]
+    return P.decode(P.encode(P.SAMPLES, frames=[b"".join(payloads)], assign_id=assign_id,
+                             samples=[list(h[:5]) + [[list(it) for it in h.items]] for h in headers],
+                             sizes=[len(p) for p in payloads],
+                             skipped=[list(s) for s in skipped]))
+
+
+def _with_reader(d: Dispatcher) -> tuple[Reader, object]:
+    reader = d.pool.join(b"r", "r", 0.0)
+    d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+    d._pump()
+    (a,) = reader.assignments
+    return reader, a
+
+
+def test_skips_reach_the_journal_when_they_arrive_not_at_shard_done(tmp_path):
+    d = Dispatcher(_config(tmp_path))
+    try:
+        reader, a = _with_reader(d)
+        skips = [P.SkipRecord(f"b{i}", "bad_image", i) for i in range(1, 4)]
+        d._on_samples(reader, _samples_msg(a.id, [_header("g0", 0), _header("g4", 4)], skips))
+        assert d.journal.num_skipped == 3 and [k for k, _ in d.skipped] == ["b1", "b2", "b3"]
+        d._drop_reader(reader, "timeout")  # the reader dies: nothing it reported is lost
+        assert d.progress[0].next_index == 5 and d.journal.num_skipped == 3
+    finally:
+        d._close()
+
+
+# -- defect 5: a huge commit without a journal ------------------------------------------------
+def test_a_commit_of_a_step_never_planned_is_refused_with_or_without_a_journal(tmp_path):
+    for directory in (None, tmp_path):
+        d = Dispatcher(_config(directory))
+        try:
+            t0 = time.process_time()
+            with pytest.raises(JournalError, match="never planned"):
+                d.replay.commit(2**62)
+            assert time.process_time() - t0 < 1.0  # refused, not a loop over 2**62 steps
+        finally:
+            d._close()
+
+
+# -- over sockets: what a trainer sees ----------------------------------------------------------
+class _Peer:
+    """A raw DEALER speaking the protocol to a running dispatcher."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.seq = 0
+
+    def send(self, type_: str, **fields) -> int:
+        self.seq += 1
+        self.sock.send_multipart(P.encode(type_, seq=self.seq, **fields))
+        return self.seq
+
+    def expect(self, type_: str, timeout: float = 5.0) -> P.Message:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = P.decode(self.sock.recv_multipart())
+                if msg.type == type_:
+                    return msg
+        raise AssertionError(f"no {type_} within {timeout} s")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _hello(peer: _Peer, **extra) -> int:
+    return peer.send(P.HELLO, role="trainer", rank=0, world_size=1, next_step=None, prefetch=2,
+                     **extra)
+
+
+def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_serving():
+    d = Dispatcher(_config()).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        _hello(peer)
+        peer.expect(P.WELCOME)
+        seq = peer.send(P.COMMIT, step=2**62)
+        err = peer.expect(P.ERROR, timeout=3)
+        assert err["code"] == "commit" and err["ack"] == seq and "never planned" in err["message"]
+        peer.send(P.HEARTBEAT)
+        peer.expect(P.HEARTBEAT, timeout=3)  # still serving
+    finally:
+        peer.close()
+        d.stop()
+
+
+def test_a_commit_whose_journal_write_fails_names_the_reason_and_stops_cleanly(tmp_path):
+    d = Dispatcher(_config(tmp_path))
+    _fill_and_plan(d, 4)
+    assert d.journal.last_step == 0
+
+    def full(step):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    d.journal.commit = full
+    d.start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        _hello(peer)
+        peer.expect(P.WELCOME)
+        seq = peer.send(P.COMMIT, step=0)
+        err = peer.expect(P.ERROR)
+        assert err["code"] == "commit" and err["ack"] == seq
+        assert "No space left on device" in err["message"]
+        deadline = time.monotonic() + 5
+        while d._thread is not None and d._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert d.fatal is not None and "No space left" in d.fatal
+    finally:
+        peer.close()
+        d.stop()
+
+
+def _fill_and_plan(d: Dispatcher, n: int) -> tuple[Reader, object]:
+    reader, a = _with_reader(d)
+    d._on_samples(reader, _samples_msg(a.id, [_header(f"k{i}", i) for i in range(n)]))
+    d._pump()
+    return reader, a
+
+
+# -- defect 6: disk full while journaling skipped keys -------------------------------------------
+def test_a_failed_skip_write_stops_before_the_shard_counts_as_read(tmp_path):
+    d = Dispatcher(_config(tmp_path, gb=64))
+    try:
+        reader, a = _fill_and_plan(d, 3)
+
+        def full(shard, skipped):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        d.journal.record_skipped = full
+        done = P.decode(P.encode(P.SHARD_DONE, assign_id=a.id, count=3,
+                                 skipped=[["bad", "bad_image", 3]]))
+        with pytest.raises(Fatal, match="No space left on device"):
+            d._on_shard_done(reader, done)
+        # Nothing half-applied: the shard is not finished and its assignment still stands, so
+        # the step that would follow is never planned from a state the journal does not know.
+        assert not d.progress[0].reader_done and a.id in d.pool.assignments
+        assert d.skipped == []
+    finally:
+        d._close()
+
+
+def test_a_failed_skip_write_ends_the_run_loop_with_the_reason(tmp_path):
+    d = Dispatcher(_config(tmp_path, gb=64))
+    reader_sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        def full(shard, skipped):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        d.journal.record_skipped = full
+        d.start()
+        reader_sock.connect(d.reader_endpoint)
+        reader_sock.send_multipart(P.encode(P.HELLO, seq=1, role="reader", name="r"))
+        reader_sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
+        assign = None
+        deadline = time.monotonic() + 5
+        while assign is None and time.monotonic() < deadline:
+            if reader_sock.poll(100):
+                msg = P.decode(reader_sock.recv_multipart())
+                assign = msg if msg.type == P.SHARD_ASSIGN else None
+        assert assign is not None
+        reader_sock.send_multipart(P.encode(P.SHARD_DONE, seq=3, assign_id=assign["assign_id"],
+                                            count=0, skipped=[["k", "bad_image", 0]]))
+        deadline = time.monotonic() + 5
+        while d._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not d._thread.is_alive(), "the dispatcher kept running on a failed journal write"
+        assert "No space left on device" in d.fatal and "resumes from the journal" in d.fatal
+    finally:
+        reader_sock.close(linger=0)
+        d.stop()
+
+
+# -- a step the planner refuses ends the job once ------------------------------------------------
+def test_an_unplannable_step_ends_the_job_once_naming_its_samples(tmp_path):
+    planner = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="error")
+    d = Dispatcher(_config(tmp_path, planner=planner, gb=2))
+    peer = None
+    try:
+        reader, a = _with_reader(d)
+        d._on_samples(reader, _samples_msg(a.id, [_header("small", 0), _header("giant", 1, llm=500)]))
+        with pytest.raises(Fatal, match="giant"):
+            d._pump()
+    finally:
+        d._close()
+    # A restart with the same planner settings refuses at once, with the same reason ...
+    with pytest.raises(HaltedJob, match="step 0.*giant"):
+        Dispatcher(_config(tmp_path, planner=planner, gb=2))
+    # ... and with settings that can plan it, it resumes (the halt is forgotten).
+    fixed = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="isolate")
+    d = Dispatcher(_config(tmp_path, planner=fixed, gb=2))
+    d._close()
+    d = Dispatcher(_config(tmp_path, planner=fixed, gb=2))  # halted.json is gone for good
+    d._close()
+
+
+def test_an_unplannable_step_sends_trainers_end_and_stops_the_loop(tmp_path):
+    planner = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="error")
+    d = Dispatcher(_config(tmp_path, planner=planner, gb=2))
+    reader, a = _with_reader(d)
+    d._on_samples(reader, _samples_msg(a.id, [_header("giant", 0, llm=500), _header("s", 1)]))
+    d.start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        _hello(peer)
+        end = peer.expect(P.END)
+        assert end["reason"] == "halted"
+        deadline = time.monotonic() + 5
+        while d._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not d._thread.is_alive() and "giant" in d.fatal
+    finally:
+        peer.close()
+        d.stop()
+
+
+# -- a trainer restored from another job -------------------------------------------------------
+def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_difference():
+    d = Dispatcher(_config()).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        other = dict(d.dataset, seed=7)
+        seq = _hello(peer, dataset=other)
+        err = peer.expect(P.ERROR)
+        assert err["code"] == "dataset" and err["ack"] == seq
+        assert "seed: checkpoint 7, dispatcher 0" in err["message"]
+        assert all(s.ident is None for s in d.slots)  # refused before anything moved
+        _hello(peer, dataset=dict(d.dataset))
+        welcome = peer.expect(P.WELCOME)
+        assert welcome["dataset"] == d.dataset
+    finally:
+        peer.close()
+        d.stop()
+
+
+def test_the_dataset_fingerprint_names_what_a_resume_depends_on():
+    base = _config()
+    fp = base.dataset_fingerprint()
+    assert set(fp) == {"shards", "num_shards", "seed", "mode", "global_batch", "token_budget"}
+    other = ServerConfig(shards=["/data/shard-1.tar"], world_size=1, batch=base.batch,
+                         planner=base.planner)
+    assert other.dataset_fingerprint()["shards"] != fp["shards"]
+    assert len(msgpack.packb(fp)) < 200  # small on the wire whatever the shard count
