@@ -1,0 +1,126 @@
+"""The dispatcher's parts on their own, without sockets: reader pool, credit control, delivery
+and the replay source. (The step assembler's block paths are checked against a per-sample
+reference in test_dispatch_hotpath.py.)"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from dispatcher_server.assembler import ShardProgress
+from dispatcher_server.config import FlowConfig
+from dispatcher_server.credits import Holdings, grants
+from dispatcher_server.delivery import Delivery, RetainedStep
+from dispatcher_server.journal import JournalError, StepEntry
+from dispatcher_server.readerpool import Assignment, ReaderPool
+from dispatcher_server.replay import ReplaySource
+
+
+def test_pool_gives_every_reader_one_shard_before_any_gets_a_second():
+    pool = ReaderPool()
+    for name in (b"a", b"b"):
+        pool.request(pool.join(name, name.decode(), 0.0), shards=2)
+    made = pool.assign([0, 1, 2, 3, 4])
+    assert [(r.ident, a.pos) for r, a in made] == [(b"a", 0), (b"b", 1), (b"a", 2), (b"b", 3)]
+    assert not pool.has_free_slot() and pool.assign([4]) == []
+    # ids are never reused, and another reader's id is not found
+    assert len({a.id for _, a in made}) == 4
+    a_reader = pool.readers[b"a"]
+    assert pool.find(a_reader, made[1][1].id) is None
+
+
+def test_pool_preempts_the_highest_position_only_for_a_lower_one():
+    pool = ReaderPool()
+    reader = pool.join(b"a", "a", 0.0)
+    pool.request(reader, shards=1)
+    (_, held), = pool.assign([5])
+    assert pool.victim([7]) is None  # waiting position above the held one: keep reading
+    assert pool.victim([2]) == (reader, held)
+    assert pool.drop(reader) == [held] and not pool.assignments and not pool.readers
+
+
+def _progress(pos: int, buffered: int = 0) -> ShardProgress:
+    p = ShardProgress(pos=pos, url=f"s{pos}", next_index=0)
+    p.buffer = deque(range(buffered))
+    return p
+
+
+def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
+    flow = FlowConfig(max_buffered_samples=100, max_buffered_bytes=1000, credit_batch=8)
+    a0, a1 = Assignment(id=1, pos=0, reader=b"r"), Assignment(id=2, pos=1, reader=b"r")
+    progress = {0: _progress(0), 1: _progress(1)}
+    # Room for everything: both topped up to two batches.
+    got = grants([a0, a1], progress, head=0, held=Holdings(samples=0, nbytes=0),
+                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+    assert [(a.id, n) for a, n in got] == [(1, 16), (2, 16)]
+    # The byte bound is reached: only the empty head shard still gets credit (no deadlock).
+    got = grants([a0, a1], progress, head=0, held=Holdings(samples=10, nbytes=1000),
+                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+    assert [(a.id, n) for a, n in got] == [(1, 16)]
+    # The sample bound is hard, head or not: 5 samples of room are all one shard may get ...
+    got = grants([a0, a1], progress, head=0, held=Holdings(samples=95, nbytes=0),
+                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+    assert [(a.id, n) for a, n in got] == [(1, 5)]
+    # ... and none at the bound.
+    got = grants([a0, a1], progress, head=0, held=Holdings(samples=100, nbytes=0),
+                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+    assert got == []
+    # A grant smaller than a batch to an assignment that still has credits is not worth a message.
+    a1.credits = 12
+    got = grants([a1], progress, head=0, held=Holdings(samples=0, nbytes=0),
+                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+    assert got == []
+
+
+def _retained(step: int, world: int = 2) -> RetainedStep:
+    return RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=[None] * world,
+                        num_samples=3, nbytes=30)
+
+
+def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received():
+    d = Delivery(world_size=2, max_retained_steps=2)
+    for step in (0, 1):
+        d.add(_retained(step))
+    assert not d.has_room()
+    s0, s1 = d.slots
+    s0.ident, s0.upto = b"t0", 2
+    s1.ident, s1.upto = b"t1", 1
+    encoded = []
+    sent = [(slot.rank, frames) for slot, frames in
+            d.sends(lambda rs, rank: encoded.append((rs.step, rank)) or [b"m%d%d" % (rs.step, rank)])]
+    assert sent == [(0, [b"m00"]), (0, [b"m10"]), (1, [b"m01"])]
+    assert d.retained[0].nbytes == 30 + 6  # an encoded message is held bytes
+    # A rank reconnecting gets the same bytes again, not a new encoding.
+    s1.next_send = 0
+    again = [frames for _, frames in d.sends(lambda rs, rank: pytest.fail("encoded twice"))]
+    assert again == [[b"m01"]]
+    s0.received, s1.received = 2, 1
+    d.evict()
+    assert [rs.step for rs in d.retained] == [1]
+    assert d.ends_due() == [s0] and not d.all_received()
+
+
+def test_delivery_reset_keeps_a_rank_that_is_already_past_the_rewind():
+    d = Delivery(world_size=2, max_retained_steps=4)
+    for step in range(3):
+        d.add(_retained(step))
+    d.slots[1].received = 3
+    d.reset(1)
+    assert d.next_plan == 1 and not d.retained
+    assert [s.next_send for s in d.slots] == [1, 3]
+
+
+def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on():
+    r = ReplaySource(None, world_size=2)
+    for step in range(4):
+        r.record(StepEntry(step=step, epoch=0, world_size=2,
+                           cursor_after={"base": 0, "partial": [[0, step + 1]], "done": []},
+                           num_samples=1, digest="d"), verbatim=False)
+    assert r.cursor_before(2).partial == {0: 2}
+    assert r.commit(2) and not r.commit(1)
+    with pytest.raises(JournalError, match="never planned"):
+        r.commit(10)
+    with pytest.raises(JournalError, match="--journal-dir"):
+        r.cursor_before(2)
+    assert r.cursor_before(4).partial == {0: 4}
