@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from dispatcher_server.measure import RefitConfig
 from dispatcher_server.planner.config import PlannerConfig
 from dispatcher_server.protocol import DEFAULT_LIMITS, PAYLOAD_MODES, Limits, reference_path
 
@@ -84,6 +85,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     step_log: str | None = None  # JSON lines per planned step, with the random baseline's metrics
     payloads: str = "inline"  # or "reference": trainers read member bytes from the shard files
+    refit: RefitConfig | None = None  # refit the cost model online from trainers' timings
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

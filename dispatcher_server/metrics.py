@@ -51,11 +51,29 @@ class Metrics:
         self.errors = Counter("mmdispatch_errors", "Errors by kind", ["kind"], registry=r)
         self.skipped = Counter("mmdispatch_samples_skipped", "Bad samples skipped by readers",
                                registry=r)
+        self.slowest_rank = Gauge("mmdispatch_phase_slowest_rank",
+                                  "Last measured step: slowest rank per phase, summed over "
+                                  "micro-batches (predicted: cost-model units; measured: seconds)",
+                                  ["phase", "source"], registry=r)
+        self.measured_imbalance = Gauge("mmdispatch_measured_imbalance_max_over_mean",
+                                        "Last measured step's per-phase imbalance (max/mean)",
+                                        ["phase"], registry=r)
+        self.measured_step = Gauge("mmdispatch_measured_step_seconds",
+                                   "Last measured step: sum over phases and micro-batches of the "
+                                   "slowest rank's seconds (exchange excluded)", registry=r)
         self.port = 0
         self._server = None
         if port:
             self._server, _ = start_http_server(port, addr=host, registry=r)
             self.port = self._server.server_port
+
+    def measured(self, summary: dict) -> None:
+        """Export a step's predicted-vs-measured record (see dispatcher_server.measure)."""
+        for phase, v in summary["phases"].items():
+            self.slowest_rank.labels(phase, "predicted").set(v["predicted_max"])
+            self.slowest_rank.labels(phase, "measured").set(v["measured_max"])
+            self.measured_imbalance.labels(phase).set(v["measured_max_over_mean"])
+        self.measured_step.set(summary["measured_step_s"])
 
     def error(self, kind: str, /, **fields) -> None:
         self.errors.labels(kind).inc()

@@ -73,7 +73,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
               "skipped": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
-             "upto": (_INT, False), "received": (_INT, False)},
+             "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
            "world_size": (_INT, True), "microbatches": (list, True)},
     END: {"next_step": (_INT, False), "reason": (str, True)},
@@ -390,8 +390,34 @@ def _check_step(fields: dict, payloads: list) -> None:
         _check_sizes(mb["sizes"], mb["payloads"], payloads[2 * m + 1: 2 * m + 2], "step")
 
 
+#: CREDIT from a trainer may carry `timings`: per computed step {"step": int, "mb": [per
+#: micro-batch {PHASE: [seconds, [sequence lengths run]], ..., "exchange": seconds}]}, the
+#: measured forward+backward time of each phase on that rank and what it ran.
+TIMING_PHASES = ("vision", "audio", "llm")
+MAX_TIMED_MICROBATCHES = 1024
+
+
+def _check_credit(fields: dict, payloads: list) -> None:
+    _no_payload(fields, payloads)
+    for rec in fields.get("timings", ()):
+        if (type(rec) is not dict or set(rec) != {"step", "mb"} or not _is_int(rec["step"])
+                or type(rec["mb"]) is not list or len(rec["mb"]) > MAX_TIMED_MICROBATCHES):
+            raise ProtocolError("credit: malformed timings record")
+        for mb in rec["mb"]:
+            if type(mb) is not dict or not set(mb) <= {*TIMING_PHASES, "exchange"}:
+                raise ProtocolError("credit: malformed micro-batch timings")
+            if not _is(mb.get("exchange", 0.0), float) or mb.get("exchange", 0.0) < 0:
+                raise ProtocolError("credit: malformed exchange time")
+            for phase in TIMING_PHASES:
+                t = mb.get(phase)
+                if t is not None and (type(t) is not list or len(t) != 2 or not _is(t[0], float)
+                                      or t[0] < 0 or type(t[1]) is not list
+                                      or not all(_is_int(n) and n >= 0 for n in t[1])):
+                    raise ProtocolError(f"credit: malformed {phase} timing")
+
+
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
-           STEP: _check_step}
+           STEP: _check_step, CREDIT: _check_credit}
 
 
 def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int = 0) -> None:

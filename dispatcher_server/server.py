@@ -26,6 +26,7 @@ from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
 from dispatcher_server.halt import Halt, oversize_report
 from dispatcher_server.journal import Journal, JournalError, StepEntry
+from dispatcher_server.measure import StepMeasurements
 from dispatcher_server.metrics import Metrics, SkipLog, event
 from dispatcher_server.ordering import ShardOrder
 from dispatcher_server.planner import PlanError, plan_step
@@ -90,6 +91,7 @@ class Dispatcher:
         self.pool = ReaderPool()
         self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
         self.replay = ReplaySource(journal, config.world_size)
+        self.measurements = StepMeasurements(config.world_size, config.refit)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth = None
@@ -523,6 +525,8 @@ class Dispatcher:
         if msg.type == P.CREDIT:
             slot.upto = msg.get("upto", slot.upto)
             slot.received = max(slot.received, msg.get("received", slot.received))
+            for record in msg.get("timings", ()):
+                self._measured(slot.rank, record)
         elif msg.type == P.COMMIT:
             self._commit(slot, msg)
         elif msg.type == P.BYE:
@@ -589,6 +593,20 @@ class Dispatcher:
                    world_size=self.config.world_size, next_step=want,
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset)
+
+    def _measured(self, rank: int, record: dict) -> None:
+        """A rank's timings of one step: log every step now complete, refit when due."""
+        planner = self.config.planner
+        done = self.measurements.add(rank, record, planner.cost)
+        for summary in done:
+            if self.step_log is not None:
+                self.step_log.write(summary)
+            self.metrics.measured(summary)
+        refitted = self.measurements.refitted(planner.cost, len(done))
+        if refitted is not None:
+            planner.cost = refitted
+            event("cost_refit", **{f"{p}_{k}": f"{v:.4g}" for p, c in refitted.to_dict().items()
+                                   for k, v in c.items() if k != "window"})
 
     def _commit(self, slot: TrainerSlot, msg: P.Message) -> None:
         step = msg["step"]

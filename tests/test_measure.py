@@ -1,0 +1,109 @@
+"""Predicted beside measured: trainers' timings reach the dispatcher, are summarised per step in
+the step log and the metrics, and the online refit uses only its bounded window."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dispatcher_server import protocol as P
+from dispatcher_server.config import BatchConfig, ServerConfig
+from dispatcher_server.measure import RefitConfig, StepMeasurements, summarise
+from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.planner.cost import CostModel, PhaseCost
+from dispatcher_server.server import Dispatcher
+
+SECONDS = CostModel(phases={"vision": PhaseCost(a=1e-3, b=0.0), "audio": PhaseCost(a=2e-3, b=0.0),
+                            "llm": PhaseCost(a=1e-4, b=1e-7)})
+
+
+def _record(step: int, vision: list[int], seconds: float, llm=(100,), exchange=0.01) -> dict:
+    return {"step": step, "mb": [{"vision": [seconds, list(vision)],
+                                  "llm": [0.5 * seconds, list(llm)], "exchange": exchange}]}
+
+
+def test_a_step_is_summarised_once_every_rank_reported():
+    m = StepMeasurements(world_size=2)
+    assert m.add(0, _record(5, [100, 200], 0.3), SECONDS) == []  # rank 1 still missing
+    (rec,) = m.add(1, _record(5, [100], 0.1), SECONDS)
+    v = rec["phases"]["vision"]
+    assert rec["step"] == 5 and rec["ranks_reported"] == 2
+    assert v["predicted_max"] == pytest.approx(0.3)  # 1e-3 * 300 on rank 0
+    assert v["measured_max"] == pytest.approx(0.3)
+    assert v["measured_max_over_mean"] == pytest.approx(0.3 / 0.2)
+    assert rec["exchange_s"] == pytest.approx(0.01)
+    assert rec["measured_over_predicted"] == pytest.approx(
+        rec["measured_step_s"] / rec["predicted_step"])
+
+
+def test_a_step_whose_last_rank_never_reports_is_summarised_from_the_others():
+    m = StepMeasurements(world_size=2)
+    out = []
+    for step in range(70):
+        out += m.add(0, _record(step, [10], 0.01), SECONDS)
+    assert out and out[0]["step"] == 0 and out[0]["ranks_reported"] == 1
+
+
+def test_refit_uses_only_its_window():
+    """Timings of one model, then of another: after a full window of the second, the refit
+    model is the second, whatever came before (bounded memory, bounded history)."""
+    m = StepMeasurements(world_size=1, refit=RefitConfig(window=16, every=4))
+    model = CostModel()
+
+    def feed(a: float, steps: range) -> CostModel | None:
+        nonlocal model
+        for step in steps:
+            lengths = [50 + 37 * (step % 7), 20 + 11 * (step % 5)]
+            done = m.add(0, {"step": step, "mb": [{"vision": [a * sum(lengths), lengths]}]}, model)
+            new = m.refitted(model, len(done))
+            if new is not None:
+                model = new
+        return model
+
+    feed(1e-3, range(0, 40))
+    assert model.phase("vision").a == pytest.approx(1e-3, rel=1e-6)
+    feed(5e-3, range(40, 56))  # exactly one window of the new timings
+    assert model.phase("vision").a == pytest.approx(5e-3, rel=1e-6)
+    assert model.phase("llm") == CostModel().phase("llm")  # phases never measured keep theirs
+
+
+def _dispatcher(tmp_path, **kw) -> Dispatcher:
+    return Dispatcher(ServerConfig(
+        shards=["/data/shard-0.tar"], world_size=2, batch=BatchConfig(global_batch=4),
+        planner=PlannerConfig(num_microbatches=1, cost=SECONDS), max_epochs=1,
+        step_log=str(tmp_path / "steps.jsonl"), **kw))
+
+
+def test_timings_on_credit_reach_the_step_log_and_the_metrics(tmp_path):
+    d = _dispatcher(tmp_path)
+    try:
+        for rank, ident in ((0, b"t0"), (1, b"t1")):
+            d.slots[rank].ident = ident
+            credit = P.decode(P.encode(P.CREDIT, upto=2, received=1,
+                                       timings=[_record(0, [100 * (rank + 1)], 0.1 * (rank + 1))]))
+            d._on_trainer(ident, credit, 0.0)
+        d.step_log.close()
+        records = [json.loads(line) for line in open(tmp_path / "steps.jsonl")]
+        (rec,) = [r for r in records if r["kind"] == "measure"]
+        assert rec["phases"]["vision"]["measured_max"] == pytest.approx(0.2)
+        reg = d.metrics.registry
+        assert reg.get_sample_value("mmdispatch_phase_slowest_rank",
+                                    {"phase": "vision", "source": "measured"}) == pytest.approx(0.2)
+        assert reg.get_sample_value("mmdispatch_measured_imbalance_max_over_mean",
+                                    {"phase": "vision"}) == pytest.approx(0.2 / 0.15)
+    finally:
+        d._close()
+
+
+@pytest.mark.parametrize("timings", [
+    [{"step": 1}],
+    [{"step": 1, "mb": [{"vision": [0.1]}]}],
+    [{"step": 1, "mb": [{"vision": [-1.0, [3]]}]}],
+    [{"step": 1, "mb": [{"vision": [0.1, [-3]]}]}],
+    [{"step": 1, "mb": [{"video": [0.1, [3]]}]}],
+    [{"step": "1", "mb": []}],
+])
+def test_malformed_timings_are_protocol_errors(timings):
+    with pytest.raises(P.ProtocolError):
+        P.decode(P.encode(P.CREDIT, upto=1, timings=timings))
