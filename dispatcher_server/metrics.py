@@ -25,6 +25,12 @@ def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
     log.log(level, "mmdispatch %s", " ".join(parts))
 
 
+#: What the loop thread's CPU time is split into (`mmdispatch_loop_cpu_seconds_total{part}`):
+#: reader messages taken in, trainer messages (credits, acknowledgements, commits), filling and
+#: building steps, planning, journaling, encoding rank messages, sending them.
+LOOP_PARTS = ("intake", "acks", "assemble", "plan", "journal", "encode", "send")
+
+
 class Metrics:
     """The dispatcher's counters and gauges."""
 
@@ -61,6 +67,13 @@ class Metrics:
         self.measured_step = Gauge("mmdispatch_measured_step_seconds",
                                    "Last measured step: sum over phases and micro-batches of the "
                                    "slowest rank's seconds (exchange excluded)", registry=r)
+        self.loop_cpu = Counter("mmdispatch_loop_cpu_seconds", "CPU seconds of the dispatcher's "
+                                "loop thread by part of its work", ["part"], registry=r)
+        self.cpu_of = {part: self.loop_cpu.labels(part) for part in LOOP_PARTS}
+        self.messages = Counter("mmdispatch_messages", "Messages by role and direction",
+                                ["role", "direction"], registry=r)
+        self.messages_of = {(role, d): self.messages.labels(role, d)
+                            for role in ("reader", "trainer") for d in ("in", "out")}
         self.port = 0
         self._server = None
         if port:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dispatcher_server.journal import Journal, JournalError, StepEntry, pack_cursor, unpack_cursor
 from dispatcher_server.ordering import Cursor
+from dispatcher_server.planner.plan import StepPlan
 
 
 class ReplaySource:
@@ -61,13 +62,14 @@ class ReplaySource:
             return entry.plan, False
         return None, True
 
-    def record(self, entry: StepEntry, *, verbatim: bool) -> None:
-        """Remember a planned step before it is sent (raises JournalWriteError if it cannot)."""
+    def record(self, entry: StepEntry, plan: StepPlan, *, verbatim: bool) -> None:
+        """Remember a planned step before it is sent (OSError if the journal cannot)."""
         if self.journal is None:
             self.cursors[entry.step] = pack_cursor(entry.cursor_after)
         elif not verbatim:
             # A verbatim replay is journaled already: recording it again would supersede the
             # journaled steps after it, which ranks ahead of the others may be committing.
+            entry.plan = plan.to_dict()
             self.journal.record_step(entry)
 
     def commit(self, step: int) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from time import thread_time
 
 import zmq
 
@@ -92,6 +93,7 @@ class Dispatcher:
         self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
         self.replay = ReplaySource(journal, config.world_size)
         self.measurements = StepMeasurements(config.world_size, config.refit)
+        self._cpu = self.metrics.cpu_of
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth = None
@@ -199,9 +201,13 @@ class Dispatcher:
                 ready = dict(poller.poll(live.poll_ms))
                 try:
                     if self.reader_sock in ready:
+                        t0 = thread_time()
                         self._drain(self.reader_sock, self._on_reader)
+                        self._cpu["intake"].inc(thread_time() - t0)
                     if self.trainer_sock in ready:
+                        t0 = thread_time()
                         self._drain(self.trainer_sock, self._on_trainer)
+                        self._cpu["acks"].inc(thread_time() - t0)
                     self._pump()
                 except Fatal as e:
                     self._halt_now(str(e))
@@ -251,8 +257,11 @@ class Dispatcher:
             self.assembler.open_window()
         self._assign()
         while not self.finished() and self.delivery.has_room():
+            t0 = thread_time()
             self.assembler.fill()
-            if not self.assembler.step_ready():
+            ready = self.assembler.step_ready()
+            self._cpu["assemble"].inc(thread_time() - t0)
+            if not ready:
                 break
             self._plan()
         self._send_steps()
@@ -278,9 +287,12 @@ class Dispatcher:
             event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _plan(self) -> None:
+        c0 = thread_time()
         filled = self.assembler.take_step()
         step, batch = self.next_plan, build_batch(filled.samples)
         digest = batch.digest()
+        c1 = thread_time()
+        self._cpu["assemble"].inc(c1 - c0)
         t0 = time.perf_counter()
         journaled, mismatch = self.replay.journaled_plan(step, digest)
         if mismatch and self.config.mode == "deterministic":
@@ -295,15 +307,18 @@ class Dispatcher:
                 self._halt.record(step, why)
             raise Fatal(why) from e
         plan_ms = (time.perf_counter() - t0) * 1e3
+        c2 = thread_time()
+        self._cpu["plan"].inc(c2 - c1)
         entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
                           cursor_after=self.assembler.cursor.to_wire(),
-                          num_samples=len(batch.samples), digest=digest, plan=plan.to_dict())
+                          num_samples=len(batch.samples), digest=digest)
         try:
-            self.replay.record(entry, verbatim=journaled is not None)
+            self.replay.record(entry, plan, verbatim=journaled is not None)
         except OSError as e:
             raise Fatal(f"journal write failed at step {step} ({e}); stopping. Free the space "
                         "(or fix the journal directory) and start the dispatcher again: it "
                         "resumes from the journal") from e
+        self._cpu["journal"].inc(thread_time() - c2)
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
                                        messages=[None] * self.config.world_size,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
@@ -323,14 +338,24 @@ class Dispatcher:
               lb_ratio=f"{plan.metrics.get('step_time_over_lb', 0):.3f}")
 
     def _send_steps(self) -> None:
-        def encode(rs: RetainedStep, rank: int) -> list:
-            self._seq += 1
-            return rank_message(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, rank=rank,
-                                seq=self._seq)
+        encoding = 0.0
 
+        def encode(rs: RetainedStep, rank: int) -> list:
+            nonlocal encoding
+            e0 = thread_time()
+            self._seq += 1
+            msg = rank_message(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, rank=rank,
+                               seq=self._seq)
+            encoding += thread_time() - e0
+            return msg
+
+        t0 = thread_time()
+        now = time.monotonic()
         for slot, frames in self.delivery.sends(encode):
             self._send_frames(self.trainer_sock, slot.ident, frames, "trainer")
-            slot.last_sent = time.monotonic()
+            slot.last_sent = now
+        self._cpu["encode"].inc(encoding)
+        self._cpu["send"].inc(thread_time() - t0 - encoding)
         if self.finished():
             self._send_ends()
 
@@ -378,6 +403,7 @@ class Dispatcher:
         for frames in P.pending(sock, budget):
             ident, body = frames[0].bytes, frames[1:]
             self.metrics.bytes_in_of[role].inc(sum(len(f) for f in body))
+            self.metrics.messages_of[role, "in"].inc()
             try:
                 msg = P.decode(body, self.config.limits)
             except P.ProtocolError as e:
@@ -665,4 +691,5 @@ class Dispatcher:
 
     def _send_frames(self, sock: zmq.Socket, ident: bytes, frames: list, role: str) -> None:
         self.metrics.bytes_out_of[role].inc(sum(memoryview(f).nbytes for f in frames))
+        self.metrics.messages_of[role, "out"].inc()
         sock.send_multipart([ident, *frames], copy=False)

@@ -116,7 +116,7 @@ def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on()
     for step in range(4):
         r.record(StepEntry(step=step, epoch=0, world_size=2,
                            cursor_after={"base": 0, "partial": [[0, step + 1]], "done": []},
-                           num_samples=1, digest="d"), verbatim=False)
+                           num_samples=1, digest="d"), plan=None, verbatim=False)
     assert r.cursor_before(2).partial == {0: 2}
     assert r.commit(2) and not r.commit(1)
     with pytest.raises(JournalError, match="never planned"):

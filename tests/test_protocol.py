@@ -196,15 +196,31 @@ def test_microbatch_wire_round_trip_is_exact():
         for mb in range(2):
             rmb = plan.rank_microbatch(rank, mb)
             lengths, buf = pack_microbatch(rmb)
-            back = unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=rank, microbatch=mb)
+            back = unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=rank, microbatch=mb,
+                                     world_size=3)
             assert set(back.exchanges) == {p for p, e in rmb.exchanges.items()}
             for name in ("samples", "sample_offsets", "sample_llm_len", "text_offsets", "text_len"):
                 np.testing.assert_array_equal(getattr(back, name), getattr(rmb, name))
             for phase, ex in rmb.exchanges.items():
-                for name in ("encode_items", "send_tokens", "recv_items", "recv_offsets"):
+                for name in ("encode_items", "encode_enc_len", "encode_llm_len", "send_tokens",
+                             "recv_items", "recv_llm_len", "recv_offsets", "recv_tokens"):
                     np.testing.assert_array_equal(getattr(back.exchanges[phase], name), getattr(ex, name))
     with pytest.raises(P.ProtocolError):
-        unpack_microbatch(memoryview(buf.tobytes())[:-8], lengths, rank=0, microbatch=0)
+        unpack_microbatch(memoryview(buf.tobytes())[:-8], lengths, rank=0, microbatch=0,
+                          world_size=3)
+
+
+def test_microbatch_wire_size_does_not_grow_with_the_world():
+    """Per-peer token counts travel as pairs: a rank's frame holds O(its items), not O(W)."""
+    sizes = {}
+    for world in (4, 64, 1024):
+        plan = _plan(world_size=world, num_microbatches=1)
+        sizes[world] = max(len(pack_microbatch(plan.rank_microbatch(r, 0))[1]) for r in range(4))
+    assert sizes[1024] <= sizes[4] * 2, sizes
+    rmb = plan.rank_microbatch(0, 0)
+    lengths, buf = pack_microbatch(rmb)
+    with pytest.raises(P.ProtocolError, match="planned for world"):
+        unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=0, microbatch=0, world_size=2)
 
 
 def test_epoch_order_is_a_seeded_permutation():

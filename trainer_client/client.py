@@ -23,7 +23,7 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
-from dispatcher_server.stepwire import SAMPLE_ARRAYS, split_arrays, unpack_microbatch
+from dispatcher_server.stepwire import SAMPLE_ARRAYS, unpack_microbatch
 
 log = logging.getLogger("mmdispatch.client")
 _END = object()
@@ -182,6 +182,20 @@ class ShardFiles:
         self._maps.clear()  # unmapped once no payload view refers to them
 
 
+_EXCHANGE_FIELDS = ("encode_items", "encode_enc_len", "encode_llm_len", "send_tokens",
+                   "recv_items", "recv_llm_len", "recv_offsets", "recv_tokens")
+
+
+def _plan_tensors(plan: RankMicrobatch) -> dict[str, torch.Tensor]:
+    """Every plan array by name ("samples", "vision.send_tokens", ...) as a tensor view."""
+    out = {n: _tensor(getattr(plan, n)) for n in SAMPLE_ARRAYS}
+    for p in ENCODER_PHASES:
+        ex = plan.exchanges.get(p)
+        for n in _EXCHANGE_FIELDS:
+            out[f"{p}.{n}"] = _tensor(getattr(ex, n)) if ex is not None else _tensor(np.zeros(0))
+    return out
+
+
 def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
 
@@ -193,12 +207,9 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
         # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
         payloads = P.split_payload(msg.frames[2 * m + 1], mb["sizes"]) if files is None \
             else files.read(msg.frames[2 * m + 1], mb["sizes"])
-        plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m)
-        names = list(SAMPLE_ARRAYS) + [f"{p}.{n}" for p in ENCODER_PHASES for n in
-                                       ("encode_items", "encode_enc_len", "encode_llm_len",
-                                        "send_tokens", "recv_items", "recv_llm_len",
-                                        "recv_offsets", "recv_tokens")]
-        tensors = {n: _tensor(v) for n, v in zip(names, split_arrays(buf, mb["arrays"]))}
+        plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m,
+                                 world_size=msg["world_size"])
+        tensors = _plan_tensors(plan)
         encoders, k = {}, 0
         for phase in ENCODER_PHASES:
             ex = plan.exchanges.get(phase)
