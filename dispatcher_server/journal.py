@@ -1,25 +1,26 @@
 """Append-only, fsync'd journal of the dispatcher: config fingerprint, per-step cursor and plan, commits.
 
-A record is a 16-byte header (magic, payload length, payload CRC32, CRC32 of those 12 bytes)
-and a msgpack payload, written and fsync'd before a step leaves the dispatcher. Reopening
-tells a torn last write from corruption: a tail that is a cut-short record (a prefix of the
-magic, or a header that checks out whose payload the file ends inside) is dropped with a
-warning; any other bad byte (a header, payload or CRC that does not check out, anywhere) raises
-JournalError naming the file and offset, and the file is left as it is. A write or fsync that
-fails is cut back off the file and raises JournalWriteError; nothing of it is applied.
+Each record is a 16-byte header (magic, payload length, payload CRC32, CRC32 of those 12 bytes)
+and a msgpack payload, written and fsync'd before a step leaves the dispatcher. At a reopen only
+a torn last write is dropped (with a warning): a tail that is a prefix of a record, cut inside
+its header's magic or inside a payload whose header checks out. Anything else that does not
+check out, anywhere, is corruption: JournalError names the file and byte offset, and the file
+is left byte for byte as it was. A write or fsync that fails is cut back off its file and
+raises JournalWriteError (an OSError); nothing of it is applied, and the call can be retried.
 
 Disk and restart cost stay bounded however long the run. `journal.mmd` holds the config, one
-~170-byte record per step (cursor, digest, where its plan lies) and the commits; once it passes
-`journal_file_bytes` (and twice its size after the last checkpoint) a commit rewrites it as a
-checkpoint (atomically: temp file, fsync, rename, fsync of the directory): the config, the
-commit state and the records of the steps from the oldest of the last `keep_commits` commits
-on, so a trainer can resume after any of those commits (or at step 0), not before. Plans go
-to two plan files used in turn (`plans-0.mmd`, `plans-1.mmd`): the full one hands over to the
-other, emptied first, once none of that one's plans is still needed (a plan is needed until a
-commit covers its step). Skipped keys go to `skipped.mmd`, append-only and never read at
-startup (the journal keeps their count and how far the file is counted): `skipped_keys()`
-reads them all back for an audit. A restart reads journal.mmd (at most about twice
-`journal_file_bytes`) and the uncommitted steps' plans.
+~180-byte record per step (cursor, digest, where its plan lies) and the commits. Once it passes
+`journal_file_bytes` and twice its size after the last checkpoint, a commit rewrites it as a
+checkpoint (temp file, fsync, rename, fsync of the directory: a crash leaves the old journal or
+the new one): config, commit state, and the records of the steps from the oldest of the last
+`keep_commits` commits on. A trainer can resume after any of those commits (or at step 0),
+not before. Plans go to two plan files used in turn (`plans-0.mmd`, `plans-1.mmd`): a full one
+hands over to the other, emptied first, once none of that one's plans is still needed (until
+a commit covers its step). Skipped keys (with their shard index when known) go to
+`skipped.mmd`, append-only, never read at a restart (journal.mmd keeps their count and how far
+the file is counted); `skipped_keys()` reads them back for audits. A restart therefore reads
+journal.mmd, about `journal_file_bytes` (more only while commits lag), and the uncommitted
+steps' plans. Journals in the layout before the magic are read and rewritten in this one.
 """
 
 from __future__ import annotations
@@ -317,8 +318,6 @@ class Journal:
 
     def skipped_keys(self) -> Iterator[SkippedKey]:
         """Every skipped key recorded, oldest first (reads skipped.mmd; for audits)."""
-        for shard, keys in self._legacy_skipped:
-            yield from (_skipped_key(shard, k) for k in keys)
         if self._skipped.size == 0:
             return
         with mmap.mmap(self._skipped.fd, 0, access=mmap.ACCESS_READ) as data:
