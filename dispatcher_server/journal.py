@@ -1,7 +1,7 @@
 """Append-only, fsync'd journal of the dispatcher: config fingerprint, per-step cursor and plan, commits.
 
-Each record is a 16-byte header (magic, payload length, payload CRC32, CRC32 of those 12 bytes)
-and a msgpack payload, written and fsync'd before a step leaves the dispatcher. At a reopen only
+Each record (recordlog.py) is a 16-byte header (magic, payload length, payload CRC32, CRC32 of
+those 12 bytes) and a msgpack payload, written and fsync'd before a step leaves the dispatcher. At a reopen only
 a torn last write is dropped (with a warning): a tail that is a prefix of a record, cut inside
 its header's magic or inside a payload whose header checks out. Anything else that does not
 check out, anywhere, is corruption: JournalError names the file and byte offset, and the file
@@ -28,8 +28,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
-import zlib
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -37,26 +35,18 @@ from typing import Any, Iterator, NamedTuple
 
 import msgpack
 
+# JournalError and JournalWriteError are raised by the record layer too; users import them here.
+from dispatcher_server.recordlog import (AppendFile, JournalError, JournalWriteError, frame,
+                                         is_legacy, legacy_scan, read_record, scan,
+                                         write_error)
+
 log = logging.getLogger("mmdispatch.journal")
 
-MAGIC = b"\x89MJ2"  # its last byte is not 0: no journal before this layout starts with it
-_HEAD = struct.Struct("<4sIII")  # magic, payload length, payload crc32, crc32 of the 12 bytes before
-_LEGACY_HEAD = struct.Struct("<II")  # payload length, payload crc32 (journals before MAGIC)
 JOURNAL_FILE = "journal.mmd"
 PLAN_FILES = ("plans-0.mmd", "plans-1.mmd")
 SKIPPED_FILE = "skipped.mmd"
 #: Fingerprint fields a restore must match; world size is deliberately absent (elastic resume).
 FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
-
-
-class JournalError(ValueError):
-    """The journal cannot be honoured: corrupted, or written for a different configuration."""
-
-
-class JournalWriteError(OSError):
-    """A journal write or fsync failed (disk full, I/O error). Nothing of it was applied and the
-    file holds no part of it; the same call may be retried once the cause is gone. `filename`
-    is the file, `errno` and `strerror` the operating system's reason."""
 
 
 class SkippedKey(NamedTuple):
@@ -128,9 +118,9 @@ class Journal:
         self._gen = 0  # the plan file being written
         self._dir_sync_owed = False
         self._base_size = 0  # journal.mmd's size right after its checkpoint
-        self._file: _AppendFile | None = None
-        self._plans: list[_AppendFile] = []
-        self._skipped: _AppendFile | None = None
+        self._file: AppendFile | None = None
+        self._plans: list[AppendFile] = []
+        self._skipped: AppendFile | None = None
         try:
             self._open()
         except BaseException:
@@ -142,9 +132,9 @@ class Journal:
         if os.path.exists(tmp):  # a checkpoint cut short: the journal it was to replace stands
             os.unlink(tmp)
         legacy = self._load()
-        self._file = _AppendFile(self.path, self.fsync)
-        self._plans = [_AppendFile(os.path.join(self.directory, n), self.fsync) for n in PLAN_FILES]
-        self._skipped = _AppendFile(os.path.join(self.directory, SKIPPED_FILE), self.fsync)
+        self._file = AppendFile(self.path, self.fsync)
+        self._plans = [AppendFile(os.path.join(self.directory, n), self.fsync) for n in PLAN_FILES]
+        self._skipped = AppendFile(os.path.join(self.directory, SKIPPED_FILE), self.fsync)
         if legacy:  # journals before skipped.mmd never wrote one: any is a cut-short migration's
             self._skipped.empty()
         self._count_unindexed_skips()
@@ -166,9 +156,8 @@ class Journal:
         if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
             return False
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            legacy = _is_legacy(data)
-            records = (_legacy_records if legacy else _records)(data, self.path)
-            end = self._apply_all(records)
+            legacy = is_legacy(data)
+            end = self._apply_all((legacy_scan if legacy else scan)(data, self.path))
             torn = len(data) - end
         if torn:
             log.warning("journal: dropping a torn last write (%d bytes at byte %d) of %s",
@@ -257,7 +246,7 @@ class Journal:
             return
         with mmap.mmap(self._skipped.fd, 0, access=mmap.ACCESS_READ) as data:
             end = self._skipped_end
-            for _, end, rec in _records(data, self._skipped.path, self._skipped_end):
+            for _, end, rec in scan(data, self._skipped.path, self._skipped_end):
                 self.records_read += 1
                 self.num_skipped += len(rec["keys"])
         if end < size:
@@ -278,7 +267,7 @@ class Journal:
 
     def _read_step(self, step: int) -> dict:
         offset = self._offsets[step - self._first]
-        rec = _read_record(self._file.fd, offset)
+        rec = read_record(self._file.fd, offset)
         if rec is None:
             raise JournalError(f"journal {self.path!r}: the record of step {step} at byte "
                                f"{offset} no longer reads back intact")
@@ -286,7 +275,7 @@ class Journal:
 
     def _read_plan(self, step: int, plan_at: tuple[int, int]) -> dict | None:
         """The plan of `step`, or None if its plan file was reused since (the step is committed)."""
-        rec = _read_record(self._plans[plan_at[0]].fd, plan_at[1])
+        rec = read_record(self._plans[plan_at[0]].fd, plan_at[1])
         if rec is None or rec.get("step") != step:
             return None
         return rec["plan"]
@@ -321,14 +310,14 @@ class Journal:
         if self._skipped.size == 0:
             return
         with mmap.mmap(self._skipped.fd, 0, access=mmap.ACCESS_READ) as data:
-            for _, _, rec in _records(data[:self._skipped.size], self._skipped.path):
+            for _, _, rec in scan(data[:self._skipped.size], self._skipped.path):
                 yield from (_skipped_key(rec["shard"], k) for k in rec["keys"])
 
     # -- writing -----------------------------------------------------------------------
     def _append(self, rec: dict) -> int:
         """Append one record to journal.mmd; its offset."""
         self._sync_dir_if_owed()
-        return self._file.append(_frame(rec))
+        return self._file.append(frame(rec))
 
     def _plan_file_for_next(self) -> int:
         """The plan file the next plan goes to: the current one, or the other once the current
@@ -349,7 +338,7 @@ class Journal:
         Raises JournalWriteError (nothing recorded) if either write fails."""
         g = self._plan_file_for_next()
         plans = self._plans[g]
-        at = plans.append(_frame({"step": entry.step, "plan": entry.plan}))
+        at = plans.append(frame({"step": entry.step, "plan": entry.plan}))
         rec = {"kind": "step", "step": entry.step, "epoch": entry.epoch,
                "world_size": entry.world_size, "cursor_after": entry.cursor_after,
                "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at]}
@@ -381,7 +370,7 @@ class Journal:
         if not skipped:
             return
         keys = [_skip_entry(s) for s in skipped]
-        at = self._skipped.append(_frame({"shard": shard, "keys": keys}))
+        at = self._skipped.append(frame({"shard": shard, "keys": keys}))
         rec = {"kind": "skipped", "total": self.num_skipped + len(keys), "end": self._skipped.size}
         try:
             offset = self._append(rec)
@@ -409,7 +398,7 @@ class Journal:
         skipped.mmd); nothing is dropped."""
         log.info("journal: rewriting %s in the current record layout", self.path)
         for shard, keys in self._legacy_skipped:
-            self._skipped.append(_frame({"shard": shard, "keys": keys}))
+            self._skipped.append(frame({"shard": shard, "keys": keys}))
         self._legacy_skipped = []
         self._skipped_end = self._skipped.size
         self._checkpoint(self._first)
@@ -422,13 +411,28 @@ class Journal:
                     "commits": list(self._commits), "num_skipped": self.num_skipped,
                     "skipped_end": self._skipped_end}]
         records += [self._kept_record(s) for s in range(first, self.last_step + 1)]
-        frames = [_frame(r) for r in records]
+        frames = [frame(r) for r in records]
+        old, self._file = self._file, self._replace_file(b"".join(frames))
+        old.close()
+        at = len(frames[0]) + len(frames[1])
+        self._first, self._offsets = first, array("q")
+        for framed in frames[2:]:
+            self._offsets.append(at)
+            at += len(framed)
+        self._base_size = self._file.size
+        self._dir_sync_owed = True
+        self._sync_dir_if_owed()
+        log.info("journal: checkpointed %s at step %d (%d bytes, steps %d..%d)", self.path,
+                 self.last_committed, self._base_size, first, self.last_step)
+
+    def _replace_file(self, data: bytes) -> AppendFile:
+        """Write `data` to a temp file (fsync'd) renamed over journal.mmd; it, open to append."""
         tmp = self.path + ".tmp"
         if os.path.exists(tmp):
             os.unlink(tmp)
-        new = _AppendFile(tmp, self.fsync)  # opened before the rename: it follows the file
+        new = AppendFile(tmp, self.fsync)  # opened before the rename: it follows the file
         try:
-            new.append(b"".join(frames))
+            new.append(data)
             os.replace(tmp, self.path)
         except OSError as e:
             new.close()
@@ -436,20 +440,9 @@ class Journal:
                 os.unlink(tmp)
             if isinstance(e, JournalWriteError):
                 raise
-            raise _write_error(e, self.path) from e
+            raise write_error(e, self.path) from e
         new.path = self.path
-        old, self._file = self._file, new
-        old.close()
-        at = sum(len(f) for f in frames[:2])
-        self._first, self._offsets = first, array("q")
-        for frame in frames[2:]:
-            self._offsets.append(at)
-            at += len(frame)
-        self._base_size = self._file.size
-        self._dir_sync_owed = True
-        self._sync_dir_if_owed()
-        log.info("journal: checkpointed %s at step %d (%d bytes, steps %d..%d)", self.path,
-                 self.last_committed, self._base_size, first, self.last_step)
+        return new
 
     def _kept_record(self, step: int) -> dict:
         entry = self.pending.get(step)
@@ -473,176 +466,13 @@ class Journal:
                 finally:
                     os.close(fd)
             except OSError as e:
-                raise _write_error(e, self.directory) from e
+                raise write_error(e, self.directory) from e
         self._dir_sync_owed = False
 
     def close(self) -> None:
         for f in (self._file, *self._plans, self._skipped):
             if f is not None:
                 f.close()
-
-
-class _AppendFile:
-    """A record file that grows by whole records only: a write or fsync that fails is cut back
-    off before it raises JournalWriteError."""
-
-    def __init__(self, path: str, fsync: bool) -> None:
-        self.path, self.fsync = path, fsync
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-        self.size = os.fstat(self.fd).st_size
-        self._cut_owed = False  # a failed cut: the file may be longer than `size`
-
-    def append(self, data: bytes) -> int:
-        """Write and fsync `data` at the end; its offset."""
-        at = self.size
-        try:
-            if self._cut_owed:
-                self._truncate(at)
-            _write_all(self.fd, data)
-            if self.fsync:
-                os.fsync(self.fd)
-        except OSError as e:
-            self.cut_back(at)
-            raise _write_error(e, self.path) from e
-        self.size = at + len(data)
-        return at
-
-    def cut_back(self, size: int) -> None:
-        """Drop everything from `size` on; retried before the next append if it fails now."""
-        self.size, self._cut_owed = size, True
-        try:
-            self._truncate(size)
-        except OSError as e:
-            log.warning("journal: cannot cut %s back to %d bytes yet (%s)", self.path, size, e)
-
-    def empty(self) -> None:
-        try:
-            self._truncate(0)
-        except OSError as e:
-            raise _write_error(e, self.path) from e
-        self.size = 0
-
-    def _truncate(self, size: int) -> None:
-        os.ftruncate(self.fd, size)
-        if self.fsync:
-            os.fsync(self.fd)
-        self._cut_owed = False
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
-def _write_error(e: OSError, path: str) -> JournalWriteError:
-    return JournalWriteError(e.errno, f"journal write failed: {e.strerror or e}", path)
-
-
-def _frame(rec: dict) -> bytes:
-    payload = msgpack.packb(rec, use_bin_type=True)
-    head = MAGIC + struct.pack("<II", len(payload), zlib.crc32(payload))
-    return head + struct.pack("<I", zlib.crc32(head)) + payload
-
-
-def _decode(payload) -> dict | None:
-    try:
-        rec = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception:  # msgpack raises several types for bad bytes
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _read_record(fd: int, offset: int) -> dict | None:
-    """The intact record at `offset` (either layout), or None."""
-    if os.pread(fd, 4, offset) != MAGIC:
-        head = os.pread(fd, _LEGACY_HEAD.size, offset)
-        if len(head) < _LEGACY_HEAD.size:
-            return None
-        length, crc = _LEGACY_HEAD.unpack(head)
-        payload = os.pread(fd, length, offset + _LEGACY_HEAD.size)
-    else:
-        head = os.pread(fd, _HEAD.size, offset)
-        if len(head) < _HEAD.size:
-            return None
-        _, length, crc, head_crc = _HEAD.unpack(head)
-        if zlib.crc32(head[:12]) != head_crc:
-            return None
-        payload = os.pread(fd, length, offset + _HEAD.size)
-    if len(payload) != length or zlib.crc32(payload) != crc:
-        return None
-    return _decode(payload)
-
-
-def _corrupt(path: str, at: int, what: str) -> JournalError:
-    return JournalError(f"journal {path!r} is corrupted at byte {at} ({what}); it was left as "
-                        "it is: restore it from a backup or start a new journal directory")
-
-
-def _records(data, path: str, start: int = 0) -> Iterator[tuple[int, int, dict]]:
-    """(offset, end, record) of each record from `start`; stops at a torn last write (a
-    prefix of a record: of its magic, or a checked header whose payload the file cuts short)
-    and raises JournalError for anything else that does not check out."""
-    at, size = start, len(data)
-    while at < size:
-        if size - at < _HEAD.size:
-            if data[at:at + 4] != MAGIC[:size - at]:
-                raise _corrupt(path, at, "bytes after the last record that do not start one")
-            return
-        magic, length, crc, head_crc = _HEAD.unpack_from(data, at)
-        if magic != MAGIC or zlib.crc32(data[at:at + 12]) != head_crc:
-            raise _corrupt(path, at, "record header")
-        end = at + _HEAD.size + length
-        if end > size:
-            return
-        payload = data[at + _HEAD.size:end]
-        rec = _decode(payload) if zlib.crc32(payload) == crc else None
-        if rec is None:
-            raise _corrupt(path, at, "record payload")
-        yield at, end, rec
-        at = end
-
-
-def _is_legacy(data) -> bool:
-    """Whether `data` starts with an intact record of the layout before MAGIC."""
-    if len(data) < _LEGACY_HEAD.size:
-        return False
-    length, crc = _LEGACY_HEAD.unpack_from(data, 0)
-    end = _LEGACY_HEAD.size + length
-    return end <= len(data) and zlib.crc32(data[_LEGACY_HEAD.size:end]) == crc
-
-
-def _legacy_records(data, path: str) -> Iterator[tuple[int, int, dict]]:
-    """Records of a journal from before MAGIC. Its headers carry no check of their own, so a
-    bad record is taken for a torn last write only if no intact record follows it anywhere."""
-    at, size = 0, len(data)
-    while at + _LEGACY_HEAD.size <= size:
-        length, crc = _LEGACY_HEAD.unpack_from(data, at)
-        end = at + _LEGACY_HEAD.size + length
-        payload = data[at + _LEGACY_HEAD.size:end]
-        rec = _decode(payload) if end <= size and zlib.crc32(payload) == crc else None
-        if rec is None:
-            if end <= size or _legacy_record_after(data, at + 1):
-                raise _corrupt(path, at, "record")
-            return
-        yield at, end, rec
-        at = end
-
-
-def _legacy_record_after(data, start: int) -> bool:
-    size = len(data)
-    for at in range(start, size - _LEGACY_HEAD.size + 1):
-        length, crc = _LEGACY_HEAD.unpack_from(data, at)
-        end = at + _LEGACY_HEAD.size + length
-        if 0 < length and end <= size and zlib.crc32(data[at + _LEGACY_HEAD.size:end]) == crc \
-                and "kind" in (_decode(data[at + _LEGACY_HEAD.size:end]) or {}):
-            return True
-    return False
 
 
 def _entry(rec: dict) -> StepEntry:

@@ -13,8 +13,9 @@ import msgpack
 import pytest
 
 from dispatcher_server import journal as journal_module
-from dispatcher_server.journal import (MAGIC, Journal, JournalError, JournalWriteError,
-                                       SkippedKey, StepEntry)
+from dispatcher_server import recordlog
+from dispatcher_server.journal import Journal, JournalError, JournalWriteError, SkippedKey, StepEntry
+from dispatcher_server.recordlog import MAGIC
 
 HEAD = 16  # magic, length, payload crc, header crc
 
@@ -64,7 +65,7 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
         j.record_step(_entry(s))
     j.commit(1)
     j.close()
-    cut_short = journal_module._frame({"kind": "commit", "step": 2})[:-3]  # a crash mid-write
+    cut_short = recordlog.frame({"kind": "commit", "step": 2})[:-3]  # a crash mid-write
     with open(j.path, "ab") as f:
         f.write(cut_short)
     j2 = Journal(str(tmp_path), _fp())
@@ -156,7 +157,7 @@ def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
 # -- journals in the layout before MAGIC ----------------------------------------------------
 def _legacy_record(rec: dict) -> bytes:
     payload = msgpack.packb(rec, use_bin_type=True)
-    return journal_module._LEGACY_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+    return recordlog.LEGACY_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
 
 
 def _legacy_journal() -> list[bytes]:
@@ -289,7 +290,7 @@ def test_skipped_file_tail_torn_is_dropped_and_corrupt_is_refused(tmp_path):
     j.close()
     skipped = tmp_path / journal_module.SKIPPED_FILE
     intact = skipped.read_bytes()
-    extra = journal_module._frame({"shard": "b.tar", "keys": [["k2", "bad_audio", 7]]})
+    extra = recordlog.frame({"shard": "b.tar", "keys": [["k2", "bad_audio", 7]]})
     skipped.write_bytes(intact + extra[:-1])  # a crash cut the write of a second one
     r = Journal(str(tmp_path), _fp(), fsync=False)
     assert r.num_skipped == 1 and skipped.read_bytes() == intact
