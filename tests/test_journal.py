@@ -462,7 +462,7 @@ def test_a_long_run_keeps_journal_size_and_restart_reads_bounded(tmp_path):
     j.record_step(_entry(50_000))
     j.close()
     assert peak < limit + 20 * 200  # the threshold plus the records of one commit interval
-    assert 300 < most_read < limit // 100  # not up to 50,000 step records: ~130 bytes each
+    assert 300 < most_read < limit // 100  # not up to 50,000 step records (~110 bytes each here)
     assert _plan_bytes(tmp_path) < 2 * (32 << 10) + 2 * 200
     r = reopen()
     try:
