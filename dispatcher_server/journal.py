@@ -227,11 +227,11 @@ class Journal:
         for later in [s for s in self.pending if s > entry.step]:
             del self.pending[later]
         self._offsets.append(offset)
+        if entry.plan_at is not None:
+            self._gen = entry.plan_at[0]
         if not rec.get("kept") and (entry.plan is not None or entry.plan_at is not None):
             entry.cursor_after = pack_cursor(entry.cursor_after)
             self.pending[entry.step] = entry
-            if entry.plan_at is not None:
-                self._gen = entry.plan_at[0]
         else:
             self.pending.pop(entry.step, None)
 
