@@ -115,7 +115,7 @@ def read_record(fd: int, offset: int) -> dict | None:
         if len(head) < LEGACY_HEAD.size:
             return None
         length, crc = LEGACY_HEAD.unpack(head)
-        payload = os.pread(fd, length, offset + LEGACY_HEAD.size)
+        start = offset + LEGACY_HEAD.size
     else:
         head = os.pread(fd, HEAD.size, offset)
         if len(head) < HEAD.size:
@@ -123,7 +123,10 @@ def read_record(fd: int, offset: int) -> dict | None:
         _, length, crc, head_crc = HEAD.unpack(head)
         if zlib.crc32(head[:12]) != head_crc:
             return None
-        payload = os.pread(fd, length, offset + HEAD.size)
+        start = offset + HEAD.size
+    if start + length > os.fstat(fd).st_size:  # a bad length must not allocate gigabytes
+        return None
+    payload = os.pread(fd, length, start)
     if len(payload) != length or zlib.crc32(payload) != crc:
         return None
     return _decode(payload)
@@ -169,7 +172,8 @@ def is_legacy(data) -> bool:
 
 def legacy_scan(data, path: str) -> Iterator[tuple[int, int, dict]]:
     """Records of a journal from before MAGIC. Its headers carry no check of their own, so a
-    bad record is taken for a torn last write only if no intact record follows it anywhere."""
+    bad record is taken for a torn last write only if the file cuts it short and no intact
+    record starts anywhere after it."""
     at, size = 0, len(data)
     while at + LEGACY_HEAD.size <= size:
         length, crc = LEGACY_HEAD.unpack_from(data, at)

@@ -208,6 +208,17 @@ def test_a_legacy_journal_with_a_bad_length_in_the_middle_is_refused_untouched(t
     assert path.read_bytes() == bytes(data)
 
 
+def test_a_legacy_journal_cut_short_at_its_end_opens_without_its_last_record(tmp_path):
+    records = _legacy_journal()
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(records)[:-3])
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:  # the skipped record was the one cut short
+        assert (j.last_step, j.last_committed, j.num_skipped) == (3, 1, 0)
+        assert sorted(j.pending) == [2, 3] and not list(j.skipped_keys())
+    finally:
+        j.close()
+
+
 # -- torn writes and corruption -------------------------------------------------------------
 def _written(tmp_path) -> bytes:
     """A journal of 10 records: config, steps 0..5, the commit of 1, a skipped record, the
