@@ -523,6 +523,21 @@ def test_a_checkpoint_keeps_the_state_and_shrinks_the_file(tmp_path):
         r.close()
 
 
+def test_a_rewind_to_step_0_past_a_checkpoint_starts_the_steps_over(tmp_path):
+    j = _checkpoint_ready(tmp_path)
+    assert j.commit(9)
+    j.record_step(_entry(0))  # every rank resumed at step 0 (always possible)
+    assert (j.last_step, sorted(j.pending)) == (0, [0]) and j.cursor_after(0) == {"base": 1}
+    j.record_step(_entry(1))
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (1, 9, [0, 1])
+        assert [r.cursor_after(s) for s in (0, 1)] == [{"base": 1}, {"base": 2}]
+    finally:
+        r.close()
+
+
 _STAGES = {  # a checkpoint's stages: the os call and the file it fails on
     "temp-write": ("write", journal_module.JOURNAL_FILE + ".tmp"),
     "temp-fsync": ("fsync", journal_module.JOURNAL_FILE + ".tmp"),
