@@ -18,9 +18,10 @@ Figures (`--json`):
   lived at least twice the warm-up; after_warmup is the first RSS sample taken `warmup`
   seconds (20% of the run, at least 5 s) after the incarnation started, final its last
   sample (taken every 0.25 s). Target under 0.10.
-- journal_mib: the journal directory's size (journal and plan files) just before the
-  dispatcher restart, once the restarted one reopened it, and at the end: at most about twice
-  `--journal-plan-file-mb` plus the step records (~170 bytes a step).
+- journal_mib: the journal directory's size (journal.mmd, plan files, skipped.mmd) just before
+  the dispatcher restart, once the restarted one reopened it, and at the end: at most about
+  twice `--journal-plan-file-mb` plus journal.mmd, which checkpoints keep near the journal's
+  `journal_file_bytes` (1 MiB by default), plus the skipped keys.
 - longest_stall_s: the longest gap between two consecutive steps on any rank (fault recovery
   included: the heartbeat timeout of a killed reader bounds it).
 """
@@ -265,7 +266,7 @@ class Soak:
         return self.figures(len(faults), sum(1 for v in survived if v), warmup, end)
 
     def _journal_mib(self) -> float:
-        """The journal directory's size (journal.mmd and the plan files)."""
+        """The journal directory's size (journal.mmd, the plan files, skipped.mmd)."""
         journal = os.path.join(self.tmp, "journal")
         return round(sum(os.path.getsize(os.path.join(journal, f)) for f in os.listdir(journal))
                      / 2**20, 2)

@@ -1,16 +1,26 @@
 """Append-only, fsync'd journal of the dispatcher: config fingerprint, per-step cursor and plan, commits.
 
-Records are length-prefixed, CRC-checked msgpack, written and fsync'd before a step leaves the
-dispatcher, so a crash at any point loses at most a torn last record (dropped on reopen).
+Each record (recordlog.py) is a 16-byte header (magic, payload length, payload CRC32, CRC32 of
+those 12 bytes) and a msgpack payload, written and fsync'd before a step leaves the dispatcher. At a reopen only
+a torn last write is dropped (with a warning): a tail that is a prefix of a record, cut inside
+its header's magic or inside a payload whose header checks out. Anything else that does not
+check out, anywhere, is corruption: JournalError names the file and byte offset, and the file
+is left byte for byte as it was. A write or fsync that fails is cut back off its file and
+raises JournalWriteError (an OSError); nothing of it is applied, and the call can be retried.
 
-Disk and memory stay flat however long the run. `journal.mmd` holds the config, one small
-record per step (its cursor, digest and where its plan lies), the commits and the skipped keys.
-Plans, the bulk, go to two plan files used in turn (`plans-0.mmd`, `plans-1.mmd`): once the one
-being written passes `plan_file_bytes`, the writer switches to the other, truncating it first,
-as soon as none of its plans is still needed (a plan is needed until a commit covers its step;
-only those replay verbatim after a restart). In memory the journal keeps the entries of the
-uncommitted steps and, for every other step, the offset of its record (8 bytes), from which an
-older step's cursor is read back when a trainer resumes there.
+Disk and restart cost stay bounded however long the run. `journal.mmd` holds the config, one
+~180-byte record per step (cursor, digest, where its plan lies) and the commits. Once it passes
+`journal_file_bytes` and twice its size after the last checkpoint, a commit rewrites it as a
+checkpoint (temp file, fsync, rename, fsync of the directory: a crash leaves the old journal or
+the new one): config, commit state, and the records of the steps from the oldest of the last
+`keep_commits` commits on. A trainer can resume after any of those commits (or at step 0),
+not before. Plans go to two plan files used in turn (`plans-0.mmd`, `plans-1.mmd`): a full one
+hands over to the other, emptied first, once none of that one's plans is still needed (until
+a commit covers its step). Skipped keys (with their shard index when known) go to
+`skipped.mmd`, append-only, never read at a restart (journal.mmd keeps their count and how far
+the file is counted); `skipped_keys()` reads them back for audits. A restart therefore reads
+journal.mmd, about `journal_file_bytes` (more only while commits lag), and the uncommitted
+steps' plans. Journals in the layout before the magic are read and rewritten in this one.
 """
 
 from __future__ import annotations
@@ -18,25 +28,32 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
-import zlib
 from array import array
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import msgpack
 
+# JournalError and JournalWriteError are raised by the record layer too; users import them here.
+from dispatcher_server.recordlog import (AppendFile, JournalError, JournalWriteError, frame,
+                                         is_legacy, legacy_scan, read_record, scan,
+                                         write_error)
+
 log = logging.getLogger("mmdispatch.journal")
 
-_HEAD = struct.Struct("<II")  # payload length, crc32 of payload
 JOURNAL_FILE = "journal.mmd"
 PLAN_FILES = ("plans-0.mmd", "plans-1.mmd")
+SKIPPED_FILE = "skipped.mmd"
 #: Fingerprint fields a restore must match; world size is deliberately absent (elastic resume).
 FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
 
 
-class JournalError(ValueError):
-    """The journal cannot be honoured: corrupted, or written for a different configuration."""
+class SkippedKey(NamedTuple):
+    shard: str
+    key: str
+    reason: str
+    index: int | None  # the sample's index in its shard, when the reader said
 
 
 def pack_cursor(cursor: dict) -> bytes:
@@ -67,128 +84,214 @@ class Journal:
     """The dispatcher's durable state; one instance owns one directory."""
 
     def __init__(self, directory: str, fingerprint: dict[str, Any], *, fsync: bool = True,
-                 plan_file_bytes: int = 64 << 20) -> None:
+                 plan_file_bytes: int = 64 << 20, journal_file_bytes: int = 1 << 20,
+                 keep_commits: int = 8) -> None:
         """`plan_file_bytes`: a plan file this large hands over to the other once that one
-        holds no plan still needed."""
+        holds no plan still needed. `journal_file_bytes`: journal.mmd this large is checkpointed
+        at the next commit. `keep_commits`: steps stay resumable from the oldest of this many
+        latest commits on."""
         missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint]
         if missing:
             raise ValueError(f"journal fingerprint lacks fields {missing}")
+        for name, value in (("plan_file_bytes", plan_file_bytes),
+                            ("journal_file_bytes", journal_file_bytes),
+                            ("keep_commits", keep_commits)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, not {value}")
         os.makedirs(directory, exist_ok=True)
+        self.directory = directory
         self.path = os.path.join(directory, JOURNAL_FILE)
         self.fsync = fsync
-        if plan_file_bytes < 1:
-            raise ValueError(f"plan_file_bytes must be positive, not {plan_file_bytes}")
         self.plan_file_bytes = plan_file_bytes
+        self.journal_file_bytes = journal_file_bytes
         self.fingerprint = {f: fingerprint[f] for f in FINGERPRINT_FIELDS}
         self.last_committed = -1
         #: step -> entry (plan included), for the steps not covered by a commit
         self.pending: dict[int, StepEntry] = {}
-        self._offsets = array("q")  # step -> offset of its record in journal.mmd
+        self._first = 0  # the oldest step whose record journal.mmd keeps
+        self._offsets = array("q")  # step - _first -> offset of its record in journal.mmd
+        self._commits: deque[int] = deque(maxlen=keep_commits)  # the latest commits, oldest first
         self.num_skipped = 0
+        self._skipped_end = 0  # how far skipped.mmd is counted in num_skipped
+        self._legacy_skipped: list[tuple[str, list]] = []
+        self.records_read = 0  # records read while opening
         self._gen = 0  # the plan file being written
-        self._size = self._load()
-        self._file = open(self.path, "ab")
-        self._reader = os.open(self.path, os.O_RDONLY)
-        self._plans = [open(os.path.join(directory, name), "ab") for name in PLAN_FILES]
-        self._plan_size = [f.seek(0, os.SEEK_END) for f in self._plans]
-        self._plan_readers = [os.open(f.name, os.O_RDONLY) for f in self._plans]
-        for entry in self.pending.values():
-            if entry.plan is None and entry.plan_at is not None:
-                entry.plan = self._read_plan(entry.step, entry.plan_at)
-                if entry.plan is None:
-                    log.warning("journal: the plan of uncommitted step %d is unreadable in %s; "
-                                "it will be planned again", entry.step, PLAN_FILES[entry.plan_at[0]])
-        if self._size == 0:
+        self._dir_sync_owed = False
+        self._base_size = 0  # journal.mmd's size right after its checkpoint
+        self._file: AppendFile | None = None
+        self._plans: list[AppendFile] = []
+        self._skipped: AppendFile | None = None
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        tmp = self.path + ".tmp"
+        if os.path.exists(tmp):  # a checkpoint cut short: the journal it was to replace stands
+            os.unlink(tmp)
+        legacy = self._load()
+        self._file = AppendFile(self.path, self.fsync)
+        self._plans = [AppendFile(os.path.join(self.directory, n), self.fsync) for n in PLAN_FILES]
+        self._skipped = AppendFile(os.path.join(self.directory, SKIPPED_FILE), self.fsync)
+        if legacy:  # journals before skipped.mmd never wrote one: any is a cut-short migration's
+            self._skipped.empty()
+        self._count_unindexed_skips()
+        self._read_pending_plans()
+        if self._file.size == 0:
             self._append({"kind": "config", **self.fingerprint})
+        elif legacy:
+            self._migrate()
 
     @property
     def last_step(self) -> int:
         """The newest step recorded (-1 for none)."""
-        return len(self._offsets) - 1
+        return self._first + len(self._offsets) - 1
 
     # -- reading -----------------------------------------------------------------------
-    def _load(self) -> int:
-        """Apply the intact records of journal.mmd; returns its size once a torn tail is cut."""
+    def _load(self) -> bool:
+        """Apply the records of journal.mmd (a torn last write cut off); True for a journal
+        written before MAGIC, which is then migrated."""
         if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            return 0
+            return False
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            end = 0
-            for at, end, rec in _records(data, self.path):
-                self._apply(rec, at)
+            legacy = is_legacy(data)
+            end = self._apply_all((legacy_scan if legacy else scan)(data, self.path))
             torn = len(data) - end
         if torn:
-            log.warning("journal: dropping a torn last record (%d bytes) of %s", torn, self.path)
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
+            log.warning("journal: dropping a torn last write (%d bytes at byte %d) of %s",
+                        torn, end, self.path)
+            if not legacy:  # a legacy journal is rewritten whole by its migration
+                os.truncate(self.path, end)
+        return legacy
+
+    def _apply_all(self, records: Iterator[tuple[int, int, dict]]) -> int:
+        end = 0
+        for at, end, rec in records:
+            self.records_read += 1
+            self._apply(rec, at)
+            if rec.get("kind") == "checkpoint" or "kept" in rec:
+                self._base_size = end
         return end
 
     def _apply(self, rec: dict, offset: int) -> None:
         kind = rec.get("kind")
         if kind == "config":
-            theirs = {f: rec.get(f) for f in FINGERPRINT_FIELDS}
-            diff = [f for f in FINGERPRINT_FIELDS if theirs[f] != self.fingerprint[f]]
-            if diff:
-                details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
-                                    f"{_short(self.fingerprint[f])}" for f in diff)
-                raise JournalError(
-                    f"cannot resume from journal {self.path!r}: it was written for a different "
-                    f"configuration ({details}). Restore the original settings or use a new "
-                    "journal directory.")
+            self._check_config(rec)
+        elif kind == "checkpoint":
+            self._first = int(rec["first_step"])
+            self._offsets = array("q")
+            self.pending.clear()
+            self.last_committed = int(rec["last_committed"])
+            self._commits = deque(rec["commits"], maxlen=self._commits.maxlen)
+            self.num_skipped, self._skipped_end = int(rec["num_skipped"]), int(rec["skipped_end"])
         elif kind == "step":
-            entry = _entry(rec)
-            if entry.step > len(self._offsets):
-                raise JournalError(f"journal {self.path!r} records step {entry.step} after step "
-                                   f"{self.last_step}: it was not written by this dispatcher")
-            # A re-planned step supersedes every later one (the run rewound to it).
-            del self._offsets[entry.step:]
-            for later in [s for s in self.pending if s > entry.step]:
-                del self.pending[later]
-            self._offsets.append(offset)
-            if entry.plan is not None or entry.plan_at is not None:
-                entry.cursor_after = pack_cursor(entry.cursor_after)
-                self.pending[entry.step] = entry
-                if entry.plan_at is not None:
-                    self._gen = entry.plan_at[0]
-            else:
-                self.pending.pop(entry.step, None)
+            self._apply_step(rec, offset)
         elif kind == "commit":
-            self.last_committed = max(self.last_committed, int(rec["step"]))
+            step = int(rec["step"])
+            if step > self.last_committed:
+                self.last_committed = step
+                self._commits.append(step)
             # Committed steps are never replayed verbatim: their entries (plans) go.
             for s in [s for s in self.pending if s <= self.last_committed]:
                 del self.pending[s]
         elif kind == "skipped":
-            self.num_skipped += len(rec.get("keys", []))
+            if "keys" in rec:  # a legacy journal's keys, inline
+                self.num_skipped += len(rec["keys"])
+                self._legacy_skipped.append((rec["shard"], rec["keys"]))
+            else:
+                self.num_skipped, self._skipped_end = int(rec["total"]), int(rec["end"])
 
-    @staticmethod
-    def _read_record(fd: int, offset: int) -> dict | None:
-        head = os.pread(fd, _HEAD.size, offset)
-        if len(head) < _HEAD.size:
-            return None
-        length, crc = _HEAD.unpack(head)
-        payload = os.pread(fd, length, offset + _HEAD.size)
-        if len(payload) != length or zlib.crc32(payload) != crc:
-            return None
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    def _check_config(self, rec: dict) -> None:
+        theirs = {f: rec.get(f) for f in FINGERPRINT_FIELDS}
+        diff = [f for f in FINGERPRINT_FIELDS if theirs[f] != self.fingerprint[f]]
+        if diff:
+            details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
+                                f"{_short(self.fingerprint[f])}" for f in diff)
+            raise JournalError(
+                f"cannot resume from journal {self.path!r}: it was written for a different "
+                f"configuration ({details}). Restore the original settings or use a new "
+                "journal directory.")
+
+    def _apply_step(self, rec: dict, offset: int) -> None:
+        entry = _entry(rec)
+        if entry.step > self.last_step + 1:
+            raise JournalError(f"journal {self.path!r} records step {entry.step} after step "
+                               f"{self.last_step}: it was not written by this dispatcher")
+        # A re-planned step supersedes every later one (the run rewound to it).
+        if entry.step < self._first:  # a rewind to step 0, past the checkpointed steps
+            self._first, self._offsets = entry.step, array("q")
+        else:
+            del self._offsets[entry.step - self._first:]
+        for later in [s for s in self.pending if s > entry.step]:
+            del self.pending[later]
+        self._offsets.append(offset)
+        if entry.plan_at is not None:
+            self._gen = entry.plan_at[0]
+        if not rec.get("kept") and (entry.plan is not None or entry.plan_at is not None):
+            entry.cursor_after = pack_cursor(entry.cursor_after)
+            self.pending[entry.step] = entry
+        else:
+            self.pending.pop(entry.step, None)
+
+    def _count_unindexed_skips(self) -> None:
+        """Count skipped.mmd's records past what the journal counted (written just before a
+        crash cut the journal's record of them)."""
+        size = self._skipped.size
+        if size < self._skipped_end:
+            raise JournalError(f"journal {self._skipped.path!r} is {size} bytes, but the journal "
+                               f"counted skipped keys up to byte {self._skipped_end}")
+        if size == self._skipped_end:
+            return
+        with mmap.mmap(self._skipped.fd, 0, access=mmap.ACCESS_READ) as data:
+            end = self._skipped_end
+            for _, end, rec in scan(data, self._skipped.path, self._skipped_end):
+                self.records_read += 1
+                self.num_skipped += len(rec["keys"])
+        if end < size:
+            log.warning("journal: dropping a torn last write (%d bytes at byte %d) of %s",
+                        size - end, end, self._skipped.path)
+            self._skipped.cut_back(end)
+        self._skipped_end = end
+
+    def _read_pending_plans(self) -> None:
+        for entry in self.pending.values():
+            if entry.plan is None and entry.plan_at is not None:
+                entry.plan = self._read_plan(entry.step, entry.plan_at)
+                if entry.plan is None:
+                    g, at = entry.plan_at
+                    raise JournalError(f"journal {self._plans[g].path!r} is corrupted at byte "
+                                       f"{at}: the plan of uncommitted step {entry.step} does not "
+                                       "read back intact")
 
     def _read_step(self, step: int) -> dict:
-        rec = self._read_record(self._reader, self._offsets[step])
+        offset = self._offsets[step - self._first]
+        rec = read_record(self._file.fd, offset)
         if rec is None:
             raise JournalError(f"journal {self.path!r}: the record of step {step} at byte "
-                               f"{self._offsets[step]} no longer reads back intact")
+                               f"{offset} no longer reads back intact")
         return rec
 
     def _read_plan(self, step: int, plan_at: tuple[int, int]) -> dict | None:
         """The plan of `step`, or None if its plan file was reused since (the step is committed)."""
-        rec = self._read_record(self._plan_readers[plan_at[0]], plan_at[1])
+        rec = read_record(self._plans[plan_at[0]].fd, plan_at[1])
         if rec is None or rec.get("step") != step:
             return None
         return rec["plan"]
 
+    def _check_known(self, step: int, what: str) -> None:
+        if self._first <= step <= self.last_step:
+            return
+        text = f"{what}: the journal knows steps {self._first}..{self.last_step}"
+        if self._first:
+            text += (f" (older ones were checkpointed away: resume at step 0 or at steps "
+                     f"{self._first + 1}..{self.last_step + 1})")
+        raise JournalError(text)
+
     def cursor_after(self, step: int) -> dict:
         """The cursor after `step`: from memory for a pending step, else from the file."""
-        if not 0 <= step <= self.last_step:
-            raise JournalError(f"cannot resume at step {step + 1}: the journal knows steps "
-                               f"0..{self.last_step}")
+        self._check_known(step, f"cannot resume at step {step + 1}")
         entry = self.pending.get(step)
         if entry is not None:
             return unpack_cursor(entry.cursor_after)
@@ -196,58 +299,60 @@ class Journal:
 
     def read_entry(self, step: int) -> StepEntry:
         """A step's entry as journaled; its plan None once the plan file it was in was reused."""
-        if not 0 <= step <= self.last_step:
-            raise JournalError(f"the journal knows steps 0..{self.last_step}, not {step}")
+        self._check_known(step, f"cannot read step {step}")
         entry = _entry(self._read_step(step))
         if entry.plan is None and entry.plan_at is not None:
             entry.plan = self._read_plan(step, entry.plan_at)
         return entry
 
-    # -- writing -----------------------------------------------------------------------
-    def _write(self, file, rec: dict) -> int:
-        """Append one record to `file` (flushed, fsync'd unless disabled); its length."""
-        payload = msgpack.packb(rec, use_bin_type=True)
-        file.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
-        file.flush()
-        if self.fsync:
-            os.fsync(file.fileno())
-        return _HEAD.size + len(payload)
+    def skipped_keys(self) -> Iterator[SkippedKey]:
+        """Every skipped key recorded, oldest first (reads skipped.mmd; for audits)."""
+        if self._skipped.size == 0:
+            return
+        with mmap.mmap(self._skipped.fd, 0, access=mmap.ACCESS_READ) as data:
+            for _, _, rec in scan(data[:self._skipped.size], self._skipped.path):
+                yield from (_skipped_key(rec["shard"], k) for k in rec["keys"])
 
+    # -- writing -----------------------------------------------------------------------
     def _append(self, rec: dict) -> int:
-        offset = self._size
-        self._size += self._write(self._file, rec)
-        return offset
+        """Append one record to journal.mmd; its offset."""
+        self._sync_dir_if_owed()
+        return self._file.append(frame(rec))
 
     def _plan_file_for_next(self) -> int:
         """The plan file the next plan goes to: the current one, or the other once the current
         one is full and no pending step's plan lies in the other (which is then emptied)."""
         g = self._gen
         other = 1 - g
-        if self._plan_size[g] < self.plan_file_bytes or any(
+        if self._plans[g].size < self.plan_file_bytes or any(
                 e.plan_at is not None and e.plan_at[0] == other for e in self.pending.values()):
             return g
-        self._plans[other].truncate(0)
-        if self.fsync:
-            os.fsync(self._plans[other].fileno())
-        self._plan_size[other] = 0
+        self._plans[other].empty()
         self._gen = other
         log.info("journal: plan file %s full (%d bytes), writing %s", PLAN_FILES[g],
-                 self._plan_size[g], PLAN_FILES[other])
+                 self._plans[g].size, PLAN_FILES[other])
         return other
 
     def record_step(self, entry: StepEntry) -> None:
-        """Persist a step's plan, then its cursor; called before any rank receives the step."""
+        """Persist a step's plan, then its cursor; called before any rank receives the step.
+        Raises JournalWriteError (nothing recorded) if either write fails."""
         g = self._plan_file_for_next()
-        at = self._plan_size[g]
-        self._plan_size[g] += self._write(self._plans[g], {"step": entry.step, "plan": entry.plan})
+        plans = self._plans[g]
+        at = plans.append(frame({"step": entry.step, "plan": entry.plan}))
         rec = {"kind": "step", "step": entry.step, "epoch": entry.epoch,
                "world_size": entry.world_size, "cursor_after": entry.cursor_after,
                "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at]}
-        self._apply(rec, self._append(rec))
+        try:
+            offset = self._append(rec)
+        except JournalWriteError:
+            plans.cut_back(at)
+            raise
+        self._apply(rec, offset)
         self.pending[entry.step].plan = entry.plan
 
     def commit(self, step: int) -> bool:
-        """Record that trainers checkpointed `step`; False if it is not newer than the last commit."""
+        """Record that trainers checkpointed `step`; False if it is not newer than the last
+        commit. Raises JournalWriteError (nothing committed) if the write fails."""
         if step <= self.last_committed:
             return False
         if step > self.last_step:
@@ -255,22 +360,119 @@ class Journal:
                                f"(journal has steps up to {self.last_step})")
         rec = {"kind": "commit", "step": step}
         self._apply(rec, self._append(rec))
+        self._maybe_checkpoint()
         return True
 
-    def record_skipped(self, shard: str, skipped: list[tuple[str, str]]) -> None:
-        """Remember bad samples by key, so 'exactly once' has an auditable exception list."""
-        if skipped:
-            self._append({"kind": "skipped", "shard": shard, "keys": [list(s) for s in skipped]})
-            self.num_skipped += len(skipped)
+    def record_skipped(self, shard: str, skipped: list[tuple]) -> None:
+        """Remember bad samples by key, so 'exactly once' has an auditable exception list.
+        Entries are (key, reason) or (key, reason, index). Raises JournalWriteError (nothing
+        recorded) if a write fails."""
+        if not skipped:
+            return
+        keys = [_skip_entry(s) for s in skipped]
+        at = self._skipped.append(frame({"shard": shard, "keys": keys}))
+        rec = {"kind": "skipped", "total": self.num_skipped + len(keys), "end": self._skipped.size}
+        try:
+            offset = self._append(rec)
+        except JournalWriteError:
+            self._skipped.cut_back(at)
+            raise
+        self._apply(rec, offset)
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _maybe_checkpoint(self) -> None:
+        """After a commit: rewrite journal.mmd from the oldest kept commit on, once it is large
+        (and twice its size after the last checkpoint, so rewrites cost O(1) a step)."""
+        first = self._commits[0]
+        if first <= self._first or self._file.size < max(self.journal_file_bytes,
+                                                         2 * self._base_size):
+            return
+        try:
+            self._checkpoint(first)
+        except JournalWriteError as e:
+            log.warning("journal: checkpoint of %s failed (%s); it goes on appending and tries "
+                        "again at a later commit", self.path, e)
+
+    def _migrate(self) -> None:
+        """Rewrite a journal from before MAGIC in the current layout (its skipped keys move to
+        skipped.mmd); nothing is dropped."""
+        log.info("journal: rewriting %s in the current record layout", self.path)
+        for shard, keys in self._legacy_skipped:
+            self._skipped.append(frame({"shard": shard, "keys": keys}))
+        self._legacy_skipped = []
+        self._skipped_end = self._skipped.size
+        self._checkpoint(self._first)
+
+    def _checkpoint(self, first: int) -> None:
+        """Replace journal.mmd by: config, checkpoint, the records of steps `first`.. (atomic:
+        a crash at any point leaves the old journal or the new one)."""
+        records = [{"kind": "config", **self.fingerprint},
+                   {"kind": "checkpoint", "first_step": first, "last_committed": self.last_committed,
+                    "commits": list(self._commits), "num_skipped": self.num_skipped,
+                    "skipped_end": self._skipped_end}]
+        records += [self._kept_record(s) for s in range(first, self.last_step + 1)]
+        frames = [frame(r) for r in records]
+        old, self._file = self._file, self._replace_file(b"".join(frames))
+        old.close()
+        at = len(frames[0]) + len(frames[1])
+        self._first, self._offsets = first, array("q")
+        for framed in frames[2:]:
+            self._offsets.append(at)
+            at += len(framed)
+        self._base_size = self._file.size
+        self._dir_sync_owed = True
+        self._sync_dir_if_owed()
+        log.info("journal: checkpointed %s at step %d (%d bytes, steps %d..%d)", self.path,
+                 self.last_committed, self._base_size, first, self.last_step)
+
+    def _replace_file(self, data: bytes) -> AppendFile:
+        """Write `data` to a temp file (fsync'd) renamed over journal.mmd; it, open to append."""
+        tmp = self.path + ".tmp"
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        new = AppendFile(tmp, self.fsync)  # opened before the rename: it follows the file
+        try:
+            new.append(data)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            new.close()
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            if isinstance(e, JournalWriteError):
+                raise
+            raise write_error(e, self.path) from e
+        new.path = self.path
+        return new
+
+    def _kept_record(self, step: int) -> dict:
+        entry = self.pending.get(step)
+        if entry is None:
+            return {**self._read_step(step), "kept": True}
+        return {"kind": "step", "step": step, "kept": False, "epoch": entry.epoch,
+                "world_size": entry.world_size, "cursor_after": unpack_cursor(entry.cursor_after),
+                "num_samples": entry.num_samples, "digest": entry.digest,
+                **({"plan_at": list(entry.plan_at)} if entry.plan_at is not None
+                   else {"plan": entry.plan})}
+
+    def _sync_dir_if_owed(self) -> None:
+        """Make a checkpoint's rename durable before anything is appended to the new file."""
+        if not self._dir_sync_owed:
+            return
+        if self.fsync:
+            try:
+                fd = os.open(self.directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise write_error(e, self.directory) from e
+        self._dir_sync_owed = False
 
     def close(self) -> None:
-        for f in (self._file, *self._plans):
-            if not f.closed:
+        for f in (self._file, *self._plans, self._skipped):
+            if f is not None:
                 f.close()
-        for fd in (self._reader, *self._plan_readers):
-            if fd is not None:
-                os.close(fd)
-        self._reader, self._plan_readers = None, []
 
 
 def _entry(rec: dict) -> StepEntry:
@@ -283,20 +485,14 @@ def _entry(rec: dict) -> StepEntry:
                      plan_at=None if plan_at is None else (int(plan_at[0]), int(plan_at[1])))
 
 
-def _records(data, path: str) -> Iterator[tuple[int, int, dict]]:
-    """(offset, end, record) of each intact record; stops at a torn last record and raises
-    JournalError for corruption anywhere before it."""
-    at, size = 0, len(data)
-    while at + _HEAD.size <= size:
-        length, crc = _HEAD.unpack_from(data, at)
-        end = at + _HEAD.size + length
-        if end > size or zlib.crc32(data[at + _HEAD.size:end]) != crc:
-            if end < size:
-                raise JournalError(f"journal {path!r} is corrupted at byte {at}, not only its "
-                                   "last record")
-            return
-        yield at, end, msgpack.unpackb(data[at + _HEAD.size:end], raw=False, strict_map_key=False)
-        at = end
+def _skip_entry(s: tuple) -> list:
+    if len(s) not in (2, 3):
+        raise ValueError(f"a skipped sample is (key, reason) or (key, reason, index), not {s!r}")
+    return list(s)
+
+
+def _skipped_key(shard: str, k: list) -> SkippedKey:
+    return SkippedKey(shard, k[0], k[1], k[2] if len(k) > 2 else None)
 
 
 def _short(value: Any) -> str:

@@ -1,9 +1,6 @@
-"""Wire protocol: round trips, validation, limits, a fuzzed decoder; journal and order helpers."""
+"""Wire protocol: round trips, validation, limits, a fuzzed decoder; order helpers."""
 
 from __future__ import annotations
-
-import os
-import zlib
 
 import msgpack
 import numpy as np
@@ -13,8 +10,6 @@ from hypothesis import strategies as st
 
 from dispatcher_server import protocol as P
 from dispatcher_server.tuning import keep_freed_memory
-from dispatcher_server import journal as journal_module
-from dispatcher_server.journal import Journal, JournalError, StepEntry
 from dispatcher_server.ordering import Cursor, ShardOrder, epoch_order
 from dispatcher_server.planner import PlannerConfig, StepInputs, Topology, plan_step
 from dispatcher_server.planner.types import EncoderItems
@@ -242,139 +237,3 @@ def test_cursor_consume_finish_and_wire():
     assert c.base == 2 and not c.done and not c.partial
     c.consume(3, 0)
     assert Cursor.from_wire(c.to_wire()) == c
-
-
-def _fp(**kw):
-    return {"shards": ["a.tar", "b.tar"], "seed": 0, "mode": "deterministic", "global_batch": 8,
-            "token_budget": None, **kw}
-
-
-def _entry(step):
-    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
-                     cursor_after={"base": step + 1}, digest="d", plan={"p": step})
-
-
-def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
-    j = Journal(str(tmp_path), _fp())
-    for s in range(3):
-        j.record_step(_entry(s))
-    j.commit(1)
-    j.close()
-    with open(j.path, "ab") as f:
-        f.write(b"\x40\x00\x00\x00garbage")  # a record cut short by a crash
-    j2 = Journal(str(tmp_path), _fp())
-    assert j2.last_committed == 1 and j2.last_step == 2
-    assert sorted(j2.pending) == [2] and j2.pending[2].plan == {"p": 2}  # committed plans dropped
-    assert j2.cursor_after(1) == {"base": 2}  # step 1 is committed: read back from the file
-    assert j2.read_entry(0).plan == {"p": 0}
-    with pytest.raises(JournalError, match="never planned"):
-        j2.commit(7)
-    with pytest.raises(JournalError, match="knows steps 0..2"):
-        j2.cursor_after(8)
-    j2.close()
-    assert os.path.getsize(j2.path) > 0
-    with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
-        Journal(str(tmp_path), _fp(seed=5))
-
-
-def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_commit(tmp_path):
-    j = Journal(str(tmp_path), _fp())
-    for s in range(6):
-        j.record_step(_entry(s))
-    j.commit(3)
-    assert sorted(j.pending) == [4, 5]
-    j.record_step(_entry(2))  # a rollback re-plans step 2: later steps are superseded
-    assert j.last_step == 2 and sorted(j.pending) == [2] and j.pending[2].plan == {"p": 2}
-    for s in (3, 4):
-        j.record_step(_entry(s))
-    j.commit(4)
-    assert not j.pending
-    j.close()
-    reopened = Journal(str(tmp_path), _fp())  # the same state from the file
-    assert reopened.last_step == 4 and reopened.last_committed == 4 and not reopened.pending
-    assert [reopened.cursor_after(s) for s in range(5)] == [{"base": s} for s in range(1, 6)]
-    reopened.close()
-
-
-def _big_entry(step: int, plan: dict) -> StepEntry:
-    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
-                     cursor_after={"base": step + 1}, digest=f"d{step}", plan=plan)
-
-
-def _plan_bytes(directory) -> int:
-    return sum(os.path.getsize(os.path.join(directory, f)) for f in journal_module.PLAN_FILES)
-
-
-def test_journal_plan_files_take_turns_so_disk_and_memory_stay_flat(tmp_path):
-    """Plans go to two files used in turn: a full one hands over to the other once none of
-    that one's plans is still needed; memory holds only the uncommitted steps."""
-    big = {"p": "x" * 2000}
-    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)  # ~10 plans a file
-    peak = 0
-    for s in range(400):
-        j.record_step(_big_entry(s, big))
-        if s % 10 == 9 and s < 390:
-            j.commit(s)
-        peak = max(peak, _plan_bytes(tmp_path))
-        assert len(j.pending) <= 10
-    assert peak < 2 * 20_000 + 2 * 2100  # not 400 plans: ~0.8 MB
-    j.record_step(_big_entry(395, {"p": "rewound"}))  # a rollback supersedes 396..399
-    j.record_skipped("a.tar", [("k1", "bad_image"), ("k2", "bad_audio")])
-    journal_size = os.path.getsize(j.path)
-    j.close()
-    assert journal_size < 400 * 200  # one small record per step, no plans
-    r = Journal(str(tmp_path), _fp(), plan_file_bytes=20_000)
-    try:
-        assert (r.last_step, r.last_committed, r.num_skipped) == (395, 389, 2)
-        assert sorted(r.pending) == list(range(390, 396)) and r.pending[395].plan == {"p": "rewound"}
-        assert r.pending[391].plan == big and r.read_entry(391).plan == big
-        assert r.read_entry(12).plan is None and r.read_entry(12).digest == "d12"  # file reused
-        assert [r.cursor_after(s) for s in range(396)] == [{"base": s + 1} for s in range(396)]
-        r.record_step(_entry(396))  # and it goes on appending
-        assert r.commit(396) and not r.pending
-    finally:
-        r.close()
-
-
-def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
-    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
-    for s in range(60):  # no commit: no plan file can be reused, they grow
-        j.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
-    assert _plan_bytes(tmp_path) > 60 * 2000
-    j.close()
-    r = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
-    try:
-        assert [r.pending[s].plan for s in range(60)] == [{"p": f"{s:04d}" * 500} for s in range(60)]
-        r.commit(59)
-        r.record_step(_big_entry(60, {"p": "after"}))  # the full file hands over to the other,
-        sizes = [os.path.getsize(tmp_path / f) for f in journal_module.PLAN_FILES]
-        assert min(sizes) < 200 and r.pending[60].plan == {"p": "after"}  # emptied first
-        for s in range(61, 75):  # and at the next turn the backlog's file is emptied too
-            r.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
-            r.commit(s)
-        assert _plan_bytes(tmp_path) < 2 * (20_000 + 2100)
-    finally:
-        r.close()
-
-
-def test_journal_written_with_inline_plans_still_opens(tmp_path):
-    """Journals written before plan files held each plan (and the cursor before the step)
-    inside the step record: they load, and new steps go on in the current format."""
-    def record(rec: dict) -> bytes:
-        payload = msgpack.packb(rec, use_bin_type=True)
-        return journal_module._HEAD.pack(len(payload), zlib.crc32(payload)) + payload
-
-    old = [{"kind": "config", **_fp()}]
-    old += [{"kind": "step", "step": s, "epoch": 0, "world_size": 2, "cursor_before": {"base": s},
-             "cursor_after": {"base": s + 1}, "num_samples": 8, "digest": "d", "plan": {"p": s}}
-            for s in range(4)]
-    old += [{"kind": "commit", "step": 1}]
-    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(map(record, old)))
-    j = Journal(str(tmp_path), _fp(), fsync=False)
-    try:
-        assert sorted(j.pending) == [2, 3] and j.pending[3].plan == {"p": 3}
-        assert j.cursor_after(1) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
-        j.record_step(_entry(4))
-        assert j.read_entry(4).plan == {"p": 4} and j.cursor_after(4) == {"base": 5}
-    finally:
-        j.close()

@@ -1,0 +1,585 @@
+"""Journal: replay state, plan files, torn writes told from corruption, failed writes cut back,
+checkpoints that keep disk and restart bounded, skipped keys kept for audits."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import zlib
+
+import msgpack
+import pytest
+
+from dispatcher_server import journal as journal_module
+from dispatcher_server import recordlog
+from dispatcher_server.journal import Journal, JournalError, JournalWriteError, SkippedKey, StepEntry
+from dispatcher_server.recordlog import MAGIC
+
+HEAD = 16  # magic, length, payload crc, header crc
+
+
+def _fp(**kw):
+    return {"shards": ["a.tar", "b.tar"], "seed": 0, "mode": "deterministic", "global_batch": 8,
+            "token_budget": None, **kw}
+
+
+def _entry(step):
+    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
+                     cursor_after={"base": step + 1}, digest="d", plan={"p": step})
+
+
+def _big_entry(step: int, plan: dict) -> StepEntry:
+    return StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
+                     cursor_after={"base": step + 1}, digest=f"d{step}", plan=plan)
+
+
+def _plan_bytes(directory) -> int:
+    return sum(os.path.getsize(os.path.join(directory, f)) for f in journal_module.PLAN_FILES)
+
+
+def _frames(data: bytes) -> list[tuple[int, int]]:
+    """(offset, end) of each record of a journal file in the current layout."""
+    out, at = [], 0
+    while at < len(data):
+        assert data[at:at + 4] == MAGIC
+        (length,) = struct.unpack_from("<I", data, at + 4)
+        out.append((at, at + HEAD + length))
+        at += HEAD + length
+    return out
+
+
+def _state(j: Journal) -> tuple:
+    return (j.last_step, j.last_committed, j.num_skipped,
+            {s: (e.plan, e.cursor_after) for s, e in j.pending.items()})
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {n: (directory / n).read_bytes() for n in sorted(os.listdir(directory))}
+
+
+def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
+    j = Journal(str(tmp_path), _fp())
+    for s in range(3):
+        j.record_step(_entry(s))
+    j.commit(1)
+    j.close()
+    cut_short = recordlog.frame({"kind": "commit", "step": 2})[:-3]  # a crash mid-write
+    with open(j.path, "ab") as f:
+        f.write(cut_short)
+    j2 = Journal(str(tmp_path), _fp())
+    assert j2.last_committed == 1 and j2.last_step == 2
+    assert sorted(j2.pending) == [2] and j2.pending[2].plan == {"p": 2}  # committed plans dropped
+    assert j2.cursor_after(1) == {"base": 2}  # step 1 is committed: read back from the file
+    assert j2.read_entry(0).plan == {"p": 0}
+    with pytest.raises(JournalError, match="never planned"):
+        j2.commit(7)
+    with pytest.raises(JournalError, match="knows steps 0..2"):
+        j2.cursor_after(8)
+    j2.close()
+    assert os.path.getsize(j2.path) > 0
+    with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
+        Journal(str(tmp_path), _fp(seed=5))
+
+
+def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_commit(tmp_path):
+    j = Journal(str(tmp_path), _fp())
+    for s in range(6):
+        j.record_step(_entry(s))
+    j.commit(3)
+    assert sorted(j.pending) == [4, 5]
+    j.record_step(_entry(2))  # a rollback re-plans step 2: later steps are superseded
+    assert j.last_step == 2 and sorted(j.pending) == [2] and j.pending[2].plan == {"p": 2}
+    for s in (3, 4):
+        j.record_step(_entry(s))
+    j.commit(4)
+    assert not j.pending
+    j.close()
+    reopened = Journal(str(tmp_path), _fp())  # the same state from the file
+    assert reopened.last_step == 4 and reopened.last_committed == 4 and not reopened.pending
+    assert [reopened.cursor_after(s) for s in range(5)] == [{"base": s} for s in range(1, 6)]
+    reopened.close()
+
+
+def test_journal_plan_files_take_turns_so_disk_and_memory_stay_flat(tmp_path):
+    """Plans go to two files used in turn: a full one hands over to the other once none of
+    that one's plans is still needed; memory holds only the uncommitted steps."""
+    big = {"p": "x" * 2000}
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)  # ~10 plans a file
+    peak = 0
+    for s in range(400):
+        j.record_step(_big_entry(s, big))
+        if s % 10 == 9 and s < 390:
+            j.commit(s)
+        peak = max(peak, _plan_bytes(tmp_path))
+        assert len(j.pending) <= 10
+    assert peak < 2 * 20_000 + 2 * 2100  # not 400 plans: ~0.8 MB
+    j.record_step(_big_entry(395, {"p": "rewound"}))  # a rollback supersedes 396..399
+    j.record_skipped("a.tar", [("k1", "bad_image"), ("k2", "bad_audio")])
+    journal_size = os.path.getsize(j.path)
+    j.close()
+    assert journal_size < 400 * 200  # one small record per step, no plans
+    r = Journal(str(tmp_path), _fp(), plan_file_bytes=20_000)
+    try:
+        assert (r.last_step, r.last_committed, r.num_skipped) == (395, 389, 2)
+        assert sorted(r.pending) == list(range(390, 396)) and r.pending[395].plan == {"p": "rewound"}
+        assert r.pending[391].plan == big and r.read_entry(391).plan == big
+        assert r.read_entry(12).plan is None and r.read_entry(12).digest == "d12"  # file reused
+        assert [r.cursor_after(s) for s in range(396)] == [{"base": s + 1} for s in range(396)]
+        r.record_step(_entry(396))  # and it goes on appending
+        assert r.commit(396) and not r.pending
+    finally:
+        r.close()
+
+
+def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
+    for s in range(60):  # no commit: no plan file can be reused, they grow
+        j.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
+    assert _plan_bytes(tmp_path) > 60 * 2000
+    j.close()
+    r = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
+    try:
+        assert [r.pending[s].plan for s in range(60)] == [{"p": f"{s:04d}" * 500} for s in range(60)]
+        r.commit(59)
+        r.record_step(_big_entry(60, {"p": "after"}))  # the full file hands over to the other,
+        sizes = [os.path.getsize(tmp_path / f) for f in journal_module.PLAN_FILES]
+        assert min(sizes) < 200 and r.pending[60].plan == {"p": "after"}  # emptied first
+        for s in range(61, 75):  # and at the next turn the backlog's file is emptied too
+            r.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
+            r.commit(s)
+        assert _plan_bytes(tmp_path) < 2 * (20_000 + 2100)
+    finally:
+        r.close()
+
+
+# -- journals in the layout before MAGIC ----------------------------------------------------
+def _legacy_record(rec: dict) -> bytes:
+    payload = msgpack.packb(rec, use_bin_type=True)
+    return recordlog.LEGACY_HEAD.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _legacy_journal() -> list[bytes]:
+    old = [{"kind": "config", **_fp()}]
+    old += [{"kind": "step", "step": s, "epoch": 0, "world_size": 2, "cursor_before": {"base": s},
+             "cursor_after": {"base": s + 1}, "num_samples": 8, "digest": "d", "plan": {"p": s}}
+            for s in range(4)]
+    old += [{"kind": "commit", "step": 1},
+            {"kind": "skipped", "shard": "a.tar", "keys": [["k1", "bad_image"]]}]
+    return [_legacy_record(r) for r in old]
+
+
+def test_journal_written_with_inline_plans_still_opens(tmp_path):
+    """Journals written before plan files held each plan (and the cursor before the step)
+    inside the step record, in the layout before MAGIC: they load, are rewritten in the current
+    layout (skipped keys moved to skipped.mmd), and new steps go on in the current format."""
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(_legacy_journal()))
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert sorted(j.pending) == [2, 3] and j.pending[3].plan == {"p": 3}
+        assert j.cursor_after(1) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
+        assert list(j.skipped_keys()) == [SkippedKey("a.tar", "k1", "bad_image", None)]
+        j.record_step(_entry(4))
+        assert j.read_entry(4).plan == {"p": 4} and j.cursor_after(4) == {"base": 5}
+    finally:
+        j.close()
+    assert (tmp_path / journal_module.JOURNAL_FILE).read_bytes()[:4] == MAGIC
+    r = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert (r.last_step, r.last_committed, r.num_skipped, sorted(r.pending)) == (4, 1, 1, [2, 3, 4])
+        assert [r.cursor_after(s) for s in range(5)] == [{"base": s + 1} for s in range(5)]
+        assert list(r.skipped_keys()) == [SkippedKey("a.tar", "k1", "bad_image", None)]
+    finally:
+        r.close()
+
+
+def test_a_legacy_journal_with_a_bad_length_in_the_middle_is_refused_untouched(tmp_path):
+    """The issue's reproduction, on the layout before MAGIC: a length that runs past the end
+    of the file is not a torn write while intact records follow it."""
+    records = _legacy_journal()
+    data = bytearray(b"".join(records))
+    at = sum(map(len, records[:3]))
+    data[at + 2] ^= 0x01  # the length's third byte: its end now lies far past the file's
+    path = tmp_path / journal_module.JOURNAL_FILE
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match=f"corrupted at byte {at}"):
+        Journal(str(tmp_path), _fp())
+    assert path.read_bytes() == bytes(data)
+
+
+def test_a_legacy_journal_cut_short_at_its_end_opens_without_its_last_record(tmp_path):
+    records = _legacy_journal()
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(records)[:-3])
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:  # the skipped record was the one cut short
+        assert (j.last_step, j.last_committed, j.num_skipped) == (3, 1, 0)
+        assert sorted(j.pending) == [2, 3] and not list(j.skipped_keys())
+    finally:
+        j.close()
+
+
+# -- torn writes and corruption -------------------------------------------------------------
+def _written(tmp_path) -> bytes:
+    """A journal of 10 records: config, steps 0..5, the commit of 1, a skipped record, the
+    commit of 3."""
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(6):
+        j.record_step(_entry(s))
+    j.commit(1)
+    j.record_skipped("a.tar", [("k", "bad_image", 4)])
+    j.commit(3)
+    j.close()
+    return (tmp_path / journal_module.JOURNAL_FILE).read_bytes()
+
+
+@pytest.mark.parametrize("which", ["first", "middle", "last"])
+@pytest.mark.parametrize("byte", [0, 4, 6, 8, 12, HEAD, -1], ids=[
+    "magic", "length-low", "length-high", "crc", "header-crc", "payload-first", "payload-last"])
+def test_a_flipped_bit_anywhere_is_corruption_not_a_torn_write(tmp_path, which, byte):
+    data = bytearray(_written(tmp_path))
+    frames = _frames(bytes(data))
+    at, end = frames[{"first": 0, "middle": len(frames) // 2, "last": -1}[which]]
+    data[end - 1 if byte == -1 else at + byte] ^= 0x04
+    path = tmp_path / journal_module.JOURNAL_FILE
+    path.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match=f"journal '{path}' is corrupted at byte {at} "):
+        Journal(str(tmp_path), _fp())
+    assert path.read_bytes() == bytes(data)  # left as it was, byte for byte
+
+
+def test_a_final_record_cut_at_any_byte_is_dropped_and_the_rest_kept(tmp_path, caplog):
+    data = _written(tmp_path)
+    path = tmp_path / journal_module.JOURNAL_FILE
+    at, end = _frames(data)[-1]  # the commit of step 3
+    for cut in range(at + 1, end):
+        path.write_bytes(data[:cut])
+        with caplog.at_level(logging.WARNING, "mmdispatch.journal"):
+            caplog.clear()
+            j = Journal(str(tmp_path), _fp(), fsync=False)
+        try:
+            assert (j.last_step, j.last_committed, sorted(j.pending)) == (5, 1, [2, 3, 4, 5])
+            assert f"torn last write ({cut - at} bytes at byte {at})" in caplog.text
+            assert path.read_bytes() == data[:at]  # cut off, and nothing else changed
+            assert j.commit(3)  # appending goes on from the intact end
+        finally:
+            j.close()
+        r = Journal(str(tmp_path), _fp(), fsync=False)
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (5, 3, [4, 5])
+        r.close()
+
+
+def test_a_tail_that_does_not_start_a_record_is_corruption(tmp_path):
+    data = _written(tmp_path) + b"\x40\x00\x00\x00garbage"
+    path = tmp_path / journal_module.JOURNAL_FILE
+    path.write_bytes(data)
+    with pytest.raises(JournalError, match=f"corrupted at byte {len(data) - 11} "):
+        Journal(str(tmp_path), _fp())
+    assert path.read_bytes() == data
+
+
+def test_a_pending_steps_corrupt_plan_is_refused_naming_the_plan_file(tmp_path):
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(3):
+        j.record_step(_entry(s))
+    j.commit(0)
+    g, at = j.pending[2].plan_at
+    j.close()
+    plans = tmp_path / journal_module.PLAN_FILES[g]
+    data = bytearray(plans.read_bytes())
+    data[at + HEAD + 1] ^= 0x01
+    plans.write_bytes(bytes(data))
+    with pytest.raises(JournalError, match=f"plans-{g}.mmd' is corrupted at byte {at}: the plan "
+                                           "of uncommitted step 2"):
+        Journal(str(tmp_path), _fp())
+    assert plans.read_bytes() == bytes(data)
+
+
+def test_skipped_file_tail_torn_is_dropped_and_corrupt_is_refused(tmp_path):
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j.record_skipped("a.tar", [("k1", "bad_image")])
+    j.close()
+    skipped = tmp_path / journal_module.SKIPPED_FILE
+    intact = skipped.read_bytes()
+    extra = recordlog.frame({"shard": "b.tar", "keys": [["k2", "bad_audio", 7]]})
+    skipped.write_bytes(intact + extra[:-1])  # a crash cut the write of a second one
+    r = Journal(str(tmp_path), _fp(), fsync=False)
+    assert r.num_skipped == 1 and skipped.read_bytes() == intact
+    r.close()
+    bad = bytearray(extra)
+    bad[HEAD + 2] ^= 0x01
+    skipped.write_bytes(intact + bytes(bad))
+    with pytest.raises(JournalError, match=f"skipped.mmd' is corrupted at byte {len(intact)} "):
+        Journal(str(tmp_path), _fp())
+    assert skipped.read_bytes() == intact + bytes(bad)
+
+
+# -- failed writes --------------------------------------------------------------------------
+class _Crash(BaseException):
+    """The process dies here: nothing after it runs, not even exception handlers."""
+
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _fail(m: pytest.MonkeyPatch, call: str, name: str, exc: BaseException | None = None) -> None:
+    """Make os.<call> fail (ENOSPC, after writing half for a write) on the file called `name`."""
+    exc = exc or OSError(errno.ENOSPC, "No space left on device")
+    real = getattr(os, call)
+
+    def hit(target) -> bool:
+        path = target if isinstance(target, str) else _fd_path(target)
+        return os.path.basename(path) == name
+
+    def failing(*args):
+        if not hit(args[0]):
+            return real(*args)
+        if call == "write":
+            real(args[0], args[1][:len(args[1]) // 2])
+        raise exc
+
+    m.setattr(os, call, failing)
+
+
+_WRITES = {
+    "step-plan": ("record_step", journal_module.PLAN_FILES[0]),
+    "step-record": ("record_step", journal_module.JOURNAL_FILE),
+    "commit": ("commit", journal_module.JOURNAL_FILE),
+    "skipped-keys": ("record_skipped", journal_module.SKIPPED_FILE),
+    "skipped-record": ("record_skipped", journal_module.JOURNAL_FILE),
+}
+
+
+def _do(j: Journal, op: str):
+    if op == "record_step":
+        return j.record_step(_entry(4))
+    if op == "commit":
+        return j.commit(3)
+    return j.record_skipped("a.tar", [("k9", "bad_image", 9)])
+
+
+@pytest.mark.parametrize("call", ["write", "fsync"])
+@pytest.mark.parametrize("where", sorted(_WRITES))
+def test_a_failed_write_leaves_no_partial_record_and_applies_nothing(tmp_path, monkeypatch,
+                                                                     where, call):
+    op, name = _WRITES[where]
+    j = Journal(str(tmp_path), _fp())
+    for s in range(4):
+        j.record_step(_entry(s))
+    j.commit(1)
+    before, files = _state(j), _files(tmp_path)
+    with monkeypatch.context() as m:
+        _fail(m, call, name)
+        with pytest.raises(JournalWriteError) as info:
+            _do(j, op)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / name)
+    assert "No space left on device" in str(info.value)
+    assert _state(j) == before and _files(tmp_path) == files  # nothing applied, nothing left
+    _do(j, op)  # space freed: the same write goes through
+    after = _state(j)
+    assert after != before
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        assert _state(r) == after
+        assert r.num_skipped == (1 if op == "record_skipped" else 0)
+        assert [k.key for k in r.skipped_keys()] == (["k9"] if op == "record_skipped" else [])
+    finally:
+        r.close()
+
+
+def test_a_failed_cut_back_is_retried_before_the_next_write(tmp_path, monkeypatch):
+    j = Journal(str(tmp_path), _fp())
+    j.record_step(_entry(0))
+    size = os.path.getsize(j.path)
+    with monkeypatch.context() as m:
+        _fail(m, "write", journal_module.JOURNAL_FILE)
+        _fail(m, "ftruncate", journal_module.JOURNAL_FILE, OSError(errno.EIO, "I/O error"))
+        with pytest.raises(JournalWriteError):
+            j.commit(0)
+    assert os.path.getsize(j.path) > size  # half a record is still there
+    assert j.commit(0)
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    assert (r.last_step, r.last_committed) == (0, 0)
+    r.close()
+
+
+# -- skipped keys ---------------------------------------------------------------------------
+def test_skipped_keys_keep_their_index_and_are_not_read_at_restart(tmp_path):
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j.record_skipped("a.tar", [("k1", "bad_image"), ("k2", "bad_audio", 17)])
+    for n in range(500):
+        j.record_skipped("b.tar", [(f"b{n}", "bad_image", n)])
+    j.close()
+    r = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert r.num_skipped == 502
+        keys = list(r.skipped_keys())
+        assert keys[:3] == [SkippedKey("a.tar", "k1", "bad_image", None),
+                            SkippedKey("a.tar", "k2", "bad_audio", 17),
+                            SkippedKey("b.tar", "b0", "bad_image", 0)]
+        assert [k.key for k in keys[2:]] == [f"b{n}" for n in range(500)]
+        assert r.records_read == 502  # config and 501 counts: not the keys
+    finally:
+        r.close()
+    r = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        with pytest.raises(ValueError, match="not \\('k',\\)"):
+            r.record_skipped("a.tar", [("k",)])
+    finally:
+        r.close()
+
+
+def test_skipped_keys_written_just_before_a_crash_are_counted(tmp_path, monkeypatch):
+    j = Journal(str(tmp_path), _fp())
+    j.record_skipped("a.tar", [("k1", "bad_image", 1)])
+    with monkeypatch.context() as m:
+        _fail(m, "write", journal_module.JOURNAL_FILE, _Crash())
+        with pytest.raises(_Crash):  # the keys are in skipped.mmd, their count is not
+            j.record_skipped("a.tar", [("k2", "bad_image", 2), ("k3", "bad_image", 3)])
+    j.close()
+    r = Journal(str(tmp_path), _fp())  # the half count record is a torn write: dropped
+    assert r.num_skipped == 3 and [k.key for k in r.skipped_keys()] == ["k1", "k2", "k3"]
+    r.record_skipped("a.tar", [("k4", "bad_image", 4)])
+    r.close()
+    r = Journal(str(tmp_path), _fp())
+    assert r.num_skipped == 4
+    r.close()
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+def test_a_long_run_keeps_journal_size_and_restart_reads_bounded(tmp_path):
+    """50,000 steps, a commit every 20, a restart every 2,100 steps: journal.mmd stays under a
+    bound however long the run, every restart reads a bounded number of records, and every step
+    still resumable gives the cursor it had."""
+    limit, keep = 64 << 10, 4
+
+    def reopen() -> Journal:
+        return Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=32 << 10,
+                       journal_file_bytes=limit, keep_commits=keep)
+
+    j, peak, most_read = reopen(), 0, 0
+    for s in range(50_000):
+        j.record_step(_entry(s))
+        if s % 20 == 19:
+            j.commit(s)
+            peak = max(peak, os.path.getsize(j.path))
+        if s % 2_100 == 2_099:
+            j.close()
+            j = reopen()
+            most_read = max(most_read, j.records_read)
+    j.record_step(_entry(50_000))
+    j.close()
+    assert peak < limit + 20 * 200  # the threshold plus the records of one commit interval
+    assert 300 < most_read < limit // 100  # not up to 50,000 step records (~110 bytes each here)
+    assert _plan_bytes(tmp_path) < 2 * (32 << 10) + 2 * 200
+    r = reopen()
+    try:
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (50_000, 49_999, [50_000])
+        oldest = 49_999 - 20 * (keep - 1)  # the oldest of the last `keep` commits
+        for s in range(oldest, 50_001):
+            assert r.cursor_after(s) == {"base": s + 1}
+        with pytest.raises(JournalError, match=r"checkpointed away: resume at step 0 or at steps"):
+            r.cursor_after(100)
+    finally:
+        r.close()
+
+
+def _checkpoint_ready(tmp_path) -> Journal:
+    """60 steps, no commit yet: the next commit (of step 9) checkpoints journal.mmd."""
+    j = Journal(str(tmp_path), _fp(), journal_file_bytes=4096, keep_commits=2)
+    for s in range(60):
+        j.record_step(_entry(s))
+    assert os.path.getsize(j.path) > 4096
+    return j
+
+
+def _checkpointed_state(j: Journal, old: bool) -> None:
+    assert (j.last_step, j.last_committed, sorted(j.pending)) == (59, 9, list(range(10, 60)))
+    assert [j.cursor_after(s) for s in range(9, 60)] == [{"base": s + 1} for s in range(9, 60)]
+    assert all(j.pending[s].plan == {"p": s} for s in range(10, 60))
+    if old:
+        assert j.cursor_after(3) == {"base": 4}
+    else:
+        with pytest.raises(JournalError, match="knows steps 9..59"):
+            j.cursor_after(3)
+
+
+def test_a_checkpoint_keeps_the_state_and_shrinks_the_file(tmp_path):
+    j = _checkpoint_ready(tmp_path)
+    size = os.path.getsize(j.path)
+    assert j.commit(9)
+    assert os.path.getsize(j.path) < size
+    _checkpointed_state(j, old=False)
+    j.record_step(_entry(60))
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        assert r.last_step == 60 and r.cursor_after(60) == {"base": 61}
+        assert r.records_read == 2 + 51 + 1  # config, checkpoint, steps 9..59, step 60
+    finally:
+        r.close()
+
+
+def test_a_rewind_to_step_0_past_a_checkpoint_starts_the_steps_over(tmp_path):
+    j = _checkpoint_ready(tmp_path)
+    assert j.commit(9)
+    j.record_step(_entry(0))  # every rank resumed at step 0 (always possible)
+    assert (j.last_step, sorted(j.pending)) == (0, [0]) and j.cursor_after(0) == {"base": 1}
+    j.record_step(_entry(1))
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (1, 9, [0, 1])
+        assert [r.cursor_after(s) for s in (0, 1)] == [{"base": 1}, {"base": 2}]
+    finally:
+        r.close()
+
+
+_STAGES = {  # a checkpoint's stages: the os call and the file it fails on
+    "temp-write": ("write", journal_module.JOURNAL_FILE + ".tmp"),
+    "temp-fsync": ("fsync", journal_module.JOURNAL_FILE + ".tmp"),
+    "rename": ("replace", journal_module.JOURNAL_FILE + ".tmp"),
+    "dir-fsync": ("fsync", None),  # the directory
+}
+
+
+@pytest.mark.parametrize("stage", sorted(_STAGES))
+def test_a_crash_at_any_checkpoint_stage_leaves_a_journal_that_opens_right(tmp_path, monkeypatch,
+                                                                          stage):
+    call, name = _STAGES[stage]
+    j = _checkpoint_ready(tmp_path)
+    with monkeypatch.context() as m:
+        _fail(m, call, name or tmp_path.name, _Crash())
+        with pytest.raises(_Crash):
+            j.commit(9)
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        _checkpointed_state(r, old=stage != "dir-fsync")  # the rename had happened or not
+        assert not os.path.exists(r.path + ".tmp")
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("stage", sorted(_STAGES))
+def test_a_failed_checkpoint_keeps_the_commit_and_is_tried_again(tmp_path, monkeypatch, stage):
+    call, name = _STAGES[stage]
+    j = _checkpoint_ready(tmp_path)
+    with monkeypatch.context() as m:
+        _fail(m, call, name or tmp_path.name)
+        assert j.commit(9)  # durable before the checkpoint; its failure is only logged
+    _checkpointed_state(j, old=stage != "dir-fsync")
+    assert not os.path.exists(j.path + ".tmp")
+    j.record_step(_entry(60))  # after a failed directory fsync, synced again first
+    assert j.commit(19)
+    j.close()
+    r = Journal(str(tmp_path), _fp())
+    try:
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (60, 19, list(range(20, 61)))
+        with pytest.raises(JournalError, match="knows steps 9..60"):
+            r.cursor_after(3)  # the second commit's checkpoint went through
+    finally:
+        r.close()
