@@ -42,7 +42,7 @@ class Received:
 
     read: int = 0  # samples the message accounts for, kept or refused
     kept: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
+    skipped: list[SkipRecord] = field(default_factory=list)
     out_of_order: list[tuple[str, int]] = field(default_factory=list)
     gaps: list[tuple[int, int]] = field(default_factory=list)  # [first, last) unaccounted indices
 
@@ -123,7 +123,7 @@ class StepAssembler:
             if 0 <= s.index < prog.next_index:
                 continue  # heard of already
             skip_at.add(s.index)
-            out.skipped.append((s.key, s.reason))
+            out.skipped.append(s)
         next_index = prog.next_index
         append, at, nbytes = prog.buffer.append, 0, 0
         for key, index, text_len, llm_len, text, items in headers:
@@ -137,7 +137,7 @@ class StepAssembler:
             out.read += 1
             problem = header_problem(text_len, llm_len, items)
             if problem is not None:  # counted as read, reported as skipped: never planned
-                out.skipped.append((key, problem))
+                out.skipped.append(SkipRecord(key, problem, index))
                 continue
             size = len(text) + sum(item_bytes[start:at])
             append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size))

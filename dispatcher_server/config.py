@@ -75,6 +75,8 @@ class ServerConfig:
     journal_dir: str | None = None
     journal_fsync: bool = True
     journal_plan_file_bytes: int = 64 << 20  # see journal.Journal
+    journal_file_bytes: int = 1 << 20  # journal.mmd size that triggers a checkpoint
+    journal_keep_commits: int = 8  # a checkpoint keeps steps from the oldest of these commits
     max_epochs: int | None = 1
     max_steps: int | None = None
     flow: FlowConfig = field(default_factory=FlowConfig)

@@ -112,10 +112,11 @@ class SkipLog:
         self._logged: set[tuple[str, str]] = set()  # logged in the current interval
         self._interval_start = 0.0
 
-    def add(self, shard: str, skipped: list[tuple[str, str]]) -> None:
-        self.keys.extend(skipped)
+    def add(self, shard: str, skipped: list) -> None:
+        """Take (key, reason, index) records of one shard."""
+        self.keys.extend((s[0], s[1]) for s in skipped)
         self.metrics.skipped.inc(len(skipped))
-        for key, reason in skipped:
+        for key, reason, *_ in skipped:
             self._pending.setdefault((shard, reason), []).append(key)
 
     def flush(self, now: float | None) -> None:

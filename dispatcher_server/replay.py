@@ -89,6 +89,7 @@ class ReplaySource:
         self.committed = step
         return True
 
-    def record_skipped(self, url: str, skipped: list[tuple[str, str]]) -> None:
+    def record_skipped(self, url: str, skipped: list) -> None:
+        """Journal skipped samples ((key, reason, index) records) for the audit."""
         if self.journal is not None and skipped:
             self.journal.record_skipped(url, skipped)

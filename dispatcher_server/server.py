@@ -76,7 +76,9 @@ class Dispatcher:
             self._halt.check()  # a job the planner ended does not start into the same step
         # The journal first: a restore that cannot be honoured fails before anything is opened.
         journal = (Journal(config.journal_dir, config.fingerprint(), fsync=config.journal_fsync,
-                           plan_file_bytes=config.journal_plan_file_bytes)
+                           plan_file_bytes=config.journal_plan_file_bytes,
+                           journal_file_bytes=config.journal_file_bytes,
+                           keep_commits=config.journal_keep_commits)
                    if config.journal_dir else None)
         self.journal = journal
         try:
@@ -493,8 +495,8 @@ class Dispatcher:
         a.received += got.read
         a.credits = max(0, a.credits - len(headers))
         self.metrics.samples_in.inc(len(headers))
-        self._skip(prog.url, got.skipped + [(f"{prog.url}#{lo}..{hi - 1}", "unaccounted")
-                                            for lo, hi in got.gaps])
+        self._skip(prog.url, got.skipped + [P.SkipRecord(f"{prog.url}#{lo}..{hi - 1}",
+                                                         "unaccounted", lo) for lo, hi in got.gaps])
 
     def _take_back(self, reader: Reader, a: Assignment) -> None:
         """Cancel `a` and free its shard (it restarts at next_index: nothing is lost)."""
@@ -517,12 +519,11 @@ class Dispatcher:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
-        self._skip(prog.url, [(s.key, s.reason) for s in msg["skipped"]
-                              if s.index < 0 or s.index >= prog.next_index])
+        self._skip(prog.url, [s for s in msg["skipped"] if s.index < 0 or s.index >= prog.next_index])
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
 
-    def _skip(self, url: str, skipped: list[tuple[str, str]]) -> None:
+    def _skip(self, url: str, skipped: list[P.SkipRecord]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""
         if not skipped:
             return
