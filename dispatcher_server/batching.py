@@ -3,7 +3,8 @@
 A step's samples keep their payloads as views of the frames that arrived from readers; each
 rank's message carries only the items that rank encodes, coalesced per micro-batch into one
 frame (one memcpy, instead of a zmq frame per item), so no rank receives the whole batch. The
-cost is holding the received frames until every rank has acknowledged the step.
+cost is holding the received frames until every rank has acknowledged the step. All ranks'
+messages of a step are encoded together, on the first send.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
 from dispatcher_server.protocol import STEP, StepItemHeader, encode
-from dispatcher_server.stepwire import pack_microbatch
+from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "audio": "audio"}
 
@@ -116,29 +117,49 @@ def build_batch(samples: list[Sample]) -> StepBatch:
                      item_sizes={p: c[6] for p, c in cols.items()})
 
 
+def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int) -> list[list]:
+    """The STEP message of every rank (rank r's has sequence number seq + r): exactly
+    `plan.num_microbatches` micro-batches each, only that rank's part.
+
+    The arrays of all ranks are packed at once (`stepwire.pack_step`); each rank's arrays frame
+    is a view of that buffer. Keys, texts and item headers are put in group order once, so a
+    rank's lists are slices.
+    """
+    W, M = plan.topology.world_size, plan.num_microbatches
+    packed = pack_step(plan)
+    order = plan.sample_order.tolist()
+    keys = [batch.keys[i] for i in order]
+    texts = [batch.texts[i] for i in order]
+    sample_ptr = plan.sample_ptr.tolist()
+    items = {}
+    for phase in ENCODER_PHASES:
+        ex = plan._exchange(phase)
+        send = ex.send_order.tolist()
+        headers, buffers, nbytes = (batch.item_headers[phase], batch.item_payloads[phase],
+                                    batch.item_sizes[phase])
+        items[phase] = (ex.ptr_lists[0], [headers[i] for i in send], [buffers[i] for i in send],
+                        [nbytes[i] for i in send])
+    out = []
+    for rank in range(W):
+        mbs, frames = [], []
+        for m in range(M):
+            g = m * W + rank
+            s0, s1 = sample_ptr[g], sample_ptr[g + 1]
+            heads, payloads, sizes = [], [], []
+            for ptr, h, b, n in items.values():
+                a, z = ptr[g], ptr[g + 1]
+                heads += h[a:z]
+                payloads += b[a:z]
+                sizes += n[a:z]
+            mbs.append({"arrays": packed.lengths[g], "keys": keys[s0:s1], "texts": texts[s0:s1],
+                        "items": heads, "payloads": len(heads), "sizes": sizes})
+            frames.append(packed.frame(g))
+            frames.append(b"".join(payloads))
+        out.append(encode(STEP, seq=seq + rank, frames=frames, step=step, epoch=epoch, rank=rank,
+                          world_size=W, microbatches=mbs))
+    return out
+
+
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:
-    """The STEP message for one rank: exactly `plan.num_microbatches` micro-batches, only its part."""
-    mbs, frames = [], []
-    keys, texts = batch.keys, batch.texts
-    for m in range(plan.num_microbatches):
-        rmb = plan.rank_microbatch(rank, m)
-        lengths, arrays = pack_microbatch(rmb)
-        items, payloads, sizes = [], [], []
-        for phase in ENCODER_PHASES:
-            ex = rmb.exchanges.get(phase)
-            if ex is None:
-                continue
-            ids = ex.encode_items.tolist()
-            headers, buffers, nbytes = (batch.item_headers[phase], batch.item_payloads[phase],
-                                        batch.item_sizes[phase])
-            items += [headers[i] for i in ids]
-            payloads += [buffers[i] for i in ids]
-            sizes += [nbytes[i] for i in ids]
-        ids = rmb.samples.tolist()
-        mbs.append({"arrays": lengths, "keys": [keys[i] for i in ids],
-                    "texts": [texts[i] for i in ids], "items": items,
-                    "payloads": len(payloads), "sizes": sizes})
-        frames.append(arrays)
-        frames.append(b"".join(payloads))
-    return encode(STEP, seq=seq, frames=frames, step=step, epoch=epoch, rank=rank,
-                  world_size=plan.topology.world_size, microbatches=mbs)
+    """One rank's STEP message (tests and tools; the dispatcher encodes whole steps at once)."""
+    return step_messages(batch, plan, step=step, epoch=epoch, seq=seq - rank)[rank]

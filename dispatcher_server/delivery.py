@@ -37,7 +37,7 @@ class RetainedStep:
     epoch: int
     batch: StepBatch
     plan: object
-    messages: list  # per rank, encoded lazily on first send
+    messages: list | None  # per rank, all encoded on the first send
     num_samples: int
     nbytes: int  # bytes held: its samples' payloads, plus each rank message once encoded
 
@@ -74,22 +74,21 @@ class Delivery:
         self.retained.append(rs)
         self.next_plan = rs.step + 1
 
-    def sends(self, encode: Callable[[RetainedStep, int], list]) -> Iterator[tuple[TrainerSlot, list]]:
+    def sends(self, encode: Callable[[RetainedStep], list]) -> Iterator[tuple[TrainerSlot, list]]:
         """(slot, frames) of every step a connected rank may be sent now, in order; `encode`
-        builds a rank's message the first time it is needed."""
+        builds all ranks' messages of a step the first time one of them is needed."""
         first = self.lowest
         for slot in self.slots:
             if slot.ident is None:
                 continue
             while slot.next_send < slot.upto and first <= slot.next_send < self.next_plan:
                 rs = self.retained[slot.next_send - first]
-                msg = rs.messages[slot.rank]
-                if msg is None:
-                    msg = rs.messages[slot.rank] = encode(rs, slot.rank)
-                    # Kept until the step is evicted: it counts against max_buffered_bytes like
-                    # the samples it came from, so credits shrink while it is held.
-                    rs.nbytes += sum(memoryview(f).nbytes for f in msg)
-                yield slot, msg
+                if rs.messages is None:
+                    rs.messages = encode(rs)
+                    # Kept until the step is evicted: they count against max_buffered_bytes
+                    # like the samples they came from, so credits shrink while they are held.
+                    rs.nbytes += _nbytes(rs.messages)
+                yield slot, rs.messages[slot.rank]
                 slot.next_send += 1
 
     def ends_due(self) -> list[TrainerSlot]:
@@ -115,3 +114,18 @@ class Delivery:
     def held(self) -> tuple[int, int]:
         return (sum(rs.num_samples for rs in self.retained),
                 sum(rs.nbytes for rs in self.retained))
+
+
+def _nbytes(messages: list[list]) -> int:
+    """Bytes held by a step's rank messages; frames that are views of one buffer count once."""
+    seen, total = set(), 0
+    for frames in messages:
+        for f in frames:
+            base = getattr(f, "base", None)
+            if base is not None:
+                if id(base) not in seen:
+                    seen.add(id(base))
+                    total += base.nbytes
+            else:
+                total += memoryview(f).nbytes
+    return total

@@ -21,7 +21,7 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.assembler import StepAssembler
-from dispatcher_server.batching import build_batch, rank_message
+from dispatcher_server.batching import build_batch, step_messages
 from dispatcher_server.config import ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
@@ -322,7 +322,7 @@ class Dispatcher:
                         "resumes from the journal") from e
         self._cpu["journal"].inc(thread_time() - c2)
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
-                                       messages=[None] * self.config.world_size,
+                                       messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
         self._observe(step, filled.epoch, plan, plan_ms)
 
@@ -342,14 +342,13 @@ class Dispatcher:
     def _send_steps(self) -> None:
         encoding = 0.0
 
-        def encode(rs: RetainedStep, rank: int) -> list:
+        def encode(rs: RetainedStep) -> list:
             nonlocal encoding
             e0 = thread_time()
-            self._seq += 1
-            msg = rank_message(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, rank=rank,
-                               seq=self._seq)
+            msgs = step_messages(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, seq=self._seq + 1)
+            self._seq += len(msgs)
             encoding += thread_time() - e0
-            return msg
+            return msgs
 
         t0 = thread_time()
         now = time.monotonic()

@@ -73,8 +73,8 @@ def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
     assert got == []
 
 
-def _retained(step: int, world: int = 2) -> RetainedStep:
-    return RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=[None] * world,
+def _retained(step: int) -> RetainedStep:
+    return RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=None,
                         num_samples=3, nbytes=30)
 
 
@@ -87,13 +87,18 @@ def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received(
     s0.ident, s0.upto = b"t0", 2
     s1.ident, s1.upto = b"t1", 1
     encoded = []
-    sent = [(slot.rank, frames) for slot, frames in
-            d.sends(lambda rs, rank: encoded.append((rs.step, rank)) or [b"m%d%d" % (rs.step, rank)])]
+
+    def encode(rs):
+        encoded.append(rs.step)
+        return [[b"m%d%d" % (rs.step, rank)] for rank in range(2)]
+
+    sent = [(slot.rank, frames) for slot, frames in d.sends(encode)]
     assert sent == [(0, [b"m00"]), (0, [b"m10"]), (1, [b"m01"])]
-    assert d.retained[0].nbytes == 30 + 6  # an encoded message is held bytes
+    assert encoded == [0, 1]  # each step encoded once, for every rank
+    assert d.retained[0].nbytes == 30 + 6  # encoded messages are held bytes
     # A rank reconnecting gets the same bytes again, not a new encoding.
     s1.next_send = 0
-    again = [frames for _, frames in d.sends(lambda rs, rank: pytest.fail("encoded twice"))]
+    again = [frames for _, frames in d.sends(lambda rs: pytest.fail("encoded twice"))]
     assert again == [[b"m01"]]
     s0.received, s1.received = 2, 1
     d.evict()

@@ -13,7 +13,7 @@ from dispatcher_server.tuning import keep_freed_memory
 from dispatcher_server.ordering import Cursor, ShardOrder, epoch_order
 from dispatcher_server.planner import PlannerConfig, StepInputs, Topology, plan_step
 from dispatcher_server.planner.types import EncoderItems
-from dispatcher_server.stepwire import pack_microbatch, unpack_microbatch
+from dispatcher_server.stepwire import pack_step, unpack_microbatch
 
 
 def _raw(header: dict, *frames) -> list:
@@ -186,36 +186,40 @@ def _plan(world_size=3, num_microbatches=2):
 
 
 def test_microbatch_wire_round_trip_is_exact():
-    plan = _plan()
-    for rank in range(3):
-        for mb in range(2):
-            rmb = plan.rank_microbatch(rank, mb)
-            lengths, buf = pack_microbatch(rmb)
-            back = unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=rank, microbatch=mb,
-                                     world_size=3)
-            assert set(back.exchanges) == {p for p, e in rmb.exchanges.items()}
-            for name in ("samples", "sample_offsets", "sample_llm_len", "text_offsets", "text_len"):
-                np.testing.assert_array_equal(getattr(back, name), getattr(rmb, name))
-            for phase, ex in rmb.exchanges.items():
-                for name in ("encode_items", "encode_enc_len", "encode_llm_len", "send_tokens",
-                             "recv_items", "recv_llm_len", "recv_offsets", "recv_tokens"):
-                    np.testing.assert_array_equal(getattr(back.exchanges[phase], name), getattr(ex, name))
+    """Every group of the step's packed buffer unpacks to exactly `rank_microbatch`."""
+    for world in (1, 3, 16):
+        plan = _plan(world_size=world)
+        packed = pack_step(plan)
+        for rank in range(world):
+            for mb in range(2):
+                rmb = plan.rank_microbatch(rank, mb)
+                g = mb * world + rank
+                back = unpack_microbatch(memoryview(packed.frame(g).tobytes()), packed.lengths[g],
+                                         rank=rank, microbatch=mb, world_size=world)
+                assert set(back.exchanges) == set(rmb.exchanges)
+                for name in ("samples", "sample_offsets", "sample_llm_len", "text_offsets",
+                             "text_len"):
+                    np.testing.assert_array_equal(getattr(back, name), getattr(rmb, name))
+                for phase, ex in rmb.exchanges.items():
+                    for name in ("encode_items", "encode_enc_len", "encode_llm_len", "send_tokens",
+                                 "recv_items", "recv_llm_len", "recv_offsets", "recv_tokens"):
+                        np.testing.assert_array_equal(getattr(back.exchanges[phase], name),
+                                                      getattr(ex, name))
     with pytest.raises(P.ProtocolError):
-        unpack_microbatch(memoryview(buf.tobytes())[:-8], lengths, rank=0, microbatch=0,
-                          world_size=3)
+        unpack_microbatch(memoryview(packed.frame(0).tobytes())[:-8], packed.lengths[0], rank=0,
+                          microbatch=0, world_size=16)
 
 
 def test_microbatch_wire_size_does_not_grow_with_the_world():
     """Per-peer token counts travel as pairs: a rank's frame holds O(its items), not O(W)."""
     sizes = {}
     for world in (4, 64, 1024):
-        plan = _plan(world_size=world, num_microbatches=1)
-        sizes[world] = max(len(pack_microbatch(plan.rank_microbatch(r, 0))[1]) for r in range(4))
+        packed = pack_step(_plan(world_size=world, num_microbatches=1))
+        sizes[world] = max(len(packed.frame(g)) for g in range(4))
     assert sizes[1024] <= sizes[4] * 2, sizes
-    rmb = plan.rank_microbatch(0, 0)
-    lengths, buf = pack_microbatch(rmb)
     with pytest.raises(P.ProtocolError, match="planned for world"):
-        unpack_microbatch(memoryview(buf.tobytes()), lengths, rank=0, microbatch=0, world_size=2)
+        unpack_microbatch(memoryview(packed.frame(0).tobytes()), packed.lengths[0], rank=0,
+                          microbatch=0, world_size=2)
 
 
 def test_epoch_order_is_a_seeded_permutation():
