@@ -47,6 +47,7 @@ class Delivery:
 
     def __init__(self, world_size: int, max_retained_steps: int) -> None:
         self.slots = [TrainerSlot(rank=r) for r in range(world_size)]
+        self._by_ident: dict[bytes, TrainerSlot] = {}
         self.max_retained_steps = max_retained_steps
         self.retained: deque[RetainedStep] = deque()
         self.next_plan = 0
@@ -109,7 +110,20 @@ class Delivery:
         return sum(s.ident is not None for s in self.slots)
 
     def slot_of(self, ident: bytes) -> TrainerSlot | None:
-        return next((s for s in self.slots if s.ident == ident), None)
+        slot = self._by_ident.get(ident)
+        return slot if slot is not None and slot.ident == ident else None
+
+    def connect(self, slot: TrainerSlot, ident: bytes) -> None:
+        """`slot`'s rank now speaks from socket `ident` (a reconnect replaces the old one)."""
+        if slot.ident is not None:
+            self._by_ident.pop(slot.ident, None)
+        slot.ident = ident
+        self._by_ident[ident] = slot
+
+    def disconnect(self, slot: TrainerSlot) -> None:
+        if slot.ident is not None:
+            self._by_ident.pop(slot.ident, None)
+        slot.ident = None
 
     def held(self) -> tuple[int, int]:
         return (sum(rs.num_samples for rs in self.retained),

@@ -556,7 +556,7 @@ class Dispatcher:
         elif msg.type == P.COMMIT:
             self._commit(slot, msg)
         elif msg.type == P.BYE:
-            slot.ident = None
+            self.delivery.disconnect(slot)
             self.metrics.peers.labels("trainer").set(self.delivery.connected())
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="trainer", type=msg.type)
@@ -609,7 +609,8 @@ class Dispatcher:
                            ack=msg.seq)
                 return
             event("rewind", step=target, requested_by=rank)
-        slot.ident, slot.last_seen, slot.end_sent = ident, now, False
+        self.delivery.connect(slot, ident)
+        slot.last_seen, slot.end_sent = now, False
         slot.next_send = slot.received = want
         slot.upto = want + max(1, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
@@ -665,7 +666,7 @@ class Dispatcher:
                 continue
             if now - slot.last_seen > live.timeout_s:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
-                slot.ident = None
+                self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())
             elif now - slot.last_sent > live.heartbeat_s:
                 self._send(self.trainer_sock, slot.ident, P.HEARTBEAT)

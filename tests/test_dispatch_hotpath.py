@@ -174,7 +174,8 @@ def test_retained_step_messages_count_against_the_byte_bound():
         samples_bytes = 4 * (len(b"t") + 1000)
         assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
-        slot.ident, slot.upto = b"t", 10  # a connected rank with credit: the step is sent
+        d.delivery.connect(slot, b"t")
+        slot.upto = 10  # a connected rank with credit: the step is sent
         d._pump()
         (rs,) = d.retained
         message_bytes = sum(memoryview(f).nbytes for f in rs.messages[0])
@@ -207,7 +208,8 @@ def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_fe
         samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
         d._on_samples(reader, _message(d, a.id, samples, True))
-        d.slots[0].ident, d.slots[0].upto = b"t", 10
+        d.delivery.connect(d.slots[0], b"t")
+        d.slots[0].upto = 10
     except BaseException:
         d._close()
         raise

@@ -84,8 +84,10 @@ def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received(
         d.add(_retained(step))
     assert not d.has_room()
     s0, s1 = d.slots
-    s0.ident, s0.upto = b"t0", 2
-    s1.ident, s1.upto = b"t1", 1
+    d.connect(s0, b"t0")
+    d.connect(s1, b"t1")
+    s0.upto, s1.upto = 2, 1
+    assert d.slot_of(b"t1") is s1 and d.slot_of(b"nobody") is None
     encoded = []
 
     def encode(rs):

@@ -79,7 +79,7 @@ def test_timings_on_credit_reach_the_step_log_and_the_metrics(tmp_path):
     d = _dispatcher(tmp_path)
     try:
         for rank, ident in ((0, b"t0"), (1, b"t1")):
-            d.slots[rank].ident = ident
+            d.delivery.connect(d.slots[rank], ident)
             credit = P.decode(P.encode(P.CREDIT, upto=2, received=1,
                                        timings=[_record(0, [100 * (rank + 1)], 0.1 * (rank + 1))]))
             d._on_trainer(ident, credit, 0.0)
