@@ -129,7 +129,8 @@ def ranks_main(endpoint: str, ranks: list[int], world: int, stop_at: float) -> N
 
     from dispatcher_server import protocol as P
 
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, len(ranks) + 16)  # the default is 1023 sockets a context
     poller = zmq.Poller()
     socks = {}
     for rank in ranks:
@@ -219,6 +220,9 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         time.sleep(a.seconds)
         m1, c1, t1 = _scrape(metrics_port), _cpu_s(proc.pid), time.monotonic()
         peak = _peak_rss_mb(proc.pid)
+        dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+        if dead:
+            raise RuntimeError(f"W={world}: simulator processes failed: {dead}")
     finally:
         for p in procs:
             p.terminate()

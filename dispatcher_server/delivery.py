@@ -48,6 +48,9 @@ class Delivery:
     def __init__(self, world_size: int, max_retained_steps: int) -> None:
         self.slots = [TrainerSlot(rank=r) for r in range(world_size)]
         self._by_ident: dict[bytes, TrainerSlot] = {}
+        # Ranks that may have a step to send: only they are looked at on a send, so a pump
+        # costs O(ranks that changed), not O(W), at thousands of ranks.
+        self._due: set[int] = set()
         self.max_retained_steps = max_retained_steps
         self.retained: deque[RetainedStep] = deque()
         self.next_plan = 0
@@ -61,6 +64,7 @@ class Delivery:
             # hold every later step until that rank, which never asks again, acknowledged them.
             slot.next_send = slot.received = max(step, slot.received)
             slot.end_sent = False
+        self._due = set(range(len(self.slots)))
 
     @property
     def lowest(self) -> int:
@@ -74,12 +78,28 @@ class Delivery:
         assert rs.step == self.next_plan, (rs.step, self.next_plan)
         self.retained.append(rs)
         self.next_plan = rs.step + 1
+        self._due = set(range(len(self.slots)))
+
+    def credit(self, slot: TrainerSlot, upto: int, received: int) -> None:
+        """A rank's credit: steps below `upto` may be sent; it has received those below `received`."""
+        slot.upto = upto
+        slot.received = max(slot.received, received)
+        self._due.add(slot.rank)
+
+    def rewind_slot(self, slot: TrainerSlot, step: int, prefetch: int) -> None:
+        """A (re)connected rank starts at `step` with `prefetch` steps of credit."""
+        slot.next_send = slot.received = step
+        slot.upto = step + max(1, prefetch)
+        slot.end_sent = False
+        self._due.add(slot.rank)
 
     def sends(self, encode: Callable[[RetainedStep], list]) -> Iterator[tuple[TrainerSlot, list]]:
         """(slot, frames) of every step a connected rank may be sent now, in order; `encode`
         builds all ranks' messages of a step the first time one of them is needed."""
         first = self.lowest
-        for slot in self.slots:
+        due, self._due = self._due, set()
+        for rank in sorted(due):
+            slot = self.slots[rank]
             if slot.ident is None:
                 continue
             while slot.next_send < slot.upto and first <= slot.next_send < self.next_plan:

@@ -198,6 +198,7 @@ class Dispatcher:
         live = self.config.liveness
         linger = 0
         halted_at = None
+        checked = 0.0
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(live.poll_ms))
@@ -214,8 +215,12 @@ class Dispatcher:
                 except Fatal as e:
                     self._halt_now(str(e))
                 now = time.monotonic()
-                self._liveness(now)
-                self.skip_log.flush(now)
+                if now - checked >= live.poll_ms / 1000:
+                    # Every peer, at most once a poll interval (not once per message burst:
+                    # that is O(W) each time at thousands of ranks).
+                    self._liveness(now)
+                    self.skip_log.flush(now)
+                    checked = now
                 if until_done and self.done():
                     # The job is done: readers may exit too (a Job or `compose up` completes).
                     # Without until_done the dispatcher stays, and so do readers, for a rewind.
@@ -549,8 +554,8 @@ class Dispatcher:
             return
         slot.last_seen = now
         if msg.type == P.CREDIT:
-            slot.upto = msg.get("upto", slot.upto)
-            slot.received = max(slot.received, msg.get("received", slot.received))
+            self.delivery.credit(slot, msg.get("upto", slot.upto),
+                                 msg.get("received", slot.received))
             for record in msg.get("timings", ()):
                 self._measured(slot.rank, record)
         elif msg.type == P.COMMIT:
@@ -610,9 +615,8 @@ class Dispatcher:
                 return
             event("rewind", step=target, requested_by=rank)
         self.delivery.connect(slot, ident)
-        slot.last_seen, slot.end_sent = now, False
-        slot.next_send = slot.received = want
-        slot.upto = want + max(1, msg.get("prefetch", 1))
+        slot.last_seen = now
+        self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         self._send(self.trainer_sock, ident, P.WELCOME, role="trainer", ack=msg.seq,

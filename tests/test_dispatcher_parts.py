@@ -99,7 +99,7 @@ def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received(
     assert encoded == [0, 1]  # each step encoded once, for every rank
     assert d.retained[0].nbytes == 30 + 6  # encoded messages are held bytes
     # A rank reconnecting gets the same bytes again, not a new encoding.
-    s1.next_send = 0
+    d.rewind_slot(s1, 0, prefetch=1)
     again = [frames for _, frames in d.sends(lambda rs: pytest.fail("encoded twice"))]
     assert again == [[b"m01"]]
     s0.received, s1.received = 2, 1
