@@ -195,47 +195,52 @@ class Dispatcher:
         poller = zmq.Poller()
         poller.register(self.reader_sock, zmq.POLLIN)
         poller.register(self.trainer_sock, zmq.POLLIN)
-        live = self.config.liveness
-        linger = 0
-        halted_at = None
-        checked = 0.0
+        self._checked = self._halted_at = 0.0
+        linger = None
         try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(live.poll_ms))
-                try:
-                    if self.reader_sock in ready:
-                        t0 = thread_time()
-                        self._drain(self.reader_sock, self._on_reader)
-                        self._cpu["intake"].inc(thread_time() - t0)
-                    if self.trainer_sock in ready:
-                        t0 = thread_time()
-                        self._drain(self.trainer_sock, self._on_trainer)
-                        self._cpu["acks"].inc(thread_time() - t0)
-                    self._pump()
-                except Fatal as e:
-                    self._halt_now(str(e))
-                now = time.monotonic()
-                if now - checked >= live.poll_ms / 1000:
-                    # Every peer, at most once a poll interval (not once per message burst:
-                    # that is O(W) each time at thousands of ranks).
-                    self._liveness(now)
-                    self.skip_log.flush(now)
-                    checked = now
-                if until_done and self.done():
-                    # The job is done: readers may exit too (a Job or `compose up` completes).
-                    # Without until_done the dispatcher stays, and so do readers, for a rewind.
-                    self._end_readers()
-                    linger = 2000  # give the queued END messages a moment to leave
-                    break
-                if self.fatal is not None:
-                    # Stopped on its own: tell connected ranks (END), then leave.
-                    halted_at = halted_at or now
-                    if not self.delivery.ends_due() or now - halted_at > live.timeout_s:
-                        linger = 2000
-                        break
+            while not self._stop.is_set() and linger is None:
+                self._iterate(poller)
+                linger = self._leaving(until_done, time.monotonic())
         finally:
             self.skip_log.flush(None)
-            self._close(linger_ms=linger)
+            self._close(linger_ms=linger or 0)
+
+    def _iterate(self, poller: zmq.Poller) -> None:
+        """One poll: take what arrived, pump, and (once a poll interval) check every peer."""
+        live = self.config.liveness
+        ready = dict(poller.poll(live.poll_ms))
+        try:
+            if self.reader_sock in ready:
+                t0 = thread_time()
+                self._drain(self.reader_sock, self._on_reader)
+                self._cpu["intake"].inc(thread_time() - t0)
+            if self.trainer_sock in ready:
+                t0 = thread_time()
+                self._drain(self.trainer_sock, self._on_trainer)
+                self._cpu["acks"].inc(thread_time() - t0)
+            self._pump()
+        except Fatal as e:
+            self._halt_now(str(e))
+        now = time.monotonic()
+        if now - self._checked >= live.poll_ms / 1000:
+            # Not after every message burst: that is O(W) each time at thousands of ranks.
+            self._liveness(now)
+            self.skip_log.flush(now)
+            self._checked = now
+
+    def _leaving(self, until_done: bool, now: float) -> int | None:
+        """The linger (ms) to close with if the loop ends now, else None."""
+        if until_done and self.done():
+            # The job is done: readers may exit too (a Job or `compose up` completes).
+            # Without until_done the dispatcher stays, and so do readers, for a rewind.
+            self._end_readers()
+            return 2000  # give the queued END messages a moment to leave
+        if self.fatal is not None:
+            # Stopped on its own: connected ranks are sent END, then it leaves.
+            self._halted_at = self._halted_at or now
+            if not self.delivery.ends_due() or now - self._halted_at > self.config.liveness.timeout_s:
+                return 2000
+        return None
 
     def _halt_now(self, why: str) -> None:
         if self.fatal is None:
