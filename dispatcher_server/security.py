@@ -2,24 +2,39 @@
 
 The dispatcher authenticates peers against a directory of allowed public keys (pyzmq's
 ThreadAuthenticator, ZAP): a reader or trainer whose key is not listed never completes the
-handshake, so it cannot send or receive a single message. Keys are written owner-only (0600).
+handshake, so it cannot send or receive a single message. The peer itself hears nothing, so the
+dispatcher logs each refused (address, key) once, rate-limited. Keys are written owner-only (0600).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import time
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 
-def create_keypair(directory: str, name: str) -> tuple[str, str]:
-    """Write NAME.key (public) and NAME.key_secret into `directory`; returns both paths."""
+log = logging.getLogger("mmdispatch.security")
+
+
+def create_keypair(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
+    """Write NAME.key (public) and NAME.key_secret into `directory`; returns both paths.
+
+    An existing pair is kept (ValueError) unless `force`: peers may already trust its public key.
+    """
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name")
+    existing = [p for p in (os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret"))
+                if os.path.exists(p)]
+    if existing and not force:
+        raise ValueError(f"{existing[0]} already exists: pass --force to replace the key pair (peers "
+                         f"that trust the old public key will be refused), or choose another NAME")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     # pyzmq writes the files with the process umask: the secret would be readable by others
     # until the chmod below; an owner-only umask closes that window.
@@ -60,11 +75,71 @@ def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
     sock.curve_server = True
 
 
+class RefusalLog:
+    """Logs each refused (address, key) once, and at most `burst` lines per `window_s` overall.
+
+    A refused peer retries every few hundred milliseconds; the log must name it without
+    flooding. Lines suppressed by the rate limit are counted in the next line that is written.
+    """
+
+    def __init__(self, *, burst: int = 10, window_s: float = 60.0, max_remembered: int = 4096,
+                 clock=time.monotonic) -> None:
+        self.burst, self.window_s, self.max_remembered, self.clock = burst, window_s, max_remembered, clock
+        self.seen: set[tuple[str, str]] = set()
+        self.window_start = clock()
+        self.written = 0
+        self.suppressed = 0
+
+    def refused(self, address: str, key: str, reason: str) -> bool:
+        """Note one refusal; returns whether a line was logged."""
+        if (address, key) in self.seen:
+            return False
+        if len(self.seen) >= self.max_remembered:
+            self.seen.clear()
+        self.seen.add((address, key))
+        now = self.clock()
+        if now - self.window_start >= self.window_s:
+            self.window_start, self.written = now, 0
+        if self.written >= self.burst:
+            self.suppressed += 1
+            return False
+        self.written += 1
+        more = f" suppressed_since_last={self.suppressed}" if self.suppressed else ""
+        self.suppressed = 0
+        log.warning("mmdispatch event=curve_peer_refused address=%s key=%s reason=%r%s fix='copy the "
+                    "peer's NAME.key into the dispatcher's --curve-allowed-dir, or give the peer a key "
+                    "pair that is there'", address, key, reason, more)
+        return True
+
+
+class _LoggingAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, reporting the peers it refuses."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        super().__init__(context)
+        self.refusals = RefusalLog()
+        self._address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        allowed, reason = await super()._authenticate_curve(domain, client_key)
+        if not allowed:
+            key = zmq.utils.z85.encode(client_key).decode("ascii") if len(client_key) == 32 else client_key.hex()
+            self.refusals.refused(self._address, key, reason.decode("utf-8", "replace"))
+        return allowed, reason
+
+
 def start_authenticator(context: zmq.Context, allowed_keys_dir: str) -> ThreadAuthenticator:
     """ZAP handler that admits only clients whose public key is in `allowed_keys_dir`."""
     if not os.path.isdir(allowed_keys_dir):
         raise ValueError(f"allowed keys directory {allowed_keys_dir!r} does not exist")
-    auth = ThreadAuthenticator(context)
+    if not any(name.endswith(".key") for name in os.listdir(allowed_keys_dir)):
+        log.warning("mmdispatch event=curve_no_allowed_keys dir=%s fix='copy the readers' and trainers' "
+                    "NAME.key files there: every peer will be refused'", allowed_keys_dir)
+    auth = _LoggingAuthenticator(context)
     auth.start()
     auth.configure_curve(domain="*", location=allowed_keys_dir)
     return auth
@@ -73,10 +148,12 @@ def start_authenticator(context: zmq.Context, allowed_keys_dir: str) -> ThreadAu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="key pair name: writes NAME.key (public) and NAME.key_secret")
     parser.add_argument("--dir", default=".", help="directory to write the key files into")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing key pair of that name (peers trusting the old key are refused)")
 
 
 def run(args: argparse.Namespace) -> int:
-    public, secret = create_keypair(args.dir, args.name)
+    public, secret = create_keypair(args.dir, args.name, force=args.force)
     print(f"public key: {public}")
     print(f"secret key: {secret} (keep it private; copy only the public key to the allow-list)")
     return 0

@@ -119,6 +119,12 @@ def _check_flags(v: dict) -> None:
     if v["ranks_per_node"] < 1 or v["world_size"] % v["ranks_per_node"]:
         raise ValueError(f"--ranks-per-node {v['ranks_per_node']} must divide --world-size "
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
+    if v["global_batch"] < 1:
+        raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
+    for flag, path in (("--curve-secret", v["curve_secret"]), ("--curve-allowed-dir", v["curve_allowed_dir"])):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
+                             f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
     if not 0 < v["heartbeat"] < v["timeout"]:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
