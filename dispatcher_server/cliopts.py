@@ -58,15 +58,17 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
-    """Send log records to stderr in `log_format`; replaces handlers set up before."""
+    """Send log records to stderr in `log_format`; replaces the handler an earlier call set up."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r} must be one of {LOG_FORMATS}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.mmdispatch = True
     root = logging.getLogger()
     for old in list(root.handlers):
-        root.removeHandler(old)
+        if getattr(old, "mmdispatch", False):
+            root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
 
