@@ -121,6 +121,9 @@ def _check_flags(v: dict) -> None:
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
     if v["global_batch"] < 1:
         raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
+    if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
+        raise ValueError("--curve-secret and --curve-allowed-dir go together: the dispatcher's "
+                         "NAME.key_secret and the directory of the peers' allowed NAME.key files")
     for flag, path in (("--curve-secret", v["curve_secret"]), ("--curve-allowed-dir", v["curve_allowed_dir"])):
         if path and not os.path.exists(path):
             raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
@@ -135,8 +138,6 @@ def build_config(v: dict) -> ServerConfig:
     _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
         v["num_microbatches"] = 1
-    if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
-        raise ValueError("--curve-secret and --curve-allowed-dir go together")
     shards = expand_shards(v["shards"])
     if v["payloads"] == "reference":
         # Trainers open these paths themselves, from their own working directories.

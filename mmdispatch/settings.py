@@ -11,6 +11,7 @@ its own table and `[counting]`, and flags win over the file.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import tomllib
 from typing import Any, Literal
@@ -81,17 +82,24 @@ def schema() -> type[BaseModel]:
     return create_model("Settings", __config__=ConfigDict(extra="forbid", strict=True), **tables)
 
 
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
+               list: "an array", dict: "a table"}
+
+
 def _describe(error: dict, path: str) -> str:
-    loc = [str(p) for p in error["loc"] if not str(p).startswith(("list[", "Literal["))]
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("list[", "Literal[", "function-"))]
     where = f"[{loc[0]}] {'.'.join(loc[1:])}" if len(loc) > 1 else (loc[0] if loc else "")
     if error["type"] == "extra_forbidden":
         if len(loc) == 1:
             return (f"{path}: unknown table or top-level key {loc[0]!r}: settings go in a table, "
                     f"one of {', '.join(f'[{t}]' for t in TABLES)}")
-        known = ", ".join(sorted(settings_of(loc[0])))
-        return f"{path}: {where}: unknown setting (known in [{loc[0]}]: {known})"
-    expected = error["msg"].removeprefix("Input should be ").rstrip(".")
-    return f"{path}: {where}: expected {expected}, got {error['input']!r}"
+        close = difflib.get_close_matches(loc[-1], list(settings_of(loc[0])), n=1)
+        hint = (f"did you mean {close[0]}?" if close
+                else f"the keys of [{loc[0]}] are its options' names, see docs/configuration.md")
+        return f"{path}: {where}: unknown setting ({hint})"
+    expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
+    got = _TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
+    return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
 
 
 def load(path: str) -> dict[str, dict]:
