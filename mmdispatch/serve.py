@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_argument(parser)
     for dest, (type_, default, help_) in OPTIONS.items():
         flag = "--" + dest.replace("_", "-")
-        text = help_ if type_ is bool else f"{help_} (default: {default})"
+        text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
         if type_ is bool:
             parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
         elif dest == "shards":

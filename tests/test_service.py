@@ -322,7 +322,7 @@ def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
     help_text = parser.format_help()
     for dest, (type_, default, _) in serve.OPTIONS.items():
         assert "--" + dest.replace("_", "-") in help_text
-        assert type_ is bool or f"(default: {default})" in " ".join(help_text.split())
+        assert type_ is bool or default is None or f"(default: {default})" in " ".join(help_text.split())
     values = serve.resolve(parser.parse_args(["--config", str(toml), "--seed", "8"]))
     cfg = serve.build_config(values)
     assert (cfg.world_size, cfg.batch.global_batch, cfg.seed, cfg.mode) == (4, 32, 8, "arrival")
