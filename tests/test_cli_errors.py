@@ -147,3 +147,24 @@ def test_mistake_ends_in_one_line_naming_the_value(case, files, held_port):
 def test_debug_brings_the_traceback_back(files):
     out, _ = _run([*MMD, "serve", "--debug", "--shards", "nope-000.tar", *SERVE_OK])
     assert out.returncode != 0 and "Traceback" in out.stderr and "nope-000.tar" in out.stderr
+
+
+def _help(command: str) -> str:
+    from mmdispatch.cli import build_parser
+
+    return " ".join(build_parser(command).format_help().split())
+
+
+def test_help_shows_choices_and_no_meaningless_defaults():
+    serve = _help("serve")
+    for flag, choices in (("--mode", "{deterministic,arrival}"), ("--oversize", "{error,isolate}"),
+                          ("--payloads", "{inline,reference}")):
+        assert f"{flag} {choices}" in serve
+    assert "pipe:" in serve and "file:" in serve  # the shard URL forms --shards accepts
+    for command in ("serve", "read", "inspect"):
+        text = _help(command)
+        assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
+        assert text.count("(default: text, caption, conversations, messages)") == (command != "serve")
+        assert "(default: text, caption, conversations, messages) (default" not in text
+    report = _help("report")
+    assert "--train-log" in report and "trainer's --log" not in report
