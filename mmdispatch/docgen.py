@@ -185,7 +185,7 @@ def _exchange(d: dict) -> list[str]:
         f"W = {d['world_size']} ({d['world_size'] // d['ranks_per_node']} nodes x {d['ranks_per_node']}), "
         f"{d['backend']}, {d['dtype']} hidden {d['hidden']}; times: {d['exchange_ms_measured_on']}.", "",
         "| figure | node-aware | oblivious | target |", "|---|---|---|---|",
-        f"| inter-node bytes | {d['inter_node_bytes_node_aware']:,} | {d['inter_node_bytes_oblivious']:,} | "
+        f"| inter-node bytes | {int(d['inter_node_bytes_node_aware']):,} | {int(d['inter_node_bytes_oblivious']):,} | "
         f"node-aware <= 30% ({d['inter_node_ratio']:.0%}) |",
         f"| exchange ms per step | {d['exchange_ms_node_aware']:.1f} | {d['exchange_ms_oblivious']:.1f} | lower |",
         f"| with a modelled {d['inter_node_gbps_modelled']:g} Gb/s inter-node link, ms | "
@@ -212,10 +212,24 @@ def _stream(d: dict) -> list[str]:
 
 
 def _soak(d: dict) -> list[str]:
-    keys = [k for k in ("minutes", "samples_delivered", "lost", "duplicated", "faults_injected",
-                        "faults_survived", "max_rss_growth", "longest_stall_s") if k in d]
-    out = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-           "| " + " | ".join(f"{d[k]:,}" if isinstance(d[k], int) else str(d[k]) for k in keys) + " |"]
+    journal = d.get("journal_mib", {})
+    out = [f"{d['minutes']:g} minutes, {d['readers']} readers, world size {d['world_size']}, a corpus of "
+           f"{d['corpus_samples']} samples served {d['epochs_completed']} times.", "",
+           "| samples delivered | lost | duplicated | faults injected / survived | largest rss_growth "
+           "(target < 0.10) | longest stall |", "|---|---|---|---|---|---|",
+           f"| {d['samples_delivered']:,} | {d['samples_lost']} | {d['samples_duplicated']} | "
+           f"{d['faults_injected']} / {d['faults_survived']} | {d['rss_growth']:.3f} | {d['longest_stall_s']:.1f} s |",
+           "", "| process | RSS after warm-up MiB | peak MiB | final MiB | lived s | rss_growth |",
+           "|---|---|---|---|---|---|"]
+    for name, r in d.get("rss", {}).items():
+        warm = "" if r["after_warmup_mib"] is None else f"{r['after_warmup_mib']:.1f}"
+        growth = f"{r['rss_growth']:.4f}" if "rss_growth" in r else "(too short-lived)"
+        out.append(f"| {name} | {warm} | {r['peak_mib']:.1f} | {r['final_mib']:.1f} | {r['lived_s']:.0f} | {growth} |")
+    if journal:
+        out += ["", "Journal directory, MiB: " + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in journal.items())
+                + "."]
+    if d.get("errors"):
+        out += ["", "Errors: " + "; ".join(map(str, d["errors"]))]
     return out
 
 
