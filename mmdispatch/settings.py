@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib
 import tomllib
 from typing import Any, Literal
@@ -35,6 +36,7 @@ class ConfigError(ValueError):
     """A configuration file that cannot be used; the message is one line naming file, key and fix."""
 
 
+@functools.cache
 def _parser_for(table: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     module = importlib.import_module(TABLES[table][0])
@@ -61,6 +63,7 @@ def _field_type(action: argparse.Action) -> Any:
     return base
 
 
+@functools.cache
 def settings_of(table: str) -> dict[str, argparse.Action]:
     """dest -> the option defining that setting of `table` (the counting rules stay in `[counting]`)."""
     actions = {a.dest: a for a in _parser_for(table)._actions if a.dest not in _NOT_SETTINGS}
@@ -76,6 +79,7 @@ def _table_model(table: str) -> type[BaseModel]:
                         __config__=ConfigDict(extra="forbid", strict=True), **fields)
 
 
+@functools.cache
 def schema() -> type[BaseModel]:
     """The pydantic model of a whole configuration file."""
     tables = {t: (_table_model(t) | None, None) for t in TABLES}
