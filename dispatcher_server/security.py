@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -66,13 +67,63 @@ class PeerCurve:
 
 
 def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
-    """Make a bound socket a CURVE server with the dispatcher's key pair."""
+    """Make a bound socket a CURVE server with the dispatcher's key pair, reporting failed handshakes."""
     public, secret = zmq.auth.load_certificate(secret_file)
     if secret is None:
         raise ValueError(f"{secret_file!r} holds no secret key")
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.curve_server = True
+    watch_handshakes(sock)
+
+
+#: ZMTP protocol error -> what it means for a dispatcher requiring CurveZMQ
+_HANDSHAKE_ERRORS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "a peer without CurveZMQ (plaintext)",
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "a peer with the wrong --curve-server-key",
+}
+
+
+def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Thread:
+    """Log handshakes that fail before ZAP sees a key (plaintext peers, wrong server keys).
+
+    ZeroMQ reports them only on the socket's monitor, without the peer's address: one line per
+    (endpoint, reason) every `every_s` at most, with how many failed since the last line. The
+    thread ends when the socket closes.
+    """
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_MONITOR_STOPPED)
+
+    def report() -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        last: dict[tuple[str, str], float] = {}
+        count: dict[tuple[str, str], int] = {}
+        try:
+            while True:
+                if not monitor.poll(500):
+                    continue
+                evt = recv_monitor_message(monitor)
+                if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                endpoint = evt["endpoint"].decode("utf-8", "replace") if isinstance(evt["endpoint"], bytes) else evt["endpoint"]
+                reason = _HANDSHAKE_ERRORS.get(evt["value"], f"handshake error {evt['value']:#x}")
+                key = (endpoint, reason)
+                count[key] = count.get(key, 0) + 1
+                now = time.monotonic()
+                if key not in last or now - last[key] >= every_s:
+                    log.warning("mmdispatch event=curve_handshake_failed endpoint=%s reason=%r failures=%d "
+                                "fix='readers and trainers need --curve-secret and --curve-server-key "
+                                "(the dispatcher's public key)'", endpoint, reason, count[key])
+                    last[key], count[key] = now, 0
+        except zmq.ZMQError:  # the context is terminating
+            return
+        finally:
+            monitor.close(linger=0)
+
+    thread = threading.Thread(target=report, name="curve-handshakes", daemon=True)
+    thread.start()
+    return thread
 
 
 class RefusalLog:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -61,3 +62,45 @@ def test_dispatcher_side_logs_an_unlisted_key_once(tmp_path, caplog):
         server.close(linger=0)
         auth.stop()
         ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_plaintext_peer_failing_the_handshake_is_logged(tmp_path, caplog):
+    from dispatcher_server.security import apply_server_curve
+
+    _, server_secret = create_keypair(str(tmp_path), "dispatcher")
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    client = ctx.socket(zmq.DEALER)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch.security"):
+            apply_server_curve(server, server_secret)
+            port = server.bind_to_random_port("tcp://127.0.0.1")
+            client.connect(f"tcp://127.0.0.1:{port}")
+            client.send(b"hello", zmq.NOBLOCK)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                    "curve_handshake_failed" in r.getMessage() for r in caplog.records):
+                time.sleep(0.05)
+            time.sleep(1.0)  # the client reconnects and fails again: still one line
+        lines = [r.getMessage() for r in caplog.records if "curve_handshake_failed" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert f"127.0.0.1:{port}" in lines[0] and "plaintext" in lines[0] and "--curve-server-key" in lines[0]
+    finally:
+        client.close(linger=0)
+        server.close(linger=0)
+    deadline = time.monotonic() + 5  # the watcher ends with its socket
+    while time.monotonic() < deadline and any(t.name == "curve-handshakes" for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert not any(t.name == "curve-handshakes" for t in threading.enumerate())
+    ctx.term()
+
+
+def test_keygen_replaces_a_pair_only_when_forced(tmp_path):
+    public, _ = create_keypair(str(tmp_path), "reader")
+    before = open(public).read()
+    with pytest.raises(ValueError, match="--force"):
+        create_keypair(str(tmp_path), "reader")
+    assert open(public).read() == before
+    create_keypair(str(tmp_path), "reader", force=True)
+    assert open(public).read() != before
