@@ -198,13 +198,25 @@ def _stream(d: dict) -> list[str]:
            f"{d['samples_per_epoch']} samples x {d['epochs']} epochs, global batch {d['global_batch']}; "
            f"the baseline is a bare webdataset read by {d['readers']} processes "
            f"({d['raw_samples_per_s']:,.0f} samples/s).", "",
-           "| payloads | e2e samples/s | e2e vs bare read (target >= 0.8) | payload MB/s | "
-           "dispatcher peak RSS MB |", "|---|---|---|---|---|"]
+           "| payloads | e2e samples/s | e2e vs bare read, median (runs) (target >= 0.8) | CPU-bound ratio | "
+           "payload MB/s | dispatcher peak RSS MB |", "|---|---|---|---|---|---|"]
     for mode in ("inline", "reference"):
         if isinstance(d.get(mode), dict):
             m = d[mode]
-            out.append(f"| {mode} | {m['e2e_samples_per_s']:,.0f} | {m['e2e_vs_raw']:.2f} | "
-                       f"{m['payload_mb_per_s']:.0f} | {m['dispatcher_peak_rss_mb']:.0f} |")
+            runs = ", ".join(f"{r:.2f}" for r in m.get("e2e_vs_raw_runs", []))
+            out.append(f"| {mode} | {m['e2e_samples_per_s']:,.0f} | {m['e2e_vs_raw']:.2f} ({runs}) | "
+                       f"{m['e2e_vs_raw_cpu_bound']:.2f} | {m['payload_mb_per_s']:.0f} | "
+                       f"{m['dispatcher_peak_rss_mb']:.0f} |")
+    out += ["", "The CPU-bound ratio is the bare read's CPU per sample over the whole chain's "
+            "(readers, dispatcher and trainers, from the table below): what the ratio tends to when "
+            "the chain shares the bare read's cores. Wall-clock ratios move with other load on the "
+            "machine, which the spread of the runs shows.", "",
+            "| payloads | CPU ms per sample: readers | dispatcher | trainers | bare read |", "|---|---|---|---|---|"]
+    for mode in ("inline", "reference"):
+        if isinstance(d.get(mode), dict):
+            c = d[mode]["e2e_cpu_ms_per_sample"]
+            out.append(f"| {mode} | {c['readers']:.3f} | {c['dispatcher']:.3f} | {c['trainers']:.3f} | "
+                       f"{d['raw_cpu_ms_per_sample']:.3f} |")
     out += ["", f"One trainer {d['slow_trainer_ms_per_step']} ms per step slow: dispatcher peak RSS "
             f"{d['slow_dispatcher_peak_rss_mb']:.0f} MB against a bound of {d['rss_bound_mb']:.0f} MB "
             f"({'within' if d['rss_within_bound'] else 'over'})."]
