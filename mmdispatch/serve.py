@@ -13,6 +13,7 @@ import json
 import os
 import selectors
 import signal
+import sys
 import time
 
 import zmq
