@@ -117,3 +117,29 @@ def test_json_log_lines_carry_the_event_fields():
     line = json.loads(JsonFormatter().format(record))
     assert line["level"] == "WARNING" and line["event"] == "reader_reconnect"
     assert line["dispatcher"] == "tcp://x:1" and line["backoff_s"] == "0.40"
+
+
+@pytest.mark.timeout(60)
+def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
+    import io
+    import subprocess
+    import sys
+    import tarfile
+    from pathlib import Path
+
+    shard = tmp_path / "bad.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(3):
+            data = b"not an image"
+            info = tarfile.TarInfo(f"s{i}.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "inspect", "--log-format", "json", "--json",
+                          str(shard)], capture_output=True, text=True, timeout=30,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    logged = [line for line in out.stderr.splitlines() if line.startswith("{")]
+    assert logged, out.stderr
+    records = [json.loads(line) for line in logged]
+    assert all(r["level"] == "WARNING" and "bad.tar" in r["message"] for r in records)
+    assert json.loads(out.stdout)["bad_shards"][0]["by_reason"] == {"bad_image": 3}
