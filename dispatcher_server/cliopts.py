@@ -103,6 +103,8 @@ def user_message(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, zmq.ZMQError) and error.errno == errno.EADDRINUSE:
         return f"{text}: another process holds that port; choose another one (port 0 lets the OS pick)"
+    if isinstance(error, zmq.ZMQError) and error.errno == errno.EINVAL and "addr=" in text:
+        return f"{text}: an endpoint looks like tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555)"
     if isinstance(error, UnicodeDecodeError):
         return f"{text} (the file is binary, not text)"
     return text

@@ -51,7 +51,9 @@ def load_step_log(paths: str | Path | list) -> tuple[list[dict], list[dict]]:
                 elif kind == "train":
                     trains[int(rec["step"])] = rec
     if not plans:
-        raise ValueError(f"{', '.join(map(str, paths))}: no plan records (is this an mmdispatch step log?)")
+        hint = ("only trainer records: pass the dispatcher's --step-log file too" if trains
+                else "is this an mmdispatch step log? pass the file the dispatcher's --step-log wrote")
+        raise ValueError(f"{', '.join(map(str, paths))}: no plan records ({hint})")
     return [plans[s] for s in sorted(plans)], [trains[s] for s in sorted(trains)]
 
 
