@@ -143,3 +143,17 @@ def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
     records = [json.loads(line) for line in logged]
     assert all(r["level"] == "WARNING" and "bad.tar" in r["message"] for r in records)
     assert json.loads(out.stdout)["bad_shards"][0]["by_reason"] == {"bad_image": 3}
+
+
+@pytest.mark.timeout(120)
+def test_a_data_node_validates_every_table_and_writes_the_reference_without_torch():
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from mmdispatch import docgen, settings\n"
+             "settings.schema(); docgen.configuration_md()\n"
+             "leaked = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+             "sys.exit('torch leaked: ' + ','.join(leaked[:5]) if leaked else 0)\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
