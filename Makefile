@@ -4,14 +4,20 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.mmdispatch-installed
 DEMO_DIR ?= demo-data
+# torch for the trainer extra and the tests: TORCH_SPEC is the requirement, TORCH_INDEX the wheel
+# index (empty: pip's configured one, where torch==2.13.0 is this machine's local CPU wheel).
+#   CPU-only machine: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+#   CUDA 12.4:        make test TORCH_INDEX=https://download.pytorch.org/whl/cu124
+# An ordinary index without TORCH_INDEX gives the multi-GB CUDA build on Linux.
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	# CPU wheel, pinned: an open torch range would pull multi-GB CUDA builds.
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 	$(PIP) install -q -e '.[trainer,test]'
 	touch $(STAMP)
 
@@ -28,6 +34,11 @@ bench: install
 	$(PY) -m bench.planner
 	$(PY) -m bench.exchange
 	$(PY) -m bench.stream
+
+# Regenerate docs/configuration.md (from the command parsers) and docs/benchmarks.md (from the
+# benches' JSON in docs/bench/); tests/test_readme.py fails when either is stale.
+docs: install
+	$(PY) -m mmdispatch.docgen
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) reports .pytest_cache

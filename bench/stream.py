@@ -20,17 +20,14 @@ ratio is bounded by the total CPU the chain spends per sample against the bare r
 (`e2e_vs_raw_cpu_bound`): with R = cores, the bare read owns every core while the chain's
 7 processes share them.
 
-What limits the ratio (2-core machine, 37 KB/sample, G=512, W=4, M=2; CPU ms per sample,
-2026-11-23): the bare read spends ~0.07-0.08. The chain spends ~0.04 in the readers (tar
+What limits the ratio (2-core machine, 37 KB/sample, G=512, W=4, M=2; CPU ms per sample):
+the bare read spends ~0.07-0.08. The chain spends ~0.04 in the readers (tar
 reading and header counting from mapped shards, then building and sending SAMPLES messages),
 ~0.02 in the dispatcher in reference mode (~0.045 inline: every payload byte crosses a second
 TCP hop) and ~0.015 in the trainers with mapped reference payloads (~0.03 when they copy them,
 `--trainer-reads copy`, or receive them inline). Beyond CPU, the ratio needs the chain never to
 wait on itself: readers hold their next shard queued (no round trip per shard) and the
-dispatcher keeps serve's window of 8 shards and 4 retained steps. Steps that took the chain
-from 0.19 to ~0.075 (reference): plain-Python planner kernels for few bins, block processing
-in the dispatcher, relaxed GC, reference payloads, queued shards, mapped shards in readers and
-trainers. Neither side decodes: the bare read collects each member as a bytes object (a copy),
+dispatcher keeps serve's window of 8 shards and 4 retained steps. Neither side decodes: the bare read collects each member as a bytes object (a copy),
 the trainers take their payloads (mapped views by default, copies with `--trainer-reads copy`)
 and count their bytes.
 """

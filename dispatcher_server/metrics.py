@@ -77,7 +77,11 @@ class Metrics:
         self.port = 0
         self._server = None
         if port:
-            self._server, _ = start_http_server(port, addr=host, registry=r)
+            try:
+                self._server, _ = start_http_server(port, addr=host, registry=r)
+            except OSError as e:
+                raise OSError(e.errno, f"metrics endpoint {host}:{port} cannot bind ({e.strerror}): "
+                                       f"choose another --metrics-port (0 turns metrics off)") from e
             self.port = self._server.server_port
 
     def measured(self, summary: dict) -> None:

@@ -2,24 +2,40 @@
 
 The dispatcher authenticates peers against a directory of allowed public keys (pyzmq's
 ThreadAuthenticator, ZAP): a reader or trainer whose key is not listed never completes the
-handshake, so it cannot send or receive a single message. Keys are written owner-only (0600).
+handshake, so it cannot send or receive a single message. The peer itself hears nothing, so the
+dispatcher logs each refused (address, key) once, rate-limited. Keys are written owner-only (0600).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 
-def create_keypair(directory: str, name: str) -> tuple[str, str]:
-    """Write NAME.key (public) and NAME.key_secret into `directory`; returns both paths."""
+log = logging.getLogger("mmdispatch.security")
+
+
+def create_keypair(directory: str, name: str, *, force: bool = False) -> tuple[str, str]:
+    """Write NAME.key (public) and NAME.key_secret into `directory`; returns both paths.
+
+    An existing pair is kept (ValueError) unless `force`: peers may already trust its public key.
+    """
     if not name or os.sep in name or name.startswith("."):
         raise ValueError(f"key name {name!r} must be a plain file name")
+    existing = [p for p in (os.path.join(directory, f"{name}.key"), os.path.join(directory, f"{name}.key_secret"))
+                if os.path.exists(p)]
+    if existing and not force:
+        raise ValueError(f"{existing[0]} already exists: pass --force to replace the key pair (peers "
+                         f"that trust the old public key will be refused), or choose another NAME")
     os.makedirs(directory, mode=0o700, exist_ok=True)
     # pyzmq writes the files with the process umask: the secret would be readable by others
     # until the chmod below; an owner-only umask closes that window.
@@ -51,20 +67,130 @@ class PeerCurve:
 
 
 def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
-    """Make a bound socket a CURVE server with the dispatcher's key pair."""
+    """Make a bound socket a CURVE server with the dispatcher's key pair, reporting failed handshakes."""
     public, secret = zmq.auth.load_certificate(secret_file)
     if secret is None:
         raise ValueError(f"{secret_file!r} holds no secret key")
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.curve_server = True
+    watch_handshakes(sock)
+
+
+#: ZMTP protocol error -> what it means for a dispatcher requiring CurveZMQ
+_HANDSHAKE_ERRORS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "a peer without CurveZMQ (plaintext)",
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "a peer with the wrong --curve-server-key",
+}
+
+
+def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Thread:
+    """Log handshakes that fail before ZAP sees a key (plaintext peers, wrong server keys).
+
+    ZeroMQ reports them only on the socket's monitor, without the peer's address: one line per
+    (endpoint, reason) every `every_s` at most, with how many failed since the last line. The
+    thread ends when the socket closes.
+    """
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_MONITOR_STOPPED)
+
+    def report() -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        last: dict[tuple[str, str], float] = {}
+        count: dict[tuple[str, str], int] = {}
+        try:
+            while True:
+                if not monitor.poll(500):
+                    continue
+                evt = recv_monitor_message(monitor)
+                if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
+                    return
+                endpoint = evt["endpoint"].decode("utf-8", "replace") if isinstance(evt["endpoint"], bytes) else evt["endpoint"]
+                reason = _HANDSHAKE_ERRORS.get(evt["value"], f"handshake error {evt['value']:#x}")
+                key = (endpoint, reason)
+                count[key] = count.get(key, 0) + 1
+                now = time.monotonic()
+                if key not in last or now - last[key] >= every_s:
+                    log.warning("mmdispatch event=curve_handshake_failed endpoint=%s reason=%r failures=%d "
+                                "fix='readers and trainers need --curve-secret and --curve-server-key "
+                                "(the dispatcher's public key)'", endpoint, reason, count[key])
+                    last[key], count[key] = now, 0
+        except zmq.ZMQError:  # the context is terminating
+            return
+        finally:
+            monitor.close(linger=0)
+
+    thread = threading.Thread(target=report, name="curve-handshakes", daemon=True)
+    thread.start()
+    return thread
+
+
+class RefusalLog:
+    """Logs each refused (address, key) once, and at most `burst` lines per `window_s` overall.
+
+    A refused peer retries every few hundred milliseconds; the log must name it without
+    flooding. Lines suppressed by the rate limit are counted in the next line that is written.
+    """
+
+    def __init__(self, *, burst: int = 10, window_s: float = 60.0, max_remembered: int = 4096,
+                 clock=time.monotonic) -> None:
+        self.burst, self.window_s, self.max_remembered, self.clock = burst, window_s, max_remembered, clock
+        self.seen: set[tuple[str, str]] = set()
+        self.window_start = clock()
+        self.written = 0
+        self.suppressed = 0
+
+    def refused(self, address: str, key: str, reason: str) -> bool:
+        """Note one refusal; returns whether a line was logged."""
+        if (address, key) in self.seen:
+            return False
+        if len(self.seen) >= self.max_remembered:
+            self.seen.clear()
+        self.seen.add((address, key))
+        now = self.clock()
+        if now - self.window_start >= self.window_s:
+            self.window_start, self.written = now, 0
+        if self.written >= self.burst:
+            self.suppressed += 1
+            return False
+        self.written += 1
+        more = f" suppressed_since_last={self.suppressed}" if self.suppressed else ""
+        self.suppressed = 0
+        log.warning("mmdispatch event=curve_peer_refused address=%s key=%s reason=%r%s fix='copy the "
+                    "peer's NAME.key into the dispatcher's --curve-allowed-dir, or give the peer a key "
+                    "pair that is there'", address, key, reason, more)
+        return True
+
+
+class _LoggingAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, reporting the peers it refuses."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        super().__init__(context)
+        self.refusals = RefusalLog()
+        self._address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else "?"
+        await super().handle_zap_message(msg)
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        allowed, reason = await super()._authenticate_curve(domain, client_key)
+        if not allowed:
+            key = zmq.utils.z85.encode(client_key).decode("ascii") if len(client_key) == 32 else client_key.hex()
+            self.refusals.refused(self._address, key, reason.decode("utf-8", "replace"))
+        return allowed, reason
 
 
 def start_authenticator(context: zmq.Context, allowed_keys_dir: str) -> ThreadAuthenticator:
     """ZAP handler that admits only clients whose public key is in `allowed_keys_dir`."""
     if not os.path.isdir(allowed_keys_dir):
         raise ValueError(f"allowed keys directory {allowed_keys_dir!r} does not exist")
-    auth = ThreadAuthenticator(context)
+    if not any(name.endswith(".key") for name in os.listdir(allowed_keys_dir)):
+        log.warning("mmdispatch event=curve_no_allowed_keys dir=%s fix='copy the readers' and trainers' "
+                    "NAME.key files there: every peer will be refused'", allowed_keys_dir)
+    auth = _LoggingAuthenticator(context)
     auth.start()
     auth.configure_curve(domain="*", location=allowed_keys_dir)
     return auth
@@ -73,10 +199,12 @@ def start_authenticator(context: zmq.Context, allowed_keys_dir: str) -> ThreadAu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="key pair name: writes NAME.key (public) and NAME.key_secret")
     parser.add_argument("--dir", default=".", help="directory to write the key files into")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing key pair of that name (peers trusting the old key are refused)")
 
 
 def run(args: argparse.Namespace) -> int:
-    public, secret = create_keypair(args.dir, args.name)
+    public, secret = create_keypair(args.dir, args.name, force=args.force)
     print(f"public key: {public}")
     print(f"secret key: {secret} (keep it private; copy only the public key to the allow-list)")
     return 0

@@ -11,7 +11,11 @@ import argparse
 import importlib
 import sys
 
+from dispatcher_server.cliopts import (
+    HelpFormatter, add_config_argument, add_logging_arguments, run_reporting_errors, setup_logging,
+)
 from mmdispatch import __version__
+from mmdispatch.settings import ConfigError, apply_file
 
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,11 +28,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("mmdispatch.report", "render a step log as a table and figures"),
 }
 
+#: commands that take `--config FILE` (the tables they read: mmdispatch.settings.TABLES)
+CONFIGURABLE = ("serve", "read", "inspect")
+
 
 def _overview() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     return "commands:\n" + "\n".join(lines) + "\n\nRun 'mmdispatch COMMAND --help' for a command's options."
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand, with the options every command shares."""
+    module_name, help_ = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    doc = (module.__doc__ or help_).strip().split("\n\n")[0]
+    parser = argparse.ArgumentParser(prog=f"mmdispatch {command}", description=doc,
+                                     formatter_class=HelpFormatter)
+    module.add_arguments(parser)
+    flags = {s for a in parser._actions for s in a.option_strings}
+    if command in CONFIGURABLE and "--config" not in flags:
+        add_config_argument(parser)
+    add_logging_arguments(parser)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,21 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 2
     ns = top.parse_args(argv[:1])
-    module_name, help_ = COMMANDS[ns.command]
-    module = importlib.import_module(module_name)
-    doc = (module.__doc__ or help_).strip().split("\n\n")[0]
-    parser = argparse.ArgumentParser(
-        prog=f"mmdispatch {ns.command}",
-        description=doc,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    module.add_arguments(parser)
+    parser = build_parser(ns.command)
+    if ns.command in CONFIGURABLE:
+        try:
+            apply_file(parser, ns.command, argv[1:])
+        except ConfigError as e:
+            parser.error(str(e))
     args = parser.parse_args(argv[1:])
-    try:
-        return int(module.run(args) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    setup_logging(args.log_format, getattr(args, "log_level", "INFO"))
+    module = importlib.import_module(COMMANDS[ns.command][0])
+    return run_reporting_errors(lambda: module.run(args), parser.prog, debug=args.debug)
 
 
 if __name__ == "__main__":

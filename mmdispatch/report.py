@@ -24,24 +24,36 @@ def load_step_log(paths: str | Path | list) -> tuple[list[dict], list[dict]]:
     plans: dict[int, dict] = {}
     trains: dict[int, dict] = {}
     for path in paths:
-        if not Path(path).exists():
-            continue
+        if not Path(path).is_file():
+            raise ValueError(f"step log {str(path)!r} does not exist: pass the file the dispatcher's "
+                             f"--step-log wrote (and optionally the trainer's --train-log)")
         with open(path, encoding="utf-8") as f:
-            for num, line in enumerate(f, 1):
+            try:
+                lines = list(enumerate(f, 1))
+            except UnicodeDecodeError:
+                raise ValueError(f"{path} is a binary file, not a JSON-lines step log: pass the "
+                                 f"dispatcher's --step-log file (and optionally the trainer's "
+                                 f"--train-log)") from None
+            for num, line in lines:
                 line = line.strip()
                 if not line:
                     continue
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{num}: not a JSON line ({e.msg})") from None
+                    raise ValueError(f"{path}:{num}: not a JSON line ({e.msg}); is this an mmdispatch "
+                                     f"step log?") from None
+                if not isinstance(rec, dict):
+                    raise ValueError(f"{path}:{num}: not a step record (a JSON object)")
                 kind = rec.get("kind")
                 if kind == "plan":
                     plans[int(rec["step"])] = rec
                 elif kind == "train":
                     trains[int(rec["step"])] = rec
     if not plans:
-        raise ValueError(f"{', '.join(map(str, paths))}: no plan records (is this an mmdispatch step log?)")
+        hint = ("only trainer records: pass the dispatcher's --step-log file too" if trains
+                else "is this an mmdispatch step log? pass the file the dispatcher's --step-log wrote")
+        raise ValueError(f"{', '.join(map(str, paths))}: no plan records ({hint})")
     return [plans[s] for s in sorted(plans)], [trains[s] for s in sorted(trains)]
 
 
@@ -163,7 +175,8 @@ def render_figure(plans: list[dict], trains: list[dict], out_png: str | Path) ->
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("step_log", nargs="+",
-                        help="JSON-lines step logs: the dispatcher's --step-log, optionally the trainer's --log")
+                        help="JSON-lines step logs: the dispatcher's --step-log, optionally the trainer's "
+                             "--train-log")
     parser.add_argument("--out", default=None, help="figure path (PNG); default: next to the log")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 

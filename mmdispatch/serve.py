@@ -1,28 +1,30 @@
 """Run the dispatcher: collect counts from readers, plan every step, stream each rank its part.
 
-Settings come from a TOML file (`--config`, flat keys named like the options below with
-underscores) and flags, flags winning. On startup one line `READY {json}` on stdout gives the
+Settings come from the `[serve]` table of a TOML file (`--config`, keys named like the options
+below with underscores; `mmdispatch.settings`) and flags, flags winning. On startup one line `READY {json}` on stdout gives the
 bound endpoints (bind to port 0 to let the OS pick), then structured log lines go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
-import logging
 import os
 import selectors
 import signal
 import sys
 import time
-import tomllib
 
 import zmq
 
+from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, setup_logging
 from dispatcher_server.config import (
-    BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
+    MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
 )
 from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.planner.config import OVERSIZE_POLICIES
+from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.server import Dispatcher
@@ -30,7 +32,8 @@ from pipeline.shards import expand_shards
 
 #: dest -> (flag type, default, help). Defaults live here, not in argparse, so TOML can fill gaps.
 OPTIONS: dict[str, tuple[object, object, str]] = {
-    "shards": (str, None, "shard specs (paths, dirs, globs, {000..009} ranges); required"),
+    "shards": (str, None, "shard specs: paths, directories, globs, {000..009} ranges, file: and "
+                          "pipe: URLs; required"),
     "seed": (int, 0, "seed of the per-epoch shard order"),
     "mode": (str, "deterministic", "deterministic (order fixed by shards+seed+epoch) or arrival"),
     "world_size": (int, None, "data-parallel ranks (trainers); required"),
@@ -73,45 +76,70 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
 }
 
 
+#: dest -> the values an option accepts (shown in --help, checked by argparse and the file schema)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "mode": MODES, "oversize": OVERSIZE_POLICIES, "payloads": PAYLOAD_MODES, "log_level": LOG_LEVELS,
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=argparse.SUPPRESS,
-                        help="TOML file with any of the settings below (default: none)")
+    add_config_argument(parser)
     for dest, (type_, default, help_) in OPTIONS.items():
         flag = "--" + dest.replace("_", "-")
-        text = f"{help_} (default: {default})"
+        text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
         if type_ is bool:
             parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
         elif dest == "shards":
             parser.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
         else:
-            parser.add_argument(flag, type=type_, default=argparse.SUPPRESS, help=text)
+            parser.add_argument(flag, type=str.upper if dest == "log_level" else type_,
+                                choices=CHOICES.get(dest), default=argparse.SUPPRESS, help=text)
 
 
 def resolve(args: argparse.Namespace) -> dict:
     """Settings from defaults, then the TOML file, then flags."""
+    from mmdispatch.settings import for_command
+
     values = {dest: default for dest, (_, default, _) in OPTIONS.items()}
     path = getattr(args, "config", None)
     if path:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        unknown = sorted(set(data) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown settings {unknown} in {path!r}")
-        values.update(data)
+        values.update({k: v for k, v in for_command(path, "serve").items() if k in OPTIONS})
     values.update({k: v for k, v in vars(args).items() if k in OPTIONS})
     for required in ("shards", "world_size", "global_batch"):
         if values[required] is None:
-            raise ValueError(f"--{required.replace('_', '-')} is required (flag or config file)")
+            raise ValueError(f"--{required.replace('_', '-')} is required (a flag, or "
+                             f"{required} in the config file's [serve] table)")
     if isinstance(values["shards"], str):
         values["shards"] = [values["shards"]]
     return values
 
 
+def _check_flags(v: dict) -> None:
+    """Mistakes worth naming by their flags (the config classes name their own fields)."""
+    if v["world_size"] < 1:
+        raise ValueError(f"--world-size must be >= 1 (the number of trainer ranks), got {v['world_size']}")
+    if v["ranks_per_node"] < 1 or v["world_size"] % v["ranks_per_node"]:
+        raise ValueError(f"--ranks-per-node {v['ranks_per_node']} must divide --world-size "
+                         f"{v['world_size']} (trainer ranks on each node, the same on every node)")
+    if v["global_batch"] < 1:
+        raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
+    if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
+        raise ValueError("--curve-secret and --curve-allowed-dir go together: the dispatcher's "
+                         "NAME.key_secret and the directory of the peers' allowed NAME.key files")
+    for flag, path in (("--curve-secret", v["curve_secret"]), ("--curve-allowed-dir", v["curve_allowed_dir"])):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
+                             f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
+    if not 0 < v["heartbeat"] < v["timeout"]:
+        raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
+                         f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
+                         f"--timeout 5)")
+
+
 def build_config(v: dict) -> ServerConfig:
+    _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
         v["num_microbatches"] = 1
-    if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
-        raise ValueError("--curve-secret and --curve-allowed-dir go together")
     shards = expand_shards(v["shards"])
     if v["payloads"] == "reference":
         # Trainers open these paths themselves, from their own working directories.
@@ -164,18 +192,21 @@ def read_ready(stdout, timeout: float = 30.0) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
-    logging.basicConfig(level=values["log_level"].upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging(getattr(args, "log_format", "text"), values["log_level"])
     if values["io_threads"] < 1:
         raise ValueError(f"--io-threads must be >= 1, got {values['io_threads']}")
+    config = build_config(values)
     keep_freed_memory(values["malloc_keep_mb"])
     relax_gc()
     try:
-        server = Dispatcher(build_config(values),
-                            context=zmq.Context(io_threads=values["io_threads"]))
+        server = Dispatcher(config, context=zmq.Context(io_threads=values["io_threads"]))
     except HaltedJob as e:
-        print(f"mmdispatch serve: {e}", file=sys.stderr)
-        return 2
+        raise ValueError(str(e)) from None  # one line: the planner ended this job before
+    except zmq.ZMQError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        raise ValueError(f"{e}: another process holds that port; choose another port in "
+                         f"--reader-bind / --trainer-bind (port 0 lets the OS pick)") from None
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     print("READY " + json.dumps(ready), flush=True)
@@ -183,5 +214,5 @@ def run(args: argparse.Namespace) -> int:
     server.run(until_done=values["exit_when_done"])
     if server.fatal is not None:
         print(f"mmdispatch serve: stopped: {server.fatal}", file=sys.stderr)
-        return 1
+        return 1  # not 2: the settings were fine, the run could not go on
     return 0

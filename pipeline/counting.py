@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import zlib
 from dataclasses import dataclass, field
 
@@ -124,6 +125,11 @@ class TextConfig:
             raise ValueError(f"ascii_bytes_per_token={self.ascii_bytes_per_token} must be > 0")
         if self.max_text_bytes < 1:
             raise ValueError(f"max_text_bytes={self.max_text_bytes} must be >= 1")
+        # Checked here, not at first use: a reader would otherwise fail only once a shard arrives.
+        if self.tokenizer_path is not None and not os.path.isfile(self.tokenizer_path):
+            raise ValueError(f"tokenizer file {self.tokenizer_path!r} does not exist: pass an HF "
+                             f"tokenizers JSON file (a model's tokenizer.json), or leave --tokenizer "
+                             f"unset for the estimator")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -213,7 +219,11 @@ class Counter:
         if config.text.tokenizer_path is not None:
             from tokenizers import Tokenizer  # optional dependency, only when configured
 
-            self._tokenizer = Tokenizer.from_file(config.text.tokenizer_path)
+            try:
+                self._tokenizer = Tokenizer.from_file(config.text.tokenizer_path)
+            except Exception as e:  # the Rust side raises a bare Exception
+                raise ValueError(f"tokenizer file {config.text.tokenizer_path!r} is not an HF "
+                                 f"tokenizers JSON file ({e})") from None
         self._pil_formats = ["JPEG", "PNG", "WEBP", "GIF"]
 
     # -- images ---------------------------------------------------------------------------

@@ -7,7 +7,10 @@ failures beyond a limit stops the reader (a wrong config looks like every sample
 
 from __future__ import annotations
 
+import atexit
 import logging
+import threading
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -38,6 +41,52 @@ REASONS: dict[str, str] = {
     "bad_json": "a JSON member that does not parse or has no usable text field",
     "bad_gzip": "a .gz member that is corrupt or truncated",
 }
+
+
+class SkipDigest:
+    """Repeated skip warnings, counted by (reason, shard) and logged as one line every `every_s`.
+
+    A shard of 100 bad samples would otherwise write 100 lines; the first failure of each reason
+    in a shard is still logged in full (it names the key and the cause), the rest only counted.
+    """
+
+    def __init__(self, every_s: float = 10.0, clock=time.monotonic) -> None:
+        self.every_s, self.clock = every_s, clock
+        self.pending: Counter = Counter()
+        self.since = clock()
+        self.lock = threading.Lock()
+
+    def note(self, reason: str, shard: str) -> None:
+        with self.lock:
+            self.pending[(reason, shard)] += 1
+            due = self.clock() - self.since >= self.every_s
+        if due:
+            self.flush()
+
+    def flush(self) -> str | None:
+        """Log (and return) the line for the failures counted since the last flush, if any."""
+        with self.lock:
+            pending, self.pending = self.pending, Counter()
+            seconds, self.since = self.clock() - self.since, self.clock()
+        if not pending:
+            return None
+        by_reason: dict[str, Counter] = {}
+        for (reason, shard), n in pending.items():
+            by_reason.setdefault(reason, Counter())[shard] += n
+        parts = []
+        for reason, shards in sorted(by_reason.items()):
+            top = ", ".join(f"{shard} {n}" for shard, n in shards.most_common(3))
+            more = f", {len(shards) - 3} more shards" if len(shards) > 3 else ""
+            parts.append(f"{reason}={sum(shards.values())} ({top}{more})")
+        line = (f"mmdispatch.pipeline: skipped {sum(pending.values())} more samples in the last "
+                f"{seconds:.0f} s: " + "; ".join(parts))
+        log.warning("%s", line)
+        return line
+
+
+#: One digest per process: readers keep an ErrorStats per shard, the digest spans them.
+DIGEST = SkipDigest()
+atexit.register(DIGEST.flush)
 
 
 class SampleError(ValueError):
@@ -82,6 +131,7 @@ class ErrorStats:
     by_reason: Counter = field(default_factory=Counter)
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (reason, shard, key, message)
     consecutive: int = 0
+    warned: set = field(default_factory=set)  # (reason, shard) already logged in full
 
     def ok(self) -> None:
         self.num_samples += 1
@@ -96,7 +146,11 @@ class ErrorStats:
         if policy.mode == "raise":
             raise error
         if policy.mode == "warn":
-            log.warning("mmdispatch.pipeline: skipped %s", error)
+            if (error.reason, error.shard) in self.warned:
+                DIGEST.note(error.reason, error.shard)
+            else:
+                self.warned.add((error.reason, error.shard))
+                log.warning("mmdispatch.pipeline: skipped %s (more like it are counted, not logged)", error)
         else:
             log.debug("mmdispatch.pipeline: skipped %s", error)
         if self.consecutive > policy.max_consecutive:
@@ -104,6 +158,15 @@ class ErrorStats:
                 f"{self.consecutive} consecutive failures (max_consecutive={policy.max_consecutive}); "
                 f"last: {error}"
             ) from error
+
+    def merge(self, other: ErrorStats) -> None:
+        """Add another reader's counters (e.g. one shard's) to these totals."""
+        self.num_samples += other.num_samples
+        self.num_errors += other.num_errors
+        self.num_shards += other.num_shards
+        self.num_ignored_members += other.num_ignored_members
+        self.by_reason.update(other.by_reason)
+        self.recent.extend(other.recent)
 
     def as_dict(self) -> dict:
         return {

@@ -182,6 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.shards <= args.samples:
+        raise ValueError(f"--shards {args.shards} and --samples {args.samples}: need at least one "
+                         f"shard and at least one sample per shard")
     paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed)
     total = sum(os.path.getsize(p) for p in paths)
     print(

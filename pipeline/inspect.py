@@ -1,9 +1,10 @@
 """Count tokens per modality in shards and print statistics: lengths, modality mix, errors, histogram.
 
 Reads with the same reader and counting rules a data node uses, so what it reports is what the
-dispatcher will plan with. Human report by default (rich progress on stderr); `--json` prints
-one JSON object on stdout instead. Exits 1 when any sample or shard failed, so bad data never
-passes a script silently.
+dispatcher will plan with. Errors are accounted per shard: a shard that fails too often in a row
+is listed as bad with its reasons and the next shard starts afresh. The report always prints
+(human tables with rich progress on stderr, or one JSON object with `--json`); the exit status
+is 1 only when no sample at all was readable.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.errors import ErrorStats
+from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.shards import expand_shards
 
@@ -57,9 +58,18 @@ def log_histogram(values: np.ndarray) -> list[dict]:
     ]
 
 
+def _bad_shard(url: str, stats: ErrorStats, stopped: str | None) -> dict:
+    first = stats.recent[0] if stats.recent else None
+    return {"shard": url, "samples": stats.num_samples, "errors": stats.num_errors,
+            "by_reason": dict(sorted(stats.by_reason.items())),
+            "first_error": None if first is None else f"{first[0]}: {first[3]}",
+            "stopped": stopped}
+
+
 def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> dict:
     """Read every shard and return the statistics report as a JSON-ready dict."""
     stats = ErrorStats()
+    bad_shards: list[dict] = []
     lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "audio")}
     durations: list[float] = []
     text_lens: list[int] = []
@@ -75,18 +85,27 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
     with progress:
         task = progress.add_task("read", total=len(urls), samples=0)
         for url in urls:
-            for rec in iter_shard(url, config, stats=stats):
-                for it in rec.items:
-                    lens[it.modality]["enc_len"].append(it.enc_len)
-                    lens[it.modality]["llm_len"].append(it.llm_len)
-                    if it.modality == "audio":
-                        durations.append(it.meta["duration_s"])
-                if rec.text_len:
-                    text_lens.append(rec.text_len)
-                sample_lens.append(rec.llm_len)
-                mixes[rec.modality_mix] += 1
-                images_per_sample[sum(it.modality == "image" for it in rec.items)] += 1
+            shard = ErrorStats()
+            stopped = None
+            try:
+                for rec in iter_shard(url, config, stats=shard):
+                    for it in rec.items:
+                        lens[it.modality]["enc_len"].append(it.enc_len)
+                        lens[it.modality]["llm_len"].append(it.llm_len)
+                        if it.modality == "audio":
+                            durations.append(it.meta["duration_s"])
+                    if rec.text_len:
+                        text_lens.append(rec.text_len)
+                    sample_lens.append(rec.llm_len)
+                    mixes[rec.modality_mix] += 1
+                    images_per_sample[sum(it.modality == "image" for it in rec.items)] += 1
+            except TooManyErrors as e:
+                stopped = str(e)
+            stats.merge(shard)
+            if shard.num_errors:
+                bad_shards.append(_bad_shard(url, shard, stopped))
             progress.update(task, advance=1, samples=stats.num_samples)
+    DIGEST.flush()
     elapsed = time.perf_counter() - start
     num_samples = len(sample_lens)
     modalities = {
@@ -104,6 +123,7 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
         "mix_counts": dict(mixes.most_common()),
         "images_per_sample": {str(k): v for k, v in sorted(images_per_sample.items())},
         "errors": stats.as_dict(),
+        "bad_shards": bad_shards,
         "histogram": log_histogram(np.asarray(sample_lens)),
         "elapsed_s": round(elapsed, 3),
         "samples_per_s": round(num_samples / elapsed, 1) if elapsed > 0 else None,
@@ -145,6 +165,15 @@ def render(report: dict, console: Console) -> None:
     errors = report["errors"]
     reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
     console.print(f"errors: {errors['num_errors']} ({reasons}); ignored members: {errors['num_ignored_members']}")
+    if report["bad_shards"]:
+        bad = Table(title="shards with errors")
+        for col in ("shard", "samples read", "errors", "reasons", "first error"):
+            bad.add_column(col, overflow="fold")
+        for b in report["bad_shards"]:
+            reasons = ", ".join(f"{k}={v}" for k, v in b["by_reason"].items())
+            first = (b["first_error"] or "") + (" (stopped: too many in a row)" if b["stopped"] else "")
+            bad.add_row(b["shard"], str(b["samples"]), str(b["errors"]), reasons, first)
+        console.print(bad)
     hist = report["histogram"]
     if hist:
         console.print("[bold]sample LLM length histogram[/] (log2 buckets)")
@@ -163,4 +192,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         render(report, Console())
-    return 1 if report["errors"]["num_errors"] else 0
+    if report["num_samples"] == 0:
+        print(f"mmdispatch inspect: error: no readable sample in {len(urls)} shard(s); the "
+              f"shards with errors above say why", file=sys.stderr)
+        return 1
+    return 0

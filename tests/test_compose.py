@@ -102,7 +102,7 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     env = {**os.environ, "MMD_SAMPLES": "192", "MMD_SHARDS": "4", "MMD_STEPS": str(steps),
            "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
            **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
-    mounts = {"/config/dispatcher.toml": ROOT / "deploy" / "dispatcher.toml",
+    mounts = {"/config/mmdispatch.toml": ROOT / "deploy" / "mmdispatch.toml",
               "/data": tmp_path / "data", "/journal": tmp_path / "journal"}
     overrides: tuple[str, ...] = ()
     if curve:  # deploy/compose.curve.yml: keys made as its header says, secrets mapped to files
@@ -163,7 +163,7 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
 
     train = [json.loads(line) for line in (tmp_path / "journal" / "train.jsonl").read_text().splitlines()]
     plans = [json.loads(line) for line in (tmp_path / "journal" / "steps.jsonl").read_text().splitlines()]
-    global_batch = int(re.search(r"^global_batch\s*=\s*(\d+)", (ROOT / "deploy" / "dispatcher.toml").read_text(), re.M)[1])
+    global_batch = int(re.search(r"^global_batch\s*=\s*(\d+)", (ROOT / "deploy" / "mmdispatch.toml").read_text(), re.M)[1])
     assert [t["step"] for t in train] == list(range(steps))
     assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
     # 192 samples = 3 full global batches: every step delivered all of its planned samples.

@@ -315,19 +315,19 @@ def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
     from mmdispatch import serve
 
     toml = tmp_path / "d.toml"
-    toml.write_text(f'shards = {list(shards)!r}\nworld_size = 4\nglobal_batch = 32\nseed = 3\n'
+    toml.write_text(f'[serve]\nshards = {list(shards)!r}\nworld_size = 4\nglobal_batch = 32\nseed = 3\n'
                     'mode = "arrival"\n'.replace("'", '"'))
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
     help_text = parser.format_help()
-    for dest, (_, default, _) in serve.OPTIONS.items():
-        assert "--" + dest.replace("_", "-") in help_text and f"(default: {default})" in " ".join(
-            help_text.split())
+    for dest, (type_, default, _) in serve.OPTIONS.items():
+        assert "--" + dest.replace("_", "-") in help_text
+        assert type_ is bool or default is None or f"(default: {default})" in " ".join(help_text.split())
     values = serve.resolve(parser.parse_args(["--config", str(toml), "--seed", "8"]))
     cfg = serve.build_config(values)
     assert (cfg.world_size, cfg.batch.global_batch, cfg.seed, cfg.mode) == (4, 32, 8, "arrival")
     assert cfg.shards == list(shards) and cfg.planner.num_microbatches == 1
-    toml.write_text('world_size = 2\nbogus = 1\n')
+    toml.write_text('[serve]\nworld_size = 2\nbogus = 1\n')
     with pytest.raises(ValueError, match="bogus"):
         serve.resolve(parser.parse_args(["--config", str(toml)]))
     with pytest.raises(ValueError, match="--shards is required"):

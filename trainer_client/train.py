@@ -13,18 +13,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from dispatcher_server.cliopts import HelpFormatter, run_reporting_errors, setup_logging
+from mmdispatch.settings import ConfigError, apply_file
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
 from trainer_client.exchange import ExchangeConfig, Exchanger
 from trainer_client.model import (
     ModelConfig, ReferenceModel, encoder_input, forward_microbatch, text_token_ids,
 )
+from trainer_client.options import add_arguments
 
 log = logging.getLogger("mmdispatch.train")
 
@@ -34,27 +38,55 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m trainer_client.train",
         description="Train the reference multimodal model on micro-batches from an mmdispatch dispatcher "
                     "(run under torchrun; rank and topology come from its environment).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--dispatcher", required=True, help="trainer endpoint of the dispatcher, tcp://HOST:PORT")
-    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: until the dispatcher ends)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
-    p.add_argument("--patch-size", type=int, default=14, help="image patch side; match the data nodes' counting")
-    p.add_argument("--merge", type=int, default=2, help="patch merge factor; match the data nodes' counting")
-    p.add_argument("--exchange", choices=("single", "two_stage"), default="single",
-                   help="one world all-to-all, or intra-node then inter-node stages")
-    p.add_argument("--commit-every", type=int, default=10, help="commit(step) to the dispatcher every N steps (0: never)")
-    p.add_argument("--train-log", default=None, help="rank 0 appends one JSON line per step here (train records)")
-    p.add_argument("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
-    p.add_argument("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
-    p.add_argument("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
-    p.add_argument("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")
-    p.add_argument("--no-map-shards", dest="map_shards", action="store_false",
-                   help="reference payloads: copy items out of the shard files instead of mapping them "
-                        "(for files that may be truncated while read)")
+    add_arguments(p)
     return p
+
+
+class Progress:
+    """Rank 0's progress: steps/s, samples/s and the share of time spent waiting for data.
+
+    A live line on a terminal (rich), else one log line every `every_s` seconds, so a job's
+    log shows whether the trainer or the data path is the bottleneck.
+    """
+
+    def __init__(self, every_s: float, *, enabled: bool) -> None:
+        self.every_s, self.enabled = every_s, enabled
+        self.start = self.last = time.perf_counter()
+        self.steps = self.samples = 0
+        self.wait_s = 0.0
+        self.live = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import Progress as Bar, TextColumn, TimeElapsedColumn
+
+            self.live = Bar(TextColumn("[bold]train[/] {task.fields[line]}"), TimeElapsedColumn(),
+                            console=Console(stderr=True))
+            self.live.start()
+            self.task = self.live.add_task("train", line="waiting for the first step")
+
+    def line(self) -> str:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return (f"step {self.steps} | {self.steps / elapsed:.2f} steps/s | "
+                f"{self.samples / elapsed:.1f} samples/s | data wait {100 * self.wait_s / elapsed:.0f}%")
+
+    def update(self, samples: int, wait_s: float) -> None:
+        if not self.enabled:
+            return
+        self.steps += 1
+        self.samples += samples
+        self.wait_s += wait_s
+        now = time.perf_counter()
+        if self.live is not None:
+            self.live.update(self.task, line=self.line())
+        elif self.every_s > 0 and now - self.last >= self.every_s:
+            self.last = now
+            log.info("mmdispatch event=train_progress %s", self.line().replace(" | ", " "))
+
+    def close(self) -> None:
+        if self.live is not None:
+            self.live.stop()
 
 
 class ItemInputs:
@@ -80,25 +112,37 @@ class ItemInputs:
 def train(args: argparse.Namespace) -> int:
     if bool(args.curve_secret) != bool(args.curve_server_key):
         raise ValueError("--curve-secret and --curve-server-key go together")
+    for path in (args.curve_secret, args.curve_server_key):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"key file {path!r} does not exist (create keys with: mmdispatch keygen NAME)")
+    if args.connect_timeout is not None and args.connect_timeout <= 0:
+        raise ValueError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     ctx = RankContext.from_process_group()
     torch.manual_seed(args.seed)
     cfg = ModelConfig.tiny(patch_size=args.patch_size, hidden=args.hidden)
-    cfg.vision.merge = args.merge
+    cfg.vision.merge = args.merge_size
     model = ReferenceModel(cfg)
     for t in model.state_dict().values():
         dist.broadcast(t, 0)  # identical start on every rank, whatever the local RNG did
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     exchanger = Exchanger(ExchangeConfig(mode=args.exchange), ctx)
+    timeouts = {} if args.connect_timeout is None else {"connect_timeout_s": args.connect_timeout}
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
                               config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
                                                   server_public_file=args.curve_server_key,
-                                                  map_shards=args.map_shards))
+                                                  map_shards=args.map_shards, **timeouts))
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
+    progress = Progress(args.progress_every, enabled=ctx.rank == 0)
     done = 0
     try:
-        for step in client:
+        steps = iter(client)
+        while True:
+            t_wait = time.perf_counter()
+            step = next(steps, None)
+            if step is None:
+                break
             t0 = time.perf_counter()
             loss_sum, targets, samples = 0.0, 0, 0
             for mb in step.microbatches:
@@ -120,6 +164,7 @@ def train(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
             done += 1
             seconds = time.perf_counter() - t0
+            progress.update(int(totals[2].item()), t0 - t_wait)
             if logf is not None:
                 rec = {"kind": "train", "step": step.step, "epoch": step.epoch, "time": time.time(),
                        "loss": totals[0].item() / max(totals[1].item(), 1.0),
@@ -133,6 +178,7 @@ def train(args: argparse.Namespace) -> int:
             if args.steps and done >= args.steps:
                 break
     finally:
+        progress.close()
         client.close()
         if logf is not None:
             logf.close()
@@ -143,8 +189,15 @@ def train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    return train(build_parser().parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        apply_file(parser, "train", argv)
+    except ConfigError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
+    setup_logging(args.log_format, args.log_level)
+    return run_reporting_errors(lambda: train(args), parser.prog, debug=args.debug)
 
 
 if __name__ == "__main__":

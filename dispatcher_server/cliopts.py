@@ -1,0 +1,124 @@
+"""Options every command shares (`--config`, `--log-level`, `--log-format`, `--debug`) and the logging
+they select.
+
+Kept at the bottom of the import graph (nothing of ours, no torch) so the `mmdispatch` commands
+and `python -m trainer_client.train` take the same flags and write the same log lines. JSON
+lines carry the `key=value` fields of the project's `mmdispatch event=...` messages as fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+import time
+
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_FIELD = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
+
+
+def add_config_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML settings file: tables [serve], [read], [train], [counting] with keys "
+                             "named like the options (underscores); flags win; see docs/configuration.md")
+
+
+def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--log-level`, `--log-format` and `--debug`, each unless the parser has it already."""
+    flags = {s for a in parser._actions for s in a.option_strings}
+    if {"--log-level", "--log-format", "--debug"} <= flags:
+        return
+    group = parser.add_argument_group("logging and errors")
+    if "--log-level" not in flags:
+        group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                           help="logging level")
+    if "--log-format" not in flags:
+        group.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                           help="text lines, or one JSON object per line (for log collectors)")
+    if "--debug" not in flags:
+        group.add_argument("--debug", action="store_true",
+                           help="show Python tracebacks instead of one-line error messages")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                       + f".{int(record.msecs):03d}Z",
+               "level": record.levelname, "logger": record.name, "message": message}
+        if message.startswith("mmdispatch "):
+            for key, value in _FIELD.findall(message):
+                out.setdefault(key, value.strip("'\""))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
+    """Send log records to stderr in `log_format`; replaces the handler an earlier call set up."""
+    if log_format not in LOG_FORMATS:
+        raise ValueError(f"log format {log_format!r} must be one of {LOG_FORMATS}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.mmdispatch = True
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "mmdispatch", False):
+            root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows `(default: X)` only where it tells something: not for unset options or switches."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0
+                or "(default" in help_ or "%(default)" in help_):
+            return help_
+        return help_ + " (default: %(default)s)"
+
+
+#: Exceptions whose message is written for the user (the rest are bugs and keep their traceback).
+_USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError"}
+
+
+def is_user_error(error: BaseException) -> bool:
+    import zmq
+
+    return (isinstance(error, (ValueError, OSError, zmq.ZMQError))
+            or any(cls.__name__ in _USER_ERROR_NAMES for cls in type(error).__mro__))
+
+
+def user_message(error: BaseException) -> str:
+    import errno
+
+    import zmq
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, zmq.ZMQError) and error.errno == errno.EADDRINUSE:
+        return f"{text}: another process holds that port; choose another one (port 0 lets the OS pick)"
+    if isinstance(error, zmq.ZMQError) and error.errno == errno.EINVAL and "addr=" in text:
+        return f"{text}: an endpoint looks like tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555)"
+    if isinstance(error, UnicodeDecodeError):
+        return f"{text} (the file is binary, not text)"
+    return text
+
+
+def run_reporting_errors(fn, prog: str, *, debug: bool = False) -> int:
+    """`fn()`, with a user mistake turned into one line `PROG: error: ...` and exit status 2."""
+    try:
+        return int(fn() or 0)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - sorted into user mistakes and bugs just below
+        if debug or not is_user_error(e):
+            raise
+        print(f"{prog}: error: {user_message(e)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,160 @@
+"""One typed configuration file for every command: tables `[serve]`, `[read]`, `[train]`, `[counting]`.
+
+Each setting is defined once, as its command-line option (type, default, choices, help); the
+file's schema (pydantic, strict) is derived from the command parsers, so a key is exactly an
+option's name with underscores and the file cannot drift from the flags. Counting rules live in
+`[counting]`, which `read`, `inspect` and `train` all take, so data nodes and trainers cannot
+disagree on the patch size. A command validates the whole file (a typo anywhere is named), uses
+its own table and `[counting]`, and flags win over the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import importlib
+import tomllib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from dispatcher_server.cliopts import add_logging_arguments
+
+#: table -> (module whose `add_arguments(parser)` defines the options, commands that use it)
+TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "serve": ("mmdispatch.serve", ("serve",)),
+    "read": ("pipeline.service", ("read",)),
+    "train": ("trainer_client.options", ("train",)),
+    "counting": ("pipeline.reader", ("read", "inspect", "train")),
+}
+#: options that only steer the command line itself, never a file setting
+_NOT_SETTINGS = {"help", "config", "debug"}
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message is one line naming file, key and fix."""
+
+
+@functools.cache
+def _parser_for(table: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    module = importlib.import_module(TABLES[table][0])
+    if table == "counting":
+        module.add_reader_arguments(parser)
+    else:
+        module.add_arguments(parser)
+        add_logging_arguments(parser)
+    return parser
+
+
+def _counting_dests() -> set[str]:
+    return {a.dest for a in _parser_for("counting")._actions}
+
+
+def _field_type(action: argparse.Action) -> Any:
+    if action.nargs == 0:  # store_true / store_false
+        return bool
+    base: Any = action.type if action.type in (int, float) else str
+    if action.choices:
+        base = Literal[tuple(action.choices)]
+    if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction):
+        return list[base] | base  # a lone value stands for a one-element list
+    return base
+
+
+@functools.cache
+def settings_of(table: str) -> dict[str, argparse.Action]:
+    """dest -> the option defining that setting of `table` (the counting rules stay in `[counting]`)."""
+    actions = {a.dest: a for a in _parser_for(table)._actions if a.dest not in _NOT_SETTINGS}
+    if table != "counting":
+        shared = _counting_dests()
+        actions = {d: a for d, a in actions.items() if d not in shared}
+    return actions
+
+
+def _table_model(table: str) -> type[BaseModel]:
+    fields = {dest: (_field_type(a) | None, None) for dest, a in settings_of(table).items()}
+    return create_model(f"{table.title()}Settings",
+                        __config__=ConfigDict(extra="forbid", strict=True), **fields)
+
+
+@functools.cache
+def schema() -> type[BaseModel]:
+    """The pydantic model of a whole configuration file."""
+    tables = {t: (_table_model(t) | None, None) for t in TABLES}
+    return create_model("Settings", __config__=ConfigDict(extra="forbid", strict=True), **tables)
+
+
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
+               list: "an array", dict: "a table"}
+
+
+def _describe(error: dict, path: str) -> str:
+    loc = [str(p) for p in error["loc"] if not str(p).startswith(("list[", "Literal[", "function-"))]
+    where = f"[{loc[0]}] {'.'.join(loc[1:])}" if len(loc) > 1 else (loc[0] if loc else "")
+    if error["type"] == "extra_forbidden":
+        if len(loc) == 1:
+            return (f"{path}: unknown table or top-level key {loc[0]!r}: settings go in a table, "
+                    f"one of {', '.join(f'[{t}]' for t in TABLES)}")
+        close = difflib.get_close_matches(loc[-1], list(settings_of(loc[0])), n=1)
+        hint = (f"did you mean {close[0]}?" if close
+                else f"the keys of [{loc[0]}] are its options' names, see docs/configuration.md")
+        return f"{path}: {where}: unknown setting ({hint})"
+    expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
+    got = _TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
+    return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
+
+
+def load(path: str) -> dict[str, dict]:
+    """The settings a file holds, per table, validated; ConfigError naming the first problem."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    try:
+        settings = schema().model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e.errors()[0], path)) from None
+    return {t: section.model_dump(exclude_unset=True)
+            for t in TABLES if (section := getattr(settings, t)) is not None}
+
+
+def for_command(path: str, command: str) -> dict[str, Any]:
+    """The file's settings one command takes: its own table plus the counting rules it has."""
+    tables = load(path)
+    values: dict[str, Any] = {}
+    for table, (_, commands) in TABLES.items():
+        if command in commands:
+            values.update(tables.get(table, {}))
+    return values
+
+
+def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> None:
+    """Make the settings of `--config FILE` (if `argv` names one) the parser's defaults.
+
+    Flags then win as ordinary argparse defaults do; an option the file provides is no longer
+    required on the command line. Settings of `command`'s tables that this parser lacks are
+    ignored (a `[counting]` key `train` has no flag for).
+    """
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return
+    values = for_command(known.config, command)
+    by_dest = {a.dest: a for a in parser._actions}
+    for dest, value in values.items():
+        action = by_dest.get(dest)
+        if action is None:
+            continue
+        if (action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)) \
+                and not isinstance(value, list):
+            value = [value]
+        action.required = False
+        parser.set_defaults(**{dest: value})

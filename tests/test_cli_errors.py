@@ -1,0 +1,174 @@
+"""Every ordinary user mistake ends within seconds in one line naming the offending value.
+
+Each case runs the real command as a subprocess, as a user would, and checks: a non-zero exit
+within 10 s, no Python traceback on stderr, and the offending value (and, where one exists, the
+way out) named in the message. `--debug` is the one way to get the traceback back.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MMD = [sys.executable, "-m", "mmdispatch.cli"]
+TRAIN = [sys.executable, "-m", "trainer_client.train"]
+
+
+@pytest.fixture(scope="module")
+def held_port():
+    """A TCP port some other process holds (listening), as in 'port in use'."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def files(small_shards, tmp_path_factory):
+    d = tmp_path_factory.mktemp("mistakes")
+    gz = d / "shard.tgz"
+    import gzip
+
+    gz.write_bytes(gzip.compress(Path(small_shards[0]).read_bytes()))
+    (d / "wrong_type.toml").write_text('[serve]\nglobal_batch = "64"\n')
+    (d / "unknown_key.toml").write_text("[serve]\nglobal_bach = 64\n")
+    (d / "flat.toml").write_text("world_size = 4\n")
+    (d / "bad_syntax.toml").write_text("[serve\n")
+    (d / "train_type.toml").write_text("[train]\nsteps = 2.5\n")
+    (d / "counting_type.toml").write_text('[counting]\npatch_size = "14"\n')
+    keys = d / "keys"
+    keys.mkdir()
+    (keys / "reader.key").write_text("existing")
+    return {"dir": d, "shard": small_shards[0], "shards_dir": str(Path(small_shards[0]).parent),
+            "tgz": str(gz), "keys": str(keys)}
+
+
+SERVE_OK = ["--world-size", "2", "--global-batch", "4"]
+
+#: id -> (argv from (files, port), words every message must contain)
+CASES = {
+    "missing shard": (lambda f, p: [*MMD, "serve", "--shards", "nope-000.tar", *SERVE_OK],
+                      ["nope-000.tar", "does not exist"]),
+    "glob matching nothing": (lambda f, p: [*MMD, "serve", "--shards", f"{f['dir']}/none-*.tar", *SERVE_OK],
+                              ["none-*.tar", "no shard file matches"]),
+    "world size 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--world-size", "0",
+                                   "--global-batch", "4"], ["--world-size", "got 0"]),
+    "world size -2": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--world-size", "-2",
+                                    "--global-batch", "4"], ["--world-size", "got -2"]),
+    "ranks per node not dividing": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--world-size", "6",
+                                                  "--ranks-per-node", "4", "--global-batch", "4"],
+                                    ["--ranks-per-node 4", "--world-size 6"]),
+    "global batch 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--world-size", "2",
+                                     "--global-batch", "0"], ["--global-batch", "got 0"]),
+    "unknown mode": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--mode", "fast"],
+                     ["'fast'", "deterministic", "arrival"]),
+    "unknown oversize": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--oversize", "drop"],
+                         ["'drop'", "isolate"]),
+    "unknown payloads": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--payloads", "direct"],
+                         ["'direct'", "reference"]),
+    "heartbeat >= timeout": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--heartbeat", "5", "--timeout", "5"],
+                             ["--heartbeat 5.0", "--timeout 5.0"]),
+    "reference payloads on a tgz": (lambda f, p: [*MMD, "serve", "--shards", f["tgz"], *SERVE_OK,
+                                                  "--payloads", "reference"], ["shard.tgz", "inline"]),
+    "reader port in use": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                         "--reader-bind", f"tcp://127.0.0.1:{p}"],
+                           ["{port}", "in use", "--reader-bind"]),
+    "metrics port in use": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                          "--metrics-port", str(p)], ["{port}", "--metrics-port"]),
+    "curve secret alone": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                         "--curve-secret", "d.key_secret"], ["--curve-allowed-dir"]),
+    "curve secret missing": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--curve-secret", "nope.key_secret", "--curve-allowed-dir", f["keys"]],
+                             ["nope.key_secret", "keygen"]),
+    "config wrong type": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/wrong_type.toml",
+                                        "--shards", f["shard"], "--world-size", "2"],
+                          ["wrong_type.toml", "[serve] global_batch", "integer", "'64'"]),
+    "config unknown key": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/unknown_key.toml"],
+                           ["unknown_key.toml", "global_bach", "global_batch"]),
+    "config flat keys": (lambda f, p: [*MMD, "read", "--config", f"{f['dir']}/flat.toml"],
+                         ["flat.toml", "world_size", "[serve]"]),
+    "config bad syntax": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/bad_syntax.toml"],
+                          ["bad_syntax.toml", "TOML"]),
+    "config missing": (lambda f, p: [*MMD, "serve", "--config", "nope.toml"], ["nope.toml", "does not exist"]),
+    "counting config wrong type": (lambda f, p: [*MMD, "inspect", "--config", f"{f['dir']}/counting_type.toml",
+                                                 f["shard"]], ["[counting] patch_size", "'14'"]),
+    "tokenizer missing (inspect)": (lambda f, p: [*MMD, "inspect", f["shard"], "--tokenizer", "nope.json"],
+                                    ["nope.json", "--tokenizer"]),
+    "tokenizer missing (read)": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                               "--tokenizer", "nope.json"], ["nope.json"]),
+    "endpoint without tcp://": (lambda f, p: [*MMD, "read", "--dispatcher", "localhost:5555", "--timeout", "1"],
+                                ["localhost:5555", "tcp://HOST:PORT"]),
+    "bind without tcp://": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                          "--reader-bind", "127.0.0.1:0"], ["127.0.0.1:0", "tcp://HOST:PORT"]),
+    "read workers 0": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9", "--workers", "0"],
+                       ["--workers", "got 0"]),
+    "inspect missing shard": (lambda f, p: [*MMD, "inspect", "nope.tar"], ["nope.tar"]),
+    "report missing log": (lambda f, p: [*MMD, "report", "nope.jsonl"], ["nope.jsonl", "does not exist", "--step-log"]),
+    "report of a shard": (lambda f, p: [*MMD, "report", f["tgz"]], ["shard.tgz", "binary", "--step-log"]),
+    "keygen over an existing key": (lambda f, p: [*MMD, "keygen", "reader", "--dir", f["keys"]],
+                                    ["reader.key", "--force"]),
+    "gen-data without samples": (lambda f, p: [*MMD, "gen-data", f"{f['dir']}/gen", "--samples", "0"],
+                                 ["--samples 0"]),
+    "train config wrong type": (lambda f, p: [*TRAIN, "--config", f"{f['dir']}/train_type.toml",
+                                              "--dispatcher", "tcp://127.0.0.1:9"],
+                                ["train_type.toml", "[train] steps", "2.5"]),
+    "train curve key alone": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--curve-secret", "x"],
+                              ["--curve-server-key"]),
+    "train unknown exchange": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--exchange", "ring"],
+                               ["'ring'", "two_stage"]),
+}
+
+
+def _run(argv: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    out = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=30,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    return out, time.monotonic() - start
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_ends_in_one_line_naming_the_value(case, files, held_port):
+    make_argv, words = CASES[case]
+    out, seconds = _run(make_argv(files, held_port))
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert seconds < 10, f"took {seconds:.1f} s"
+    assert "Traceback" not in out.stderr, out.stderr
+    message = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(message) == 1, out.stderr
+    for word in words:
+        assert word.replace("{port}", str(held_port)) in message[0], message[0]
+
+
+@pytest.mark.timeout(60)
+def test_debug_brings_the_traceback_back(files):
+    out, _ = _run([*MMD, "serve", "--debug", "--shards", "nope-000.tar", *SERVE_OK])
+    assert out.returncode != 0 and "Traceback" in out.stderr and "nope-000.tar" in out.stderr
+
+
+def _help(command: str) -> str:
+    from mmdispatch.cli import build_parser
+
+    return " ".join(build_parser(command).format_help().split())
+
+
+def test_help_shows_choices_and_no_meaningless_defaults():
+    serve = _help("serve")
+    for flag, choices in (("--mode", "{deterministic,arrival}"), ("--oversize", "{error,isolate}"),
+                          ("--payloads", "{inline,reference}")):
+        assert f"{flag} {choices}" in serve
+    assert "pipe:" in serve and "file:" in serve  # the shard URL forms --shards accepts
+    for command in ("serve", "read", "inspect"):
+        text = _help(command)
+        assert "(default: None)" not in text and "(default: True)" not in text and "(default: False)" not in text
+        assert text.count("(default: text, caption, conversations, messages)") == (command != "serve")
+        assert "(default: text, caption, conversations, messages) (default" not in text
+    report = _help("report")
+    assert "--train-log" in report and "trainer's --log" not in report

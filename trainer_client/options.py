@@ -1,0 +1,45 @@
+"""Options of the reference training loop (`python -m trainer_client.train`), free of torch.
+
+Kept apart from the loop so `mmdispatch` can validate a `[train]` table (and generate the
+configuration reference) on a data node that has no torch. Patch size and merge come from the
+data nodes' counting defaults and sit in the file's shared `[counting]` table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dispatcher_server.cliopts import add_config_argument, add_logging_arguments
+from pipeline.counting import ImageConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    image = ImageConfig()
+    add = parser.add_argument
+    add_config_argument(parser)
+    add("--dispatcher", required=True, help="trainer endpoint of the dispatcher, tcp://HOST:PORT")
+    add("--connect-timeout", type=float, default=None,
+        help="seconds to keep trying to reach the dispatcher before failing with its address "
+             "(unset: the client's default)")
+    add("--steps", type=int, default=0, help="stop after this many steps (0: until the dispatcher ends)")
+    add("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    add("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
+    add("--exchange", choices=("single", "two_stage"), default="single",
+        help="one world all-to-all, or intra-node then inter-node stages")
+    add("--commit-every", type=int, default=10, help="commit(step) to the dispatcher every N steps (0: never)")
+    add("--train-log", default=None, help="rank 0 appends one JSON line per step here (train records)")
+    add("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
+    add("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")
+    add("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
+    add("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
+    add("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")
+    add("--no-map-shards", dest="map_shards", action="store_false",
+        help="reference payloads: copy items out of the shard files instead of mapping them "
+             "(for files that may be truncated while read)")
+    add("--progress-every", type=float, default=10.0,
+        help="seconds between rank 0's progress lines when stderr is not a terminal (0: none)")
+    counting = parser.add_argument_group("counting (the [counting] table; match the data nodes)")
+    counting.add_argument("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
+    counting.add_argument("--merge-size", "--merge", type=int, default=image.merge_size,
+                          help="patches merged per side into one LLM token")
+    add_logging_arguments(parser)
