@@ -85,7 +85,7 @@ def test_torchrun_environment_gives_the_defaults(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     c = DispatcherClient("tcp://127.0.0.1:1")
     assert (c.rank, c.world_size, c.local_world_size) == (2, 4, 2)
-    assert c.state_dict() == {"next_step": None, "rank": 2, "world_size": 4}
+    assert c.state_dict() == {"next_step": None, "rank": 2, "world_size": 4, "dataset": None}
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         DispatcherClient("tcp://127.0.0.1:1")
