@@ -398,7 +398,10 @@ class _TrainerPeer:
 
     def _on_error(self, session: PeerSession, msg: P.Message) -> None:
         code, text, ack = msg["code"], msg["message"], msg.get("ack")
-        failed = [c for c in self.commits if c.seq == ack or code == "commit"]
+        if ack is not None:
+            failed = [c for c in self.commits if c.seq == ack]
+        else:
+            failed = list(self.commits) if code == "commit" else []
         if failed:
             # A commit the dispatcher could not journal: its caller hears why, at once.
             for c in failed:
