@@ -2,9 +2,10 @@
 
 A `PeerSession` owns the DEALER socket and everything about the connection: CurveZMQ, HELLO
 matched to its WELCOME by sequence number, heartbeats, a liveness timeout that reconnects with
-exponential backoff, non-blocking sends, a connect timeout, and BYE on every clean exit. What a
-role does with the session (stream samples, receive steps) lives in a `PeerRole` the session
-calls; the trade-off is one more indirection per message for one copy of the mechanism.
+exponential backoff, non-blocking sends, a connect timeout, and BYE whenever it leaves a
+welcomed session (stopped, told END, or on an error), so the dispatcher never waits out a
+timeout. What a role does with the session (stream samples, receive steps) lives in a
+`PeerRole` the session calls: one more call per message, for one copy of the mechanism.
 """
 
 from __future__ import annotations

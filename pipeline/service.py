@@ -246,6 +246,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                          f"got {args.prefetch_shards}")
     if bool(args.curve_secret) != bool(args.curve_server_key):
         raise ValueError("--curve-secret and --curve-server-key go together")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     name = f"{args.name or os.uname().nodename}/{worker}"
@@ -281,7 +283,7 @@ def _process_main(args: argparse.Namespace, worker: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config_from_args(args)  # validate before forking
+        config_from_args(args).session()  # validate before forking
     except ValueError as e:
         print(f"mmdispatch read: error: {e}", file=sys.stderr)
         return 2

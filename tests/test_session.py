@@ -355,3 +355,17 @@ def test_readers_and_trainers_get_curve_through_one_check(tmp_path):
         client.close()
     with pytest.raises(ValueError, match="both"):
         _reader("tcp://127.0.0.1:1", secret_file=public)
+
+
+@pytest.mark.parametrize("flags, named", [(["--connect-timeout", "-1"], "--connect-timeout"),
+                                          (["--timeout", "0"], "--timeout")])
+def test_a_bad_read_setting_is_one_line_naming_the_flag(capsys, flags, named):
+    import argparse
+
+    from pipeline import service
+
+    parser = argparse.ArgumentParser()
+    service.add_arguments(parser)
+    assert service.run(parser.parse_args(["--dispatcher", "tcp://127.0.0.1:1", *flags])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0]
