@@ -56,14 +56,34 @@ class PeerCurve:
     secret_file: str  # the peer's NAME.key_secret
     server_public_file: str  # the dispatcher's NAME.key
 
+    @classmethod
+    def from_files(cls, secret_file: str | None, server_public_file: str | None) -> PeerCurve | None:
+        """Settings from a peer's two optional key files: None for neither, ValueError for one."""
+        if not secret_file and not server_public_file:
+            return None
+        if not secret_file or not server_public_file:
+            raise ValueError("CurveZMQ needs both this peer's secret key file and the dispatcher's "
+                             f"public key file; got secret_file={secret_file!r}, "
+                             f"server_public_file={server_public_file!r}")
+        return cls(secret_file=secret_file, server_public_file=server_public_file)
+
     def apply(self, sock: zmq.Socket) -> None:
-        public, secret = zmq.auth.load_certificate(self.secret_file)
+        public, secret = _load(self.secret_file)
         if secret is None:
-            raise ValueError(f"{self.secret_file!r} holds no secret key")
-        server_public, _ = zmq.auth.load_certificate(self.server_public_file)
+            raise ValueError(f"{self.secret_file!r} holds no secret key (pass NAME.key_secret, "
+                             "not the public NAME.key)")
+        server_public, _ = _load(self.server_public_file)
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_serverkey = server_public
+
+
+def _load(path: str) -> tuple[bytes, bytes | None]:
+    """(public, secret) keys of a key file; ValueError naming the file if it cannot be read."""
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read CurveZMQ key file {path!r}: {e}") from None
 
 
 def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:

@@ -27,6 +27,8 @@ REASONS: dict[str, str] = {
     "empty_shard": "the shard holds no samples",
     "truncated_tar": "the archive (or its gzip stream) ends early; samples from the break on are lost",
     "bad_tar": "a corrupt tar header, pax record or gzip stream; samples from there on are lost",
+    "shard_changed": "the shard file changed since it was read or mapped (rewritten, shrunk or "
+                     "appended to); samples from the change on are not read",
     # sample level
     "duplicate_key": "a key or member name seen before in the same shard",
     "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",

@@ -19,6 +19,10 @@ from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
 
+#: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
+#: rest of the shard is lost: a shard-level failure).
+SkipSink = Callable[[SampleError, int], None]
+
 
 @dataclass(kw_only=True, slots=True)
 class ReaderConfig:
@@ -294,14 +298,17 @@ def iter_shard(
     start_index: int = 0,
     stats: ErrorStats | None = None,
     spans: bool = False,
+    on_skip: SkipSink | None = None,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
     With `spans`, each record also says where its items' bytes lie in the shard file
     (`SampleRecord.spans`); only uncompressed shards have such offsets (ValueError otherwise).
 
-    Pass an `ErrorStats` to read the counters afterwards. A shard holding fewer than
-    `start_index` samples raises ValueError whatever the policy: the resume point is wrong.
+    Pass an `ErrorStats` to read the counters afterwards, and `on_skip` to hear of every
+    skipped sample as it happens, with its index (-1: the rest of the shard). A shard holding
+    fewer than `start_index` samples is reported as `shard_changed`: it is not the file that
+    was read before.
     """
     config = config or ReaderConfig()
     if start_index < 0:
@@ -312,10 +319,16 @@ def iter_shard(
     policy = config.errors
     builder = _builder(config)
     stats.num_shards += 1
+
+    def skip(error: SampleError, index: int) -> None:
+        stats.handle(error, policy)  # raises under mode="raise"
+        if on_skip is not None:
+            on_skip(error, index)
+
     try:
         stream = open_shard(url, mapped=config.map_shards)
     except OSError as e:
-        stats.handle(SampleError("open_failed", url, None, f"cannot open: {e}"), policy)
+        skip(SampleError("open_failed", url, None, f"cannot open: {e}"), -1)
         return
 
     def ignored(name: str) -> None:
@@ -345,7 +358,7 @@ def iter_shard(
             if index < start_index:
                 continue
             if problem is not None:
-                stats.handle(SampleError(problem[0], url, printable_key(key), problem[1]), policy)
+                skip(SampleError(problem[0], url, printable_key(key), problem[1]), index)
                 continue
             try:
                 record = builder.build(key, members, url, index)
@@ -353,7 +366,7 @@ def iter_shard(
                     record.spans = {it.member: (where[it.member], len(members[it.member]))
                                     for it in record.items}
             except CountError as e:
-                stats.handle(SampleError(e.reason, url, key, str(e)), policy)
+                skip(SampleError(e.reason, url, key, str(e)), index)
                 continue
             stats.ok()
             yield record
@@ -369,11 +382,12 @@ def iter_shard(
         except OSError as e:
             failure = failure or SampleError("shard_failed", url, None, str(e))
     if failure is not None:
-        stats.handle(failure, policy)
+        skip(failure, -1)
+    elif index + 1 < start_index:
+        skip(SampleError("shard_changed", url, None, f"holds {index + 1} samples but reading "
+                         f"resumes at sample {start_index}: rewritten since it was read"), -1)
     elif index < 0:
-        stats.handle(SampleError("empty_shard", url, None, "shard holds no samples"), policy)
-    if index + 1 < start_index and failure is None:
-        raise ValueError(f"start_index={start_index} is beyond the {index + 1} samples of shard {url!r}")
+        skip(SampleError("empty_shard", url, None, "shard holds no samples"), -1)
 
 
 def iter_samples(
@@ -387,6 +401,6 @@ def iter_samples(
 
 
 __all__ = [
-    "ReaderConfig", "SampleBuilder", "add_reader_arguments", "group_samples", "iter_samples", "iter_shard",
+    "ReaderConfig", "SampleBuilder", "SkipSink", "add_reader_arguments", "group_samples", "iter_samples", "iter_shard",
     "printable_key", "reader_config_from_args", "split_name",
 ]

@@ -1,10 +1,11 @@
 """Run a data-node reader: ask the dispatcher for shards, stream counted samples within credits.
 
-Each worker is one DEALER peer reading one shard at a time, with `prefetch_shards` more assigned
-and queued behind it so the next one starts without a round trip; it reads only as many samples
-as the dispatcher granted, so a data node never races ahead of the trainers. Workers reconnect with
-backoff when the dispatcher goes silent and say HELLO again; the dispatcher decides where each
-shard (re)starts, so a worker keeps no state worth saving.
+Each worker is one peer (`dispatcher_server.session`) reading one shard at a time, with
+`prefetch_shards` more assigned and queued behind it so the next one starts without a round
+trip; it reads only as many samples as the dispatcher granted, so a data node never races ahead
+of the trainers. Skipped samples travel with the samples after them, so a reader that dies
+later has already reported them. The dispatcher decides where each shard (re)starts, so a
+worker keeps no state worth saving; it stops when the dispatcher says the job is done (END).
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 import zmq
-import zmq.auth
 
 from dispatcher_server import protocol as P
+from dispatcher_server.security import PeerCurve
+from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
-from pipeline.errors import ErrorStats
+from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.records import SampleRecord
 
@@ -38,15 +40,18 @@ class ReaderServiceConfig:
     batch: int = 32  # most samples per SAMPLES message
     prefetch_shards: int = 1  # shards held assigned beyond the one being read
     timeout_s: float = 5.0  # dispatcher silent this long: reconnect
+    connect_timeout_s: float | None = 60.0  # no WELCOME this long after connecting: give up
     poll_ms: int = 50
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     secret_file: str | None = None  # CurveZMQ: this reader's key pair
     server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
 
-
-class _Disconnected(Exception):
-    """A send found no live connection: drop this session and reconnect."""
+    def session(self) -> SessionConfig:
+        return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,
+                             connect_timeout_s=self.connect_timeout_s, poll_ms=self.poll_ms,
+                             backoff_min_s=self.backoff_min_s, backoff_max_s=self.backoff_max_s,
+                             curve=PeerCurve.from_files(self.secret_file, self.server_public_file))
 
 
 class FatalReaderError(RuntimeError):
@@ -58,11 +63,17 @@ class _Assignment:
     id: int
     shard: str
     records: object  # iterator of SampleRecord
-    stats: ErrorStats
     credits: int = 0
     count: int = 0
-    skipped: list = field(default_factory=list)
+    unsent: list = field(default_factory=list)  # P.SkipRecord not yet reported
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
+
+    def skipped(self, error: SampleError, index: int) -> None:
+        self.unsent.append(P.SkipRecord(error.key or "", error.reason, index))
+
+    def take_unsent(self) -> list:
+        out, self.unsent = self.unsent, []
+        return out
 
 
 def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[list, list]:
@@ -78,43 +89,78 @@ def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[lis
 
 
 class ReaderWorker:
-    """One reader peer. `run(stop)` until `stop` is set; raises FatalReaderError on refusal."""
+    """One reader peer. `run(stop)` until `stop` is set or the dispatcher ends the job; raises
+    FatalReaderError on refusal, `Unreachable` when no dispatcher answers in time."""
 
     def __init__(self, config: ReaderServiceConfig, *, context: zmq.Context | None = None) -> None:
         self.config = config
-        self.ctx = context or zmq.Context.instance()
-        self.sock: zmq.Socket | None = None
+        self.session = PeerSession(config.session(), self, context=context, name="reader")
         self.assignments: list[_Assignment] = []  # in the order assigned
-        self.welcomed = False
-        self.heartbeat_s = 1.0
+        self.stats = ErrorStats()  # this worker's counters over all its shards
         self.payloads = "inline"  # the dispatcher's choice, from WELCOME
         self.num_samples_sent = 0
-        self._seq = 0
-        self._hello_seq = -1
-        self._last_recv = self._last_sent = 0.0
+        self.ended = False  # the dispatcher said the job is done
 
-    # -- connection ----------------------------------------------------------------------
-    def _connect(self) -> None:
-        cfg = self.config
-        sock = self.ctx.socket(zmq.DEALER)
-        P.socket_limits(sock)
-        if cfg.secret_file:
-            public, secret = zmq.auth.load_certificate(cfg.secret_file)
-            server_public, _ = zmq.auth.load_certificate(cfg.server_public_file)
-            sock.curve_publickey, sock.curve_secretkey = public, secret
-            sock.curve_serverkey = server_public
-        sock.connect(cfg.dispatcher)
-        self.sock = sock
-        self.welcomed = False
-        self._last_recv = time.monotonic()
-        self._hello_seq = self._send(P.HELLO, role="reader", name=cfg.name or f"pid{os.getpid()}")
+    def run(self, stop: threading.Event | None = None) -> None:
+        self.session.run(stop or threading.Event())
 
-    def _disconnect(self) -> None:
+    # -- PeerRole ------------------------------------------------------------------------
+    def hello_fields(self) -> dict:
+        return {"role": "reader", "name": self.config.name or f"pid{os.getpid()}"}
+
+    def reset(self) -> None:
         for a in list(self.assignments):
             self._drop_assignment(a)
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+
+    def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
+        mode = msg.get("payloads", "inline")
+        if mode not in P.PAYLOAD_MODES:
+            raise FatalReaderError(f"dispatcher at {self.config.dispatcher} asks for unknown "
+                                   f"payload mode {mode!r}")
+        self.payloads = mode
+        self._request_shards()
+
+    def on_message(self, session: PeerSession, msg: P.Message) -> bool:
+        if msg.type == P.SHARD_ASSIGN:
+            self._assign(msg)
+        elif msg.type == P.CREDIT and (a := self._find(msg.get("assign_id"))) is not None:
+            a.credits += msg.get("samples", 0)
+        elif msg.type == P.CANCEL and (a := self._find(msg["assign_id"])) is not None:
+            self._drop_assignment(a)
+            self._request_shards()
+        elif msg.type == P.END:
+            log.info("mmdispatch event=reader_end dispatcher=%s reason=%s",
+                     self.config.dispatcher, msg["reason"])
+            self.ended = True
+            session.finish()
+        elif msg.type == P.ERROR:
+            if msg["code"] in ("version", "role"):
+                raise FatalReaderError(f"dispatcher at {self.config.dispatcher} refused this "
+                                       f"reader: {msg['message']}")
+            log.warning("mmdispatch event=reader_error dispatcher=%s code=%s message=%r",
+                        self.config.dispatcher, msg["code"], msg["message"])
+        return True
+
+    def tick(self, session: PeerSession) -> bool:
+        if not session.welcomed:
+            return False
+        # The oldest assignment with credits: usually the shard being read; another when
+        # that one waits for credits the dispatcher gives a lower position first.
+        work = next((a for a in self.assignments if a.credits > 0), None)
+        if work is None:
+            return False
+        self._stream(work)
+        return any(a.credits > 0 for a in self.assignments)
+
+    # -- assignments ---------------------------------------------------------------------
+    def _assign(self, msg: P.Message) -> None:
+        ref_path = None
+        if self.payloads == "reference":
+            ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
+        a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
+        a.records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
+                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped)
+        self.assignments.append(a)
 
     def _drop_assignment(self, a: _Assignment) -> None:
         close = getattr(a.records, "close", None)
@@ -126,115 +172,19 @@ class ReaderWorker:
         return next((a for a in self.assignments if a.id == assign_id), None)
 
     def _request_shards(self) -> None:
-        self._send(P.SHARD_REQUEST, shards=min(1 + max(0, self.config.prefetch_shards),
-                                               P.MAX_READER_SHARDS))
-
-    def _send(self, type_: str, frames=(), **fields) -> int:
-        self._seq += 1
-        try:
-            # A DEALER with no live connection blocks on send; a reader must never hang there.
-            self.sock.send_multipart(P.encode(type_, seq=self._seq, frames=frames, **fields),
-                                     zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            raise _Disconnected(type_) from None
-        self._last_sent = time.monotonic()
-        return self._seq
-
-    # -- main loop -----------------------------------------------------------------------
-    def run(self, stop: threading.Event | None = None) -> None:
-        stop = stop or threading.Event()
-        backoff = self.config.backoff_min_s
-        try:
-            while not stop.is_set():
-                try:
-                    self._connect()
-                    healthy = self._session(stop)
-                except _Disconnected:
-                    healthy = self.welcomed
-                self._disconnect()
-                if stop.is_set():
-                    break
-                backoff = self.config.backoff_min_s if healthy else min(
-                    backoff * 2, self.config.backoff_max_s)
-                log.warning("mmdispatch event=reader_reconnect dispatcher=%s backoff_s=%.2f",
-                            self.config.dispatcher, backoff)
-                stop.wait(backoff)
-        finally:
-            if self.sock is not None:
-                try:
-                    self._send(P.BYE)
-                except (zmq.ZMQError, _Disconnected):
-                    pass
-            self._disconnect()
-
-    def _session(self, stop: threading.Event) -> bool:
-        """Serve one connection; returns whether it was welcomed (resets the backoff)."""
-        cfg = self.config
-        while not stop.is_set():
-            # The oldest assignment with credits: usually the shard being read; another when
-            # that one waits for credits the dispatcher gives a lower position first.
-            work = next((a for a in self.assignments if a.credits > 0), None) if self.welcomed else None
-            if self.sock.poll(0 if work else cfg.poll_ms, zmq.POLLIN):
-                for frames in P.pending(self.sock):
-                    self._last_recv = time.monotonic()
-                    if not self._handle(frames):
-                        return self.welcomed
-            if work is not None and work in self.assignments and work.credits > 0:
-                self._stream(work)
-            now = time.monotonic()
-            if now - self._last_recv > cfg.timeout_s:
-                return self.welcomed
-            if self.welcomed and now - self._last_sent > self.heartbeat_s:
-                self._send(P.HEARTBEAT)
-        return self.welcomed
-
-    def _handle(self, frames) -> bool:
-        """Act on one message; False means drop the connection and say HELLO again."""
-        try:
-            msg = P.decode(frames)
-        except P.ProtocolError as e:
-            log.warning("mmdispatch event=reader_bad_message detail=%r", str(e)[:200])
-            return True
-        if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
-            if msg.get("payloads", "inline") not in P.PAYLOAD_MODES:
-                raise FatalReaderError(f"dispatcher asks for unknown payload mode {msg['payloads']!r}")
-            self.welcomed = True
-            self.heartbeat_s = float(msg["heartbeat_s"])
-            self.payloads = msg.get("payloads", "inline")
-            self._request_shards()
-        elif msg.type == P.SHARD_ASSIGN:
-            stats = ErrorStats()
-            ref_path = None
-            if self.payloads == "reference":
-                ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
-            records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
-                                 stats=stats, spans=ref_path is not None)
-            self.assignments.append(_Assignment(id=msg["assign_id"], shard=msg["shard"],
-                                                records=records, stats=stats, ref_path=ref_path))
-        elif msg.type == P.CREDIT and (a := self._find(msg.get("assign_id"))) is not None:
-            a.credits += msg.get("samples", 0)
-        elif msg.type == P.CANCEL and (a := self._find(msg["assign_id"])) is not None:
-            self._drop_assignment(a)
-            self._request_shards()
-        elif msg.type == P.ERROR:
-            if msg["code"] in ("version", "role"):
-                raise FatalReaderError(f"dispatcher refused this reader: {msg['message']}")
-            log.warning("mmdispatch event=reader_error code=%s message=%r", msg["code"], msg["message"])
-            return msg["code"] != "unknown_peer"
-        return True
+        self.session.send(P.SHARD_REQUEST, shards=min(1 + max(0, self.config.prefetch_shards),
+                                                      P.MAX_READER_SHARDS))
 
     def _stream(self, a: _Assignment) -> None:
-        """Send up to min(credits, batch) samples of `a`'s shard; finish it when exhausted."""
+        """Send up to min(credits, batch) samples of `a`'s shard, with the skips among them;
+        finish the shard when exhausted."""
         headers, frames = [], []
         done = False
         while len(headers) < min(a.credits, self.config.batch):
-            before = a.stats.num_errors
             try:
                 rec = next(a.records)
             except StopIteration:
                 done = True
-            self._collect_skipped(a, before)
-            if done:
                 break
             h, f = sample_header(rec, a.ref_path)
             headers.append(h)
@@ -242,36 +192,42 @@ class ReaderWorker:
         if headers:
             # One coalesced payload frame per message: a memcpy of the members costs less than
             # a zmq frame per item here, in the dispatcher and in its I/O threads.
-            self._send(P.SAMPLES, frames=[b"".join(frames)], assign_id=a.id, samples=headers,
-                       sizes=[memoryview(f).nbytes for f in frames])
+            self.session.send(P.SAMPLES, frames=[b"".join(frames)], assign_id=a.id,
+                              samples=headers, sizes=[memoryview(f).nbytes for f in frames],
+                              **_skipped_field(a.take_unsent()))
             a.credits -= len(headers)
             a.count += len(headers)
             self.num_samples_sent += len(headers)
         if done:
-            self._send(P.SHARD_DONE, assign_id=a.id, count=a.count, skipped=a.skipped)
+            self.session.send(P.SHARD_DONE, assign_id=a.id, count=a.count,
+                              skipped=a.take_unsent())
             self._drop_assignment(a)
             self._request_shards()
 
-    @staticmethod
-    def _collect_skipped(a: _Assignment, before: int) -> None:
-        new = a.stats.num_errors - before
-        if new > 0:
-            recent = list(a.stats.recent)[-new:]
-            a.skipped.extend([key or "", reason, -1] for reason, _shard, key, _msg in recent)
+
+def _skipped_field(skipped: list) -> dict:
+    """SAMPLES' optional `skipped` field: absent when there is nothing to report."""
+    return {"skipped": skipped} if skipped else {}
 
 
 # -- the `read` command ---------------------------------------------------------------------
+_DEFAULTS = ReaderServiceConfig(dispatcher="")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", required=True,
                         help="the dispatcher's reader endpoint, tcp://HOST:PORT")
     parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
     parser.add_argument("--name", default="", help="name shown in the dispatcher's logs")
-    parser.add_argument("--batch", type=int, default=32, help="most samples per message")
-    parser.add_argument("--prefetch-shards", type=int, default=1,
+    parser.add_argument("--batch", type=int, default=_DEFAULTS.batch, help="most samples per message")
+    parser.add_argument("--prefetch-shards", type=int, default=_DEFAULTS.prefetch_shards,
                         help="shards held assigned beyond the one being read, so the next starts "
                              f"without a round trip to the dispatcher (0 to {P.MAX_READER_SHARDS - 1})")
-    parser.add_argument("--timeout", type=float, default=5.0,
+    parser.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
                         help="seconds of dispatcher silence before reconnecting")
+    parser.add_argument("--connect-timeout", type=float, default=_DEFAULTS.connect_timeout_s,
+                        help="seconds to keep trying to reach the dispatcher (at start and after "
+                             "losing it) before exiting with an error; 0 = keep trying forever")
     parser.add_argument("--malloc-keep-mb", type=int, default=16,
                         help="reuse freed heap blocks up to this size instead of fresh pages "
                              "(glibc; saves page faults on payload frames); 0 = off")
@@ -290,31 +246,51 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                          f"got {args.prefetch_shards}")
     if bool(args.curve_secret) != bool(args.curve_server_key):
         raise ValueError("--curve-secret and --curve-server-key go together")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.connect_timeout < 0:
+        raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
                                prefetch_shards=args.prefetch_shards,
                                timeout_s=args.timeout,
+                               connect_timeout_s=args.connect_timeout or None,
                                reader=reader_config_from_args(args),
                                secret_file=args.curve_secret, server_public_file=args.curve_server_key)
 
 
-def _worker_main(args: argparse.Namespace, worker: int) -> None:
+def _worker_main(args: argparse.Namespace, worker: int) -> int:
+    """One worker until it is stopped or the job is done (0), or cannot go on (1, one line)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
     relax_gc()
-    ReaderWorker(config_from_args(args, worker)).run(stop)
+    try:
+        ReaderWorker(config_from_args(args, worker)).run(stop)
+    except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
+        # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
+        # is the whole story, a traceback would only bury it.
+        print(f"mmdispatch read: worker {worker}: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _process_main(args: argparse.Namespace, worker: int) -> None:
+    sys.exit(_worker_main(args, worker))
 
 
 def run(args: argparse.Namespace) -> int:
-    config_from_args(args)  # validate before forking
+    try:
+        config_from_args(args).session()  # validate before forking
+    except ValueError as e:
+        print(f"mmdispatch read: error: {e}", file=sys.stderr)
+        return 2
     if args.workers == 1:
-        _worker_main(args, 0)
-        return 0
+        return _worker_main(args, 0)
     mp = multiprocessing.get_context("spawn")
-    procs = [mp.Process(target=_worker_main, args=(args, w), name=f"reader-{w}")
+    procs = [mp.Process(target=_process_main, args=(args, w), name=f"reader-{w}")
              for w in range(args.workers)]
     for p in procs:
         p.start()

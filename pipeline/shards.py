@@ -17,6 +17,8 @@ from typing import BinaryIO
 
 import braceexpand
 
+from pipeline.tario import TarError
+
 #: File names a shard may have; gzip-compressed tars are decompressed while streaming.
 SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz")
 _GLOB_CHARS = frozenset("*?[")
@@ -134,10 +136,13 @@ class MappedShard:
     counting skips and reference payloads leave on disk) are only mapped, never copied: for
     a local file the page cache is the buffer. Views stay valid after `close()`; the map goes
     when the last one does. Shards must not be truncated while being read (as for any mapped
-    file, the kernel then kills the reader with SIGBUS instead of a short read).
+    file, the kernel then kills the reader with SIGBUS instead of a short read). A read past
+    the end of the map checks the file: one that grew since it was mapped (appended to) raises
+    `TarError("shard_changed")`, since the archive read would otherwise look truncated.
     """
 
     def __init__(self, path: str) -> None:
+        self._path = path
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             # An empty file cannot be mapped; it reads as empty (an empty shard).
@@ -150,6 +155,7 @@ class MappedShard:
         start = self._pos
         end = start + size if size >= 0 else self._len
         if end > self._len:
+            self._check_unchanged()
             end = self._len
         self._pos = end
         if end - start <= _SMALL_READ:
@@ -163,9 +169,21 @@ class MappedShard:
         start = self._pos
         end = start + pad
         if end > self._len:
+            self._check_unchanged()
             end = self._len
         self._pos = end
         return data, end - start
+
+    def _check_unchanged(self) -> None:
+        """A read reaches past the map: fine at the end of an unchanged file, which then reads
+        short like any stream; a file whose size changed since it was mapped is reported."""
+        try:
+            now = os.stat(self._path).st_size
+        except OSError:
+            return  # removed or replaced: the map still holds the file that was opened
+        if now != self._len:
+            raise TarError("shard_changed", f"shard file is {now} bytes now, {self._len} when "
+                           f"it was mapped: it changed while being read")
 
     def close(self) -> None:
         self._view.release()

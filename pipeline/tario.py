@@ -30,7 +30,8 @@ class TooLarge(NamedTuple):
 
 
 class TarError(ValueError):
-    """The archive is damaged; `reason` is `truncated_tar` or `bad_tar`."""
+    """The archive is damaged; `reason` is `truncated_tar`, `bad_tar` or (a mapped file that
+    changed while read) `shard_changed`."""
 
     def __init__(self, reason: str, message: str, member: str | None = None) -> None:
         super().__init__(message)
@@ -184,6 +185,10 @@ def tar_members(
             else:
                 raise TarError("bad_tar", f"unknown tar member type {kind!r} at byte {offset}")
             offset += _BLOCK + size + pad
+    except TarError as e:
+        if e.member is None:
+            e.member = name  # raised by the stream (a mapped file that changed) inside a member
+        raise
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
         reason = "truncated_tar" if isinstance(e, EOFError) else "bad_tar"
         raise TarError(reason, f"compressed shard at tar byte {offset}: {e}", name) from None

@@ -300,6 +300,87 @@ class Trainers:
             t.join(15)
 
 
+# -- a scripted dispatcher ----------------------------------------------------------------------
+class ScriptedRouter:
+    """A ROUTER socket standing in for the dispatcher, on a random loopback port: the test sends
+    exactly what it scripts and sees every message a reader or trainer sends (heartbeats are
+    skipped unless asked for). Every receive has a timeout; use as a context manager."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.ident = b""  # the sender of the last message received
+
+    def recv(self, timeout_s: float = 5.0, *, heartbeats: bool = False):
+        """The next message (a `protocol.Message`), or None if none arrives within `timeout_s`."""
+        from dispatcher_server import protocol as P
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                return None
+            ident, *frames = self.sock.recv_multipart()
+            msg = P.decode(frames)
+            if heartbeats or msg.type != P.HEARTBEAT:
+                self.ident = ident
+                return msg
+
+    def expect(self, type_: str, timeout_s: float = 5.0):
+        """The next message, which must be of `type_`."""
+        msg = self.recv(timeout_s)
+        assert msg is not None, f"no {type_} within {timeout_s} s"
+        assert msg.type == type_, f"expected {type_}, got {msg.type} {msg.header}"
+        return msg
+
+    def send(self, type_: str, *, ident: bytes | None = None, **fields) -> None:
+        from dispatcher_server import protocol as P
+
+        self.sock.send_multipart([self.ident if ident is None else ident, *P.encode(type_, **fields)])
+
+    def welcome(self, hello, **fields) -> None:
+        """Accept `hello` (a reader by default: heartbeats every second)."""
+        fields.setdefault("role", hello["role"])
+        fields.setdefault("heartbeat_s", 1.0)
+        self.send("welcome", ack=hello.seq, **fields)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self) -> ScriptedRouter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def tar_of(path: str, samples: list[tuple[str, dict[str, bytes]]]) -> str:
+    """A shard at `path` holding `samples`, each (key, {suffix: bytes})."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, members in samples:
+            for suffix, data in members.items():
+                info = tarfile.TarInfo(f"{key}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def good_and_bad(runs: list[tuple[str, int]]) -> list[tuple[str, dict[str, bytes]]]:
+    """Samples in runs of ("good" | "bad", count), keyed by their index: good ones are text,
+    bad ones a zero-byte .jpg (an unreadable image)."""
+    out = []
+    for kind, n in runs:
+        for _ in range(n):
+            i = len(out)
+            members = {"txt": f"sample {i} reads fine".encode()} if kind == "good" else {"jpg": b""}
+            out.append((f"{i:06d}", members))
+    return out
+
+
 # -- the audit ---------------------------------------------------------------------------------
 def audit(per_rank: dict[int, list], keys: list[str], *, num_microbatches: int,
           skipped: list[tuple[str, str]] = ()) -> None:

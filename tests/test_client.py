@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.batching import Sample, build_batch, rank_message
 from dispatcher_server.planner import PlannerConfig, Topology, plan_step
 from dispatcher_server.server import Dispatcher
+from tests.servicekit import free_port
 from tests.test_service import (
     all_keys, client_config, consume, dispatcher, make_config, readers, shards,  # noqa: F401
 )
@@ -85,7 +84,7 @@ def test_torchrun_environment_gives_the_defaults(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     c = DispatcherClient("tcp://127.0.0.1:1")
     assert (c.rank, c.world_size, c.local_world_size) == (2, 4, 2)
-    assert c.state_dict() == {"next_step": None, "rank": 2, "world_size": 4}
+    assert c.state_dict() == {"next_step": None, "rank": 2, "world_size": 4, "dataset": None}
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x'"):
         DispatcherClient("tcp://127.0.0.1:1")
@@ -106,14 +105,8 @@ def test_dataloader_adapter_yields_steps(shards):
     assert steps == [(0, 2), (1, 2), (2, 2), (3, 2)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_client_survives_a_dispatcher_restart_on_the_same_address(shards, tmp_path):
-    ports = _free_port(), _free_port()
+    ports = free_port(), free_port()
     cfg = make_config(shards, world_size=1, journal_dir=str(tmp_path),
                       reader_bind=f"tcp://127.0.0.1:{ports[0]}",
                       trainer_bind=f"tcp://127.0.0.1:{ports[1]}")

@@ -197,8 +197,12 @@ def test_start_index_resumes_mid_shard(small_shards):
     for start in (0, 1, 5, len(full)):
         tail = list(iter_shard(shard, start_index=start))
         assert [(r.key, r.index, r.llm_len) for r in tail] == [(r.key, r.index, r.llm_len) for r in full[start:]]
-    with pytest.raises(ValueError, match="beyond"):
-        list(iter_shard(shard, start_index=len(full) + 1))
+    # Fewer samples than the resume point: not the file that was read, reported as such.
+    with pytest.raises(SampleError, match="shard_changed.*resumes at sample"):
+        list(iter_shard(shard, config("raise"), start_index=len(full) + 1))
+    stats = ErrorStats()
+    assert list(iter_shard(shard, config("skip"), start_index=len(full) + 1, stats=stats)) == []
+    assert stats.by_reason == {"shard_changed": 1}
 
 
 def test_start_index_counts_failed_samples(tmp_path):

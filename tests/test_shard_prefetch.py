@@ -1,7 +1,7 @@
 """Readers hold more than one shard: one being read, the next queued (no round trip between).
 
 The dispatcher side runs a real `Dispatcher` (loopback sockets, no peers) pumped by hand; the
-reader side runs a real `ReaderWorker` against a ROUTER socket this test drives, so every
+reader side runs a real `ReaderWorker` against a scripted ROUTER (tests.servicekit), so every
 message either way is checked. Every receive carries a timeout.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
@@ -19,6 +18,7 @@ from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.server import Dispatcher
 from pipeline.gendata import generate
 from pipeline.service import ReaderServiceConfig, ReaderWorker
+from tests.servicekit import ScriptedRouter
 
 
 def _dispatcher(num_shards: int, *, mode: str = "deterministic", epochs: int = 1,
@@ -96,41 +96,9 @@ def test_the_window_runs_into_the_next_epoch_only_in_deterministic_mode(mode, op
 
 
 # -- the reader side --------------------------------------------------------------------------
-class FakeDispatcher:
-    """A ROUTER socket standing in for the dispatcher; `expect` skips heartbeats."""
-
-    def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.ident = b""
-
-    def expect(self, type_: str, timeout_ms: int = 5000) -> P.Message:
-        while True:
-            assert self.sock.poll(timeout_ms), f"no {type_} from the reader"
-            ident, *frames = self.sock.recv_multipart()
-            self.ident = ident
-            msg = P.decode(frames)
-            if msg.type != P.HEARTBEAT:
-                assert msg.type == type_, f"expected {type_}, got {msg.type} {msg.header}"
-                return msg
-
-    def quiet(self, ms: int) -> list[str]:
-        """Types of the non-heartbeat messages that arrive within `ms`."""
-        seen = []
-        while self.sock.poll(ms):
-            msg = P.decode(self.sock.recv_multipart()[1:])
-            if msg.type != P.HEARTBEAT:
-                seen.append(msg.type)
-        return seen
-
-    def send(self, type_: str, **fields) -> None:
-        self.sock.send_multipart([self.ident, *P.encode(type_, **fields)])
-
-
 def test_reader_reads_whichever_held_shard_has_credits_and_requests_the_freed_slot(tmp_path):
     shards = generate(str(tmp_path), num_samples=12, num_shards=2, seed=3)
-    fake = FakeDispatcher()
+    fake = ScriptedRouter()
     stop = threading.Event()
     worker = ReaderWorker(ReaderServiceConfig(dispatcher=fake.endpoint, name="r", batch=4,
                                               prefetch_shards=1, timeout_s=5.0))
@@ -138,7 +106,7 @@ def test_reader_reads_whichever_held_shard_has_credits_and_requests_the_freed_sl
     thread.start()
     try:
         hello = fake.expect(P.HELLO)
-        fake.send(P.WELCOME, role="reader", ack=hello.seq, heartbeat_s=1.0)
+        fake.welcome(hello)
         assert fake.expect(P.SHARD_REQUEST)["shards"] == 2
         for assign_id, shard in ((1, shards[0]), (2, shards[1])):
             fake.send(P.SHARD_ASSIGN, assign_id=assign_id, shard=shard, pos=assign_id - 1,
@@ -147,7 +115,7 @@ def test_reader_reads_whichever_held_shard_has_credits_and_requests_the_freed_sl
         fake.send(P.CREDIT, assign_id=2, samples=3)
         got = fake.expect(P.SAMPLES)
         assert got["assign_id"] == 2 and [s[1] for s in got["samples"]] == [0, 1, 2]
-        assert fake.quiet(200) == []  # credits spent: nothing more until granted
+        assert fake.recv(0.2) is None  # credits spent: nothing more until granted
         # Now the first shard: read to its end, finished, and its slot asked for again.
         fake.send(P.CREDIT, assign_id=1, samples=100)
         indices = []
@@ -164,10 +132,10 @@ def test_reader_reads_whichever_held_shard_has_credits_and_requests_the_freed_sl
         fake.send(P.CANCEL, assign_id=2)
         assert fake.expect(P.SHARD_REQUEST)["shards"] == 2
         fake.send(P.CREDIT, assign_id=2, samples=10)
-        assert fake.quiet(200) == []
+        assert fake.recv(0.2) is None
         assert worker.assignments == []
     finally:
         stop.set()
         thread.join(10)
-        fake.sock.close(linger=0)
+        fake.close()
     assert not thread.is_alive()

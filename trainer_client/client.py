@@ -1,9 +1,9 @@
 """Trainer side of the dispatcher: receive this rank's pre-packed micro-batches as torch tensors.
 
-A background thread owns the DEALER socket: it says HELLO (with the step it needs next),
+A background thread runs the peer session (`dispatcher_server.session`: HELLO with the step it
+needs next and the dataset a restored state belongs to, heartbeats, reconnects with backoff),
 receives and decodes STEP messages into tensors that are views over the received frames (no
-extra copies), grants K steps of credit as the trainer consumes, heartbeats, and reconnects
-with backoff. The training loop only iterates; the trade-off is that up to K decoded steps
+extra copies) and grants K steps of credit as the trainer consumes. The training loop only iterates; the trade-off is that up to K decoded steps
 wait in memory, which is what hides the dispatcher's latency.
 """
 
@@ -23,6 +23,8 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
+from dispatcher_server.security import PeerCurve
+from dispatcher_server.session import PeerSession, SessionConfig
 from dispatcher_server.stepwire import SAMPLE_ARRAYS, unpack_microbatch
 
 log = logging.getLogger("mmdispatch.client")
@@ -241,6 +243,8 @@ class ClientConfig:
     prefetch: int = 2  # K: steps granted ahead of the one being consumed
     heartbeat_s: float = 1.0
     timeout_s: float = 5.0  # dispatcher silent this long: reconnect
+    # No WELCOME this long after (re)connecting starts: iteration raises `Unreachable`.
+    connect_timeout_s: float | None = 60.0
     poll_ms: int = 10
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
@@ -251,6 +255,13 @@ class ClientConfig:
     secret_file: str | None = None  # CurveZMQ: this trainer's key pair
     server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
 
+    def session(self, address: str) -> SessionConfig:
+        return SessionConfig(address=address, heartbeat_s=self.heartbeat_s,
+                             timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
+                             poll_ms=self.poll_ms, backoff_min_s=self.backoff_min_s,
+                             backoff_max_s=self.backoff_max_s,
+                             curve=PeerCurve.from_files(self.secret_file, self.server_public_file))
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -260,6 +271,159 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+#: ERROR codes a reconnect cannot fix: the training loop sees them as DispatcherError.
+_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset")
+
+
+def dataset_difference(saved: dict, served: dict) -> str:
+    """The fields in which two dataset fingerprints differ, as 'name: saved X, dispatcher Y'."""
+    names = sorted(set(saved) | set(served))
+    return "; ".join(f"{n}: saved {saved.get(n)!r}, dispatcher {served.get(n)!r}"
+                     for n in names if saved.get(n) != served.get(n))
+
+
+@dataclass(slots=True)
+class _Commit:
+    step: int
+    seq: int  # of the COMMIT last sent for it: an ERROR acking it fails this commit
+    done: threading.Event
+    error: list
+
+
+class _TrainerPeer:
+    """The client thread's side of the session: receives steps, grants credits, sends commits.
+
+    It owns everything the thread touches; the training loop talks to it only through the
+    `commands` queue (consumed steps, commits, resyncs) and reads `steps` and `dataset`.
+    """
+
+    def __init__(self, *, hello: dict, prefetch: int, map_shards: bool, next_step: int | None,
+                 dataset: dict | None, steps: queue.Queue, commands: queue.Queue) -> None:
+        self.hello = hello
+        self.prefetch = prefetch
+        self.map_shards = map_shards
+        self.next_expected = next_step  # next step to receive
+        self.consumed = next_step  # next step the training loop takes
+        self.restored = dataset  # the fingerprint of the job a restored state came from
+        self.dataset: dict | None = None  # the dispatcher's, from WELCOME
+        self.steps = steps
+        self.commands = commands
+        self.commits: list[_Commit] = []
+        self.files: ShardFiles | None = None  # reference payload mode
+        self.credit_sent: tuple | None = None
+
+    # -- PeerRole ------------------------------------------------------------------------
+    def hello_fields(self) -> dict:
+        fields = dict(self.hello, next_step=self.next_expected, prefetch=self.prefetch)
+        if self.restored is not None:
+            fields["dataset"] = self.restored
+        return fields
+
+    def reset(self) -> None:
+        self.credit_sent = None
+
+    def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
+        self._check_dataset(msg.get("dataset"))
+        self._payload_mode(msg.get("payloads", "inline"))
+        self.next_expected = msg["next_step"]
+        if self.consumed is None:
+            self.consumed = msg["next_step"]
+        for c in self.commits:
+            # Sent to a dispatcher that died or forgot us: the new session journals it.
+            c.seq = session.send(P.COMMIT, step=c.step)
+
+    def on_message(self, session: PeerSession, msg: P.Message) -> bool:
+        if msg.type == P.STEP and session.welcomed:
+            if msg["step"] > self.next_expected:
+                session.hello()  # a step was lost (peer reconnected): ask again from ours
+            elif msg["step"] == self.next_expected:
+                self.steps.put(decode_step(msg, self.files))
+                self.next_expected += 1
+        elif (msg.type == P.END and session.welcomed
+              and msg.get("next_step", self.next_expected) == self.next_expected):
+            self.steps.put(_END)
+        elif msg.type == P.COMMIT:
+            for c in [c for c in self.commits if c.step <= msg["step"]]:
+                self.commits.remove(c)
+                c.done.set()
+        elif msg.type == P.ERROR:
+            self._on_error(session, msg)
+        return True
+
+    def tick(self, session: PeerSession) -> bool:
+        self._do_commands(session)
+        if session.welcomed:
+            credit = (self.consumed + self.prefetch, self.next_expected)
+            if credit != self.credit_sent:
+                session.send(P.CREDIT, upto=credit[0], received=credit[1])
+                self.credit_sent = credit
+        return False
+
+    # -- parts ---------------------------------------------------------------------------
+    def _check_dataset(self, served: dict | None) -> None:
+        if self.restored is not None and served is not None and served != self.restored:
+            raise DispatcherError("dataset", "the restored state belongs to another dataset ("
+                                  f"{dataset_difference(self.restored, served)})")
+        self.dataset = served
+
+    def _payload_mode(self, mode: str) -> None:
+        if mode not in P.PAYLOAD_MODES:
+            raise DispatcherError("payloads", f"unknown payload mode {mode!r}")
+        if mode == "reference" and self.files is None:
+            self.files = ShardFiles(mapped=self.map_shards)
+        elif mode == "inline" and self.files is not None:
+            self.files.close()
+            self.files = None
+
+    def _do_commands(self, session: PeerSession) -> None:
+        while True:
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "consumed":
+                self.consumed = cmd[1]
+            elif cmd[0] == "commit":
+                c = _Commit(step=cmd[1], seq=-1, done=cmd[2], error=cmd[3])
+                self.commits.append(c)
+                c.seq = session.send(P.COMMIT, step=c.step)
+            elif cmd[0] == "resync":
+                while not self.steps.empty():
+                    self.steps.get_nowait()
+                self.next_expected = self.consumed = cmd[1]
+                self.restored = cmd[2]
+                session.hello()
+
+    def _on_error(self, session: PeerSession, msg: P.Message) -> None:
+        code, text, ack = msg["code"], msg["message"], msg.get("ack")
+        if ack is not None:
+            failed = [c for c in self.commits if c.seq == ack]
+        else:
+            failed = list(self.commits) if code == "commit" else []
+        if failed:
+            # A commit the dispatcher could not journal: its caller hears why, at once.
+            for c in failed:
+                self.commits.remove(c)
+                c.error.append(DispatcherError(code, f"commit({c.step}) failed: {text}"))
+                c.done.set()
+            return
+        if code in _FATAL_CODES:
+            raise DispatcherError(code, text)
+        log.warning("mmdispatch event=client_error dispatcher=%s rank=%s code=%s message=%r",
+                    session.config.address, self.hello.get("rank"), code, text)
+
+    def fail_commits(self, error: Exception) -> None:
+        for c in self.commits:
+            c.error.append(error)
+            c.done.set()
+        self.commits.clear()
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
+            self.files = None
 
 
 class DispatcherClient:
@@ -287,18 +451,29 @@ class DispatcherClient:
         self._steps: queue.Queue = queue.Queue()
         self._commands: queue.Queue = queue.Queue()
         self._consumed: int | None = None  # next step to hand to the trainer
-        self._next_expected: int | None = None  # next step to receive
-        self._commit_waiters: list[tuple[int, threading.Event, list]] = []
+        self._restored: dict | None = None  # dataset fingerprint of a loaded state
         self._fatal: Exception | None = None
-        self._files: ShardFiles | None = None  # reference payload mode, owned by the thread
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._peer: _TrainerPeer | None = None
+        self._session: PeerSession | None = None
         self._ended = False
-        self.num_reconnects = 0
+
+    @property
+    def num_reconnects(self) -> int:
+        return 0 if self._session is None else self._session.num_reconnects
 
     # -- trainer-facing API --------------------------------------------------------------
     def start(self) -> DispatcherClient:
         if self._thread is None:
+            self._peer = _TrainerPeer(
+                hello={"role": "trainer", "name": f"rank{self.rank}", "rank": self.rank,
+                       "world_size": self.world_size, "local_world_size": self.local_world_size},
+                prefetch=self.config.prefetch, map_shards=self.config.map_shards,
+                next_step=self._consumed, dataset=self._restored, steps=self._steps,
+                commands=self._commands)
+            self._session = PeerSession(self.config.session(self.address), self._peer,
+                                        context=self.ctx, name="client")
             self._thread = threading.Thread(target=self._run, name=f"mmdispatch-client-{self.rank}",
                                             daemon=True)
             self._thread.start()
@@ -332,33 +507,41 @@ class DispatcherClient:
             if self._consumed is not None and item.step != self._consumed:
                 continue  # left over from before a resync
             self._consumed = item.step + 1
+            self._commands.put(("consumed", self._consumed))
             return item
 
     def state_dict(self) -> dict:
-        return {"next_step": self._consumed, "rank": self.rank, "world_size": self.world_size}
+        """Where to resume, and the dataset (fingerprint) this position belongs to."""
+        served = self._peer.dataset if self._peer is not None else None
+        return {"next_step": self._consumed, "rank": self.rank, "world_size": self.world_size,
+                "dataset": served if served is not None else self._restored}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at `state['next_step']` (replayed exactly as the first run delivered it)."""
+        """Resume at `state['next_step']` (replayed exactly as the first run delivered it);
+        a state of another dataset is refused with DispatcherError naming the difference."""
         if state.get("world_size") not in (None, self.world_size):
             log.warning("mmdispatch event=resume_world_size_changed saved=%s now=%s: the dispatcher "
                         "re-plans from the same sample position", state["world_size"], self.world_size)
         step = state.get("next_step")
         if step is not None and (not isinstance(step, int) or step < 0):
             raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
+        dataset = state.get("dataset")
+        if dataset is not None and not isinstance(dataset, dict):
+            raise ValueError(f"state dataset must be a dict (from state_dict()), got {dataset!r}")
         self._consumed = step
+        self._restored = dataset
         self._ended = False
         if self._thread is not None:
-            self._commands.put(("resync", step))
-        else:
-            self._next_expected = step
+            self._commands.put(("resync", step, dataset))
 
     def commit(self, step: int, timeout: float = 30.0) -> None:
-        """Tell the dispatcher `step` is checkpointed; returns once it is journaled."""
+        """Tell the dispatcher `step` is checkpointed; returns once it is journaled, raises
+        DispatcherError with the dispatcher's reason when it could not be."""
         done, error = threading.Event(), []
         self.start()
         self._commands.put(("commit", step, done, error))
         if not done.wait(timeout):
-            raise TimeoutError(f"commit({step}) not acknowledged within {timeout} s")
+            raise TimeoutError(f"commit({step}) not acknowledged by {self.address} within {timeout} s")
         if error:
             raise error[0]
 
@@ -376,165 +559,14 @@ class DispatcherClient:
 
     # -- background thread ---------------------------------------------------------------
     def _run(self) -> None:
-        backoff = self.config.backoff_min_s
         try:
-            while not self._closing.is_set() and self._fatal is None:
-                self._connect()
-                welcomed = self._session()
-                self._disconnect()
-                if self._closing.is_set() or self._fatal is not None:
-                    break
-                self.num_reconnects += 1
-                backoff = self.config.backoff_min_s if welcomed else min(
-                    2 * backoff, self.config.backoff_max_s)
-                log.warning("mmdispatch event=client_reconnect rank=%d backoff_s=%.2f",
-                            self.rank, backoff)
-                self._closing.wait(backoff)
+            self._session.run(self._closing)
         except Exception as e:  # noqa: BLE001 - surfaced to the training loop
             self._fatal = e
             self._steps.put(e)
-            self._disconnect()
+            self._peer.fail_commits(e)
         finally:
-            if self._files is not None:
-                self._files.close()
-                self._files = None
-
-    def _connect(self) -> None:
-        cfg = self.config
-        sock = self.ctx.socket(zmq.DEALER)
-        P.socket_limits(sock)
-        if cfg.secret_file:
-            from dispatcher_server.security import PeerCurve
-
-            PeerCurve(secret_file=cfg.secret_file, server_public_file=cfg.server_public_file).apply(sock)
-        sock.connect(self.address)
-        self.sock, self._seq, self._welcomed = sock, 0, False
-        self._last_recv = time.monotonic()
-        self._credit_sent = None
-        self._hello()
-
-    def _hello(self) -> None:
-        self._welcomed = False
-        self._hello_seq = self._send(
-            P.HELLO, role="trainer", name=f"rank{self.rank}", rank=self.rank,
-            world_size=self.world_size, local_world_size=self.local_world_size,
-            next_step=self._next_expected, prefetch=self.config.prefetch)
-
-    def _disconnect(self) -> None:
-        sock, self.sock = getattr(self, "sock", None), None
-        if sock is not None:
-            if not self._closing.is_set() or self._fatal is not None:
-                sock.close(linger=0)
-                return
-            try:
-                sock.send_multipart(P.encode(P.BYE), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            sock.close(linger=0)
-
-    def _send(self, type_: str, **fields) -> int:
-        self._seq += 1
-        try:
-            # A DEALER with no live connection blocks on send; never block the receiver thread.
-            self.sock.send_multipart(P.encode(type_, seq=self._seq, **fields), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # not connected: the liveness timeout reconnects and says HELLO again
-        self._last_sent = time.monotonic()
-        return self._seq
-
-    def _session(self) -> bool:
-        cfg = self.config
-        ever_welcomed = False
-        while not self._closing.is_set():
-            self._do_commands()
-            if self.sock.poll(cfg.poll_ms, zmq.POLLIN):
-                for frames in P.pending(self.sock):
-                    self._last_recv = time.monotonic()
-                    if not self._handle(frames):
-                        return ever_welcomed
-            ever_welcomed |= self._welcomed
-            now = time.monotonic()
-            if self._welcomed:
-                credit = (self._consumed + cfg.prefetch, self._next_expected)
-                if credit != self._credit_sent:
-                    self._send(P.CREDIT, upto=credit[0], received=credit[1])
-                    self._credit_sent = credit
-            if now - self._last_recv > cfg.timeout_s:
-                return ever_welcomed
-            if now - self._last_sent > cfg.heartbeat_s:
-                self._send(P.HEARTBEAT)
-        return ever_welcomed
-
-    def _do_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "commit":
-                self._commit_waiters.append((cmd[1], cmd[2], cmd[3]))
-                self._send(P.COMMIT, step=cmd[1])
-            elif cmd[0] == "resync":
-                while not self._steps.empty():
-                    self._steps.get_nowait()
-                self._next_expected = cmd[1]
-                self._hello()
-
-    def _handle(self, frames) -> bool:
-        try:
-            msg = P.decode(frames)
-        except P.ProtocolError as e:
-            log.warning("mmdispatch event=client_bad_message rank=%d detail=%r", self.rank, str(e)[:200])
-            return True
-        if msg.type == P.WELCOME and msg["ack"] == self._hello_seq:
-            mode = msg.get("payloads", "inline")
-            if mode not in P.PAYLOAD_MODES:
-                raise DispatcherError("payloads", f"unknown payload mode {mode!r}")
-            if mode == "reference" and self._files is None:
-                self._files = ShardFiles(mapped=self.config.map_shards)
-            elif mode == "inline" and self._files is not None:
-                self._files.close()
-                self._files = None
-            self._welcomed = True
-            self._next_expected = msg["next_step"]
-            if self._consumed is None:
-                self._consumed = msg["next_step"]
-            for step, _, _ in self._commit_waiters:
-                # Sent to a dispatcher that died or forgot us: the new session journals it.
-                self._send(P.COMMIT, step=step)
-        elif msg.type == P.STEP and self._welcomed:
-            if msg["step"] > self._next_expected:
-                self._hello()  # a step was lost (peer reconnected): ask again from ours
-            elif msg["step"] == self._next_expected:
-                self._steps.put(decode_step(msg, self._files))
-                self._next_expected += 1
-        elif msg.type == P.END and self._welcomed and msg["next_step"] == self._next_expected:
-            self._steps.put(_END)
-        elif msg.type == P.COMMIT:
-            for w in [w for w in self._commit_waiters if w[0] <= msg["step"]]:
-                self._commit_waiters.remove(w)
-                w[1].set()
-        elif msg.type == P.ERROR:
-            return self._on_error(msg)
-        return True
-
-    def _on_error(self, msg: P.Message) -> bool:
-        code, text = msg["code"], msg["message"]
-        if code == "unknown_peer":
-            self._hello()
-            return True
-        if code == "commit":
-            for _, done, error in self._commit_waiters:
-                error.append(DispatcherError(code, text))
-                done.set()
-            self._commit_waiters.clear()
-            return True
-        if code in ("version", "world_size", "rank", "role", "resume"):
-            self._fatal = DispatcherError(code, text)
-            self._steps.put(self._fatal)
-            return False
-        log.warning("mmdispatch event=client_error rank=%d code=%s message=%r", self.rank, code, text)
-        return True
+            self._peer.close()
 
 
 class DispatcherDataset(torch.utils.data.IterableDataset):

@@ -1,0 +1,220 @@
+"""One peer session with the dispatcher, shared by readers and trainer clients.
+
+A `PeerSession` owns the DEALER socket and everything about the connection: CurveZMQ, HELLO
+matched to its WELCOME by sequence number, heartbeats, a liveness timeout that reconnects with
+exponential backoff, non-blocking sends, a connect timeout, and BYE whenever it leaves a
+welcomed session (stopped, told END, or on an error), so the dispatcher never waits out a
+timeout. What a role does with the session (stream samples, receive steps) lives in a
+`PeerRole` the session calls: one more call per message, for one copy of the mechanism.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.security import PeerCurve
+
+log = logging.getLogger("mmdispatch.session")
+
+#: How long a closing socket may take to hand its BYE to the network.
+_BYE_LINGER_MS = 250
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionConfig:
+    address: str  # tcp://HOST:PORT of the dispatcher endpoint
+    heartbeat_s: float | None = None  # None: the interval the dispatcher's WELCOME says
+    timeout_s: float = 5.0  # dispatcher silent this long: reconnect
+    connect_timeout_s: float | None = 60.0  # no WELCOME this long after connecting starts: give up
+    poll_ms: int = 50
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    curve: PeerCurve | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
+        if self.connect_timeout_s is not None and self.connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s={self.connect_timeout_s} must be > 0 (or None)")
+
+
+class Disconnected(Exception):
+    """A send found no live connection: the session drops the socket and reconnects."""
+
+
+class Unreachable(ConnectionError):
+    """No dispatcher welcomed this peer within the connect timeout (or the address is invalid)."""
+
+
+class PeerRole(Protocol):
+    """What a reader or trainer does with its session; the session calls these."""
+
+    def hello_fields(self) -> dict[str, Any]:
+        """HELLO's fields besides the version and seq (role, name, ...)."""
+
+    def reset(self) -> None:
+        """The dispatcher no longer knows this peer's state: a HELLO is about to go out."""
+
+    def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
+        """The dispatcher accepted the HELLO; raise to end the session for good."""
+
+    def on_message(self, session: PeerSession, msg: P.Message) -> bool:
+        """Act on any other message; False drops the connection and reconnects."""
+
+    def tick(self, session: PeerSession) -> bool:
+        """Work between polls; True when more is ready at once (the next poll does not wait)."""
+
+
+class PeerSession:
+    """`run(stop)` until `stop` is set or the role calls `finish()`; raises what the role raises
+    (a refusal) and `Unreachable`. Any other ERROR than `unknown_peer` goes to the role."""
+
+    def __init__(self, config: SessionConfig, role: PeerRole, *, context: zmq.Context | None = None,
+                 name: str = "peer") -> None:
+        self.config = config
+        self.role = role
+        self.name = name  # in log events: reader, client
+        self.ctx = context or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.welcomed = False
+        self.num_reconnects = 0
+        self._heartbeat_s = config.heartbeat_s or 1.0
+        self._seq = 0
+        self._hello_seq = -1
+        self._last_recv = self._last_sent = 0.0
+        self._finished = False
+
+    # -- used by roles ---------------------------------------------------------------------
+    def send(self, type_: str, frames=(), **fields) -> int:
+        """Send one message without blocking; its seq. Raises Disconnected when it cannot go."""
+        self._seq += 1
+        try:
+            # A DEALER with no live connection blocks on send; a peer must never hang there.
+            self.sock.send_multipart(P.encode(type_, seq=self._seq, frames=frames, **fields),
+                                     zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise Disconnected(type_) from None
+        self._last_sent = time.monotonic()
+        return self._seq
+
+    def hello(self) -> None:
+        """Say HELLO again on this connection (the dispatcher forgot us, or the role resyncs)."""
+        self.welcomed = False
+        self.role.reset()
+        self._hello_seq = self.send(P.HELLO, **self.role.hello_fields())
+
+    def finish(self) -> None:
+        """End the session cleanly after the current message (BYE, then `run` returns)."""
+        self._finished = True
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        cfg = self.config
+        backoff = cfg.backoff_min_s
+        since = time.monotonic()  # when this attempt to get welcomed began
+        try:
+            while not self._done(stop):
+                try:
+                    self._connect()
+                    self._serve(stop, since)
+                except Disconnected:
+                    pass
+                if self._done(stop):
+                    break
+                healthy = self.welcomed
+                self._close(bye=False)
+                if healthy:
+                    since, backoff = time.monotonic(), cfg.backoff_min_s
+                else:
+                    backoff = min(2 * backoff, cfg.backoff_max_s)
+                self._check_connect_timeout(since)
+                self.num_reconnects += 1
+                log.warning("mmdispatch event=%s_reconnect dispatcher=%s backoff_s=%.2f",
+                            self.name, cfg.address, backoff)
+                stop.wait(backoff)
+        finally:
+            self._close(bye=True)  # leaving on purpose or for a reason: the dispatcher hears it now
+
+    def _done(self, stop: threading.Event) -> bool:
+        return self._finished or stop.is_set()
+
+    def _connect(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        P.socket_limits(sock)
+        try:
+            if self.config.curve is not None:
+                self.config.curve.apply(sock)
+            sock.connect(self.config.address)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise Unreachable(f"cannot connect to dispatcher at {self.config.address!r}: {e}") from None
+        self.sock = sock
+        self._last_recv = time.monotonic()
+        self.hello()
+
+    def _close(self, *, bye: bool) -> None:
+        sock, self.sock = self.sock, None
+        if sock is None:
+            return
+        linger = 0
+        if bye and self.welcomed:
+            try:
+                sock.send_multipart(P.encode(P.BYE, seq=self._seq + 1), zmq.NOBLOCK)
+                linger = _BYE_LINGER_MS  # time for the BYE to leave; never longer
+            except zmq.ZMQError:
+                pass
+        sock.close(linger=linger)
+        self.welcomed = False
+        self.role.reset()
+
+    def _serve(self, stop: threading.Event, since: float) -> None:
+        """One connection, until it goes silent, a role drops it, or the session ends."""
+        cfg = self.config
+        busy = False
+        while not self._done(stop):
+            if self.sock.poll(0 if busy else cfg.poll_ms, zmq.POLLIN):
+                for frames in P.pending(self.sock):
+                    self._last_recv = time.monotonic()
+                    if not self._handle(frames) or self._finished:
+                        return
+            busy = self.role.tick(self)
+            now = time.monotonic()
+            if now - self._last_recv > cfg.timeout_s:
+                return
+            if not self.welcomed:
+                self._check_connect_timeout(since)
+            elif now - self._last_sent > self._heartbeat_s:
+                self.send(P.HEARTBEAT)
+
+    def _check_connect_timeout(self, since: float) -> None:
+        limit = self.config.connect_timeout_s
+        if limit is not None and time.monotonic() - since > limit:
+            raise Unreachable(f"no dispatcher answered at {self.config.address} within "
+                              f"{limit:g} s (check the address, that the dispatcher runs, and "
+                              f"its CurveZMQ keys; raise the connect timeout to wait longer)")
+
+    def _handle(self, frames) -> bool:
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as e:
+            log.warning("mmdispatch event=%s_bad_message dispatcher=%s detail=%r",
+                        self.name, self.config.address, str(e)[:200])
+            return True
+        if msg.type == P.WELCOME:
+            if msg["ack"] == self._hello_seq:
+                self.welcomed = True
+                if self.config.heartbeat_s is None:
+                    self._heartbeat_s = float(msg["heartbeat_s"])
+                self.role.on_welcome(self, msg)
+            return True
+        if msg.type == P.ERROR and msg["code"] == "unknown_peer":
+            self.hello()  # the dispatcher restarted or timed us out: introduce ourselves again
+            return True
+        return self.role.on_message(self, msg)

@@ -1,0 +1,214 @@
+"""Skipped samples reach the dispatcher, every one, as they happen; a changed shard never kills
+a reader. The reader runs for real against a scripted ROUTER (tests.servicekit.ScriptedRouter);
+every receive has a timeout.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from dispatcher_server import protocol as P
+from pipeline.errors import ErrorPolicy, ErrorStats, SampleError
+from pipeline.reader import ReaderConfig, iter_shard
+from pipeline.service import ReaderServiceConfig, ReaderWorker
+from tests.servicekit import ScriptedRouter, good_and_bad, tar_of
+
+
+def _config(mode: str = "skip") -> ReaderConfig:
+    return ReaderConfig(errors=ErrorPolicy(mode=mode))
+
+
+@contextmanager
+def _reader(router: ScriptedRouter, *, mode: str = "skip", batch: int = 8):
+    """A ReaderWorker thread, welcomed by `router`; yields (worker, errors raised by run)."""
+    stop, errors = threading.Event(), []
+    worker = ReaderWorker(ReaderServiceConfig(dispatcher=router.endpoint, name="r", batch=batch,
+                                              prefetch_shards=0, timeout_s=5.0,
+                                              reader=_config(mode)))
+
+    def run() -> None:
+        try:
+            worker.run(stop)
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        router.welcome(router.expect(P.HELLO))
+        router.expect(P.SHARD_REQUEST)
+        yield worker, errors
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive(), "the reader did not stop"
+
+
+def _read_shard(router: ScriptedRouter, shard: str, *, start_index: int = 0,
+                credits: int = 1000) -> list[P.Message]:
+    """Assign `shard`, grant credits, and return every SAMPLES message up to its SHARD_DONE."""
+    router.send(P.SHARD_ASSIGN, assign_id=1, shard=shard, pos=0, epoch=0, start_index=start_index)
+    router.send(P.CREDIT, assign_id=1, samples=credits)
+    got = []
+    while True:
+        msg = router.recv(10.0)
+        assert msg is not None, "the reader stopped sending before SHARD_DONE"
+        if msg.type in (P.SAMPLES, P.SHARD_DONE):
+            got.append(msg)
+        if msg.type == P.SHARD_DONE:
+            return got
+
+
+def _skips(messages: list[P.Message]) -> list[P.SkipRecord]:
+    return [s for m in messages for s in m.get("skipped", [])]
+
+
+def test_iter_shard_hands_every_skip_to_its_sink_with_its_index(tmp_path):
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 20), ("bad", 80), ("good", 20)]))
+    got, stats = [], ErrorStats()
+    records = list(iter_shard(shard, _config(), stats=stats,
+                              on_skip=lambda e, i: got.append((e.key, e.reason, i))))
+    assert len(records) == 40
+    assert got == [(f"{i:06d}", "bad_image", i) for i in range(20, 100)]
+    assert stats.num_errors == 80
+
+
+def test_a_run_of_80_bad_samples_reports_all_80_keys_with_their_indices(tmp_path):
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 20), ("bad", 80), ("good", 20)]))
+    with ScriptedRouter() as router, _reader(router) as (_, errors):
+        messages = _read_shard(router, shard)
+    assert not errors
+    assert _skips(messages) == [P.SkipRecord(f"{i:06d}", "bad_image", i) for i in range(20, 100)]
+    sent = [s.index for m in messages if m.type == P.SAMPLES for s in m["samples"]]
+    assert sent == [*range(20), *range(100, 120)]
+    assert messages[-1]["count"] == 40
+
+
+def test_skips_travel_with_the_first_sample_after_them_not_at_the_end(tmp_path):
+    # Killed once past the bad run, a reader must already have reported it: the skips arrive
+    # in the message carrying sample 40 (the first good one after them) or earlier.
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 10), ("bad", 30), ("good", 300)]))
+    with ScriptedRouter() as router, _reader(router, batch=16) as (_, errors):
+        messages = _read_shard(router, shard)
+    assert not errors
+    carrier = next(n for n, m in enumerate(messages) if m.type == P.SAMPLES
+                   and any(s.index == 40 for s in m["samples"]))
+    assert _skips(messages[:carrier + 1]) == [P.SkipRecord(f"{i:06d}", "bad_image", i)
+                                             for i in range(10, 40)]
+    assert _skips(messages[carrier + 1:]) == []  # and never again
+
+
+def test_a_shard_rewritten_smaller_is_reported_and_finished_and_the_reader_goes_on(tmp_path):
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 20)]))
+    with ScriptedRouter() as router, _reader(router) as (worker, errors):
+        (done,) = _read_shard(router, shard, start_index=77)  # read before, at 77 samples or more
+        assert done.type == P.SHARD_DONE and done["count"] == 0
+        assert done["skipped"] == [P.SkipRecord("", "shard_changed", -1)]
+        router.expect(P.SHARD_REQUEST)  # alive and asking for more
+        messages = _read_shard(router, shard)  # and still reads
+    assert not errors
+    assert sum(len(m["samples"]) for m in messages if m.type == P.SAMPLES) == 20
+
+
+def test_under_errors_raise_a_changed_shard_stops_the_reader_naming_shard_and_reason(tmp_path):
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 20)]))
+    with ScriptedRouter() as router:
+        with _reader(router, mode="raise") as (worker, errors):
+            router.send(P.SHARD_ASSIGN, assign_id=1, shard=shard, pos=0, epoch=0, start_index=77)
+            router.send(P.CREDIT, assign_id=1, samples=10)
+            router.expect(P.BYE)  # it leaves on purpose: the dispatcher hears it at once
+        assert len(errors) == 1 and isinstance(errors[0], SampleError)
+        assert "shard_changed" in str(errors[0]) and shard in str(errors[0])
+        # `mmdispatch read` says the same in one line and exits non-zero.
+        proc = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                                 router.endpoint, "--errors", "raise", "--prefetch-shards", "0"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            router.welcome(router.expect(P.HELLO, 30.0))
+            router.expect(P.SHARD_REQUEST)
+            router.send(P.SHARD_ASSIGN, assign_id=1, shard=shard, pos=0, epoch=0, start_index=77)
+            router.send(P.CREDIT, assign_id=1, samples=10)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    lines = [ln for ln in err.splitlines() if "mmdispatch read:" in ln]
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert len(lines) == 1 and "shard_changed" in lines[0] and shard in lines[0]
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_appending_to_a_shard_being_read_is_not_called_a_truncated_tar(tmp_path, mapped):
+    path = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 30)]))
+    stats = ErrorStats()
+    records = iter_shard(path, ReaderConfig(errors=ErrorPolicy(mode="skip"), map_shards=mapped),
+                         stats=stats)
+    keys = [next(records).key]  # the shard is open (and mapped) now
+    extra = b"y" * 30_000  # members past the mapped length
+    with tarfile.open(path, "a", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(30, 34):
+            info = tarfile.TarInfo(f"{i:06d}.txt")
+            info.size = len(extra)
+            tar.addfile(info, io.BytesIO(extra))
+    keys += [r.key for r in records]
+    assert "truncated_tar" not in stats.by_reason
+    # Every sample complete before the change is read; what the map cannot hold is reported
+    # as a change (a buffered stream had read the end-of-archive block before the append).
+    assert keys[:30] == [f"{i:06d}" for i in range(30)]
+    assert stats.by_reason == ({"shard_changed": 1} if mapped else {})
+
+
+# -- with a real dispatcher ----------------------------------------------------------------------
+def test_skips_survive_a_reader_killed_past_the_bad_run(tmp_path):
+    from dispatcher_server.config import FlowConfig
+    from tests import servicekit as K
+    from tests.test_service import consume, dispatcher, flat_keys, make_config
+
+    samples = good_and_bad([("good", 10), ("bad", 30), ("good", 300)])
+    shard = tar_of(str(tmp_path / "s.tar"), samples)
+    bad = sorted(k for k, m in samples if "jpg" in m)
+    flow = FlowConfig(max_buffered_samples=64, num_inflight_shards=1, credit_batch=8)
+    with dispatcher(make_config([shard], world_size=1, global_batch=8, flow=flow)) as srv:
+        received = lambda: srv.metrics.registry.get_sample_value("mmdispatch_samples_in_total") or 0
+        first = K.reader(srv.reader_endpoint, name="first", log=str(tmp_path / "first.log"))
+        try:
+            K.wait_for(lambda: received() >= 20, 60, "the reader passing the bad run")
+        finally:
+            K.kill(first)  # SIGKILL: no SHARD_DONE will ever come from it
+        assert sorted(k for k, _ in srv.skipped) == bad  # already reported, as they happened
+        second = K.reader(srv.reader_endpoint, name="second", log=str(tmp_path / "second.log"))
+        try:
+            got = consume(srv.trainer_endpoint, 1)
+        finally:
+            K.kill(second)
+        skipped = list(srv.skipped)
+    assert sorted(flat_keys(got)) == sorted(k for k, m in samples if "txt" in m)
+    assert sorted(k for k, _ in skipped) == bad and {r for _, r in skipped} == {"bad_image"}
+
+
+def test_a_stopped_reader_leaves_the_dispatcher_at_once_not_by_timeout(tmp_path):
+    from dispatcher_server.config import LivenessConfig
+    from tests import servicekit as K
+    from tests.test_service import dispatcher, make_config
+
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 20)]))
+    live = LivenessConfig(heartbeat_s=0.2, timeout_s=30.0, poll_ms=20)
+    with dispatcher(make_config([shard], world_size=1, liveness=live)) as srv:
+        stop = threading.Event()
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, name="r",
+                                                  timeout_s=30.0))
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            K.wait_for(lambda: len(srv.readers) == 1, 20, "the reader joining")
+        finally:
+            stop.set()
+            thread.join(10)
+        K.wait_for(lambda: len(srv.readers) == 0, 3, "the dispatcher dropping the reader (BYE)")

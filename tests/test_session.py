@@ -1,0 +1,371 @@
+"""The peer session readers and trainer clients share, against a scripted ROUTER (no dispatcher):
+HELLO/WELCOME by seq, heartbeats, reconnects, BYE on every clean exit, END, the connect timeout;
+and what the trainer client does with it: the dataset in its state, commit failures.
+Every receive has a timeout; processes are killed whatever happens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from dispatcher_server import protocol as P
+from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
+from pipeline.service import ReaderServiceConfig, ReaderWorker
+from tests.servicekit import ScriptedRouter, free_port
+from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
+
+UNRESOLVABLE = "tcp://mmdispatch-no-such-host.invalid:5555"
+
+
+class _Role:
+    """A PeerRole that records what the session tells it."""
+
+    def __init__(self) -> None:
+        self.welcomes: list[P.Message] = []
+        self.messages: list[P.Message] = []
+        self.resets = 0
+
+    def hello_fields(self) -> dict:
+        return {"role": "reader", "name": "probe"}
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def on_welcome(self, session, msg) -> None:
+        self.welcomes.append(msg)
+
+    def on_message(self, session, msg) -> bool:
+        self.messages.append(msg)
+        if msg.type == P.END:
+            session.finish()
+        return True
+
+    def tick(self, session) -> bool:
+        return False
+
+
+@contextmanager
+def _running(target, *args):
+    """`target(*args)` in a thread; yields the list of what it raised."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target(*args)
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield errors, thread
+    finally:
+        thread.join(10)
+    assert not thread.is_alive(), "the peer did not stop"
+
+
+def _session(address: str, **kw) -> tuple[PeerSession, _Role]:
+    role = _Role()
+    cfg = dict(address=address, timeout_s=1.0, poll_ms=10, backoff_min_s=0.05, backoff_max_s=0.1)
+    return PeerSession(SessionConfig(**{**cfg, **kw}), role, name="probe"), role
+
+
+# -- the session ---------------------------------------------------------------------------------
+def test_welcome_counts_only_with_the_hellos_seq_then_heartbeats_and_bye():
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint)
+        stop = threading.Event()
+        with _running(session.run, stop) as (errors, _):
+            hello = router.expect(P.HELLO)
+            assert (hello["role"], hello["name"]) == ("reader", "probe")
+            router.send(P.WELCOME, role="reader", ack=hello.seq + 7, heartbeat_s=0.1)
+            time.sleep(0.2)
+            assert not session.welcomed and role.welcomes == []
+            router.welcome(hello, heartbeat_s=0.1)
+            beat = router.recv(2.0, heartbeats=True)
+            assert beat is not None and beat.type == P.HEARTBEAT  # at the WELCOME's interval
+            assert session.welcomed and len(role.welcomes) == 1
+            router.send(P.CREDIT, assign_id=3, samples=4)
+            time.sleep(0.1)
+            stop.set()
+            router.expect(P.BYE, 2.0)
+    assert not errors
+    assert [m.type for m in role.messages] == [P.CREDIT]
+
+
+def test_a_silent_dispatcher_means_reconnect_and_hello_again():
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint, timeout_s=0.5)
+        stop = threading.Event()
+        with _running(session.run, stop) as (errors, _):
+            router.welcome(router.expect(P.HELLO))
+            first = router.ident
+            again = router.expect(P.HELLO, 5.0)  # nothing heard for 0.5 s: a new connection
+            assert router.ident != first and session.num_reconnects >= 1
+            router.welcome(again)
+            time.sleep(0.1)
+            assert session.welcomed
+            stop.set()
+    assert not errors and role.resets >= 1
+
+
+def test_unknown_peer_gets_a_hello_on_the_same_connection():
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint)
+        stop = threading.Event()
+        with _running(session.run, stop):
+            router.welcome(router.expect(P.HELLO))
+            first = router.ident
+            router.send(P.ERROR, code="unknown_peer", message="who are you?")
+            router.expect(P.HELLO)
+            assert router.ident == first and not session.welcomed
+            stop.set()
+
+
+def test_end_finishes_the_session_with_a_bye():
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint)
+        with _running(session.run, threading.Event()) as (errors, thread):
+            router.welcome(router.expect(P.HELLO))
+            router.send(P.END, reason="done")
+            router.expect(P.BYE, 2.0)
+            thread.join(5)
+            assert not thread.is_alive()
+    assert not errors
+
+
+@pytest.mark.parametrize("address", ["closed port", UNRESOLVABLE])
+def test_no_welcome_within_the_connect_timeout_is_an_error_naming_the_address(address):
+    if address == "closed port":
+        address = f"tcp://127.0.0.1:{free_port()}"
+    session, _ = _session(address, connect_timeout_s=1.0, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(Unreachable, match=address.replace(".", r"\.")):
+        session.run(threading.Event())
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_malformed_address_is_an_error_at_once():
+    session, _ = _session("tcp://no port here")
+    with pytest.raises(Unreachable, match="no port here"):
+        session.run(threading.Event())
+
+
+# -- the reader ----------------------------------------------------------------------------------
+def _reader(address: str, **kw) -> ReaderWorker:
+    return ReaderWorker(ReaderServiceConfig(dispatcher=address, name="r", timeout_s=5.0, **kw))
+
+
+def test_a_stopped_reader_says_bye_at_once():
+    with ScriptedRouter() as router:
+        stop = threading.Event()
+        worker = _reader(router.endpoint)
+        with _running(worker.run, stop) as (errors, _):
+            router.welcome(router.expect(P.HELLO))
+            router.expect(P.SHARD_REQUEST)
+            stop.set()
+            start = time.monotonic()
+            router.expect(P.BYE, 2.0)  # long before the 5 s timeout would tell
+            assert time.monotonic() - start < 2.0
+    assert not errors
+
+
+def test_a_reader_stops_cleanly_on_end():
+    with ScriptedRouter() as router:
+        worker = _reader(router.endpoint)
+        with _running(worker.run, threading.Event()) as (errors, thread):
+            router.welcome(router.expect(P.HELLO))
+            router.expect(P.SHARD_REQUEST)
+            router.send(P.END, reason="done")
+            router.expect(P.BYE, 2.0)
+            thread.join(5)
+            assert not thread.is_alive()
+    assert not errors and worker.ended
+
+
+def _read_process(address: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                             address, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_mmdispatch_read_exits_0_once_every_worker_hears_end():
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        try:
+            ended = set()
+            while len(ended) < 2:  # each worker: welcomed, then told the job is done
+                msg = router.recv(60.0)
+                assert msg is not None, "a worker never said HELLO"
+                if msg.type == P.HELLO:
+                    router.welcome(msg)
+                    router.send(P.END, reason="done")
+                    ended.add(router.ident)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+
+
+@pytest.mark.parametrize("address", ["closed port", UNRESOLVABLE])
+def test_mmdispatch_read_gives_up_after_the_connect_timeout_in_one_line(address):
+    if address == "closed port":
+        address = f"tcp://127.0.0.1:{free_port()}"
+    proc = _read_process(address, "--connect-timeout", "1", "--timeout", "0.5")
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    lines = [ln for ln in err.splitlines() if "mmdispatch read:" in ln]
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert len(lines) == 1 and address in lines[0]
+    # every reconnect line names the address it tried
+    reconnects = [ln for ln in err.splitlines() if "reconnect" in ln]
+    assert reconnects and all(address in ln for ln in reconnects)
+
+
+# -- the trainer client --------------------------------------------------------------------------
+def _client(address: str, **kw) -> DispatcherClient:
+    cfg = dict(heartbeat_s=0.2, timeout_s=5.0, step_timeout_s=60.0)
+    return DispatcherClient(address, 0, 1, 1, config=ClientConfig(**{**cfg, **kw}))
+
+
+def _welcome_trainer(router: ScriptedRouter, hello: P.Message, *, next_step: int = 0,
+                     **fields) -> None:
+    router.welcome(hello, role="trainer", heartbeat_s=0.2, world_size=1, next_step=next_step,
+                   **fields)
+
+
+def test_a_trainer_with_no_dispatcher_fails_at_the_connect_timeout_naming_the_address():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    client = _client(address, connect_timeout_s=1.0, timeout_s=0.3, backoff_max_s=0.1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(Unreachable, match=address):
+            next(client)
+    finally:
+        client.close()
+    assert time.monotonic() - start < 10.0  # not the 60 s step timeout
+
+
+DATASET = {"shards": "ab12", "num_shards": 6, "seed": 5, "mode": "deterministic",
+           "global_batch": 8, "token_budget": None}
+
+
+def test_the_state_carries_the_dataset_and_a_restore_sends_it():
+    with ScriptedRouter() as router:
+        first = _client(router.endpoint).start()
+        try:
+            _welcome_trainer(router, router.expect(P.HELLO), next_step=4, dataset=DATASET)
+            router.expect(P.CREDIT)
+            state = first.state_dict()
+        finally:
+            first.close()
+        router.expect(P.BYE)
+        assert state["dataset"] == DATASET
+        second = _client(router.endpoint)
+        second.load_state_dict(state)
+        try:
+            second.start()
+            hello = router.expect(P.HELLO)
+            assert hello["dataset"] == DATASET
+            router.send(P.ERROR, code="dataset", ack=hello.seq,
+                        message="the journal's dataset differs: seed (journal 5, trainer 6)")
+            with pytest.raises(DispatcherError, match=r"seed \(journal 5, trainer 6\)"):
+                next(second)
+        finally:
+            second.close()
+
+
+def test_a_restored_state_of_another_dataset_is_refused_by_the_client_too():
+    with ScriptedRouter() as router:
+        client = _client(router.endpoint)
+        client.load_state_dict({"next_step": 3, "rank": 0, "world_size": 1,
+                                "dataset": {**DATASET, "seed": 6}})
+        try:
+            client.start()
+            hello = router.expect(P.HELLO)
+            # a dispatcher that does not compare: it welcomes whatever arrives
+            _welcome_trainer(router, hello, next_step=3, dataset=DATASET)
+            with pytest.raises(DispatcherError, match=r"seed: saved 6, dispatcher 5"):
+                next(client)
+        finally:
+            client.close()
+
+
+def test_a_commit_the_dispatcher_could_not_journal_fails_at_once_with_its_reason():
+    with ScriptedRouter() as router:
+        client = _client(router.endpoint).start()
+        results: dict[int, object] = {}
+
+        def commit(step: int) -> None:
+            try:
+                client.commit(step, timeout=20)
+                results[step] = "ok"
+            except Exception as e:  # noqa: BLE001 - checked below
+                results[step] = e
+
+        try:
+            _welcome_trainer(router, router.expect(P.HELLO))
+            router.expect(P.CREDIT)
+            committers = []
+            for step in (1, 3):
+                committers.append(threading.Thread(target=commit, args=(step,), daemon=True))
+                committers[-1].start()
+                seqs = router.expect(P.COMMIT)
+                assert seqs["step"] == step
+                if step == 3:
+                    failing = seqs.seq
+            start = time.monotonic()
+            router.send(P.ERROR, code="internal", ack=failing,
+                        message="journal write failed: [Errno 28] No space left on device")
+            committers[1].join(5)
+            assert time.monotonic() - start < 2.0
+            router.send(P.COMMIT, step=1)  # the other commit is journaled and acknowledged
+            committers[0].join(5)
+        finally:
+            client.close()
+    assert results[1] == "ok"
+    assert isinstance(results[3], DispatcherError)
+    assert "No space left on device" in str(results[3]) and "commit(3)" in str(results[3])
+
+
+def test_readers_and_trainers_get_curve_through_one_check(tmp_path):
+    from dispatcher_server.security import create_keypair
+
+    public, _ = create_keypair(str(tmp_path), "peer")
+    server_public, _ = create_keypair(str(tmp_path), "server")
+    # The public key passed where the secret belongs: refused, naming the file, by both roles.
+    worker = _reader("tcp://127.0.0.1:1", secret_file=public, server_public_file=server_public)
+    with pytest.raises(ValueError, match=r"peer\.key.*holds no secret key"):
+        worker.run(threading.Event())
+    client = _client("tcp://127.0.0.1:1", secret_file=public, server_public_file=server_public)
+    try:
+        with pytest.raises(ValueError, match=r"peer\.key.*holds no secret key"):
+            next(client)
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="both"):
+        _reader("tcp://127.0.0.1:1", secret_file=public)
+
+
+@pytest.mark.parametrize("flags, named", [(["--connect-timeout", "-1"], "--connect-timeout"),
+                                          (["--timeout", "0"], "--timeout")])
+def test_a_bad_read_setting_is_one_line_naming_the_flag(capsys, flags, named):
+    import argparse
+
+    from pipeline import service
+
+    parser = argparse.ArgumentParser()
+    service.add_arguments(parser)
+    assert service.run(parser.parse_args(["--dispatcher", "tcp://127.0.0.1:1", *flags])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0]
