@@ -24,6 +24,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
+from dispatcher_server.cliopts import setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
@@ -261,7 +262,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
 
 def _worker_main(args: argparse.Namespace, worker: int) -> int:
     """One worker until it is stopped or the job is done (0), or cannot go on (1, one line)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # Workers of `--workers N` are fresh processes: they log as the command was told to.
+    setup_logging(getattr(args, "log_format", "text"), getattr(args, "log_level", "INFO"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
