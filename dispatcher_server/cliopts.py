@@ -110,6 +110,15 @@ def user_message(error: BaseException) -> str:
     return text
 
 
+def check_endpoint(flag: str, address: str) -> str:
+    """`address` if it names a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH...), else a ValueError
+    naming the flag and the form."""
+    if "://" not in address:
+        raise ValueError(f"{flag} {address!r}: an endpoint looks like tcp://HOST:PORT "
+                         "(e.g. tcp://10.0.0.5:5555)")
+    return address
+
+
 def run_reporting_errors(fn, prog: str, *, debug: bool = False) -> int:
     """`fn()`, with a user mistake turned into one line `PROG: error: ...` and exit status 2."""
     try:

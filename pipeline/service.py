@@ -24,7 +24,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
-from dispatcher_server.cliopts import setup_logging
+from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
@@ -240,6 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderServiceConfig:
+    check_endpoint("--dispatcher", args.dispatcher)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
     if not 0 <= args.prefetch_shards < P.MAX_READER_SHARDS:

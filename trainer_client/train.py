@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dispatcher_server.cliopts import HelpFormatter, run_reporting_errors, setup_logging
+from dispatcher_server.cliopts import HelpFormatter, check_endpoint, run_reporting_errors, setup_logging
 from mmdispatch.settings import ConfigError, apply_file
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
@@ -110,6 +110,7 @@ class ItemInputs:
 
 
 def train(args: argparse.Namespace) -> int:
+    check_endpoint("--dispatcher", args.dispatcher)
     if bool(args.curve_secret) != bool(args.curve_server_key):
         raise ValueError("--curve-secret and --curve-server-key go together")
     for path in (args.curve_secret, args.curve_server_key):
