@@ -485,7 +485,7 @@ class DispatcherClient:
     def __next__(self) -> Step:
         if self._ended:
             raise StopIteration
-        self.start()
+        thread = self.start()._thread  # close() from another thread may clear the attribute
         limit = self.config.step_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
         while True:
@@ -494,8 +494,9 @@ class DispatcherClient:
             except queue.Empty:
                 if self._fatal is not None:
                     raise self._fatal
-                if not self._thread.is_alive():
-                    raise RuntimeError("dispatcher client thread stopped")
+                if thread is None or not thread.is_alive():
+                    raise RuntimeError("dispatcher client closed" if self._closing.is_set()
+                                       else "dispatcher client thread stopped")
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no step from {self.address} within {limit} s")
                 continue
