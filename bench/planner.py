@@ -19,8 +19,10 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from bench.regimes import REGIMES, regime_step  # noqa: E402
 from dispatcher_server.planner import (  # noqa: E402
-    BASELINES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology, plan_step, validate,
+    BASELINES, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology,
+    best_lower_bound, plan_step, validate,
 )
 
 PATCHES_PER_TOKEN = 4  # 2x2 patch merge (Qwen2-VL)
@@ -142,6 +144,79 @@ def run(worlds: list[int], num_steps: int, ranks_per_node: int, samples_per_rank
     return results
 
 
+REGIME_WORLDS = [8, 64, 512, 2560]
+#: steps per regime and W: more where a step is cheap (p50 of plan time needs a few)
+REGIME_STEPS = {8: 15, 64: 9, 512: 5, 2560: 3}
+
+
+def _timed_plans(fn, steps, topo, cfg) -> tuple[list, list]:
+    fn(steps[0], topo, cfg)  # warm-up: imports, allocator
+    plans, times = [], []
+    for inp in steps:
+        t0 = time.perf_counter()
+        plan = fn(inp, topo, cfg)
+        times.append(time.perf_counter() - t0)
+        validate(plan, inp)
+        plans.append(plan)
+    return plans, times
+
+
+def run_regime(name: str, W: int, num_steps: int, *, ranks_per_node: int,
+               samples_per_rank: int, num_microbatches: int, seed: int) -> dict:
+    """Every method on the same `num_steps` steps of regime `name` at world size W."""
+    topo = Topology(world_size=W, ranks_per_node=min(ranks_per_node, W))
+    cfg = PlannerConfig(num_microbatches=num_microbatches, seed=seed)
+    rng = np.random.default_rng([seed, W, sorted(REGIMES).index(name)])
+    steps = [regime_step(name, rng, samples_per_rank * W) for _ in range(num_steps)]
+    best_lb = np.array([best_lower_bound(inp, topo, cfg.cost, num_microbatches)
+                        for inp in steps])
+    items = float(np.mean([sum(len(inp.items(p)) for p in ENCODER_PHASES) for inp in steps]))
+    acc = {m: _timed_plans(fn, steps, topo, cfg) for m, fn in METHODS.items()}
+    step_of = {m: np.array([p.metrics["step_time"] for p in plans])
+               for m, (plans, _) in acc.items()}
+    inter_of = {m: sum(p.metrics["bytes"]["inter_node"] for p in plans)
+                for m, (plans, _) in acc.items()}
+    best_base = min(step_of[m].sum() for m in BASELINES)
+    lpt_inter = inter_of["per_phase_lpt"]
+    out = {}
+    for m, (plans, times) in acc.items():
+        out[m] = {
+            "step_time": float(step_of[m].mean()),
+            "step_time_vs_best_baseline": round(float(step_of[m].sum() / best_base), 4),
+            "step_time_over_best_lb": round(float(step_of[m].sum() / best_lb.sum()), 4),
+            "plan_ms_p50": round(float(np.percentile(times, 50)) * 1e3, 2),
+            "items_per_step": round(items),
+            "samples_per_step": samples_per_rank * W,
+            "inter_node_vs_per_phase_lpt": round(inter_of[m] / lpt_inter, 4)
+            if lpt_inter else None,
+            "max_over_mean": {p: round(float(np.mean([pl.metrics["max_over_mean"][p]
+                                                      for pl in plans])), 4) for p in PHASES},
+            "peak_llm_tokens": int(max(pl.metrics["peak_tokens"]["llm"] for pl in plans)),
+        }
+    return out
+
+
+def run_regimes(regimes: list[str], worlds: list[int], steps: dict[int, int], **shape) -> dict:
+    return {name: {str(W): run_regime(name, W, steps[W], **shape) for W in worlds}
+            for name in regimes}
+
+
+def regimes_table(regimes: dict) -> str:
+    lines = [f"{'regime':<14} {'W':>5} {'vs best base':>12} {'step/bestLB':>11} {'p50 ms':>8} "
+             f"{'items':>8} {'inter/LPT':>9}   best baseline"]
+    for name, by_w in regimes.items():
+        for W, methods in by_w.items():
+            e = methods["mmdispatch"]
+            base = min(BASELINES, key=lambda m: methods[m]["step_time"])
+            inter = e["inter_node_vs_per_phase_lpt"]
+            lines.append(
+                f"{name:<14} {W:>5} {e['step_time_vs_best_baseline']:>12.4f} "
+                f"{e['step_time_over_best_lb']:>11.4f} {e['plan_ms_p50']:>8.1f} "
+                f"{e['items_per_step']:>8} {'-' if inter is None else f'{inter:.3f}':>9}   "
+                f"{base} ({methods[base]['plan_ms_p50']:.0f} ms)")
+    return "\n".join(lines)
+
+
 CONFIG_NOTE = {
     "cost_units": "training FLOPs (CostModel defaults)",
     "max_over_lb": "per phase: sum over steps and micro-batches of the slowest rank / sum of "
@@ -179,22 +254,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="W in {8, 64, 512}, 3 steps")
     ap.add_argument("--steps", type=int, default=None, help="steps per W (default 7, quick 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--regimes", default=",".join(REGIMES),
+                    help=f"comma-separated regimes (default all: {','.join(REGIMES)})")
+    ap.add_argument("--worlds", default=None, help="comma-separated W for the regimes")
+    ap.add_argument("--only-regimes", action="store_true", help="skip the other sections")
     args = ap.parse_args(argv)
     worlds = [8, 64, 512] if args.quick else [8, 64, 512, 2560]
     steps = args.steps or (3 if args.quick else 7)
     shape = dict(ranks_per_node=8, samples_per_rank=8, num_microbatches=2, seed=args.seed)
-    res = {
-        "config": {"worlds": worlds, "num_steps": steps, **shape, **CONFIG_NOTE},
-        "results": run(worlds, steps, **shape),
-        "capped_images": run(worlds, max(3, steps // 2), max_patches=2048, **shape),
-        "small_worlds": run_small(max(steps, 50 if not args.quick else 10),
-                                  shape["num_microbatches"], args.seed),
-    }
+    r_worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else (
+        [8, 64, 512] if args.quick else REGIME_WORLDS)
+    r_steps = {W: (min(3, REGIME_STEPS.get(W, 3)) if args.quick else REGIME_STEPS.get(W, 3))
+               for W in r_worlds}
+    res = {"config": {"worlds": worlds, "num_steps": steps, "regime_worlds": r_worlds,
+                      "regime_steps": r_steps, **shape, **CONFIG_NOTE}}
+    res["regimes"] = run_regimes(args.regimes.split(","), r_worlds, r_steps, **shape)
+    if not args.only_regimes:
+        res["results"] = run(worlds, steps, **shape)
+        res["capped_images"] = run(worlds, max(3, steps // 2), max_patches=2048, **shape)
+        res["small_worlds"] = run_small(max(steps, 50 if not args.quick else 10),
+                                        shape["num_microbatches"], args.seed)
     if args.json:
         json.dump(res, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print("long-tailed mixture (images up to 16384 patches)")
+        print("regimes: mmdispatch's step time vs the best baseline's and vs the best bound")
+        print(regimes_table(res["regimes"]))
+        if args.only_regimes:
+            return 0
+        print("\nlong-tailed mixture (images up to 16384 patches)")
         print(_table(res["results"]))
         print("\ncapped_images mixture (images up to 2048 patches)")
         print(_table(res["capped_images"]))

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel
+from .bounds import split_free_bound, unit_bound
+from .cost import CostModel, phase_costs  # noqa: F401  (phase_costs: part of this module's API)
 from .types import (
     ENCODER_PHASES, LLM_PHASE, PHASES, EncoderItems, ExchangeTable, PhaseExchange, PlanError,
     RankMicrobatch, StepInputs, Topology,
@@ -99,8 +100,16 @@ class StepPlan:
         self._sample_order_ro: np.ndarray | None = None
         self._sample_ptr_l: list[int] = []
         self._ex_list: list = []
+        self._metrics: dict | None = None
         self._layout()
-        self.metrics = compute_metrics(self)
+
+    @property
+    def metrics(self) -> dict:
+        """`compute_metrics(self)`, computed on first use (the dispatcher's hot path and the
+        capacity repair build plans whose metrics nobody reads)."""
+        if self._metrics is None:
+            self._metrics = compute_metrics(self)
+        return self._metrics
 
     # ---- layout -------------------------------------------------------------------------
     def _layout(self) -> None:
@@ -289,56 +298,34 @@ def _locality(src: np.ndarray, dst: np.ndarray, topology: Topology) -> np.ndarra
 
 
 # ---- metrics ------------------------------------------------------------------------------
-def phase_costs(inputs: StepInputs, cost: CostModel) -> dict[str, np.ndarray]:
-    """Cost of every unit each phase balances: items for encoders, samples for the LLM."""
-    out = {p: cost.cost(p, inputs.items(p).enc_len) for p in ENCODER_PHASES}
-    out[LLM_PHASE] = cost.cost(LLM_PHASE, inputs.llm_len)
-    return out
-
-
-def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
-    """Per group, a lower bound on the heaviest of `bins` bins holding its units `c`:
-    max(total/bins, largest, s_bins + s_(bins+1)) - the last term by pigeonhole: two of the
-    bins+1 largest units share a bin."""
-    total = np.bincount(group, weights=c, minlength=num_groups)
-    lb = total / bins
-    if len(c) == 0:
-        return lb
-    order = np.lexsort((-c, group))
-    g, s = group[order], c[order]
-    pos = np.arange(len(s)) - np.searchsorted(g, g)
-    lb = np.maximum(lb, np.bincount(g[pos == 0], weights=s[pos == 0], minlength=num_groups))
-    pair = (pos == bins - 1) | (pos == bins)
-    lb = np.maximum(lb, np.bincount(g[pair], weights=s[pair], minlength=num_groups)
-                    * (np.bincount(g[pair], minlength=num_groups) == 2))
-    return lb
-
-
 def compute_metrics(plan: StepPlan) -> dict:
-    """Loads per phase/micro-batch/rank, lower bounds, imbalance, step time, bytes.
+    """Loads per phase/micro-batch/rank, lower bounds, imbalance, step time, bytes, and
+    `peak_tokens`: per phase, the most tokens any (rank, micro-batch) holds (LLM tokens; encoder
+    tokens as processed, padded for windowed encoders) - what its memory must fit.
 
-    lb[p][m] = `unit_bound` of micro-batch m's units over W ranks: max(total/W, largest unit,
-    s_W + s_(W+1)), for the plan's own micro-batch split. The split-free bound sums over phases
-    max(total_p/W, largest_p, s_WM + s_(WM+1)) and holds for any split into M micro-batches
-    (per-micro-batch maxima sum to at least total/W; one micro-batch holds the largest unit; two
-    of the WM+1 largest units share a (rank, micro-batch)).
+    lb[p][m] = `unit_bound` of micro-batch m's units over W ranks, for the plan's own
+    micro-batch split; the split-free bound is `bounds.split_free_bound` (holds for any split).
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     costs = phase_costs(plan.inputs, plan.cost)
-    loads, lb, mx, mean = {}, {}, {}, {}
-    split_free = 0.0
+    loads, lb, mx, mean, peak = {}, {}, {}, {}, {}
     for p in PHASES:
         if p == LLM_PHASE:
             mb, rank = plan.sample_mb, plan.sample_rank
+            tokens = plan.inputs.llm_len
         else:
-            mb, rank = plan.sample_mb[plan.inputs.items(p).sample], plan.item_rank[p]
+            it = plan.inputs.items(p)
+            mb, rank = plan.sample_mb[it.sample], plan.item_rank[p]
+            tokens = plan.cost.phase(p).padded_len(it.enc_len) if p in plan.cost.phases \
+                else it.enc_len
         c = costs[p]
-        load = np.bincount(mb * W + rank, weights=c, minlength=W * M).reshape(M, W)
+        slot = mb * W + rank
+        load = np.bincount(slot, weights=c, minlength=W * M).reshape(M, W)
+        peak[p] = int(np.bincount(slot, weights=tokens, minlength=W * M).max(initial=0))
         loads[p], mean[p] = load, load.sum(axis=1) / W
         lb[p] = unit_bound(c, mb, M, W)
         mx[p] = load.max(axis=1)
-        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * M)[0]
-        split_free += max(float(c.sum()) / W, float(one))
+    split_free = split_free_bound(costs, W, M)
 
     def ratio(num, den):
         d = float(den.sum())
@@ -360,6 +347,7 @@ def compute_metrics(plan: StepPlan) -> dict:
         "step_time": step, "lb_step_time": lb_step, "split_free_lb_step_time": float(split_free),
         "step_time_over_lb": step / lb_step if lb_step > 0 else 1.0,
         "bytes": byts,
+        "peak_tokens": peak,
     }
 
 

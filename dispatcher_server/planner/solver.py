@@ -35,7 +35,8 @@ import numpy as np
 
 from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
 from .config import PlannerConfig
-from .plan import StepPlan, group_excl_cumsum, phase_costs
+from .cost import phase_costs
+from .plan import StepPlan, group_excl_cumsum
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
 
 _ROOM_SLACK = 0.5  # fill a giant-dominated micro-batch up to half a mean sample below its bound
