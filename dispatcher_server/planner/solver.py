@@ -152,8 +152,38 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
         bound = _split_bound(c, b, second, M, W)
         if bound < best_bound:
             best, best_bound = second, bound
+    if slack < 1:
+        third = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W)
+        bound = _split_bound(c, b, third, M, W)
+        if bound < best_bound * (1 - 1e-9):
+            best, best_bound = third, bound
     _polish_split(c, b, best, M, W)
     return best
+
+
+def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
+                  W: int) -> np.ndarray:
+    """Every sample through `_greedy_blocks`, all phases at once: giants first (as in
+    `_split_pass`), then the rest largest first, about 64 blocks per micro-batch. Unlike the
+    class-by-class pass, a sample counts in every phase it touches, so the room a giant of
+    one phase leaves in its micro-batch fills with the other phases' work too."""
+    P, n = c.shape
+    csum = c.sum(axis=1)
+    tau = np.where(csum > 0, csum / (W * M), 1.0)
+    score = (b / tau[:, None]).max(axis=0)
+    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
+    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
+    out = np.zeros(n, dtype=np.int64)
+    giants = np.flatnonzero(is_giant)
+    giants = giants[np.argsort(-score[giants], kind="stable")]
+    if len(giants):
+        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
+    rest = np.flatnonzero(~is_giant)
+    size = (c[:, rest] / tau[:, None]).sum(axis=0)
+    rest = rest[np.argsort(-size, kind="stable")]
+    if len(rest):
+        out[rest] = _greedy_blocks(c, b, rest, max(1, len(rest) // (64 * M)), Tc, Lc, W)
+    return out
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
@@ -162,6 +192,52 @@ def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -
     for k in range(len(c)):
         np.maximum.at(L[k], mb, b[k])
     return float(np.maximum(T / W, L).sum())
+
+
+def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
+                   Tc: list, Lc: list, W: int) -> np.ndarray:
+    """Micro-batch of each of `members`, taken in order in blocks of `block`: each block goes
+    where it raises sum_p max(total_p/W, largest_p) least (ties: the lighter micro-batch).
+    `Tc`, `Lc` (per micro-batch, per phase: totals, largest units) are updated in place.
+
+    Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates."""
+    P, M = len(c), len(Tc)
+    csum = c.sum(axis=1)
+    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
+    starts = np.arange(0, len(members), block)
+    bsum = np.add.reduceat(c[:, members], starts, axis=1).T.tolist()
+    bmax = np.maximum.reduceat(b[:, members], starts, axis=1).T.tolist()
+    olds = [[max(t / W, l) for t, l in zip(Tm, Lm)] for Tm, Lm in zip(Tc, Lc)]
+    ties = [sum(x * t for x, t in zip(shr, Tm)) for Tm in Tc]
+    bounds = [sum(om) for om in olds]
+    chosen = []
+    for bs, bx in zip(bsum, bmax):
+        incs = []
+        for m in range(M):
+            Tm, Lm, om = Tc[m], Lc[m], olds[m]
+            inc = 0.0
+            for q in range(P):
+                t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
+                if v > l:
+                    l = v
+                if l > t:
+                    t = l
+                inc += t - om[q]
+            incs.append(inc)
+        lo = min(incs)
+        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
+        m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
+        chosen.append(m)
+        Tm, Lm, om = Tc[m], Lc[m], olds[m]
+        tie = bnd = 0.0
+        for q in range(P):
+            Tm[q] += bs[q]
+            Lm[q] = max(Lm[q], bx[q])
+            om[q] = max(Tm[q] / W, Lm[q])
+            tie += shr[q] * Tm[q]
+            bnd += om[q]
+        ties[m], bounds[m] = tie, bnd
+    return np.repeat(chosen, block)[:len(members)]
 
 
 def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
@@ -174,49 +250,12 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
         else np.zeros(n, dtype=bool)
     giants = np.flatnonzero(is_giant)
-    # Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates;
-    # per micro-batch, its totals, largest units, bounds and tie-break key, refreshed on change.
     Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
     if len(giants):
         tau = np.where(has, csum / (W * M), 1.0)
         score = (b[:, giants] / tau[:, None]).max(axis=0)
         giants = giants[np.argsort(-score, kind="stable")]
-        shr = np.where(has, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
-        # Greedy in blocks of giants (one at a time for small W): each block goes where it
-        # raises the bound least; ties go to the lighter micro-batch.
-        block = max(1, W // 16)
-        starts = np.arange(0, len(giants), block)
-        bsum = np.add.reduceat(c[:, giants], starts, axis=1).T.tolist()
-        bmax = np.maximum.reduceat(b[:, giants], starts, axis=1).T.tolist()
-        olds, ties, bounds = [[0.0] * P for _ in range(M)], [0.0] * M, [0.0] * M
-        chosen = []
-        for bs, bx in zip(bsum, bmax):
-            incs = []
-            for m in range(M):
-                Tm, Lm, om = Tc[m], Lc[m], olds[m]
-                inc = 0.0
-                for q in range(P):
-                    t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
-                    if v > l:
-                        l = v
-                    if l > t:
-                        t = l
-                    inc += t - om[q]
-                incs.append(inc)
-            lo = min(incs)
-            eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-            m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
-            chosen.append(m)
-            Tm, Lm, om = Tc[m], Lc[m], olds[m]
-            tie = bnd = 0.0
-            for q in range(P):
-                Tm[q] += bs[q]
-                Lm[q] = max(Lm[q], bx[q])
-                om[q] = max(Tm[q] / W, Lm[q])
-                tie += shr[q] * Tm[q]
-                bnd += om[q]
-            ties[m], bounds[m] = tie, bnd
-        out[giants] = np.repeat(chosen, block)[:len(giants)]
+        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
     T, L = np.array(Tc).T.copy(), np.array(Lc).T.copy()
     rest = ~is_giant
     k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
