@@ -33,6 +33,20 @@ class PlannerConfig:
     cost: CostModel = field(default_factory=CostModel)
     bytes_per_token: dict[str, int] = field(default_factory=dict)  # phase -> bytes
     seed: int = 0
+    # Tuning of the solver (solver.py, placement.py); the defaults are what bench.planner
+    # measures. A giant-dominated micro-batch is filled up to `room_slack` x a mean sample
+    # below its bound (room left for packing).
+    room_slack: float = 0.5
+    # Encoder placements whose slowest rank is within this fraction of each other count as
+    # equally balanced (the one moving fewer inter-node bytes wins); node-first placement
+    # within it of the bound is kept without trying the LPT strategies.
+    balance_tolerance: float = 0.005
+    # Node-first placement gets a refine over all pairs of ranks when its slowest rank is
+    # within this factor of the LPT strategies' best.
+    catch_up: float = 1.08
+    # Home-biased LPT treats rank loads within this fraction of the bound (spread over a
+    # rank's items) as equal, so an item may take its home rank.
+    home_band: float = 0.02
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_token_budget is None):
@@ -51,6 +65,11 @@ class PlannerConfig:
         for phase, bpt in self.bytes_per_token.items():
             if phase not in ENCODER_PHASES or bpt < 0:
                 raise ValueError(f"bad bytes_per_token entry {phase!r}: {bpt}")
+        if not 0 <= self.room_slack < 1:
+            raise ValueError(f"room_slack must be in [0, 1), got {self.room_slack}")
+        if self.balance_tolerance < 0 or self.home_band < 0 or self.catch_up < 1:
+            raise ValueError(f"need balance_tolerance >= 0, home_band >= 0, catch_up >= 1; got "
+                             f"{self.balance_tolerance}, {self.home_band}, {self.catch_up}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
 

@@ -33,16 +33,13 @@ import warnings
 
 import numpy as np
 
-from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .balance import lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
-from .plan import StepPlan, group_excl_cumsum
+from .placement import Items, place_items, place_samples
+from .plan import StepPlan
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
 
-_ROOM_SLACK = 0.5  # fill a giant-dominated micro-batch up to half a mean sample below its bound
-_GOOD_ENOUGH = 0.005  # node-first encoder placement within 0.5% of the bound is kept as is
-_CATCH_UP = 1.08  # node-first gets a cross-node refine only if within 8% of the global try
-_BAND = 0.02  # home-biased LPT treats loads within 2% of the bound (over a rank's items) as equal
 
 
 def check_inputs(inputs: StepInputs) -> None:
@@ -132,7 +129,7 @@ def _waterfill_py(total: list, largest: list, amount: float, W: int, pad: float)
 
 
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
-                       rng: np.random.Generator, slack: float = _ROOM_SLACK) -> np.ndarray:
+                       rng: np.random.Generator, slack: float) -> np.ndarray:
     """Micro-batch of each sample in `idx` (see module docstring, step 1).
 
     A unit counts as a giant above the mean rank load of the step; a second pass lowers that
@@ -340,137 +337,24 @@ def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
                       items_in: dict[str, np.ndarray], inputs: StepInputs, topology: Topology,
-                      sample_rank: np.ndarray, item_rank: dict[str, np.ndarray]) -> None:
-    """Steps 2-4 of the module docstring for one micro-batch's samples `samp`."""
-    W, g, N = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
-    c = cost[:, samp]
-    node = np.zeros(len(samp), dtype=np.int64)
-    if N > 1:
-        has_a = c[k_aud] > 0
-        has_v = ~has_a & (c[k_vis] > 0)
-        text = ~has_a & ~has_v
-        node_load = np.zeros((len(PHASES), N))
-        for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
-            sel = np.flatnonzero(mask)
-            if len(sel) == 0:
-                continue
-            row = node_load[k][None, :].copy()
-            nsel = lpt_rounds(c[k, sel], np.zeros(len(sel), dtype=np.int64), row)
-            # batched LPT is coarse with few samples per node: even it out, per node load
-            refine(c[k, sel], nsel, row[0], target=row[0].mean() * 1.001, max_iter=8)
-            node[sel] = nsel
-            for q in range(len(PHASES)):
-                node_load[q] += np.bincount(nsel, weights=c[q, sel], minlength=N)
-    local = lpt_rounds(c[k_llm], node, np.zeros((N, g)))
-    rank = node * g + local
-    loads = np.bincount(rank, weights=c[k_llm], minlength=W)
-    llm_lb = max(loads.sum() / W, c[k_llm].max(initial=0.0))
-    refine(c[k_llm], rank, loads, bins_per_group=g, target=llm_lb)
-    no_items = (c[k_vis] == 0) & (c[k_aud] == 0)
-    if N > 1:
-        refine(c[k_llm], rank, loads, movable=no_items, target=llm_lb)
-        refine(c[k_llm], rank, loads, target=llm_lb)
-    # last, all pairs (coarse bins only); across nodes only samples without embeddings
-    refine(c[k_llm], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
-           all_pairs=True, max_iter=16)
+                      config: PlannerConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
+    2-3 of the module docstring for one micro-batch."""
+    W, g = topology.world_size, topology.ranks_per_node
+    rank = place_samples(cost[:, samp], W, g)
+    sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     sample_rank[samp] = rank
+    out = {}
     for p in ENCODER_PHASES:
         it = items_in[p]
         if len(it) == 0:
+            out[p] = np.zeros(0, dtype=np.int64)
             continue
-        sz = unit_costs[p][it]
-        home = sample_rank[inputs.items(p).sample[it]]
-        lb = _bound_one(sz, W)
-        # Keep each rank's largest items at home up to the bound (zero bytes, and large items
-        # carry the most bytes); the excess is LPT-ed over the ranks of the same node.
-        within, _ = group_excl_cumsum(home, sz, by_size=True)
-        keep = within + sz <= lb * (1 + 1e-9)
-        r = home.copy()
-        loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
-        pool = np.flatnonzero(~keep)
-        if len(pool):
-            # the excess first fills its own node up to the bound, then the least-loaded ranks
-            grid = loads.reshape(N, g)  # a view: lpt_rounds updates `loads`
-            local = lpt_rounds(sz[pool], home[pool] // g, grid, cap=lb * (1 + 1e-9))
-            r[pool] = np.where(local >= 0, home[pool] // g * g + local, -1)
-            left = pool[local < 0]
-            if len(left):
-                r[left] = lpt_rounds(sz[left], np.zeros(len(left), dtype=np.int64), loads[None, :])
-        refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=4)
-        if loads.max() > lb * (1 + _GOOD_ENOUGH):
-            # Node-first packing left the slowest rank above the bound. Balance comes first in
-            # the objective, so also try LPT over all ranks: batched in rounds of W/4 items and
-            # bent toward home ranks, and sequential; node-first, if close, refines across
-            # nodes to catch up. Lowest maximum wins, then fewest embeddings crossing nodes.
-            cands = [(r, loads)]
-            per_rank = -(-len(sz) // W)
-            alt_loads = np.zeros(W)
-            alt = lpt_home(sz, home, alt_loads, node_size=g, tol=_BAND * lb / per_rank,
-                           round_size=max(1, W // 4))
-            cands.append((alt, alt_loads))
-            plain = lpt_heap(sz, W)  # sequential LPT: the yardstick, O(n log W) in Python
-            cands.append((plain, np.bincount(plain, weights=sz, minlength=W)))
-            nbytes = inputs.items(p).llm_len[it].astype(np.float64)
-            for k, (alt, alt_loads) in enumerate(cands[1:], 1):
-                refine(sz, alt, alt_loads, target=lb, all_pairs=True, max_iter=16)
-                # ranks are interchangeable for balance: hand each bin to the rank (node
-                # first) where most of its embeddings are going anyway
-                new_rank = relabel_bins(alt, home, nbytes, W, g)
-                moved = np.empty(W)
-                moved[new_rank] = alt_loads
-                cands[k] = (new_rank[alt], moved)
-            best_alt = min(ld.max() for _, ld in cands[1:])
-            if loads.max() <= best_alt * _CATCH_UP:
-                refine(sz, r, loads, target=max(lb, best_alt), all_pairs=True, max_iter=16)
-            r, loads = min(cands, key=lambda cand: (round(cand[1].max() / lb, 9),
-                                                    nbytes[cand[0] // g != home // g].sum()))
-        elif N > 1 and loads.max() > lb * (1 + 1e-9):
-            refine(sz, r, loads, target=lb, all_pairs=True, max_iter=8)  # a small residual
-        pull_home(sz, home, r, loads, g)
-        item_rank[p][it] = r
-
-
-def _bound_one(c: np.ndarray, bins: int) -> float:
-    """`unit_bound` of one group, max(total/bins, largest, s_bins + s_(bins+1)), with the same
-    float operations (a sequential total) in a few calls."""
-    if len(c) == 0:
-        return 0.0
-    lb = float(np.cumsum(c)[-1]) / bins
-    if len(c) > bins:
-        s = np.partition(-c, (0, bins - 1, bins))
-        return max(lb, float(-s[0]), float(-s[bins - 1]) + float(-s[bins]))
-    return max(lb, float(c.max()))
-
-
-def pull_home(sz: np.ndarray, home: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int,
-              max_rounds: int = 4) -> None:
-    """Move items placed off their home node back to it (its home rank, else the node's
-    least-loaded rank), then off-home items back to their home rank, wherever that keeps every
-    rank at or under today's maximum: bytes drop, the slowest rank does not get slower."""
-    cap = loads.max() * (1 + 1e-12)
-    W = len(loads)
-    for same_node in (False, True):
-        for _ in range(max_rounds):
-            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
-            if len(off) == 0:
-                break
-            h = home[off]
-            dest = h
-            if not same_node:
-                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
-                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
-            ok = loads[dest] + sz[off] <= cap
-            off, dest = off[ok], dest[ok]
-            if len(off) == 0:
-                break
-            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
-            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
-            pick = order[first]
-            off, dest = off[pick], dest[pick]
-            np.subtract.at(loads, r[off], sz[off])
-            loads[dest] += sz[off]
-            r[off] = dest
+        items = Items.make(unit_costs[p][it], sample_rank[inputs.items(p).sample[it]],
+                           inputs.items(p).llm_len[it].astype(np.float64), W, g)
+        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band,
+                             catch_up=config.catch_up)
+    return rank, out
 
 
 def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
@@ -517,7 +401,7 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     sample_mb = np.zeros(S, dtype=np.int64)
     sample_rank = np.zeros(S, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    mb = split_microbatches(cost, big, idx, M, W, rng)
+    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
     share = _capacity_shares(inputs, config, idx)
     if not _split_fits(share, mb, M, W):
         mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
@@ -529,8 +413,10 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
         samp = idx[mb == m]
         items_in = {p: np.flatnonzero((item_mb[p] == m) & regular[inputs.items(p).sample])
                     for p in ENCODER_PHASES}
-        _place_microbatch(cost, samp, unit_costs, items_in, inputs, topology, sample_rank,
-                          item_rank)
+        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
+                                                     topology, config)
+        for p in ENCODER_PHASES:
+            item_rank[p][items_in[p]] = ranks[p]
     isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
     if len(oversize):
         warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "

@@ -1,0 +1,210 @@
+"""Where each sample runs its LLM sequence and each encoder item runs, inside one micro-batch.
+
+Samples go to nodes, then ranks (`place_samples`). Encoder items then have a home, their
+sample's LLM rank, and three named strategies place them: `node_first` keeps items home and
+moves only the excess, same node first (fewest bytes); `home_biased_lpt` and `sequential_lpt`
+balance coarse items better and are relabelled so each rank's items mostly go to its own node.
+`choose_placement` is the one scoring rule: balance first, then bytes crossing nodes. Every
+strategy returns new arrays; none writes into its arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .bounds import unit_bound
+from .plan import group_excl_cumsum
+from .types import LLM_PHASE, PHASES
+
+K_VIS, K_AUD, K_LLM = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Rank of every item and the resulting load of every rank, from one strategy."""
+
+    name: str
+    rank: np.ndarray  # int64[n]
+    loads: np.ndarray  # float64[W]
+
+
+@dataclass(frozen=True, slots=True)
+class Items:
+    """One phase's items in one micro-batch: cost, home rank, bytes, and the world's shape."""
+
+    size: np.ndarray  # float64[n]: cost
+    home: np.ndarray  # int64[n]: LLM rank of the owning sample
+    nbytes: np.ndarray  # float64[n]: embeddings the item sends to its home
+    world_size: int
+    ranks_per_node: int
+    bound: float  # `unit_bound` of the items over the W ranks
+
+    @staticmethod
+    def make(size: np.ndarray, home: np.ndarray, nbytes: np.ndarray, world_size: int,
+             ranks_per_node: int) -> Items:
+        bound = float(unit_bound(size, np.zeros(len(size), dtype=np.int64), 1, world_size)[0])
+        return Items(size=size, home=home, nbytes=nbytes, world_size=world_size,
+                     ranks_per_node=ranks_per_node, bound=bound)
+
+    def inter_node_bytes(self, rank: np.ndarray) -> float:
+        g = self.ranks_per_node
+        return float(self.nbytes[rank // g != self.home // g].sum())
+
+
+# ---- samples -------------------------------------------------------------------------------
+def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
+    """Node of each sample: one class per phase (audio on audio cost, vision on vision cost,
+    text-only on LLM cost), batched LPT then refine, so every node holds ~1/N of each phase."""
+    node = np.zeros(c.shape[1], dtype=np.int64)
+    has_a = c[K_AUD] > 0
+    has_v = ~has_a & (c[K_VIS] > 0)
+    text = ~has_a & ~has_v
+    node_load = np.zeros((len(PHASES), N))
+    for mask, k in ((has_a, K_AUD), (has_v, K_VIS), (text, K_LLM)):
+        sel = np.flatnonzero(mask)
+        if len(sel) == 0:
+            continue
+        row = node_load[k][None, :].copy()
+        nsel = lpt_rounds(c[k, sel], np.zeros(len(sel), dtype=np.int64), row)
+        # batched LPT is coarse with few samples per node: even it out, per node load
+        refine(c[k, sel], nsel, row[0], target=row[0].mean() * 1.001, max_iter=8)
+        node[sel] = nsel
+        for q in range(len(PHASES)):
+            node_load[q] += np.bincount(nsel, weights=c[q, sel], minlength=N)
+    return node
+
+
+def place_samples(c: np.ndarray, W: int, g: int) -> np.ndarray:
+    """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
+    by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
+    nodes with samples that carry no embeddings, then any."""
+    N = W // g
+    node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
+    rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
+    llm_lb = max(loads.sum() / W, c[K_LLM].max(initial=0.0))
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb)
+    no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
+    if N > 1:
+        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb)
+        refine(c[K_LLM], rank, loads, target=llm_lb)
+    # last, all pairs (coarse bins only); across nodes only samples without embeddings
+    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
+           all_pairs=True, max_iter=16)
+    return rank
+
+
+# ---- encoder items -------------------------------------------------------------------------
+def node_first(items: Items) -> Placement:
+    """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
+    the most bytes); the excess fills ranks of its own node up to the bound, then the
+    least-loaded ranks anywhere; refine in nodes, then across nodes for what is left."""
+    sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
+    lb = items.bound
+    within, _ = group_excl_cumsum(home, sz, by_size=True)
+    keep = within + sz <= lb * (1 + 1e-9)
+    r = home.copy()
+    loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
+    pool = np.flatnonzero(~keep)
+    if len(pool):
+        grid = loads.reshape(W // g, g)  # a view: lpt_rounds updates `loads`
+        local = lpt_rounds(sz[pool], home[pool] // g, grid, cap=lb * (1 + 1e-9))
+        r[pool] = np.where(local >= 0, home[pool] // g * g + local, -1)
+        left = pool[local < 0]
+        if len(left):
+            r[left] = lpt_rounds(sz[left], np.zeros(len(left), dtype=np.int64), loads[None, :])
+    refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=4)
+    if W > g and loads.max() > lb * (1 + 1e-9):
+        refine(sz, r, loads, target=lb, max_iter=16)
+    return Placement("node_first", r, loads)
+
+
+def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray) -> Placement:
+    """Refine a whole-cluster placement, then hand each bin to the rank (node first) where
+    most of its embeddings go anyway: ranks are interchangeable for balance."""
+    W, g = items.world_size, items.ranks_per_node
+    refine(items.size, r, loads, target=items.bound, all_pairs=True, max_iter=16)
+    new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
+    moved = np.empty(W)
+    moved[new_rank] = loads
+    return Placement(name, new_rank[r], moved)
+
+
+def home_biased_lpt(items: Items, band: float) -> Placement:
+    """LPT over all ranks in rounds of W/4 items, bent toward home ranks: loads within
+    `band` x the bound / items-per-rank of each other count as equal (`balance.lpt_home`)."""
+    W = items.world_size
+    per_rank = -(-len(items.size) // W)
+    loads = np.zeros(W)
+    r = lpt_home(items.size, items.home, loads, node_size=items.ranks_per_node,
+                 tol=band * items.bound / per_rank, round_size=max(1, W // 4))
+    return _relabelled("home_biased_lpt", items, r, loads)
+
+
+def sequential_lpt(items: Items) -> Placement:
+    """Textbook LPT over all ranks (the yardstick; O(n log W) in Python), relabelled."""
+    r = lpt_heap(items.size, items.world_size)
+    loads = np.bincount(r, weights=items.size, minlength=items.world_size)
+    return _relabelled("sequential_lpt", items, r, loads)
+
+
+def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> Placement:
+    """Balance first, then bytes: among placements whose slowest rank is within `tolerance`
+    of the lowest, the one moving the fewest bytes across nodes (then the earliest)."""
+    best = min(c.loads.max() for c in cands)
+    ok = [c for c in cands if c.loads.max() <= best * (1 + tolerance) + 1e-300]
+    return min(ok, key=lambda c: items.inter_node_bytes(c.rank))
+
+
+def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement:
+    """Items off their home node go back to it (home rank, else the node's least-loaded rank),
+    then off-home items to their home rank, wherever that keeps every rank at or under the
+    current maximum: bytes drop, the slowest rank does not get slower."""
+    sz, home, g = items.size, items.home, items.ranks_per_node
+    r, loads = placed.rank.copy(), placed.loads.copy()
+    cap = loads.max() * (1 + 1e-12)
+    W = len(loads)
+    for same_node in (False, True):
+        for _ in range(max_rounds):
+            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
+            if len(off) == 0:
+                break
+            h = home[off]
+            dest = h
+            if not same_node:
+                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
+                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
+            ok = loads[dest] + sz[off] <= cap
+            off, dest = off[ok], dest[ok]
+            if len(off) == 0:
+                break
+            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
+            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
+            pick = order[first]
+            off, dest = off[pick], dest[pick]
+            np.subtract.at(loads, r[off], sz[off])
+            loads[dest] += sz[off]
+            r[off] = dest
+    return Placement(placed.name, r, loads)
+
+
+def place_items(items: Items, *, tolerance: float, band: float, catch_up: float) -> np.ndarray:
+    """Rank of each encoder item: node-first, and where it leaves the slowest rank more than
+    `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
+    them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
+    lb = items.bound
+    first = node_first(items)
+    cands = [first]
+    if first.loads.max() > lb * (1 + tolerance):
+        cands.append(home_biased_lpt(items, band))
+        if min(c.loads.max() for c in cands) > lb * (1 + tolerance):
+            cands.append(sequential_lpt(items))
+        best_alt = min(c.loads.max() for c in cands[1:])
+        if first.loads.max() <= best_alt * catch_up:
+            r, loads = first.rank.copy(), first.loads.copy()
+            refine(items.size, r, loads, target=max(lb, best_alt), all_pairs=True, max_iter=16)
+            cands.append(Placement("node_first_refined", r, loads))
+    return pull_home(items, choose_placement(cands, items, tolerance)).rank
