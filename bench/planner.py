@@ -91,17 +91,7 @@ def run(worlds: list[int], num_steps: int, ranks_per_node: int, samples_per_rank
         rng = np.random.default_rng([seed, W])
         steps = [synthetic_step(rng, samples_per_rank * W, max_patches)
                  for _ in range(num_steps)]
-        acc: dict = {}
-        for name, fn in METHODS.items():
-            fn(steps[0], topo, cfg)  # warm-up: imports, allocator
-            times, plans = [], []
-            for inp in steps:
-                t0 = time.perf_counter()
-                plan = fn(inp, topo, cfg)
-                times.append(time.perf_counter() - t0)
-                validate(plan, inp)
-                plans.append(plan)
-            acc[name] = (plans, times)
+        acc = {name: _timed_plans(fn, steps, topo, cfg)[:2] for name, fn in METHODS.items()}
         random_step = np.array([p.metrics["step_time"] for p in acc["random"][0]])
         lpt_inter = sum(p.metrics["bytes"]["inter_node"] for p in acc["per_phase_lpt"][0])
         out = {}
@@ -149,16 +139,20 @@ REGIME_WORLDS = [8, 64, 512, 2560]
 REGIME_STEPS = {8: 15, 64: 9, 512: 5, 2560: 3}
 
 
-def _timed_plans(fn, steps, topo, cfg) -> tuple[list, list]:
+def _timed_plans(fn, steps, topo, cfg) -> tuple[list, list, list]:
+    """(plans, CPU seconds of this thread per plan, wall seconds per plan). The planner is
+    single-threaded, so its thread's CPU time is its cost on an idle core; wall time also
+    counts the time other processes held the core."""
     fn(steps[0], topo, cfg)  # warm-up: imports, allocator
-    plans, times = [], []
+    plans, cpu, wall = [], [], []
     for inp in steps:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         plan = fn(inp, topo, cfg)
-        times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
         validate(plan, inp)
         plans.append(plan)
-    return plans, times
+    return plans, cpu, wall
 
 
 def run_regime(name: str, W: int, num_steps: int, *, ranks_per_node: int,
@@ -172,19 +166,18 @@ def run_regime(name: str, W: int, num_steps: int, *, ranks_per_node: int,
                         for inp in steps])
     items = float(np.mean([sum(len(inp.items(p)) for p in ENCODER_PHASES) for inp in steps]))
     acc = {m: _timed_plans(fn, steps, topo, cfg) for m, fn in METHODS.items()}
-    step_of = {m: np.array([p.metrics["step_time"] for p in plans])
-               for m, (plans, _) in acc.items()}
-    inter_of = {m: sum(p.metrics["bytes"]["inter_node"] for p in plans)
-                for m, (plans, _) in acc.items()}
+    step_of = {m: np.array([p.metrics["step_time"] for p in a[0]]) for m, a in acc.items()}
+    inter_of = {m: sum(p.metrics["bytes"]["inter_node"] for p in a[0]) for m, a in acc.items()}
     best_base = min(step_of[m].sum() for m in BASELINES)
     lpt_inter = inter_of["per_phase_lpt"]
     out = {}
-    for m, (plans, times) in acc.items():
+    for m, (plans, times, wall) in acc.items():
         out[m] = {
             "step_time": float(step_of[m].mean()),
             "step_time_vs_best_baseline": round(float(step_of[m].sum() / best_base), 4),
             "step_time_over_best_lb": round(float(step_of[m].sum() / best_lb.sum()), 4),
             "plan_ms_p50": round(float(np.percentile(times, 50)) * 1e3, 2),
+            "plan_wall_ms_p50": round(float(np.percentile(wall, 50)) * 1e3, 2),
             "items_per_step": round(items),
             "samples_per_step": samples_per_rank * W,
             "inter_node_vs_per_phase_lpt": round(inter_of[m] / lpt_inter, 4)

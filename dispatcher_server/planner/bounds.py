@@ -22,6 +22,8 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     largest units, some bin holds at least k+1 (pigeonhole); its load is at least the sum of
     the k+1 smallest of those kB+1 units (sizes are non-negative). k = 0 is the largest unit,
     k = 1 the classic s_B + s_(B+1); larger k count how many units must share a bin.
+    When every size is a whole multiple of the smallest positive one q (a padded encoder's
+    windows), every bin's load is too, so the bound rounds up to a multiple of q.
     """
     c = np.asarray(c, dtype=np.float64)
     total = np.bincount(group, weights=c, minlength=num_groups)
@@ -40,7 +42,18 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     hi = start[grp] + k * bins + 1  # exclusive end of the window
     window = prefix[hi] - prefix[hi - k - 1]
     np.maximum.at(lb, grp, window)
-    return lb
+    return _round_to_quantum(c, lb)
+
+
+def _round_to_quantum(c: np.ndarray, lb: np.ndarray) -> np.ndarray:
+    pos = c[c > 0]
+    if len(pos) == 0:
+        return lb
+    q = pos.min()
+    units = pos / q
+    if np.any(np.abs(units - np.round(units)) > 1e-9 * units):
+        return lb
+    return np.ceil(lb / q * (1 - 1e-12)) * q
 
 
 def split_free_bound(costs: dict[str, np.ndarray], W: int, M: int) -> float:

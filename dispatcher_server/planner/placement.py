@@ -122,18 +122,20 @@ def node_first(items: Items) -> Placement:
     return Placement("node_first", r, loads)
 
 
-def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray) -> Placement:
-    """Refine a whole-cluster placement, then hand each bin to the rank (node first) where
-    most of its embeddings go anyway: ranks are interchangeable for balance."""
+def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
+                target: float) -> Placement:
+    """Refine a whole-cluster placement down to `target`, then hand each bin to the rank
+    (node first) where most of its embeddings go anyway: ranks are interchangeable for
+    balance."""
     W, g = items.world_size, items.ranks_per_node
-    refine(items.size, r, loads, target=items.bound, all_pairs=True, max_iter=16)
+    refine(items.size, r, loads, target=target, all_pairs=True, max_iter=16)
     new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
     moved = np.empty(W)
     moved[new_rank] = loads
     return Placement(name, new_rank[r], moved)
 
 
-def home_biased_lpt(items: Items, band: float) -> Placement:
+def home_biased_lpt(items: Items, band: float, target: float) -> Placement:
     """LPT over all ranks in rounds of W/4 items, bent toward home ranks: loads within
     `band` x the bound / items-per-rank of each other count as equal (`balance.lpt_home`)."""
     W = items.world_size
@@ -141,14 +143,14 @@ def home_biased_lpt(items: Items, band: float) -> Placement:
     loads = np.zeros(W)
     r = lpt_home(items.size, items.home, loads, node_size=items.ranks_per_node,
                  tol=band * items.bound / per_rank, round_size=max(1, W // 4))
-    return _relabelled("home_biased_lpt", items, r, loads)
+    return _relabelled("home_biased_lpt", items, r, loads, target)
 
 
-def sequential_lpt(items: Items) -> Placement:
+def sequential_lpt(items: Items, target: float) -> Placement:
     """Textbook LPT over all ranks (the yardstick; O(n log W) in Python), relabelled."""
     r = lpt_heap(items.size, items.world_size)
     loads = np.bincount(r, weights=items.size, minlength=items.world_size)
-    return _relabelled("sequential_lpt", items, r, loads)
+    return _relabelled("sequential_lpt", items, r, loads, target)
 
 
 def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> Placement:
@@ -195,16 +197,17 @@ def place_items(items: Items, *, tolerance: float, band: float, catch_up: float)
     """Rank of each encoder item: node-first, and where it leaves the slowest rank more than
     `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
     them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
-    lb = items.bound
+    good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
     first = node_first(items)
     cands = [first]
-    if first.loads.max() > lb * (1 + tolerance):
-        cands.append(home_biased_lpt(items, band))
-        if min(c.loads.max() for c in cands) > lb * (1 + tolerance):
-            cands.append(sequential_lpt(items))
+    if first.loads.max() > good:
+        cands.append(home_biased_lpt(items, band, good))
+        if min(c.loads.max() for c in cands) > good:
+            cands.append(sequential_lpt(items, good))
         best_alt = min(c.loads.max() for c in cands[1:])
         if first.loads.max() <= best_alt * catch_up:
             r, loads = first.rank.copy(), first.loads.copy()
-            refine(items.size, r, loads, target=max(lb, best_alt), all_pairs=True, max_iter=16)
+            refine(items.size, r, loads, target=max(good, best_alt), all_pairs=True,
+                   max_iter=16)
             cands.append(Placement("node_first_refined", r, loads))
     return pull_home(items, choose_placement(cands, items, tolerance)).rank
