@@ -637,7 +637,7 @@ def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.nda
     return top, low
 
 
-_MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 500_000
+_MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 100_000
 
 _ALL_PAIRS_ITEMS_PER_BIN = 8
 _SWAP_ITEMS_PER_BIN = 16

@@ -85,7 +85,7 @@ def place_samples(c: np.ndarray, W: int, g: int) -> np.ndarray:
     node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
     rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
-    llm_lb = max(loads.sum() / W, c[K_LLM].max(initial=0.0))
+    llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
     refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
@@ -98,10 +98,28 @@ def place_samples(c: np.ndarray, W: int, g: int) -> np.ndarray:
 
 
 # ---- encoder items -------------------------------------------------------------------------
+def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: float
+                   ) -> np.ndarray:
+    """Node of each `pool` item: its home node, except that a node over `cap` exports its
+    largest pool items until the excess is covered, to the least-loaded nodes (batched LPT)."""
+    g, sz = items.ranks_per_node, items.size[pool]
+    node = items.home[pool] // g
+    excess = np.maximum(0.0, node_load - cap)
+    if not excess.any():
+        return node
+    before, order = group_excl_cumsum(node, sz, by_size=True)  # larger first within a node
+    out = np.flatnonzero(before < excess[node])
+    if len(out):
+        loads = node_load.copy()
+        np.subtract.at(loads, node[out], sz[out])
+        node[out] = lpt_rounds(sz[out], np.zeros(len(out), dtype=np.int64), loads[None, :])
+    return node
+
+
 def node_first(items: Items) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
-    the most bytes); the excess fills ranks of its own node up to the bound, then the
-    least-loaded ranks anywhere; refine in nodes, then across nodes for what is left."""
+    the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
+    the rest is LPT over the ranks of its node; refine in nodes, then across nodes."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     lb = items.bound
     within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -110,13 +128,11 @@ def node_first(items: Items) -> Placement:
     loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
     pool = np.flatnonzero(~keep)
     if len(pool):
+        node_load = np.bincount(home // g, weights=sz, minlength=W // g)
+        node = _export_excess(items, pool, node_load, g * lb)
         grid = loads.reshape(W // g, g)  # a view: lpt_rounds updates `loads`
-        local = lpt_rounds(sz[pool], home[pool] // g, grid, cap=lb * (1 + 1e-9))
-        r[pool] = np.where(local >= 0, home[pool] // g * g + local, -1)
-        left = pool[local < 0]
-        if len(left):
-            r[left] = lpt_rounds(sz[left], np.zeros(len(left), dtype=np.int64), loads[None, :])
-    refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=4)
+        r[pool] = node * g + lpt_rounds(sz[pool], node, grid)
+    refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=16)
     if W > g and loads.max() > lb * (1 + 1e-9):
         refine(sz, r, loads, target=lb, max_iter=16)
     return Placement("node_first", r, loads)
