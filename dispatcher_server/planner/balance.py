@@ -358,15 +358,17 @@ def _ranked(keys: np.ndarray) -> np.ndarray:
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
            movable: np.ndarray | None = None, bins_per_group: int | None = None,
-           target: float = 0.0, max_iter: int = 64, all_pairs: bool = False) -> None:
+           target: float = 0.0, max_iter: int = 64, all_pairs: bool = False,
+           swaps: bool | None = None) -> None:
     """Lower the heaviest bins by moving one item or swapping two between paired bins.
 
     Each iteration pairs heavy bins with light ones, inside each group of `bins_per_group`
     consecutive bins or globally, the partner rotating over iterations among the lightest bins;
     with `all_pairs` (global only, for few items per bin) each of the heaviest bins is tried
     against each of the lightest bins at once and conflicts go to the heaviest. Every chosen
-    pair applies the move or swap that most lowers its maximum. Stops at `target`, after
-    `max_iter`, or when nothing more helps.
+    pair applies the move or swap that most lowers its maximum (swaps only with few items per
+    bin, unless `swaps` says otherwise). Stops at `target`, after `max_iter`, or when nothing
+    more helps.
     `bin_of` and `loads` are updated in place.
     """
     nb = len(loads)
@@ -380,7 +382,8 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
     # all pairs costs items_per_bin^2 per pair of bins: worth it only for coarse bins
     all_pairs = all_pairs and len(cand) <= _ALL_PAIRS_ITEMS_PER_BIN * nb
     # with many items per bin, single moves suffice and swaps cost items_per_bin^2 per pair
-    swaps = len(cand) <= _SWAP_ITEMS_PER_BIN * nb
+    if swaps is None:
+        swaps = len(cand) <= _SWAP_ITEMS_PER_BIN * nb
     if nb <= _PY_MAX_BINS:
         _refine_py(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
                    all_pairs and bins_per_group is None)

@@ -116,10 +116,11 @@ def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: f
     return node
 
 
-def node_first(items: Items) -> Placement:
+def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
-    the rest is LPT over the ranks of its node; refine in nodes, then across nodes."""
+    the rest is LPT over the ranks of its node; refine in nodes, then across nodes with
+    moves and swaps until the slowest rank is at most `good` (few items cross)."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     lb = items.bound
     within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -132,9 +133,9 @@ def node_first(items: Items) -> Placement:
         node = _export_excess(items, pool, node_load, g * lb)
         grid = loads.reshape(W // g, g)  # a view: lpt_rounds updates `loads`
         r[pool] = node * g + lpt_rounds(sz[pool], node, grid)
-    refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=16)
-    if W > g and loads.max() > lb * (1 + 1e-9):
-        refine(sz, r, loads, target=lb, max_iter=16)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+    if W > g and loads.max() > good:
+        refine(sz, r, loads, target=good, max_iter=16, swaps=True)
     return Placement("node_first", r, loads)
 
 
@@ -214,7 +215,7 @@ def place_items(items: Items, *, tolerance: float, band: float, catch_up: float)
     `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
     them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    first = node_first(items)
+    first = node_first(items, items.bound * (1 + tolerance / 4))
     cands = [first]
     if first.loads.max() > good:
         cands.append(home_biased_lpt(items, band, good))
