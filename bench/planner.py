@@ -9,6 +9,7 @@ medians on one core, noisy on a shared machine. `python -m bench.planner [--json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from dispatcher_server.planner import (  # noqa: E402
     BASELINES, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology,
     best_lower_bound, plan_step, validate,
 )
+from dispatcher_server.planner.exact import solve_exact  # noqa: E402
 
 PATCHES_PER_TOKEN = 4  # 2x2 patch merge (Qwen2-VL)
 FRAMES_PER_SECOND = 50  # Whisper encoder frames after its stride-2 conv
@@ -194,6 +196,53 @@ def run_regimes(regimes: list[str], worlds: list[int], steps: dict[int, int], **
             for name in regimes}
 
 
+EXACT_SHAPE = {"world_size": 4, "ranks_per_node": 2, "num_samples": 8, "num_microbatches": 2,
+               "time_limit_s": 1.0}
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS's C++ core may print to file descriptor 1; keep --json's stdout one object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def run_exact(regimes: list[str], cases: int, seed: int) -> dict:
+    """plan_step against the MILP optimum (`planner.exact`) on `cases` small steps of every
+    regime. Gaps are over the cases the MILP proved optimal within its time limit; for every
+    case, `gap_to_proven_bound_max` bounds the true gap from above."""
+    W, g, S, M = (EXACT_SHAPE[k] for k in ("world_size", "ranks_per_node", "num_samples",
+                                           "num_microbatches"))
+    topo = Topology(world_size=W, ranks_per_node=g)
+    cfg = PlannerConfig(num_microbatches=M, seed=seed)
+    out = {}
+    for name in regimes:
+        rng = np.random.default_rng([seed, 99, sorted(REGIMES).index(name)])
+        gaps, upper = [], []
+        for _ in range(cases):
+            inp = regime_step(name, rng, S)
+            with _quiet_stdout():
+                ex = solve_exact(inp, W, M, cfg.cost, EXACT_SHAPE["time_limit_s"])
+            ours = plan_step(inp, topo, cfg).metrics["step_time"]
+            upper.append(ours / ex.lower - 1 if ex.lower > 0 else 0.0)
+            if ex.optimal:
+                gaps.append(ours / ex.step_time - 1 if ex.step_time > 0 else 0.0)
+        out[name] = {
+            "exact_gap_mean": round(float(np.mean(gaps)), 5) if gaps else None,
+            "exact_gap_max": round(float(np.max(gaps)), 5) if gaps else None,
+            "cases": cases, "optimal_cases": len(gaps),
+            "gap_to_proven_bound_max": round(float(np.max(upper)), 5),
+        }
+    return out
+
+
 def regimes_table(regimes: dict) -> str:
     lines = [f"{'regime':<14} {'W':>5} {'vs best base':>12} {'step/bestLB':>11} {'p50 ms':>8} "
              f"{'items':>8} {'inter/LPT':>9}   best baseline"]
@@ -251,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated regimes (default all: {','.join(REGIMES)})")
     ap.add_argument("--worlds", default=None, help="comma-separated W for the regimes")
     ap.add_argument("--only-regimes", action="store_true", help="skip the other sections")
+    ap.add_argument("--exact-cases", type=int, default=None,
+                    help="small steps per regime solved exactly (default 200, quick 20; 0 = skip)")
     args = ap.parse_args(argv)
     worlds = [8, 64, 512] if args.quick else [8, 64, 512, 2560]
     steps = args.steps or (3 if args.quick else 7)
@@ -262,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
     res = {"config": {"worlds": worlds, "num_steps": steps, "regime_worlds": r_worlds,
                       "regime_steps": r_steps, **shape, **CONFIG_NOTE}}
     res["regimes"] = run_regimes(args.regimes.split(","), r_worlds, r_steps, **shape)
+    exact_cases = args.exact_cases if args.exact_cases is not None else (20 if args.quick else 200)
+    if exact_cases:
+        res["config"]["exact"] = EXACT_SHAPE
+        res["exact"] = run_exact(args.regimes.split(","), exact_cases, args.seed)
     if not args.only_regimes:
         res["results"] = run(worlds, steps, **shape)
         res["capped_images"] = run(worlds, max(3, steps // 2), max_patches=2048, **shape)
@@ -273,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("regimes: mmdispatch's step time vs the best baseline's and vs the best bound")
         print(regimes_table(res["regimes"]))
+        if "exact" in res:
+            print("\nagainst the exact optimum (small steps, MILP):")
+            for name, e in res["exact"].items():
+                print(f"{name:<14} gap mean {e['exact_gap_mean']} max {e['exact_gap_max']} "
+                      f"({e['optimal_cases']}/{e['cases']} proven optimal; gap to the proven "
+                      f"bound at most {e['gap_to_proven_bound_max']})")
         if args.only_regimes:
             return 0
         print("\nlong-tailed mixture (images up to 16384 patches)")

@@ -116,6 +116,26 @@ def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: f
     return node
 
 
+def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, loads) after every rank above `good` sheds its smallest items until it is at or
+    under `good`, and the shed items go, largest first, to the least-loaded ranks that stay at
+    or under `good` (an item that fits nowhere stays). One pass, whole arrays."""
+    over = loads - good
+    on_heavy = np.flatnonzero(over[r] > 0)
+    if len(on_heavy) == 0:
+        return r, loads
+    before, _ = group_excl_cumsum(r[on_heavy], -sz[on_heavy], by_size=True)  # smallest first
+    shed = on_heavy[-before < over[r[on_heavy]]]
+    r, loads = r.copy(), loads.copy()
+    np.subtract.at(loads, r[shed], sz[shed])
+    dest = lpt_rounds(sz[shed], np.zeros(len(shed), dtype=np.int64), loads[None, :], cap=good)
+    stay = dest < 0
+    np.add.at(loads, r[shed[stay]], sz[shed[stay]])
+    r[shed[~stay]] = dest[~stay]
+    return r, loads
+
+
 def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
@@ -135,7 +155,8 @@ def node_first(items: Items, good: float) -> Placement:
         r[pool] = node * g + lpt_rounds(sz[pool], node, grid)
     refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
     if W > g and loads.max() > good:
-        refine(sz, r, loads, target=good, max_iter=16, swaps=True)
+        r, loads = _shed_excess(sz, r, loads, good)
+        refine(sz, r, loads, target=good, max_iter=8, swaps=True)
     return Placement("node_first", r, loads)
 
 
