@@ -25,6 +25,11 @@ class PlannerConfig:
     num_microbatches: int | None = None
     microbatch_token_budget: int | None = None  # LLM tokens per rank per micro-batch -> M
     llm_capacity: int | None = None  # LLM tokens per rank per micro-batch
+    # Without llm_capacity: a capacity derived from the step, this many times its mean LLM
+    # tokens per (rank, micro-batch) and at least its longest sample, so that no micro-batch
+    # gathers the giants while another stays nearly empty (a GPU would run out of memory).
+    # None: no capacity (the cost model alone decides; it may concentrate work).
+    llm_capacity_factor: float | None = None
     encoder_capacity: dict[str, int] = field(default_factory=dict)  # phase -> tokens
     # A sample no (rank, micro-batch) can hold: "error" raises PlanError naming it; "isolate"
     # warns and runs it alone on one rank in an extra micro-batch (up to W such samples share
@@ -57,6 +62,8 @@ class PlannerConfig:
         if self.microbatch_token_budget is not None and self.microbatch_token_budget < 1:
             raise ValueError(f"microbatch_token_budget must be >= 1, "
                              f"got {self.microbatch_token_budget}")
+        if self.llm_capacity_factor is not None and self.llm_capacity_factor < 1:
+            raise ValueError(f"llm_capacity_factor must be >= 1, got {self.llm_capacity_factor}")
         if self.llm_capacity is not None and self.llm_capacity < 1:
             raise ValueError(f"llm_capacity must be >= 1, got {self.llm_capacity}")
         for phase, cap in self.encoder_capacity.items():
@@ -75,6 +82,16 @@ class PlannerConfig:
 
     def bytes_for(self, phase: str) -> int:
         return self.bytes_per_token.get(phase, DEFAULT_BYTES_PER_TOKEN)
+
+    def llm_capacity_for(self, inputs: StepInputs, topology: Topology) -> int | None:
+        """`llm_capacity`, else the one `llm_capacity_factor` derives from this step."""
+        if self.llm_capacity is not None or self.llm_capacity_factor is None:
+            return self.llm_capacity
+        if inputs.num_samples == 0:
+            return None
+        slots = topology.world_size * self.microbatches_for(inputs, topology)
+        mean = float(inputs.llm_len.sum()) / slots
+        return max(int(inputs.llm_len.max()), math.ceil(self.llm_capacity_factor * mean), 1)
 
     def microbatches_for(self, inputs: StepInputs, topology: Topology) -> int:
         """M for this step, the same for every rank."""

@@ -30,6 +30,7 @@ W = 4, n = 512 (bench/planner.py, small_worlds).
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
@@ -365,6 +366,9 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
     than a PlanError: like an isolated sample, it runs in more, smaller micro-batches."""
     check_inputs(inputs)
     M = config.microbatches_for(inputs, topology)
+    capacity = config.llm_capacity_for(inputs, topology)
+    if capacity != config.llm_capacity:
+        config = replace(config, llm_capacity=capacity)
     try:
         return _plan_with(inputs, topology, config, M)
     except PlanError as refused:
