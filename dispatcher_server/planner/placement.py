@@ -77,20 +77,22 @@ def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
     return node
 
 
-def place_samples(c: np.ndarray, W: int, g: int) -> np.ndarray:
+def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
     """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
     by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
-    nodes with samples that carry no embeddings, then any."""
+    nodes with samples that carry no embeddings, then any; refines stop within a quarter of
+    `tolerance` above the bound."""
     N = W // g
     node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
     rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb)
+    llm_lb *= 1 + tolerance / 4
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb, max_iter=16)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
-        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb)
-        refine(c[K_LLM], rank, loads, target=llm_lb)
+        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
+        refine(c[K_LLM], rank, loads, target=llm_lb, max_iter=16)
     # last, all pairs (coarse bins only); across nodes only samples without embeddings
     refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=16)
