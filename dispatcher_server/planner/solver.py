@@ -91,8 +91,6 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
                pad: float) -> np.ndarray:
     """Amount per micro-batch: fill the free room under each micro-batch's bound first (minus
     `pad` per rank, what packing needs), then level the totals."""
-    if len(total) < 8:  # numpy sums fewer than 8 numbers left to right, as Python does
-        return np.asarray(_waterfill_py(total.tolist(), largest.tolist(), amount, W, pad))
     room = np.maximum(0.0, W * (largest - pad) - total)
     if room.sum() >= amount:
         return amount * room / room.sum() if amount > 0 else np.zeros_like(total)
@@ -105,28 +103,6 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
     ok = np.r_[cand[:-1] <= srt[1:], True]
     lam = cand[np.argmax(ok)]
     return room + np.maximum(0.0, lam - level)
-
-
-def _waterfill_py(total: list, largest: list, amount: float, W: int, pad: float) -> list:
-    """`_waterfill` for a few micro-batches in Python floats: the same operations in the same
-    order, so the same result."""
-    room = [max(0.0, W * (lg - pad) - t) for t, lg in zip(total, largest)]
-    rs = 0.0
-    for r in room:
-        rs += r
-    if rs >= amount:
-        return [amount * r / rs for r in room] if amount > 0 else [0.0] * len(room)
-    rest = amount - rs
-    level = [t + r for t, r in zip(total, room)]
-    srt = sorted(level)
-    lam, cum = None, 0.0
-    for k, v in enumerate(srt):
-        cum += v
-        cand = (rest + cum) / (k + 1)
-        if k + 1 == len(srt) or cand <= srt[k + 1]:
-            lam = cand
-            break
-    return [r + max(0.0, lam - lv) for r, lv in zip(room, level)]
 
 
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
@@ -342,7 +318,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
     """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
     2-3 of the module docstring for one micro-batch."""
     W, g = topology.world_size, topology.ranks_per_node
-    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
+    rank = place_samples(cost[:, samp], W, g)
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     sample_rank[samp] = rank
     out = {}
