@@ -400,6 +400,9 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> 
     hs, ls = sel[hv], sel[~hv]
     H, hpos = _padded(pk[hv], K)
     Lm, lpos = _padded(pk[~hv], K)
+    if K * H * (Lm + 1) > _SWAP_CELLS:  # padded to the fullest bin: too big, moves only
+        ls, lpos, Lm = ls[:0], lpos[:0], 0
+        pk, hv = pk[hv], hv[hv]
     Sh = np.full((K, max(H, 1)), np.nan)
     Sh[pk[hv], hpos] = sizes[hs]
     Sl = np.zeros((K, Lm + 1))  # column 0 is "nothing": a plain move
@@ -430,13 +433,21 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> 
     return True
 
 
+def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
+    """`np.argsort(keys, kind="stable")` for keys in 0..num_keys-1: keys that fit 16 bits
+    sort by numpy's radix sort, O(n) and ~6x faster than the int64 merge sort."""
+    if num_keys <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
 def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:
     """(max count per key, position of each element among equal keys)."""
     if len(keys) == 0:
         return 0, np.zeros(0, dtype=np.int64)
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    pos_sorted = np.arange(len(k)) - np.searchsorted(k, k)
-    pos = np.empty(len(k), dtype=np.int64)
-    pos[order] = pos_sorted
-    return int(pos.max()) + 1, pos
+    order = stable_order(keys, num_keys)
+    counts = np.bincount(keys, minlength=num_keys)
+    starts = np.cumsum(counts) - counts
+    pos = np.empty(len(keys), dtype=np.int64)
+    pos[order] = np.arange(len(keys)) - starts[keys[order]]
+    return int(counts.max()), pos

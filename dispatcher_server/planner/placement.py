@@ -77,16 +77,19 @@ def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
     return node
 
 
-def place_samples(c: np.ndarray, W: int, g: int) -> np.ndarray:
+def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
     """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
     by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
-    nodes with samples that carry no embeddings, then any."""
+    nodes with samples that carry no embeddings, then any. The refine in nodes stops within a
+    quarter of `tolerance` above the bound (it pairs every node's ranks, the costly one); the
+    later ones aim at the bound itself."""
     N = W // g
     node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
     rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb, max_iter=16)
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb * (1 + tolerance / 4),
+           max_iter=8)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
         refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
@@ -161,7 +164,7 @@ def node_first(items: Items, good: float) -> Placement:
         node = _export_excess(items, pool, node_load, g * lb)
         grid = loads.reshape(W // g, g)  # a view: lpt_rounds updates `loads`
         r[pool] = node * g + lpt_rounds(sz[pool], node, grid)
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8, swaps=False)
     if W > g and loads.max() > good:
         r, loads = _shed_excess(sz, r, loads, good)
         refine(sz, r, loads, target=good, max_iter=8, swaps=True)
@@ -174,7 +177,7 @@ def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
     (node first) where most of its embeddings go anyway: ranks are interchangeable for
     balance."""
     W, g = items.world_size, items.ranks_per_node
-    refine(items.size, r, loads, target=target, all_pairs=True, max_iter=16)
+    refine(items.size, r, loads, target=target, max_iter=8)
     new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
     moved = np.empty(W)
     moved[new_rank] = loads

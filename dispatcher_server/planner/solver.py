@@ -318,7 +318,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
     """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
     2-3 of the module docstring for one micro-batch."""
     W, g = topology.world_size, topology.ranks_per_node
-    rank = place_samples(cost[:, samp], W, g)
+    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     sample_rank[samp] = rank
     out = {}
