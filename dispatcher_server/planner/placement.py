@@ -112,7 +112,8 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
 def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: float
                    ) -> np.ndarray:
     """Node of each `pool` item: its home node, except that a node over `cap` exports its
-    largest pool items until the excess is covered, to the least-loaded nodes (batched LPT)."""
+    largest pool items until the excess is covered, to the least-loaded nodes (batched LPT
+    under `cap` first)."""
     g, sz = items.ranks_per_node, items.size[pool]
     node = items.home[pool] // g
     excess = np.maximum(0.0, node_load - cap)
@@ -123,7 +124,8 @@ def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: f
     if len(out):
         loads = node_load.copy()
         np.subtract.at(loads, node[out], sz[out])
-        node[out] = lpt_rounds(sz[out], np.zeros(len(out), dtype=np.int64), loads[None, :])
+        node[out] = _capped_lpt(sz[out], np.zeros(len(out), dtype=np.int64), loads[None, :],
+                                cap)
     return node
 
 
@@ -147,6 +149,20 @@ def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
     return r, loads
 
 
+def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float) -> np.ndarray:
+    """Bin within its group of each item: batched LPT under `cap`, twice (a round hands every
+    bin of a group one item, so an item that does not fit its match may fit another bin in
+    the next pass), then plain batched LPT for what is left. `grid` (group x bin loads) is
+    updated in place."""
+    local = lpt_rounds(sz, group, grid, cap=cap * (1 + 1e-9))
+    for c in (cap * (1 + 1e-9), None):
+        left = np.flatnonzero(local < 0)
+        if len(left) == 0:
+            break
+        local[left] = lpt_rounds(sz[left], group[left], grid, cap=c)
+    return local
+
+
 def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
@@ -162,8 +178,7 @@ def node_first(items: Items, good: float) -> Placement:
     if len(pool):
         node_load = np.bincount(home // g, weights=sz, minlength=W // g)
         node = _export_excess(items, pool, node_load, g * lb)
-        grid = loads.reshape(W // g, g)  # a view: lpt_rounds updates `loads`
-        r[pool] = node * g + lpt_rounds(sz[pool], node, grid)
+        r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
     refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8, swaps=False)
     if W > g and loads.max() > good:
         r, loads = _shed_excess(sz, r, loads, good)
