@@ -276,29 +276,37 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
             if idle >= 3 or not moved:
                 break
             continue
-        if bins_per_group is None:
-            mean = loads.mean()
-            cut = max(target, mean + 0.25 * (top - mean))
-            k = int(min(nb // 2, max(1, (loads > cut).sum())))
-            heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
-            rotations = -(-len(pool) // k)
-            light = pool[(np.arange(k) + (it % rotations) * k) % len(pool)]
-        else:
-            B = bins_per_group
-            grid = loads.reshape(-1, B)
-            busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
-            if len(busy) == 0:
-                break
-            o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
-            h = B // 2
-            rotations = h
-            heavy = o[:, ::-1][:, :h].ravel()
-            light = o[:, (np.arange(h) + it) % h].ravel()
+        pairs = _rotating_pairs(loads, bins_per_group, target, it)
+        if pairs is None:
+            break
+        heavy, light, rotations = pairs
         moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps)
         idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1
         if idle >= rotations + 2 or still >= rotations:
             break
+
+
+def _rotating_pairs(loads: np.ndarray, B: int | None, target: float, it: int):
+    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat),
+    or None when no group is above `target`. Globally: the bins well above the mean against
+    the 4x as many lightest; in groups of B: each busy group's heavier half against its lighter
+    half."""
+    nb = len(loads)
+    if B is None:
+        top, mean = loads.max(), loads.mean()
+        cut = max(target, mean + 0.25 * (top - mean))
+        k = int(min(nb // 2, max(1, (loads > cut).sum())))
+        heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
+        rotations = -(-len(pool) // k)
+        return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
+    grid = loads.reshape(-1, B)
+    busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
+    if len(busy) == 0:
+        return None
+    o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
+    h = B // 2
+    return o[:, ::-1][:, :h].ravel(), o[:, (np.arange(h) + it) % h].ravel(), h
 
 
 def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:

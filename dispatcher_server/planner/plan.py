@@ -361,9 +361,17 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     (the extra ones that run oversize samples alone, one per rank).
     """
     W, M = plan.topology.world_size, plan.num_microbatches
-    S = inputs.num_samples
     if M < 1:
         raise PlanError(f"num_microbatches must be >= 1, got {M}")
+    _check_same_inputs(plan, inputs)
+    _check_ranges(plan, inputs)
+    _check_packing(plan, inputs)
+    _check_capacity(plan, inputs)
+
+
+def _check_same_inputs(plan: StepPlan, inputs: StepInputs) -> None:
+    """The plan is for these inputs, and they are consistent (else offsets cannot be)."""
+    S = inputs.num_samples
     pi = plan.inputs
     if not (np.array_equal(pi.llm_len, inputs.llm_len)
             and np.array_equal(pi.text_len, inputs.text_len)):
@@ -373,7 +381,6 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
         if not all(np.array_equal(x, y) for x, y in
                    ((a.enc_len, b.enc_len), (a.llm_len, b.llm_len), (a.sample, b.sample))):
             raise PlanError(f"plan was made for different {p} items")
-    # Inputs themselves must be consistent, else offsets cannot be.
     total = _i64(inputs.text_len).copy()
     for p in ENCODER_PHASES:
         it = inputs.items(p)
@@ -383,6 +390,10 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     if not np.array_equal(total, inputs.llm_len):
         bad = int(np.flatnonzero(total != inputs.llm_len)[0])
         raise PlanError(f"sample {bad}: llm_len {inputs.llm_len[bad]} != text + items {total[bad]}")
+
+
+def _check_ranges(plan: StepPlan, inputs: StepInputs) -> None:
+    W, M, S = plan.topology.world_size, plan.num_microbatches, inputs.num_samples
 
     def in_range(name, a, n, hi):
         if a.shape != (n,):
@@ -395,6 +406,11 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     for p in ENCODER_PHASES:
         in_range(f"item_rank[{p}]", plan.item_rank[p], len(inputs.items(p)), W)
 
+
+def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
+    """The packing order is a permutation of the samples grouped by (micro-batch, rank) and
+    the offsets tile each packed sequence, items then text inside each sample."""
+    W, M, S = plan.topology.world_size, plan.num_microbatches, inputs.num_samples
     # Packing order: a permutation of the samples, grouped by (mb, rank), W*M groups.
     order, ptr = plan.sample_order, plan.sample_ptr
     if ptr.shape != (W * M + 1,) or ptr[0] != 0 or ptr[-1] != S or np.any(np.diff(ptr) < 0):
@@ -421,6 +437,10 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     if not np.array_equal(plan.text_offset, prefix):
         raise PlanError("text offsets break the layout convention")
 
+
+def _check_capacity(plan: StepPlan, inputs: StepInputs) -> None:
+    W, M = plan.topology.world_size, plan.num_microbatches
+    groups = plan.sample_mb * W + plan.sample_rank
     # Isolated micro-batches hold at most one sample per rank; capacities hold elsewhere.
     iso = plan.isolated_microbatches
     if len(iso) and (iso.min() < 0 or iso.max() >= M):

@@ -1,30 +1,25 @@
 """mmdispatch's per-step planner: micro-batch split, node-aware LLM placement, encoder rebalance.
 
 Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches; vectorised):
-1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Samples holding a
-   "giant" unit (above the mean rank load) go greedily, in blocks of W/16, where they raise the
-   bound least, so giants share a micro-batch; the rest go by class (audio, vision, text-only)
-   to targets that first fill the room under giant-set bounds, then level the totals (largest
-   members to the micro-batch with the largest bound). A polish pass moves a micro-batch's
-   largest unit away when it alone sets that micro-batch's bound.
-2. Per micro-batch, samples to nodes by batched LPT plus pairwise refine, one class per phase
-   (audio on audio cost, vision on vision cost, text-only last on LLM cost), so every node holds
-   about 1/N of every phase; then to ranks in each node by batched LPT on LLM cost; then LLM
-   refine in nodes, across nodes with text-only samples (they carry no embeddings), then any.
-3. Encoder items keep their sample's LLM rank up to the bound (largest first: zero bytes for the
-   items with the most bytes); the excess fills ranks of the same node up to the bound, the rest
-   goes to the least-loaded ranks; pairwise refine in nodes. If that leaves the slowest rank
-   above bound * 1.005 (balance outranks bytes), LPT over all ranks is tried too, batched and
-   bent toward home ranks, and sequential; their bins are then relabelled onto ranks so each
-   bin sits on the node (then rank) most of its embeddings go to. Lowest maximum wins, then
-   fewest bytes across nodes. Last, off-node items return home wherever that raises no rank
-   above the maximum.
+1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Three candidate
+   splits, the lowest sum of bounds wins: all samples through a block greedy on all phases
+   (giants first, then largest first; each block goes where it raises the bound least, so the
+   room a giant leaves in its micro-batch fills with every phase's work), and two class passes
+   (giants greedy, then audio, vision and text-only samples to targets that fill the room
+   under giant-set bounds, then level the totals). A polish pass moves a micro-batch's largest
+   unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
+   `llm_capacity_factor`), can overrule the split (`_split_fits`, `_split_by_capacity`).
+2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
+3. Per micro-batch and encoder phase, `placement.place_items`: node-first (items stay home up
+   to the bound, a node's excess goes to the lightest nodes), and where that is not within
+   `balance_tolerance` of the bound, whole-cluster LPT strategies relabelled onto ranks; the
+   fewest inter-node bytes among the best-balanced wins; off-node items then return home
+   wherever that raises no rank above the maximum.
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
 placement moves almost nothing, and the fallbacks restore balance when items are coarse.
-Cost: O(n log n) sorting, O(n/B) batched-LPT rounds of O(B log B), and refine iterations of
-O(n + pairs * items^2); ~40 ms at W = 2560, n = 20k on one core (bench/planner.py). Up to 32
-ranks the kernels run in plain Python (same choices, without numpy's per-call cost): ~2 ms at
-W = 4, n = 512 (bench/planner.py, small_worlds).
+Cost: O(n log n) sorting, O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x
+items^2); what `bench.planner` measures for each regime and W (CPU ms per plan) is in
+docs/planner.md, generated from its JSON.
 """
 
 from __future__ import annotations
@@ -511,61 +506,73 @@ def repair_capacity(plan: StepPlan) -> StepPlan:
     micro-batch's units of that phase again, largest first (`_repack`); PlanError if some rank
     still cannot be brought under capacity."""
     inp, topo = plan.inputs, plan.topology
-    W, M, g = topo.world_size, plan.num_microbatches, topo.ranks_per_node
-    free = np.ones(M, dtype=bool)
+    free = np.ones(plan.num_microbatches, dtype=bool)
     free[plan.isolated_microbatches] = False
-    sample_rank = plan.sample_rank.copy()
-    item_rank = {p: a.copy() for p, a in plan.item_rank.items()}
-    changed = False
-    units = []
+    sample_rank, item_rank = plan.sample_rank, dict(plan.item_rank)
     if plan.llm_capacity is not None:
-        units.append((None, plan.sample_mb, sample_rank, np.asarray(inp.llm_len, np.float64),
-                      plan.llm_capacity))
+        sample_rank = _repair_units(plan.sample_mb, sample_rank,
+                                    np.asarray(inp.llm_len, np.float64), plan.llm_capacity,
+                                    free, topo, "LLM")
     for p, cap in plan.encoder_capacity.items():
         it = inp.items(p)
-        units.append((p, plan.sample_mb[it.sample], item_rank[p],
-                      plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64), cap))
-    for name, mb, rank, tok, cap in units:
-        load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
-        for grp in np.flatnonzero(load > cap):
-            m, r = divmod(int(grp), W)
-            if not free[m]:
-                continue
-            members = np.flatnonzero((mb == m) & (rank == r))
-            for u in members[np.argsort(tok[members], kind="stable")]:
-                if load[grp] <= cap:
-                    break
-                row = load[m * W:(m + 1) * W]
-                room = cap - row
-                node = (np.arange(W) // g) == (r // g)
-                fits = room >= tok[u]
-                fits[r] = False
-                if not fits.any():
-                    continue
-                pick = np.flatnonzero(fits & node)
-                if len(pick) == 0:
-                    pick = np.flatnonzero(fits)
-                dst = int(pick[np.argmax(room[pick])])
-                rank[u] = dst
-                load[grp] -= tok[u]
-                load[m * W + dst] += tok[u]
-                changed = True
-            if load[grp] > cap:
-                in_mb = np.flatnonzero(mb == m)
-                packed = _repack(tok[in_mb], W, cap)
-                if packed is not None:
-                    rank[in_mb] = packed
-                    load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
-                    changed = True
-            if load[grp] > cap:
-                what = "LLM" if name is None else name
-                raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
-                                f"{int(load[grp])} under capacity {cap}")
-    if not changed:
+        tok = plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64)
+        item_rank[p] = _repair_units(plan.sample_mb[it.sample], item_rank[p], tok, cap, free,
+                                     topo, p)
+    if sample_rank is plan.sample_rank and all(item_rank[p] is plan.item_rank[p]
+                                               for p in item_rank):
         return plan
     return StepPlan(
-        inputs=inp, topology=topo, num_microbatches=M, sample_mb=plan.sample_mb,
-        sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
+        inputs=inp, topology=topo, num_microbatches=plan.num_microbatches,
+        sample_mb=plan.sample_mb, sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
         bytes_per_token=plan.bytes_per_token, llm_capacity=plan.llm_capacity,
         encoder_capacity=plan.encoder_capacity, isolated_microbatches=plan.isolated_microbatches,
     )
+
+
+def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
+                  free: np.ndarray, topo: Topology, what: str) -> np.ndarray:
+    """`rank` if every (rank, free micro-batch) holds at most `cap` tokens, else a repaired
+    copy (see `repair_capacity`)."""
+    W, M = topo.world_size, len(free)
+    load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
+    over = [int(grp) for grp in np.flatnonzero(load > cap) if free[grp // W]]
+    if not over:
+        return rank
+    rank = rank.copy()
+    for grp in over:
+        m, r = divmod(grp, W)
+        _move_smallest_away(mb, rank, tok, load, cap, m, r, topo)
+        if load[grp] > cap:
+            in_mb = np.flatnonzero(mb == m)
+            packed = _repack(tok[in_mb], W, cap)
+            if packed is not None:
+                rank[in_mb] = packed
+                load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
+        if load[grp] > cap:
+            raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
+                            f"{int(load[grp])} under capacity {cap}")
+    return rank
+
+
+def _move_smallest_away(mb, rank, tok, load, cap, m: int, r: int, topo: Topology) -> None:
+    """Units of (rank r, micro-batch m), smallest first, to the roomiest rank of m that fits
+    them (same node first) until r is under `cap`; updates the repair's own `rank`, `load`."""
+    W, g = topo.world_size, topo.ranks_per_node
+    grp = m * W + r
+    members = np.flatnonzero((mb == m) & (rank == r))
+    node = (np.arange(W) // g) == (r // g)
+    for u in members[np.argsort(tok[members], kind="stable")]:
+        if load[grp] <= cap:
+            break
+        room = cap - load[m * W:(m + 1) * W]
+        fits = room >= tok[u]
+        fits[r] = False
+        if not fits.any():
+            continue
+        pick = np.flatnonzero(fits & node)
+        if len(pick) == 0:
+            pick = np.flatnonzero(fits)
+        dst = int(pick[np.argmax(room[pick])])
+        rank[u] = dst
+        load[grp] -= tok[u]
+        load[m * W + dst] += tok[u]
