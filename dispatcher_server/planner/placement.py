@@ -132,20 +132,26 @@ def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: f
 def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, loads) after every rank above `good` sheds its smallest items until it is at or
-    under `good`, and the shed items go, largest first, to the least-loaded ranks that stay at
-    or under `good` (an item that fits nowhere stays). One pass, whole arrays."""
+    under `good`, and the shed items, largest first, fill the room under `good` of the
+    roomiest ranks in turn (an item lands where the middle of its cumulative size falls; one
+    that finds no room stays). One pass, whole arrays."""
     over = loads - good
     on_heavy = np.flatnonzero(over[r] > 0)
     if len(on_heavy) == 0:
         return r, loads
     before, _ = group_excl_cumsum(r[on_heavy], -sz[on_heavy], by_size=True)  # smallest first
     shed = on_heavy[-before < over[r[on_heavy]]]
+    shed = shed[np.argsort(-sz[shed], kind="stable")]
     r, loads = r.copy(), loads.copy()
     np.subtract.at(loads, r[shed], sz[shed])
-    dest = lpt_rounds(sz[shed], np.zeros(len(shed), dtype=np.int64), loads[None, :], cap=good)
-    stay = dest < 0
-    np.add.at(loads, r[shed[stay]], sz[shed[stay]])
-    r[shed[~stay]] = dest[~stay]
+    room = np.maximum(0.0, good - loads)
+    room[np.unique(r[shed])] = 0.0  # a rank that sheds takes nothing back
+    by_room = np.argsort(-room, kind="stable")
+    pos = np.searchsorted(np.cumsum(room[by_room]), np.cumsum(sz[shed]) - sz[shed] / 2)
+    fits = pos < np.count_nonzero(room)
+    dest = np.where(fits, by_room[np.minimum(pos, len(room) - 1)], r[shed])
+    np.add.at(loads, dest, sz[shed])
+    r[shed] = dest
     return r, loads
 
 
