@@ -9,6 +9,7 @@ medians on one core, noisy on a shared machine. `python -m bench.planner [--json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -19,9 +20,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from bench.regimes import REGIMES, regime_step  # noqa: E402
 from dispatcher_server.planner import (  # noqa: E402
-    BASELINES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology, plan_step, validate,
+    BASELINES, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology,
+    best_lower_bound, plan_step, validate,
 )
+from dispatcher_server.planner.exact import solve_exact  # noqa: E402
 
 PATCHES_PER_TOKEN = 4  # 2x2 patch merge (Qwen2-VL)
 FRAMES_PER_SECOND = 50  # Whisper encoder frames after its stride-2 conv
@@ -89,17 +93,7 @@ def run(worlds: list[int], num_steps: int, ranks_per_node: int, samples_per_rank
         rng = np.random.default_rng([seed, W])
         steps = [synthetic_step(rng, samples_per_rank * W, max_patches)
                  for _ in range(num_steps)]
-        acc: dict = {}
-        for name, fn in METHODS.items():
-            fn(steps[0], topo, cfg)  # warm-up: imports, allocator
-            times, plans = [], []
-            for inp in steps:
-                t0 = time.perf_counter()
-                plan = fn(inp, topo, cfg)
-                times.append(time.perf_counter() - t0)
-                validate(plan, inp)
-                plans.append(plan)
-            acc[name] = (plans, times)
+        acc = {name: _timed_plans(fn, steps, topo, cfg)[:2] for name, fn in METHODS.items()}
         random_step = np.array([p.metrics["step_time"] for p in acc["random"][0]])
         lpt_inter = sum(p.metrics["bytes"]["inter_node"] for p in acc["per_phase_lpt"][0])
         out = {}
@@ -142,6 +136,129 @@ def run(worlds: list[int], num_steps: int, ranks_per_node: int, samples_per_rank
     return results
 
 
+REGIME_WORLDS = [8, 64, 512, 2560]
+#: steps per regime and W: more where a step is cheap (p50 of plan time needs a few)
+REGIME_STEPS = {8: 15, 64: 9, 512: 5, 2560: 3}
+
+
+def _timed_plans(fn, steps, topo, cfg) -> tuple[list, list, list]:
+    """(plans, CPU seconds of this thread per plan, wall seconds per plan). The planner is
+    single-threaded, so its thread's CPU time is its cost on an idle core; wall time also
+    counts the time other processes held the core."""
+    fn(steps[0], topo, cfg)  # warm-up: imports, allocator
+    plans, cpu, wall = [], [], []
+    for inp in steps:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        plan = fn(inp, topo, cfg)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+        validate(plan, inp)
+        plans.append(plan)
+    return plans, cpu, wall
+
+
+def run_regime(name: str, W: int, num_steps: int, *, ranks_per_node: int,
+               samples_per_rank: int, num_microbatches: int, seed: int) -> dict:
+    """Every method on the same `num_steps` steps of regime `name` at world size W."""
+    topo = Topology(world_size=W, ranks_per_node=min(ranks_per_node, W))
+    cfg = PlannerConfig(num_microbatches=num_microbatches, seed=seed)
+    rng = np.random.default_rng([seed, W, sorted(REGIMES).index(name)])
+    steps = [regime_step(name, rng, samples_per_rank * W) for _ in range(num_steps)]
+    best_lb = np.array([best_lower_bound(inp, topo, cfg.cost, num_microbatches)
+                        for inp in steps])
+    items = float(np.mean([sum(len(inp.items(p)) for p in ENCODER_PHASES) for inp in steps]))
+    acc = {m: _timed_plans(fn, steps, topo, cfg) for m, fn in METHODS.items()}
+    step_of = {m: np.array([p.metrics["step_time"] for p in a[0]]) for m, a in acc.items()}
+    inter_of = {m: sum(p.metrics["bytes"]["inter_node"] for p in a[0]) for m, a in acc.items()}
+    best_base = min(step_of[m].sum() for m in BASELINES)
+    lpt_inter = inter_of["per_phase_lpt"]
+    out = {}
+    for m, (plans, times, wall) in acc.items():
+        out[m] = {
+            "step_time": float(step_of[m].mean()),
+            "step_time_vs_best_baseline": round(float(step_of[m].sum() / best_base), 4),
+            "step_time_over_best_lb": round(float(step_of[m].sum() / best_lb.sum()), 4),
+            "plan_ms_p50": round(float(np.percentile(times, 50)) * 1e3, 2),
+            "plan_wall_ms_p50": round(float(np.percentile(wall, 50)) * 1e3, 2),
+            "items_per_step": round(items),
+            "samples_per_step": samples_per_rank * W,
+            "inter_node_vs_per_phase_lpt": round(inter_of[m] / lpt_inter, 4)
+            if lpt_inter else None,
+            "max_over_mean": {p: round(float(np.mean([pl.metrics["max_over_mean"][p]
+                                                      for pl in plans])), 4) for p in PHASES},
+            "peak_llm_tokens": int(max(pl.metrics["peak_tokens"]["llm"] for pl in plans)),
+        }
+    return out
+
+
+def run_regimes(regimes: list[str], worlds: list[int], steps: dict[int, int], **shape) -> dict:
+    return {name: {str(W): run_regime(name, W, steps[W], **shape) for W in worlds}
+            for name in regimes}
+
+
+EXACT_SHAPE = {"world_size": 4, "ranks_per_node": 2, "num_samples": 8, "num_microbatches": 2,
+               "time_limit_s": 1.0}
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS's C++ core may print to file descriptor 1; keep --json's stdout one object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def run_exact(regimes: list[str], cases: int, seed: int) -> dict:
+    """plan_step against the MILP optimum (`planner.exact`) on `cases` small steps of every
+    regime. Gaps are over the cases the MILP proved optimal within its time limit; for every
+    case, `gap_to_proven_bound_max` bounds the true gap from above."""
+    W, g, S, M = (EXACT_SHAPE[k] for k in ("world_size", "ranks_per_node", "num_samples",
+                                           "num_microbatches"))
+    topo = Topology(world_size=W, ranks_per_node=g)
+    cfg = PlannerConfig(num_microbatches=M, seed=seed)
+    out = {}
+    for name in regimes:
+        rng = np.random.default_rng([seed, 99, sorted(REGIMES).index(name)])
+        gaps, upper = [], []
+        for _ in range(cases):
+            inp = regime_step(name, rng, S)
+            with _quiet_stdout():
+                ex = solve_exact(inp, W, M, cfg.cost, EXACT_SHAPE["time_limit_s"])
+            ours = plan_step(inp, topo, cfg).metrics["step_time"]
+            upper.append(ours / ex.lower - 1 if ex.lower > 0 else 0.0)
+            if ex.optimal:
+                gaps.append(ours / ex.step_time - 1 if ex.step_time > 0 else 0.0)
+        out[name] = {
+            "exact_gap_mean": round(float(np.mean(gaps)), 5) if gaps else None,
+            "exact_gap_max": round(float(np.max(gaps)), 5) if gaps else None,
+            "cases": cases, "optimal_cases": len(gaps),
+            "gap_to_proven_bound_max": round(float(np.max(upper)), 5),
+        }
+    return out
+
+
+def regimes_table(regimes: dict) -> str:
+    lines = [f"{'regime':<14} {'W':>5} {'vs best base':>12} {'step/bestLB':>11} {'p50 ms':>8} "
+             f"{'items':>8} {'inter/LPT':>9}   best baseline"]
+    for name, by_w in regimes.items():
+        for W, methods in by_w.items():
+            e = methods["mmdispatch"]
+            base = min(BASELINES, key=lambda m: methods[m]["step_time"])
+            inter = e["inter_node_vs_per_phase_lpt"]
+            lines.append(
+                f"{name:<14} {W:>5} {e['step_time_vs_best_baseline']:>12.4f} "
+                f"{e['step_time_over_best_lb']:>11.4f} {e['plan_ms_p50']:>8.1f} "
+                f"{e['items_per_step']:>8} {'-' if inter is None else f'{inter:.3f}':>9}   "
+                f"{base} ({methods[base]['plan_ms_p50']:.0f} ms)")
+    return "\n".join(lines)
+
+
 CONFIG_NOTE = {
     "cost_units": "training FLOPs (CostModel defaults)",
     "max_over_lb": "per phase: sum over steps and micro-batches of the slowest rank / sum of "
@@ -179,22 +296,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="W in {8, 64, 512}, 3 steps")
     ap.add_argument("--steps", type=int, default=None, help="steps per W (default 7, quick 3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--regimes", default=",".join(REGIMES),
+                    help=f"comma-separated regimes (default all: {','.join(REGIMES)})")
+    ap.add_argument("--worlds", default=None, help="comma-separated W for the regimes")
+    ap.add_argument("--only-regimes", action="store_true", help="skip the other sections")
+    ap.add_argument("--exact-cases", type=int, default=None,
+                    help="small steps per regime solved exactly (default 200, quick 20; 0 = skip)")
     args = ap.parse_args(argv)
     worlds = [8, 64, 512] if args.quick else [8, 64, 512, 2560]
     steps = args.steps or (3 if args.quick else 7)
     shape = dict(ranks_per_node=8, samples_per_rank=8, num_microbatches=2, seed=args.seed)
-    res = {
-        "config": {"worlds": worlds, "num_steps": steps, **shape, **CONFIG_NOTE},
-        "results": run(worlds, steps, **shape),
-        "capped_images": run(worlds, max(3, steps // 2), max_patches=2048, **shape),
-        "small_worlds": run_small(max(steps, 50 if not args.quick else 10),
-                                  shape["num_microbatches"], args.seed),
-    }
+    r_worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else (
+        [8, 64, 512] if args.quick else REGIME_WORLDS)
+    r_steps = {W: (min(3, REGIME_STEPS.get(W, 3)) if args.quick else REGIME_STEPS.get(W, 3))
+               for W in r_worlds}
+    res = {"config": {"worlds": worlds, "num_steps": steps, "regime_worlds": r_worlds,
+                      "regime_steps": r_steps, **shape, **CONFIG_NOTE}}
+    res["regimes"] = run_regimes(args.regimes.split(","), r_worlds, r_steps, **shape)
+    exact_cases = args.exact_cases if args.exact_cases is not None else (20 if args.quick else 200)
+    if exact_cases:
+        res["config"]["exact"] = EXACT_SHAPE
+        res["exact"] = run_exact(args.regimes.split(","), exact_cases, args.seed)
+    if not args.only_regimes:
+        res["results"] = run(worlds, steps, **shape)
+        res["capped_images"] = run(worlds, max(3, steps // 2), max_patches=2048, **shape)
+        res["small_worlds"] = run_small(max(steps, 50 if not args.quick else 10),
+                                        shape["num_microbatches"], args.seed)
     if args.json:
         json.dump(res, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print("long-tailed mixture (images up to 16384 patches)")
+        print("regimes: mmdispatch's step time vs the best baseline's and vs the best bound")
+        print(regimes_table(res["regimes"]))
+        if "exact" in res:
+            print("\nagainst the exact optimum (small steps, MILP):")
+            for name, e in res["exact"].items():
+                print(f"{name:<14} gap mean {e['exact_gap_mean']} max {e['exact_gap_max']} "
+                      f"({e['optimal_cases']}/{e['cases']} proven optimal; gap to the proven "
+                      f"bound at most {e['gap_to_proven_bound_max']})")
+        if args.only_regimes:
+            return 0
+        print("\nlong-tailed mixture (images up to 16384 patches)")
         print(_table(res["results"]))
         print("\ncapped_images mixture (images up to 2048 patches)")
         print(_table(res["capped_images"]))

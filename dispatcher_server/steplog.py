@@ -22,6 +22,7 @@ def _method(plan: StepPlan, with_loads: bool) -> dict:
         "step_time": m["step_time"],
         "lb_step_time": m["lb_step_time"],
         "bytes": m["bytes"],
+        "peak_tokens": m["peak_tokens"],
     }
     if with_loads:
         out["loads"] = {p: loads.tolist() for p, loads in m["loads"].items()}

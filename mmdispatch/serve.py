@@ -44,6 +44,10 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch"),
     "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
+    "llm_capacity_factor": (float, 3.0, "without --llm-capacity, each rank's micro-batch holds at "
+                                        "most this many times the step's mean LLM tokens per rank "
+                                        "and micro-batch (at least its longest sample); 0 = no "
+                                        "limit"),
     "oversize": (str, "error", "samples over capacity: error or isolate"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
     "max_buffered_bytes": (int, 256 << 20, "payload bytes after which reader credits stop"),
@@ -151,7 +155,8 @@ def build_config(v: dict) -> ServerConfig:
         batch=BatchConfig(global_batch=v["global_batch"], token_budget=v["token_budget"]),
         planner=PlannerConfig(num_microbatches=v["num_microbatches"],
                               microbatch_token_budget=v["microbatch_token_budget"],
-                              llm_capacity=v["llm_capacity"], oversize=v["oversize"]),
+                              llm_capacity=v["llm_capacity"], oversize=v["oversize"],
+                              llm_capacity_factor=v["llm_capacity_factor"] or None),
         flow=FlowConfig(max_buffered_samples=v["max_buffered_samples"],
                         max_buffered_bytes=v["max_buffered_bytes"],
                         max_retained_steps=v["max_retained_steps"],

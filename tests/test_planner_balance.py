@@ -106,21 +106,11 @@ def _tie_heavy_sizes(rng, n):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_python_kernels_match_the_vectorised_ones(seed, monkeypatch):
-    """Up to _PY_MAX_BINS bins the kernels run in plain Python; they must choose exactly what
-    the numpy versions choose (same bins, same loads), ties included."""
-    from dispatcher_server.planner import balance
-
-    assert balance._PY_MAX_BINS >= 16
+def test_kernels_on_few_bins_keep_their_contracts(seed):
+    """Small worlds run the same numpy kernels: on few bins and tie-heavy sizes, refine never
+    raises the maximum and keeps loads equal to the items' sums; lpt_home and lpt_rounds
+    place every item (or mark it -1 over `cap`) and report the loads they produced."""
     rng = np.random.default_rng(seed)
-
-    def both(fn):
-        out = fn()
-        monkeypatch.setattr(balance, "_PY_MAX_BINS", 0)
-        ref = fn()
-        monkeypatch.undo()
-        return out, ref
-
     for _ in range(150):
         nb = int(rng.choice([2, 3, 4, 8, 16]))
         n = int(rng.integers(1, 40 * nb))
@@ -128,34 +118,31 @@ def test_python_kernels_match_the_vectorised_ones(seed, monkeypatch):
         bins0 = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))  # skewed start
         mode = [dict(), dict(all_pairs=True), dict(bins_per_group=2 if nb % 2 == 0 else nb),
                 dict(movable=rng.random(n) < 0.7)][int(rng.integers(4))]
-
-        def run_refine():
-            b, ld = bins0.copy(), _loads(sizes, bins0, nb)
-            refine(sizes, b, ld, target=sizes.sum() / nb, **mode)
-            return b, ld
-
-        (b1, l1), (b2, l2) = both(run_refine)
-        assert np.array_equal(b1, b2) and np.array_equal(l1, l2), (nb, n, mode)
-        assert np.allclose(l1, _loads(sizes, b1, nb))
+        b, ld = bins0.copy(), _loads(sizes, bins0, nb)
+        top = ld.max()
+        refine(sizes, b, ld, target=sizes.sum() / nb, **mode)
+        assert np.allclose(ld, _loads(sizes, b, nb)) and ld.max() <= top * (1 + 1e-12)
+        if "bins_per_group" in mode:
+            B = mode["bins_per_group"]
+            assert np.array_equal(b // B, bins0 // B)
+        if "movable" in mode:
+            assert np.array_equal(b[~mode["movable"]], bins0[~mode["movable"]])
 
         home = rng.integers(0, nb, n)
-        tol = float(rng.choice([0.0, 0.5, 2.0]))
         node = int(rng.choice([d for d in (1, 2, 4) if nb % d == 0]))
-        rs = int(rng.choice([1, 2, nb]))
-
-        def run_home():
-            ld = np.zeros(nb)
-            return lpt_home(sizes, home, ld, node_size=node, tol=tol, round_size=rs), ld
-
-        (h1, hl1), (h2, hl2) = both(run_home)
-        assert np.array_equal(h1, h2) and np.array_equal(hl1, hl2), (nb, n, tol, node, rs)
+        ld = np.zeros(nb)
+        h = lpt_home(sizes, home, ld, node_size=node, tol=float(rng.choice([0.0, 0.5, 2.0])),
+                     round_size=int(rng.choice([1, 2, nb])))
+        assert h.min() >= 0 and h.max() < nb and np.allclose(ld, _loads(sizes, h, nb))
 
         groups = rng.integers(0, 2, n)
         cap = None if rng.random() < 0.5 else float(sizes.sum() / nb)
-
-        def run_rounds():
-            ld = np.zeros((2, max(1, nb // 2)))
-            return lpt_rounds(sizes, groups, ld, cap=cap), ld
-
-        (r1, rl1), (r2, rl2) = both(run_rounds)
-        assert np.array_equal(r1, r2) and np.array_equal(rl1, rl2), (nb, n, cap)
+        ld = np.zeros((2, max(1, nb // 2)))
+        r = lpt_rounds(sizes, groups, ld, cap=cap)
+        placed = r >= 0
+        assert cap is not None or placed.all()
+        got = np.zeros_like(ld)
+        np.add.at(got, (groups[placed], r[placed]), sizes[placed])
+        assert np.allclose(got, ld)
+        if cap is not None:
+            assert ld.max() <= cap * (1 + 1e-12)

@@ -4,8 +4,10 @@
 and the exchange tables compare like with like.
 """
 
-from .baselines import BASELINES, plan_encoder_only, plan_llm_kk, plan_per_phase_lpt, plan_random
-from .bounds import lower_bound
+from .baselines import (
+    BASELINES, plan_encoder_only, plan_llm_kk, plan_per_phase_lpt, plan_random, plan_verl_kk,
+)
+from .bounds import best_lower_bound, lower_bound, split_free_bound, unit_bound
 from .config import DEFAULT_BYTES_PER_TOKEN, PlannerConfig
 from .cost import CostModel, PhaseCost, transformer_coefficients
 from .plan import StepPlan, compute_metrics, validate
@@ -19,6 +21,6 @@ __all__ = [
     "BASELINES", "DEFAULT_BYTES_PER_TOKEN", "ENCODER_PHASES", "LLM_PHASE", "LOCALITIES", "PHASES",
     "CostModel", "EncoderItems", "ExchangeTable", "PhaseCost", "PhaseExchange", "PlanError",
     "PlannerConfig", "RankMicrobatch", "StepInputs", "StepPlan", "Topology", "compute_metrics",
-    "lower_bound", "plan_encoder_only", "plan_llm_kk", "plan_per_phase_lpt", "plan_random",
-    "plan_step", "transformer_coefficients", "validate",
+    "best_lower_bound", "lower_bound", "split_free_bound", "unit_bound", "plan_encoder_only", "plan_llm_kk", "plan_per_phase_lpt", "plan_random",
+    "plan_step", "plan_verl_kk", "transformer_coefficients", "validate",
 ]

@@ -5,31 +5,16 @@ B least-loaded bins), so its Python loop runs items/B times instead of items tim
 is the same over all bins, bent toward each item's home bin; `refine` repairs what batching
 lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
 permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
-the textbook versions (baselines, and the sequential yardstick). With few bins (small worlds) the
-first three run as plain-Python loops that make exactly the vectorised versions' choices: there
-a round or refine iteration is tens of numpy calls on a handful of numbers.
+the textbook versions (baselines, and the sequential yardstick). Each kernel exists once, as
+whole-array numpy: with few bins a round or refine iteration costs numpy's per-call overhead
+(tens of microseconds), the price of one implementation.
 """
 
 from __future__ import annotations
 
-import bisect
 import heapq
 
 import numpy as np
-
-# Up to this many bins, the kernels run in plain Python: numpy's per-call cost (~1-5 us) times
-# the ~10-40 calls of a round or refine iteration outweighs the O(bins) Python work. Same result.
-_PY_MAX_BINS = 32
-
-def np_mean(values: list[float]) -> float:
-    """`float(np.mean(values))`, bit for bit, without numpy's call cost for short lists: numpy
-    adds fewer than 8 numbers left to right (pairwise summation starts at 8)."""
-    if len(values) >= 8:
-        return float(np.mean(values))
-    total = 0.0
-    for x in values:
-        total += x
-    return total / len(values)
 
 
 def lpt_heap(sizes: np.ndarray, num_bins: int) -> np.ndarray:
@@ -107,8 +92,6 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
     out = np.zeros(n, dtype=np.int64)
     if n == 0:
         return out
-    if G * B <= _PY_MAX_BINS:
-        return _lpt_rounds_py(sizes, groups, loads, cap)
     order = np.lexsort((-sizes, groups))
     g = groups[order]
     pos = np.arange(n) - np.searchsorted(g, g)
@@ -130,39 +113,6 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
     return out
 
 
-def _lpt_rounds_py(sizes, groups, loads, cap) -> np.ndarray:
-    """`lpt_rounds` for few bins, in plain Python: the same assignment (groups never interact,
-    and a round's bins are distinct, so each group is a sequence of B-item rounds)."""
-    G, B = loads.shape
-    n = len(sizes)
-    order = np.lexsort((-sizes, groups))
-    ptr = np.searchsorted(groups[order], np.arange(G + 1)).tolist()
-    szs = sizes[order].tolist()
-    rows = loads.tolist()
-    res = [0] * n
-    bins = range(B)
-    for gi in range(G):
-        row, end = rows[gi], ptr[gi + 1]
-        for r0 in range(ptr[gi], end, B):
-            rank_of = sorted(bins, key=row.__getitem__)
-            r1 = min(r0 + B, end)
-            if cap is None:
-                res[r0:r1] = rank_of[:r1 - r0]
-                for b, x in zip(rank_of, szs[r0:r1]):
-                    row[b] += x
-            else:
-                for j, b in zip(range(r0, r1), rank_of):
-                    if row[b] + szs[j] <= cap:
-                        res[j] = b
-                        row[b] += szs[j]
-                    else:
-                        res[j] = -1
-    loads[...] = rows
-    out = np.empty(n, dtype=np.int64)
-    out[order] = res
-    return out
-
-
 def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_size: int,
              tol: float, round_size: int | None = None) -> np.ndarray:
     """Batched LPT over all bins that bends toward each item's home bin (then home node).
@@ -175,8 +125,6 @@ def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_siz
     `loads` (float64[B]) is updated in place; returns each item's bin.
     """
     n, nb = len(sizes), len(loads)
-    if nb <= _PY_MAX_BINS:
-        return _lpt_home_py(sizes, home, loads, node_size, tol, round_size)
     out = np.zeros(n, dtype=np.int64)
     order = np.argsort(-sizes, kind="stable")
     pos_of_bin = np.full(nb, -1, dtype=np.int64)
@@ -225,76 +173,6 @@ def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_siz
         loads[bo[take]] += sizes[items]
         pos_of_bin[bo] = -1
     return out
-
-
-def _lpt_home_py(sizes, home, loads, node_size, tol, round_size) -> np.ndarray:
-    """`lpt_home` for few bins, in plain Python: the same assignment, step for step."""
-    n, nb = len(sizes), len(loads)
-    order = np.argsort(-sizes, kind="stable").tolist()
-    szl, hml = sizes.tolist(), home.tolist()
-    ld = loads.tolist()
-    out = [0] * n
-    K = min(nb, round_size or nb)
-    bins = range(nb)
-    if K == 1:  # sequential: home if within tol of the lightest bin, else the first such bin
-        for i in order:
-            h = hml[i]
-            near = min(ld) + tol
-            b = h if ld[h] <= near else next(b for b in bins if ld[b] <= near)
-            out[i] = b
-            ld[b] += szl[i]
-        loads[:] = ld
-        return np.asarray(out, dtype=np.int64)
-    for start in range(0, n, K):
-        items = order[start:start + K]
-        k = len(items)
-        homes = [hml[i] for i in items]
-        if k < nb:
-            kth = sorted(ld)[k - 1]
-            hset = set(homes)
-            near = [b for b in bins if ld[b] <= kth + tol]  # at least k bins
-            # home bins first, then by index; then in order of load (stable)
-            bo = [b for b in near if b in hset] + [b for b in near if b not in hset]
-            bo = sorted(bo[:k], key=ld.__getitem__)
-        else:
-            bo = sorted(bins, key=ld.__getitem__)
-        bl0 = ld[bo[0]]
-        band = [(ld[b] - bl0) // tol for b in bo] if tol > 0 else list(range(k))
-        pos = {b: j for j, b in enumerate(bo)}
-        take = [-1] * k
-        free = [True] * k
-        for j in range(k):  # an item takes its home bin if it lies in the item's band
-            hp = pos.get(homes[j], -1)
-            if hp >= 0 and free[hp] and band[hp] == band[j]:
-                take[j] = hp
-                free[hp] = False
-        ri = [j for j in range(k) if take[j] < 0]
-        rb = [j for j in range(k) if free[j]]
-        if node_size > 1 and ri:
-            # same band and node first, the m-th such item with the m-th such bin
-            slots: dict = {}
-            for j in rb:
-                slots.setdefault((band[j], bo[j] // node_size), []).append(j)
-            rest = []
-            for j in ri:
-                q = slots.get((band[j], homes[j] // node_size))
-                if q:
-                    take[j] = q.pop(0)
-                    free[take[j]] = False
-                else:
-                    rest.append(j)
-            ri = rest
-            rb = [j for j in rb if free[j]]
-        ri.sort(key=band.__getitem__)
-        rb.sort(key=band.__getitem__)
-        for j, b in zip(ri, rb):
-            take[j] = b
-        for j, i in enumerate(items):
-            b = bo[take[j]]
-            out[i] = b
-            ld[b] += szl[i]
-    loads[:] = ld
-    return np.asarray(out, dtype=np.int64)
 
 
 def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_bins: int,
@@ -358,15 +236,17 @@ def _ranked(keys: np.ndarray) -> np.ndarray:
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
            movable: np.ndarray | None = None, bins_per_group: int | None = None,
-           target: float = 0.0, max_iter: int = 64, all_pairs: bool = False) -> None:
+           target: float = 0.0, max_iter: int = 64, all_pairs: bool = False,
+           swaps: bool | None = None) -> None:
     """Lower the heaviest bins by moving one item or swapping two between paired bins.
 
     Each iteration pairs heavy bins with light ones, inside each group of `bins_per_group`
     consecutive bins or globally, the partner rotating over iterations among the lightest bins;
     with `all_pairs` (global only, for few items per bin) each of the heaviest bins is tried
     against each of the lightest bins at once and conflicts go to the heaviest. Every chosen
-    pair applies the move or swap that most lowers its maximum. Stops at `target`, after
-    `max_iter`, or when nothing more helps.
+    pair applies the move or swap that most lowers its maximum (swaps only with few items per
+    bin, unless `swaps` says otherwise). Stops at `target`, after `max_iter`, or when nothing
+    more helps.
     `bin_of` and `loads` are updated in place.
     """
     nb = len(loads)
@@ -380,11 +260,9 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
     # all pairs costs items_per_bin^2 per pair of bins: worth it only for coarse bins
     all_pairs = all_pairs and len(cand) <= _ALL_PAIRS_ITEMS_PER_BIN * nb
     # with many items per bin, single moves suffice and swaps cost items_per_bin^2 per pair
-    swaps = len(cand) <= _SWAP_ITEMS_PER_BIN * nb
-    if nb <= _PY_MAX_BINS:
-        _refine_py(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
-                   all_pairs and bins_per_group is None)
-        return
+    if swaps is None:  # a swap search costs about items^2 / (2 bins) cells an iteration
+        swaps = (len(cand) <= _SWAP_ITEMS_PER_BIN * nb
+                 or len(cand) ** 2 <= 2 * nb * _SWAP_CELLS)
     # An iteration that moves nothing leaves the state as it was, and the pairs depend only on
     # the state and the rotation: once every rotation has moved nothing, nothing ever will.
     idle = still = 0
@@ -398,24 +276,10 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
             if idle >= 3 or not moved:
                 break
             continue
-        if bins_per_group is None:
-            mean = loads.mean()
-            cut = max(target, mean + 0.25 * (top - mean))
-            k = int(min(nb // 2, max(1, (loads > cut).sum())))
-            heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
-            rotations = -(-len(pool) // k)
-            light = pool[(np.arange(k) + (it % rotations) * k) % len(pool)]
-        else:
-            B = bins_per_group
-            grid = loads.reshape(-1, B)
-            busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
-            if len(busy) == 0:
-                break
-            o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
-            h = B // 2
-            rotations = h
-            heavy = o[:, ::-1][:, :h].ravel()
-            light = o[:, (np.arange(h) + it) % h].ravel()
+        pairs = _rotating_pairs(loads, bins_per_group, target, it)
+        if pairs is None:
+            break
+        heavy, light, rotations = pairs
         moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps)
         idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1
@@ -423,204 +287,26 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
             break
 
 
-def _refine_py(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
-               all_pairs) -> None:
-    """`refine` for few bins, in plain Python: the same pairs, the same moves (ties go to the
-    first light bin, then the first heavy item, then the first light one, in item order)."""
+def _rotating_pairs(loads: np.ndarray, B: int | None, target: float, it: int):
+    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat),
+    or None when no group is above `target`. Globally: the bins well above the mean against
+    the 4x as many lightest; in groups of B: each busy group's heavier half against its lighter
+    half."""
     nb = len(loads)
-    ld = loads.tolist()
-    szl = sizes.tolist()
-    swaps = swaps or all_pairs
-    if swaps:  # candidates per bin in item order; a pair tries every move and swap
-        members: list[list] = [[] for _ in range(nb)]
-        for i, b in zip(cand.tolist(), bin_of[cand].tolist()):
-            members[b].append(i)
-    else:  # (size, item) per bin, sorted: the best move is found by bisection
-        order = cand[np.lexsort((cand, sizes[cand], bin_of[cand]))]
-        ptr = np.searchsorted(bin_of[order], np.arange(nb + 1)).tolist()
-        pairs = list(zip(sizes[order].tolist(), order.tolist()))
-        members = [pairs[ptr[b]:ptr[b + 1]] for b in range(nb)]
-    bins = range(nb)
-    stop = target * (1 + 1e-12)
-    idle = still = 0
-    for it in range(max_iter):
-        top = max(ld)
-        if top <= stop:
-            break
-        if all_pairs:
-            moved = _all_pairs_py(members, szl, ld, bin_of, target)
-            idle = 0 if moved and max(ld) < top * (1 - 1e-12) else idle + 1
-            if idle >= 3 or not moved:
-                break
-            continue
-        if bins_per_group is None:
-            mean = np_mean(ld)
-            cut = max(target, mean + 0.25 * (top - mean))
-            k = int(min(nb // 2, max(1, sum(x > cut for x in ld))))
-            num_light = min(nb - k, 4 * k)
-            if k + num_light >= nb // 2:
-                order = sorted(bins, key=ld.__getitem__)
-                heavy, pool = order[::-1][:k], order[:num_light]
-            else:
-                h_arr, p_arr = _extremes(np.asarray(ld), k, num_light)
-                heavy, pool = h_arr.tolist(), p_arr.tolist()
-            rotations = -(-len(pool) // k)
-            shift = (it % rotations) * k
-            light = [pool[(a + shift) % len(pool)] for a in range(k)]
-        else:
-            B = bins_per_group
-            h = B // 2
-            rotations = h
-            heavy, light = [], []
-            for g0 in range(0, nb, B):
-                row = ld[g0:g0 + B]
-                if max(row) <= stop:
-                    continue
-                o = sorted(range(B), key=row.__getitem__)
-                heavy += [g0 + b for b in o[::-1][:h]]
-                light += [g0 + o[(a + it) % h] for a in range(h)]
-            if not heavy:
-                break
-        moved = False
-        for hb, lb in zip(heavy, light):
-            lh, ll = ld[hb], ld[lb]
-            if swaps:
-                best, bi, bj = _best_swap(members[hb], members[lb], szl, lh, ll)
-            else:
-                best, bi = _best_move(members[hb], lh, ll)
-                bj = -1
-            if not best < lh * (1 - 1e-12):
-                continue
-            moved = True
-            d = szl[bi] - (szl[bj] if bj >= 0 else 0.0)
-            ld[hb] = lh - d
-            ld[lb] = ll + d
-            bin_of[bi] = lb
-            if swaps:
-                members[hb].remove(bi)
-                bisect.insort(members[lb], bi)
-                if bj >= 0:
-                    members[lb].remove(bj)
-                    bisect.insort(members[hb], bj)
-                    bin_of[bj] = hb
-            else:
-                e = (szl[bi], bi)
-                del members[hb][bisect.bisect_left(members[hb], e)]
-                bisect.insort(members[lb], e)
-        idle = 0 if moved and max(ld) < top * (1 - 1e-12) else idle + 1
-        still = 0 if moved else still + 1
-        if idle >= rotations + 2 or still >= rotations:
-            break
-    loads[:] = ld
-
-
-def _all_pairs_py(members, szl, ld, bin_of, target) -> bool:
-    """`_all_pairs_step` in plain Python on per-bin item lists (item order); same choices."""
-    nb = len(ld)
-    top = max(ld)
-    mean = np_mean(ld)
-    cut = max(target, mean + 0.25 * (top - mean))
-    kh = int(min(nb // 2, _MAX_HEAVY, max(1, sum(x > cut for x in ld))))
-    kl = int(min(nb - kh, _MAX_LIGHT))
-    order = sorted(range(nb), key=ld.__getitem__)  # kh + kl = nb: _extremes sorts all
-    heavy, light = order[::-1][:kh], order[:kl]
-    if not any(members[h] for h in heavy):
-        return False
-    C = max(len(members[h]) for h in heavy)
-    D = max(len(members[b]) for b in light)
-    while kh * kl * C * (D + 1) > _CELLS and kl > 1:
-        kl //= 2  # keep the lightest half, as the vectorised step does
-        light = light[:kl]
-        D = max(len(members[b]) for b in light)
-    picks = []
-    taken = set()
-    for hb in heavy:  # heaviest first; a light bin goes to the first heavy bin that picks it
-        lh = ld[hb]
-        best, bl, bi, bj = np.inf, -1, -1, -1
-        for lb in light:
-            v, i, j = _best_swap(members[hb], members[lb], szl, lh, ld[lb], best)
-            if v < best:
-                best, bl, bi, bj = v, lb, i, j
-        if best < lh * (1 - 1e-12) and bl not in taken:
-            taken.add(bl)
-            picks.append((hb, bl, bi, bj))
-    for hb, lb, bi, bj in picks:
-        d = szl[bi] - (szl[bj] if bj >= 0 else 0.0)
-        ld[hb] -= d
-        ld[lb] += d
-        bin_of[bi] = lb
-        members[hb].remove(bi)
-        bisect.insort(members[lb], bi)
-        if bj >= 0:
-            bin_of[bj] = hb
-            members[lb].remove(bj)
-            bisect.insort(members[hb], bj)
-    return bool(picks)
-
-
-def _best_move(heavy: list, lh: float, ll: float) -> tuple[float, int]:
-    """(lowest max(lh - x, ll + x) over (x, item) in `heavy`, sorted; its lowest item).
-
-    In float arithmetic lh - x falls and ll + x rises with x, so the maximum falls then rises
-    along the sorted list: its minimum sits where ll + x first reaches lh - x, and the items
-    that attain it form one run around there."""
-    lo, hi = 0, len(heavy)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        x = heavy[mid][0]
-        if ll + x >= lh - x:
-            hi = mid
-        else:
-            lo = mid + 1
-    best = np.inf
-    if lo > 0:
-        best = lh - heavy[lo - 1][0]
-    if lo < len(heavy):
-        best = min(best, ll + heavy[lo][0])
-    if best == np.inf:
-        return best, -1
-    item = -1
-    k = lo - 1
-    while k >= 0 and lh - heavy[k][0] == best:
-        if item < 0 or heavy[k][1] < item:
-            item = heavy[k][1]
-        k -= 1
-    k = lo
-    while k < len(heavy) and ll + heavy[k][0] == best:
-        if item < 0 or heavy[k][1] < item:
-            item = heavy[k][1]
-        k += 1
-    return best, item
-
-
-def _best_swap(heavy: list, light: list, szl: list, lh: float, ll: float,
-               bound: float = np.inf) -> tuple[float, int, int]:
-    """Lowest max(lh - d, ll + d) below `bound` over moves (d = x) and swaps (d = x - y > 0),
-    heavy items then (move, light items) in item order, first wins: (value, heavy item, light
-    item or -1); (bound, -1, -1) if none is below it."""
-    best, bi, bj = bound, -1, -1
-    others = [(szl[j], j) for j in light]
-    for i in heavy:
-        x = szl[i]
-        v = lh - x  # a plain move (x > 0)
-        w = ll + x
-        if w > v:
-            v = w
-        if v < best:
-            best, bi, bj = v, i, -1
-        # a swap lowers the heavy bin by d < x, so it ends at >= lh - x
-        if lh - x >= best:
-            continue
-        for y, j in others:
-            if y < x:  # d > 0
-                d = x - y
-                v = lh - d
-                w = ll + d
-                if w > v:
-                    v = w
-                if v < best:
-                    best, bi, bj = v, i, j
-    return best, bi, bj
+    if B is None:
+        top, mean = loads.max(), loads.mean()
+        cut = max(target, mean + 0.25 * (top - mean))
+        k = int(min(nb // 2, max(1, (loads > cut).sum())))
+        heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
+        rotations = -(-len(pool) // k)
+        return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
+    grid = loads.reshape(-1, B)
+    busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
+    if len(busy) == 0:
+        return None
+    o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
+    h = B // 2
+    return o[:, ::-1][:, :h].ravel(), o[:, (np.arange(h) + it) % h].ravel(), h
 
 
 def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:
@@ -637,10 +323,11 @@ def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.nda
     return top, low
 
 
-_MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 500_000
+_MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 100_000
 
 _ALL_PAIRS_ITEMS_PER_BIN = 8
 _SWAP_ITEMS_PER_BIN = 16
+_SWAP_CELLS = 250_000
 
 
 def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
@@ -721,6 +408,9 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> 
     hs, ls = sel[hv], sel[~hv]
     H, hpos = _padded(pk[hv], K)
     Lm, lpos = _padded(pk[~hv], K)
+    if K * H * (Lm + 1) > _SWAP_CELLS:  # padded to the fullest bin: too big, moves only
+        ls, lpos, Lm = ls[:0], lpos[:0], 0
+        pk, hv = pk[hv], hv[hv]
     Sh = np.full((K, max(H, 1)), np.nan)
     Sh[pk[hv], hpos] = sizes[hs]
     Sl = np.zeros((K, Lm + 1))  # column 0 is "nothing": a plain move
@@ -751,13 +441,21 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> 
     return True
 
 
+def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
+    """`np.argsort(keys, kind="stable")` for keys in 0..num_keys-1: keys that fit 16 bits
+    sort by numpy's radix sort, O(n) and ~6x faster than the int64 merge sort."""
+    if num_keys <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
+
+
 def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:
     """(max count per key, position of each element among equal keys)."""
     if len(keys) == 0:
         return 0, np.zeros(0, dtype=np.int64)
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    pos_sorted = np.arange(len(k)) - np.searchsorted(k, k)
-    pos = np.empty(len(k), dtype=np.int64)
-    pos[order] = pos_sorted
-    return int(pos.max()) + 1, pos
+    order = stable_order(keys, num_keys)
+    counts = np.bincount(keys, minlength=num_keys)
+    starts = np.cumsum(counts) - counts
+    pos = np.empty(len(keys), dtype=np.int64)
+    pos[order] = np.arange(len(keys)) - starts[keys[order]]
+    return int(counts.max()), pos

@@ -55,6 +55,25 @@ def plan_llm_kk(inputs: StepInputs, topology: Topology, config: PlannerConfig) -
     return _plan(inputs, topology, config, M, mb, rank)
 
 
+#: verl's `calculate_workload`: 24576 * l + l^2 per sequence of length l (linear layers of a
+#: ~7B model against its attention, in units of l^2).
+VERL_LINEAR_PER_TOKEN = 24576
+
+
+def plan_verl_kk(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
+    """verl's sequence balancing: Karmarkar-Karp over ranks with equal sample counts on
+    verl's workload `24576*l + l^2` of each sample's LLM length, then each rank's samples over
+    its M micro-batches by LPT on the same workload; encoders follow their sample."""
+    check_inputs(inputs)
+    W = topology.world_size
+    M = config.microbatches_for(inputs, topology)
+    length = inputs.llm_len.astype(np.float64)
+    work = VERL_LINEAR_PER_TOKEN * length + length * length
+    rank = karmarkar_karp(work, W)
+    mb = lpt_rounds(work, rank, np.zeros((W, M)))
+    return _plan(inputs, topology, config, M, mb, rank)
+
+
 def plan_encoder_only(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
     """VeOmni-style: LLM as drawn; vision items per micro-batch by greedy on enc_len^2."""
     check_inputs(inputs)
@@ -95,6 +114,7 @@ def plan_per_phase_lpt(inputs: StepInputs, topology: Topology, config: PlannerCo
 BASELINES = {
     "random": plan_random,
     "llm_kk": plan_llm_kk,
+    "verl_kk": plan_verl_kk,
     "encoder_only": plan_encoder_only,
     "per_phase_lpt": plan_per_phase_lpt,
 }

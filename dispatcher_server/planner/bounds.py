@@ -1,17 +1,74 @@
 """Lower bounds on a step's predicted time: no placement can beat them.
 
-Per phase and micro-batch, the slowest rank carries at least max(total/W, largest unit, sum of
-the W-th and (W+1)-th largest units). That bound depends on the micro-batch split, so a bad split
-can make it look small; the split-free bound (see `compute_metrics`) holds for every split.
+One bound per group of units sharing `bins` bins (`unit_bound`), used per micro-batch by the
+plan's metrics and over all W*M (rank, micro-batch) slots by the split-free bound, which holds
+for every micro-batch split and so certifies the split itself. Each term is proven in its
+docstring; all are whole-array numpy.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel
-from .plan import phase_costs, unit_bound
+from .cost import CostModel, phase_costs
 from .types import LLM_PHASE, PHASES, StepInputs, Topology
+
+
+def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
+    """Per group, a lower bound on the heaviest of `bins` bins holding the group's units `c`.
+
+    max(total/bins, max over k >= 0 of s_(kB-k+1) + ... + s_(kB+1)) with B = bins and s the
+    group's sizes sorted in decreasing order (1-indexed). Proof of the second term: of the kB+1
+    largest units, some bin holds at least k+1 (pigeonhole); its load is at least the sum of
+    the k+1 smallest of those kB+1 units (sizes are non-negative). k = 0 is the largest unit,
+    k = 1 the classic s_B + s_(B+1); larger k count how many units must share a bin.
+    When every size is a whole multiple of the smallest positive one q (a padded encoder's
+    windows), every bin's load is too, so the bound rounds up to a multiple of q.
+    """
+    c = np.asarray(c, dtype=np.float64)
+    total = np.bincount(group, weights=c, minlength=num_groups)
+    lb = total / bins
+    n = len(c)
+    if n == 0:
+        return lb
+    order = np.lexsort((-c, group))
+    g, s = group[order], c[order]
+    start = np.searchsorted(g, np.arange(num_groups))
+    count = np.bincount(g, minlength=num_groups)
+    prefix = np.concatenate(([0.0], np.cumsum(s)))
+    kmax = (count - 1) // bins  # windows that fit: kB + 1 <= count
+    grp = np.repeat(np.arange(num_groups), kmax + 1)
+    k = np.arange(len(grp)) - np.repeat(np.cumsum(kmax + 1) - (kmax + 1), kmax + 1)
+    hi = start[grp] + k * bins + 1  # exclusive end of the window
+    window = prefix[hi] - prefix[hi - k - 1]
+    np.maximum.at(lb, grp, window)
+    return _round_to_quantum(c, lb)
+
+
+def _round_to_quantum(c: np.ndarray, lb: np.ndarray) -> np.ndarray:
+    pos = c[c > 0]
+    if len(pos) == 0:
+        return lb
+    q = pos.min()
+    units = pos / q
+    if np.any(np.abs(units - np.round(units)) > 1e-9 * units):
+        return lb
+    return np.ceil(lb / q * (1 - 1e-12)) * q
+
+
+def split_free_bound(costs: dict[str, np.ndarray], W: int, M: int) -> float:
+    """Sum over phases of `unit_bound` over all W*M (rank, micro-batch) slots, but at least
+    total/W: a lower bound on the step time of every split into M micro-batches.
+
+    Proof: a phase's step time is the sum over micro-batches of its slowest rank, which is at
+    least each micro-batch's total / W, so at least total / W in all; and at least the slowest
+    (rank, micro-batch) slot of the phase, which `unit_bound` bounds over W*M slots."""
+    out = 0.0
+    for p in PHASES:
+        c = costs[p]
+        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * M)[0]
+        out += max(float(c.sum()) / W, float(one))
+    return out
 
 
 def lower_bound(inputs: StepInputs, topology: Topology, cost: CostModel,
@@ -22,12 +79,7 @@ def lower_bound(inputs: StepInputs, topology: Topology, cost: CostModel,
     costs = phase_costs(inputs, cost)
     M0 = num_microbatches if num_microbatches is not None else (
         int(np.max(sample_mb, initial=-1)) + 1 if sample_mb is not None else 1)
-    split_free = 0.0
-    for p in PHASES:
-        c = costs[p]
-        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * max(M0, 1))[0]
-        split_free += max(float(c.sum()) / W, float(one))
-    out: dict = {"split_free_step_time": float(split_free)}
+    out: dict = {"split_free_step_time": split_free_bound(costs, W, max(M0, 1))}
     if sample_mb is None:
         return out
     sample_mb = np.asarray(sample_mb, dtype=np.int64)
@@ -41,3 +93,11 @@ def lower_bound(inputs: StepInputs, topology: Topology, cost: CostModel,
     out["per_microbatch"] = per
     out["step_time"] = float(sum(v.sum() for v in per.values()))
     return out
+
+
+def best_lower_bound(inputs: StepInputs, topology: Topology, cost: CostModel,
+                     num_microbatches: int) -> float:
+    """The tightest proven lower bound on the step time of any plan of this step in
+    `num_microbatches` micro-batches."""
+    return lower_bound(inputs, topology, cost, num_microbatches=num_microbatches)[
+        "split_free_step_time"]

@@ -25,6 +25,11 @@ class PlannerConfig:
     num_microbatches: int | None = None
     microbatch_token_budget: int | None = None  # LLM tokens per rank per micro-batch -> M
     llm_capacity: int | None = None  # LLM tokens per rank per micro-batch
+    # Without llm_capacity: a capacity derived from the step, this many times its mean LLM
+    # tokens per (rank, micro-batch) and at least its longest sample, so that no micro-batch
+    # gathers the giants while another stays nearly empty (a GPU would run out of memory).
+    # None: no capacity (the cost model alone decides; it may concentrate work).
+    llm_capacity_factor: float | None = None
     encoder_capacity: dict[str, int] = field(default_factory=dict)  # phase -> tokens
     # A sample no (rank, micro-batch) can hold: "error" raises PlanError naming it; "isolate"
     # warns and runs it alone on one rank in an extra micro-batch (up to W such samples share
@@ -33,6 +38,20 @@ class PlannerConfig:
     cost: CostModel = field(default_factory=CostModel)
     bytes_per_token: dict[str, int] = field(default_factory=dict)  # phase -> bytes
     seed: int = 0
+    # Tuning of the solver (solver.py, placement.py); the defaults are what bench.planner
+    # measures. A giant-dominated micro-batch is filled up to `room_slack` x a mean sample
+    # below its bound (room left for packing).
+    room_slack: float = 0.5
+    # Encoder placements whose slowest rank is within this fraction of each other count as
+    # equally balanced (the one moving fewer inter-node bytes wins); node-first placement
+    # within it of the bound is kept without trying the LPT strategies.
+    balance_tolerance: float = 0.005
+    # Node-first placement gets a refine over all pairs of ranks when its slowest rank is
+    # within this factor of the LPT strategies' best.
+    catch_up: float = 1.08
+    # Home-biased LPT treats rank loads within this fraction of the bound (spread over a
+    # rank's items) as equal, so an item may take its home rank.
+    home_band: float = 0.02
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_token_budget is None):
@@ -43,6 +62,8 @@ class PlannerConfig:
         if self.microbatch_token_budget is not None and self.microbatch_token_budget < 1:
             raise ValueError(f"microbatch_token_budget must be >= 1, "
                              f"got {self.microbatch_token_budget}")
+        if self.llm_capacity_factor is not None and self.llm_capacity_factor < 1:
+            raise ValueError(f"llm_capacity_factor must be >= 1, got {self.llm_capacity_factor}")
         if self.llm_capacity is not None and self.llm_capacity < 1:
             raise ValueError(f"llm_capacity must be >= 1, got {self.llm_capacity}")
         for phase, cap in self.encoder_capacity.items():
@@ -51,11 +72,26 @@ class PlannerConfig:
         for phase, bpt in self.bytes_per_token.items():
             if phase not in ENCODER_PHASES or bpt < 0:
                 raise ValueError(f"bad bytes_per_token entry {phase!r}: {bpt}")
+        if not 0 <= self.room_slack < 1:
+            raise ValueError(f"room_slack must be in [0, 1), got {self.room_slack}")
+        if self.balance_tolerance < 0 or self.home_band < 0 or self.catch_up < 1:
+            raise ValueError(f"need balance_tolerance >= 0, home_band >= 0, catch_up >= 1; got "
+                             f"{self.balance_tolerance}, {self.home_band}, {self.catch_up}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
 
     def bytes_for(self, phase: str) -> int:
         return self.bytes_per_token.get(phase, DEFAULT_BYTES_PER_TOKEN)
+
+    def llm_capacity_for(self, inputs: StepInputs, topology: Topology) -> int | None:
+        """`llm_capacity`, else the one `llm_capacity_factor` derives from this step."""
+        if self.llm_capacity is not None or self.llm_capacity_factor is None:
+            return self.llm_capacity
+        if inputs.num_samples == 0:
+            return None
+        slots = topology.world_size * self.microbatches_for(inputs, topology)
+        mean = float(inputs.llm_len.sum()) / slots
+        return max(int(inputs.llm_len.max()), math.ceil(self.llm_capacity_factor * mean), 1)
 
     def microbatches_for(self, inputs: StepInputs, topology: Topology) -> int:
         """M for this step, the same for every rank."""

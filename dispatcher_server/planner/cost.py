@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import nnls
 
-from .types import PHASES
+from .types import ENCODER_PHASES, LLM_PHASE, PHASES, StepInputs
 
 _TRAIN_FACTOR = 3.0  # backward ~ 2x forward
 
@@ -125,3 +125,10 @@ class CostModel:
     @staticmethod
     def from_dict(d: dict) -> CostModel:
         return CostModel(phases={p: PhaseCost(**v) for p, v in d.items()})
+
+
+def phase_costs(inputs: StepInputs, cost: CostModel) -> dict[str, np.ndarray]:
+    """Cost of every unit each phase balances: items for encoders, samples for the LLM."""
+    out = {p: cost.cost(p, inputs.items(p).enc_len) for p in ENCODER_PHASES}
+    out[LLM_PHASE] = cost.cost(LLM_PHASE, inputs.llm_len)
+    return out

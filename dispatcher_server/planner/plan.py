@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel
+from .bounds import split_free_bound, unit_bound
+from .cost import CostModel, phase_costs  # noqa: F401  (phase_costs: part of this module's API)
 from .types import (
     ENCODER_PHASES, LLM_PHASE, PHASES, EncoderItems, ExchangeTable, PhaseExchange, PlanError,
     RankMicrobatch, StepInputs, Topology,
@@ -26,7 +27,11 @@ def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = Fals
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(exclusive cumsum of `values` within equal `keys`, in original order; the order used).
     Within a key the order is by position, or by decreasing value with `by_size`."""
-    order = np.lexsort((-values, keys)) if by_size else np.argsort(keys, kind="stable")
+    if by_size:  # by key, then decreasing value: a value sort, then a stable key sort
+        first = np.argsort(-values, kind="stable")
+        order = first[_stable_key_order(keys[first])]
+    else:
+        order = _stable_key_order(keys)
     k, v = keys[order], values[order]
     cs = np.cumsum(v) - v
     if len(k):
@@ -39,6 +44,14 @@ def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = Fals
     out = np.empty_like(values)
     out[order] = cs - base
     return out, order
+
+
+def _stable_key_order(keys: np.ndarray) -> np.ndarray:
+    """Stable argsort of non-negative int keys; keys that fit 16 bits use numpy's radix sort
+    (several times faster than the merge sort of int64 or a lexsort)."""
+    if len(keys) and 0 <= keys.min() and keys.max() < 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    return np.argsort(keys, kind="stable")
 
 
 def _ptr(sorted_groups: np.ndarray, num_groups: int) -> np.ndarray:
@@ -99,8 +112,16 @@ class StepPlan:
         self._sample_order_ro: np.ndarray | None = None
         self._sample_ptr_l: list[int] = []
         self._ex_list: list = []
+        self._metrics: dict | None = None
         self._layout()
-        self.metrics = compute_metrics(self)
+
+    @property
+    def metrics(self) -> dict:
+        """`compute_metrics(self)`, computed on first use (the dispatcher's hot path and the
+        capacity repair build plans whose metrics nobody reads)."""
+        if self._metrics is None:
+            self._metrics = compute_metrics(self)
+        return self._metrics
 
     # ---- layout -------------------------------------------------------------------------
     def _layout(self) -> None:
@@ -289,56 +310,34 @@ def _locality(src: np.ndarray, dst: np.ndarray, topology: Topology) -> np.ndarra
 
 
 # ---- metrics ------------------------------------------------------------------------------
-def phase_costs(inputs: StepInputs, cost: CostModel) -> dict[str, np.ndarray]:
-    """Cost of every unit each phase balances: items for encoders, samples for the LLM."""
-    out = {p: cost.cost(p, inputs.items(p).enc_len) for p in ENCODER_PHASES}
-    out[LLM_PHASE] = cost.cost(LLM_PHASE, inputs.llm_len)
-    return out
-
-
-def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
-    """Per group, a lower bound on the heaviest of `bins` bins holding its units `c`:
-    max(total/bins, largest, s_bins + s_(bins+1)) - the last term by pigeonhole: two of the
-    bins+1 largest units share a bin."""
-    total = np.bincount(group, weights=c, minlength=num_groups)
-    lb = total / bins
-    if len(c) == 0:
-        return lb
-    order = np.lexsort((-c, group))
-    g, s = group[order], c[order]
-    pos = np.arange(len(s)) - np.searchsorted(g, g)
-    lb = np.maximum(lb, np.bincount(g[pos == 0], weights=s[pos == 0], minlength=num_groups))
-    pair = (pos == bins - 1) | (pos == bins)
-    lb = np.maximum(lb, np.bincount(g[pair], weights=s[pair], minlength=num_groups)
-                    * (np.bincount(g[pair], minlength=num_groups) == 2))
-    return lb
-
-
 def compute_metrics(plan: StepPlan) -> dict:
-    """Loads per phase/micro-batch/rank, lower bounds, imbalance, step time, bytes.
+    """Loads per phase/micro-batch/rank, lower bounds, imbalance, step time, bytes, and
+    `peak_tokens`: per phase, the most tokens any (rank, micro-batch) holds (LLM tokens; encoder
+    tokens as processed, padded for windowed encoders) - what its memory must fit.
 
-    lb[p][m] = `unit_bound` of micro-batch m's units over W ranks: max(total/W, largest unit,
-    s_W + s_(W+1)), for the plan's own micro-batch split. The split-free bound sums over phases
-    max(total_p/W, largest_p, s_WM + s_(WM+1)) and holds for any split into M micro-batches
-    (per-micro-batch maxima sum to at least total/W; one micro-batch holds the largest unit; two
-    of the WM+1 largest units share a (rank, micro-batch)).
+    lb[p][m] = `unit_bound` of micro-batch m's units over W ranks, for the plan's own
+    micro-batch split; the split-free bound is `bounds.split_free_bound` (holds for any split).
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     costs = phase_costs(plan.inputs, plan.cost)
-    loads, lb, mx, mean = {}, {}, {}, {}
-    split_free = 0.0
+    loads, lb, mx, mean, peak = {}, {}, {}, {}, {}
     for p in PHASES:
         if p == LLM_PHASE:
             mb, rank = plan.sample_mb, plan.sample_rank
+            tokens = plan.inputs.llm_len
         else:
-            mb, rank = plan.sample_mb[plan.inputs.items(p).sample], plan.item_rank[p]
+            it = plan.inputs.items(p)
+            mb, rank = plan.sample_mb[it.sample], plan.item_rank[p]
+            tokens = plan.cost.phase(p).padded_len(it.enc_len) if p in plan.cost.phases \
+                else it.enc_len
         c = costs[p]
-        load = np.bincount(mb * W + rank, weights=c, minlength=W * M).reshape(M, W)
+        slot = mb * W + rank
+        load = np.bincount(slot, weights=c, minlength=W * M).reshape(M, W)
+        peak[p] = int(np.bincount(slot, weights=tokens, minlength=W * M).max(initial=0))
         loads[p], mean[p] = load, load.sum(axis=1) / W
         lb[p] = unit_bound(c, mb, M, W)
         mx[p] = load.max(axis=1)
-        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * M)[0]
-        split_free += max(float(c.sum()) / W, float(one))
+    split_free = split_free_bound(costs, W, M)
 
     def ratio(num, den):
         d = float(den.sum())
@@ -360,6 +359,7 @@ def compute_metrics(plan: StepPlan) -> dict:
         "step_time": step, "lb_step_time": lb_step, "split_free_lb_step_time": float(split_free),
         "step_time_over_lb": step / lb_step if lb_step > 0 else 1.0,
         "bytes": byts,
+        "peak_tokens": peak,
     }
 
 
@@ -373,9 +373,17 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     (the extra ones that run oversize samples alone, one per rank).
     """
     W, M = plan.topology.world_size, plan.num_microbatches
-    S = inputs.num_samples
     if M < 1:
         raise PlanError(f"num_microbatches must be >= 1, got {M}")
+    _check_same_inputs(plan, inputs)
+    _check_ranges(plan, inputs)
+    _check_packing(plan, inputs)
+    _check_capacity(plan, inputs)
+
+
+def _check_same_inputs(plan: StepPlan, inputs: StepInputs) -> None:
+    """The plan is for these inputs, and they are consistent (else offsets cannot be)."""
+    S = inputs.num_samples
     pi = plan.inputs
     if not (np.array_equal(pi.llm_len, inputs.llm_len)
             and np.array_equal(pi.text_len, inputs.text_len)):
@@ -385,7 +393,6 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
         if not all(np.array_equal(x, y) for x, y in
                    ((a.enc_len, b.enc_len), (a.llm_len, b.llm_len), (a.sample, b.sample))):
             raise PlanError(f"plan was made for different {p} items")
-    # Inputs themselves must be consistent, else offsets cannot be.
     total = _i64(inputs.text_len).copy()
     for p in ENCODER_PHASES:
         it = inputs.items(p)
@@ -395,6 +402,10 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     if not np.array_equal(total, inputs.llm_len):
         bad = int(np.flatnonzero(total != inputs.llm_len)[0])
         raise PlanError(f"sample {bad}: llm_len {inputs.llm_len[bad]} != text + items {total[bad]}")
+
+
+def _check_ranges(plan: StepPlan, inputs: StepInputs) -> None:
+    W, M, S = plan.topology.world_size, plan.num_microbatches, inputs.num_samples
 
     def in_range(name, a, n, hi):
         if a.shape != (n,):
@@ -407,6 +418,11 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     for p in ENCODER_PHASES:
         in_range(f"item_rank[{p}]", plan.item_rank[p], len(inputs.items(p)), W)
 
+
+def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
+    """The packing order is a permutation of the samples grouped by (micro-batch, rank) and
+    the offsets tile each packed sequence, items then text inside each sample."""
+    W, M, S = plan.topology.world_size, plan.num_microbatches, inputs.num_samples
     # Packing order: a permutation of the samples, grouped by (mb, rank), W*M groups.
     order, ptr = plan.sample_order, plan.sample_ptr
     if ptr.shape != (W * M + 1,) or ptr[0] != 0 or ptr[-1] != S or np.any(np.diff(ptr) < 0):
@@ -433,6 +449,10 @@ def validate(plan: StepPlan, inputs: StepInputs) -> None:
     if not np.array_equal(plan.text_offset, prefix):
         raise PlanError("text offsets break the layout convention")
 
+
+def _check_capacity(plan: StepPlan, inputs: StepInputs) -> None:
+    W, M = plan.topology.world_size, plan.num_microbatches
+    groups = plan.sample_mb * W + plan.sample_rank
     # Isolated micro-batches hold at most one sample per rank; capacities hold elsewhere.
     iso = plan.isolated_microbatches
     if len(iso) and (iso.min() < 0 or iso.max() >= M):

@@ -1,47 +1,41 @@
 """mmdispatch's per-step planner: micro-batch split, node-aware LLM placement, encoder rebalance.
 
 Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches; vectorised):
-1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Samples holding a
-   "giant" unit (above the mean rank load) go greedily, in blocks of W/16, where they raise the
-   bound least, so giants share a micro-batch; the rest go by class (audio, vision, text-only)
-   to targets that first fill the room under giant-set bounds, then level the totals (largest
-   members to the micro-batch with the largest bound). A polish pass moves a micro-batch's
-   largest unit away when it alone sets that micro-batch's bound.
-2. Per micro-batch, samples to nodes by batched LPT plus pairwise refine, one class per phase
-   (audio on audio cost, vision on vision cost, text-only last on LLM cost), so every node holds
-   about 1/N of every phase; then to ranks in each node by batched LPT on LLM cost; then LLM
-   refine in nodes, across nodes with text-only samples (they carry no embeddings), then any.
-3. Encoder items keep their sample's LLM rank up to the bound (largest first: zero bytes for the
-   items with the most bytes); the excess fills ranks of the same node up to the bound, the rest
-   goes to the least-loaded ranks; pairwise refine in nodes. If that leaves the slowest rank
-   above bound * 1.005 (balance outranks bytes), LPT over all ranks is tried too, batched and
-   bent toward home ranks, and sequential; their bins are then relabelled onto ranks so each
-   bin sits on the node (then rank) most of its embeddings go to. Lowest maximum wins, then
-   fewest bytes across nodes. Last, off-node items return home wherever that raises no rank
-   above the maximum.
+1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Three candidate
+   splits, the lowest sum of bounds wins: all samples through a block greedy on all phases
+   (giants first, then largest first; each block goes where it raises the bound least, so the
+   room a giant leaves in its micro-batch fills with every phase's work), and two class passes
+   (giants greedy, then audio, vision and text-only samples to targets that fill the room
+   under giant-set bounds, then level the totals). A polish pass moves a micro-batch's largest
+   unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
+   `llm_capacity_factor`), can overrule the split (`_split_fits`, `_split_by_capacity`).
+2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
+3. Per micro-batch and encoder phase, `placement.place_items`: node-first (items stay home up
+   to the bound, a node's excess goes to the lightest nodes), and where that is not within
+   `balance_tolerance` of the bound, whole-cluster LPT strategies relabelled onto ranks; the
+   fewest inter-node bytes among the best-balanced wins; off-node items then return home
+   wherever that raises no rank above the maximum.
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
 placement moves almost nothing, and the fallbacks restore balance when items are coarse.
-Cost: O(n log n) sorting, O(n/B) batched-LPT rounds of O(B log B), and refine iterations of
-O(n + pairs * items^2); ~40 ms at W = 2560, n = 20k on one core (bench/planner.py). Up to 32
-ranks the kernels run in plain Python (same choices, without numpy's per-call cost): ~2 ms at
-W = 4, n = 512 (bench/planner.py, small_worlds).
+Cost: O(n log n) sorting, O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x
+items^2); what `bench.planner` measures for each regime and W (CPU ms per plan) is in
+docs/planner.md, generated from its JSON.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import numpy as np
 
-from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .balance import lpt_rounds
 from .config import PlannerConfig
-from .plan import StepPlan, group_excl_cumsum, phase_costs
+from .cost import phase_costs
+from .placement import Items, place_items, place_samples
+from .plan import StepPlan
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
 
-_ROOM_SLACK = 0.5  # fill a giant-dominated micro-batch up to half a mean sample below its bound
-_GOOD_ENOUGH = 0.005  # node-first encoder placement within 0.5% of the bound is kept as is
-_CATCH_UP = 1.08  # node-first gets a cross-node refine only if within 8% of the global try
-_BAND = 0.02  # home-biased LPT treats loads within 2% of the bound (over a rank's items) as equal
 
 
 def check_inputs(inputs: StepInputs) -> None:
@@ -92,8 +86,6 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
                pad: float) -> np.ndarray:
     """Amount per micro-batch: fill the free room under each micro-batch's bound first (minus
     `pad` per rank, what packing needs), then level the totals."""
-    if len(total) < 8:  # numpy sums fewer than 8 numbers left to right, as Python does
-        return np.asarray(_waterfill_py(total.tolist(), largest.tolist(), amount, W, pad))
     room = np.maximum(0.0, W * (largest - pad) - total)
     if room.sum() >= amount:
         return amount * room / room.sum() if amount > 0 else np.zeros_like(total)
@@ -108,30 +100,8 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
     return room + np.maximum(0.0, lam - level)
 
 
-def _waterfill_py(total: list, largest: list, amount: float, W: int, pad: float) -> list:
-    """`_waterfill` for a few micro-batches in Python floats: the same operations in the same
-    order, so the same result."""
-    room = [max(0.0, W * (lg - pad) - t) for t, lg in zip(total, largest)]
-    rs = 0.0
-    for r in room:
-        rs += r
-    if rs >= amount:
-        return [amount * r / rs for r in room] if amount > 0 else [0.0] * len(room)
-    rest = amount - rs
-    level = [t + r for t, r in zip(total, room)]
-    srt = sorted(level)
-    lam, cum = None, 0.0
-    for k, v in enumerate(srt):
-        cum += v
-        cand = (rest + cum) / (k + 1)
-        if k + 1 == len(srt) or cand <= srt[k + 1]:
-            lam = cand
-            break
-    return [r + max(0.0, lam - lv) for r, lv in zip(room, level)]
-
-
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
-                       rng: np.random.Generator, slack: float = _ROOM_SLACK) -> np.ndarray:
+                       rng: np.random.Generator, slack: float) -> np.ndarray:
     """Micro-batch of each sample in `idx` (see module docstring, step 1).
 
     A unit counts as a giant above the mean rank load of the step; a second pass lowers that
@@ -151,8 +121,38 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
         bound = _split_bound(c, b, second, M, W)
         if bound < best_bound:
             best, best_bound = second, bound
+    if slack < 1:
+        third = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W)
+        bound = _split_bound(c, b, third, M, W)
+        if bound < best_bound * (1 - 1e-9):
+            best, best_bound = third, bound
     _polish_split(c, b, best, M, W)
     return best
+
+
+def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
+                  W: int) -> np.ndarray:
+    """Every sample through `_greedy_blocks`, all phases at once: giants first (as in
+    `_split_pass`), then the rest largest first, about 64 blocks per micro-batch. Unlike the
+    class-by-class pass, a sample counts in every phase it touches, so the room a giant of
+    one phase leaves in its micro-batch fills with the other phases' work too."""
+    P, n = c.shape
+    csum = c.sum(axis=1)
+    tau = np.where(csum > 0, csum / (W * M), 1.0)
+    score = (b / tau[:, None]).max(axis=0)
+    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
+    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
+    out = np.zeros(n, dtype=np.int64)
+    giants = np.flatnonzero(is_giant)
+    giants = giants[np.argsort(-score[giants], kind="stable")]
+    if len(giants):
+        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
+    rest = np.flatnonzero(~is_giant)
+    size = (c[:, rest] / tau[:, None]).sum(axis=0)
+    rest = rest[np.argsort(-size, kind="stable")]
+    if len(rest):
+        out[rest] = _greedy_blocks(c, b, rest, max(1, len(rest) // (64 * M)), Tc, Lc, W)
+    return out
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
@@ -161,6 +161,52 @@ def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -
     for k in range(len(c)):
         np.maximum.at(L[k], mb, b[k])
     return float(np.maximum(T / W, L).sum())
+
+
+def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
+                   Tc: list, Lc: list, W: int) -> np.ndarray:
+    """Micro-batch of each of `members`, taken in order in blocks of `block`: each block goes
+    where it raises sum_p max(total_p/W, largest_p) least (ties: the lighter micro-batch).
+    `Tc`, `Lc` (per micro-batch, per phase: totals, largest units) are updated in place.
+
+    Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates."""
+    P, M = len(c), len(Tc)
+    csum = c.sum(axis=1)
+    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
+    starts = np.arange(0, len(members), block)
+    bsum = np.add.reduceat(c[:, members], starts, axis=1).T.tolist()
+    bmax = np.maximum.reduceat(b[:, members], starts, axis=1).T.tolist()
+    olds = [[max(t / W, l) for t, l in zip(Tm, Lm)] for Tm, Lm in zip(Tc, Lc)]
+    ties = [sum(x * t for x, t in zip(shr, Tm)) for Tm in Tc]
+    bounds = [sum(om) for om in olds]
+    chosen = []
+    for bs, bx in zip(bsum, bmax):
+        incs = []
+        for m in range(M):
+            Tm, Lm, om = Tc[m], Lc[m], olds[m]
+            inc = 0.0
+            for q in range(P):
+                t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
+                if v > l:
+                    l = v
+                if l > t:
+                    t = l
+                inc += t - om[q]
+            incs.append(inc)
+        lo = min(incs)
+        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
+        m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
+        chosen.append(m)
+        Tm, Lm, om = Tc[m], Lc[m], olds[m]
+        tie = bnd = 0.0
+        for q in range(P):
+            Tm[q] += bs[q]
+            Lm[q] = max(Lm[q], bx[q])
+            om[q] = max(Tm[q] / W, Lm[q])
+            tie += shr[q] * Tm[q]
+            bnd += om[q]
+        ties[m], bounds[m] = tie, bnd
+    return np.repeat(chosen, block)[:len(members)]
 
 
 def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
@@ -173,49 +219,12 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
         else np.zeros(n, dtype=bool)
     giants = np.flatnonzero(is_giant)
-    # Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates;
-    # per micro-batch, its totals, largest units, bounds and tie-break key, refreshed on change.
     Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
     if len(giants):
         tau = np.where(has, csum / (W * M), 1.0)
         score = (b[:, giants] / tau[:, None]).max(axis=0)
         giants = giants[np.argsort(-score, kind="stable")]
-        shr = np.where(has, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
-        # Greedy in blocks of giants (one at a time for small W): each block goes where it
-        # raises the bound least; ties go to the lighter micro-batch.
-        block = max(1, W // 16)
-        starts = np.arange(0, len(giants), block)
-        bsum = np.add.reduceat(c[:, giants], starts, axis=1).T.tolist()
-        bmax = np.maximum.reduceat(b[:, giants], starts, axis=1).T.tolist()
-        olds, ties, bounds = [[0.0] * P for _ in range(M)], [0.0] * M, [0.0] * M
-        chosen = []
-        for bs, bx in zip(bsum, bmax):
-            incs = []
-            for m in range(M):
-                Tm, Lm, om = Tc[m], Lc[m], olds[m]
-                inc = 0.0
-                for q in range(P):
-                    t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
-                    if v > l:
-                        l = v
-                    if l > t:
-                        t = l
-                    inc += t - om[q]
-                incs.append(inc)
-            lo = min(incs)
-            eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-            m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
-            chosen.append(m)
-            Tm, Lm, om = Tc[m], Lc[m], olds[m]
-            tie = bnd = 0.0
-            for q in range(P):
-                Tm[q] += bs[q]
-                Lm[q] = max(Lm[q], bx[q])
-                om[q] = max(Tm[q] / W, Lm[q])
-                tie += shr[q] * Tm[q]
-                bnd += om[q]
-            ties[m], bounds[m] = tie, bnd
-        out[giants] = np.repeat(chosen, block)[:len(giants)]
+        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
     T, L = np.array(Tc).T.copy(), np.array(Lc).T.copy()
     rest = ~is_giant
     k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
@@ -300,137 +309,24 @@ def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
                       items_in: dict[str, np.ndarray], inputs: StepInputs, topology: Topology,
-                      sample_rank: np.ndarray, item_rank: dict[str, np.ndarray]) -> None:
-    """Steps 2-4 of the module docstring for one micro-batch's samples `samp`."""
-    W, g, N = topology.world_size, topology.ranks_per_node, topology.num_nodes
-    k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
-    c = cost[:, samp]
-    node = np.zeros(len(samp), dtype=np.int64)
-    if N > 1:
-        has_a = c[k_aud] > 0
-        has_v = ~has_a & (c[k_vis] > 0)
-        text = ~has_a & ~has_v
-        node_load = np.zeros((len(PHASES), N))
-        for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
-            sel = np.flatnonzero(mask)
-            if len(sel) == 0:
-                continue
-            row = node_load[k][None, :].copy()
-            nsel = lpt_rounds(c[k, sel], np.zeros(len(sel), dtype=np.int64), row)
-            # batched LPT is coarse with few samples per node: even it out, per node load
-            refine(c[k, sel], nsel, row[0], target=row[0].mean() * 1.001, max_iter=8)
-            node[sel] = nsel
-            for q in range(len(PHASES)):
-                node_load[q] += np.bincount(nsel, weights=c[q, sel], minlength=N)
-    local = lpt_rounds(c[k_llm], node, np.zeros((N, g)))
-    rank = node * g + local
-    loads = np.bincount(rank, weights=c[k_llm], minlength=W)
-    llm_lb = max(loads.sum() / W, c[k_llm].max(initial=0.0))
-    refine(c[k_llm], rank, loads, bins_per_group=g, target=llm_lb)
-    no_items = (c[k_vis] == 0) & (c[k_aud] == 0)
-    if N > 1:
-        refine(c[k_llm], rank, loads, movable=no_items, target=llm_lb)
-        refine(c[k_llm], rank, loads, target=llm_lb)
-    # last, all pairs (coarse bins only); across nodes only samples without embeddings
-    refine(c[k_llm], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
-           all_pairs=True, max_iter=16)
+                      config: PlannerConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
+    2-3 of the module docstring for one micro-batch."""
+    W, g = topology.world_size, topology.ranks_per_node
+    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
+    sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     sample_rank[samp] = rank
+    out = {}
     for p in ENCODER_PHASES:
         it = items_in[p]
         if len(it) == 0:
+            out[p] = np.zeros(0, dtype=np.int64)
             continue
-        sz = unit_costs[p][it]
-        home = sample_rank[inputs.items(p).sample[it]]
-        lb = _bound_one(sz, W)
-        # Keep each rank's largest items at home up to the bound (zero bytes, and large items
-        # carry the most bytes); the excess is LPT-ed over the ranks of the same node.
-        within, _ = group_excl_cumsum(home, sz, by_size=True)
-        keep = within + sz <= lb * (1 + 1e-9)
-        r = home.copy()
-        loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
-        pool = np.flatnonzero(~keep)
-        if len(pool):
-            # the excess first fills its own node up to the bound, then the least-loaded ranks
-            grid = loads.reshape(N, g)  # a view: lpt_rounds updates `loads`
-            local = lpt_rounds(sz[pool], home[pool] // g, grid, cap=lb * (1 + 1e-9))
-            r[pool] = np.where(local >= 0, home[pool] // g * g + local, -1)
-            left = pool[local < 0]
-            if len(left):
-                r[left] = lpt_rounds(sz[left], np.zeros(len(left), dtype=np.int64), loads[None, :])
-        refine(sz, r, loads, bins_per_group=g, target=lb, max_iter=4)
-        if loads.max() > lb * (1 + _GOOD_ENOUGH):
-            # Node-first packing left the slowest rank above the bound. Balance comes first in
-            # the objective, so also try LPT over all ranks: batched in rounds of W/4 items and
-            # bent toward home ranks, and sequential; node-first, if close, refines across
-            # nodes to catch up. Lowest maximum wins, then fewest embeddings crossing nodes.
-            cands = [(r, loads)]
-            per_rank = -(-len(sz) // W)
-            alt_loads = np.zeros(W)
-            alt = lpt_home(sz, home, alt_loads, node_size=g, tol=_BAND * lb / per_rank,
-                           round_size=max(1, W // 4))
-            cands.append((alt, alt_loads))
-            plain = lpt_heap(sz, W)  # sequential LPT: the yardstick, O(n log W) in Python
-            cands.append((plain, np.bincount(plain, weights=sz, minlength=W)))
-            nbytes = inputs.items(p).llm_len[it].astype(np.float64)
-            for k, (alt, alt_loads) in enumerate(cands[1:], 1):
-                refine(sz, alt, alt_loads, target=lb, all_pairs=True, max_iter=16)
-                # ranks are interchangeable for balance: hand each bin to the rank (node
-                # first) where most of its embeddings are going anyway
-                new_rank = relabel_bins(alt, home, nbytes, W, g)
-                moved = np.empty(W)
-                moved[new_rank] = alt_loads
-                cands[k] = (new_rank[alt], moved)
-            best_alt = min(ld.max() for _, ld in cands[1:])
-            if loads.max() <= best_alt * _CATCH_UP:
-                refine(sz, r, loads, target=max(lb, best_alt), all_pairs=True, max_iter=16)
-            r, loads = min(cands, key=lambda cand: (round(cand[1].max() / lb, 9),
-                                                    nbytes[cand[0] // g != home // g].sum()))
-        elif N > 1 and loads.max() > lb * (1 + 1e-9):
-            refine(sz, r, loads, target=lb, all_pairs=True, max_iter=8)  # a small residual
-        pull_home(sz, home, r, loads, g)
-        item_rank[p][it] = r
-
-
-def _bound_one(c: np.ndarray, bins: int) -> float:
-    """`unit_bound` of one group, max(total/bins, largest, s_bins + s_(bins+1)), with the same
-    float operations (a sequential total) in a few calls."""
-    if len(c) == 0:
-        return 0.0
-    lb = float(np.cumsum(c)[-1]) / bins
-    if len(c) > bins:
-        s = np.partition(-c, (0, bins - 1, bins))
-        return max(lb, float(-s[0]), float(-s[bins - 1]) + float(-s[bins]))
-    return max(lb, float(c.max()))
-
-
-def pull_home(sz: np.ndarray, home: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int,
-              max_rounds: int = 4) -> None:
-    """Move items placed off their home node back to it (its home rank, else the node's
-    least-loaded rank), then off-home items back to their home rank, wherever that keeps every
-    rank at or under today's maximum: bytes drop, the slowest rank does not get slower."""
-    cap = loads.max() * (1 + 1e-12)
-    W = len(loads)
-    for same_node in (False, True):
-        for _ in range(max_rounds):
-            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
-            if len(off) == 0:
-                break
-            h = home[off]
-            dest = h
-            if not same_node:
-                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
-                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
-            ok = loads[dest] + sz[off] <= cap
-            off, dest = off[ok], dest[ok]
-            if len(off) == 0:
-                break
-            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
-            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
-            pick = order[first]
-            off, dest = off[pick], dest[pick]
-            np.subtract.at(loads, r[off], sz[off])
-            loads[dest] += sz[off]
-            r[off] = dest
+        items = Items.make(unit_costs[p][it], sample_rank[inputs.items(p).sample[it]],
+                           inputs.items(p).llm_len[it].astype(np.float64), W, g)
+        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band,
+                             catch_up=config.catch_up)
+    return rank, out
 
 
 def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> StepPlan:
@@ -441,6 +337,9 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
     than a PlanError: like an isolated sample, it runs in more, smaller micro-batches."""
     check_inputs(inputs)
     M = config.microbatches_for(inputs, topology)
+    capacity = config.llm_capacity_for(inputs, topology)
+    if capacity != config.llm_capacity:
+        config = replace(config, llm_capacity=capacity)
     try:
         return _plan_with(inputs, topology, config, M)
     except PlanError as refused:
@@ -477,7 +376,7 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     sample_mb = np.zeros(S, dtype=np.int64)
     sample_rank = np.zeros(S, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    mb = split_microbatches(cost, big, idx, M, W, rng)
+    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
     share = _capacity_shares(inputs, config, idx)
     if not _split_fits(share, mb, M, W):
         mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
@@ -489,8 +388,10 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
         samp = idx[mb == m]
         items_in = {p: np.flatnonzero((item_mb[p] == m) & regular[inputs.items(p).sample])
                     for p in ENCODER_PHASES}
-        _place_microbatch(cost, samp, unit_costs, items_in, inputs, topology, sample_rank,
-                          item_rank)
+        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
+                                                     topology, config)
+        for p in ENCODER_PHASES:
+            item_rank[p][items_in[p]] = ranks[p]
     isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
     if len(oversize):
         warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
@@ -605,61 +506,73 @@ def repair_capacity(plan: StepPlan) -> StepPlan:
     micro-batch's units of that phase again, largest first (`_repack`); PlanError if some rank
     still cannot be brought under capacity."""
     inp, topo = plan.inputs, plan.topology
-    W, M, g = topo.world_size, plan.num_microbatches, topo.ranks_per_node
-    free = np.ones(M, dtype=bool)
+    free = np.ones(plan.num_microbatches, dtype=bool)
     free[plan.isolated_microbatches] = False
-    sample_rank = plan.sample_rank.copy()
-    item_rank = {p: a.copy() for p, a in plan.item_rank.items()}
-    changed = False
-    units = []
+    sample_rank, item_rank = plan.sample_rank, dict(plan.item_rank)
     if plan.llm_capacity is not None:
-        units.append((None, plan.sample_mb, sample_rank, np.asarray(inp.llm_len, np.float64),
-                      plan.llm_capacity))
+        sample_rank = _repair_units(plan.sample_mb, sample_rank,
+                                    np.asarray(inp.llm_len, np.float64), plan.llm_capacity,
+                                    free, topo, "LLM")
     for p, cap in plan.encoder_capacity.items():
         it = inp.items(p)
-        units.append((p, plan.sample_mb[it.sample], item_rank[p],
-                      plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64), cap))
-    for name, mb, rank, tok, cap in units:
-        load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
-        for grp in np.flatnonzero(load > cap):
-            m, r = divmod(int(grp), W)
-            if not free[m]:
-                continue
-            members = np.flatnonzero((mb == m) & (rank == r))
-            for u in members[np.argsort(tok[members], kind="stable")]:
-                if load[grp] <= cap:
-                    break
-                row = load[m * W:(m + 1) * W]
-                room = cap - row
-                node = (np.arange(W) // g) == (r // g)
-                fits = room >= tok[u]
-                fits[r] = False
-                if not fits.any():
-                    continue
-                pick = np.flatnonzero(fits & node)
-                if len(pick) == 0:
-                    pick = np.flatnonzero(fits)
-                dst = int(pick[np.argmax(room[pick])])
-                rank[u] = dst
-                load[grp] -= tok[u]
-                load[m * W + dst] += tok[u]
-                changed = True
-            if load[grp] > cap:
-                in_mb = np.flatnonzero(mb == m)
-                packed = _repack(tok[in_mb], W, cap)
-                if packed is not None:
-                    rank[in_mb] = packed
-                    load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
-                    changed = True
-            if load[grp] > cap:
-                what = "LLM" if name is None else name
-                raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
-                                f"{int(load[grp])} under capacity {cap}")
-    if not changed:
+        tok = plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64)
+        item_rank[p] = _repair_units(plan.sample_mb[it.sample], item_rank[p], tok, cap, free,
+                                     topo, p)
+    if sample_rank is plan.sample_rank and all(item_rank[p] is plan.item_rank[p]
+                                               for p in item_rank):
         return plan
     return StepPlan(
-        inputs=inp, topology=topo, num_microbatches=M, sample_mb=plan.sample_mb,
-        sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
+        inputs=inp, topology=topo, num_microbatches=plan.num_microbatches,
+        sample_mb=plan.sample_mb, sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
         bytes_per_token=plan.bytes_per_token, llm_capacity=plan.llm_capacity,
         encoder_capacity=plan.encoder_capacity, isolated_microbatches=plan.isolated_microbatches,
     )
+
+
+def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
+                  free: np.ndarray, topo: Topology, what: str) -> np.ndarray:
+    """`rank` if every (rank, free micro-batch) holds at most `cap` tokens, else a repaired
+    copy (see `repair_capacity`)."""
+    W, M = topo.world_size, len(free)
+    load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
+    over = [int(grp) for grp in np.flatnonzero(load > cap) if free[grp // W]]
+    if not over:
+        return rank
+    rank = rank.copy()
+    for grp in over:
+        m, r = divmod(grp, W)
+        _move_smallest_away(mb, rank, tok, load, cap, m, r, topo)
+        if load[grp] > cap:
+            in_mb = np.flatnonzero(mb == m)
+            packed = _repack(tok[in_mb], W, cap)
+            if packed is not None:
+                rank[in_mb] = packed
+                load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
+        if load[grp] > cap:
+            raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
+                            f"{int(load[grp])} under capacity {cap}")
+    return rank
+
+
+def _move_smallest_away(mb, rank, tok, load, cap, m: int, r: int, topo: Topology) -> None:
+    """Units of (rank r, micro-batch m), smallest first, to the roomiest rank of m that fits
+    them (same node first) until r is under `cap`; updates the repair's own `rank`, `load`."""
+    W, g = topo.world_size, topo.ranks_per_node
+    grp = m * W + r
+    members = np.flatnonzero((mb == m) & (rank == r))
+    node = (np.arange(W) // g) == (r // g)
+    for u in members[np.argsort(tok[members], kind="stable")]:
+        if load[grp] <= cap:
+            break
+        room = cap - load[m * W:(m + 1) * W]
+        fits = room >= tok[u]
+        fits[r] = False
+        if not fits.any():
+            continue
+        pick = np.flatnonzero(fits & node)
+        if len(pick) == 0:
+            pick = np.flatnonzero(fits)
+        dst = int(pick[np.argmax(room[pick])])
+        rank[u] = dst
+        load[grp] -= tok[u]
+        load[m * W + dst] += tok[u]

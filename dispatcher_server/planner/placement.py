@@ -1,0 +1,283 @@
+"""Where each sample runs its LLM sequence and each encoder item runs, inside one micro-batch.
+
+Samples go to nodes, then ranks (`place_samples`). Encoder items then have a home, their
+sample's LLM rank, and three named strategies place them: `node_first` keeps items home and
+moves only the excess, same node first (fewest bytes); `home_biased_lpt` and `sequential_lpt`
+balance coarse items better and are relabelled so each rank's items mostly go to its own node.
+`choose_placement` is the one scoring rule: balance first, then bytes crossing nodes. Every
+strategy returns new arrays; none writes into its arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .bounds import unit_bound
+from .plan import group_excl_cumsum
+from .types import LLM_PHASE, PHASES
+
+K_VIS, K_AUD, K_LLM = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Rank of every item and the resulting load of every rank, from one strategy."""
+
+    name: str
+    rank: np.ndarray  # int64[n]
+    loads: np.ndarray  # float64[W]
+
+
+@dataclass(frozen=True, slots=True)
+class Items:
+    """One phase's items in one micro-batch: cost, home rank, bytes, and the world's shape."""
+
+    size: np.ndarray  # float64[n]: cost
+    home: np.ndarray  # int64[n]: LLM rank of the owning sample
+    nbytes: np.ndarray  # float64[n]: embeddings the item sends to its home
+    world_size: int
+    ranks_per_node: int
+    bound: float  # `unit_bound` of the items over the W ranks
+
+    @staticmethod
+    def make(size: np.ndarray, home: np.ndarray, nbytes: np.ndarray, world_size: int,
+             ranks_per_node: int) -> Items:
+        bound = float(unit_bound(size, np.zeros(len(size), dtype=np.int64), 1, world_size)[0])
+        return Items(size=size, home=home, nbytes=nbytes, world_size=world_size,
+                     ranks_per_node=ranks_per_node, bound=bound)
+
+    def inter_node_bytes(self, rank: np.ndarray) -> float:
+        g = self.ranks_per_node
+        return float(self.nbytes[rank // g != self.home // g].sum())
+
+
+# ---- samples -------------------------------------------------------------------------------
+def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
+    """Node of each sample: one class per phase (audio on audio cost, vision on vision cost,
+    text-only on LLM cost), batched LPT then refine, so every node holds ~1/N of each phase."""
+    node = np.zeros(c.shape[1], dtype=np.int64)
+    has_a = c[K_AUD] > 0
+    has_v = ~has_a & (c[K_VIS] > 0)
+    text = ~has_a & ~has_v
+    node_load = np.zeros((len(PHASES), N))
+    for mask, k in ((has_a, K_AUD), (has_v, K_VIS), (text, K_LLM)):
+        sel = np.flatnonzero(mask)
+        if len(sel) == 0:
+            continue
+        row = node_load[k][None, :].copy()
+        nsel = lpt_rounds(c[k, sel], np.zeros(len(sel), dtype=np.int64), row)
+        # batched LPT is coarse with few samples per node: even it out, per node load
+        refine(c[k, sel], nsel, row[0], target=row[0].mean() * 1.001, max_iter=8)
+        node[sel] = nsel
+        for q in range(len(PHASES)):
+            node_load[q] += np.bincount(nsel, weights=c[q, sel], minlength=N)
+    return node
+
+
+def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
+    """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
+    by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
+    nodes with samples that carry no embeddings, then any. The refine in nodes stops within a
+    quarter of `tolerance` above the bound (it pairs every node's ranks, the costly one); the
+    later ones aim at the bound itself."""
+    N = W // g
+    node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
+    rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
+    llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb * (1 + tolerance / 4),
+           max_iter=4)
+    no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
+    if N > 1:
+        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
+        refine(c[K_LLM], rank, loads, target=llm_lb, max_iter=16)
+    # last, all pairs (coarse bins only); across nodes only samples without embeddings
+    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
+           all_pairs=True, max_iter=8)
+    if N == 1 and loads.max() > llm_lb * (1 + 1e-9):
+        # one node: no bytes to keep local, so sequential LPT may take over where batching
+        # left a residual it cannot refine away
+        alt = lpt_heap(c[K_LLM], W)
+        alt_loads = np.bincount(alt, weights=c[K_LLM], minlength=W)
+        refine(c[K_LLM], alt, alt_loads, target=llm_lb, max_iter=16)
+        if alt_loads.max() < loads.max() * (1 - 1e-12):
+            return alt
+    return rank
+
+
+# ---- encoder items -------------------------------------------------------------------------
+def _export_excess(items: Items, pool: np.ndarray, node_load: np.ndarray, cap: float
+                   ) -> np.ndarray:
+    """Node of each `pool` item: its home node, except that a node over `cap` exports its
+    largest pool items until the excess is covered, to the least-loaded nodes (batched LPT
+    under `cap` first)."""
+    g, sz = items.ranks_per_node, items.size[pool]
+    node = items.home[pool] // g
+    excess = np.maximum(0.0, node_load - cap)
+    if not excess.any():
+        return node
+    before, order = group_excl_cumsum(node, sz, by_size=True)  # larger first within a node
+    out = np.flatnonzero(before < excess[node])
+    if len(out):
+        loads = node_load.copy()
+        np.subtract.at(loads, node[out], sz[out])
+        node[out] = _capped_lpt(sz[out], np.zeros(len(out), dtype=np.int64), loads[None, :],
+                                cap)
+    return node
+
+
+def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, loads) after every rank above `good` sheds its smallest items until it is at or
+    under `good`, and the shed items, largest first, fill the room under `good` of the
+    roomiest ranks in turn (an item lands where the middle of its cumulative size falls; one
+    that finds no room stays). One pass, whole arrays."""
+    over = loads - good
+    on_heavy = np.flatnonzero(over[r] > 0)
+    if len(on_heavy) == 0:
+        return r, loads
+    before, _ = group_excl_cumsum(r[on_heavy], -sz[on_heavy], by_size=True)  # smallest first
+    shed = on_heavy[-before < over[r[on_heavy]]]
+    shed = shed[np.argsort(-sz[shed], kind="stable")]
+    r, loads = r.copy(), loads.copy()
+    np.subtract.at(loads, r[shed], sz[shed])
+    room = np.maximum(0.0, good - loads)
+    room[np.unique(r[shed])] = 0.0  # a rank that sheds takes nothing back
+    by_room = np.argsort(-room, kind="stable")
+    pos = np.searchsorted(np.cumsum(room[by_room]), np.cumsum(sz[shed]) - sz[shed] / 2)
+    fits = pos < np.count_nonzero(room)
+    dest = np.where(fits, by_room[np.minimum(pos, len(room) - 1)], r[shed])
+    np.add.at(loads, dest, sz[shed])
+    r[shed] = dest
+    return r, loads
+
+
+def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float) -> np.ndarray:
+    """Bin within its group of each item: batched LPT under `cap`, twice (a round hands every
+    bin of a group one item, so an item that does not fit its match may fit another bin in
+    the next pass), then plain batched LPT for what is left. `grid` (group x bin loads) is
+    updated in place."""
+    local = lpt_rounds(sz, group, grid, cap=cap * (1 + 1e-9))
+    for c in (cap * (1 + 1e-9), None):
+        left = np.flatnonzero(local < 0)
+        if len(left) == 0:
+            break
+        local[left] = lpt_rounds(sz[left], group[left], grid, cap=c)
+    return local
+
+
+def node_first(items: Items, good: float) -> Placement:
+    """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
+    the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
+    the rest is LPT over the ranks of its node; refine in nodes, then across nodes with
+    moves and swaps until the slowest rank is at most `good` (few items cross)."""
+    sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
+    lb = items.bound
+    within, _ = group_excl_cumsum(home, sz, by_size=True)
+    keep = within + sz <= lb * (1 + 1e-9)
+    r = home.copy()
+    loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
+    pool = np.flatnonzero(~keep)
+    if len(pool):
+        node_load = np.bincount(home // g, weights=sz, minlength=W // g)
+        node = _export_excess(items, pool, node_load, g * lb)
+        r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8, swaps=False)
+    if W > g and loads.max() > good:
+        r, loads = _shed_excess(sz, r, loads, good)
+        refine(sz, r, loads, target=good, max_iter=8, swaps=True)
+    return Placement("node_first", r, loads)
+
+
+def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
+                target: float) -> Placement:
+    """Refine a whole-cluster placement down to `target`, then hand each bin to the rank
+    (node first) where most of its embeddings go anyway: ranks are interchangeable for
+    balance."""
+    W, g = items.world_size, items.ranks_per_node
+    refine(items.size, r, loads, target=target, max_iter=8)
+    new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
+    moved = np.empty(W)
+    moved[new_rank] = loads
+    return Placement(name, new_rank[r], moved)
+
+
+def home_biased_lpt(items: Items, band: float, target: float) -> Placement:
+    """LPT over all ranks in rounds of W/4 items, bent toward home ranks: loads within
+    `band` x the bound / items-per-rank of each other count as equal (`balance.lpt_home`)."""
+    W = items.world_size
+    per_rank = -(-len(items.size) // W)
+    loads = np.zeros(W)
+    r = lpt_home(items.size, items.home, loads, node_size=items.ranks_per_node,
+                 tol=band * items.bound / per_rank, round_size=max(1, W // 4))
+    return _relabelled("home_biased_lpt", items, r, loads, target)
+
+
+def sequential_lpt(items: Items, target: float) -> Placement:
+    """Textbook LPT over all ranks (the yardstick; O(n log W) in Python), relabelled."""
+    r = lpt_heap(items.size, items.world_size)
+    loads = np.bincount(r, weights=items.size, minlength=items.world_size)
+    return _relabelled("sequential_lpt", items, r, loads, target)
+
+
+def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> Placement:
+    """Balance first, then bytes: among placements whose slowest rank is within `tolerance`
+    of the lowest, the one moving the fewest bytes across nodes (then the earliest)."""
+    best = min(c.loads.max() for c in cands)
+    ok = [c for c in cands if c.loads.max() <= best * (1 + tolerance) + 1e-300]
+    return min(ok, key=lambda c: items.inter_node_bytes(c.rank))
+
+
+def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement:
+    """Items off their home node go back to it (home rank, else the node's least-loaded rank),
+    then off-home items to their home rank, wherever that keeps every rank at or under the
+    current maximum: bytes drop, the slowest rank does not get slower."""
+    sz, home, g = items.size, items.home, items.ranks_per_node
+    r, loads = placed.rank.copy(), placed.loads.copy()
+    cap = loads.max() * (1 + 1e-12)
+    W = len(loads)
+    for same_node in (False, True):
+        for _ in range(max_rounds):
+            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
+            if len(off) == 0:
+                break
+            h = home[off]
+            dest = h
+            if not same_node:
+                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
+                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
+            ok = loads[dest] + sz[off] <= cap
+            off, dest = off[ok], dest[ok]
+            if len(off) == 0:
+                break
+            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
+            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
+            pick = order[first]
+            off, dest = off[pick], dest[pick]
+            np.subtract.at(loads, r[off], sz[off])
+            loads[dest] += sz[off]
+            r[off] = dest
+    return Placement(placed.name, r, loads)
+
+
+def place_items(items: Items, *, tolerance: float, band: float, catch_up: float) -> np.ndarray:
+    """Rank of each encoder item: node-first, and where it leaves the slowest rank more than
+    `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
+    them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
+    good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
+    first = node_first(items, items.bound * (1 + tolerance / 4))
+    cands = [first]
+    if first.loads.max() > good:
+        cands.append(home_biased_lpt(items, band, good))
+        if min(c.loads.max() for c in cands) > good:
+            cands.append(sequential_lpt(items, good))
+        best_alt = min(c.loads.max() for c in cands[1:])
+        if first.loads.max() <= best_alt * catch_up:
+            r, loads = first.rank.copy(), first.loads.copy()
+            refine(items.size, r, loads, target=max(good, best_alt), all_pairs=True,
+                   max_iter=16)
+            cands.append(Placement("node_first_refined", r, loads))
+    return pull_home(items, choose_placement(cands, items, tolerance)).rank
