@@ -27,6 +27,7 @@ from dispatcher_server.planner.config import OVERSIZE_POLICIES
 from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from dispatcher_server.halt import HaltedJob
+from dispatcher_server.measure import RefitConfig
 from dispatcher_server.server import Dispatcher
 from pipeline.shards import expand_shards
 
@@ -73,6 +74,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "max_epochs": (int, 1, "epochs to serve; 0 = unbounded"),
     "max_steps": (int, None, "stop after this many steps"),
     "exit_when_done": (bool, False, "exit once every rank got the end of the stream"),
+    "refit": (bool, False, "refit the cost model online from the trainers' measured phase times "
+                           "(the last 512 runs per phase, every 20 steps; each change is logged)"),
     "io_threads": (int, 2, "ZeroMQ I/O threads: 2 lets reader and trainer traffic move in parallel"),
     "malloc_keep_mb": (int, 16, "reuse freed heap blocks up to this size instead of fresh pages "
                                 "(glibc; saves page faults on payload frames); 0 = off"),
@@ -167,7 +170,7 @@ def build_config(v: dict) -> ServerConfig:
         journal_plan_file_bytes=v["journal_plan_file_mb"] << 20,
         max_epochs=v["max_epochs"] or None, max_steps=v["max_steps"],
         metrics_port=v["metrics_port"], metrics_host=v["metrics_host"], step_log=v["step_log"],
-        payloads=v["payloads"],
+        payloads=v["payloads"], refit=RefitConfig() if v["refit"] else None,
         curve=CurveConfig(server_secret_file=v["curve_secret"],
                           allowed_keys_dir=v["curve_allowed_dir"]) if v["curve_secret"] else None,
     )

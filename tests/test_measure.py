@@ -4,6 +4,7 @@ the step log and the metrics, and the online refit uses only its bounded window.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from dispatcher_server.measure import RefitConfig, StepMeasurements, summarise
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.planner.cost import CostModel, PhaseCost
 from dispatcher_server.server import Dispatcher
+from tests.test_service import shards  # noqa: F401  (fixture)
 
 SECONDS = CostModel(phases={"vision": PhaseCost(a=1e-3, b=0.0), "audio": PhaseCost(a=2e-3, b=0.0),
                             "llm": PhaseCost(a=1e-4, b=1e-7)})
@@ -107,3 +109,40 @@ def test_timings_on_credit_reach_the_step_log_and_the_metrics(tmp_path):
 def test_malformed_timings_are_protocol_errors(timings):
     with pytest.raises(P.ProtocolError):
         P.decode(P.encode(P.CREDIT, upto=1, timings=timings))
+
+
+def test_a_trainers_reported_timings_reach_the_step_log(tmp_path, shards):
+    from tests.test_service import client_config, dispatcher, make_config, readers
+    from trainer_client.client import DispatcherClient
+
+    log = tmp_path / "steps.jsonl"
+    with dispatcher(make_config(shards, world_size=1, global_batch=8, num_microbatches=1,
+                                step_log=str(log))) as srv, readers(srv.reader_endpoint, 1):
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        try:
+            step = next(client)
+            client.report_timings(step.step, [{"vision": [0.25, [16, 64]], "llm": [0.5, [40]],
+                                               "exchange": 0.01}])
+            deadline = time.monotonic() + 10
+            measured = []
+            while not measured and time.monotonic() < deadline:
+                time.sleep(0.05)
+                measured = [json.loads(line) for line in log.read_text().splitlines()
+                            if '"measure"' in line]
+        finally:
+            client.close()
+    (rec,) = measured
+    assert rec["step"] == step.step and rec["phases"]["vision"]["measured_max"] == 0.25
+    assert rec["phases"]["llm"]["measured_max"] == 0.5 and rec["exchange_s"] == 0.01
+
+
+def test_serve_refit_flag_turns_the_online_refit_on(tmp_path):
+    from mmdispatch import serve
+    from mmdispatch.cli import build_parser
+
+    shard = tmp_path / "s.tar"
+    shard.write_bytes(b"")
+    base = ["--shards", str(shard), "--world-size", "2", "--global-batch", "4"]
+    for flags, on in ((base, False), ([*base, "--refit"], True)):
+        config = serve.build_config(serve.resolve(build_parser("serve").parse_args(flags)))
+        assert (config.refit == RefitConfig()) if on else config.refit is None

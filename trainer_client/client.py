@@ -292,6 +292,10 @@ class _Commit:
     error: list
 
 
+#: Measured steps a client holds while it cannot send them.
+MAX_PENDING_TIMINGS = 16
+
+
 class _TrainerPeer:
     """The client thread's side of the session: receives steps, grants credits, sends commits.
 
@@ -313,6 +317,7 @@ class _TrainerPeer:
         self.commits: list[_Commit] = []
         self.files: ShardFiles | None = None  # reference payload mode
         self.credit_sent: tuple | None = None
+        self.timings: list[dict] = []  # measured steps not yet sent (bounded)
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
@@ -356,9 +361,10 @@ class _TrainerPeer:
         self._do_commands(session)
         if session.welcomed:
             credit = (self.consumed + self.prefetch, self.next_expected)
-            if credit != self.credit_sent:
-                session.send(P.CREDIT, upto=credit[0], received=credit[1])
-                self.credit_sent = credit
+            if credit != self.credit_sent or self.timings:
+                extra = {"timings": self.timings} if self.timings else {}
+                session.send(P.CREDIT, upto=credit[0], received=credit[1], **extra)
+                self.credit_sent, self.timings = credit, []
         return False
 
     # -- parts ---------------------------------------------------------------------------
@@ -385,6 +391,9 @@ class _TrainerPeer:
                 return
             if cmd[0] == "consumed":
                 self.consumed = cmd[1]
+            elif cmd[0] == "timings":
+                # Measurements are best effort: a dispatcher away for long loses the oldest.
+                self.timings = [*self.timings[-(MAX_PENDING_TIMINGS - 1):], cmd[1]]
             elif cmd[0] == "commit":
                 c = _Commit(step=cmd[1], seq=-1, done=cmd[2], error=cmd[3])
                 self.commits.append(c)
@@ -510,6 +519,12 @@ class DispatcherClient:
             self._consumed = item.step + 1
             self._commands.put(("consumed", self._consumed))
             return item
+
+    def report_timings(self, step: int, microbatches: list[dict]) -> None:
+        """Send this rank's measured phase times of `step` with the next acknowledgement: per
+        micro-batch {phase: [seconds, [sequence lengths run]], ..., "exchange": seconds}
+        (phases "vision", "audio", "llm"; see `trainer_client.calibrate.PhaseTimer`)."""
+        self._commands.put(("timings", {"step": int(step), "mb": microbatches}))
 
     def state_dict(self) -> dict:
         """Where to resume, and the dataset (fingerprint) this position belongs to."""
