@@ -26,12 +26,18 @@ from trainer_client.model import MultimodalModel
 
 
 # ------------------------------------------------------------------------------ timing
+#: CPU clocks: "wall" (perf_counter) is what a dedicated machine's step takes; "cpu"
+#: (process_time) is this process's CPU time, which time-slicing by other processes on a shared
+#: machine does not inflate (with one torch thread the work runs on the calling thread).
+CLOCKS = ("wall", "cpu")
+
+
 class PhaseTimer:
     """Sums the time of named spans of work on one device.
 
     On CUDA each span records a pair of events and nothing waits for the GPU until `seconds()`
-    (call it once per step, after the step's work was queued); on CPU a span is `perf_counter`
-    around synchronous work.
+    (call it once per step, after the step's work was queued); on CPU a span reads `clock`
+    (see CLOCKS) around synchronous work.
 
         timer = PhaseTimer(device)
         with timer.span("vision"):
@@ -40,9 +46,12 @@ class PhaseTimer:
         timer.seconds()  # {"vision": 0.012}; timer.reset() before the next step
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", clock: str = "wall") -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
+        self._now = time.perf_counter if clock == "wall" else time.process_time
         self._open: dict[str, object] = {}
         self._events: list[tuple[str, object, object]] = []
         self._totals: dict[str, float] = {}
@@ -63,7 +72,7 @@ class PhaseTimer:
             ev.record(torch.cuda.current_stream(self.device))
             self._open[name] = ev
         else:
-            self._open[name] = time.perf_counter()
+            self._open[name] = self._now()
 
     def stop(self, name: str) -> None:
         try:
@@ -75,7 +84,7 @@ class PhaseTimer:
             end.record(torch.cuda.current_stream(self.device))
             self._events.append((name, begin, end))
         else:
-            self._add(name, time.perf_counter() - begin)
+            self._add(name, self._now() - begin)
 
     def _add(self, name: str, seconds: float) -> None:
         self._totals[name] = self._totals.get(name, 0.0) + seconds
@@ -235,13 +244,12 @@ class GridConfig:
 
 def grid_runs(grid: GridConfig, multiple: int, rng: np.random.Generator) -> list[np.ndarray]:
     """The item lengths of every run: single items spanning the range (the l^2 term) and runs
-    of 2..max_items mixed lengths, at most max_len/k each (the per-item constant), shuffled."""
+    of 2..max_items mixed lengths, at most max_len/k each, some of small items only (the
+    per-item constant), in a shuffled order."""
     lo = max(grid.min_len, multiple)
     hi = max(lo, grid.max_len)
 
-    def draw(k: int) -> np.ndarray:
-        # a run of k items stays within the cost of one max_len item, so no run dominates the time
-        top = max(lo, hi // k)
+    def draw(k: int, top: int) -> np.ndarray:
         x = np.exp(rng.uniform(np.log(lo), np.log(top), k))
         return np.clip(np.round(x / multiple) * multiple, lo, max(lo, top // multiple * multiple)).astype(np.int64)
 
@@ -251,9 +259,19 @@ def grid_runs(grid: GridConfig, multiple: int, rng: np.random.Generator) -> list
     for n in singles:
         runs.append(np.array([max(lo, int(round(n / multiple)) * multiple)], dtype=np.int64))
     while len(runs) < grid.num_runs:
-        runs.append(draw(counts[len(runs) % len(counts)]))
+        k = counts[len(runs) % len(counts)]
+        # every third many-item run holds only small items (where the per-item constant shows
+        # most); the others reach max_len/k, so no run costs more than one max_len item
+        small = k == grid.max_items and len(runs) % 3 == 0
+        runs.append(draw(k, max(lo, min(4 * lo, hi) if small else hi // k)))
     order = rng.permutation(len(runs))
     return [runs[i] for i in order]
+
+
+#: Runs' errors weigh time**-0.5 in the fit: plain least squares (0) lets the longest runs'
+#: noise hide the per-item constant; relative error (1) lets the many short runs outvote the
+#: long ones, which set the step time (and where caches make real kernels grow faster than l^2).
+FIT_WEIGHT_EXPONENT = 0.5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -315,7 +333,7 @@ def fit_phase(base: CostModel, phase: str, runs: Sequence, times: Sequence[float
     for w in options:
         phases = dict(base.phases)
         phases[phase] = replace(pc, window=w)
-        fitted = CostModel(phases=phases).fit(phase, list(runs), list(times))
+        fitted = CostModel(phases=phases).fit(phase, list(runs), list(times), weight_exponent=FIT_WEIGHT_EXPONENT)
         r2, worst = fit_quality(fitted, phase, runs, times)
         candidates[str(w)] = r2
         if best is None or r2 > best[1]:
@@ -359,11 +377,11 @@ def calibrate(measure: Callable[[str, np.ndarray], float], grids: dict[str, Grid
 
 
 def model_measure(model: MultimodalModel, spec: InputSpec, device: torch.device | str, *,
-                  warmup: int = 1, seed: int = 0) -> Callable[[str, np.ndarray], float]:
+                  warmup: int = 1, seed: int = 0, clock: str = "wall") -> Callable[[str, np.ndarray], float]:
     """`measure` for `calibrate`: one timed forward+backward of a phase over items of the given
     lengths on `device` (inputs built outside the timed span, `warmup` untimed calls first)."""
     runner = PhaseRunner(model, spec, device, seed=seed)
-    timer = PhaseTimer(device)
+    timer = PhaseTimer(device, clock)
 
     def measure(phase: str, lengths: np.ndarray) -> float:
         work = runner.work(phase, lengths)

@@ -98,13 +98,17 @@ class CostModel:
         """Cost of each sequence in `lengths` (float64 array, same shape)."""
         return self.phase(phase)(np.asarray(lengths))
 
-    def fit(self, phase: str, lengths: Sequence, times: Sequence[float]) -> CostModel:
+    def fit(self, phase: str, lengths: Sequence, times: Sequence[float], *,
+            weight_exponent: float = 0.0) -> CostModel:
         """A copy with `phase`'s a, b, c fitted (non-negative least squares) to measurements.
 
         `lengths[i]` is one measured run: a sequence length, or an array of the lengths packed
         into that run; `times[i]` its measured time. Each run contributes the sums over its
         sequences of [l, l^2, 1], so runs of several items of mixed lengths make the per-item
-        constant c identifiable apart from a. The window, if any, is kept.
+        constant c identifiable apart from a. Each run's error is weighted by
+        time**-weight_exponent: 0 is plain least squares, 1 relative error, in between a
+        compromise (timing noise grows with the time, so the longest runs' noise can drown the
+        per-item constant that the shortest runs show). The window, if any, is kept.
         """
         if len(lengths) != len(times) or len(times) < 2:
             raise ValueError(f"need >= 2 (lengths, time) pairs of equal count, got "
@@ -115,9 +119,15 @@ class CostModel:
             n, l = pc.effective(np.atleast_1d(np.asarray(run, dtype=np.float64)))
             rows.append(((n * l).sum(), (n * l * l).sum(), n.sum()))
         design = np.asarray(rows)
+        target = np.asarray(times, dtype=np.float64)
+        if weight_exponent:
+            if np.any(target <= 0):
+                raise ValueError(f"weight_exponent={weight_exponent} needs every time > 0")
+            w = target**-weight_exponent
+            design, target = design * w[:, None], target * w
         scale = design.max(axis=0)
         scale[scale == 0] = 1.0  # a column of zeros: leave its coefficient at 0
-        coef, _ = nnls(design / scale, np.asarray(times, dtype=np.float64))
+        coef, _ = nnls(design / scale, target)
         coef = coef / scale
         phases = dict(self.phases)
         phases[phase] = replace(pc, a=float(coef[0]), b=float(coef[1]), c=float(coef[2]))
