@@ -238,17 +238,26 @@ def bench_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def calibration_args(args: argparse.Namespace, lengths: dict[str, np.ndarray], out: str) -> argparse.Namespace:
-    """`mmdispatch calibrate` arguments for the bench's model over the steps' length ranges."""
-    merge = 2
-    rng = {p: (int(max(1, v.min())) if len(v) else 1, int(v.max()) if len(v) else 16) for p, v in lengths.items()}
-    rng["vision"] = (max(merge**2, rng["vision"][0]), max(merge**2, rng["vision"][1]))
-    rng = {p: (lo, max(lo, hi)) for p, (lo, hi) in rng.items()}
+#: Shortest and longest clip `pipeline.gendata` writes, seconds.
+GENDATA_CLIP_S = (0.5, 600.0)
+
+
+def calibration_args(args: argparse.Namespace, counting: CountingConfig, llm_lengths: np.ndarray,
+                     out: str) -> argparse.Namespace:
+    """`mmdispatch calibrate` arguments for the bench's model over the lengths the mixture can
+    reach: images and clips from the counting rules and the generator's extremes, LLM
+    sequences from the steps themselves (text has no upper bound)."""
+    img, aud = counting.image, counting.audio
+    patch_area = img.patch_size**2
+    vision = (max(img.merge_size**2, img.min_pixels // patch_area), img.max_pixels // patch_area)
+    audio = (max(1, math.ceil(GENDATA_CLIP_S[0] * aud.encoder_frames_per_s)),
+             max(1, math.ceil(GENDATA_CLIP_S[1] * aud.encoder_frames_per_s)))
+    llm = (int(llm_lengths.min()), int(llm_lengths.max()))
     return argparse.Namespace(
         model=None, hidden=args.hidden, encoder_layers=args.encoder_layers, llm_layers=args.llm_layers,
-        heads=args.heads, vocab_size=args.vocab_size, patch_size=14, merge=merge, frame_dim=64,
-        patch_dim=None, audio_frames_per_token=2, device=args.device, threads=args.threads,
-        vision_lengths=rng["vision"], audio_lengths=rng["audio"], llm_lengths=rng["llm"],
+        heads=args.heads, vocab_size=args.vocab_size, patch_size=img.patch_size, merge=img.merge_size,
+        frame_dim=64, patch_dim=None, audio_frames_per_token=2, device=args.device, threads=args.threads,
+        vision_lengths=vision, audio_lengths=audio, llm_lengths=llm,
         runs=args.calib_runs, max_items=8, repeats=args.calib_repeats, warmup=args.warmup,
         window=[], seed=args.seed, out=out, json=True, clock=args.clock,
     )
@@ -264,13 +273,13 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     t_start = time.perf_counter()
     W, M = args.world_size, args.microbatches
     topo = Topology(world_size=W, ranks_per_node=W)
-    steps = demo_steps(args.steps, W * args.samples_per_rank, counting_config(args), args.seed,
-                       args.max_text_tokens)
+    counting = counting_config(args)
+    steps = demo_steps(args.steps, W * args.samples_per_rank, counting, args.seed, args.max_text_tokens)
     lengths = phase_lengths(steps)
 
-    # 1. calibrate the model the shares will run on, over the steps' length ranges
+    # 1. calibrate the model the shares will run on, over the mixture's length ranges
     cost_path = args.cost_out or os.path.join(tempfile.mkdtemp(prefix="bench-training-"), "cost-model.json")
-    cargs = calibration_args(args, lengths, cost_path)
+    cargs = calibration_args(args, counting, lengths["llm"], cost_path)
     cal, meta = measure_and_fit(cargs, progress)
     save_cost_file(cost_path, cal.cost, meta)
     model, spec = build(cargs)  # same seed, same weights as the calibrated one
@@ -307,12 +316,16 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         measured_compute = float(np.mean([sum(c[p][0] for p in PHASES) for c in compute]))
         exchange = float(np.mean([2 * sum(ex_time[n] for n in s) for s in ex_sizes[cm, method]]))
         pred = float(np.mean([p.metrics["step_time"] for p in ps]))
-        pred_s = float(np.mean([_step_time_under(p, calibrated) for p in ps]))
+        pred_phase = [_phase_times_under(p, calibrated) for p in ps]
+        pred_s = float(np.mean([sum(x.values()) for x in pred_phase]))
         methods_out.setdefault(cm, {})[method] = {
             "predicted_step_time": pred,
             "predicted_step_s_calibrated": pred_s,
             "measured_step_s": measured_compute + exchange,
             "measured_compute_s": measured_compute,
+            "slowest_rank_s_by_phase": {p: {"predicted_calibrated": float(np.mean([x[p] for x in pred_phase])),
+                                            "measured": float(np.mean([c[p][0] for c in compute]))}
+                                        for p in PHASES},
             "measured_exchange_s": exchange,
             "measured_imbalance": {p: round(sum(c[p][0] for c in compute) / max(sum(c[p][1] for c in compute), 1e-12), 4)
                                    for p in PHASES},
@@ -361,7 +374,7 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         "config": {"steps": args.steps, "samples_per_step": W * args.samples_per_rank, "microbatches": M,
                    "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
                    "clock": "process_time (CPU time of the timing process)" if args.clock == "cpu" else "perf_counter",
-                   "model": meta["model"], "mixture": "pipeline.gendata.make_sample counted with the demo's rules "
+                   "model": meta["model"], "calibration_grid": meta["grid"], "mixture": "pipeline.gendata.make_sample counted with the demo's rules "
                    f"(max_pixels {args.max_pixels}, {args.audio_frames_per_s:g} audio frames/s)",
                    "exchange": (f"gloo all_to_all_single between 2 local processes, busiest rank's cross-rank "
                                 f"bytes ({bpt} per token), forward and backward, median of {args.exchange_repeats}")
@@ -382,21 +395,21 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     return result
 
 
-def _step_time_under(plan, cost: CostModel) -> float:
-    """Predicted step time of `plan`'s placement under `cost` (sum over micro-batches and phases
-    of the slowest rank)."""
+def _phase_times_under(plan, cost: CostModel) -> dict[str, float]:
+    """Per phase, the predicted sum over micro-batches of the slowest rank of `plan`'s placement
+    under `cost`."""
     from dispatcher_server.planner.plan import phase_costs
 
     W, M = plan.topology.world_size, plan.num_microbatches
     costs = phase_costs(plan.inputs, cost)
-    total = 0.0
+    out = {}
     for p in PHASES:
         if p == "llm":
             mb, rank = plan.sample_mb, plan.sample_rank
         else:
             mb, rank = plan.sample_mb[plan.inputs.items(p).sample], plan.item_rank[p]
-        total += float(np.bincount(mb * W + rank, weights=costs[p], minlength=W * M).reshape(M, W).max(axis=1).sum())
-    return total
+        out[p] = float(np.bincount(mb * W + rank, weights=costs[p], minlength=W * M).reshape(M, W).max(axis=1).sum())
+    return out
 
 
 def _table(res: dict) -> str:
