@@ -10,7 +10,9 @@ machine does not inflate, `--clock wall` for perf_counter on a machine of your o
 the slowest rank's time, plus the encoder->LLM exchange measured as gloo `all_to_all_single`
 calls between 2 local processes carrying the busiest rank's cross-rank bytes (forward and
 backward). That is the time W parallel ranks with those loads would take, not a wall clock
-of W ranks. `python -m bench.training [--json]`.
+of W ranks. The calibration's runs are timed first (the calibrated plans use that fit), then
+again interleaved with the shares and refitted (`*_same_session`), which separates the cost
+model's error from a shared machine's drift. `python -m bench.training [--json]`.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def shares(plan) -> dict[tuple[int, int, str], tuple[int, ...]]:
 
 
 def measure_shares(keys: set, runner, timer, *, repeats: int, warmup: int, seed: int,
-                   progress=None) -> dict:
+                   progress=None, what: str = "shares") -> dict:
     """(phase, lengths) -> fastest of `repeats` timed forward+backward runs; repeats interleave
     over all shares so machine noise spreads instead of spoiling one share."""
     from trainer_client.calibrate import best_of
@@ -133,7 +135,7 @@ def measure_shares(keys: set, runner, timer, *, repeats: int, warmup: int, seed:
             best[order[i]] = min(best[order[i]], best_of(work, timer, warmup=warmup if rep == 0 else 0,
                                                          repeats=1))
         if progress:
-            progress(f"shares: repeat {rep + 1}/{repeats}, {len(order)} shares, {time.perf_counter() - t0:.1f} s")
+            progress(f"{what}: repeat {rep + 1}/{repeats}, {len(order)} timed, {time.perf_counter() - t0:.1f} s")
     return best
 
 
@@ -267,8 +269,10 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     import torch
 
     from dispatcher_server.costfile import save_cost_file
-    from mmdispatch.calibrate import build, measure_and_fit
-    from trainer_client.calibrate import PhaseRunner, PhaseTimer
+    from mmdispatch.calibrate import build, check_clock, grids, metadata
+    from trainer_client.calibrate import (
+        PhaseRunner, PhaseTimer, calibration_runs, fit_calibration, pin_threads,
+    )
 
     t_start = time.perf_counter()
     W, M = args.world_size, args.microbatches
@@ -277,14 +281,29 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     steps = demo_steps(args.steps, W * args.samples_per_rank, counting, args.seed, args.max_text_tokens)
     lengths = phase_lengths(steps)
 
-    # 1. calibrate the model the shares will run on, over the mixture's length ranges
+    # 1. the model, and the calibration grid over the mixture's length ranges
     cost_path = args.cost_out or os.path.join(tempfile.mkdtemp(prefix="bench-training-"), "cost-model.json")
     cargs = calibration_args(args, counting, lengths["llm"], cost_path)
-    cal, meta = measure_and_fit(cargs, progress)
-    save_cost_file(cost_path, cal.cost, meta)
-    model, spec = build(cargs)  # same seed, same weights as the calibrated one
+    check_clock(cargs)
+    threads = pin_threads(args.device, args.threads)
+    model, spec = build(cargs)
+    cal_runs = calibration_runs(grids(cargs), {p: spec.multiple(p) for p in PHASES}, args.seed)
+    cal_keys = {(p, tuple(sorted(int(x) for x in r))) for p, rs in cal_runs.items() for r in rs}
+    runner = PhaseRunner(model, spec, args.device, seed=args.seed)
+    timer = PhaseTimer(args.device, args.clock)
 
-    # 2. plan every step with every method under both cost models
+    # 2. the calibration's runs, timed first: the calibrated plans need its fit. Their timings
+    # are taken again below, interleaved with the shares, and the cost is refitted on those, so
+    # calibration and shares see the same machine (a shared machine drifts between phases)
+    first = measure_shares(cal_keys, runner, timer, repeats=args.calib_repeats, warmup=args.warmup,
+                           seed=args.seed, progress=progress, what="calibration runs")
+    cal = fit_calibration(cal_runs, {p: [first[p, tuple(sorted(int(x) for x in r))] for r in rs]
+                                     for p, rs in cal_runs.items()},
+                          windows=dict(cargs.window), progress=progress)
+    meta = metadata(cargs, cal, threads)
+    save_cost_file(cost_path, cal.cost, meta)  # what `serve --cost-model` would plan with
+
+    # 3. plan every step with every method under both cost models
     bpt = 4 * model.hidden_size  # fp32 embeddings of this model's LLM
     configs = {name: PlannerConfig(num_microbatches=M, cost=cost, seed=args.seed,
                                    bytes_per_token={p: bpt for p in ENCODER_PHASES})
@@ -296,12 +315,14 @@ def run(args: argparse.Namespace, progress=None) -> dict:
             for p, s in zip(plans[cm, method], steps):
                 validate(p, s)
 
-    # 3. measure every distinct share once (the random plan does not depend on the cost model)
+    # 4. measure every distinct share once (the random plan does not depend on the cost model),
+    # interleaved with the calibration runs; the calibrated cost is refitted on these timings
     all_shares = {k: [shares(p) for p in v] for k, v in plans.items()}
     keys = {(k[2], v) for per_step in all_shares.values() for sh in per_step for k, v in sh.items()}
-    runner = PhaseRunner(model, spec, args.device, seed=args.seed)
-    measured = measure_shares(keys, runner, PhaseTimer(args.device, args.clock), repeats=args.repeats,
-                              warmup=args.warmup, seed=args.seed, progress=progress)
+    measured = measure_shares(keys | cal_keys, runner, timer, repeats=args.repeats,
+                              warmup=args.warmup, seed=args.seed, progress=progress, what="shares")
+    refit = fit_calibration(cal_runs, {p: [measured[p, tuple(sorted(int(x) for x in r))] for r in rs]
+                                       for p, rs in cal_runs.items()}, windows=dict(cargs.window))
     ex_sizes = {k: [exchange_sizes(p) for p in v] for k, v in plans.items()}
     if args.exchange == "gloo":
         ex_time = measure_exchange({n for v in ex_sizes.values() for s in v for n in s}, args.exchange_repeats)
@@ -318,12 +339,15 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         pred = float(np.mean([p.metrics["step_time"] for p in ps]))
         pred_phase = [_phase_times_under(p, calibrated) for p in ps]
         pred_s = float(np.mean([sum(x.values()) for x in pred_phase]))
+        pred_refit = [_phase_times_under(p, refit.cost) for p in ps]
         methods_out.setdefault(cm, {})[method] = {
             "predicted_step_time": pred,
             "predicted_step_s_calibrated": pred_s,
             "measured_step_s": measured_compute + exchange,
             "measured_compute_s": measured_compute,
+            "predicted_step_s_same_session": float(np.mean([sum(x.values()) for x in pred_refit])),
             "slowest_rank_s_by_phase": {p: {"predicted_calibrated": float(np.mean([x[p] for x in pred_phase])),
+                                            "predicted_same_session": float(np.mean([x[p] for x in pred_refit])),
                                             "measured": float(np.mean([c[p][0] for c in compute]))}
                                         for p in PHASES},
             "measured_exchange_s": exchange,
@@ -331,6 +355,20 @@ def run(args: argparse.Namespace, progress=None) -> dict:
                                    for p in PHASES},
             "exchange_bytes_cross_rank": float(np.mean([p.metrics["bytes"]["intra_node"] + p.metrics["bytes"]["inter_node"]
                                                         for p in ps])),
+        }
+
+    # the same-session fit checked on data it was not fitted to: every timed share
+    share_check = {}
+    for p in PHASES:
+        ks = [k for k in keys if k[0] == p and k[1]]
+        meas = np.array([measured[k] for k in ks])
+        pred = np.array([float(refit.cost.cost(p, np.array(k[1])).sum()) for k in ks])
+        share_check[p] = {
+            "shares": len(ks),
+            "r2": round(1 - float(((meas - pred) ** 2).sum()) / max(float(((meas - meas.mean()) ** 2).sum()), 1e-300), 4)
+            if len(ks) > 1 else None,
+            "sum_measured_over_predicted": round(float(meas.sum() / pred.sum()), 4) if len(ks) else None,
+            "median_measured_over_predicted": round(float(np.median(meas / pred)), 4) if len(ks) else None,
         }
 
     cost_models = {}
@@ -348,6 +386,8 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     cal_mmd = methods_out["calibrated"]["mmdispatch"]
     cost_models["calibrated"]["measured_over_predicted_step_time"] = round(
         cal_mmd["measured_compute_s"] / cal_mmd["predicted_step_time"], 4)
+    cost_models["calibrated"]["measured_over_predicted_step_time_same_session"] = round(
+        cal_mmd["measured_compute_s"] / cal_mmd["predicted_step_s_same_session"], 4)
 
     # how much of the measured compute the per-item constant explains: compute dominates if small
     c_share = {}
@@ -364,6 +404,7 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         "cost_models": cost_models,
         "fit_r2": {p: round(fits[p].r2, 4) for p in PHASES},
         "fit_worst_rel_error": {p: round(fits[p].worst_rel_error, 4) for p in PHASES},
+        "fit_r2_same_session": {p: round(refit.fits[p].r2, 4) for p in PHASES},
         "measured_imbalance": {f"{cm}/{m}": v["measured_imbalance"] for cm, ms in methods_out.items()
                                for m, v in ms.items()},
         "methods": methods_out,
@@ -371,6 +412,7 @@ def run(args: argparse.Namespace, progress=None) -> dict:
                                 "c": calibrated.phase(p).c, "window": calibrated.phase(p).window}
                             for p in PHASES},
         "per_item_constant_share": c_share,
+        "shares_vs_same_session_fit": share_check,
         "config": {"steps": args.steps, "samples_per_step": W * args.samples_per_rank, "microbatches": M,
                    "repeats": args.repeats, "threads": torch.get_num_threads(), "device": args.device,
                    "clock": "process_time (CPU time of the timing process)" if args.clock == "cpu" else "perf_counter",
@@ -388,6 +430,8 @@ def run(args: argparse.Namespace, progress=None) -> dict:
         "calibrated measured_over_predicted in [0.9, 1.1]": lo <= cost_models["calibrated"]["measured_over_predicted"] <= hi,
         "calibrated measured_over_predicted_step_time in [0.9, 1.1]":
             lo <= cost_models["calibrated"]["measured_over_predicted_step_time"] <= hi,
+        "calibrated measured_over_predicted_step_time_same_session in [0.9, 1.1]":
+            lo <= cost_models["calibrated"]["measured_over_predicted_step_time_same_session"] <= hi,
         "measured_speedup_vs_random>=1.5": cost_models["calibrated"]["measured_speedup_vs_random"] >= TARGETS["measured_speedup_vs_random"],
         "calibrated>=default": cost_models["calibrated"]["measured_speedup_vs_random"]
         >= cost_models["default"]["measured_speedup_vs_random"],

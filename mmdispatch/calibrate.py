@@ -141,25 +141,25 @@ def build(args: argparse.Namespace):
     return model, spec
 
 
-def measure_and_fit(args: argparse.Namespace, progress=None):
-    """Calibrate the model the arguments describe; returns (Calibration, metadata)."""
-    import torch
+def grids(args: argparse.Namespace):
+    """Per phase, the `GridConfig` the arguments ask for."""
+    from trainer_client.calibrate import GridConfig
 
-    from trainer_client.calibrate import GridConfig, calibrate, model_measure, pin_threads
+    return {p: GridConfig(min_len=getattr(args, f"{p}_lengths")[0], max_len=getattr(args, f"{p}_lengths")[1],
+                          num_runs=args.runs, max_items=args.max_items) for p in PHASES}
 
-    threads = pin_threads(args.device, args.threads)
-    model, spec = build(args)
-    grids = {p: GridConfig(min_len=getattr(args, f"{p}_lengths")[0], max_len=getattr(args, f"{p}_lengths")[1],
-                           num_runs=args.runs, max_items=args.max_items) for p in PHASES}
-    windows = dict(args.window)
+
+def check_clock(args: argparse.Namespace) -> None:
     if args.clock == "cpu" and args.threads != 1 and args.device == "cpu":
         raise ValueError(f"--clock cpu needs --threads 1 (CPU time of {args.threads} threads is not "
                          "their wall time)")
-    cal = calibrate(model_measure(model, spec, args.device, warmup=args.warmup, seed=args.seed,
-                                  clock=args.clock), grids,
-                    multiples={p: spec.multiple(p) for p in PHASES}, windows=windows,
-                    repeats=args.repeats, seed=args.seed, progress=progress)
-    meta = {
+
+
+def metadata(args: argparse.Namespace, cal, threads: int) -> dict:
+    """What a cost file records about how it was measured."""
+    import torch
+
+    return {
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "timer": "cuda events" if args.device == "cuda" else
                  f"{'perf_counter' if args.clock == 'wall' else 'process_time'}, {threads} torch thread(s)",
@@ -168,11 +168,24 @@ def measure_and_fit(args: argparse.Namespace, progress=None):
                                 f"llm_layers={args.llm_layers}, heads={args.heads}, vocab={args.vocab_size}, "
                                 f"patch={args.patch_size}, merge={args.merge}, frame_dim={args.frame_dim})"),
         "grid": {p: {"min_len": g.min_len, "max_len": g.max_len, "runs": g.num_runs,
-                     "max_items": g.max_items} for p, g in grids.items()},
+                     "max_items": g.max_items} for p, g in grids(args).items()},
         "repeats": args.repeats, "warmup": args.warmup, "fit": cal.summary(),
         "measurements": {p: {"lengths": cal.runs[p], "seconds": cal.times[p]} for p in cal.runs},
     }
-    return cal, meta
+
+
+def measure_and_fit(args: argparse.Namespace, progress=None):
+    """Calibrate the model the arguments describe; returns (Calibration, metadata)."""
+    from trainer_client.calibrate import calibrate, model_measure, pin_threads
+
+    check_clock(args)
+    threads = pin_threads(args.device, args.threads)
+    model, spec = build(args)
+    cal = calibrate(model_measure(model, spec, args.device, warmup=args.warmup, seed=args.seed,
+                                  clock=args.clock), grids(args),
+                    multiples={p: spec.multiple(p) for p in PHASES}, windows=dict(args.window),
+                    repeats=args.repeats, seed=args.seed, progress=progress)
+    return cal, metadata(args, cal, threads)
 
 
 def _table(cal) -> str:

@@ -3,8 +3,9 @@
 Every phase (vision encoder, audio encoder, LLM) runs forward and backward alone over a grid of
 runs, each a few items of mixed lengths, so the fit of `a*l + b*l^2 + c` per item separates the
 per-item constant c from the per-token cost a. Timing is `PhaseTimer`: CUDA events on a GPU
-(no synchronisation inside the timed work), `perf_counter` on CPU with the thread count pinned;
-every run is warmed up and repeated, and its fastest repeat kept (noise only ever adds time).
+(no synchronisation inside the timed work), `perf_counter` (or the process's CPU time, on a
+shared machine) on CPU with the thread count pinned; every run is warmed up and repeated, and
+its fastest repeat kept (noise only ever adds time).
 The training loop and `bench.training` time phases with the same `PhaseTimer` and `PhaseRunner`.
 """
 
@@ -244,8 +245,7 @@ class GridConfig:
 
 def grid_runs(grid: GridConfig, multiple: int, rng: np.random.Generator) -> list[np.ndarray]:
     """The item lengths of every run: single items spanning the range (the l^2 term) and runs
-    of 2..max_items mixed lengths, at most max_len/k each, some of small items only (the
-    per-item constant), in a shuffled order."""
+    of 2..max_items mixed lengths (the per-item constant), in a shuffled order."""
     lo = max(grid.min_len, multiple)
     hi = max(lo, grid.max_len)
 
@@ -260,10 +260,11 @@ def grid_runs(grid: GridConfig, multiple: int, rng: np.random.Generator) -> list
         runs.append(np.array([max(lo, int(round(n / multiple)) * multiple)], dtype=np.int64))
     while len(runs) < grid.num_runs:
         k = counts[len(runs) % len(counts)]
-        # every third many-item run holds only small items (where the per-item constant shows
-        # most); the others reach max_len/k, so no run costs more than one max_len item
-        small = k == grid.max_items and len(runs) % 3 == 0
-        runs.append(draw(k, max(lo, min(4 * lo, hi) if small else hi // k)))
+        # multi-item runs alternate between three kinds: items over the whole range (runs as
+        # large as a rank's share of a step, where per-token costs drift with the total), items
+        # up to max_len/k, and only small items (where the per-item constant shows most)
+        kind = (len(runs) // len(counts)) % 3 if k > 1 else 0
+        runs.append(draw(k, hi if kind == 0 else max(lo, hi // k) if kind == 1 else max(lo, min(4 * lo, hi))))
     order = rng.permutation(len(runs))
     return [runs[i] for i in order]
 
@@ -343,6 +344,35 @@ def fit_phase(base: CostModel, phase: str, runs: Sequence, times: Sequence[float
                             window_candidates=candidates if len(options) > 1 else {})
 
 
+def calibration_runs(grids: dict[str, GridConfig], multiples: dict[str, int] | None = None,
+                     seed: int = 0) -> dict[str, list[np.ndarray]]:
+    """The runs `calibrate` measures: per phase, `grid_runs` of its grid."""
+    rng = np.random.default_rng(seed)
+    multiples = multiples or {}
+    return {phase: grid_runs(grid, multiples.get(phase, 1), rng) for phase, grid in grids.items()}
+
+
+def fit_calibration(runs: dict[str, list], times: dict[str, Sequence[float]], *,
+                    base: CostModel | None = None,
+                    windows: dict[str, int | str | None] | None = None,
+                    progress: Callable[[str], None] | None = None) -> Calibration:
+    """Fit every phase of `runs` to its measured `times` (seconds, one per run).
+
+    Phases absent from `runs` keep `base`'s cost (which is in different units: calibrate all
+    three for a cost file)."""
+    cost, fits = base or CostModel(), {}
+    windows = windows or {}
+    for phase, rs in runs.items():
+        cost, fits[phase] = fit_phase(cost, phase, rs, times[phase], windows.get(phase, "auto"))
+        if progress is not None:
+            pc, fit = cost.phase(phase), fits[phase]
+            progress(f"{phase}: {len(rs)} runs, R^2 {fit.r2:.4f}, a={pc.a:.3e} b={pc.b:.3e} "
+                     f"c={pc.c:.3e} window={pc.window}")
+    return Calibration(cost=cost, fits=fits,
+                       runs={p: [[int(x) for x in r] for r in rs] for p, rs in runs.items()},
+                       times={p: [float(t) for t in times[p]] for p in runs})
+
+
 def calibrate(measure: Callable[[str, np.ndarray], float], grids: dict[str, GridConfig], *,
               multiples: dict[str, int] | None = None, base: CostModel | None = None,
               windows: dict[str, int | str | None] | None = None, repeats: int = 3,
@@ -351,29 +381,16 @@ def calibrate(measure: Callable[[str, np.ndarray], float], grids: dict[str, Grid
 
     `measure` is called `repeats` times per run, the runs of a phase interleaved so a burst of
     machine noise spreads over many runs instead of spoiling one; each run keeps its fastest.
-    Phases absent from `grids` keep `base`'s cost (which is in different units: calibrate all
-    three for a cost file).
     """
-    base = base or CostModel()
-    multiples = multiples or {}
-    windows = windows or {}
-    rng = np.random.default_rng(seed)
-    cost, fits, all_runs, all_times = base, {}, {}, {}
-    for phase, grid in grids.items():
-        runs = grid_runs(grid, multiples.get(phase, 1), rng)
-        best = np.full(len(runs), np.inf)
+    runs = calibration_runs(grids, multiples, seed)
+    times = {}
+    for phase, rs in runs.items():
+        best = np.full(len(rs), np.inf)
         for _ in range(repeats):
-            for i, r in enumerate(runs):
+            for i, r in enumerate(rs):
                 best[i] = min(best[i], float(measure(phase, r)))
-        cost, fit = fit_phase(cost, phase, runs, best, windows.get(phase, "auto"))
-        fits[phase] = fit
-        all_runs[phase] = [[int(x) for x in r] for r in runs]
-        all_times[phase] = [float(t) for t in best]
-        if progress is not None:
-            pc = cost.phase(phase)
-            progress(f"{phase}: {len(runs)} runs, R^2 {fit.r2:.4f}, a={pc.a:.3e} b={pc.b:.3e} "
-                     f"c={pc.c:.3e} window={pc.window}")
-    return Calibration(cost=cost, fits=fits, runs=all_runs, times=all_times)
+        times[phase] = best
+    return fit_calibration(runs, times, base=base, windows=windows, progress=progress)
 
 
 def model_measure(model: MultimodalModel, spec: InputSpec, device: torch.device | str, *,
