@@ -206,7 +206,7 @@ def bench_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--samples-per-rank", type=int, default=8, help="global batch / world size (the demo's 8)")
     ap.add_argument("--microbatches", type=int, default=2, help="micro-batches per step per rank")
     ap.add_argument("--steps", type=int, default=3, help="steps planned by every method")
-    ap.add_argument("--repeats", type=int, default=2, help="timed repeats per share (fastest counts)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per share (fastest counts)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs of each share before timing")
     ap.add_argument("--threads", type=int, default=1, help="torch threads every share runs with")
     ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
