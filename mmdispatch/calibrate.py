@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--hidden", type=int, default=64, help="reference model: hidden size of every tower")
     m.add_argument("--encoder-layers", type=int, default=1, help="reference model: vision and audio encoder layers")
     m.add_argument("--llm-layers", type=int, default=2, help="reference model: LLM layers")
-    m.add_argument("--heads", type=int, default=2, help="reference model: attention heads of every tower")
+    m.add_argument("--heads", type=int, default=1, help="reference model: attention heads of every tower")
     m.add_argument("--vocab-size", type=int, default=512, help="reference model: vocabulary size")
     m.add_argument("--patch-size", type=int, default=14, help="reference model: image patch side in pixels")
     m.add_argument("--merge", type=int, default=2, help="patches merged per side into one LLM token")
