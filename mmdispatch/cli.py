@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("dispatcher_server.security", "create a CurveZMQ key pair for the dispatcher, a reader or a trainer"),
     "demo": ("mmdispatch.demo", "run data, dispatcher, readers and torchrun trainers locally, then report"),
     "report": ("mmdispatch.report", "render a step log as a table and figures"),
+    "calibrate": ("mmdispatch.calibrate", "measure each phase of your model on this device and write a cost file"),
 }
 
 #: commands that take `--config FILE` (the tables they read: mmdispatch.settings.TABLES)

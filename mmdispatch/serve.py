@@ -22,6 +22,7 @@ from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, setup_log
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
 )
+from dispatcher_server.costfile import load_cost_file
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.planner.config import OVERSIZE_POLICIES
 from dispatcher_server.protocol import PAYLOAD_MODES
@@ -50,6 +51,7 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                         "and micro-batch (at least its longest sample); 0 = no "
                                         "limit"),
     "oversize": (str, "error", "samples over capacity: error or isolate"),
+    "cost_model": (str, None, "cost file written by 'mmdispatch calibrate' (default: FLOP-formula costs)"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
     "max_buffered_bytes": (int, 256 << 20, "payload bytes after which reader credits stop"),
     "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank"),
@@ -159,7 +161,8 @@ def build_config(v: dict) -> ServerConfig:
         planner=PlannerConfig(num_microbatches=v["num_microbatches"],
                               microbatch_token_budget=v["microbatch_token_budget"],
                               llm_capacity=v["llm_capacity"], oversize=v["oversize"],
-                              llm_capacity_factor=v["llm_capacity_factor"] or None),
+                              llm_capacity_factor=v["llm_capacity_factor"] or None,
+                              **({"cost": load_cost_file(v["cost_model"])} if v["cost_model"] else {})),
         flow=FlowConfig(max_buffered_samples=v["max_buffered_samples"],
                         max_buffered_bytes=v["max_buffered_bytes"],
                         max_retained_steps=v["max_retained_steps"],

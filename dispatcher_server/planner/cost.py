@@ -1,6 +1,7 @@
 """Cost model of the three phases: what one sequence of length l costs a rank.
 
-Packed variable-length attention makes each sequence cost `a*l + b*l^2` on its own; padded
+Packed variable-length attention makes each sequence cost `a*l + b*l^2 + c` on its own (c: the
+per-sequence overhead of kernel launches and bookkeeping, 0 in the FLOP defaults); padded
 (fixed-window) encoders cost every window in full. Defaults come from reference model shapes
 via FLOP formulas, so relative phase weights are right out of the box; `fit` replaces them with
 measured seconds when a calibration run exists (only ratios matter to the planner).
@@ -34,16 +35,17 @@ def transformer_coefficients(hidden: int, layers: int) -> tuple[float, float]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseCost:
-    """`a*l + b*l^2` per sequence; with `window`, a sequence is cut into ceil(l/window)
+    """`a*l + b*l^2 + c` per sequence; with `window`, a sequence is cut into ceil(l/window)
     sequences of exactly `window` (padded encoders such as Whisper's 30 s window)."""
 
     a: float
     b: float
+    c: float = 0.0
     window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.a < 0 or self.b < 0:
-            raise ValueError(f"cost coefficients must be >= 0, got a={self.a}, b={self.b}")
+        if self.a < 0 or self.b < 0 or self.c < 0:
+            raise ValueError(f"cost coefficients must be >= 0, got a={self.a}, b={self.b}, c={self.c}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
 
@@ -62,7 +64,7 @@ class PhaseCost:
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
         n, l = self.effective(lengths)
-        return n * (self.a * l + self.b * l * l)
+        return n * (self.a * l + self.b * l * l + self.c)
 
 
 def _default_phases() -> dict[str, PhaseCost]:
@@ -96,11 +98,17 @@ class CostModel:
         """Cost of each sequence in `lengths` (float64 array, same shape)."""
         return self.phase(phase)(np.asarray(lengths))
 
-    def fit(self, phase: str, lengths: Sequence, times: Sequence[float]) -> CostModel:
-        """A copy with `phase`'s a, b fitted (non-negative least squares) to measurements.
+    def fit(self, phase: str, lengths: Sequence, times: Sequence[float], *,
+            weight_exponent: float = 0.0) -> CostModel:
+        """A copy with `phase`'s a, b, c fitted (non-negative least squares) to measurements.
 
         `lengths[i]` is one measured run: a sequence length, or an array of the lengths packed
-        into that run; `times[i]` its measured time. The window, if any, is kept.
+        into that run; `times[i]` its measured time. Each run contributes the sums over its
+        sequences of [l, l^2, 1], so runs of several items of mixed lengths make the per-item
+        constant c identifiable apart from a. Each run's error is weighted by
+        time**-weight_exponent: 0 is plain least squares, 1 relative error, in between a
+        compromise (timing noise grows with the time, so the longest runs' noise can drown the
+        per-item constant that the shortest runs show). The window, if any, is kept.
         """
         if len(lengths) != len(times) or len(times) < 2:
             raise ValueError(f"need >= 2 (lengths, time) pairs of equal count, got "
@@ -109,21 +117,29 @@ class CostModel:
         rows = []
         for run in lengths:
             n, l = pc.effective(np.atleast_1d(np.asarray(run, dtype=np.float64)))
-            rows.append(((n * l).sum(), (n * l * l).sum()))
+            rows.append(((n * l).sum(), (n * l * l).sum(), n.sum()))
         design = np.asarray(rows)
+        target = np.asarray(times, dtype=np.float64)
+        if weight_exponent:
+            if np.any(target <= 0):
+                raise ValueError(f"weight_exponent={weight_exponent} needs every time > 0")
+            w = target**-weight_exponent
+            design, target = design * w[:, None], target * w
         scale = design.max(axis=0)
         scale[scale == 0] = 1.0  # a column of zeros: leave its coefficient at 0
-        coef, _ = nnls(design / scale, np.asarray(times, dtype=np.float64))
+        coef, _ = nnls(design / scale, target)
         coef = coef / scale
         phases = dict(self.phases)
-        phases[phase] = replace(pc, a=float(coef[0]), b=float(coef[1]))
+        phases[phase] = replace(pc, a=float(coef[0]), b=float(coef[1]), c=float(coef[2]))
         return CostModel(phases=phases)
 
     def to_dict(self) -> dict:
-        return {p: {"a": c.a, "b": c.b, "window": c.window} for p, c in self.phases.items()}
+        return {p: {"a": c.a, "b": c.b, "c": c.c, "window": c.window}
+                for p, c in self.phases.items()}
 
     @staticmethod
     def from_dict(d: dict) -> CostModel:
+        """Inverse of `to_dict`; a phase without "c" has c = 0."""
         return CostModel(phases={p: PhaseCost(**v) for p, v in d.items()})
 
 
