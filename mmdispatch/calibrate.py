@@ -201,16 +201,10 @@ def _table(cal) -> str:
 def run(args: argparse.Namespace) -> int:
     for name in ("runs", "repeats", "max_items", "threads", "hidden"):
         if getattr(args, name) < 1:
-            print(f"mmdispatch calibrate: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}",
-                  file=sys.stderr)
-            return 2
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
-    try:
-        cal, meta = measure_and_fit(args, progress)
-        save_cost_file(args.out, cal.cost, meta)
-    except (ValueError, OSError) as e:
-        print(f"mmdispatch calibrate: {e}", file=sys.stderr)
-        return 2
+    cal, meta = measure_and_fit(args, progress)
+    save_cost_file(args.out, cal.cost, meta)
     if args.json:
         print(json.dumps({"out": args.out, "units": "seconds",
                           **{k: v for k, v in meta.items() if k != "measurements"}}))

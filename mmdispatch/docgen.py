@@ -24,7 +24,7 @@ DOCS = ROOT / "docs"
 #: command -> the file tables it reads, in the order they apply
 COMMAND_TABLES = {cmd: [t for t, (_, cmds) in settings.TABLES.items() if cmd in cmds]
                   for cmd in ("serve", "read", "inspect", "train")}
-COMMAND_ORDER = ("serve", "read", "train", "inspect", "gen-data", "report", "keygen", "demo")
+COMMAND_ORDER = ("serve", "read", "train", "inspect", "gen-data", "report", "keygen", "demo", "calibrate")
 
 
 def _parser(command: str) -> argparse.ArgumentParser:

@@ -185,7 +185,7 @@ def test_serve_config_loads_the_cost_file(tmp_path, small_shards):
     assert without.planner.cost == CostModel()
     # the same key from a TOML settings file
     toml = tmp_path / "settings.toml"
-    toml.write_text(f'cost_model = "{path}"\n')
+    toml.write_text(f'[serve]\ncost_model = "{path}"\n')
     from_toml = serve.build_config(serve.resolve(parser.parse_args([*base, "--config", str(toml)])))
     assert from_toml.planner.cost == cost
 
@@ -257,7 +257,7 @@ def test_calibrate_names_a_bad_model_in_one_line(tmp_path, capsys, spec, match):
 
     assert main(["calibrate", "--model", spec, *TINY, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mmdispatch calibrate: ") and match in err and "\n" not in err
+    assert err.startswith("mmdispatch calibrate: error: ") and match in err and "\n" not in err
     assert not (tmp_path / "x.json").exists()
 
 
