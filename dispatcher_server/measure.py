@@ -61,6 +61,11 @@ class StepMeasurements:
         return [summarise(s, self._pending.pop(s), cost, self.world_size)
                 for s in sorted(set(done))]
 
+    def drain(self, cost: CostModel) -> list[dict]:
+        """The records of every step still waiting for a rank (at shutdown: partial ones)."""
+        steps, self._pending = self._pending, {}
+        return [summarise(s, steps[s], cost, self.world_size) for s in sorted(steps)]
+
     def refitted(self, cost: CostModel, completed: int) -> CostModel | None:
         """A refitted cost model when one is due (every `every` completed steps), else None."""
         if self.refit is None:

@@ -203,6 +203,7 @@ class Dispatcher:
                 linger = self._leaving(until_done, time.monotonic())
         finally:
             self.skip_log.flush(None)
+            self._log_measured(self.measurements.drain(self.config.planner.cost))
             self._close(linger_ms=linger or 0)
 
     def _iterate(self, poller: zmq.Poller) -> None:
@@ -634,15 +635,18 @@ class Dispatcher:
         """A rank's timings of one step: log every step now complete, refit when due."""
         planner = self.config.planner
         done = self.measurements.add(rank, record, planner.cost)
-        for summary in done:
-            if self.step_log is not None:
-                self.step_log.write(summary)
-            self.metrics.measured(summary)
+        self._log_measured(done)
         refitted = self.measurements.refitted(planner.cost, len(done))
         if refitted is not None:
             planner.cost = refitted
             event("cost_refit", **{f"{p}_{k}": f"{v:.4g}" for p, c in refitted.to_dict().items()
                                    for k, v in c.items() if k != "window"})
+
+    def _log_measured(self, summaries: list[dict]) -> None:
+        for summary in summaries:
+            if self.step_log is not None:
+                self.step_log.write(summary)
+            self.metrics.measured(summary)
 
     def _commit(self, slot: TrainerSlot, msg: P.Message) -> None:
         step = msg["step"]

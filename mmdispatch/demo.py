@@ -159,9 +159,9 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         kids.stop()
-    plans, trains = report.load_step_log([p for p in (steps_log, train_log) if p.exists()])
-    summary = report.summarize(plans, trains)
-    summary["figure"] = str(report.render_figure(plans, trains, out / "demo.png"))
+    records = report.load_step_log([p for p in (steps_log, train_log) if p.exists()])
+    summary = report.summarize(records)
+    summary["figure"] = str(report.render_figure(records, out / "demo.png"))
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     report.print_table(summary)
     print(f"report: {out}/report.json\nfigure: {summary['figure']}")

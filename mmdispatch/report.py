@@ -1,9 +1,11 @@
 """Render a step log (the demo's, or a live dispatcher's `--step-log`) as a table and figures.
 
 The step log is JSON lines: `{"kind": "plan", ...}` records written by the dispatcher for every
-planned step (balanced plan and the random-assignment baseline side by side) and
-`{"kind": "train", ...}` records written by trainer rank 0 (loss, throughput). Figures are
-drawn headless with matplotlib; the terminal table uses rich.
+planned step (balanced plan and the random-assignment baseline side by side),
+`{"kind": "measure", ...}` records it writes once every rank reported a step's measured phase
+times (predicted beside measured slowest rank per phase), and `{"kind": "train", ...}` records
+written by trainer rank 0 (loss, throughput). Figures are drawn headless with matplotlib; the
+terminal table uses rich.
 """
 
 from __future__ import annotations
@@ -12,17 +14,27 @@ import argparse
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 PHASE_ORDER = ("vision", "audio", "llm")
 LOCALITY_ORDER = ("same_rank", "intra_node", "inter_node")
 
 
-def load_step_log(paths: str | Path | list) -> tuple[list[dict], list[dict]]:
-    """(plan records, train records) from one or more logs, each sorted by step; the last
+class StepRecords(NamedTuple):
+    """A run's records by kind, each sorted by step."""
+
+    plans: list[dict]
+    trains: list[dict]
+    measures: list[dict]
+
+
+def load_step_log(paths: str | Path | list) -> StepRecords:
+    """The plan, train and measure records of one or more logs, each sorted by step; the last
     record of a step wins (a resumed run replays steps)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     plans: dict[int, dict] = {}
     trains: dict[int, dict] = {}
+    measures: dict[int, dict] = {}
     for path in paths:
         if not Path(path).is_file():
             raise ValueError(f"step log {str(path)!r} does not exist: pass the file the dispatcher's "
@@ -50,15 +62,19 @@ def load_step_log(paths: str | Path | list) -> tuple[list[dict], list[dict]]:
                     plans[int(rec["step"])] = rec
                 elif kind == "train":
                     trains[int(rec["step"])] = rec
+                elif kind == "measure":
+                    measures[int(rec["step"])] = rec
     if not plans:
         hint = ("only trainer records: pass the dispatcher's --step-log file too" if trains
                 else "is this an mmdispatch step log? pass the file the dispatcher's --step-log wrote")
         raise ValueError(f"{', '.join(map(str, paths))}: no plan records ({hint})")
-    return [plans[s] for s in sorted(plans)], [trains[s] for s in sorted(trains)]
+    return StepRecords([plans[s] for s in sorted(plans)], [trains[s] for s in sorted(trains)],
+                       [measures[s] for s in sorted(measures)])
 
 
-def summarize(plans: list[dict], trains: list[dict]) -> dict:
+def summarize(records: StepRecords) -> dict:
     """Aggregate figures over all steps: the numbers the table and the JSON report show."""
+    plans, trains = records.plans, records.trains
 
     def mean_of(key: str, method: str, phase: str) -> float:
         return statistics.fmean(p[method][key][phase] for p in plans)
@@ -85,6 +101,22 @@ def summarize(plans: list[dict], trains: list[dict]) -> dict:
         out["loss_last"] = trains[-1]["loss"]
         rates = [t["samples_per_s"] for t in trains if t.get("samples_per_s")]
         out["samples_per_s_p50"] = statistics.median(rates) if rates else None
+    if records.measures:
+        out["measured"] = _measured(records.measures, phases)
+    return out
+
+
+def _measured(measures: list[dict], phases: list[str]) -> dict:
+    """Means over the measured steps: per phase the measured max/mean, and how measured
+    seconds of the slowest rank relate to the cost model's prediction for it."""
+    out = {"num_steps": len(measures), "max_over_mean": {}, "measured_over_predicted": {}}
+    for ph in phases:
+        recs = [m["phases"][ph] for m in measures if ph in m["phases"]]
+        out["max_over_mean"][ph] = statistics.fmean(r["measured_max_over_mean"] for r in recs)
+        predicted = sum(r["predicted_max"] for r in recs)
+        out["measured_over_predicted"][ph] = (sum(r["measured_max"] for r in recs) / predicted
+                                              if predicted > 0 else None)
+    out["step_seconds_p50"] = statistics.median(m["measured_step_s"] for m in measures)
     return out
 
 
@@ -97,8 +129,11 @@ def print_table(summary: dict, console=None) -> None:
     table.add_column("figure")
     table.add_column("random", justify="right")
     table.add_column("balanced", justify="right")
+    measured = summary.get("measured", {}).get("max_over_mean", {})
     for ph, bal in summary["max_over_mean"]["balanced"].items():
         table.add_row(f"{ph} max/mean", f"{summary['max_over_mean']['random'][ph]:.3f}", f"{bal:.3f}")
+        if ph in measured:
+            table.add_row(f"  measured", "", f"{measured[ph]:.3f}")
     table.add_row("predicted step time", "1.00x", f"{1 / summary['predicted_speedup_vs_random']:.2f}x")
     for loc in LOCALITY_ORDER:
         table.add_row(f"exchange MB {loc}", f"{summary['bytes']['random'][loc] / 1e6:.1f}",
@@ -109,16 +144,18 @@ def print_table(summary: dict, console=None) -> None:
     console.print(table)
 
 
-def render_figure(plans: list[dict], trains: list[dict], out_png: str | Path) -> Path:
-    """Per-rank loads per phase (random vs balanced), imbalance over steps, bytes by locality."""
+def render_figure(records: StepRecords, out_png: str | Path) -> Path:
+    """Per-rank loads per phase (random vs balanced), imbalance over steps, bytes by locality,
+    loss, and predicted against measured slowest rank per phase and step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
+    plans, trains = records.plans, records.trains
     phases = [ph for ph in PHASE_ORDER if ph in plans[0]["balanced"]["loads"]]
-    fig, axes = plt.subplots(2, max(3, len(phases)), figsize=(15, 8), constrained_layout=True)
+    fig, axes = plt.subplots(2, max(4, len(phases)), figsize=(19, 8), constrained_layout=True)
     # Top row: one representative step (the one where random was most imbalanced overall).
     worst = max(plans, key=lambda p: p["random"]["step_time"] / max(p["balanced"]["step_time"], 1e-30))
     for ax, ph in zip(axes[0], phases):
@@ -164,13 +201,29 @@ def render_figure(plans: list[dict], trains: list[dict], out_png: str | Path) ->
         ax.set_xlabel("step")
     else:
         ax.axis("off")
-    for ax in axes[1][3:]:
+    _scatter(axes[1][3], records.measures, phases)
+    for ax in axes[1][4:]:
         ax.axis("off")
     out_png = Path(out_png)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def _scatter(ax, measures: list[dict], phases: list[str]) -> None:
+    """Predicted (cost-model units) against measured (seconds) slowest rank, per phase and step."""
+    if not measures:
+        ax.axis("off")
+        return
+    for ph, color in zip(phases, ("tab:green", "tab:orange", "tab:purple")):
+        pts = [(m["phases"][ph]["predicted_max"], m["phases"][ph]["measured_max"])
+               for m in measures if ph in m["phases"]]
+        ax.scatter([p for p, _ in pts], [t for _, t in pts], s=12, color=color, label=ph)
+    ax.set_title("slowest rank per step: predicted vs measured")
+    ax.set_xlabel("predicted (cost-model units)")
+    ax.set_ylabel("measured (s)")
+    ax.legend(fontsize=8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,10 +235,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plans, trains = load_step_log(args.step_log)
-    summary = summarize(plans, trains)
+    records = load_step_log(args.step_log)
+    summary = summarize(records)
     out = Path(args.out) if args.out else Path(args.step_log[0]).with_suffix(".png")
-    summary["figure"] = str(render_figure(plans, trains, out))
+    summary["figure"] = str(render_figure(records, out))
     if args.json:
         print(json.dumps(summary))
     else:

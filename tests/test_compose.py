@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from mmdispatch import report
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent)) or shutil.which("docker-compose")
 
@@ -162,7 +164,7 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
                 os.killpg(p.pid, 9)
 
     train = [json.loads(line) for line in (tmp_path / "journal" / "train.jsonl").read_text().splitlines()]
-    plans = [json.loads(line) for line in (tmp_path / "journal" / "steps.jsonl").read_text().splitlines()]
+    plans, _, measures = report.load_step_log(tmp_path / "journal" / "steps.jsonl")
     global_batch = int(re.search(r"^global_batch\s*=\s*(\d+)", (ROOT / "deploy" / "mmdispatch.toml").read_text(), re.M)[1])
     assert [t["step"] for t in train] == list(range(steps))
     assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
@@ -170,5 +172,9 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     planned = {p["step"]: p for p in plans}
     assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [global_batch] * steps
     assert all(planned[s]["world_size"] == ranks for s in range(steps))
+    # Every rank measured its phases and the dispatcher logged them beside the prediction.
+    assert {m["step"] for m in measures} == set(range(steps))
+    assert all(m["phases"]["llm"]["measured_max"] > 0 for m in measures)
+    assert sum(m["ranks_reported"] == ranks for m in measures) >= steps - 1
     if curve:
         assert refused_plaintext, "the dispatcher answered a peer without keys"

@@ -173,16 +173,25 @@ def _forward_per_phase(model, rmb, item_input, text_ids, exchanger):
 
 
 def balanced_step(ctx, model, plan: StepPlan, seed: int, dtype, exchanger, num_targets: int,
-                  per_phase: bool = False):
+                  per_phase: bool = False, staged: bool = False):
     import torch.distributed as dist
 
-    from trainer_client.model import forward_microbatch
+    from trainer_client.calibrate import PhaseTimer
+    from trainer_client.model import forward_microbatch, train_microbatch
 
     item_input, text_ids = _feeds(seed, plan.inputs, dtype)
     loss = torch.zeros((), dtype=dtype)
     targets = 0
     for mb in range(plan.num_microbatches):
         rmb = plan.rank_microbatch(ctx.rank, mb)
+        if staged:  # backward stage by stage, every phase timed: the same gradients
+            timer = PhaseTimer()
+            out = train_microbatch(model, rmb, item_input=item_input, text_ids=text_ids,
+                                   exchanger=exchanger, loss_scale=1.0 / num_targets, timer=timer)
+            assert set(timer.seconds()) == {"vision", "audio", "exchange", "llm"}
+            loss += out.loss_sum / num_targets
+            targets += out.num_targets
+            continue
         if per_phase:
             out = _forward_per_phase(model, rmb, item_input, text_ids, exchanger)
         else:
@@ -213,12 +222,13 @@ def _train_case(ctx, name: str, plan: StepPlan, seed: int, dtype, mode: str) -> 
 
     model = _model(dtype)
     ref_model = copy.deepcopy(model)
-    per_phase = mode.endswith("+per_phase")
-    exchanger = Exchanger(ExchangeConfig(mode=mode.removesuffix("+per_phase")), ctx)
+    per_phase, staged = mode.endswith("+per_phase"), mode.endswith("+staged")
+    exchanger = Exchanger(ExchangeConfig(mode=mode.split("+")[0]), ctx)
     ref = reference_step(ref_model, plan.inputs, seed, dtype) if ctx.rank == 0 else None
     num_targets = torch.tensor([ref.num_targets if ref is not None else 0])
     dist.broadcast(num_targets, 0)
-    loss, targets = balanced_step(ctx, model, plan, seed, dtype, exchanger, int(num_targets), per_phase)
+    loss, targets = balanced_step(ctx, model, plan, seed, dtype, exchanger, int(num_targets), per_phase,
+                                  staged)
     stats = [None] * ctx.world_size
     dist.all_gather_object(stats, exchanger.stats.as_dict())
     if ctx.rank != 0:
@@ -332,6 +342,8 @@ def _cases() -> list[tuple]:
     cases.append(("train", "random-3", random_plan(inputs, 3, b64), 3, torch.float64, "two_stage"))
     cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "single"))
     cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "two_stage"))
+    cases.append(("train", "random-3", random_plan(inputs, 3, b64), 3, torch.float64, "single+staged"))
+    cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "two_stage+staged"))
     cases.append(("train", "text-only", planner_plan(make_inputs(5, 8, modalities=False), b64), 5,
                   torch.float64, "two_stage"))
     cases.append(("train", "planner-f32", planner_plan(make_inputs(6, 12), b32), 6, torch.float32, "single"))
@@ -356,7 +368,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_loss_and_every_gradient_match_unbalanced_reference(results):
     train = results["train"]
-    assert len(train) == 11
+    assert len(train) == 13
     for r in train:
         tol = 1e-5 if r["dtype"] == "torch.float64" else F32_REL_TOL
         where = f"{r['name']} {r['mode']} {r['dtype']}"

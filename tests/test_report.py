@@ -9,6 +9,7 @@ import pytest
 
 from bench.planner import synthetic_step
 from dispatcher_server.planner import PlannerConfig, Topology, plan_step
+from dispatcher_server.measure import summarise
 from dispatcher_server.steplog import StepLog, plan_record
 from mmdispatch import cli, report
 
@@ -22,6 +23,10 @@ def step_logs(tmp_path):
     for step in range(3):
         plan = plan_step(synthetic_step(rng, 64), topo, config)
         log.write(plan_record(step, plan, config=config, plan_ms=1.5 + step))
+        # what the dispatcher writes once every rank reported the step's measured times
+        by_rank = {r: {"step": step, "mb": [{"vision": [0.01 * (r + 1), [64]], "llm": [0.02, [100]]}]}
+                   for r in range(8)}
+        log.write(summarise(step, by_rank, config.cost, 8))
     log.close()
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"kind": "train", "step": s, "loss": 5.0 - s, "samples": 64,
@@ -30,7 +35,7 @@ def step_logs(tmp_path):
 
 
 def test_plan_record_compares_balanced_with_random(step_logs):
-    plans, trains = report.load_step_log(list(step_logs))
+    plans, trains, _ = report.load_step_log(list(step_logs))
     assert [p["step"] for p in plans] == [0, 1, 2] and len(trains) == 3
     for p in plans:
         assert p["balanced"]["step_time"] <= p["random"]["step_time"]
@@ -41,12 +46,17 @@ def test_plan_record_compares_balanced_with_random(step_logs):
 
 
 def test_summary_aggregates_over_steps(step_logs):
-    plans, trains = report.load_step_log(list(step_logs))
-    s = report.summarize(plans, trains)
+    records = report.load_step_log(list(step_logs))
+    plans = records.plans
+    s = report.summarize(records)
     expected = sum(p["random"]["step_time"] for p in plans) / sum(p["balanced"]["step_time"] for p in plans)
     assert s["predicted_speedup_vs_random"] == pytest.approx(expected)
     assert s["plan_ms_p50"] == pytest.approx(2.5)
     assert (s["loss_first"], s["loss_last"], s["samples_per_s_p50"]) == (5.0, 3.0, 20.0)
+    # measured beside predicted: rank 7's vision took 0.08 s against a mean of 0.045 s
+    m = s["measured"]
+    assert m["num_steps"] == 3 and m["max_over_mean"]["vision"] == pytest.approx(0.08 / 0.045)
+    assert m["max_over_mean"]["llm"] == pytest.approx(1.0) and m["step_seconds_p50"] == pytest.approx(0.1)
 
 
 def test_report_command_writes_a_figure_and_json(step_logs, tmp_path, capsys):

@@ -14,6 +14,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -276,6 +277,79 @@ def forward_microbatch(
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), exchanged)
     return model.llm(packed, cu, pos, packed_labels(rank_mb, flat).to(packed.device))
+
+
+def train_microbatch(
+    model: MultimodalModel,
+    rank_mb: RankMicrobatch,
+    *,
+    item_input: Callable[[str, int], Tensor],
+    text_ids: Callable[[int], Tensor],
+    exchanger: Exchanger,
+    loss_scale: float = 1.0,
+    timer=None,
+) -> LLMOutput:
+    """`forward_microbatch`, then the backward of `loss_sum * loss_scale`, stage by stage.
+
+    The graph is cut at the encoder outputs and at the exchanged embeddings, and each stage's
+    backward runs alone with the gradient the stage after it sent back, so `timer` (a
+    `calibrate.PhaseTimer`, optional) times every phase's forward plus backward apart, and the
+    exchange (both directions) apart from them. The gradients are those of one backward
+    through the whole graph. Every rank of the world must call this for the same micro-batch.
+    """
+    span = timer.span if timer is not None else _untimed
+    encoders = {"vision": model.encode_vision, "audio": model.encode_audio}
+    enc: dict[str, Tensor] = {}
+    for phase, px in rank_mb.exchanges.items():
+        if phase not in encoders:
+            raise ValueError(f"no encoder for phase {phase!r}")
+        with span(phase):
+            items = [item_input(phase, int(i)) for i in px.encode_items]
+            enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
+    # Cut copies always require grad, so the exchange's backward (a collective) runs on every
+    # rank, also where an encoder's output does not (no item on this rank).
+    enc_cut = {p: t.detach().requires_grad_() for p, t in enc.items()}
+    exchanged: dict[str, Tensor] = {}
+    if enc:
+        with span("exchange"):
+            exchanged = exchanger.exchange_phases(enc_cut, rank_mb.exchanges)
+    ex_cut = {p: t.detach().requires_grad_() for p, t in exchanged.items()}
+    with span("llm"):
+        ids = [text_ids(int(s)) for s in rank_mb.samples]
+        flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+        packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), ex_cut)
+        out = model.llm(packed, cu, pos, packed_labels(rank_mb, flat).to(packed.device))
+        (out.loss_sum * loss_scale).backward()
+    _backward_stage(span, "exchange", exchanged, ex_cut)
+    for phase in enc:
+        _backward_stage(span, phase, {phase: enc[phase]}, enc_cut)
+    return LLMOutput(out.logits.detach(), out.loss_sum.detach(), out.num_targets)
+
+
+@contextmanager
+def _untimed(name: str):
+    yield
+
+
+def _backward_stage(span, name: str, outputs: dict[str, Tensor], cut: dict[str, Tensor]) -> None:
+    """Backward through `outputs` with the gradients their cut copies received (zeros where a
+    cut copy got none: a stage with a collective inside runs on every rank all the same)."""
+    roots = [(outputs[p], cut[p]) for p in outputs if outputs[p].requires_grad]
+    if not roots:
+        return
+    with span(name):
+        torch.autograd.backward([t for t, _ in roots],
+                                [c.grad if c.grad is not None else torch.zeros_like(c)
+                                 for _, c in roots])
+
+
+def microbatch_timings(rank_mb: RankMicrobatch, seconds: dict[str, float]) -> dict:
+    """The `report_timings` record of one micro-batch: per phase [seconds, sequence lengths]."""
+    out = {"exchange": seconds.get("exchange", 0.0),
+           "llm": [seconds.get("llm", 0.0), [int(n) for n in rank_mb.sample_llm_len]]}
+    for phase, px in rank_mb.exchanges.items():
+        out[phase] = [seconds.get(phase, 0.0), [int(n) for n in px.encode_enc_len]]
+    return out
 
 
 # ------------------------------------------------------------------ encoder inputs from items

@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from dispatcher_server.cliopts import HelpFormatter, check_endpoint, run_reporting_errors, setup_logging
 from mmdispatch.settings import ConfigError, apply_file
+from trainer_client.calibrate import PhaseTimer
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
 from trainer_client.exchange import ExchangeConfig, Exchanger
 from trainer_client.model import (
-    ModelConfig, ReferenceModel, encoder_input, forward_microbatch, text_token_ids,
+    ModelConfig, ReferenceModel, encoder_input, microbatch_timings, text_token_ids,
+    train_microbatch,
 )
 from trainer_client.options import add_arguments
 
@@ -129,6 +131,7 @@ def train(args: argparse.Namespace) -> int:
         dist.broadcast(t, 0)  # identical start on every rank, whatever the local RNG did
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     exchanger = Exchanger(ExchangeConfig(mode=args.exchange), ctx)
+    timer = PhaseTimer("cpu")  # the reference model runs on CPU
     timeouts = {} if args.connect_timeout is None else {"connect_timeout_s": args.connect_timeout}
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
                               config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
@@ -146,12 +149,14 @@ def train(args: argparse.Namespace) -> int:
                 break
             t0 = time.perf_counter()
             loss_sum, targets, samples = 0.0, 0, 0
+            measured = []
             for mb in step.microbatches:
                 inputs = ItemInputs(mb, model)
-                out = forward_microbatch(model, mb.plan, item_input=inputs.item, text_ids=inputs.text,
-                                         exchanger=exchanger)
-                out.loss_sum.backward()
-                loss_sum += float(out.loss_sum.detach())
+                timer.reset()
+                out = train_microbatch(model, mb.plan, item_input=inputs.item, text_ids=inputs.text,
+                                       exchanger=exchanger, timer=timer)
+                measured.append(microbatch_timings(mb.plan, timer.seconds()))
+                loss_sum += float(out.loss_sum)
                 targets += out.num_targets
                 samples += len(mb.keys)
             totals = torch.tensor([loss_sum, float(targets), float(samples)], dtype=torch.float64)
@@ -163,6 +168,7 @@ def train(args: argparse.Namespace) -> int:
                 prm.grad /= max(totals[1].item(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            client.report_timings(step.step, measured)  # predicted vs measured, per phase
             done += 1
             seconds = time.perf_counter() - t0
             progress.update(int(totals[2].item()), t0 - t_wait)
