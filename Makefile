@@ -39,6 +39,7 @@ bench: install
 # benches' JSON in docs/bench/); tests/test_readme.py fails when either is stale.
 docs: install
 	$(PY) -m mmdispatch.docgen
+	$(PY) -m bench.planner_doc docs/bench/planner.json > docs/planner.md
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) reports .pytest_cache

@@ -1,8 +1,8 @@
 """docs/planner.md from `python -m bench.planner --json` output: the regimes table, the exact
 gaps and the targets, so the document states only what the JSON measured.
 
-`python -m bench.planner --json > docs/planner.json && python -m bench.planner_doc
-docs/planner.json > docs/planner.md`
+`python -m bench.planner --json > docs/bench/planner.json && make docs` (which runs
+`python -m bench.planner_doc docs/bench/planner.json > docs/planner.md`)
 """
 
 from __future__ import annotations

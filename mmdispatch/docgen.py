@@ -177,6 +177,8 @@ def _planner(d: dict) -> list[str]:
         r = results["mmdispatch"]
         lb = " / ".join(f"{r['max_over_lb'][p]:.3f}" for p in ("vision", "audio", "llm"))
         out.append(f"| {case} | {lb} | {r['speedup_vs_random']:.2f}x | {r['plan_ms_p50']:.1f} |")
+    out += ["", "Per step shape (multi-image interleaved, speech, document pages, long context, "
+            "video) and against the exact optimum: [planner.md](planner.md)."]
     return out
 
 
@@ -245,6 +247,48 @@ def _soak(d: dict) -> list[str]:
     return out
 
 
+def _training(d: dict) -> list[str]:
+    c = d["cost_models"]
+    out = [f"W = {d['world_size']} ranks emulated: every rank's share of every micro-batch run "
+           "and timed alone on the reference model; a step takes the slowest rank per micro-batch "
+           "and phase plus a measured gloo exchange, which is what W parallel ranks with those "
+           "loads would take.", "",
+           "| cost model | predicted speedup vs random | measured speedup vs random "
+           "(target >= 1.5) | measured / predicted (target 0.9-1.1) |", "|---|---|---|---|"]
+    for name in ("default", "calibrated"):
+        if name in c:
+            m = c[name]
+            out.append(f"| {name} | {m['predicted_speedup_vs_random']:.2f}x | "
+                       f"{m['measured_speedup_vs_random']:.2f}x | {m['measured_over_predicted']:.3f} |")
+    r2 = d["fit_r2"]
+    out += ["", "Calibration fit R^2 (target >= 0.95): "
+            + ", ".join(f"{p} {r2[p]:.3f}" for p in ("vision", "audio", "llm")) + ".", "",
+            "| plan | measured max/mean vision | audio | LLM |", "|---|---|---|---|"]
+    for name, v in d.get("measured_imbalance", {}).items():
+        out.append(f"| {name} | {v['vision']:.2f} | {v['audio']:.2f} | {v['llm']:.2f} |")
+    return out
+
+
+def _scale(d: dict) -> list[str]:
+    out = [f"{d['samples_per_rank']} samples per rank per step, M = {d['num_microbatches']}, "
+           f"{d['ranks_per_node']} ranks per node, {d['payloads']} payloads, {d['cpus']} CPUs shared "
+           "with the simulators. CPU is the dispatcher process's (zmq I/O threads included); the "
+           "breakdown is its loop thread's.", "",
+           "| W | steps/s | CPU ms per step (target <= 300 at 2560) | intake | acks | assemble | plan | "
+           "encode | send | peak RSS MB (bound) | messages / step | bytes / step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for w, r in d["worlds"].items():
+        b = r["breakdown_ms"]
+        out.append(f"| {w} | {r['steps_per_s']:.2f} | {r['dispatcher_cpu_ms_per_step']:.0f} | "
+                   f"{b['intake']:.0f} | {b['acks']:.0f} | {b['assemble']:.0f} | {b['plan']:.0f} | "
+                   f"{b['encode']:.0f} | {b['send']:.0f} | {r['dispatcher_peak_rss_mb']:.0f} "
+                   f"({r['rss_bound_mb']:.0f}) | {r['messages_per_step']:,.0f} | {r['bytes_per_step']:,} |")
+    f = d["non_plan_cpu_fit"]
+    out += ["", f"Non-planning CPU per step = {f['intercept_ms']:.1f} ms + {f['per_rank_ms']:.4f} ms x W "
+            f"(R^2 {f['r2']:.3f})."]
+    return out
+
+
 BENCHES = (
     ("counting", "Header-only counting", "Counting from file headers against decoding every image and "
      "audio clip, and against reading the same shards with webdataset.", _counting, ""),
@@ -255,6 +299,11 @@ BENCHES = (
      "placement that ignores nodes, on CPU processes (gloo).", _exchange, ""),
     ("stream", "End-to-end stream", "Readers, dispatcher and trainers as separate processes against a "
      "bare read of the same shards.", _stream, "--repeat 3 "),
+    ("training", "Measured speedup", "The same steps planned by random assignment, per-phase LPT and "
+     "mmdispatch, trained on the reference model and timed, under the FLOP-formula cost model and a "
+     "calibrated one (docs/calibration.md).", _training, ""),
+    ("scale", "Dispatcher at scale", "One dispatcher against thousands of simulated trainer ranks "
+     "and simulated readers (reference payloads).", _scale, ""),
     ("soak", "Soak", "Readers killed and restarted in turn, one dispatcher kill and restart from its "
      "journal, trainers running throughout; every sample accounted for.", _soak,
      "--minutes 5 --dispatcher-restart "),

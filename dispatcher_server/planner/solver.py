@@ -19,7 +19,7 @@ Why: plain LPT per phase balances well but ships ~all embeddings across nodes; n
 placement moves almost nothing, and the fallbacks restore balance when items are coarse.
 Cost: O(n log n) sorting, O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x
 items^2); what `bench.planner` measures for each regime and W (CPU ms per plan) is in
-docs/planner.md, generated from its JSON.
+docs/planner.md, generated from docs/bench/planner.json.
 """
 
 from __future__ import annotations
