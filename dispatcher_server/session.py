@@ -89,6 +89,7 @@ class PeerSession:
         self._seq = 0
         self._hello_seq = -1
         self._last_recv = self._last_sent = 0.0
+        self._since = 0.0  # since when no WELCOME holds (run() sets it)
         self._finished = False
 
     # -- used by roles ---------------------------------------------------------------------
@@ -106,6 +107,8 @@ class PeerSession:
 
     def hello(self) -> None:
         """Say HELLO again on this connection (the dispatcher forgot us, or the role resyncs)."""
+        if self.welcomed:
+            self._since = time.monotonic()  # the connect timeout counts from losing the welcome
         self.welcomed = False
         self.role.reset()
         self._hello_seq = self.send(P.HELLO, **self.role.hello_fields())
@@ -118,12 +121,12 @@ class PeerSession:
     def run(self, stop: threading.Event) -> None:
         cfg = self.config
         backoff = cfg.backoff_min_s
-        since = time.monotonic()  # when this attempt to get welcomed began
+        self._since = time.monotonic()  # when this attempt to get welcomed began
         try:
             while not self._done(stop):
                 try:
                     self._connect()
-                    self._serve(stop, since)
+                    self._serve(stop)
                 except Disconnected:
                     pass
                 if self._done(stop):
@@ -131,10 +134,10 @@ class PeerSession:
                 healthy = self.welcomed
                 self._close(bye=False)
                 if healthy:
-                    since, backoff = time.monotonic(), cfg.backoff_min_s
+                    self._since, backoff = time.monotonic(), cfg.backoff_min_s
                 else:
                     backoff = min(2 * backoff, cfg.backoff_max_s)
-                self._check_connect_timeout(since)
+                self._check_connect_timeout()
                 self.num_reconnects += 1
                 log.warning("mmdispatch event=%s_reconnect dispatcher=%s backoff_s=%.2f",
                             self.name, cfg.address, backoff)
@@ -174,7 +177,7 @@ class PeerSession:
         self.welcomed = False
         self.role.reset()
 
-    def _serve(self, stop: threading.Event, since: float) -> None:
+    def _serve(self, stop: threading.Event) -> None:
         """One connection, until it goes silent, a role drops it, or the session ends."""
         cfg = self.config
         busy = False
@@ -189,13 +192,15 @@ class PeerSession:
             if now - self._last_recv > cfg.timeout_s:
                 return
             if not self.welcomed:
-                self._check_connect_timeout(since)
+                self._check_connect_timeout()
             elif now - self._last_sent > self._heartbeat_s:
                 self.send(P.HEARTBEAT)
 
-    def _check_connect_timeout(self, since: float) -> None:
+    def _check_connect_timeout(self) -> None:
+        """Unreachable once no WELCOME came for `connect_timeout_s` since the session started,
+        or since it last lost one (a dropped connection, or a dispatcher that forgot it)."""
         limit = self.config.connect_timeout_s
-        if limit is not None and time.monotonic() - since > limit:
+        if limit is not None and time.monotonic() - self._since > limit:
             raise Unreachable(f"no dispatcher answered at {self.config.address} within "
                               f"{limit:g} s (check the address, that the dispatcher runs, and "
                               f"its CurveZMQ keys; raise the connect timeout to wait longer)")

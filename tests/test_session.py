@@ -128,6 +128,23 @@ def test_unknown_peer_gets_a_hello_on_the_same_connection():
             stop.set()
 
 
+def test_a_dispatcher_that_forgets_us_late_in_a_run_gets_its_full_connect_timeout():
+    """The connect timeout counts from losing the welcome, not from the start of the run: a
+    dispatcher restarted on the same address after more than the timeout is answered with a
+    HELLO and the session goes on (it gave up at once, seen in a 5-minute soak)."""
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint, connect_timeout_s=1.0, timeout_s=5.0)
+        stop = threading.Event()
+        with _running(session.run, stop) as (errors, _):
+            router.welcome(router.expect(P.HELLO))
+            time.sleep(1.5)  # longer than the connect timeout, welcomed all along
+            router.send(P.ERROR, code="unknown_peer", message="restarted")
+            router.welcome(router.expect(P.HELLO))
+            time.sleep(0.3)
+            assert session.welcomed and not errors and len(role.welcomes) == 2
+            stop.set()
+
+
 def test_end_finishes_the_session_with_a_bye():
     with ScriptedRouter() as router:
         session, role = _session(router.endpoint)
