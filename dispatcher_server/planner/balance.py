@@ -97,18 +97,20 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
     pos = np.arange(n) - np.searchsorted(g, g)
     rnd, slot = np.divmod(pos, B)
     by_round = np.argsort(rnd, kind="stable")
-    bounds = np.searchsorted(rnd[by_round], np.arange(rnd.max() + 2))
-    for r in range(len(bounds) - 1):
-        sel = by_round[bounds[r]:bounds[r + 1]]
-        gs = g[sel]
-        rank_of = np.argsort(loads, axis=1, kind="stable")
-        b = rank_of[gs, slot[sel]]
-        add = sizes[order[sel]]
+    bounds = np.searchsorted(rnd[by_round], np.arange(rnd.max() + 2)).tolist()
+    # Everything a round reads, gathered once in round order: a round is then slices, one
+    # argsort of the loads and one gather (with few bins, rounds are many and numpy calls cost
+    # more than the work in them).
+    items = order[by_round]
+    groups_r, slots_r, sizes_r = g[by_round], slot[by_round], sizes[items]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        gs, add = groups_r[lo:hi], sizes_r[lo:hi]
+        b = np.argsort(loads, axis=1, kind="stable")[gs, slots_r[lo:hi]]
         if cap is not None:
             fits = loads[gs, b] + add <= cap
             b = np.where(fits, b, -1)
             gs, add = gs[fits], add[fits]
-        out[order[sel]] = b
+        out[items[lo:hi]] = b
         loads[gs, b[b >= 0]] += add  # (group, bin) pairs are unique within a round
     return out
 
