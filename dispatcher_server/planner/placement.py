@@ -97,7 +97,7 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     # last, all pairs (coarse bins only); across nodes only samples without embeddings
     refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
-    if N == 1 and loads.max() > llm_lb * (1 + 1e-9):
+    if N == 1 and loads.max() > llm_lb * (1 + tolerance / 4):
         # one node: no bytes to keep local, so sequential LPT may take over where batching
         # left a residual it cannot refine away
         alt = lpt_heap(c[K_LLM], W)
