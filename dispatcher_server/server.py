@@ -95,7 +95,8 @@ class Dispatcher:
         self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
         self.replay = ReplaySource(journal, config.world_size)
         self.measurements = StepMeasurements(config.world_size, config.refit)
-        self._cpu = self.metrics.cpu_of
+        # Loop CPU by part, in plain floats on the hot path; exported once a poll interval.
+        self._cpu = dict.fromkeys(self.metrics.cpu_of, 0.0)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth = None
@@ -214,11 +215,11 @@ class Dispatcher:
             if self.reader_sock in ready:
                 t0 = thread_time()
                 self._drain(self.reader_sock, self._on_reader)
-                self._cpu["intake"].inc(thread_time() - t0)
+                self._cpu["intake"] += thread_time() - t0
             if self.trainer_sock in ready:
                 t0 = thread_time()
                 self._drain(self.trainer_sock, self._on_trainer)
-                self._cpu["acks"].inc(thread_time() - t0)
+                self._cpu["acks"] += thread_time() - t0
             self._pump()
         except Fatal as e:
             self._halt_now(str(e))
@@ -227,7 +228,14 @@ class Dispatcher:
             # Not after every message burst: that is O(W) each time at thousands of ranks.
             self._liveness(now)
             self.skip_log.flush(now)
+            self._export_cpu()
             self._checked = now
+
+    def _export_cpu(self) -> None:
+        for part, seconds in self._cpu.items():
+            if seconds:
+                self.metrics.cpu_of[part].inc(seconds)
+                self._cpu[part] = 0.0
 
     def _leaving(self, until_done: bool, now: float) -> int | None:
         """The linger (ms) to close with if the loop ends now, else None."""
@@ -273,7 +281,7 @@ class Dispatcher:
             t0 = thread_time()
             self.assembler.fill()
             ready = self.assembler.step_ready()
-            self._cpu["assemble"].inc(thread_time() - t0)
+            self._cpu["assemble"] += thread_time() - t0
             if not ready:
                 break
             self._plan()
@@ -305,7 +313,7 @@ class Dispatcher:
         step, batch = self.next_plan, build_batch(filled.samples)
         digest = batch.digest()
         c1 = thread_time()
-        self._cpu["assemble"].inc(c1 - c0)
+        self._cpu["assemble"] += c1 - c0
         t0 = time.perf_counter()
         journaled, mismatch = self.replay.journaled_plan(step, digest)
         if mismatch and self.config.mode == "deterministic":
@@ -321,7 +329,7 @@ class Dispatcher:
             raise Fatal(why) from e
         plan_ms = (time.perf_counter() - t0) * 1e3
         c2 = thread_time()
-        self._cpu["plan"].inc(c2 - c1)
+        self._cpu["plan"] += c2 - c1
         entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
                           cursor_after=self.assembler.cursor.to_wire(),
                           num_samples=len(batch.samples), digest=digest)
@@ -331,7 +339,7 @@ class Dispatcher:
             raise Fatal(f"journal write failed at step {step} ({e}); stopping. Free the space "
                         "(or fix the journal directory) and start the dispatcher again: it "
                         "resumes from the journal") from e
-        self._cpu["journal"].inc(thread_time() - c2)
+        self._cpu["journal"] += thread_time() - c2
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
                                        messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
@@ -366,8 +374,8 @@ class Dispatcher:
         for slot, frames in self.delivery.sends(encode):
             self._send_frames(self.trainer_sock, slot.ident, frames, "trainer")
             slot.last_sent = now
-        self._cpu["encode"].inc(encoding)
-        self._cpu["send"].inc(thread_time() - t0 - encoding)
+        self._cpu["encode"] += encoding
+        self._cpu["send"] += thread_time() - t0 - encoding
         if self.finished():
             self._send_ends()
 
