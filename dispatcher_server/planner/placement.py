@@ -88,8 +88,8 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb * (1 + tolerance / 4),
-           max_iter=4)
+    good = llm_lb * (1 + tolerance / 4)
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
         refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
@@ -97,7 +97,7 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     # last, all pairs (coarse bins only); across nodes only samples without embeddings
     refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
-    if N == 1 and loads.max() > llm_lb * (1 + tolerance / 4):
+    if N == 1 and loads.max() > good:
         # one node: no bytes to keep local, so sequential LPT may take over where batching
         # left a residual it cannot refine away
         alt = lpt_heap(c[K_LLM], W)
