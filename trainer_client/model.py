@@ -265,14 +265,26 @@ def forward_microbatch(
     `item_input(phase, item_id)` gives an item's encoder input, `text_ids(sample_id)` a
     sample's token ids. Every rank of the world must call this for the same micro-batch.
     """
+    enc = _encode(model, rank_mb, item_input, _untimed)
+    exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
+    return _llm(model, rank_mb, text_ids, exchanged)
+
+
+def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span) -> dict[str, Tensor]:
+    """Every encoder phase's outputs for this rank's items, each phase inside `span(phase)`."""
     encoders = {"vision": model.encode_vision, "audio": model.encode_audio}
     enc: dict[str, Tensor] = {}
     for phase, px in rank_mb.exchanges.items():
         if phase not in encoders:
             raise ValueError(f"no encoder for phase {phase!r}")
-        items = [item_input(phase, int(i)) for i in px.encode_items]
-        enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
-    exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
+        with span(phase):
+            items = [item_input(phase, int(i)) for i in px.encode_items]
+            enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
+    return enc
+
+
+def _llm(model: MultimodalModel, rank_mb: RankMicrobatch, text_ids, exchanged) -> LLMOutput:
+    """Text embeddings and exchanged item embeddings packed, through the LLM."""
     ids = [text_ids(int(s)) for s in rank_mb.samples]
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), exchanged)
@@ -298,14 +310,7 @@ def train_microbatch(
     through the whole graph. Every rank of the world must call this for the same micro-batch.
     """
     span = timer.span if timer is not None else _untimed
-    encoders = {"vision": model.encode_vision, "audio": model.encode_audio}
-    enc: dict[str, Tensor] = {}
-    for phase, px in rank_mb.exchanges.items():
-        if phase not in encoders:
-            raise ValueError(f"no encoder for phase {phase!r}")
-        with span(phase):
-            items = [item_input(phase, int(i)) for i in px.encode_items]
-            enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
+    enc = _encode(model, rank_mb, item_input, span)
     # Cut copies always require grad, so the exchange's backward (a collective) runs on every
     # rank, also where an encoder's output does not (no item on this rank).
     enc_cut = {p: t.detach().requires_grad_() for p, t in enc.items()}
@@ -315,10 +320,7 @@ def train_microbatch(
             exchanged = exchanger.exchange_phases(enc_cut, rank_mb.exchanges)
     ex_cut = {p: t.detach().requires_grad_() for p, t in exchanged.items()}
     with span("llm"):
-        ids = [text_ids(int(s)) for s in rank_mb.samples]
-        flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
-        packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), ex_cut)
-        out = model.llm(packed, cu, pos, packed_labels(rank_mb, flat).to(packed.device))
+        out = _llm(model, rank_mb, text_ids, ex_cut)
         (out.loss_sum * loss_scale).backward()
     _backward_stage(span, "exchange", exchanged, ex_cut)
     for phase in enc:
