@@ -117,22 +117,31 @@ class SkipLog:
         self._interval_start = 0.0
 
     def add(self, shard: str, skipped: list) -> None:
-        """Take (key, reason, index) records of one shard."""
+        """Take (key, reason, index) records of one shard; a (shard, reason) not logged in this
+        interval is logged at once."""
         self.keys.extend((s[0], s[1]) for s in skipped)
         self.metrics.skipped.inc(len(skipped))
         for key, reason, *_ in skipped:
-            self._pending.setdefault((shard, reason), []).append(key)
+            what = (shard, reason)
+            if what in self._logged:
+                self._pending.setdefault(what, []).append(key)
+            else:
+                self._logged.add(what)
+                self._log(what, [key])
 
     def flush(self, now: float | None) -> None:
-        """Log what is due: new (shard, reason) pairs, and everything once the interval is over
-        (or when `now` is None, at shutdown)."""
-        due = now is None or now - self._interval_start >= self.every_s
-        for what in [w for w in self._pending if due or w not in self._logged]:
-            keys = self._pending.pop(what)
-            shown = ",".join(keys[:5]) + (",..." if len(keys) > 5 else "")
-            event("sample_skipped", logging.WARNING, shard=what[0], reason=what[1],
-                  count=len(keys), keys=shown)
-            self._logged.add(what)
-        if due and now is not None:
-            self._logged.clear()
-            self._interval_start = now
+        """Once the interval is over (or when `now` is None, at shutdown), log what accumulated
+        since each (shard, reason) was last logged."""
+        if now is not None and now - self._interval_start < self.every_s:
+            return
+        for what, keys in self._pending.items():
+            self._log(what, keys)
+        self._pending.clear()
+        self._logged.clear()
+        self._interval_start = 0.0 if now is None else now
+
+    @staticmethod
+    def _log(what: tuple[str, str], keys: list[str]) -> None:
+        shown = ",".join(keys[:5]) + (",..." if len(keys) > 5 else "")
+        event("sample_skipped", logging.WARNING, shard=what[0], reason=what[1], count=len(keys),
+              keys=shown)

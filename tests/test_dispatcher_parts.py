@@ -131,3 +131,25 @@ def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on()
     with pytest.raises(JournalError, match="--journal-dir"):
         r.cursor_before(2)
     assert r.cursor_before(4).partial == {0: 4}
+
+
+def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplog):
+    import logging
+
+    from dispatcher_server.metrics import Metrics, SkipLog
+
+    metrics = Metrics()
+    skips = SkipLog(metrics, every_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.server"):
+        skips.add("a.tar", [("k1", "bad_image", 1), ("k2", "bad_image", 2), ("k3", "bad_image", 3)])
+        skips.add("b.tar", [("k9", "bad_audio", 9)])
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2  # each new (shard, reason) at once, repeats held back
+        assert "shard=a.tar reason=bad_image count=1 keys=k1" in lines[0]
+        skips.flush(1.0)  # the interval is not over: nothing more
+        assert len(caplog.records) == 2
+        skips.flush(6.0)
+        assert "shard=a.tar reason=bad_image count=2 keys=k2,k3" in caplog.records[-1].getMessage()
+    assert skips.keys == [("k1", "bad_image"), ("k2", "bad_image"), ("k3", "bad_image"),
+                          ("k9", "bad_audio")]
+    assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 4
