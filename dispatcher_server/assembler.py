@@ -71,6 +71,14 @@ class StepAssembler:
     def reset(self, cursor: Cursor) -> None:
         """Start again at `cursor`: every buffer and the step being filled are dropped."""
         self.cursor = cursor
+        # Epochs read whole from here on, and the samples each yielded: one that yields none
+        # (every shard empty, every sample skipped) ends the job instead of looping over epochs.
+        self.kept_by_epoch: dict[int, int] = {}
+        self.empty_epoch: int | None = None
+        epoch = self.order.epoch_of(cursor.base)
+        touched = any(self.order.epoch_of(p) == epoch for p in (*cursor.partial, *cursor.done))
+        at_start = cursor.base == epoch * self.order.num_shards and not touched
+        self._first_whole_epoch = epoch if at_start else epoch + 1
         self.progress: dict[int, ShardProgress] = {}
         self.arrival: deque[list[int]] = deque()  # [pos, count] runs, in arrival order
         self.acc: list[Sample] = []
@@ -149,6 +157,9 @@ class StepAssembler:
             next_index = last_skip + 1
         prog.next_index = next_index
         prog.nbytes += nbytes
+        if out.kept:
+            epoch = self.order.epoch_of(pos)
+            self.kept_by_epoch[epoch] = self.kept_by_epoch.get(epoch, 0) + out.kept
         self.bytes_seen += nbytes
         self.samples_seen += out.kept
         if out.kept and self.mode == "arrival":
@@ -199,9 +210,13 @@ class StepAssembler:
         return step
 
     def _finish_drained(self) -> None:
+        before = self.order.epoch_of(self.cursor.base)
         for pos in [p for p, pr in self.progress.items() if pr.reader_done and not pr.buffer]:
             del self.progress[pos]
             self.cursor.finish(pos)
+        for epoch in range(before, self.order.epoch_of(self.cursor.base)):
+            if epoch >= self._first_whole_epoch and not self.kept_by_epoch.pop(epoch, 0):
+                self.empty_epoch = epoch
 
     def _take(self, prog: ShardProgress, limit: int) -> int:
         """Move up to `limit` head samples of `prog` into the step being filled, as one block;

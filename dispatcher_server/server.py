@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from time import thread_time
 
 import zmq
@@ -285,9 +286,19 @@ class Dispatcher:
             if not ready:
                 break
             self._plan()
+        if self.assembler.empty_epoch is not None:
+            raise Fatal(self._empty_epoch_message(self.assembler.empty_epoch))
         self._send_steps()
         self.delivery.evict()
         self._grant()
+
+    def _empty_epoch_message(self, epoch: int) -> str:
+        reasons = Counter(reason for _, reason in self.skip_log.keys)
+        why = (", ".join(f"{n} {r}" for r, n in reasons.most_common(5)) if reasons
+               else "every shard was empty")
+        return (f"epoch {epoch} of the {self.order.num_shards} shards yielded no usable sample "
+                f"(skipped: {why}); check them with `mmdispatch inspect` and the counting options "
+                "(suffixes, --errors): serving would only loop over empty epochs")
 
     def _assign(self) -> None:
         todo = self.assembler.unassigned()

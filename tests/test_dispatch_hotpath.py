@@ -20,7 +20,7 @@ from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig
 from dispatcher_server.journal import JournalError
 from dispatcher_server.readerpool import Assignment, Reader
 from dispatcher_server.planner import PlannerConfig
-from dispatcher_server.server import Dispatcher
+from dispatcher_server.server import Dispatcher, Fatal
 
 
 def _corpus(rng: random.Random, num_shards: int, epochs: int) -> dict[int, list[dict]]:
@@ -85,6 +85,15 @@ def test_block_paths_plan_the_per_sample_steps(seed):
         batch=BatchConfig(global_batch=global_batch, token_budget=budget),
         planner=PlannerConfig(num_microbatches=1), mode=mode, max_epochs=epochs,
         flow=FlowConfig(max_buffered_samples=10_000, num_inflight_shards=rng.randint(1, 3)))
+    if not any(not s["bad"] for samples in corpus.values() for s in samples):
+        # Every epoch would yield nothing: the dispatcher ends the job instead of looping.
+        d = Dispatcher(config)
+        try:
+            with pytest.raises(Fatal, match="yielded no usable sample"):
+                _feed_everything(d, corpus)
+        finally:
+            d._close()
+        return
     d = Dispatcher(config)
     try:
         reader = Reader(ident=b"r", name="r", last_seen=0.0)
@@ -150,6 +159,25 @@ def test_block_paths_plan_the_per_sample_steps(seed):
         assert d.assembler.samples_seen == len(arrived)
     finally:
         d._close()
+
+
+def _feed_everything(d: Dispatcher, corpus: dict[int, list[dict]]) -> None:
+    """Every open shard delivered whole and done, pumping in between, until the job ends."""
+    reader = Reader(ident=b"r", name="r", last_seen=0.0)
+    d.readers[reader.ident] = reader
+    for _ in range(1_000):
+        d._pump()
+        if d.finished():
+            return
+        for pos in [p for p, pr in d.progress.items() if not pr.reader_done]:
+            a = Assignment(id=d.pool.next_id, pos=pos, reader=reader.ident, credits=1_000)
+            d.pool.next_id += 1
+            d.pool.assignments[a.id], d.progress[pos].assignment = a, a.id
+            reader.assignments.append(a)
+            if corpus[pos]:
+                d._on_samples(reader, _message(d, a.id, [dict(s) for s in corpus[pos]], True))
+            d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id,
+                                                       count=a.received, skipped=[])))
 
 
 def test_retained_step_messages_count_against_the_byte_bound():

@@ -75,7 +75,7 @@ def _config(tmp_path=None, **kw) -> ServerConfig:
     planner = kw.pop("planner", PlannerConfig(num_microbatches=1))
     return ServerConfig(
         shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=kw.pop("gb", 4)),
-        planner=planner, max_epochs=1, journal_fsync=False,
+        planner=planner, max_epochs=kw.pop("max_epochs", 1), journal_fsync=False,
         journal_dir=None if tmp_path is None else str(tmp_path),
         flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8),
         liveness=LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=10), **kw)
@@ -330,3 +330,49 @@ def test_the_dataset_fingerprint_names_what_a_resume_depends_on():
                          planner=base.planner)
     assert other.dataset_fingerprint()["shards"] != fp["shards"]
     assert len(msgpack.packb(fp)) < 200  # small on the wire whatever the shard count
+
+
+# -- an epoch with no usable sample ends the job instead of looping ----------------------------
+def _empty_run(d: Dispatcher, epochs: int) -> None:
+    """Readers report every shard of `epochs` epochs done with one bad sample each."""
+    reader = d.pool.join(b"r", "r", 0.0)
+    d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=4)), 0.0)
+    for _ in range(4 * epochs):
+        d._pump()
+        for a in list(reader.assignments):
+            d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id, count=1,
+                                                       skipped=[["bad", "bad_image", 0]])))
+
+
+def test_an_epoch_without_a_usable_sample_ends_the_job_naming_why():
+    d = Dispatcher(_config(max_epochs=None))  # unbounded epochs: it must not loop
+    try:
+        with pytest.raises(Fatal, match=r"epoch 0 of the 1 shards yielded no usable sample "
+                                        r"\(skipped: \d+ bad_image\)"):
+            _empty_run(d, epochs=3)
+        assert d.next_plan == 0
+    finally:
+        d._close()
+
+
+def test_an_epoch_resumed_midway_is_not_called_empty():
+    """A restart inside an epoch saw only its tail: that tail yielding nothing proves nothing."""
+    from dispatcher_server.ordering import Cursor
+
+    d = Dispatcher(ServerConfig(
+        shards=["/data/s0.tar", "/data/s1.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+        planner=PlannerConfig(num_microbatches=1), max_epochs=None, journal_fsync=False))
+    try:
+        d.assembler.reset(Cursor(base=1))  # position 0 (epoch 0) consumed before the restart
+        d.assembler.open_window()
+        reader = d.pool.join(b"r", "r", 0.0)
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        assert a.pos == 1
+        d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id, count=0,
+                                                   skipped=[])))
+        d._pump()  # epoch 0 ends here, having yielded nothing in this run: not a verdict
+        assert d.assembler.empty_epoch is None and d.fatal is None
+    finally:
+        d._close()
