@@ -31,6 +31,7 @@ import urllib.request
 
 import numpy as np
 
+from bench.soak import _free_port
 from bench.stream import _cpu_s, _start_serve
 
 SAMPLES_PER_RANK = 8
@@ -190,10 +191,7 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         open(path, "wb").close()  # never read: references only name it
         shards.append(path)
     buffered = 6 * G
-    port_probe = __import__("socket").socket()
-    port_probe.bind(("127.0.0.1", 0))
-    metrics_port = port_probe.getsockname()[1]
-    port_probe.close()
+    metrics_port = _free_port()
     proc, ready = _start_serve([
         "--shards", *shards, "--payloads", "reference", "--world-size", str(world),
         "--ranks-per-node", str(RANKS_PER_NODE), "--global-batch", str(G),

@@ -126,12 +126,8 @@ class StepAssembler:
         """
         prog = self.progress[pos]
         out = Received()
-        skip_at = set()
-        for s in skipped:
-            if 0 <= s.index < prog.next_index:
-                continue  # heard of already
-            skip_at.add(s.index)
-            out.skipped.append(s)
+        out.skipped = self.unheard(pos, skipped)
+        skip_at = {s.index for s in out.skipped}
         next_index = prog.next_index
         append, at, nbytes = prog.buffer.append, 0, 0
         for key, index, text_len, llm_len, text, items in headers:
@@ -169,6 +165,12 @@ class StepAssembler:
             else:
                 runs.append([pos, out.kept])
         return out
+
+    def unheard(self, pos: int, skipped: list[SkipRecord]) -> list[SkipRecord]:
+        """The skips of shard `pos` not accounted for yet: shard-level ones (index -1) and those
+        at or past its resume point (a re-read reports again what the dispatcher has heard)."""
+        start = self.progress[pos].next_index
+        return [s for s in skipped if s.index < 0 or s.index >= start]
 
     def reader_done(self, pos: int) -> None:
         self.progress[pos].reader_done = True

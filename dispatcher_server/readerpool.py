@@ -103,7 +103,3 @@ class ReaderPool:
 
     def by_position(self) -> list[Assignment]:
         return sorted(self.assignments.values(), key=lambda a: a.pos)
-
-    def outstanding(self) -> int:
-        """Credits granted and not yet used."""
-        return sum(a.credits for a in self.assignments.values())

@@ -548,7 +548,7 @@ class Dispatcher:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
-        self._skip(prog.url, [s for s in msg["skipped"] if s.index < 0 or s.index >= prog.next_index])
+        self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
 
