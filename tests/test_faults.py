@@ -50,14 +50,19 @@ def test_reader_sigkill_mid_shard(corpus, keys, reference, tmp_path):
     with Stack(corpus, str(tmp_path), num_readers=2, metrics=True) as st:
         trainers = K.Trainers(st.ready["trainers"], WORLD)
         try:
-            # Kill readers while samples stream until one died inside a shard (usually the first).
+            # Kill every reader at once while samples stream, and start as many replacements. The
+            # shard the window's edge lies in was partly received, so one of the dead readers died
+            # inside it (killing a single reader can hit one whose shard sat wholly past the window).
             for attempt in range(3):
                 K.wait_for(lambda: trainers.progress() >= 40 + 60 * attempt, 30, "streaming")
-                victim = st.names[attempt]
-                K.kill(st.procs[attempt])
-                st.add_reader(f"replacement{attempt}")
-                K.wait_for(lambda: f"name={victim}/0 why=timeout" in st.log_text(), 10,
-                           "the dead reader's heartbeat timeout")
+                victims = [(n, p) for n, p in zip(st.names, st.procs) if p.poll() is None]
+                for _, proc in victims:
+                    K.kill(proc)
+                for i in range(len(victims)):
+                    st.add_reader(f"replacement{attempt}-{i}")
+                for name, _ in victims:
+                    K.wait_for(lambda: f"name={name}/0 why=timeout" in st.log_text(), 10,
+                               "the dead readers' heartbeat timeouts")
                 try:
                     K.wait_for(lambda: _resumed_mid_shard(st.log_text()), 3)
                     break
