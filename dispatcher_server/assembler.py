@@ -85,9 +85,13 @@ class SourceStream:
         self.cursor = cursor  # live: what has left the shard buffers
         self.start = cursor.copy()  # where the current block began
         self.block: list[Sample] = []
-        self.block_bytes = 0
         self.perm: list[int] | None = None  # set once the block is complete
         self.emitted = 0
+        # The next block fills while the current one is emitted (readers never wait for a
+        # block to drain); it starts where the current block was complete.
+        self.next_block: list[Sample] = []
+        self.next_start: Cursor | None = None
+        self.block_bytes = 0  # of both blocks' samples not emitted yet
         self._skip = emitted  # of the first block after a reset: emitted before the restart
         self.arrival: deque[list[int]] = deque()  # [global pos, count] runs, in arrival order
         # Epochs read whole from here on, and the samples each yielded: one that yields none
@@ -151,20 +155,22 @@ class SourceStream:
     # -- state -------------------------------------------------------------------------
     @property
     def pending(self) -> int:
-        """Samples pulled into the block and not emitted yet."""
-        return len(self.block) - (self.emitted if self.perm is not None else 0)
+        """Samples pulled into the blocks and not emitted yet."""
+        return len(self.block) - self.emitted + len(self.next_block)
 
     @property
     def exhausted(self) -> bool:
-        """Every position of the last epoch is consumed and the block is emitted."""
+        """Every position of the last epoch is consumed and the blocks are emitted."""
         end = self.order.end
-        return end is not None and self.cursor.base >= end and not self.block
+        return (end is not None and self.cursor.base >= end and not self.block
+                and not self.next_block)
 
     def drained(self, epoch: int) -> bool:
         """Nothing of `epoch` is left: its positions are consumed and no block holds any."""
-        if self.cursor.base < self.order.epoch_end(epoch * self.order.num_shards):
+        if not self.drained_positions(epoch):
             return False
-        return not self.block or self.epoch_of_sample(self.block[0]) != epoch
+        return all(not b or self.epoch_of_sample(b[0]) != epoch
+                   for b in (self.block, self.next_block))
 
     # -- taking samples ----------------------------------------------------------------
     def take(self, progress: dict[int, ShardProgress], limit: int, *, epoch: int | None,
@@ -194,36 +200,52 @@ class SourceStream:
             k += 1
         self.emitted = k
         self.block_bytes -= sum(s.nbytes for s in out)
-        if k == len(block):  # the next block starts where the pulls got to
-            self.block, self.perm, self.emitted, self.block_bytes = [], None, 0, 0
-            self.start = self.cursor.copy()
+        if k == len(block):
+            self._next()
+        else:
+            self._prefill(progress)
         return out, cut
+
+    def _next(self) -> None:
+        """The current block is emitted: the next one (perhaps partly filled) takes its place."""
+        self.block, self.next_block = self.next_block, []
+        self.start = self.next_start if self.next_start is not None else self.cursor.copy()
+        self.perm, self.next_start, self.emitted = None, None, 0
+
+    def _pull(self, progress: dict[int, ShardProgress], into: list[Sample]) -> None:
+        """Move samples in order into a block, up to its size, never across an epoch."""
+        epoch = (self.epoch_of_sample(into[0]) if into
+                 else self.order.epoch_of(self.cursor.base))
+        while len(into) < self.block_size:
+            got, _ = self._take_in_order(progress, self.block_size - len(into), epoch, 0, None, True)
+            if not got:
+                break
+            into.extend(got)
+            self.block_bytes += sum(s.nbytes for s in got)
+            self.finish_drained(progress)
+
+    def _prefill(self, progress: dict[int, ShardProgress]) -> None:
+        if self.next_start is not None:
+            self._pull(progress, self.next_block)
 
     def _fill_block(self, progress: dict[int, ShardProgress]) -> bool:
         """Pull in order until the block is complete; False while it waits for samples."""
         block = self.block
-        epoch = (self.epoch_of_sample(block[0]) if block
-                 else self.order.epoch_of(self.cursor.base))
-        while len(block) < self.block_size:
-            got, _ = self._take_in_order(progress, self.block_size - len(block), epoch, 0, None, True)
-            if not got:
-                break
-            block.extend(got)
-            self.block_bytes += sum(s.nbytes for s in got)
-            self.finish_drained(progress)
+        self._pull(progress, block)
         if not block:
             return False
-        if len(block) < self.block_size and not self.drained_positions(epoch):
+        if (len(block) < self.block_size
+                and not self.drained_positions(self.epoch_of_sample(block[0]))):
             return False
         first = block[0]
         self.perm = block_permutation(self.seed, self.name, first.pos, first.index, len(block))
+        self.next_start = self.cursor.copy()
         self.emitted, self._skip = self._skip, 0
         # Samples emitted before a restart left the dispatcher's memory but not its order.
         self.block_bytes -= sum(block[i].nbytes for i in self.perm[:self.emitted])
-        if self.emitted >= len(block):
-            self.block, self.perm, self.emitted, self.block_bytes = [], None, 0, 0
-            self.start = self.cursor.copy()
-            return False
+        if self.emitted >= len(block):  # all of it was emitted before the restart
+            self._next()
+            return self._fill_block(progress)
         return True
 
     def drained_positions(self, epoch: int) -> bool:
