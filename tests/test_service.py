@@ -40,7 +40,8 @@ def all_keys(shards: list[str]) -> list[str]:
 def make_config(shards, *, world_size=3, global_batch=8, num_microbatches=2, **kw) -> ServerConfig:
     flow = kw.pop("flow", FlowConfig(max_buffered_samples=256, num_inflight_shards=3, credit_batch=8))
     return ServerConfig(
-        shuffle_buffer=0, shards=list(shards), world_size=world_size, batch=BatchConfig(global_batch=global_batch),
+        shuffle_buffer=kw.pop("shuffle_buffer", 0), shards=list(shards), world_size=world_size,
+        batch=BatchConfig(global_batch=global_batch),
         planner=PlannerConfig(num_microbatches=num_microbatches), flow=flow,
         liveness=kw.pop("liveness", LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=20)),
         journal_fsync=False, **kw)
