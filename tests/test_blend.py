@@ -199,3 +199,14 @@ def test_a_shuffle_buffer_that_does_not_fit_the_sample_bound_is_refused_naming_b
     with pytest.raises(ValueError, match="max_buffered_samples=4096 is too small.*--shuffle-buffer"):
         ServerConfig(shards=["/d/a.tar"], world_size=1, batch=BatchConfig(global_batch=256),
                      planner=PlannerConfig(num_microbatches=1), shuffle_buffer=3000)
+
+
+def test_bench_mixture_measures_the_served_sequence_against_the_weights():
+    from bench.mixture import max_abs_err, realized_sources
+
+    # The measure itself: a sequence that alternates in blocks of 50 is 0.5 off in a window of 50.
+    assert max_abs_err([0] * 50 + [1] * 50, [0.5, 0.5], 50) == pytest.approx(0.5)
+    assert max_abs_err([0, 1] * 50, [0.5, 0.5], 10) == pytest.approx(0.0)
+    seq, weights = realized_sources(20_000, shuffle=200, global_batch=64)
+    assert len(seq) == 20_000 and set(seq) == {0, 1, 2}
+    assert max_abs_err(seq, weights, 2_000) < 0.005
