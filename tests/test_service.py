@@ -331,7 +331,7 @@ def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
     toml.write_text('[serve]\nworld_size = 2\nbogus = 1\n')
     with pytest.raises(ValueError, match="bogus"):
         serve.resolve(parser.parse_args(["--config", str(toml)]))
-    with pytest.raises(ValueError, match="--shards is required"):
+    with pytest.raises(ValueError, match="--shards or --dataset is required"):
         serve.resolve(parser.parse_args(["--world-size", "2", "--global-batch", "4"]))
 
 
