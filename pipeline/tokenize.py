@@ -18,6 +18,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from dispatcher_server.protocol import TOKEN_BYTES
+
 #: Ids of the byte-level tokenizer: one per byte value.
 BYTE_VOCAB_SIZE = 256
 
@@ -97,8 +99,8 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 class TextTokens:
     """A sample's text as ids plus its loss mask (1: a training target, 0: context only).
 
-    On the wire: the ids as little-endian int32, then the mask as one byte per id
-    (`WIRE_BYTES_PER_TOKEN` bytes per token).
+    On the wire (`SampleHeader.tokens`): the ids as little-endian int32, then the mask as one
+    byte per id (`protocol.TOKEN_BYTES` bytes a token).
     """
 
     ids: np.ndarray  # int32[n]
@@ -129,14 +131,12 @@ class TextTokens:
 
     @staticmethod
     def from_wire(data: bytes | memoryview) -> TextTokens:
-        n, rest = divmod(len(data), WIRE_BYTES_PER_TOKEN)
+        n, rest = divmod(len(data), TOKEN_BYTES)
         if rest:
-            raise ValueError(f"{len(data)} token bytes are not {WIRE_BYTES_PER_TOKEN} per token")
+            raise ValueError(f"{len(data)} token bytes are not {TOKEN_BYTES} per token")
         return TextTokens(np.frombuffer(data, "<i4", n).astype(np.int32),
                           np.frombuffer(data, np.uint8, n, offset=4 * n).copy())
 
-
-WIRE_BYTES_PER_TOKEN = 5
 
 
 def _raise(message: str) -> None:
@@ -293,6 +293,6 @@ def normalize_turn(turn: dict) -> tuple[str | None, object]:
 
 __all__ = [
     "ASSISTANT", "BUILTIN_TEMPLATES", "BYTE_VOCAB_SIZE", "ByteTokenizer", "CHATML", "ChatTemplate",
-    "ChatTemplateError", "HFTokenizer", "TextEncoder", "TextTokens", "Tokenizer", "WIRE_BYTES_PER_TOKEN",
+    "ChatTemplateError", "HFTokenizer", "TextEncoder", "TextTokens", "Tokenizer",
     "load_tokenizer", "normalize_turn", "resolve_chat_template",
 ]
