@@ -41,6 +41,8 @@ REASONS: dict[str, str] = {
     "bad_text": "text that is not UTF-8 (or escapes an unpaired surrogate)",
     "text_too_large": "a text member, raw or inflated, over TextConfig.max_text_bytes",
     "bad_json": "a JSON member that does not parse or has no usable text field",
+    "chat_template": "a conversation the chat template refuses, or renders so that its assistant "
+                     "tokens cannot be located exactly",
     "bad_gzip": "a .gz member that is corrupt or truncated",
 }
 

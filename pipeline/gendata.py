@@ -4,6 +4,8 @@ Samples are text-only (most), image+text, multi-image, audio+text and image+audi
 real JPEG/PNG/WAV/FLAC bytes whose sizes and durations span tiny icons to 4000x3000 photos and
 half-second blips to ten-minute recordings. Pixels and samples are smooth or silent so files
 stay small while headers are real. Same seed, same bytes (fixed tar metadata, per-sample RNG).
+Beside the shards, a small byte-level BPE tokenizer trained on their texts (tokenizer.json, plus
+tokenizer_config.json with a ChatML chat template), the same for the same shards.
 """
 
 from __future__ import annotations
@@ -174,6 +176,58 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> l
     return paths
 
 
+#: The trained tokenizer's vocabulary: 256 byte ids, the chat special tokens, then merges.
+TOKENIZER_VOCAB_SIZE = 512
+#: Special tokens of the generated tokenizer: ChatML's turn markers and an end of text.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _shard_texts(paths: list[str]):
+    """The text of every text member of the shards, in shard and member order (a conversation
+    member gives each turn's text)."""
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for info in tar:
+                name = info.name.rsplit("/", 1)[-1]
+                suffix = name[name.find(".") + 1:] if "." in name else ""
+                if suffix not in ("txt", "txt.gz", "json", "json.gz"):
+                    continue
+                data = tar.extractfile(info).read()
+                if suffix.endswith(".gz"):
+                    data = gzip.decompress(data)
+                if suffix.startswith("json"):
+                    for turn in json.loads(data).get("conversations", []):
+                        yield turn["value"]
+                else:
+                    yield data.decode("utf-8")
+
+
+def write_tokenizer(out_dir: str, paths: list[str], *, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
+    """Train a byte-level BPE tokenizer on the shards' texts and write tokenizer.json and
+    tokenizer_config.json (ChatML chat template) into `out_dir`; returns tokenizer.json's path.
+
+    Deterministic: a fixed corpus order, and the `tokenizers` BPE trainer breaks ties between
+    equally frequent pairs by the pair itself, so the same shards give the same file.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipeline.tokenize import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_shard_texts(paths), trainer)
+    path = os.path.join(out_dir, "tokenizer.json")
+    tok.save(path)
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
+              "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast"}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output directory (created if missing)")
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
@@ -187,8 +241,10 @@ def run(args: argparse.Namespace) -> int:
                          f"shard and at least one sample per shard")
     paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed)
     total = sum(os.path.getsize(p) for p in paths)
+    tokenizer = write_tokenizer(args.out, paths)
     print(
-        f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) to {args.out}",
+        f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) and their "
+        f"tokenizer {tokenizer} to {args.out}",
         file=sys.stderr,
     )
     return 0

@@ -18,6 +18,7 @@ from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
+from pipeline.tokenize import TextTokens
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -62,7 +63,12 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
-    add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (unset: the fast estimator)")
+    add("--tokenizer", default=None,
+        help="HF tokenizers JSON file (a model's tokenizer.json) that turns text into the ids "
+             "trainers receive (unset: byte-level ids, the 256 UTF-8 byte values)")
+    add("--chat-template", default=None,
+        help="chat template for conversations: a built-in name (chatml), a .jinja file or a "
+             "tokenizer_config.json (unset: the tokenizer_config.json beside --tokenizer, else chatml)")
     add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
     add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
         help="skip samples with a member larger than this (read through, never held)")
@@ -77,7 +83,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
     """The `ReaderConfig` described by options added with `add_reader_arguments`."""
-    text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes}
+    text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes,
+                         "chat_template": getattr(args, "chat_template", None),
+                         "estimate": getattr(args, "estimate_text", False)}
     if args.json_field:
         text_kwargs["json_fields"] = tuple(args.json_field)
     counting = CountingConfig(
@@ -252,17 +260,15 @@ class SampleBuilder:
                 items.append(Item(modality=modality, member=suffix, enc_len=enc, llm_len=llm, meta=meta))
                 items_llm += llm
         text_len = 0
-        text = ""
+        tokens = TextTokens.empty()
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
-            parts = []
-            for suffix, data, ext in texts:
-                t, n = self.counter.text(data, ext, f"member {suffix!r}")
-                if n:
-                    parts.append(t)
-                    text_len += n
-            text = "\n".join(parts)
+            if self.counter.encoder is None:  # inspect's estimate: a count, no ids
+                text_len = sum(self.counter.estimate_text(d, ext, f"member {sfx!r}") for sfx, d, ext in texts)
+            else:
+                tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}") for sfx, d, ext in texts])
+                text_len = len(tokens)
         if not items and not text_len:
             raise CountError("empty_sample", f"no countable text, image or audio among members {sorted(members)}")
         return SampleRecord(
@@ -272,7 +278,7 @@ class SampleBuilder:
             items=items,
             text_len=text_len,
             llm_len=text_len + items_llm,
-            text=text,
+            tokens=tokens,
             members=members if self.config.keep_members else {},
         )
 

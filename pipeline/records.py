@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.tokenize import TextTokens
+
 #: Modality of an item -> the encoder phase that processes it.
 MODALITY_PHASE: dict[str, str] = {"image": "vision", "audio": "audio"}
 
@@ -41,7 +43,9 @@ class SampleRecord:
     items: list[Item]
     text_len: int
     llm_len: int
-    text: str = ""  # the text the text tokens were counted from
+    # the text's token ids and loss mask (len == text_len); empty when text_len was only
+    # estimated (`inspect --estimate-text`)
+    tokens: TextTokens = field(default_factory=TextTokens.empty)
     members: dict[str, bytes | memoryview] = field(default_factory=dict)  # suffix -> raw bytes
     # suffix -> (offset, size) of each item's bytes in the shard file; filled on request
     # (`iter_shard(spans=True)`) for payloads sent by reference.

@@ -77,13 +77,18 @@ class _Assignment:
         return out
 
 
+#: Text token bytes after which a SAMPLES message is sent without waiting for more samples:
+#: half the protocol's header limit, which one sample within TextConfig.max_text_bytes fits.
+_MAX_TOKEN_BYTES = P.DEFAULT_LIMITS.max_header_bytes // 2
+
+
 def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[list, list]:
     """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers,
     or with `ref_path` (reference payload mode) references to their bytes in that file."""
     items = [[it.modality, it.member, int(it.enc_len), int(it.llm_len), dict(it.meta)]
              for it in rec.items]
     header = [rec.key, int(rec.index), int(rec.text_len), int(rec.llm_len),
-              rec.text.encode("utf-8"), items]
+              rec.tokens.to_wire(), items]
     if ref_path is not None:
         return header, [P.pack_ref(ref_path, *rec.spans[it.member]) for it in rec.items]
     return header, [rec.members[it.member] for it in rec.items]
@@ -181,13 +186,15 @@ class ReaderWorker:
         finish the shard when exhausted."""
         headers, frames = [], []
         done = False
-        while len(headers) < min(a.credits, self.config.batch):
+        token_bytes = 0  # text tokens travel in the header: keep it well under its size limit
+        while len(headers) < min(a.credits, self.config.batch) and token_bytes < _MAX_TOKEN_BYTES:
             try:
                 rec = next(a.records)
             except StopIteration:
                 done = True
                 break
             h, f = sample_header(rec, a.ref_path)
+            token_bytes += len(h[4])
             headers.append(h)
             frames.extend(f)
         if headers:

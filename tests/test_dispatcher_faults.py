@@ -26,7 +26,8 @@ from dispatcher_server.server import Dispatcher, Fatal
 
 
 def _header(key: str, index: int, llm: int = 9) -> P.SampleHeader:
-    return P.SampleHeader(key, index, llm - 4, llm, b"t", [P.ItemHeader("image", "jpg", 16, 4, {})])
+    return P.SampleHeader(key, index, llm - 4, llm, bytes(P.TOKEN_BYTES * (llm - 4)),
+                          [P.ItemHeader("image", "jpg", 16, 4, {})])
 
 
 def _assembler() -> StepAssembler:
