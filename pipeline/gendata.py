@@ -1,8 +1,9 @@
 """Write reproducible synthetic multimodal WebDataset shards with a realistic long-tailed mix.
 
 Samples are text-only (most), image+text, multi-image, audio+text and image+audio+text, with
-real JPEG/PNG/WAV/FLAC bytes (and, on request, small H.264 MP4 clips) whose sizes and durations span tiny icons to 4000x3000 photos and
-half-second blips to ten-minute recordings. Pixels and samples are smooth or silent so files
+real JPEG/PNG/WAV/FLAC bytes whose sizes and durations span tiny icons to 4000x3000 photos and
+half-second blips to ten-minute recordings; on request (`--video-share`) some also get a small
+H.264 MP4 clip. Pixels and samples are smooth or silent so files
 stay small while headers are real. Same seed, same bytes (fixed tar metadata, per-sample RNG).
 """
 

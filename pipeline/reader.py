@@ -279,7 +279,8 @@ class SampleBuilder:
                     text_len += n
             text = "\n".join(parts)
         if not items and not text_len:
-            raise CountError("empty_sample", f"no countable text, image, video or audio among members {sorted(members)}")
+            raise CountError("empty_sample",
+                             f"no countable text, image, video or audio among members {sorted(members)}")
         return SampleRecord(
             key=key,
             shard=shard,
