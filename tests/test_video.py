@@ -232,3 +232,41 @@ def test_video_items_travel_in_the_vision_phase_to_the_trainer(tmp_path):
         per_rank = consume(srv.trainer_endpoint, 2, record=record)
     got = sorted(v for steps in per_rank.values() for step in steps for v in step)
     assert got == sorted((k, m, n) for k, items in expected.items() for m, n in items)
+
+
+def test_mutated_containers_count_or_raise_count_error():
+    """Flipped, overwritten and cut bytes never crash the header parsers: a count or a CountError."""
+    base = {fmt: video_clip(64, 48, 10, 12, seed=1, fmt=fmt) for fmt in ("mp4", "mkv")}
+    rng = np.random.default_rng(0)
+    outcomes = {"counted": 0, "refused": 0}
+    for i in range(400):
+        data = bytearray(base["mkv" if i % 5 == 0 else "mp4"])
+        for _ in range(int(rng.integers(1, 4))):
+            if len(data) < 8:
+                break
+            op = int(rng.integers(3))
+            if op == 0:
+                data[int(rng.integers(len(data)))] = int(rng.integers(256))
+            elif op == 1:
+                data = data[: int(rng.integers(1, len(data)))]
+            else:
+                j = int(rng.integers(len(data) - 4))
+                data[j : j + 4] = rng.integers(0, 256, 4, dtype=np.uint8).tobytes()
+        try:
+            enc, llm, _ = count_video(bytes(data), VideoConfig())
+        except CountError as e:
+            assert e.reason in ("bad_video", "video_unsupported")
+            outcomes["refused"] += 1
+        else:
+            assert enc > 0 and llm * 4 == enc
+            outcomes["counted"] += 1
+    assert outcomes["counted"] and outcomes["refused"]
+
+
+def test_gen_data_cli_video_share(tmp_path, capsys):
+    out = tmp_path / "g"
+    assert main(["gen-data", str(out), "--samples", "4", "--shards", "1", "--video-share", "1"]) == 0
+    recs = list(iter_samples([str(out / "shard-000000.tar")]))
+    assert [sum(it.modality == "video" for it in r.items) for r in recs] == [1, 1, 1, 1]
+    assert main(["gen-data", str(tmp_path / "h"), "--video-share", "2"]) != 0
+    assert "video_share=2" in capsys.readouterr().err
