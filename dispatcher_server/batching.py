@@ -18,7 +18,7 @@ from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepIn
 from dispatcher_server.protocol import STEP, StepItemHeader, encode
 from dispatcher_server.stepwire import pack_step
 
-_PHASE_OF = {"image": "vision", "audio": "audio"}
+_PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import soundfile
 from PIL import Image
@@ -23,6 +24,9 @@ from pipeline.headers import (
     HeaderError, flac_header, gif_problem, jpeg_problem, jpeg_size, png_problem, png_size, wav_header,
 )
 from pipeline.tokenize import BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, normalize_turn
+
+if TYPE_CHECKING:
+    from pipeline.video import VideoConfig
 
 
 #: Framing checks by image format (WEBP needs none: Pillow's open already refuses a cut file).
@@ -149,6 +153,12 @@ class TextConfig:
                              f"file or a tokenizer_config.json")
 
 
+def _video_config() -> VideoConfig:
+    from pipeline.video import VideoConfig  # pipeline.video builds on this module's resize rule
+
+    return VideoConfig()
+
+
 @dataclass(kw_only=True, slots=True)
 class CountingConfig:
     """All counting rules; every default mirrors a real model (see each section)."""
@@ -156,6 +166,7 @@ class CountingConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    video: VideoConfig = field(default_factory=_video_config)
 
 
 def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:

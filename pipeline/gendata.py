@@ -2,7 +2,8 @@
 
 Samples are text-only (most), image+text, multi-image, audio+text and image+audio+text, with
 real JPEG/PNG/WAV/FLAC bytes whose sizes and durations span tiny icons to 4000x3000 photos and
-half-second blips to ten-minute recordings. Pixels and samples are smooth or silent so files
+half-second blips to ten-minute recordings; on request (`--video-share`) some also get a small
+H.264 MP4 clip. Pixels and samples are smooth or silent so files
 stay small while headers are real. Same seed, same bytes (fixed tar metadata, per-sample RNG).
 Beside the shards, a small byte-level BPE tokenizer trained on their texts (tokenizer.json, plus
 tokenizer_config.json with a ChatML chat template), the same for the same shards.
@@ -124,8 +125,63 @@ def _audio(rng: np.random.Generator) -> tuple[str, bytes]:
     return "wav", out.getvalue()
 
 
-def make_sample(seed: int, index: int) -> dict[str, bytes]:
-    """The members of sample `index` (suffix -> bytes); depends only on (seed, index)."""
+#: Container name -> (FFmpeg muxer, encoder) of the clips `video_clip` writes.
+_CLIP_FORMATS = {"mp4": ("mp4", "libx264"), "mov": ("mov", "libx264"),
+                 "mkv": ("matroska", "libx264"), "webm": ("webm", "libvpx")}
+
+
+def video_clip(width: int, height: int, fps: int, num_frames: int, *, seed: int = 0, fmt: str = "mp4") -> bytes:
+    """A real `fmt` clip (mp4, mov, mkv: H.264; webm: VP8) of `num_frames` frames at `fps`.
+
+    A colour gradient drifting across the frame: tiny files, real codec headers and frames.
+    Encoded single-threaded with fixed settings (x264 keeps its B-frames), so the same
+    arguments give the same bytes.
+    Needs PyAV (the `[video]` extra). Sides must be even (4:2:0 chroma).
+    """
+    import av  # optional dependency: only clips need it
+
+    if fmt not in _CLIP_FORMATS:
+        raise ValueError(f"clip format {fmt!r} must be one of {', '.join(_CLIP_FORMATS)}")
+    if width % 2 or height % 2 or num_frames < 1 or fps < 1:
+        raise ValueError(f"clip {width}x{height}, {num_frames} frames at {fps} fps: need even sides, "
+                         f">= 1 frame and fps >= 1")
+    muxer, codec = _CLIP_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=3).astype(np.float32)
+    ramp = np.add.outer(np.arange(height), np.arange(width)).astype(np.float32)[..., None]
+    out = io.BytesIO()
+    # bitexact: no random segment ids or dates in Matroska, no encoder version strings.
+    with av.open(out, "w", format=muxer, container_options={"fflags": "+bitexact"}) as container:
+        # One thread, and x264 without macroblock-tree rate control and lookahead: with them
+        # libx264 gave different bytes for the same frames in about one clip size in ten.
+        options = {"threads": "1"} if codec != "libx264" else {
+            "threads": "1", "x264-params": "no-mbtree=1:rc-lookahead=0"}
+        stream = container.add_stream(codec, rate=fps, options=options)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        for i in range(num_frames):
+            pixels = (base + ramp * 2 + 8 * i) % 256
+            frame = av.VideoFrame.from_ndarray(pixels.astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def _video(rng: np.random.Generator) -> tuple[str, bytes]:
+    """A 1-3 s MP4 clip, 64x48 to 160x120, at 4-12 fps."""
+    width = 2 * int(rng.integers(32, 81))
+    height = 2 * round(width * 3 / 8)
+    fps = int(rng.integers(4, 13))
+    frames = int(round(float(rng.uniform(1.0, 3.0)) * fps))
+    return "mp4", video_clip(width, height, fps, frames, seed=int(rng.integers(1 << 31)))
+
+
+def make_sample(seed: int, index: int, *, video_share: float = 0.0) -> dict[str, bytes]:
+    """The members of sample `index` (suffix -> bytes); depends only on (seed, index, video_share).
+
+    A `video_share` of the samples also get an MP4 clip; drawn last, so the other members of
+    every sample are the same whatever the share.
+    """
     rng = np.random.default_rng([seed, index])
     kind = list(MIX)[int(rng.choice(len(MIX), p=np.array(list(MIX.values()))))]
     members: dict[str, bytes] = {}
@@ -146,6 +202,9 @@ def make_sample(seed: int, index: int) -> dict[str, bytes]:
         members[ext] = data
     if rng.random() < 0.3:
         members["cls"] = str(int(rng.integers(0, 1000))).encode()  # payload nobody counts
+    if video_share and rng.random() < video_share:
+        ext, data = _video(rng)
+        members[ext] = data
     return members
 
 
@@ -159,10 +218,18 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> list[str]:
-    """Write `num_shards` shards `shard-000000.tar`... holding `num_samples` samples in total."""
+def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, video_share: float = 0.0) -> list[str]:
+    """Write `num_shards` shards `shard-000000.tar`... holding `num_samples` samples in total;
+    `video_share` of them (default none) with an MP4 clip (needs PyAV, the `[video]` extra)."""
     if num_shards < 1 or num_samples < num_shards:
         raise ValueError(f"need 1 <= num_shards={num_shards} <= num_samples={num_samples}")
+    if not 0.0 <= video_share <= 1.0:
+        raise ValueError(f"video_share={video_share} must be in [0, 1]")
+    if video_share:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError("--video-share needs PyAV to encode clips: pip install 'mmdispatch[video]'") from None
     os.makedirs(out_dir, exist_ok=True)
     bounds = np.linspace(0, num_samples, num_shards + 1).round().astype(int)
     paths = []
@@ -170,7 +237,7 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> l
         path = os.path.join(out_dir, f"shard-{shard:06d}.tar")
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
             for index in range(bounds[shard], bounds[shard + 1]):
-                for suffix, data in make_sample(seed, index).items():
+                for suffix, data in make_sample(seed, index, video_share=video_share).items():
                     _add(tar, f"{index:08d}.{suffix}", data)
         paths.append(path)
     return paths
@@ -233,13 +300,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
     parser.add_argument("--shards", type=int, default=8, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")
+    parser.add_argument("--video-share", type=float, default=0.0,
+                        help="share of samples that also get a 1-3 s MP4 clip (needs the [video] extra)")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.shards <= args.samples:
         raise ValueError(f"--shards {args.shards} and --samples {args.samples}: need at least one "
                          f"shard and at least one sample per shard")
-    paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed)
+    paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed,
+                     video_share=args.video_share)
     total = sum(os.path.getsize(p) for p in paths)
     tokenizer = write_tokenizer(args.out, paths)
     print(

@@ -81,7 +81,7 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
     """Read every shard and return the statistics report as a JSON-ready dict."""
     stats = ErrorStats()
     bad_shards: list[dict] = []
-    lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "audio")}
+    lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "video", "audio")}
     durations: list[float] = []
     text_lens: list[int] = []
     sample_lens: list[int] = []
@@ -156,7 +156,7 @@ def render(report: dict, console: Console) -> None:
         if s.get("count"):
             table.add_row(name, what, str(s["count"]), *(f"{s[k]:.0f}" for k in ("p50", "p90", "p99", "max")))
 
-    for m in ("image", "audio"):
+    for m in ("image", "video", "audio"):
         row(m, "encoder", report["modalities"][m]["enc_len"])
         row(m, "llm", report["modalities"][m]["llm_len"])
     text = report["modalities"]["text"]

@@ -19,6 +19,7 @@ from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
 from pipeline.tokenize import TextTokens
+from pipeline.video import VideoConfig, count_video
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -53,6 +54,7 @@ class ReaderConfig:
 def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     """Command-line options for counting rules and error policy (shared by inspect and read)."""
     image, audio, text, errors = ImageConfig(), AudioConfig(), TextConfig(), ErrorPolicy()
+    video = VideoConfig()
     group = parser.add_argument_group("counting and errors")
     add = group.add_argument
     add("--min-pixels", type=int, default=image.min_pixels, help="image resize lower pixel budget")
@@ -60,6 +62,8 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
     add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
     add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
+    add("--video-fps", type=float, default=video.fps, help="video frames sampled per second")
+    add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
     add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
@@ -98,6 +102,8 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
             pad_window_s=args.audio_pad_window,
         ),
         text=TextConfig(**text_kwargs),
+        video=VideoConfig(fps=args.video_fps, max_pixels=args.video_max_pixels, patch_size=args.patch_size,
+                          merge_size=args.merge_size, min_pixels=min(VideoConfig().min_pixels, args.video_max_pixels)),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(
@@ -204,6 +210,7 @@ class SampleBuilder:
         self._kinds: dict[str, str] = {}
         for exts, kind in (
             (c.image.extensions, "image"),
+            (c.video.extensions, "video"),
             (c.audio.extensions, "audio"),
             (c.text.extensions, "text"),
             (c.text.json_extensions, "text"),
@@ -230,10 +237,14 @@ class SampleBuilder:
             self._suffixes[suffix] = got
         return got
 
+    def _video(self, data: bytes | memoryview) -> tuple[int, int, dict]:
+        return count_video(data, self.config.counting.video)
+
     def build(self, key: str, members: dict[str, bytes], shard: str, index: int) -> SampleRecord:
         """Count a sample; raises `CountError` when a member cannot be counted."""
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
+        videos: list[tuple[str, bytes]] = []
         texts: list[tuple[str, bytes, str]] = []
         max_text = self.config.counting.text.max_text_bytes
         for suffix, data in members.items():
@@ -242,14 +253,18 @@ class SampleBuilder:
                 data, kind = gunzip(data, max_text), "text"
             if kind == "image":
                 images.append((suffix, data))
+            elif kind == "video":
+                videos.append((suffix, data))
             elif kind == "audio":
                 audios.append((suffix, data))
             elif kind == "text":
                 texts.append((suffix, data, ext))
         items: list[Item] = []
         items_llm = 0
-        # LLM sequence convention: images, then audio clips, each in natural name order.
-        for modality, group, count in (("image", images, self.counter.image), ("audio", audios, self.counter.audio)):
+        # LLM sequence convention: images, then videos, then audio clips, each in natural name
+        # order, then text. Videos run in the vision phase beside images (as in Qwen2-VL).
+        for modality, group, count in (("image", images, self.counter.image), ("video", videos, self._video),
+                                       ("audio", audios, self.counter.audio)):
             if len(group) > 1:
                 group.sort(key=lambda m: _natural(m[0]))
             for suffix, data in group:
@@ -270,7 +285,8 @@ class SampleBuilder:
                 tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}") for sfx, d, ext in texts])
                 text_len = len(tokens)
         if not items and not text_len:
-            raise CountError("empty_sample", f"no countable text, image or audio among members {sorted(members)}")
+            raise CountError("empty_sample",
+                             f"no countable text, image, video or audio among members {sorted(members)}")
         return SampleRecord(
             key=key,
             shard=shard,

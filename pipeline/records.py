@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from pipeline.tokenize import TextTokens
 
 #: Modality of an item -> the encoder phase that processes it.
-MODALITY_PHASE: dict[str, str] = {"image": "vision", "audio": "audio"}
+MODALITY_PHASE: dict[str, str] = {"image": "vision", "video": "vision", "audio": "audio"}
 
 
 @dataclass(slots=True, kw_only=True)
 class Item:
-    """One image or audio clip of a sample, with its token counts."""
+    """One image, video or audio clip of a sample, with its token counts."""
 
-    modality: str  # "image" | "audio"
+    modality: str  # "image" | "video" | "audio"
     member: str  # member suffix inside the sample, e.g. "0.jpg" or "wav"
     enc_len: int  # sequence length its encoder attends over (patches, frames)
     llm_len: int  # embeddings it becomes in the LLM sequence
@@ -34,7 +34,7 @@ class SampleRecord:
     """A counted sample: key, where it came from, its items, and its raw members.
 
     `llm_len == text_len + sum(item.llm_len for item in items)`. Item order is the order of
-    the sample's LLM sequence (vision items, then audio items, then text), see the planner.
+    the sample's LLM sequence (images, videos, audio clips, then text), see the planner.
     """
 
     key: str

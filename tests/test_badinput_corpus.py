@@ -54,7 +54,7 @@ def test_corpus_covers_the_issue_and_documents_its_reasons(corpus):
     # lying or bomb images, impossible audio, non-UTF-8 and huge text, duplicate keys.
     assert {
         "truncated_tar", "bad_tar", "empty_sample", "bad_gzip", "bad_image", "image_too_large",
-        "bad_audio", "bad_text", "text_too_large", "duplicate_key", "bad_key", "ok",
+        "bad_audio", "bad_video", "bad_text", "text_too_large", "duplicate_key", "bad_key", "ok",
     } <= reasons
     assert os.path.getsize(corpus["txt_huge"].path) > HUGE_TEXT_BYTES
     for c in corpus.values():
