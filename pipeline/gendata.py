@@ -243,6 +243,79 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, vide
     return paths
 
 
+#: The sources of `--blend`: name -> (blend weight, field map). Field maps name what each
+#: source's members are; `cls` members stay unmapped (counted as ignored).
+BLEND_SOURCES: dict[str, tuple[float, dict[str, list[str]]]] = {
+    "captions": (5.0, {"image": ["jpg", "png"], "text": ["txt"]}),
+    "speech": (3.0, {"audio": ["wav", "flac"], "text": ["txt"]}),
+    "chat": (2.0, {"image": ["jpg", "png"], "video": ["mp4"], "conversation": ["json"]}),
+}
+
+
+def make_source_sample(source: str, seed: int, index: int) -> dict[str, bytes]:
+    """Sample `index` of a `--blend` source (see BLEND_SOURCES); depends only on its arguments.
+
+    captions: one image (sometimes 2-4) and a short caption; speech: a clip and its transcript;
+    chat: a conversation (a JSON list of {role, content} turns) with an image or a short clip.
+    """
+    rng = np.random.default_rng([seed, index, sum(map(ord, source))])
+    members: dict[str, bytes] = {}
+    if source == "captions":
+        count = 1 if rng.random() < 0.85 else int(rng.integers(2, 5))
+        for i in range(count):
+            ext, data = _image(rng)
+            members[ext if count == 1 else f"{i}.{ext}"] = data
+        members["txt"] = _text(rng, 2.5).encode()
+    elif source == "speech":
+        ext, data = _audio(rng)
+        members[ext] = data
+        members["txt"] = _text(rng, 3.0).encode()
+    elif source == "chat":
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, 2.8)}
+                 for i in range(2 * int(rng.integers(1, 4)))]
+        members["json"] = json.dumps(turns, ensure_ascii=False).encode()
+        if rng.random() < 0.5:
+            ext, data = _video(rng)
+        else:
+            ext, data = _image(rng)
+        members[ext] = data
+    else:
+        raise ValueError(f"unknown blend source {source!r}: one of {', '.join(BLEND_SOURCES)}")
+    if rng.random() < 0.2:
+        members["cls"] = str(int(rng.integers(0, 1000))).encode()  # payload nobody counts
+    return members
+
+
+def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> tuple[str, list[str]]:
+    """Write one directory of shards per BLEND_SOURCES source, `num_samples` and `num_shards`
+    shared by weight (at least one shard of one sample each), and `dataset.toml` naming them
+    with their weights and field maps; returns (dataset file, every shard). Needs PyAV for the
+    chat source's clips."""
+    total = sum(w for w, _ in BLEND_SOURCES.values())
+    lines = ["# Written by `mmdispatch gen-data --blend`: three sources blended by weight.\n"]
+    paths: list[str] = []
+    for name, (weight, fields) in BLEND_SOURCES.items():
+        n = max(1, round(num_samples * weight / total))
+        k = max(1, min(n, round(num_shards * weight / total)))
+        src_dir = os.path.join(out_dir, name)
+        os.makedirs(src_dir, exist_ok=True)
+        bounds = np.linspace(0, n, k + 1).round().astype(int)
+        for shard in range(k):
+            path = os.path.join(src_dir, f"{shard:06d}.tar")
+            with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for index in range(bounds[shard], bounds[shard + 1]):
+                    for suffix, data in make_source_sample(name, seed, index).items():
+                        _add(tar, f"{name}{index:08d}.{suffix}", data)
+            paths.append(path)
+        field_lines = "".join(f"{kind} = {json.dumps(exts)}\n" for kind, exts in fields.items())
+        lines.append(f'\n[[sources]]\nname = "{name}"\nshards = "{name}/{{000000..{k - 1:06d}}}.tar"\n'
+                     f"weight = {weight}\n[sources.fields]\n{field_lines}")
+    dataset = os.path.join(out_dir, "dataset.toml")
+    with open(dataset, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+    return dataset, paths
+
+
 #: The trained tokenizer's vocabulary: 256 byte ids, the chat special tokens, then merges.
 TOKENIZER_VOCAB_SIZE = 512
 #: Special tokens of the generated tokenizer: ChatML's turn markers and an end of text.
@@ -263,8 +336,10 @@ def _shard_texts(paths: list[str]):
                 if suffix.endswith(".gz"):
                     data = gzip.decompress(data)
                 if suffix.startswith("json"):
-                    for turn in json.loads(data).get("conversations", []):
-                        yield turn["value"]
+                    doc = json.loads(data)
+                    turns = doc if isinstance(doc, list) else doc.get("conversations", [])
+                    for turn in turns:
+                        yield turn.get("value", turn.get("content", ""))
                 else:
                     yield data.decode("utf-8")
 
@@ -302,14 +377,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")
     parser.add_argument("--video-share", type=float, default=0.0,
                         help="share of samples that also get a 1-3 s MP4 clip (needs the [video] extra)")
+    parser.add_argument("--blend", action="store_true",
+                        help="write three sources instead (captions, speech, chat with images and "
+                             "clips; samples and shards shared by weight) and dataset.toml naming "
+                             "them for `serve --dataset` (needs the [video] extra)")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.shards <= args.samples:
         raise ValueError(f"--shards {args.shards} and --samples {args.samples}: need at least one "
                          f"shard and at least one sample per shard")
-    paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed,
-                     video_share=args.video_share)
+    if args.blend:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError("--blend writes video clips and needs PyAV: pip install 'mmdispatch[video]'") from None
+        _, paths = generate_blend(args.out, num_samples=args.samples, num_shards=args.shards,
+                                  seed=args.seed)
+    else:
+        paths = generate(args.out, num_samples=args.samples, num_shards=args.shards,
+                         seed=args.seed, video_share=args.video_share)
     total = sum(os.path.getsize(p) for p in paths)
     tokenizer = write_tokenizer(args.out, paths)
     print(

@@ -167,3 +167,20 @@ def test_a_blend_is_served_once_per_source_epoch_by_weight_and_survives_a_dispat
         finally:
             trainers.close()
     assert got == reference
+
+
+def test_gen_data_blend_writes_three_sources_and_a_dataset_file_that_serves_them(tmp_path):
+    from pipeline.gendata import BLEND_SOURCES, generate_blend
+    from pipeline.reader import iter_samples
+
+    dataset, paths = generate_blend(str(tmp_path / "a"), num_samples=40, num_shards=6, seed=2)
+    _, again = generate_blend(str(tmp_path / "b"), num_samples=40, num_shards=6, seed=2)
+    assert [open(p, "rb").read() for p in paths] == [open(p, "rb").read() for p in again]
+    sources, _ = load_dataset(dataset)
+    assert [(s.name, s.weight, s.fields) for s in sources] == [
+        (n, w, f) for n, (w, f) in BLEND_SOURCES.items()]
+    assert sorted(u for s in sources for u in s.shards) == sorted(paths)
+    mixes = {s.name: Counter(r.modality_mix for r in iter_samples(s.shards)) for s in sources}
+    assert set(mixes["captions"]) == {"image+text"} and set(mixes["speech"]) == {"audio+text"}
+    assert set(mixes["chat"]) == {"image+text", "video+text"}
+    assert sum(map(sum, (m.values() for m in mixes.values()))) == 40

@@ -170,7 +170,11 @@ def test_json_text_fields_and_conversations():
     assert len(counter.text(b'{"url": "x"}', "json", "m")) == 0
     custom = Counter(CountingConfig(text=TextConfig(json_fields=("prompt",))))
     assert ByteTokenizer.decode(custom.text(b'{"prompt": "abcdefgh", "text": "zz"}', "json", "m").ids) == "abcdefgh"
-    for bad in (b"{not json", b"[1, 2]", b'{"text": 5}', b'{"messages": [{"role": "user"}]}'):
+    # A top-level list is a conversation's turns (the field-map kind `conversation`).
+    turns = counter.text(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]',
+                         "json", "m")
+    assert len(turns) > 4 and 0 < int(turns.mask.sum()) < len(turns)
+    for bad in (b"{not json", b"[1, 2]", b"7", b'{"text": 5}', b'{"messages": [{"role": "user"}]}'):
         with pytest.raises(CountError) as err:
             counter.text(bad, "json", "m")
         assert err.value.reason == "bad_json"
