@@ -27,7 +27,6 @@ from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
-from pipeline.preprocess import PreprocessConfig, PreprocessError, mel_stride, preprocess_record
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.records import SampleRecord
 
@@ -176,6 +175,9 @@ class ReaderWorker:
     def _preprocessed(self, a: _Assignment, records):
         """`a`'s records with model inputs in place of member bytes; an item that decodes badly
         is skipped under the error policy, as a bad header is (reason bad_image/bad_audio)."""
+        # imported here: scipy's signal module costs a reader that ships bytes a slower start
+        from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
+
         counting = self.config.reader.counting
         config = PreprocessConfig(image=counting.image, audio=counting.audio)
         try:
@@ -290,6 +292,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     reader = reader_config_from_args(args)
     if args.preprocess_on == "datanode":
+        from pipeline.preprocess import mel_stride
+
         mel_stride(reader.counting.audio)  # ValueError now, not at the first audio clip
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,

@@ -12,9 +12,9 @@ At most `ahead` micro-batches are prepared or being prepared beyond the step the
 preprocesses inside the loop, in `__next__` (the baseline `bench.feed` compares against).
 
 Threads or processes: the work is Pillow decode/resize, libsndfile decode, scipy resampling
-and numpy FFTs, which release the GIL for most of their time; `bench.feed` measured threads
-faster than processes on 2 cores (processes pay for pickling every payload in and every
-float16 array out), so `kind="thread"` is the default.
+and numpy FFTs, which release the GIL for most of their time; on 2 cores `bench.feed` measured
+threads preprocessing 1.2-1.9x faster than processes, or within noise of them (processes pay
+for pickling every payload in and every float16 array out), so `kind="thread"` is the default.
 
 DataLoader: none is needed. `DispatcherDataset` must run in the main process
 (`num_workers=0`, one client per rank); preprocessing parallelism comes from this pool, which

@@ -174,7 +174,7 @@ def train(args: argparse.Namespace) -> int:
             if logf is not None:
                 rec = {"kind": "train", "step": step.step, "epoch": step.epoch, "time": time.time(),
                        "loss": totals[0].item() / max(totals[1].item(), 1.0),
-                       "samples": int(totals[2].item()), "seconds": seconds,
+                       "samples": int(totals[2].item()), "seconds": seconds, "data_wait_s": t0 - t_wait,
                        "samples_per_s": totals[2].item() / seconds if seconds > 0 else None,
                        "exchange_bytes_rank0": exchanger.stats.as_dict()}
                 logf.write(json.dumps(rec) + "\n")
