@@ -157,7 +157,9 @@ def mel_filters(sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int 
 
     The construction of `librosa.filters.mel(htk=False, norm="slaney")`, which Whisper's
     `mel_filters.npz` was made with: triangles between consecutive mel-spaced edges, each scaled
-    by 2 / (bandwidth in Hz) so every filter has unit area.
+    by 2 / (bandwidth in Hz) so every filter has unit area. Checked against librosa 0.11's
+    `filters.mel(sr=16000, n_fft=400, n_mels=128)`: equal to float32 precision (tests keep a
+    few of its filters); librosa itself is not a dependency (it brings numba and llvmlite).
     """
     fft_hz = np.fft.rfftfreq(n_fft, 1.0 / sample_rate)
     edges = mel_to_hz(np.linspace(hz_to_mel(0.0), hz_to_mel(sample_rate / 2), n_mels + 2))

@@ -151,6 +151,25 @@ def test_slaney_mel_scale_and_filters():
         assert abs(edges[1:-1][int(mel[50].argmax())] - tone) < 0.1 * tone + 40
 
 
+#: Non-zero weights of a few filters of `librosa.filters.mel(sr=16000, n_fft=400, n_mels=128)`
+#: (librosa 0.11), the call Whisper's `mel_filters.npz` was made with.
+LIBROSA_MEL = {
+    0: ([1], [0.0123739867]),
+    5: ([3, 4], [0.00564459199, 0.0067293942]),
+    40: ([24], [0.0403763652]),
+    90: ([79, 80, 81], [0.00618401915, 0.0129347313, 0.00629778765]),
+    127: (list(range(191, 200)), [0.000475695095, 0.00161717169, 0.00275864848, 0.00390012516, 0.0050416016,
+                                  0.00445712078, 0.00334284059, 0.00222856039, 0.0011142802]),
+}
+
+
+def test_mel_filters_match_librosa():
+    w = mel_filters()
+    for i, (bins, values) in LIBROSA_MEL.items():
+        assert np.nonzero(w[i])[0].tolist() == bins, i
+        np.testing.assert_allclose(w[i, bins], values, rtol=1e-6)
+
+
 def test_log_mel_frames_and_whisper_scaling():
     t = np.arange(8000) / 16000
     mel = log_mel(np.sin(2 * np.pi * 440 * t), 60)  # 0.5 s, asked for 0.6 s: zero-padded
@@ -278,7 +297,10 @@ def test_pool_prepares_only_so_far_ahead_and_reports_waits(records):
 
     with PrefetchPool(source(), PrefetchConfig(workers=1, ahead=2, preprocess=PRE)) as pool:
         first = next(pool)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(pulled) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # had the feeder taken more, it would show by now
         # the step held by the loop, one step of 2 micro-batches ahead, and one taken from the
         # source whose slots are not free yet
         assert first.step == 0 and len(pulled) == 3
