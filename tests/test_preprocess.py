@@ -405,3 +405,24 @@ def test_dataset_refuses_dataloader_workers_and_prepares_inputs_in_its_pool(tmp_
     ds = DispatcherDataset("tcp://127.0.0.1:1", rank=0, world_size=1, local_world_size=1)
     with pytest.raises(ValueError, match="runs in the main process"):
         list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+
+
+def test_datanode_readers_refuse_reference_payloads_and_bad_rates(tmp_path):
+    import argparse
+
+    from pipeline.gendata import generate
+    from pipeline.service import FatalReaderError, ReaderServiceConfig, ReaderWorker, add_arguments, config_from_args
+    from tests.test_service import dispatcher, make_config
+
+    shards = generate(str(tmp_path), num_samples=4, num_shards=1, seed=1)
+    with dispatcher(make_config(shards, world_size=1, payloads="reference")) as srv:
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, timeout_s=1.5,
+                                                  connect_timeout_s=10, preprocess_on="datanode"))
+        with pytest.raises(FatalReaderError, match="--payloads reference.*--preprocess-on datanode"):
+            worker.run()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", "--preprocess-on", "datanode",
+                              "--audio-frames-per-s", "30"])
+    with pytest.raises(ValueError, match="encoder_frames_per_s=30"):
+        config_from_args(args)
