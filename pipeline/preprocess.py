@@ -107,12 +107,16 @@ def patchify(frames: np.ndarray, cfg: ImageConfig) -> np.ndarray:
 
 
 def decode_image(data: bytes | memoryview) -> Image.Image:
-    """The image (first frame of an animation) as RGB."""
+    """The image (first frame of an animation) as RGB; transparency is composited over white,
+    as transformers' `convert_rgb` does for Qwen2-VL."""
     try:
         with Image.open(io.BytesIO(data)) as im:
-            return im.convert("RGB")
+            if im.mode == "RGB":
+                return im.convert("RGB")  # loads the pixels before the file closes
+            rgba = im.convert("RGBA")
     except Exception as e:  # Pillow raises many types on bad input: all mean "not decodable"
         raise ValueError(f"image cannot be decoded: {e}") from None
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
 def normalized_frame(img: Image.Image, cfg: ImageConfig) -> np.ndarray:

@@ -99,6 +99,18 @@ def test_merge_groups_are_contiguous_rows():
     assert np.array_equal(row[:, 0], row[:, 1])
 
 
+def test_transparent_pixels_become_white_and_grey_stays_grey():
+    rgba = np.zeros((28, 28, 4), dtype=np.uint8)  # fully transparent black
+    grey = np.full((28, 28), 128, dtype=np.uint8)
+    config = PreprocessConfig(image=ImageConfig(min_pixels=28 * 28))
+    for arr, level in ((rgba, 1.0), (grey, 128 / 255)):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        out = preprocess_item("image", buf.getvalue(), config, enc_len=4, key="k", member="png")
+        channels = out.astype(np.float32).reshape(4, 3, 2 * 14 * 14).mean(axis=(0, 2))
+        np.testing.assert_allclose(channels, (level - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD), atol=1e-2)
+
+
 # ------------------------------------------------------------------------------------ audio
 @pytest.mark.parametrize("fps,stride", [(50.0, 2), (25.0, 4), (5.0, 20)])
 def test_audio_rows_equal_the_count_for_durations_and_rates(fps, stride):
