@@ -23,8 +23,8 @@ from mmdispatch import report
 from mmdispatch.serve import read_ready
 
 #: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches) and audio at
-#: 5 encoder frames/s, so the CPU reference model stays fast; the trainers use the same
-#: patch size and merge, which is all they need to agree on.
+#: 5 encoder frames/s, so the CPU reference model stays fast; the trainers take the same rules
+#: (their model inputs must have exactly the counted lengths).
 DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
 
 
@@ -154,8 +154,9 @@ def run(args: argparse.Namespace) -> int:
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes),
                 "--node-rank", str(node), "--nproc-per-node", str(args.ranks_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "-m", "trainer_client.train", "--dispatcher", endpoints["trainers"], "--tokenizer", str(tokenizer),
-                "--steps", str(args.steps), "--train-log", str(train_log)], env=env)
+                "-m", "trainer_client.train", "--dispatcher", endpoints["trainers"],
+                "--tokenizer", str(tokenizer), "--steps", str(args.steps),
+                "--train-log", str(train_log), *DEMO_READER_ARGS], env=env)
         print(f"training {args.steps} steps on {args.nodes} nodes x {args.ranks_per_node} ranks "
               f"(logs in {out / 'logs'})", flush=True)
         _follow(kids, steps_log, train_log, args)

@@ -289,6 +289,23 @@ def _scale(d: dict) -> list[str]:
     return out
 
 
+def _feed(d: dict) -> list[str]:
+    b = d["bytes_per_sample"]
+    out = ["| figure | value | target |", "|---|---|---|",
+           f"| data wait / loop time, prefetch pool | {d['data_wait_fraction']:.4f} | <= 0.05 |",
+           f"| data wait / loop time, preprocessing inside the loop | {d['data_wait_fraction_inloop']:.4f} | |",
+           f"| data wait / loop time, pool, `--preprocess-on datanode` | {d['data_wait_fraction_datanode']:.4f} | <= 0.05 |",
+           f"| data wait / loop time, pool of processes | {d['data_wait_fraction_process_pool']:.4f} | |",
+           f"| loop seconds per step: thread pool / inside the loop / process pool / datanode | "
+           f"{d['loop_s_per_step_pool']:.3f} / {d['loop_s_per_step_inloop']:.3f} / "
+           f"{d['loop_s_per_step_process_pool']:.3f} / {d['loop_s_per_step_datanode']:.3f} | |",
+           f"| payload bytes per sample, `--preprocess-on trainer` | {b['trainer']:,.0f} | |",
+           f"| payload bytes per sample, `--preprocess-on datanode` | {b['datanode']:,.0f} | |",
+           f"| items preprocessed per s: 1 thread / 2 threads / 2 processes | {d['pool_items_per_s_inloop']:.0f} / "
+           f"{d['pool_items_per_s_thread']:.0f} / {d['pool_items_per_s_process']:.0f} | |"]
+    return out + ["", d["config"] + "."]
+
+
 BENCHES = (
     ("counting", "Header-only counting", "Counting from file headers against decoding every image and "
      "audio clip, and against reading the same shards with webdataset.", _counting, ""),
@@ -304,6 +321,9 @@ BENCHES = (
      "calibrated one (docs/calibration.md).", _training, ""),
     ("scale", "Dispatcher at scale", "One dispatcher against thousands of simulated trainer ranks "
      "and simulated readers (reference payloads).", _scale, ""),
+    ("feed", "Feeding the training loop", "The reference trainer's wait for its next micro-batch with "
+     "model inputs prepared by the prefetch pool and inside the loop, and the payload each "
+     "`--preprocess-on` choice ships.", _feed, ""),
     ("soak", "Soak", "Readers killed and restarted in turn, one dispatcher kill and restart from its "
      "journal, trainers running throughout; every sample accounted for.", _soak,
      "--minutes 5 --dispatcher-restart "),

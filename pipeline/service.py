@@ -47,6 +47,9 @@ class ReaderServiceConfig:
     backoff_max_s: float = 5.0
     secret_file: str | None = None  # CurveZMQ: this reader's key pair
     server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
+    # "trainer": ship member bytes (trainers decode them); "datanode": ship the model inputs
+    # (`pipeline.preprocess`: float16 arrays, shape and dtype in the item meta), inline only.
+    preprocess_on: str = "trainer"
 
     def session(self) -> SessionConfig:
         return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,
@@ -123,6 +126,10 @@ class ReaderWorker:
         if mode not in P.PAYLOAD_MODES:
             raise FatalReaderError(f"dispatcher at {self.config.dispatcher} asks for unknown "
                                    f"payload mode {mode!r}")
+        if mode == "reference" and self.config.preprocess_on == "datanode":
+            raise FatalReaderError(f"dispatcher at {self.config.dispatcher} runs --payloads reference, "
+                                   f"but --preprocess-on datanode ships tensors inline: serve with "
+                                   f"--payloads inline or read with --preprocess-on trainer")
         self.payloads = mode
         self._request_shards()
 
@@ -166,7 +173,33 @@ class ReaderWorker:
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
         a.records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
                                stats=self.stats, spans=ref_path is not None, on_skip=a.skipped)
+        if self.config.preprocess_on == "datanode":
+            a.records = self._preprocessed(a, a.records)
         self.assignments.append(a)
+
+    def _preprocessed(self, a: _Assignment, records):
+        """`a`'s records with model inputs in place of member bytes; an item that decodes badly
+        is skipped under the error policy, as a bad header is (reason bad_image/bad_audio)."""
+        # imported here: scipy's signal module costs a reader that ships bytes a slower start
+        from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
+
+        counting = self.config.reader.counting
+        config = PreprocessConfig(image=counting.image, audio=counting.audio)
+        try:
+            for rec in records:
+                try:
+                    preprocess_record(rec, config)
+                except PreprocessError as e:
+                    reason = "bad_audio" if e.modality == "audio" else "bad_image"
+                    error = SampleError(reason, rec.shard, rec.key, str(e))
+                    self.stats.handle(error, self.config.reader.errors)  # raises under --errors raise
+                    a.skipped(error, rec.index)
+                    continue
+                yield rec
+        finally:
+            close = getattr(records, "close", None)
+            if close is not None:
+                close()
 
     def _drop_assignment(self, a: _Assignment) -> None:
         close = getattr(a.records, "close", None)
@@ -220,6 +253,7 @@ def _skipped_field(skipped: list) -> dict:
 
 # -- the `read` command ---------------------------------------------------------------------
 _DEFAULTS = ReaderServiceConfig(dispatcher="")
+PREPROCESS_ON = ("trainer", "datanode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +277,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CurveZMQ: this reader's NAME.key_secret file")
     parser.add_argument("--curve-server-key", default=None,
                         help="CurveZMQ: the dispatcher's public NAME.key file")
+    parser.add_argument("--preprocess-on", choices=PREPROCESS_ON, default=_DEFAULTS.preprocess_on,
+                        help="trainer: ship member bytes, trainers decode them; datanode: ship "
+                             "the model inputs (float16 image patches and audio log-mels, larger "
+                             "on the wire), for trainers short of CPU; needs --payloads inline")
     add_reader_arguments(parser)  # counting rules and error policy, shared with `inspect`
 
 
@@ -259,12 +297,17 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
+    reader = reader_config_from_args(args)
+    if args.preprocess_on == "datanode":
+        from pipeline.preprocess import mel_stride
+
+        mel_stride(reader.counting.audio)  # ValueError now, not at the first audio clip
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
                                prefetch_shards=args.prefetch_shards,
                                timeout_s=args.timeout,
                                connect_timeout_s=args.connect_timeout or None,
-                               reader=reader_config_from_args(args),
+                               reader=reader, preprocess_on=args.preprocess_on,
                                secret_file=args.curve_secret, server_public_file=args.curve_server_key)
 
 

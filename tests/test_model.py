@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 
@@ -12,7 +10,7 @@ torch = pytest.importorskip("torch")
 from dispatcher_server.planner import PlannerConfig, Topology, plan_step  # noqa: E402
 from trainer_client.exchange import pack_llm_inputs  # noqa: E402
 from trainer_client.model import (  # noqa: E402
-    IGNORE_INDEX, ModelConfig, MultimodalModel, ReferenceModel, audio_frames, encoder_input, image_patches,
+    IGNORE_INDEX, ModelConfig, MultimodalModel, ReferenceModel,
     packed_labels, synthetic_features, synthetic_text_ids,
 )
 
@@ -167,52 +165,3 @@ def test_loss_mask_leaves_exactly_the_masked_tokens_out_of_the_targets():
         packed_labels(rmb, ids, masks[:-1])
 
 
-def test_image_bytes_become_merged_patch_blocks():
-    from PIL import Image
-
-    w, h = 64, 32  # wide image: 8 tokens should be laid out 2 (rows) x 4 (cols)
-    arr = np.zeros((h, w, 3), dtype=np.uint8)
-    arr[:, w // 2:] = 255  # right half white
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    patches = image_patches(buf.getvalue(), 8, patch_size=4, merge=2)
-    assert patches.shape == (8 * 4, 48)
-    block_means = patches.reshape(8, 4 * 48).mean(dim=1)  # one value per merged token
-    # token grid 2 x 4 in row-major order: columns 0-1 black, 2-3 white
-    assert block_means.reshape(2, 4)[:, :2].max() < -0.9
-    assert block_means.reshape(2, 4)[:, 2:].min() > 0.9
-    assert image_patches(buf.getvalue(), 0, patch_size=4, merge=2).shape == (0, 48)
-
-
-def test_audio_bytes_become_enc_len_frames():
-    import soundfile
-
-    sr = 16000
-    t = np.arange(sr) / sr
-    wave = np.concatenate([np.zeros(sr // 2), np.sin(2 * np.pi * 440 * t[: sr // 2])]).astype(np.float32)
-    buf = io.BytesIO()
-    soundfile.write(buf, wave, sr, format="WAV")
-    frames = audio_frames(buf.getvalue(), 10, frame_dim=16)
-    assert frames.shape == (10, 16)
-    assert float(frames[:5].abs().max()) == 0.0  # silence
-    assert float(frames[5:].max()) > 0.1
-
-
-def test_raw_payloads_run_through_the_encoders(model):
-    import soundfile
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 30, 3), dtype=np.uint8)).save(buf, format="JPEG")
-    img = buf.getvalue()
-    wav = io.BytesIO()
-    soundfile.write(wav, np.random.default_rng(1).standard_normal(8000).astype(np.float32), 16000, format="WAV")
-    cfg = model.config
-    v = encoder_input(cfg, "vision", img, enc_len=24, llm_len=6).to(torch.float64)
-    a = encoder_input(cfg, "audio", wav.getvalue(), enc_len=20, llm_len=5).to(torch.float64)
-    assert model.encode_vision([v], [6]).shape == (6, 16)
-    assert model.encode_audio([a], [5]).shape == (5, 16)
-    with pytest.raises(ValueError, match="merges 2x2"):
-        encoder_input(cfg, "vision", img, enc_len=25, llm_len=6)
-    with pytest.raises(ValueError, match="video"):
-        encoder_input(cfg, "video", img, enc_len=1, llm_len=1)

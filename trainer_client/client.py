@@ -73,6 +73,7 @@ class Microbatch:
     cu_seqlens: torch.Tensor  # int32[s+1], varlen-attention boundaries of the packed sequence
     encoders: dict[str, EncoderBatch]
     tensors: dict[str, torch.Tensor]  # every plan array by name, as views
+    inputs: object = None  # ready model inputs (`prefetch.MicrobatchInputs`), set by a PrefetchPool
 
 
 @dataclass(slots=True)
@@ -606,16 +607,32 @@ class DispatcherClient:
 class DispatcherDataset(torch.utils.data.IterableDataset):
     """DataLoader adapter: yields `Step`s; use `DataLoader(ds, batch_size=None, num_workers=0)`.
 
+    One client per rank lives in the main process (DataLoader workers would each be another
+    trainer of the same rank, so a worker refuses to iterate it). With `preprocess` (a
+    `prefetch.PrefetchConfig`) the steps come through a `PrefetchPool`, whose workers prepare
+    the model inputs ahead: that pool is the parallelism DataLoader workers would give.
     The client is created lazily in `__iter__`, so the dataset itself pickles (no sockets).
     """
 
-    def __init__(self, address: str, **client_kwargs) -> None:
+    def __init__(self, address: str, *, preprocess=None, **client_kwargs) -> None:
         super().__init__()
         self.address = address
+        self.preprocess = preprocess
         self.client_kwargs = client_kwargs
         self.client: DispatcherClient | None = None
+        self.pool = None
 
     def __iter__(self):
+        if torch.utils.data.get_worker_info() is not None:
+            raise ValueError("DispatcherDataset runs in the main process: use DataLoader(ds, "
+                             "batch_size=None, num_workers=0) and PrefetchConfig(workers=N) to "
+                             "preprocess in parallel")
         if self.client is None:
             self.client = DispatcherClient(self.address, **self.client_kwargs)
-        return iter(self.client)
+        if self.preprocess is None:
+            return iter(self.client)
+        if self.pool is None:
+            from trainer_client.prefetch import PrefetchPool
+
+            self.pool = PrefetchPool(self.client, self.preprocess)
+        return self.pool

@@ -11,7 +11,6 @@ Users replace it with anything satisfying `MultimodalModel`.
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -53,15 +52,16 @@ class MultimodalModel(Protocol):
 
 @dataclass(kw_only=True, slots=True)
 class VisionConfig:
-    patch_size: int  # pixels per patch side; a patch is 3 * patch_size**2 RGB features
+    patch_size: int  # pixels per patch side; a patch is 3 * temporal_patch * patch_size**2 values
     hidden: int
     num_layers: int = 1
     num_heads: int = 2
     merge: int = 2  # merge x merge patches become one LLM token
+    temporal_patch: int = 1  # frames per patch (2 for Qwen2-VL inputs, `pipeline.preprocess`)
 
     @property
     def patch_dim(self) -> int:
-        return 3 * self.patch_size**2
+        return 3 * self.temporal_patch * self.patch_size**2
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,10 +89,11 @@ class ModelConfig:
     llm: LLMConfig
 
     @staticmethod
-    def tiny(*, patch_size: int = 4, frame_dim: int = 16, vocab_size: int = 97, hidden: int = 16) -> ModelConfig:
+    def tiny(*, patch_size: int = 4, frame_dim: int = 16, vocab_size: int = 97, hidden: int = 16,
+             merge: int = 2, temporal_patch: int = 1) -> ModelConfig:
         """A few-thousand-parameter model for tests and the demo."""
         return ModelConfig(
-            vision=VisionConfig(patch_size=patch_size, hidden=hidden),
+            vision=VisionConfig(patch_size=patch_size, hidden=hidden, merge=merge, temporal_patch=temporal_patch),
             audio=AudioConfig(frame_dim=frame_dim, hidden=hidden),
             llm=LLMConfig(vocab_size=vocab_size, hidden=hidden),
         )
@@ -192,7 +193,7 @@ class ReferenceModel(nn.Module):
         cu, pos = _segments(lens)
         for blk in self.vision_blocks:
             x = blk(x, cu, pos.to(x.device), causal=False)
-        # consecutive merge^2 patches of an item form one token (see image_patches' ordering)
+        # consecutive merge^2 patches of an item form one token (pipeline.preprocess.patchify's order)
         return self.vision_proj(x.reshape(-1, m2 * x.shape[1]))
 
     def encode_audio(self, items: Sequence[Tensor], llm_len: Sequence[int]) -> Tensor:
@@ -272,19 +273,36 @@ def forward_microbatch(
     text_ids: Callable[[int], Tensor],
     exchanger: Exchanger,
     loss_mask: Callable[[int], Tensor] | None = None,
+    item_name: Callable[[str, int], str] | None = None,
 ) -> LLMOutput:
     """Encode this rank's items, exchange them to their LLM ranks, pack, run the LLM.
 
     `item_input(phase, item_id)` gives an item's encoder input, `text_ids(sample_id)` a
     sample's token ids and `loss_mask(sample_id)` (optional: all targets) which of them are
-    targets. Every rank of the world must call this for the same micro-batch.
+    targets. Every item input must have exactly the planned encoder length of rows (ValueError
+    naming the item by `item_name(phase, item_id)`, e.g. its sample key, otherwise). Every rank
+    of the world must call this for the same micro-batch.
     """
-    enc = _encode(model, rank_mb, item_input, _untimed)
+    enc = _encode(model, rank_mb, item_input, _untimed, item_name)
     exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
     return _llm(model, rank_mb, text_ids, loss_mask, exchanged)
 
 
-def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span) -> dict[str, Tensor]:
+def check_item_lengths(phase: str, items: Sequence[Tensor], item_ids, enc_len, item_name=None) -> None:
+    """The model boundary: every item input has exactly its planned encoder length of rows.
+
+    ValueError naming the item (`item_name(phase, item_id)`, e.g. its sample key and member)
+    otherwise: the data node counted one length and the model would attend over another.
+    """
+    for t, i, n in zip(items, item_ids, enc_len):
+        if t.dim() < 1 or t.shape[0] != int(n):
+            name = item_name(phase, int(i)) if item_name is not None else f"{phase} item {int(i)}"
+            raise ValueError(f"{name}: {phase} input has shape {tuple(t.shape)} but the plan "
+                             f"counted enc_len={int(n)} rows")
+
+
+def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span,
+            item_name=None) -> dict[str, Tensor]:
     """Every encoder phase's outputs for this rank's items, each phase inside `span(phase)`."""
     encoders = {"vision": model.encode_vision, "audio": model.encode_audio}
     enc: dict[str, Tensor] = {}
@@ -293,6 +311,7 @@ def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span) -
             raise ValueError(f"no encoder for phase {phase!r}")
         with span(phase):
             items = [item_input(phase, int(i)) for i in px.encode_items]
+            check_item_lengths(phase, items, px.encode_items, px.encode_enc_len, item_name)
             enc[phase] = encoders[phase](items, [int(n) for n in px.encode_llm_len])
     return enc
 
@@ -315,6 +334,7 @@ def train_microbatch(
     loss_mask: Callable[[int], Tensor] | None = None,
     loss_scale: float = 1.0,
     timer=None,
+    item_name: Callable[[str, int], str] | None = None,
 ) -> LLMOutput:
     """`forward_microbatch`, then the backward of `loss_sum * loss_scale`, stage by stage.
 
@@ -325,7 +345,7 @@ def train_microbatch(
     through the whole graph. Every rank of the world must call this for the same micro-batch.
     """
     span = timer.span if timer is not None else _untimed
-    enc = _encode(model, rank_mb, item_input, span)
+    enc = _encode(model, rank_mb, item_input, span, item_name)
     # Cut copies always require grad, so the exchange's backward (a collective) runs on every
     # rank, also where an encoder's output does not (no item on this rank).
     enc_cut = {p: t.detach().requires_grad_() for p, t in enc.items()}
@@ -386,60 +406,3 @@ def synthetic_text_ids(seed: int, sample: int, text_len: int, vocab_size: int) -
     return torch.randint(0, vocab_size, (text_len,), generator=gen)
 
 
-def image_patches(data: bytes, llm_len: int, *, patch_size: int, merge: int) -> Tensor:
-    """Decode an image (JPEG/PNG bytes) into [llm_len * merge^2, 3 * patch_size^2] patch features.
-
-    The patch grid is (a*merge) x (b*merge) with a*b = llm_len and a/b closest to the image's
-    aspect ratio, the same token count the data node counted; the image is resized to that
-    grid and each merge x merge block of patches is emitted consecutively (what
-    `ReferenceModel.encode_vision` merges). Pixels are scaled to [-1, 1].
-    """
-    from PIL import Image
-
-    if llm_len <= 0:
-        return torch.zeros(0, 3 * patch_size**2)
-    img = Image.open(io.BytesIO(data)).convert("RGB")
-    aspect = img.height / max(img.width, 1)
-    a = min((d for d in range(1, llm_len + 1) if llm_len % d == 0), key=lambda d: abs(math.log(d * d / llm_len / aspect)))
-    b = llm_len // a
-    gh, gw = a * merge, b * merge
-    arr = np.asarray(img.resize((gw * patch_size, gh * patch_size), Image.BICUBIC), dtype=np.float32) / 127.5 - 1.0
-    # [a, m, p, b, m, p, 3] -> [a, b, m, m, p, p, 3]: blocks of merge x merge patches in row-major order
-    t = arr.reshape(a, merge, patch_size, b, merge, patch_size, 3).transpose(0, 3, 1, 4, 2, 5, 6)
-    return torch.from_numpy(np.ascontiguousarray(t).reshape(gh * gw, 3 * patch_size**2))
-
-
-def encoder_input(config: ModelConfig, phase: str, data: bytes, *, enc_len: int, llm_len: int) -> Tensor:
-    """An item's raw payload (as the dispatcher ships it) -> this model's encoder input.
-
-    `enc_len`/`llm_len` are the data node's counts; a vision count that disagrees with the
-    model's merge (enc_len != llm_len * merge^2) is a configuration mismatch and raises.
-    """
-    if phase == "vision":
-        v = config.vision
-        if enc_len != llm_len * v.merge**2:
-            raise ValueError(f"image counted as enc_len={enc_len}, llm_len={llm_len}, but the model "
-                             f"merges {v.merge}x{v.merge} patches per token")
-        return image_patches(data, llm_len, patch_size=v.patch_size, merge=v.merge)
-    if phase == "audio":
-        return audio_frames(data, enc_len, frame_dim=config.audio.frame_dim)
-    raise ValueError(f"no encoder input rule for phase {phase!r}")
-
-
-def audio_frames(data: bytes, enc_len: int, *, frame_dim: int) -> Tensor:
-    """Decode audio (WAV/FLAC bytes) into [enc_len, frame_dim] log-magnitude spectra.
-
-    The (mono-mixed) waveform is cut into `enc_len` contiguous, near-equal chunks, the count
-    the data node derived from the duration; each chunk becomes log1p|rfft| over frame_dim bins.
-    """
-    import soundfile
-
-    if enc_len <= 0:
-        return torch.zeros(0, frame_dim)
-    wave, _sr = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    wave = wave.mean(axis=1)
-    if wave.size == 0:
-        wave = np.zeros(1, dtype=np.float32)
-    chunks = np.array_split(wave, enc_len) if wave.size >= enc_len else [wave] * enc_len
-    spec = np.stack([np.abs(np.fft.rfft(c, n=2 * frame_dim))[:frame_dim] for c in chunks])
-    return torch.from_numpy(np.log1p(spec).astype(np.float32))

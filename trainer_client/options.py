@@ -1,9 +1,10 @@
 """Options of the reference training loop (`python -m trainer_client.train`), free of torch.
 
 Kept apart from the loop so `mmdispatch` can validate a `[train]` table (and generate the
-configuration reference) on a data node that has no torch. Patch size, merge and the tokenizer
-come from the data nodes' counting defaults and sit in the file's shared `[counting]` table: the
-model's vocabulary is the tokenizer's (byte-level without one: 256 ids).
+configuration reference) on a data node that has no torch. The counting rules the model inputs
+must match (patch size, merge, pixel budget, audio rates, video sampling, the tokenizer) sit in
+the file's shared `[counting]` table, as the data nodes read them: the model's vocabulary is the
+tokenizer's (byte-level without one: 256 ids).
 """
 
 from __future__ import annotations
@@ -11,11 +12,16 @@ from __future__ import annotations
 import argparse
 
 from dispatcher_server.cliopts import add_config_argument, add_logging_arguments
-from pipeline.counting import ImageConfig
+from pipeline.counting import AudioConfig, ImageConfig
+from pipeline.preprocess import PreprocessConfig
+from pipeline.video import VideoConfig
+
+#: Preprocessing pool kinds (`trainer_client.prefetch.POOL_KINDS`, kept here free of torch).
+POOL_KINDS = ("thread", "process")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    image = ImageConfig()
+    image, audio, video = ImageConfig(), AudioConfig(), VideoConfig()
     add = parser.add_argument
     add_config_argument(parser)
     add("--dispatcher", required=True, help="trainer endpoint of the dispatcher, tcp://HOST:PORT")
@@ -37,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-map-shards", dest="map_shards", action="store_false",
         help="reference payloads: copy items out of the shard files instead of mapping them "
              "(for files that may be truncated while read)")
+    add("--preprocess-ahead", type=int, default=4,
+        help="micro-batches whose model inputs (image patches, audio log-mels) are prepared "
+             "beyond the step being trained")
+    add("--preprocess-workers", type=int, default=2,
+        help="workers preparing model inputs off the training loop (0: inside the loop)")
+    add("--preprocess-pool", choices=POOL_KINDS, default="thread",
+        help="worker kind; threads measured faster on 2 cores (bench.feed)")
     add("--progress-every", type=float, default=10.0,
         help="seconds between rank 0's progress lines when stderr is not a terminal (0: none)")
     counting = parser.add_argument_group("counting (the [counting] table; match the data nodes)")
@@ -46,4 +59,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     counting.add_argument("--tokenizer", default=None,
                           help="the data nodes' HF tokenizers JSON file; the model's vocabulary "
                                "is its size (unset: the byte-level ids, 256)")
+    counting.add_argument("--min-pixels", type=int, default=image.min_pixels, help="image resize lower pixel budget")
+    counting.add_argument("--max-pixels", type=int, default=image.max_pixels, help="image resize upper pixel budget")
+    counting.add_argument("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s,
+                          help="audio encoder frames per second (100/k: mel frames are 10 ms)")
+    counting.add_argument("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s,
+                          help="audio LLM tokens per second")
+    counting.add_argument("--audio-pad-window", type=float, default=None,
+                          help="audio encoder padded to windows of this many seconds")
+    counting.add_argument("--video-fps", type=float, default=video.fps,
+                          help="video frames sampled per second")
+    counting.add_argument("--video-max-pixels", type=int, default=video.max_pixels,
+                          help="video resize upper pixel budget per frame")
     add_logging_arguments(parser)
+
+
+def preprocess_config_from_args(args: argparse.Namespace) -> PreprocessConfig:
+    """The counting rules the trainer's model inputs must match, from the counting options."""
+    return PreprocessConfig(
+        image=ImageConfig(patch_size=args.patch_size, merge_size=args.merge_size,
+                          min_pixels=args.min_pixels, max_pixels=args.max_pixels),
+        audio=AudioConfig(encoder_frames_per_s=args.audio_frames_per_s,
+                          llm_tokens_per_s=args.audio_tokens_per_s, pad_window_s=args.audio_pad_window),
+        # The same construction as the data nodes' (pipeline.reader.reader_config_from_args).
+        video=VideoConfig(fps=args.video_fps, max_pixels=args.video_max_pixels,
+                          patch_size=args.patch_size, merge_size=args.merge_size,
+                          min_pixels=min(VideoConfig().min_pixels, args.video_max_pixels)),
+    )

@@ -27,10 +27,12 @@ from trainer_client.calibrate import PhaseTimer
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
 from trainer_client.exchange import ExchangeConfig, Exchanger
+from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
 from trainer_client.model import (
-    ModelConfig, ReferenceModel, encoder_input, microbatch_timings, train_microbatch,
+    ModelConfig, ReferenceModel, microbatch_timings, train_microbatch,
 )
-from trainer_client.options import add_arguments
+from trainer_client.options import add_arguments, preprocess_config_from_args
+from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 
 log = logging.getLogger("mmdispatch.train")
 
@@ -92,19 +94,12 @@ class Progress:
 
 
 class ItemInputs:
-    """Encoder inputs, text ids and loss masks of one micro-batch, as the rank received them."""
+    """Text ids and loss masks of one micro-batch, as the rank received them (its encoder
+    inputs come ready from the PrefetchPool)."""
 
     def __init__(self, mb: Microbatch, model: ReferenceModel) -> None:
         self.mb, self.config = mb, model.config
-        self.where = {ph: {int(i): k for k, i in enumerate(eb.item_ids.tolist())}
-                      for ph, eb in mb.encoders.items()}
         self.sample_pos = {int(s): k for k, s in enumerate(mb.plan.samples.tolist())}
-
-    def item(self, phase: str, item_id: int) -> torch.Tensor:
-        eb = self.mb.encoders[phase]
-        k = self.where[phase][item_id]
-        return encoder_input(self.config, phase, bytes(eb.payloads[k]),
-                             enc_len=int(eb.enc_len[k]), llm_len=int(eb.llm_len[k]))
 
     def text(self, sample_id: int) -> torch.Tensor:
         """The data node's token ids, checked against the plan and the model's vocabulary."""
@@ -133,12 +128,17 @@ def train(args: argparse.Namespace) -> int:
     if args.connect_timeout is not None and args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
     vocab_size = load_tokenizer(args.tokenizer).vocab_size  # the ids readers send
+    # checked before joining the process group: a bad value is one line, not a hung world
+    preprocess = preprocess_config_from_args(args)
+    frame_dim = audio_row_dim(preprocess.audio)
+    prefetch = PrefetchConfig(ahead=args.preprocess_ahead, workers=args.preprocess_workers,
+                              kind=args.preprocess_pool, preprocess=preprocess)
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     ctx = RankContext.from_process_group()
     torch.manual_seed(args.seed)
-    cfg = ModelConfig.tiny(patch_size=args.patch_size, hidden=args.hidden, vocab_size=vocab_size)
-    cfg.vision.merge = args.merge_size
+    cfg = ModelConfig.tiny(patch_size=args.patch_size, hidden=args.hidden, merge=args.merge_size,
+                           temporal_patch=TEMPORAL_PATCH, frame_dim=frame_dim, vocab_size=vocab_size)
     model = ReferenceModel(cfg)
     for t in model.state_dict().values():
         dist.broadcast(t, 0)  # identical start on every rank, whatever the local RNG did
@@ -150,11 +150,12 @@ def train(args: argparse.Namespace) -> int:
                               config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
                                                   server_public_file=args.curve_server_key,
                                                   map_shards=args.map_shards, **timeouts))
+    pool = PrefetchPool(client, prefetch)
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
     progress = Progress(args.progress_every, enabled=ctx.rank == 0)
     done = 0
     try:
-        steps = iter(client)
+        steps = iter(pool)  # model inputs prepared ahead, off this loop
         while True:
             t_wait = time.perf_counter()
             step = next(steps, None)
@@ -166,8 +167,8 @@ def train(args: argparse.Namespace) -> int:
             for mb in step.microbatches:
                 inputs = ItemInputs(mb, model)
                 timer.reset()
-                out = train_microbatch(model, mb.plan, item_input=inputs.item, text_ids=inputs.text,
-                                       loss_mask=inputs.mask,
+                out = train_microbatch(model, mb.plan, item_input=mb.inputs.item, item_name=mb.inputs.name,
+                                       text_ids=inputs.text, loss_mask=inputs.mask,
                                        exchanger=exchanger, timer=timer)
                 measured.append(microbatch_timings(mb.plan, timer.seconds()))
                 loss_sum += float(out.loss_sum)
@@ -189,7 +190,7 @@ def train(args: argparse.Namespace) -> int:
             if logf is not None:
                 rec = {"kind": "train", "step": step.step, "epoch": step.epoch, "time": time.time(),
                        "loss": totals[0].item() / max(totals[1].item(), 1.0),
-                       "samples": int(totals[2].item()), "seconds": seconds,
+                       "samples": int(totals[2].item()), "seconds": seconds, "data_wait_s": t0 - t_wait,
                        "samples_per_s": totals[2].item() / seconds if seconds > 0 else None,
                        "exchange_bytes_rank0": exchanger.stats.as_dict()}
                 logf.write(json.dumps(rec) + "\n")
@@ -201,6 +202,7 @@ def train(args: argparse.Namespace) -> int:
     finally:
         progress.close()
         client.close()
+        pool.close()
         if logf is not None:
             logf.close()
         dist.destroy_process_group()

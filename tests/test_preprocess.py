@@ -1,0 +1,440 @@
+"""Model inputs off the training loop: image patches and audio log-mels of exactly the planned
+length (the counting rule), the prefetch pool, the model boundary check, datanode preprocessing."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from dispatcher_server import protocol as P
+from dispatcher_server.batching import Sample, build_batch, rank_message
+from dispatcher_server.planner import PlannerConfig, Topology, plan_step
+from pipeline.counting import AudioConfig, Counter, CountingConfig, ImageConfig, smart_resize
+from pipeline.gendata import make_sample
+from pipeline.preprocess import (
+    IMAGE_MEAN, IMAGE_STD, N_MELS, PREPROCESSORS, TENSOR_META, PreprocessConfig, PreprocessError,
+    array_from_payload, hz_to_mel, log_mel, mel_filters, mel_to_hz, preprocess_item, preprocess_record,
+    row_dim,
+)
+from pipeline.records import Item, SampleRecord
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _png(width: int, height: int, seed: int = 0) -> bytes:
+    rgb = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(rgb).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _audio(seconds: float, rate: int, fmt: str = "WAV", channels: int = 1) -> bytes:
+    n = int(round(seconds * rate))
+    t = np.arange(n) / rate
+    wave = 0.3 * np.sin(2 * np.pi * 440 * t)
+    wave = np.stack([wave] * channels, axis=1) if channels > 1 else wave
+    buf = io.BytesIO()
+    soundfile.write(buf, wave.astype(np.float32), rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+# ----------------------------------------------------------------------------------- images
+SIZES = [(1, 1), (3, 5), (27, 29), (56, 56), (64, 48), (640, 480), (1000, 7), (7, 1000), (2000, 11),
+         (199 * 3, 3), (4000, 3000), (1280, 720), (333, 777)]
+
+
+@pytest.mark.parametrize("cfg", [ImageConfig(), ImageConfig(max_pixels=448 * 448),
+                                 ImageConfig(patch_size=16, merge_size=2, min_pixels=32 * 32, max_pixels=512 * 512)])
+def test_image_rows_equal_the_count_for_many_sizes(cfg):
+    counter = Counter(CountingConfig(image=cfg))
+    config = PreprocessConfig(image=cfg)
+    for w, h in SIZES:
+        data = _png(w, h)
+        enc, llm, meta = counter.image(data)
+        out = preprocess_item("image", data, config, enc_len=enc, key=f"{w}x{h}", member="png")
+        h_bar, w_bar = smart_resize(h, w, cfg)
+        assert out.shape == (enc, 3 * 2 * cfg.patch_size**2) == (enc, row_dim("image", config)), (w, h)
+        assert enc == (h_bar // cfg.patch_size) * (w_bar // cfg.patch_size) == llm * cfg.merge_size**2
+        assert out.dtype == np.float16 and np.isfinite(out.astype(np.float32)).all()
+
+
+def test_image_patches_match_qwen2_vl_processing():
+    """The Qwen2-VL image processor's steps, written out as transformers does them (tile the
+    frame to the temporal patch, then its 9-axis reshape and transpose)."""
+    cfg = ImageConfig()
+    data = _png(100, 60, seed=3)
+    h_bar, w_bar = smart_resize(60, 100, cfg)
+    img = Image.open(io.BytesIO(data)).convert("RGB").resize((w_bar, h_bar), Image.Resampling.BICUBIC)
+    x = (np.asarray(img, dtype=np.float32) / 255 - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD)
+    patches = np.tile(x.transpose(2, 0, 1)[None], (2, 1, 1, 1))  # [T=2, C, H, W]
+    p, m = 14, 2
+    gh, gw = h_bar // p, w_bar // p
+    flat = patches.reshape(1, 2, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    flat = flat.reshape(gh * gw, 3 * 2 * p * p)
+    out = preprocess_item("image", data, PreprocessConfig(image=cfg), enc_len=gh * gw, key="k", member="png")
+    np.testing.assert_allclose(out.astype(np.float32), flat, atol=2e-3)
+
+
+def test_merge_groups_are_contiguous_rows():
+    """Left half black, right half white, 112 x 56 pixels: a 2 x 4 grid of merged tokens, each
+    the mean of 4 consecutive rows; the left two token columns are black, the right two white."""
+    arr = np.zeros((56, 112, 3), dtype=np.uint8)
+    arr[:, 56:] = 255
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    cfg = ImageConfig(min_pixels=28 * 28)
+    out = preprocess_item("image", buf.getvalue(), PreprocessConfig(image=cfg), enc_len=32, key="k", member="png")
+    tokens = out.astype(np.float32).reshape(8, 4 * out.shape[1]).mean(axis=1).reshape(2, 4)
+    black = np.mean((0 - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD))
+    white = np.mean((1 - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD))
+    np.testing.assert_allclose(tokens[:, :2], black, atol=1e-2)
+    np.testing.assert_allclose(tokens[:, 2:], white, atol=1e-2)
+    # the two temporal copies of a patch are identical: row = (channel, temporal, py, px)
+    row = out[0].reshape(3, 2, 14, 14)
+    assert np.array_equal(row[:, 0], row[:, 1])
+
+
+def test_transparent_pixels_become_white_and_grey_stays_grey():
+    rgba = np.zeros((28, 28, 4), dtype=np.uint8)  # fully transparent black
+    grey = np.full((28, 28), 128, dtype=np.uint8)
+    config = PreprocessConfig(image=ImageConfig(min_pixels=28 * 28))
+    for arr, level in ((rgba, 1.0), (grey, 128 / 255)):
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        out = preprocess_item("image", buf.getvalue(), config, enc_len=4, key="k", member="png")
+        channels = out.astype(np.float32).reshape(4, 3, 2 * 14 * 14).mean(axis=(0, 2))
+        np.testing.assert_allclose(channels, (level - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD), atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------ audio
+@pytest.mark.parametrize("fps,stride", [(50.0, 2), (25.0, 4), (5.0, 20)])
+def test_audio_rows_equal_the_count_for_durations_and_rates(fps, stride):
+    cfg = AudioConfig(encoder_frames_per_s=fps, llm_tokens_per_s=fps / 2)
+    counter = Counter(CountingConfig(audio=cfg))
+    config = PreprocessConfig(audio=cfg)
+    for seconds in (0.013, 0.25, 1.0, 2.377, 7.0):
+        for rate, fmt, ch in ((8000, "WAV", 1), (16000, "FLAC", 1), (22050, "WAV", 2), (44100, "FLAC", 1)):
+            data = _audio(seconds, rate, fmt, ch)
+            enc, _, _ = counter.audio(data)
+            out = preprocess_item("audio", data, config, enc_len=enc, key="k", member=fmt.lower())
+            assert out.shape == (enc, stride * N_MELS), (seconds, rate)
+            # [enc_len, stride*128] is stride mel frames per encoder frame, time-major
+            assert out.reshape(stride * enc, N_MELS).shape[0] == stride * enc
+
+
+def test_padded_audio_windows_are_counted_and_produced_alike():
+    cfg = AudioConfig(pad_window_s=2.0)
+    data = _audio(3.1, 16000)
+    enc, _, _ = Counter(CountingConfig(audio=cfg)).audio(data)
+    out = preprocess_item("audio", data, PreprocessConfig(audio=cfg), enc_len=enc, key="k", member="wav")
+    assert enc == 200 and out.shape == (200, 256)
+    mel = out.astype(np.float32).reshape(400, N_MELS)
+    assert mel[350:].std() < 1e-3 < mel[:300].std()  # zero padding after 3.1 s is flat
+
+
+def test_an_encoder_rate_that_does_not_divide_100_is_refused():
+    cfg = AudioConfig(encoder_frames_per_s=30.0)
+    with pytest.raises(ValueError, match="encoder_frames_per_s=30 .*100/k"):
+        preprocess_item("audio", _audio(1.0, 16000), PreprocessConfig(audio=cfg), enc_len=30, key="k", member="wav")
+
+
+def test_slaney_mel_scale_and_filters():
+    # Slaney: linear to 1 kHz (15 mels), log above; the inverse round-trips
+    assert hz_to_mel(1000.0) == pytest.approx(15.0) and hz_to_mel(200.0) == pytest.approx(3.0)
+    assert hz_to_mel(6400.0) == pytest.approx(15.0 + 27.0)
+    hz = np.array([0.0, 100.0, 999.0, 1000.0, 4321.0, 8000.0])
+    np.testing.assert_allclose(mel_to_hz(hz_to_mel(hz)), hz, rtol=1e-12, atol=1e-9)
+    w = mel_filters()
+    assert w.shape == (128, 201) and (w >= 0).all()
+    # Slaney normalization: unit area in Hz for filters wide enough to be sampled well
+    edges = mel_to_hz(np.linspace(0, hz_to_mel(8000.0), 130))
+    wide = (edges[2:] - edges[:-2]) > 400
+    area = w.sum(axis=1) * (16000 / 400)
+    np.testing.assert_allclose(area[wide], 1.0, rtol=0.05)
+    # a pure tone's energy lands in the filter centred nearest to it
+    for tone in (440.0, 1500.0, 5000.0):
+        t = np.arange(16000) / 16000
+        mel = log_mel(np.sin(2 * np.pi * tone * t), 100)
+        assert abs(edges[1:-1][int(mel[50].argmax())] - tone) < 0.1 * tone + 40
+
+
+#: Non-zero weights of a few filters of `librosa.filters.mel(sr=16000, n_fft=400, n_mels=128)`
+#: (librosa 0.11), the call Whisper's `mel_filters.npz` was made with.
+LIBROSA_MEL = {
+    0: ([1], [0.0123739867]),
+    5: ([3, 4], [0.00564459199, 0.0067293942]),
+    40: ([24], [0.0403763652]),
+    90: ([79, 80, 81], [0.00618401915, 0.0129347313, 0.00629778765]),
+    127: (list(range(191, 200)), [0.000475695095, 0.00161717169, 0.00275864848, 0.00390012516, 0.0050416016,
+                                  0.00445712078, 0.00334284059, 0.00222856039, 0.0011142802]),
+}
+
+
+def test_mel_filters_match_librosa():
+    w = mel_filters()
+    for i, (bins, values) in LIBROSA_MEL.items():
+        assert np.nonzero(w[i])[0].tolist() == bins, i
+        np.testing.assert_allclose(w[i, bins], values, rtol=1e-6)
+
+
+def test_log_mel_frames_and_whisper_scaling():
+    t = np.arange(8000) / 16000
+    mel = log_mel(np.sin(2 * np.pi * 440 * t), 60)  # 0.5 s, asked for 0.6 s: zero-padded
+    assert mel.shape == (60, 128)
+    assert mel.max() - mel.min() <= 2.0 + 1e-6  # clamped at max - 8 (log10), then / 4
+    assert mel[55:].max() < mel[:45].max()  # the padded tail is quieter
+    np.testing.assert_allclose(log_mel(np.zeros(5000), 50), (-10 + 4) / 4, atol=1e-6)  # log10 floor 1e-10
+
+
+# --------------------------------------------------------------------------- plan mismatch
+def test_a_length_mismatch_raises_naming_key_and_member():
+    data = _png(640, 480)
+    config = PreprocessConfig()
+    enc, _, _ = Counter(CountingConfig()).image(data)
+    with pytest.raises(ValueError, match=r"sample 'abc/0001' member '0\.jpg'.*enc_len=" + str(enc + 4)):
+        preprocess_item("image", data, config, enc_len=enc + 4, key="abc/0001", member="0.jpg")
+    # the data node counted with another pixel budget than the trainer uses
+    small = PreprocessConfig(image=ImageConfig(max_pixels=112 * 112))
+    with pytest.raises(PreprocessError, match="'k7'.*disagree"):
+        preprocess_item("image", data, small, enc_len=enc, key="k7", member="png")
+    with pytest.raises(PreprocessError, match="'k8' member 'wav': audio cannot be decoded"):
+        preprocess_item("audio", b"RIFF....garbage", config, enc_len=3, key="k8", member="wav")
+    with pytest.raises(PreprocessError, match="'k9'.*no preprocessor for modality 'smell'"):
+        preprocess_item("smell", b"", config, enc_len=1, key="k9", member="x")
+    assert set(PREPROCESSORS) >= {"image", "audio"}
+
+
+# ------------------------------------------------------------------- steps, pool, datanode
+DEMO = CountingConfig(image=ImageConfig(max_pixels=112 * 112),
+                      audio=AudioConfig(encoder_frames_per_s=25.0, llm_tokens_per_s=12.5))
+PRE = PreprocessConfig(image=DEMO.image, audio=DEMO.audio)
+
+
+def _records(n: int, seed: int = 5) -> list[SampleRecord]:
+    counter = Counter(DEMO)
+    out = []
+    for i in range(n):
+        items, members = [], {}
+        for name, data in make_sample(seed, i).items():
+            ext = name.rsplit(".", 1)[-1]
+            if ext in ("jpg", "png"):
+                enc, llm, meta = counter.image(data)
+                items.append(Item(modality="image", member=name, enc_len=enc, llm_len=llm, meta=meta))
+            elif ext in ("wav", "flac"):
+                enc, llm, meta = counter.audio(data)
+                items.append(Item(modality="audio", member=name, enc_len=enc, llm_len=llm, meta=meta))
+            else:
+                continue
+            members[name] = data
+        items.sort(key=lambda it: it.modality != "image")
+        out.append(SampleRecord(key=f"s{i:03d}", shard="mem", index=i, items=items, text_len=3,
+                                llm_len=3 + sum(it.llm_len for it in items), members=members))
+    return out
+
+
+def _steps(records: list[SampleRecord], per_step: int = 6, world_size: int = 1, rank: int = 0):
+    """Real decoded `Step`s of these records, as a trainer receives them (no sockets)."""
+    from trainer_client.client import decode_step
+
+    steps = []
+    for s in range(0, len(records), per_step):
+        samples = [Sample(key=r.key, pos=0, index=r.index, text_len=r.text_len, llm_len=r.llm_len,
+                          text=b"t", items=[P.ItemHeader(it.modality, it.member, it.enc_len, it.llm_len,
+                                                         dict(it.meta)) for it in r.items],
+                          payloads=[memoryview(r.members[it.member]).cast("B") for it in r.items],
+                          nbytes=sum(memoryview(r.members[it.member]).nbytes for it in r.items))
+                   for r in records[s:s + per_step]]
+        batch = build_batch(samples)
+        plan = plan_step(batch.inputs, Topology(world_size=world_size, ranks_per_node=world_size),
+                         PlannerConfig(num_microbatches=2))
+        frames = [bytearray(memoryview(f)) for f in rank_message(batch, plan, step=s // per_step, epoch=0,
+                                                             rank=rank, seq=1)]
+        steps.append(decode_step(P.decode(frames)))
+    return steps
+
+
+def _inputs_by_item(steps) -> dict:
+    out = {}
+    for step in steps:
+        for mb in step.microbatches:
+            for phase, eb in mb.encoders.items():
+                for k, i in enumerate(eb.item_ids.tolist()):
+                    out[eb.sample_keys[k], eb.members[k]] = mb.inputs.item(phase, i)
+    return out
+
+
+@pytest.fixture(scope="module")
+def records():
+    recs = _records(24)
+    assert sum(len(r.items) for r in recs) >= 12  # the mix has images and audio
+    return recs
+
+
+def test_pool_delivers_the_in_loop_tensors_in_order(records):
+    torch = pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    reference = list(PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)))
+    expected = _inputs_by_item(reference)
+    for kind, workers in (("thread", 2), ("process", 2)):
+        with PrefetchPool(_steps(records), PrefetchConfig(workers=workers, ahead=2, kind=kind,
+                                                          preprocess=PRE)) as pool:
+            got = list(pool)
+        assert [s.step for s in got] == [s.step for s in reference] == list(range(4))
+        assert [[mb.keys for mb in s.microbatches] for s in got] == \
+            [[mb.keys for mb in s.microbatches] for s in reference]
+        items = _inputs_by_item(got)
+        assert list(items) == list(expected), kind
+        for k, t in items.items():
+            assert t.dtype == torch.float16 and torch.equal(t, expected[k]), (kind, k)
+        assert pool.next_step == 4
+
+
+def test_pool_prepares_only_so_far_ahead_and_reports_waits(records):
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    steps = _steps(records, per_step=3)  # 8 steps of 2 micro-batches
+    pulled = []
+
+    def source():
+        for s in steps:
+            pulled.append(s.step)
+            yield s
+
+    with PrefetchPool(source(), PrefetchConfig(workers=1, ahead=2, preprocess=PRE)) as pool:
+        first = next(pool)
+        deadline = time.monotonic() + 10
+        while len(pulled) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # had the feeder taken more, it would show by now
+        # the step held by the loop, one step of 2 micro-batches ahead, and one taken from the
+        # source whose slots are not free yet
+        assert first.step == 0 and len(pulled) == 3
+        rest = list(pool)
+    assert [s.step for s in rest] == list(range(1, 8)) and pool.wait_s > 0
+
+
+def test_pool_raises_a_bad_item_naming_its_key():
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    records = _records(12)
+    bad = [r for r in records if any(it.modality == "image" for it in r.items)][0]
+    member = next(it.member for it in bad.items if it.modality == "image")
+    bad.members[member] = b"\x89PNG\r\n\x1a\n" + bytes(40)  # counted fine earlier, cannot decode
+    for workers in (0, 2):
+        pool = PrefetchPool(_steps(records), PrefetchConfig(workers=workers, preprocess=PRE))
+        with pytest.raises(ValueError, match=f"sample '{bad.key}' member '{member}'"):
+            list(pool)
+        pool.close()
+
+
+def test_datanode_preprocessing_ships_the_same_tensors(records):
+    pytest.importorskip("torch")
+    import torch
+
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    trainer_side = _inputs_by_item(PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)))
+    shipped = _records(24)
+    raw_bytes = sum(memoryview(v).nbytes for r in shipped for v in r.members.values())
+    for r in shipped:
+        preprocess_record(r, PRE)
+    assert all(TENSOR_META in it.meta for r in shipped for it in r.items)
+    tensor_bytes = sum(memoryview(v).nbytes for r in shipped for v in r.members.values())
+    assert tensor_bytes != raw_bytes
+    # the trainer pool only wraps them, here with no counting rules at all
+    with PrefetchPool(_steps(shipped), PrefetchConfig(workers=1, preprocess=PreprocessConfig())) as pool:
+        datanode_side = _inputs_by_item(pool)
+    assert list(datanode_side) == list(trainer_side)
+    for k, t in trainer_side.items():
+        assert torch.equal(t, datanode_side[k]), k
+
+
+def test_a_shipped_tensor_is_checked_against_the_plan():
+    arr = np.zeros((6, 4), dtype=np.float16)
+    meta = {TENSOR_META: {"shape": [6, 4], "dtype": "<f2"}}
+    assert array_from_payload(arr.tobytes(), meta).shape == (6, 4)
+    with pytest.raises(ValueError, match="does not hold shape"):
+        array_from_payload(arr.tobytes()[:-2], meta)
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import prepare_item
+
+    with pytest.raises(ValueError, match="sample 'q' member 'jpg'.*6 rows.*enc_len=8"):
+        prepare_item("image", arr.tobytes(), meta, PreprocessConfig(), enc_len=8, key="q", member="jpg")
+
+
+def test_the_model_boundary_names_the_sample_key(records):
+    torch = pytest.importorskip("torch")
+    from trainer_client.model import check_item_lengths
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    step = next(PrefetchPool(_steps(records[:6]), PrefetchConfig(workers=0, preprocess=PRE)))
+    mb = next(m for m in step.microbatches if m.encoders and len(m.encoders["vision"].payloads))
+    eb = mb.encoders["vision"]
+    items = [mb.inputs.item("vision", int(i)) for i in eb.item_ids]
+    check_item_lengths("vision", items, eb.item_ids, eb.enc_len, mb.inputs.name)  # planned lengths pass
+    items[0] = items[0][:-4]
+    with pytest.raises(ValueError, match=f"sample '{eb.sample_keys[0]}' member '{eb.members[0]}': vision "
+                                         f"input has shape .* enc_len={int(eb.enc_len[0])}"):
+        check_item_lengths("vision", items, eb.item_ids, eb.enc_len, mb.inputs.name)
+    with pytest.raises(ValueError, match="vision item"):
+        check_item_lengths("vision", [torch.zeros(3, 2)], [7], [4])
+
+
+def test_dataset_refuses_dataloader_workers_and_prepares_inputs_in_its_pool(tmp_path):
+    torch = pytest.importorskip("torch")
+    from pipeline.gendata import generate
+    from pipeline.reader import ReaderConfig
+    from tests.test_service import client_config, dispatcher, make_config, readers
+    from trainer_client.client import DispatcherDataset
+    from trainer_client.prefetch import PrefetchConfig
+
+    shards = generate(str(tmp_path), num_samples=24, num_shards=2, seed=4)
+    reader = ReaderConfig(counting=DEMO)
+    got = {}
+    for where in ("trainer", "datanode"):
+        with dispatcher(make_config(shards, world_size=1, max_steps=3)) as srv, \
+                readers(srv.reader_endpoint, 1, reader=reader, preprocess_on=where):
+            ds = DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
+                                   config=client_config(), preprocess=PrefetchConfig(preprocess=PRE))
+            try:
+                steps = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0))
+            finally:
+                ds.client.close()
+                ds.pool.close()
+        got[where] = _inputs_by_item(steps)
+        assert [s.step for s in steps] == [0, 1, 2]
+    assert got["trainer"] and list(got["trainer"]) == list(got["datanode"])
+    for k, t in got["trainer"].items():
+        assert torch.equal(t, got["datanode"][k]), k
+    ds = DispatcherDataset("tcp://127.0.0.1:1", rank=0, world_size=1, local_world_size=1)
+    with pytest.raises(ValueError, match="runs in the main process"):
+        list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+
+
+def test_datanode_readers_refuse_reference_payloads_and_bad_rates(tmp_path):
+    import argparse
+
+    from pipeline.gendata import generate
+    from pipeline.service import FatalReaderError, ReaderServiceConfig, ReaderWorker, add_arguments, config_from_args
+    from tests.test_service import dispatcher, make_config
+
+    shards = generate(str(tmp_path), num_samples=4, num_shards=1, seed=1)
+    with dispatcher(make_config(shards, world_size=1, payloads="reference")) as srv:
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, timeout_s=1.5,
+                                                  connect_timeout_s=10, preprocess_on="datanode"))
+        with pytest.raises(FatalReaderError, match="--payloads reference.*--preprocess-on datanode"):
+            worker.run()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", "--preprocess-on", "datanode",
+                              "--audio-frames-per-s", "30"])
+    with pytest.raises(ValueError, match="encoder_frames_per_s=30"):
+        config_from_args(args)
