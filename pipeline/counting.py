@@ -49,7 +49,6 @@ class ImageConfig:
     # Decompression-bomb guard on the *declared* size, checked before any pixel is touched;
     # Pillow's own MAX_IMAGE_PIXELS (~9459x9459).
     max_header_pixels: int = 89_478_485
-    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif")
 
     def __post_init__(self) -> None:
         if self.patch_size < 1 or self.merge_size < 1:
@@ -76,7 +75,6 @@ class AudioConfig:
     # this range is corrupt, and its duration cannot be trusted either.
     min_sample_rate: int = 1000
     max_sample_rate: int = 768_000
-    extensions: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
 
     def __post_init__(self) -> None:
         if self.encoder_frames_per_s <= 0 or self.llm_tokens_per_s <= 0:
@@ -117,8 +115,6 @@ class TextConfig:
     # `text_too_large` before decoding. 8 MiB is ~2M tokens, beyond any model's context, and a
     # sample's text travels in one message header (32 MiB limit in the wire protocol).
     max_text_bytes: int = 8 << 20
-    extensions: tuple[str, ...] = ("txt", "text")
-    json_extensions: tuple[str, ...] = ("json",)
 
     def __post_init__(self) -> None:
         if self.ascii_bytes_per_token <= 0:
@@ -299,15 +295,17 @@ class Counter:
             return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
         return estimate_tokens(text, self.config.text, num_bytes)
 
-    def text(self, data: bytes | memoryview, ext: str, what: str) -> tuple[str, int]:
-        """(text, tokens) of a text or JSON member; JSON without a text field gives ("", 0)."""
+    def text(self, data: bytes | memoryview, ext: str, what: str, *,
+             as_json: bool | None = None) -> tuple[str, int]:
+        """(text, tokens) of a text or JSON member; JSON without a text field gives ("", 0).
+        `as_json`: parse as JSON (a conversation member); None: when `ext` is "json"."""
         cfg = self.config.text
         if len(data) > cfg.max_text_bytes:
             raise CountError(
                 "text_too_large", f"{what} holds {len(data)} bytes, over max_text_bytes={cfg.max_text_bytes}"
             )
         text = _utf8(data, what)
-        if ext in cfg.json_extensions:
+        if (ext == "json") if as_json is None else as_json:
             return self._json_text(text, what)
         return text, self.count_text(text, len(data))
 

@@ -130,6 +130,12 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
     }
 
 
+def format_ignored(counts: dict[str, int]) -> str:
+    """"cls 90, npy 3" (most first; "(no suffix)" for members named without one), or "none"."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{sfx or '(no suffix)'} {n}" for sfx, n in ranked) or "none"
+
+
 def render(report: dict, console: Console) -> None:
     """Print the report as tables and a terminal histogram."""
     console.print(
@@ -164,7 +170,8 @@ def render(report: dict, console: Console) -> None:
     console.print("images per sample: " + ", ".join(f"{k}: {v}" for k, v in per.items()))
     errors = report["errors"]
     reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
-    console.print(f"errors: {errors['num_errors']} ({reasons}); ignored members: {errors['num_ignored_members']}")
+    console.print(f"errors: {errors['num_errors']} ({reasons}); "
+                  f"ignored members: {format_ignored(errors['ignored_members'])}", highlight=False)
     if report["bad_shards"]:
         bad = Table(title="shards with errors")
         for col in ("shard", "samples read", "errors", "reasons", "first error"):

@@ -87,7 +87,7 @@ def test_grouping_item_order_gz_and_payload(tmp_path):
     assert s1.modality_mix == "audio+image+text"
     assert recs[1].text_len == 10 + 10 + 2 * 5 and recs[1].items == []
     assert recs[2].llm_len == 3
-    assert stats.num_samples == 3 and stats.num_errors == 0 and stats.num_ignored_members == 1
+    assert stats.num_samples == 3 and stats.num_errors == 0 and stats.ignored_members == {"cls": 1, "": 1}
 
 
 def _bad_case(tmp_path, case: str) -> tuple[str, str, int]:
