@@ -90,6 +90,7 @@ class Dispatcher:
             raise
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.skip_log = SkipLog(self.metrics)
+        self.ignored_members: Counter = Counter()  # members no field map names, by suffix
         self.assembler = StepAssembler(self.order, mode=config.mode, batch=config.batch,
                                        num_inflight_shards=config.flow.num_inflight_shards)
         self.pool = ReaderPool()
@@ -358,8 +359,10 @@ class Dispatcher:
 
     def _observe(self, step: int, epoch: int, plan: StepPlan, plan_ms: float) -> None:
         if self.step_log is not None:
-            self.step_log.write(plan_record(step, plan, config=self.config.planner,
-                                            plan_ms=plan_ms, epoch=epoch))
+            record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms, epoch=epoch)
+            if self.ignored_members:  # so far in this run, by suffix
+                record["ignored_members"] = dict(sorted(self.ignored_members.items()))
+            self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
         m.plan_ms.observe(plan_ms)
@@ -549,8 +552,19 @@ class Dispatcher:
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
+        self._ignored(prog.url, msg.get("ignored"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
+
+    def _ignored(self, url: str, ignored: dict[str, int] | None) -> None:
+        """Members of a finished shard that no field map kind names: metrics, log, step log."""
+        if not ignored:
+            return
+        for suffix, n in ignored.items():
+            self.metrics.ignored(suffix, n)
+        self.ignored_members.update(ignored)
+        event("members_ignored", shard=url,
+              suffixes=",".join(f"{s or '(no suffix)'}={n}" for s, n in sorted(ignored.items())))
 
     def _skip(self, url: str, skipped: list[P.SkipRecord]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""

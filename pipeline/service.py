@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import zmq
@@ -68,6 +69,7 @@ class _Assignment:
     count: int = 0
     unsent: list = field(default_factory=list)  # P.SkipRecord not yet reported
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
+    ignored: Counter = field(default_factory=Counter)  # members no field map kind names
 
     def skipped(self, error: SampleError, index: int) -> None:
         self.unsent.append(P.SkipRecord(error.key or "", error.reason, index))
@@ -160,7 +162,8 @@ class ReaderWorker:
             ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
         a.records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
-                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped)
+                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped,
+                               ignored=a.ignored)
         self.assignments.append(a)
 
     def _drop_assignment(self, a: _Assignment) -> None:
@@ -201,9 +204,21 @@ class ReaderWorker:
             self.num_samples_sent += len(headers)
         if done:
             self.session.send(P.SHARD_DONE, assign_id=a.id, count=a.count,
-                              skipped=a.take_unsent())
+                              skipped=a.take_unsent(), **ignored_field(a.ignored))
             self._drop_assignment(a)
             self._request_shards()
+
+
+def ignored_field(ignored: Counter) -> dict:
+    """SHARD_DONE's optional `ignored` field: absent when nothing was ignored; suffixes beyond
+    the protocol's limit are folded into `P.IGNORED_OTHER` (the most common kept by name)."""
+    if not ignored:
+        return {}
+    out: Counter = Counter()
+    for i, (suffix, n) in enumerate(ignored.most_common()):
+        fits = i < P.MAX_IGNORED_SUFFIXES - 1 and len(suffix) <= P.MAX_SUFFIX_CHARS
+        out[suffix if fits else P.IGNORED_OTHER] += n
+    return {"ignored": dict(out)}
 
 
 def _skipped_field(skipped: list) -> dict:
