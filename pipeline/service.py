@@ -214,11 +214,14 @@ def ignored_field(ignored: Counter) -> dict:
     the protocol's limit are folded into `P.IGNORED_OTHER` (the most common kept by name)."""
     if not ignored:
         return {}
-    out: Counter = Counter()
-    for i, (suffix, n) in enumerate(ignored.most_common()):
-        fits = i < P.MAX_IGNORED_SUFFIXES - 1 and len(suffix) <= P.MAX_SUFFIX_CHARS
-        out[suffix if fits else P.IGNORED_OTHER] += n
-    return {"ignored": dict(out)}
+    named: dict[str, int] = {}
+    other = 0
+    for suffix, n in ignored.most_common():
+        if len(named) < P.MAX_IGNORED_SUFFIXES - 1 and len(suffix) <= P.MAX_SUFFIX_CHARS:
+            named[suffix] = n
+        else:
+            other += n
+    return {"ignored": {**named, P.IGNORED_OTHER: other} if other else named}
 
 
 def _skipped_field(skipped: list) -> dict:
