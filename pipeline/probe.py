@@ -92,13 +92,15 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
 
 
 def _example(suffixes: list[str]) -> str:
-    """A field map line for the first found suffix, its kind guessed from its MIME type."""
+    """A field map line for a found suffix, its kind guessed from Python's built-in MIME table
+    (not the host's /etc/mime.types, so the message is the same everywhere)."""
+    table = mimetypes.MimeTypes()
     for suffix in suffixes:
-        mime = mimetypes.guess_type(f"x.{suffix}")[0] or ""
-        kind = mime.split("/")[0]
+        kind = (table.guess_type(f"x.{suffix}")[0] or "").split("/")[0]
         if kind in KINDS:
             return f"{kind}: [{suffix}]"
-    return f"text: [{suffixes[0]}]" if suffixes else "image: [png]"
+    suffix = suffixes[0] if suffixes else "png"
+    return f"image: [{suffix}] if the {suffix} members are images"
 
 
 def refusal(result: ProbeResult, source: str = "default") -> str | None:
