@@ -107,7 +107,7 @@ def reader_main(endpoint: str, seed: int, stop_at: float) -> None:
             for i in range(w[1], w[1] + n):
                 text, llm, items = pool[k % len(pool)]
                 k += 1
-                headers.append([f"{aid}-{i}", i, text, llm, b"", items])
+                headers.append([f"{aid}-{i}", i, text, llm, bytes(P.TOKEN_BYTES * text), items])
                 refs.extend([w[3]] * len(items))
             send(P.SAMPLES, frames=[b"".join(refs)], assign_id=aid, samples=headers,
                  sizes=[len(r) for r in refs])
@@ -183,6 +183,10 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
+#: serve's default shuffle buffer: the dispatcher's cost is measured with it on
+SHUFFLE = 1000
+
+
 def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
     G = SAMPLES_PER_RANK * world
     shards = []
@@ -190,13 +194,14 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         path = os.path.join(tmp, f"shard-{i:04d}.tar")
         open(path, "wb").close()  # never read: references only name it
         shards.append(path)
-    buffered = 6 * G
+    buffered = 6 * G + 2 * SHUFFLE  # retained steps, the step being filled, two shuffle blocks
     metrics_port = _free_port()
     proc, ready = _start_serve([
         "--shards", *shards, "--payloads", "reference", "--world-size", str(world),
         "--ranks-per-node", str(RANKS_PER_NODE), "--global-batch", str(G),
         "--num-microbatches", str(MICROBATCHES), "--max-epochs", "0",
         "--max-buffered-samples", str(buffered), "--inflight-shards", "16",
+        "--shuffle-buffer", str(SHUFFLE),
         "--credit-batch", "64", "--timeout", "60", "--metrics-port", str(metrics_port),
         "--log-level", "WARNING"])
     stop_at = time.monotonic() + a.warmup_s + a.seconds + 30

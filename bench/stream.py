@@ -145,7 +145,7 @@ def trainer_worker(address: str, rank: int, world_size: int, slow_ms: float, map
                 t_first, cpu0 = time.time(), time.process_time()
             for mb in step.microbatches:
                 n += len(mb.keys)
-                nbytes += sum(len(t) for t in mb.texts)
+                nbytes += sum(5 * t.numel() for t in mb.text_ids)  # int32 id + mask byte each
                 for enc in mb.encoders.values():
                     nbytes += sum(p.nbytes for p in enc.payloads)
             steps += 1

@@ -65,7 +65,7 @@ def sample_counts(counter: Counter, members: dict[str, bytes], max_text: int | N
             ext = name.rsplit(".", 2)[-2]
             data = gunzip(data, 64 << 20)
         if ext in ("txt", "json"):
-            text += counter.text(data, ext, name)[1]
+            text += len(counter.text(data, ext, name))
         elif ext in ("jpg", "png"):
             images.append(counter.image(data)[:2])
         elif ext in ("wav", "flac"):

@@ -1,10 +1,17 @@
 """The step assembler: the order window, each open shard's progress, the cursor and the step being filled.
 
-It owns every sample the dispatcher holds before planning and decides which one comes next:
-in deterministic mode the global order (shard position, then index) whatever the readers'
-timing; in arrival mode the order the samples came in. Samples move as blocks (one per
-message, one per take) because per-sample work here is the dispatcher's hottest path. No
-sockets: the server feeds it decoded messages and asks it for full steps.
+It owns every sample the dispatcher holds before planning and decides which one comes next.
+A dataset is one or more sources, each a `SourceStream`: its own shard order and epochs, its own
+window of open shards and cursor, and optionally a seeded shuffle in blocks. A `Blend` picks the
+source of each next sample by weight. Within a source, deterministic mode takes the global order
+(shard position, then index) whatever the readers' timing, arrival mode the order samples came
+in. Samples move as blocks (one per message, one per take) because per-sample work here is the
+dispatcher's hottest path. No sockets: the server feeds it decoded messages and asks it for full
+steps.
+
+Positions: source s of S reads its local shard position p as global position `p * S + s`, so
+one integer names a shard (and its epoch) everywhere: in assignments, buffers and samples. With
+one source the two are equal.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher_server.batching import Sample, header_problem
+from dispatcher_server.blend import Blend, block_permutation
 from dispatcher_server.config import BatchConfig
 from dispatcher_server.ordering import Cursor, ShardOrder
 from dispatcher_server.protocol import SampleHeader, SkipRecord, reference_path
@@ -56,58 +64,343 @@ class FilledStep:
     nbytes: int
 
 
-class StepAssembler:
-    """Window -> shard buffers -> step, with the cursor recording what was consumed."""
+class SourceStream:
+    """One source's samples in its own order: shard order and epochs, window, cursor, shuffle.
 
-    def __init__(self, order: ShardOrder, *, mode: str, batch: BatchConfig,
-                 num_inflight_shards: int) -> None:
-        self.order = order
-        self.mode = mode
-        self.batch = batch
-        self.num_inflight_shards = num_inflight_shards
-        self.bytes_seen = self.samples_seen = 0
-        self.reset(Cursor())
+    Without shuffle (`block_size` 1) samples leave their shard buffers in order and the cursor
+    counts exactly what left. With shuffle, samples are pulled in order into a block of
+    `block_size` (never across one of the source's epochs) and, once the block is complete,
+    emitted in a seeded permutation that depends on the block's first sample only. Its position
+    for a resume is the cursor where the block began plus how many it emitted: a restart re-reads
+    the block, derives the same permutation and skips what was emitted, whatever the timing.
+    """
 
-    def reset(self, cursor: Cursor) -> None:
-        """Start again at `cursor`: every buffer and the step being filled are dropped."""
-        self.cursor = cursor
+    def __init__(self, index: int, num_sources: int, name: str, order: ShardOrder, *, mode: str,
+                 window: int, block_size: int, seed: int) -> None:
+        self.index, self.S, self.name, self.order = index, num_sources, name, order
+        self.mode, self.window, self.block_size, self.seed = mode, window, block_size, seed
+        self.reset(Cursor(), 0)
+
+    def reset(self, cursor: Cursor, emitted: int) -> None:
+        self.cursor = cursor  # live: what has left the shard buffers
+        self.start = cursor.copy()  # where the current block began
+        self.block: list[Sample] = []
+        self.perm: list[int] | None = None  # set once the block is complete
+        self.emitted = 0
+        # The next block fills while the current one is emitted (readers never wait for a
+        # block to drain); it starts where the current block was complete.
+        self.next_block: list[Sample] = []
+        self.next_start: Cursor | None = None
+        self.block_bytes = 0  # of both blocks' samples not emitted yet
+        self._skip = emitted  # of the first block after a reset: emitted before the restart
+        self.arrival: deque[list[int]] = deque()  # [global pos, count] runs, in arrival order
         # Epochs read whole from here on, and the samples each yielded: one that yields none
         # (every shard empty, every sample skipped) ends the job instead of looping over epochs.
         self.kept_by_epoch: dict[int, int] = {}
         self.empty_epoch: int | None = None
         epoch = self.order.epoch_of(cursor.base)
         touched = any(self.order.epoch_of(p) == epoch for p in (*cursor.partial, *cursor.done))
-        at_start = cursor.base == epoch * self.order.num_shards and not touched
+        at_start = cursor.base == epoch * self.order.num_shards and not touched and not emitted
         self._first_whole_epoch = epoch if at_start else epoch + 1
-        self.progress: dict[int, ShardProgress] = {}
-        self.arrival: deque[list[int]] = deque()  # [pos, count] runs, in arrival order
-        self.acc: list[Sample] = []
-        self.acc_tokens = self.acc_bytes = 0
-        self.acc_cut = False
+
+    # -- positions ---------------------------------------------------------------------
+    def gpos(self, local: int) -> int:
+        return local * self.S + self.index
+
+    def epoch_of_sample(self, sample: Sample) -> int:
+        return self.order.epoch_of(sample.pos // self.S)
+
+    def position(self) -> dict:
+        """This source's part of the cursor a resume starts from."""
+        if self.block_size <= 1:
+            return self.cursor.to_wire()
+        return {**self.start.to_wire(), "emitted": self.emitted}
+
+    @property
+    def head(self) -> int:
+        """The global position the source's order waits on."""
+        return self.gpos(self.cursor.base)
 
     # -- the window --------------------------------------------------------------------
-    @property
-    def exhausted(self) -> bool:
-        """Every position of the last epoch is consumed and no step is being filled."""
-        end = self.order.end
-        return end is not None and self.cursor.base >= end and not self.acc
-
     def window_end(self) -> int:
         base = self.cursor.base
-        end = base + self.num_inflight_shards
+        end = base + self.window
         # Deterministic mode takes positions in order, so the window may run on into the next
         # epoch (readers do not idle while an epoch's last shards drain; its samples wait in
-        # their buffers, since steps never span epochs). Arrival mode plans in arrival order:
-        # it opens an epoch only once the last one is consumed.
+        # their buffers). Arrival mode plans in arrival order: it opens an epoch only once the
+        # last one is consumed.
         if self.mode != "deterministic":
             end = min(end, self.order.epoch_end(base))
         return end if self.order.end is None else min(end, self.order.end)
 
+    def open_window(self, progress: dict[int, ShardProgress]) -> None:
+        for local in range(self.cursor.base, self.window_end()):
+            g = self.gpos(local)
+            if g not in progress and self.cursor.is_open(local):
+                progress[g] = ShardProgress(pos=g, url=self.order.url(local),
+                                            next_index=self.cursor.start_index(local))
+
+    def finish_drained(self, progress: dict[int, ShardProgress]) -> None:
+        before = self.order.epoch_of(self.cursor.base)
+        for local in range(self.cursor.base, self.window_end()):
+            g = self.gpos(local)
+            pr = progress.get(g)
+            if pr is not None and pr.reader_done and not pr.buffer:
+                del progress[g]
+                self.cursor.finish(local)
+        for epoch in range(before, self.order.epoch_of(self.cursor.base)):
+            if epoch >= self._first_whole_epoch and not self.kept_by_epoch.pop(epoch, 0):
+                self.empty_epoch = epoch
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        """Samples pulled into the blocks and not emitted yet."""
+        return len(self.block) - self.emitted + len(self.next_block)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every position of the last epoch is consumed and the blocks are emitted."""
+        end = self.order.end
+        return (end is not None and self.cursor.base >= end and not self.block
+                and not self.next_block)
+
+    def drained(self, epoch: int) -> bool:
+        """Nothing of `epoch` is left: its positions are consumed and no block holds any."""
+        if not self.drained_positions(epoch):
+            return False
+        return all(not b or self.epoch_of_sample(b[0]) != epoch
+                   for b in (self.block, self.next_block))
+
+    # -- taking samples ----------------------------------------------------------------
+    def take(self, progress: dict[int, ShardProgress], limit: int, *, epoch: int | None,
+             tokens: int, budget: int | None, first: bool) -> tuple[list[Sample], bool]:
+        """Up to `limit` next samples of this source in its final order, and whether the token
+        budget cut the step there. `epoch`: only samples of that epoch (None: any). `tokens`:
+        LLM tokens in the step so far; `first`: the step is empty (its first sample always
+        fits, even past the budget)."""
+        self.finish_drained(progress)
+        if self.block_size <= 1:
+            return self._take_in_order(progress, limit, epoch, tokens, budget, first)
+        if self.perm is None and not self._fill_block(progress):
+            return [], False
+        block, perm = self.block, self.perm
+        if epoch is not None and self.epoch_of_sample(block[0]) != epoch:
+            return [], False  # steps never span epochs
+        out: list[Sample] = []
+        cut = False
+        k = self.emitted
+        while len(out) < limit and k < len(block):
+            s = block[perm[k]]
+            if budget is not None and (out or not first) and tokens + s.llm_len > budget:
+                cut = True
+                break
+            tokens += s.llm_len
+            out.append(s)
+            k += 1
+        self.emitted = k
+        self.block_bytes -= sum(s.nbytes for s in out)
+        if k == len(block):
+            self._next()
+        else:
+            self._prefill(progress)
+        return out, cut
+
+    def _next(self) -> None:
+        """The current block is emitted: the next one (perhaps partly filled) takes its place."""
+        self.block, self.next_block = self.next_block, []
+        self.start = self.next_start if self.next_start is not None else self.cursor.copy()
+        self.perm, self.next_start, self.emitted = None, None, 0
+
+    def _pull(self, progress: dict[int, ShardProgress], into: list[Sample]) -> None:
+        """Move samples in order into a block, up to its size, never across an epoch."""
+        epoch = (self.epoch_of_sample(into[0]) if into
+                 else self.order.epoch_of(self.cursor.base))
+        while len(into) < self.block_size:
+            got, _ = self._take_in_order(progress, self.block_size - len(into), epoch, 0, None, True)
+            if not got:
+                break
+            into.extend(got)
+            self.block_bytes += sum(s.nbytes for s in got)
+            self.finish_drained(progress)
+
+    def _prefill(self, progress: dict[int, ShardProgress]) -> None:
+        if self.next_start is not None:
+            self._pull(progress, self.next_block)
+
+    def _fill_block(self, progress: dict[int, ShardProgress]) -> bool:
+        """Pull in order until the block is complete; False while it waits for samples."""
+        block = self.block
+        self._pull(progress, block)
+        if not block:
+            return False
+        if (len(block) < self.block_size
+                and not self.drained_positions(self.epoch_of_sample(block[0]))):
+            return False
+        first = block[0]
+        self.perm = block_permutation(self.seed, self.name, first.pos, first.index, len(block))
+        self.next_start = self.cursor.copy()
+        self.emitted, self._skip = self._skip, 0
+        # Samples emitted before a restart left the dispatcher's memory but not its order.
+        self.block_bytes -= sum(block[i].nbytes for i in self.perm[:self.emitted])
+        if self.emitted >= len(block):  # all of it was emitted before the restart
+            self._next()
+            return self._fill_block(progress)
+        return True
+
+    def drained_positions(self, epoch: int) -> bool:
+        return self.cursor.base >= self.order.epoch_end(epoch * self.order.num_shards)
+
+    def _take_in_order(self, progress: dict[int, ShardProgress], limit: int, epoch: int | None,
+                       tokens: int, budget: int | None, first: bool) -> tuple[list[Sample], bool]:
+        """Move up to `limit` samples out of the shard buffers in this source's order, as one
+        block from one position (deterministic: the head; arrival: the oldest run).
+
+        The block shares one position, hence one epoch, so only its head is checked against
+        `epoch`; the token budget is checked sample by sample and cuts where the next sample
+        would exceed it, exactly as taking one sample at a time would.
+        """
+        run = None
+        if self.mode == "deterministic":
+            prog = progress.get(self.gpos(self.cursor.base))
+            if prog is None or not prog.buffer:
+                return [], False
+            n = min(limit, len(prog.buffer))
+        else:
+            if not self.arrival:
+                return [], False
+            run = self.arrival[0]  # [pos, count]: that many of pos's buffer, in order
+            prog = progress[run[0]]
+            n = min(limit, run[1])
+        buf = prog.buffer
+        head = buf[0]
+        if epoch is not None and self.epoch_of_sample(head) != epoch:
+            return [], False
+        cut = False
+        if budget is not None:
+            n, cut = _fitting(buf, n, tokens, budget, first)
+            if n == 0:
+                return [], cut
+        if n == len(buf):
+            taken = list(buf)
+            buf.clear()
+        else:
+            taken = [buf.popleft() for _ in range(n)]
+        prog.nbytes -= sum(s.nbytes for s in taken)
+        self.cursor.consume(head.pos // self.S, taken[-1].index)
+        if run is not None:
+            run[1] -= n
+            if not run[1]:
+                self.arrival.popleft()
+        return taken, cut
+
+
+class StepAssembler:
+    """Shard buffers -> sources (blend, shuffle) -> step, with the cursor recording what was
+    consumed.
+
+    `order` is one ShardOrder (one source) or a list, one per source, with `names`, `weights`,
+    `windows` (open shards per source) and `block_sizes` (shuffle block per source, 1: none).
+    """
+
+    def __init__(self, order: ShardOrder | list[ShardOrder], *, mode: str, batch: BatchConfig,
+                 num_inflight_shards: int = 8, names: list[str] | None = None,
+                 weights: list[float] | None = None, windows: list[int] | None = None,
+                 block_sizes: list[int] | None = None, seed: int = 0) -> None:
+        orders = [order] if isinstance(order, ShardOrder) else list(order)
+        S = len(orders)
+        names = names or (["default"] if S == 1 else [f"source{i}" for i in range(S)])
+        windows = windows or [num_inflight_shards] * S
+        block_sizes = block_sizes or [1] * S
+        self.mode = mode
+        self.batch = batch
+        self.seed = seed
+        self.weights = weights or [1.0] * S
+        self.streams = [SourceStream(i, S, names[i], orders[i], mode=mode, window=windows[i],
+                                     block_size=block_sizes[i], seed=seed) for i in range(S)]
+        self.bytes_seen = self.samples_seen = 0
+        self.reset(None)
+
+    def reset(self, position: dict | Cursor | None) -> None:
+        """Start again at `position` (a cursor's wire form, as `position()` gives): every buffer
+        and the step being filled are dropped."""
+        if isinstance(position, Cursor):
+            position = position.to_wire()
+        parts: list = [None] * len(self.streams)
+        drawn = None
+        if position and "streams" in position:
+            parts, drawn = list(position["streams"]), position.get("blend")
+        elif position:
+            parts = [position]
+        if len(parts) != len(self.streams):
+            raise ValueError(f"a cursor of {len(parts)} sources cannot resume a dataset of "
+                             f"{len(self.streams)}: the dataset file changed since the journal")
+        for stream, part in zip(self.streams, parts):
+            stream.reset(Cursor.from_wire(part) if part else Cursor(),
+                         int(part.get("emitted", 0)) if part else 0)
+        self.blend = Blend(self.weights, self.seed, drawn)
+        self.progress: dict[int, ShardProgress] = {}
+        self.acc: list[Sample] = []
+        self.acc_tokens = self.acc_bytes = 0
+        self.acc_cut = False
+
+    def position(self) -> dict:
+        """The cursor after the samples taken so far, in wire form (what the journal keeps)."""
+        if len(self.streams) == 1 and self.streams[0].block_size <= 1:
+            return self.streams[0].cursor.to_wire()
+        return {"streams": [s.position() for s in self.streams], "blend": list(self.blend.drawn)}
+
+    # -- one source's views, kept for single-source callers ----------------------------
+    @property
+    def order(self) -> ShardOrder:
+        return self.streams[0].order
+
+    @property
+    def cursor(self) -> Cursor:
+        return self.streams[0].cursor
+
+    @property
+    def arrival(self) -> deque[list[int]]:
+        return self.streams[0].arrival
+
+    # -- positions ---------------------------------------------------------------------
+    def stream_of(self, pos: int) -> SourceStream:
+        return self.streams[pos % len(self.streams)]
+
+    def url(self, pos: int) -> str:
+        st = self.stream_of(pos)
+        return st.order.url(pos // st.S)
+
+    def epoch_of(self, pos: int) -> int:
+        st = self.stream_of(pos)
+        return st.order.epoch_of(pos // st.S)
+
+    def source_of(self, pos: int) -> str:
+        return self.stream_of(pos).name
+
+    def heads(self) -> set[int]:
+        return {st.head for st in self.streams}
+
+    # -- the window --------------------------------------------------------------------
+    @property
+    def exhausted(self) -> bool:
+        """No step can be filled any more: a source the blend needs has read its last epoch
+        (with one source: every position consumed) and no step is being filled."""
+        if self.acc:
+            return False
+        return self.streams[self.blend.next_source()].exhausted
+
+    @property
+    def empty_epoch(self) -> tuple[str, int] | None:
+        """(source, epoch) of a source epoch read whole that yielded no usable sample."""
+        for st in self.streams:
+            if st.empty_epoch is not None:
+                return st.name, st.empty_epoch
+        return None
+
     def open_window(self) -> None:
-        for pos in range(self.cursor.base, self.window_end()):
-            if pos not in self.progress and self.cursor.is_open(pos):
-                self.progress[pos] = ShardProgress(pos=pos, url=self.order.url(pos),
-                                                   next_index=self.cursor.start_index(pos))
+        for st in self.streams:
+            st.open_window(self.progress)
 
     def unassigned(self) -> list[int]:
         """Open positions no reader holds, lowest first."""
@@ -154,16 +447,17 @@ class StepAssembler:
         prog.next_index = next_index
         prog.nbytes += nbytes
         if out.kept:
-            epoch = self.order.epoch_of(pos)
-            self.kept_by_epoch[epoch] = self.kept_by_epoch.get(epoch, 0) + out.kept
+            st = self.stream_of(pos)
+            epoch = st.order.epoch_of(pos // st.S)
+            st.kept_by_epoch[epoch] = st.kept_by_epoch.get(epoch, 0) + out.kept
+            if self.mode == "arrival":
+                runs = st.arrival
+                if runs and runs[-1][0] == pos:
+                    runs[-1][1] += out.kept
+                else:
+                    runs.append([pos, out.kept])
         self.bytes_seen += nbytes
         self.samples_seen += out.kept
-        if out.kept and self.mode == "arrival":
-            runs = self.arrival
-            if runs and runs[-1][0] == pos:
-                runs[-1][1] += out.kept
-            else:
-                runs.append([pos, out.kept])
         return out
 
     def unheard(self, pos: int, skipped: list[SkipRecord]) -> list[SkipRecord]:
@@ -177,110 +471,77 @@ class StepAssembler:
 
     # -- filling a step ----------------------------------------------------------------
     def fill(self) -> None:
-        """Take samples in order into the step being filled, up to the global batch or a cut."""
+        """Take samples in order into the step being filled, up to the global batch or a cut:
+        the blend names the source of each next sample, the source gives its next ones."""
         G = self.batch.global_batch
+        single = len(self.streams) == 1
+        budget = self.batch.token_budget
         while len(self.acc) < G and not self.acc_cut:
-            self._finish_drained()
-            if self.mode == "deterministic":
-                prog = self.progress.get(self.cursor.base)
-                if prog is None or not prog.buffer or not self._take(prog, G - len(self.acc)):
-                    return
-            else:
-                if not self.arrival:
-                    return
-                run = self.arrival[0]  # [pos, count]: that many of pos's buffer, in order
-                moved = self._take(self.progress[run[0]], min(G - len(self.acc), run[1]))
-                if not moved:
-                    return
-                run[1] -= moved
-                if not run[1]:
-                    self.arrival.popleft()
-        self._finish_drained()
+            s, n = self.blend.run(G - len(self.acc))
+            st = self.streams[s]
+            # One source: steps never span its epochs. A blend mixes sources at their own epochs.
+            epoch = st.epoch_of_sample(self.acc[0]) if single and self.acc else None
+            taken, cut = st.take(self.progress, n, epoch=epoch, tokens=self.acc_tokens,
+                                 budget=budget, first=not self.acc)
+            if cut:
+                self.acc_cut = True
+            if not taken:
+                break
+            self.blend.draw(s, len(taken))
+            self.acc.extend(taken)
+            self.acc_tokens += sum(x.llm_len for x in taken)
+            self.acc_bytes += sum(x.nbytes for x in taken)
+        for st in self.streams:
+            st.finish_drained(self.progress)
 
     def step_ready(self) -> bool:
         if not self.acc:
             return False
         if len(self.acc) >= self.batch.global_batch or self.acc_cut:
             return True
-        # The epoch's positions are all consumed: its last, smaller step goes out now.
-        return self.cursor.base >= self.order.epoch_end(self.acc[0].pos)
+        if len(self.streams) == 1:
+            # The epoch's positions are all consumed: its last, smaller step goes out now.
+            st = self.streams[0]
+            return st.drained(st.epoch_of_sample(self.acc[0]))
+        # A blend ends when a source it needs has read its last epoch: the rest goes out now.
+        return self.streams[self.blend.next_source()].exhausted
 
     def take_step(self) -> FilledStep:
-        step = FilledStep(samples=self.acc, epoch=self.order.epoch_of(self.acc[0].pos),
-                          nbytes=self.acc_bytes)
+        if len(self.streams) == 1:
+            epoch = self.streams[0].epoch_of_sample(self.acc[0])
+        else:
+            epoch = min(self.stream_of(s.pos).epoch_of_sample(s) for s in self.acc)
+        step = FilledStep(samples=self.acc, epoch=epoch, nbytes=self.acc_bytes)
         self.acc, self.acc_tokens, self.acc_bytes, self.acc_cut = [], 0, 0, False
         return step
 
-    def _finish_drained(self) -> None:
-        before = self.order.epoch_of(self.cursor.base)
-        for pos in [p for p, pr in self.progress.items() if pr.reader_done and not pr.buffer]:
-            del self.progress[pos]
-            self.cursor.finish(pos)
-        for epoch in range(before, self.order.epoch_of(self.cursor.base)):
-            if epoch >= self._first_whole_epoch and not self.kept_by_epoch.pop(epoch, 0):
-                self.empty_epoch = epoch
-
-    def _take(self, prog: ShardProgress, limit: int) -> int:
-        """Move up to `limit` head samples of `prog` into the step being filled, as one block;
-        how many moved (0 if the head must wait).
-
-        The block shares one position, hence one epoch, so only its head is checked against the
-        step's epoch; the token budget is checked sample by sample and cuts the step where the
-        next sample would exceed it, exactly as taking one sample at a time would.
-        """
-        buf = prog.buffer
-        head = buf[0]
-        budget = self.batch.token_budget
-        tokens = self.acc_tokens
-        if self.acc:
-            if budget is not None and tokens + head.llm_len > budget:
-                self.acc_cut = True
-                return 0
-            if self.order.epoch_of(head.pos) != self.order.epoch_of(self.acc[0].pos):
-                return 0  # steps never span epochs
-        n = min(limit, len(buf))
-        if budget is not None:
-            n = self._fitting(buf, n, tokens, budget)
-            if n == 0:
-                return 0
-        if n == len(buf):
-            taken = list(buf)
-            buf.clear()
-        else:
-            taken = [buf.popleft() for _ in range(n)]
-        nbytes = sum(s.nbytes for s in taken)
-        prog.nbytes -= nbytes
-        self.cursor.consume(head.pos, taken[-1].index)
-        self.acc.extend(taken)
-        self.acc_tokens = tokens + sum(s.llm_len for s in taken)
-        self.acc_bytes += nbytes
-        return n
-
-    def _fitting(self, buf: deque[Sample], n: int, tokens: int, budget: int) -> int:
-        """How many of the first `n` samples of `buf` fit the token budget (cutting the step at
-        the first that does not; the first sample of a step always fits)."""
-        fits = 0
-        for s in buf:
-            if fits == n:
-                break
-            if (fits or self.acc) and tokens + s.llm_len > budget:
-                self.acc_cut = True
-                break
-            tokens += s.llm_len
-            fits += 1
-        return fits
-
     # -- accounting --------------------------------------------------------------------
     def held(self) -> tuple[int, int]:
-        """Samples and payload bytes buffered here (shard buffers plus the step being filled)."""
+        """Samples and payload bytes buffered here (shard buffers, shuffle blocks and the step
+        being filled)."""
         progress = self.progress.values()
-        return (sum(len(p.buffer) for p in progress) + len(self.acc),
-                sum(p.nbytes for p in progress) + self.acc_bytes)
+        return (sum(len(p.buffer) for p in progress) + len(self.acc)
+                + sum(st.pending for st in self.streams),
+                sum(p.nbytes for p in progress) + self.acc_bytes
+                + sum(st.block_bytes for st in self.streams))
 
     @property
     def avg_sample_bytes(self) -> float:
         return self.bytes_seen / self.samples_seen if self.samples_seen else 0.0
 
+
+def _fitting(buf: deque[Sample], n: int, tokens: int, budget: int, first: bool) -> tuple[int, bool]:
+    """How many of the first `n` samples of `buf` fit the token budget, and whether the step is
+    cut at the first that does not (the first sample of a step always fits)."""
+    fits = 0
+    for s in buf:
+        if fits == n:
+            break
+        if (fits or not first) and tokens + s.llm_len > budget:
+            return fits, True
+        tokens += s.llm_len
+        fits += 1
+    return fits, False
 
 def _gap(lo: int, hi: int, accounted: set[int], out: Received) -> None:
     """Record [lo, hi) as a gap unless skips account for every index in it (bounded work: a

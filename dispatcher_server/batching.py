@@ -18,7 +18,7 @@ from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepIn
 from dispatcher_server.protocol import STEP, StepItemHeader, encode
 from dispatcher_server.stepwire import pack_step
 
-_PHASE_OF = {"image": "vision", "audio": "audio"}
+_PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
 
 
 @dataclass(slots=True)
@@ -30,7 +30,7 @@ class Sample:
     index: int  # raw index in its shard
     text_len: int
     llm_len: int
-    text: bytes
+    tokens: bytes  # text token ids and loss mask, as the reader sent them (protocol.TOKEN_BYTES)
     items: list  # ItemHeader per item
     payloads: list  # one buffer per item
     nbytes: int
@@ -64,7 +64,7 @@ class StepBatch:
     inputs: StepInputs
     item_refs: dict[str, list[tuple[int, int]]]  # phase -> (sample id, item index) per item id
     keys: list[str]  # per sample id
-    texts: list[bytes]  # per sample id
+    tokens: list[bytes]  # per sample id
     item_headers: dict[str, list[StepItemHeader]]  # phase -> header per item id
     item_payloads: dict[str, list]  # phase -> payload buffer per item id
     item_sizes: dict[str, list[int]]  # phase -> payload bytes per item id
@@ -111,7 +111,7 @@ def build_batch(samples: list[Sample]) -> StepBatch:
         encoders=encoders,
     )
     return StepBatch(samples=samples, inputs=inputs, item_refs={p: c[0] for p, c in cols.items()},
-                     keys=[s.key for s in samples], texts=[s.text for s in samples],
+                     keys=[s.key for s in samples], tokens=[s.tokens for s in samples],
                      item_headers={p: c[4] for p, c in cols.items()},
                      item_payloads={p: c[5] for p, c in cols.items()},
                      item_sizes={p: c[6] for p, c in cols.items()})
@@ -122,14 +122,14 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int) ->
     `plan.num_microbatches` micro-batches each, only that rank's part.
 
     The arrays of all ranks are packed at once (`stepwire.pack_step`); each rank's arrays frame
-    is a view of that buffer. Keys, texts and item headers are put in group order once, so a
+    is a view of that buffer. Keys, tokens and item headers are put in group order once, so a
     rank's lists are slices.
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     packed = pack_step(plan)
     order = plan.sample_order.tolist()
     keys = [batch.keys[i] for i in order]
-    texts = [batch.texts[i] for i in order]
+    tokens = [batch.tokens[i] for i in order]
     sample_ptr = plan.sample_ptr.tolist()
     items = {}
     for phase in ENCODER_PHASES:
@@ -151,7 +151,7 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int) ->
                 heads += h[a:z]
                 payloads += b[a:z]
                 sizes += n[a:z]
-            mbs.append({"arrays": packed.lengths[g], "keys": keys[s0:s1], "texts": texts[s0:s1],
+            mbs.append({"arrays": packed.lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
                         "items": heads, "payloads": len(heads), "sizes": sizes})
             frames.append(packed.frame(g))
             frames.append(b"".join(payloads))

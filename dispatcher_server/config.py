@@ -62,8 +62,30 @@ class CurveConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ServerConfig:
+class Source:
+    """One source of a dataset: its shards, its blend weight and its field map.
+
+    `fields` (kind -> member extensions) tells readers which members are images, audio, video,
+    text or conversations; None keeps the readers' default map.
+    """
+
+    name: str
     shards: list[str]
+    weight: float = 1.0
+    fields: dict | None = None
+
+    def __post_init__(self) -> None:
+        if not self.shards:
+            raise ValueError(f"source {self.name!r} has no shards")
+        if not self.weight > 0:
+            raise ValueError(f"source {self.name!r}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """What to serve: `sources` (a blend), or `shards` alone as one source named "default"."""
+
+    shards: list[str] = field(default_factory=list)
     world_size: int
     batch: BatchConfig
     planner: PlannerConfig
@@ -88,12 +110,26 @@ class ServerConfig:
     step_log: str | None = None  # JSON lines per planned step, with the random baseline's metrics
     payloads: str = "inline"  # or "reference": trainers read member bytes from the shard files
     refit: RefitConfig | None = None  # refit the cost model online from trainers' timings
+    sources: list[Source] = field(default_factory=list)
+    # Samples per seeded shuffle block, shared by the sources in proportion to their weights
+    # (see assembler.SourceStream); 0 or 1 keeps each source's order (shard order, then index).
+    shuffle_buffer: int = 1000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not self.shards:
-            raise ValueError("the shard list is empty")
+        if self.sources and self.shards:
+            raise ValueError("give either sources or shards, not both")
+        if not self.sources:
+            if not self.shards:
+                raise ValueError("the shard list is empty")
+            self.sources = [Source(name="default", shards=list(self.shards))]
+        self.shards = [url for src in self.sources for url in src.shards]
+        names = [src.name for src in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique, got {names}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         if self.payloads not in PAYLOAD_MODES:
             raise ValueError(f"payloads must be one of {PAYLOAD_MODES}, got {self.payloads!r}")
         if self.payloads == "reference":
@@ -112,15 +148,45 @@ class ServerConfig:
             raise ValueError(
                 f"max_buffered_samples={f.max_buffered_samples} is too small: it must exceed "
                 f"(max_retained_steps + 1) * global_batch = "
-                f"{(f.max_retained_steps + 1) * self.batch.global_batch} by at least "
-                f"num_inflight_shards={f.num_inflight_shards}")
+                f"{(f.max_retained_steps + 1) * self.batch.global_batch} plus the shuffle "
+                f"buffer ({sum(self.block_sizes)}) by at least the open shards "
+                f"({sum(self.windows)}); raise it or lower --shuffle-buffer")
+
+    @property
+    def weights(self) -> list[float]:
+        """Blend weights, normalized to sum to 1."""
+        total = sum(src.weight for src in self.sources)
+        return [src.weight / total for src in self.sources]
+
+    @property
+    def windows(self) -> list[int]:
+        """Shards each source reads at once: `num_inflight_shards` shared by weight, at least 1."""
+        n = self.flow.num_inflight_shards
+        if len(self.sources) == 1:
+            return [n]
+        return [max(1, round(n * w)) for w in self.weights]
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """Samples per shuffle block of each source: the buffer shared by weight (1: no shuffle).
+        A source drawn at rate w gets w of the buffer, so all sources renew blocks at one pace."""
+        if self.shuffle_buffer <= 1:
+            return [1] * len(self.sources)
+        return [max(1, round(self.shuffle_buffer * w)) for w in self.weights]
 
     @property
     def shard_cap(self) -> int:
-        """Samples one open shard may hold (buffered plus credited) so the head never starves."""
+        """Samples one open shard may hold (buffered plus credited) so the heads never starve."""
         f = self.flow
-        spare = f.max_buffered_samples - (f.max_retained_steps + 1) * self.batch.global_batch
-        return spare // f.num_inflight_shards
+        blocks = sum(b for b in self.block_sizes if b > 1)
+        spare = (f.max_buffered_samples - (f.max_retained_steps + 1) * self.batch.global_batch
+                 - blocks)
+        return spare // sum(self.windows)
+
+    def _sources_digest(self) -> dict:
+        if len(self.sources) == 1 and self.sources[0].name == "default":
+            return {}
+        return {"sources": [[src.name, src.weight, len(src.shards)] for src in self.sources]}
 
     def dataset_fingerprint(self) -> dict:
         """What a trainer's checkpoint must match to resume here: the sample sequence's inputs
@@ -128,8 +194,10 @@ class ServerConfig:
         digest = hashlib.blake2b("\0".join(self.shards).encode(), digest_size=8).hexdigest()
         return {"shards": digest, "num_shards": len(self.shards), "seed": self.seed,
                 "mode": self.mode, "global_batch": self.batch.global_batch,
-                "token_budget": self.batch.token_budget}
+                "token_budget": self.batch.token_budget, "shuffle_buffer": self.shuffle_buffer,
+                **self._sources_digest()}
 
     def fingerprint(self) -> dict:
         return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,
-                "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget}
+                "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget,
+                "shuffle_buffer": self.shuffle_buffer, **self._sources_digest()}

@@ -3,8 +3,8 @@
 Samples held anywhere in the dispatcher plus credits outstanding never exceed
 `max_buffered_samples`; new credits stop at `max_buffered_bytes` (estimated from the average
 sample size so far). One exception keeps the stream from deadlocking: the shard at the head of
-the order, when it has nothing buffered and no credit, may always get samples, since every
-other buffer waits for it.
+a source's order, when it has nothing buffered and no credit, may always get samples, since
+every other buffer of that source waits for it (and a shuffle block fills from it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class Holdings:
     nbytes: int
 
 
-def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *, head: int,
+def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *, heads: set[int],
            held: Holdings, avg_sample_bytes: float, flow: FlowConfig,
            shard_cap: int) -> list[tuple[Assignment, int]]:
     """(assignment, samples) for every grant to make now, lowest position first.
@@ -38,7 +38,7 @@ def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *,
         prog = progress[a.pos]
         room = min(shard_cap - len(prog.buffer) - a.credits,
                    flow.max_buffered_samples - held.samples - outstanding)
-        starving = a.pos == head and not prog.buffer and not a.credits
+        starving = a.pos in heads and not prog.buffer and not a.credits
         if avg_sample_bytes > 0 and not starving:
             room = min(room, int((flow.max_buffered_bytes - held.nbytes) / avg_sample_bytes)
                        - outstanding)

@@ -47,6 +47,8 @@ PLAN_FILES = ("plans-0.mmd", "plans-1.mmd")
 SKIPPED_FILE = "skipped.mmd"
 #: Fingerprint fields a restore must match; world size is deliberately absent (elastic resume).
 FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
+#: Compared the same way when present (`sources` is absent for one default source).
+OPTIONAL_FINGERPRINT_FIELDS = ("shuffle_buffer", "sources")
 
 
 class SkippedKey(NamedTuple):
@@ -104,7 +106,7 @@ class Journal:
         self.fsync = fsync
         self.plan_file_bytes = plan_file_bytes
         self.journal_file_bytes = journal_file_bytes
-        self.fingerprint = {f: fingerprint[f] for f in FINGERPRINT_FIELDS}
+        self.fingerprint = {f: fingerprint.get(f) for f in FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS}
         self.last_committed = -1
         #: step -> entry (plan included), for the steps not covered by a commit
         self.pending: dict[int, StepEntry] = {}
@@ -204,8 +206,9 @@ class Journal:
                 self.num_skipped, self._skipped_end = int(rec["total"]), int(rec["end"])
 
     def _check_config(self, rec: dict) -> None:
-        theirs = {f: rec.get(f) for f in FINGERPRINT_FIELDS}
-        diff = [f for f in FINGERPRINT_FIELDS if theirs[f] != self.fingerprint[f]]
+        fields = FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS
+        theirs = {f: rec.get(f) for f in fields}
+        diff = [f for f in fields if theirs[f] != self.fingerprint[f]]
         if diff:
             details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
                                 f"{_short(self.fingerprint[f])}" for f in diff)

@@ -38,6 +38,8 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         self.steps_served = Counter("mmdispatch_steps_served", "Steps planned and sent", registry=r)
         self.samples_in = Counter("mmdispatch_samples_in", "Samples received from readers", registry=r)
+        self.source_samples = Counter("mmdispatch_source_samples", "Samples planned into steps, "
+                                      "by dataset source", ["source"], registry=r)
         self.plan_ms = Histogram("mmdispatch_plan_ms", "Planner time per step (ms)", registry=r,
                                  buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
         self.imbalance = Gauge("mmdispatch_imbalance_max_over_mean",

@@ -13,11 +13,12 @@ import hashlib
 from dataclasses import dataclass, field
 
 
-def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
-    """Shard indices in the order epoch `epoch` reads them (portable: hash-sorted, not RNG)."""
+def epoch_order(num_shards: int, seed: int, epoch: int, salt: str = "") -> list[int]:
+    """Shard indices in the order epoch `epoch` reads them (portable: hash-sorted, not RNG);
+    `salt` (a source's name) gives each source of a blend its own orders."""
 
     def rank(i: int) -> bytes:
-        return hashlib.blake2b(f"{seed}:{epoch}:{i}".encode(), digest_size=8).digest()
+        return hashlib.blake2b(f"{seed}:{salt}{epoch}:{i}".encode(), digest_size=8).digest()
 
     return sorted(range(num_shards), key=rank)
 
@@ -25,11 +26,12 @@ def epoch_order(num_shards: int, seed: int, epoch: int) -> list[int]:
 class ShardOrder:
     """Maps global positions to (epoch, shard URL), caching one permutation per epoch."""
 
-    def __init__(self, shards: list[str], seed: int, max_epochs: int | None) -> None:
+    def __init__(self, shards: list[str], seed: int, max_epochs: int | None, salt: str = "") -> None:
         if not shards:
             raise ValueError("the shard list is empty")
         self.shards = list(shards)
         self.seed = seed
+        self.salt = salt
         self.max_epochs = max_epochs
         # Plain attributes, not properties: the pump reads them for every block it moves.
         self.num_shards = len(self.shards)
@@ -49,7 +51,7 @@ class ShardOrder:
         if order is None:
             if len(self._orders) > 4:
                 self._orders.clear()
-            order = self._orders[epoch] = epoch_order(self.num_shards, self.seed, epoch)
+            order = self._orders[epoch] = epoch_order(self.num_shards, self.seed, epoch, self.salt)
         return self.shards[order[i]]
 
 

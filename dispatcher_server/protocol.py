@@ -23,7 +23,8 @@ import msgpack
 #: v3: WELCOME says the session's payload mode; in `reference` mode payloads are references.
 #: v4: skipped samples travel with SAMPLES as they happen, as (key, reason, index) records;
 #:     HELLO/WELCOME carry the dataset fingerprint; END also tells readers the job is done.
-VERSION = 4
+#: v5: text travels as token ids plus loss mask (`tokens`, see TOKEN_BYTES), not raw text.
+VERSION = 5
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -67,7 +68,8 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     HEARTBEAT: {},
     SHARD_REQUEST: {"shards": (_INT, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
-                   "epoch": (_INT, True), "start_index": (_INT, True)},
+                   "epoch": (_INT, True), "start_index": (_INT, True), "source": (str, False),
+                   "fields": (dict, False)},
     CANCEL: {"assign_id": (_INT, True)},
     SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
               "skipped": (list, False)},
@@ -232,13 +234,13 @@ class ItemHeader(NamedTuple):
 
 
 class SampleHeader(NamedTuple):
-    """One counted sample: its place in the shard, its lengths, its text and its items."""
+    """One counted sample: its place in the shard, its lengths, its text tokens and its items."""
 
     key: str
     index: int  # raw index in its shard
     text_len: int
     llm_len: int
-    text: bytes
+    tokens: bytes  # text_len int32 LE token ids, then text_len loss-mask bytes (TOKEN_BYTES each)
     items: list  # of ItemHeader
 
 
@@ -252,6 +254,15 @@ class SkipRecord(NamedTuple):
 
 
 SAMPLE_FIELDS = SampleHeader._fields
+#: Wire bytes per text token: a little-endian int32 id plus one loss-mask byte (1: a target).
+TOKEN_BYTES = 5
+
+
+def split_tokens(tokens: bytes | memoryview) -> tuple[memoryview, memoryview]:
+    """(ids bytes, mask bytes) of a sample's `tokens` (views; the length was checked on decode)."""
+    view = memoryview(tokens)
+    n = len(view) // TOKEN_BYTES
+    return view[:4 * n], view[4 * n:]
 ITEM_FIELDS = ItemHeader._fields
 
 
@@ -264,7 +275,7 @@ def _check_samples(fields: dict, payloads: list) -> None:
     for s in fields["samples"]:
         if (type(s) is not list or len(s) != 6 or type(s[0]) is not str or type(s[1]) is not int
                 or type(s[2]) is not int or type(s[3]) is not int or type(s[4]) is not bytes
-                or type(s[5]) is not list):
+                or type(s[5]) is not list or len(s[4]) != TOKEN_BYTES * s[2]):
             raise ProtocolError("malformed sample header")
         items = s[5]
         for k, it in enumerate(items):
@@ -379,7 +390,7 @@ class StepItemHeader(NamedTuple):
     meta: dict
 
 
-MICROBATCH_FIELDS = {"arrays": list, "keys": list, "texts": list, "items": list, "payloads": int,
+MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list, "payloads": int,
                      "sizes": list}
 
 
@@ -393,10 +404,10 @@ def _check_step(fields: dict, payloads: list) -> None:
                 raise ProtocolError(f"step: micro-batch field {name!r} malformed")
         if not all(_is_int(n) and n >= 0 for n in mb["arrays"]) or mb["payloads"] < 0:
             raise ProtocolError("step: negative counts")
-        if len(mb["keys"]) != len(mb["texts"]) or not all(isinstance(k, str) for k in mb["keys"]):
-            raise ProtocolError("step: keys and texts disagree")
-        if not all(isinstance(t, bytes) for t in mb["texts"]):
-            raise ProtocolError("step: texts must be bytes")
+        if len(mb["keys"]) != len(mb["tokens"]) or not all(isinstance(k, str) for k in mb["keys"]):
+            raise ProtocolError("step: keys and tokens disagree")
+        if not all(isinstance(t, bytes) and len(t) % TOKEN_BYTES == 0 for t in mb["tokens"]):
+            raise ProtocolError(f"step: tokens must be bytes, {TOKEN_BYTES} per token")
         if len(mb["items"]) != mb["payloads"]:
             raise ProtocolError("step: item headers and payload count disagree")
         mb["items"] = [StepItemHeader(*_list_of(it, 4, (str, str, str, dict), "step item header"))

@@ -9,7 +9,6 @@ restart starts over). Both refuse a commit of a step never planned, the same way
 from __future__ import annotations
 
 from dispatcher_server.journal import Journal, JournalError, StepEntry, pack_cursor, unpack_cursor
-from dispatcher_server.ordering import Cursor
 from dispatcher_server.planner.plan import StepPlan
 
 
@@ -31,17 +30,18 @@ class ReplaySource:
             return self.journal.last_step
         return max(self.cursors, default=self.committed)
 
-    def cursor_before(self, step: int) -> Cursor:
+    def cursor_before(self, step: int) -> dict | None:
+        """The assembler's position before `step` (its wire form; None: the very start)."""
         if step == 0:
-            return Cursor()
+            return None
         if self.journal is not None:
-            return Cursor.from_wire(self.journal.cursor_after(step - 1))
+            return self.journal.cursor_after(step - 1)
         if step - 1 not in self.cursors:
             raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
                                f"knows the steps from the last commit on "
                                f"({min(self.cursors, default=0)}..{max(self.cursors, default=-1)}); "
                                "run it with --journal-dir to resume further back")
-        return Cursor.from_wire(unpack_cursor(self.cursors[step - 1]))
+        return unpack_cursor(self.cursors[step - 1])
 
     def reset(self, step: int) -> None:
         """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim."""

@@ -68,7 +68,6 @@ class Dispatcher:
     def __init__(self, config: ServerConfig, *, context: zmq.Context | None = None) -> None:
         self.config = config
         self.ctx = context or zmq.Context.instance()
-        self.order = ShardOrder(config.shards, config.seed, config.max_epochs)
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
         self.dataset = config.dataset_fingerprint()
         self.fatal: str | None = None
@@ -91,8 +90,17 @@ class Dispatcher:
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.skip_log = SkipLog(self.metrics)
         self.ignored_members: Counter = Counter()  # members no field map names, by suffix
-        self.assembler = StepAssembler(self.order, mode=config.mode, batch=config.batch,
-                                       num_inflight_shards=config.flow.num_inflight_shards)
+        one = len(config.sources) == 1
+        orders = [ShardOrder(src.shards, config.seed, config.max_epochs, salt="" if one else src.name)
+                  for src in config.sources]
+        self.assembler = StepAssembler(orders, mode=config.mode, batch=config.batch,
+                                       names=[src.name for src in config.sources],
+                                       weights=config.weights, windows=config.windows,
+                                       block_sizes=config.block_sizes, seed=config.seed)
+        # What readers need to read a source's shards: its name and field map (SHARD_ASSIGN).
+        self._source_fields = [({"source": src.name} if not one else {})
+                               | ({"fields": src.fields} if src.fields else {})
+                               for src in config.sources]
         self.pool = ReaderPool()
         self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
         self.replay = ReplaySource(journal, config.world_size)
@@ -297,7 +305,10 @@ class Dispatcher:
         reasons = Counter(reason for _, reason in self.skip_log.keys)
         why = (", ".join(f"{n} {r}" for r, n in reasons.most_common(5)) if reasons
                else "every shard was empty")
-        return (f"epoch {epoch} of the {self.order.num_shards} shards yielded no usable sample "
+        source, epoch = epoch
+        st = next(st for st in self.assembler.streams if st.name == source)
+        which = f"source {source!r}: " if len(self.assembler.streams) > 1 else ""
+        return (f"{which}epoch {epoch} of the {st.order.num_shards} shards yielded no usable sample "
                 f"(skipped: {why}); check them with `mmdispatch inspect` and the counting options "
                 "(suffixes, --errors): serving would only loop over empty epochs")
 
@@ -308,7 +319,8 @@ class Dispatcher:
             prog = self.assembler.progress[a.pos]
             prog.assignment = a.id
             self._send_reader(reader, P.SHARD_ASSIGN, assign_id=a.id, shard=prog.url, pos=a.pos,
-                              epoch=self.order.epoch_of(a.pos), start_index=prog.next_index)
+                              epoch=self.assembler.epoch_of(a.pos), start_index=prog.next_index,
+                              **self._source_fields[a.pos % len(self._source_fields)])
             event("shard_assigned", shard=prog.url, pos=a.pos, start=prog.next_index,
                   reader=reader.name)
         if made:
@@ -317,7 +329,7 @@ class Dispatcher:
         if victim is not None:
             reader, a = victim
             self._take_back(reader, a)
-            event("shard_preempted", shard=self.order.url(a.pos), pos=a.pos, reader=reader.name)
+            event("shard_preempted", shard=self.assembler.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _plan(self) -> None:
         c0 = thread_time()
@@ -343,7 +355,7 @@ class Dispatcher:
         c2 = thread_time()
         self._cpu["plan"] += c2 - c1
         entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
-                          cursor_after=self.assembler.cursor.to_wire(),
+                          cursor_after=self.assembler.position(),
                           num_samples=len(batch.samples), digest=digest)
         try:
             self.replay.record(entry, plan, verbatim=journaled is not None)
@@ -355,22 +367,35 @@ class Dispatcher:
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
                                        messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
-        self._observe(step, filled.epoch, plan, plan_ms)
+        self._observe(step, filled.epoch, plan, plan_ms, self._by_source(batch.samples))
 
-    def _observe(self, step: int, epoch: int, plan: StepPlan, plan_ms: float) -> None:
+    def _by_source(self, samples: list) -> dict[str, int]:
+        """Samples per source of a blend (empty for one source)."""
+        streams = self.assembler.streams
+        if len(streams) == 1:
+            return {}
+        counts = Counter(s.pos % len(streams) for s in samples)
+        return {st.name: counts.get(i, 0) for i, st in enumerate(streams)}
+
+    def _observe(self, step: int, epoch: int, plan: StepPlan, plan_ms: float,
+                 sources: dict[str, int]) -> None:
         if self.step_log is not None:
-            record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms, epoch=epoch)
+            record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms,
+                                 epoch=epoch, sources=sources)
             if self.ignored_members:  # so far in this run, by suffix
                 record["ignored_members"] = dict(sorted(self.ignored_members.items()))
             self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
+        for name, n in sources.items():
+            m.source_samples.labels(name).inc(n)
         m.plan_ms.observe(plan_ms)
         for phase, value in plan.metrics.get("max_over_mean", {}).items():
             m.imbalance.labels(phase).set(value)
         event("step_planned", step=step, epoch=epoch, samples=plan.inputs.num_samples,
               microbatches=plan.num_microbatches, plan_ms=f"{plan_ms:.2f}",
-              lb_ratio=f"{plan.metrics.get('step_time_over_lb', 0):.3f}")
+              lb_ratio=f"{plan.metrics.get('step_time_over_lb', 0):.3f}",
+              **({"sources": ",".join(f"{k}:{v}" for k, v in sources.items())} if sources else {}))
 
     def _send_steps(self) -> None:
         encoding = 0.0
@@ -413,7 +438,7 @@ class Dispatcher:
         if self.finished() or not self.pool.assignments:
             return
         todo = grants(self.pool.by_position(), self.assembler.progress,
-                      head=self.assembler.cursor.base, held=held,
+                      heads=self.assembler.heads(), held=held,
                       avg_sample_bytes=self.assembler.avg_sample_bytes, flow=self.config.flow,
                       shard_cap=self.config.shard_cap)
         for a, n in todo:
@@ -719,7 +744,7 @@ class Dispatcher:
                 slot.last_sent = now
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
-        shards = [self.order.url(a.pos) for a in reader.assignments]
+        shards = [self.assembler.url(a.pos) for a in reader.assignments]
         for a in list(reader.assignments):
             self._release(reader, a)
         self.pool.drop(reader)

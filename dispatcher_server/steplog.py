@@ -30,8 +30,10 @@ def _method(plan: StepPlan, with_loads: bool) -> dict:
 
 
 def plan_record(step: int, plan: StepPlan, *, config: PlannerConfig, plan_ms: float,
-                epoch: int = 0, max_ranks_with_loads: int = 64) -> dict:
-    """The JSON-able record of one step: balanced plan metrics and the random baseline's."""
+                epoch: int = 0, max_ranks_with_loads: int = 64,
+                sources: dict[str, int] | None = None) -> dict:
+    """The JSON-able record of one step: balanced plan metrics and the random baseline's, and
+    samples per dataset source when there are several."""
     baseline = plan_random(plan.inputs, plan.topology, config)
     with_loads = plan.topology.world_size <= max_ranks_with_loads
     rnd, bal = _method(baseline, with_loads), _method(plan, with_loads)
@@ -41,6 +43,7 @@ def plan_record(step: int, plan: StepPlan, *, config: PlannerConfig, plan_ms: fl
         "ranks_per_node": plan.topology.ranks_per_node, "num_microbatches": plan.num_microbatches,
         "balanced": bal, "random": rnd,
         "predicted_speedup_vs_random": rnd["step_time"] / bal["step_time"] if bal["step_time"] > 0 else 1.0,
+        **({"sources": sources} if sources else {}),
     }
 
 

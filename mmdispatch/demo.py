@@ -1,6 +1,7 @@
 """Run the whole product locally: data, dispatcher, readers and torchrun trainers, then a report.
 
-One command for a new user: generate a small synthetic multimodal dataset (once), start the
+One command for a new user: generate a small synthetic multimodal dataset and its BPE
+tokenizer (once; readers tokenize with it, the trainers' vocabulary is its size), start the
 dispatcher, R readers and two torchrun "nodes" of G ranks each training the reference model
 with the in-model exchange, print one line per step, and finish with a summary table, a JSON
 report and a PNG figure. Every child runs in its own process group, so Ctrl-C stops them all.
@@ -99,7 +100,7 @@ def _step_line(plan: dict, train: dict) -> str:
             f"exchange MB intra {b['intra_node'] / 1e6:.2f} inter {b['inter_node'] / 1e6:.2f} | loss {train['loss']:.3f}")
 
 
-def _inspect(shards: list[Path]) -> None:
+def _inspect(shards: list[Path], reader_args: tuple[str, ...]) -> None:
     """The data node's view of the dataset, counted with the demo's rules (`mmdispatch inspect`)."""
     from rich.console import Console
 
@@ -108,19 +109,23 @@ def _inspect(shards: list[Path]) -> None:
 
     parser = argparse.ArgumentParser()
     add_reader_arguments(parser)
-    config = reader_config_from_args(parser.parse_args(list(DEMO_READER_ARGS)), keep_members=False)
+    config = reader_config_from_args(parser.parse_args(list(reader_args)), keep_members=False)
     inspect.render(inspect.collect([str(s) for s in shards], config, show_progress=False), Console())
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.gendata import generate
+    from pipeline.gendata import generate, write_tokenizer
 
     data = Path(args.data)
     shards = sorted(data.glob("shard-*.tar"))
     if not shards:
         print(f"generating {args.samples} samples in {args.shards} shards into {data}/", flush=True)
         shards = [Path(p) for p in generate(data, num_samples=args.samples, num_shards=args.shards, seed=args.seed)]
-    _inspect(shards)
+    tokenizer = data / "tokenizer.json"
+    if not tokenizer.exists():
+        write_tokenizer(str(data), [str(s) for s in shards])
+    reader_args = (*DEMO_READER_ARGS, "--tokenizer", str(tokenizer))
+    _inspect(shards, reader_args)
     out = Path(args.reports) / time.strftime("demo-%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     steps_log, train_log = out / "steps.jsonl", out / "train.jsonl"
@@ -141,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dispatcher: readers {endpoints['readers']}, trainers {endpoints['trainers']}", flush=True)
         for r in range(args.readers):
             kids.start(f"reader{r}", [sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
-                                      endpoints["readers"], "--name", f"reader{r}", *DEMO_READER_ARGS])
+                                      endpoints["readers"], "--name", f"reader{r}", *reader_args])
         port = _free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for node in range(args.nodes):
@@ -149,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nodes),
                 "--node-rank", str(node), "--nproc-per-node", str(args.ranks_per_node),
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                "-m", "trainer_client.train", "--dispatcher", endpoints["trainers"],
+                "-m", "trainer_client.train", "--dispatcher", endpoints["trainers"], "--tokenizer", str(tokenizer),
                 "--steps", str(args.steps), "--train-log", str(train_log)], env=env)
         print(f"training {args.steps} steps on {args.nodes} nodes x {args.ranks_per_node} ranks "
               f"(logs in {out / 'logs'})", flush=True)

@@ -96,6 +96,13 @@ def summarize(records: StepRecords) -> dict:
             for m in ("balanced", "random")
         },
     }
+    mixture: dict[str, int] = {}
+    for p in plans:
+        for name, n in p.get("sources", {}).items():
+            mixture[name] = mixture.get(name, 0) + n
+    if mixture:  # a blend: samples and realized share per source
+        total = sum(mixture.values()) or 1
+        out["sources"] = {name: {"samples": n, "share": n / total} for name, n in mixture.items()}
     if trains:
         out["loss_first"] = trains[0]["loss"]
         out["loss_last"] = trains[-1]["loss"]
@@ -139,6 +146,8 @@ def print_table(summary: dict, console=None) -> None:
         table.add_row(f"exchange MB {loc}", f"{summary['bytes']['random'][loc] / 1e6:.1f}",
                       f"{summary['bytes']['balanced'][loc] / 1e6:.1f}")
     table.add_row("plan ms (p50)", "", f"{summary['plan_ms_p50']:.1f}")
+    for name, src in summary.get("sources", {}).items():
+        table.add_row(f"source {name}", "", f"{src['samples']} ({src['share']:.1%})")
     if "loss_last" in summary:
         table.add_row("loss first -> last", "", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     console.print(table)

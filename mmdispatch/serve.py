@@ -20,7 +20,7 @@ import zmq
 
 from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, setup_logging
 from dispatcher_server.config import (
-    MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig,
+    MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
 )
 from dispatcher_server.costfile import load_cost_file
 from dispatcher_server.planner import PlannerConfig
@@ -30,13 +30,19 @@ from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
 from dispatcher_server.server import Dispatcher
+from mmdispatch.dataset import load_dataset
 from pipeline.shards import expand_shards
 
 #: dest -> (flag type, default, help). Defaults live here, not in argparse, so TOML can fill gaps.
 OPTIONS: dict[str, tuple[object, object, str]] = {
     "shards": (str, None, "shard specs: paths, directories, globs, {000..009} ranges, file: and "
-                          "pipe: URLs; required"),
-    "seed": (int, 0, "seed of the per-epoch shard order"),
+                          "pipe: URLs (one source; or --dataset)"),
+    "dataset": (str, None, "dataset file (TOML): sources with shards, blend weights and field "
+                           "maps, see docs/datasets.md (instead of --shards)"),
+    "shuffle_buffer": (int, 1000, "samples per seeded shuffle block, shared by the sources by "
+                                  "weight; 0 = each source in shard order (a dataset file's "
+                                  "shuffle_buffer wins over this default)"),
+    "seed": (int, 0, "seed of the shard orders, the blend and the shuffle"),
     "mode": (str, "deterministic", "deterministic (order fixed by shards+seed+epoch) or arrival"),
     "world_size": (int, None, "data-parallel ranks (trainers); required"),
     "ranks_per_node": (int, 1, "consecutive ranks per node (LOCAL_WORLD_SIZE)"),
@@ -114,10 +120,20 @@ def resolve(args: argparse.Namespace) -> dict:
 
     values = {dest: default for dest, (_, default, _) in OPTIONS.items()}
     path = getattr(args, "config", None)
+    from_file = {}
     if path:
-        values.update({k: v for k, v in for_command(path, "serve").items() if k in OPTIONS})
-    values.update({k: v for k, v in vars(args).items() if k in OPTIONS})
-    for required in ("shards", "world_size", "global_batch"):
+        from_file = {k: v for k, v in for_command(path, "serve").items() if k in OPTIONS}
+    given = {k: v for k, v in vars(args).items() if k in OPTIONS}
+    values.update(from_file)
+    values.update(given)
+    values["_given"] = set(from_file) | set(given)  # set by the user, not defaults
+    if values["shards"] is None and values["dataset"] is None:
+        raise ValueError("--shards or --dataset is required (a flag, or shards / dataset in the "
+                         "config file's [serve] table)")
+    if values["shards"] is not None and values["dataset"] is not None:
+        raise ValueError("give --shards or --dataset, not both (a dataset file lists each "
+                         "source's shards)")
+    for required in ("world_size", "global_batch"):
         if values[required] is None:
             raise ValueError(f"--{required.replace('_', '-')} is required (a flag, or "
                              f"{required} in the config file's [serve] table)")
@@ -152,13 +168,20 @@ def build_config(v: dict) -> ServerConfig:
     _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
         v["num_microbatches"] = 1
-    shards = expand_shards(v["shards"])
+    shuffle = v["shuffle_buffer"]
+    if v["dataset"] is not None:
+        sources, file_shuffle = load_dataset(v["dataset"])
+        if file_shuffle is not None and "shuffle_buffer" not in v.get("_given", ()):
+            shuffle = file_shuffle
+    else:
+        sources = [Source(name="default", shards=expand_shards(v["shards"]))]
     if v["payloads"] == "reference":
         # Trainers open these paths themselves, from their own working directories.
-        shards = [os.path.abspath(u) if "://" not in u and not u.startswith("pipe:") else u
-                  for u in shards]
+        for src in sources:
+            src.shards = [os.path.abspath(u) if "://" not in u and not u.startswith("pipe:") else u
+                          for u in src.shards]
     return ServerConfig(
-        shards=shards, world_size=v["world_size"],
+        sources=sources, shuffle_buffer=shuffle, world_size=v["world_size"],
         ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],
         batch=BatchConfig(global_batch=v["global_batch"], token_budget=v["token_budget"]),
         planner=PlannerConfig(num_microbatches=v["num_microbatches"],
@@ -204,16 +227,21 @@ def read_ready(stdout, timeout: float = 30.0) -> dict:
     raise RuntimeError(f"mmdispatch serve reported no endpoints within {timeout} s")
 
 
-def _probe(shards: list[str], max_samples: int) -> None:
-    """Refuse (ValueError, one line) shards in which no probed sample has a usable member."""
+def _probe(sources: list, max_samples: int) -> None:
+    """Refuse (ValueError, one line) a source in which no probed sample has a member its field
+    map uses; each source is probed with its own field map (the default where it has none)."""
+    from pipeline.fieldmap import FieldMap
     from pipeline.probe import log_unprobed, probe_source, refusal
     from pipeline.reader import ReaderConfig
 
-    result = probe_source(shards, ReaderConfig(keep_members=False), max_samples=max_samples)
-    log_unprobed(result)
-    problem = refusal(result)
-    if problem is not None:
-        raise ValueError(problem)
+    for src in sources:
+        fields = FieldMap.from_dict(src.fields) if src.fields else FieldMap()
+        result = probe_source(src.shards, ReaderConfig(keep_members=False, fields=fields),
+                              max_samples=max_samples)
+        log_unprobed(result, src.name)
+        problem = refusal(result, src.name)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     if values["probe_samples"] < 0:
         raise ValueError(f"--probe-samples must be >= 0 (0 = no probe), got {values['probe_samples']}")
     if values["probe_samples"]:
-        _probe(config.shards, values["probe_samples"])
+        _probe(config.sources, values["probe_samples"])
     keep_freed_memory(values["malloc_keep_mb"])
     relax_gc()
     try:

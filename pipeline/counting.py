@@ -3,8 +3,8 @@
 Images are measured from their header (PNG/JPEG hand-parsed, other formats through Pillow's
 lazy `Image.open`), audio from its header (hand-parsed WAV/FLAC, `soundfile.info` for the
 rest), never decoding pixels or samples: counting must cost little more than reading bytes.
-Text uses a real tokenizer when one is configured, else a fast estimator whose error bound is
-documented and tested.
+Text is tokenized (`pipeline.tokenize`): the ids are what the trainer receives, so its count is
+exact; a fast estimator with a documented, tested error bound serves only `inspect --estimate-text`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import soundfile
 from PIL import Image
@@ -22,6 +23,10 @@ from PIL import Image
 from pipeline.headers import (
     HeaderError, flac_header, gif_problem, jpeg_problem, jpeg_size, png_problem, png_size, wav_header,
 )
+from pipeline.tokenize import BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, normalize_turn
+
+if TYPE_CHECKING:
+    from pipeline.video import VideoConfig
 
 
 #: Framing checks by image format (WEBP needs none: Pillow's open already refuses a cut file).
@@ -92,29 +97,41 @@ class AudioConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TextConfig:
-    """Text members and how their tokens are counted.
+    """Text members and how they become token ids.
 
-    With `tokenizer_path` (an HF `tokenizers` JSON file) counts are exact. Otherwise the
-    estimator charges one token per `ascii_bytes_per_token` ASCII characters (the usual ~4
+    Text is tokenized with `tokenizer_path` (an HF `tokenizers` JSON file), or without one by
+    the byte-level tokenizer (256 ids, the UTF-8 bytes); either way the count is the number
+    of ids the trainer receives. Plain text is all training targets (loss mask 1). A
+    conversation is rendered through `chat_template`: a built-in name (`chatml`), a .jinja
+    file or a tokenizer_config.json; unset, the `chat_template` of the tokenizer_config.json
+    beside the tokenizer file, else ChatML. Only its assistant tokens are targets. Several
+    text members of one sample are concatenated in natural name order, without separator.
+
+    With `estimate` (`mmdispatch inspect --estimate-text` only: no ids, approximate counts)
+    the estimator charges one token per `ascii_bytes_per_token` ASCII characters (the usual ~4
     characters per BPE token of English) plus `tokens_per_non_ascii_char` per non-ASCII
     character (CJK runs near one token per character). Against a byte-level BPE trained in
     the tests on Python's documentation it is within 15% in total, with median per-text error
     under 20% and 95th percentile under 45% for texts of 100+ characters. It costs two C-speed
     `len` calls, versus ~1 us per word for a regex pre-tokenizer.
-    JSON members use the first of `json_fields` present; a list value is a conversation of
-    {role|from, content|value} turns, each costing `chat_turn_overhead` extra tokens (ChatML's
-    `<|im_start|>role\\n ... <|im_end|>\\n`).
+    JSON members use the first of `json_fields` present, or are a list of turns themselves; a
+    list value is a conversation of
+    {role|from, content|value} turns (ShareGPT's human/gpt are user/assistant), each costing the
+    estimator `chat_turn_overhead` extra tokens (ChatML's `<|im_start|>role\\n ... <|im_end|>\\n`).
     """
 
     tokenizer_path: str | None = None
+    chat_template: str | None = None
+    estimate: bool = False
     json_fields: tuple[str, ...] = ("text", "caption", "conversations", "messages")
     chat_turn_overhead: int = 5
     ascii_bytes_per_token: float = 4.0
     tokens_per_non_ascii_char: float = 1.0
     # Largest text member, raw or inflated from .gz (zip-bomb guard); larger ones are skipped as
-    # `text_too_large` before decoding. 8 MiB is ~2M tokens, beyond any model's context, and a
-    # sample's text travels in one message header (32 MiB limit in the wire protocol).
-    max_text_bytes: int = 8 << 20
+    # `text_too_large` before decoding. 4 MiB is at most 4M byte-level tokens (~1M BPE tokens),
+    # beyond any model's context, and a sample's tokens travel in one message header at 5 bytes
+    # a token (32 MiB limit in the wire protocol).
+    max_text_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         if self.ascii_bytes_per_token <= 0:
@@ -125,7 +142,18 @@ class TextConfig:
         if self.tokenizer_path is not None and not os.path.isfile(self.tokenizer_path):
             raise ValueError(f"tokenizer file {self.tokenizer_path!r} does not exist: pass an HF "
                              f"tokenizers JSON file (a model's tokenizer.json), or leave --tokenizer "
-                             f"unset for the estimator")
+                             f"unset for the byte-level tokenizer")
+        if (self.chat_template is not None and self.chat_template not in BUILTIN_TEMPLATES
+                and not os.path.isfile(self.chat_template)):
+            raise ValueError(f"chat template {self.chat_template!r} is neither a built-in "
+                             f"({', '.join(BUILTIN_TEMPLATES)}) nor a file: pass a name, a .jinja "
+                             f"file or a tokenizer_config.json")
+
+
+def _video_config() -> VideoConfig:
+    from pipeline.video import VideoConfig  # pipeline.video builds on this module's resize rule
+
+    return VideoConfig()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +163,7 @@ class CountingConfig:
     image: ImageConfig = field(default_factory=ImageConfig)
     audio: AudioConfig = field(default_factory=AudioConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    video: VideoConfig = field(default_factory=_video_config)
 
 
 def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
@@ -207,19 +236,12 @@ def gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
 
 
 class Counter:
-    """Counts members under one `CountingConfig`; holds the loaded tokenizer, if any."""
+    """Counts members under one `CountingConfig`; holds the loaded tokenizer and chat template."""
 
     def __init__(self, config: CountingConfig) -> None:
         self.config = config
-        self._tokenizer = None
-        if config.text.tokenizer_path is not None:
-            from tokenizers import Tokenizer  # optional dependency, only when configured
-
-            try:
-                self._tokenizer = Tokenizer.from_file(config.text.tokenizer_path)
-            except Exception as e:  # the Rust side raises a bare Exception
-                raise ValueError(f"tokenizer file {config.text.tokenizer_path!r} is not an HF "
-                                 f"tokenizers JSON file ({e})") from None
+        t = config.text
+        self.encoder = None if t.estimate else TextEncoder.load(t.tokenizer_path, t.chat_template)
         self._pil_formats = ["JPEG", "PNG", "WEBP", "GIF"]
 
     # -- images ---------------------------------------------------------------------------
@@ -289,43 +311,60 @@ class Counter:
         return enc, llm, {"duration_s": duration, "sample_rate": rate, "channels": channels}
 
     # -- text -----------------------------------------------------------------------------
-    def count_text(self, text: str, num_bytes: int | None = None) -> int:
-        """Tokens of a text: exact with a tokenizer, else the documented estimator."""
-        if self._tokenizer is not None:
-            return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
-        return estimate_tokens(text, self.config.text, num_bytes)
-
     def text(self, data: bytes | memoryview, ext: str, what: str, *,
-             as_json: bool | None = None) -> tuple[str, int]:
-        """(text, tokens) of a text or JSON member; JSON without a text field gives ("", 0).
-        `as_json`: parse as JSON (a conversation member); None: when `ext` is "json"."""
+             as_json: bool | None = None) -> TextTokens:
+        """Token ids and loss mask of a text or JSON member; JSON without a text field gives none."""
+        if self.encoder is None:
+            raise ValueError("TextConfig.estimate counts text without ids: use estimate_text")
+        value = self._member_text(data, ext, what, as_json)
+        if value is None:
+            return TextTokens.empty()  # metadata JSON: carried as payload, not text
+        if isinstance(value, str):
+            return self.encoder.plain(value)
+        try:
+            return self.encoder.conversation(value)
+        except ChatTemplateError as e:
+            raise CountError("chat_template", f"{what}: {e}") from None
+
+    def estimate_text(self, data: bytes | memoryview, ext: str, what: str, *,
+                      as_json: bool | None = None) -> int:
+        """Approximate tokens of a text or JSON member by the estimator (no tokenizer run)."""
+        value = self._member_text(data, ext, what, as_json)
+        if value is None:
+            return 0
+        if isinstance(value, str):
+            return estimate_tokens(value, self.config.text)
+        return (sum(estimate_tokens(t["content"], self.config.text) for t in value)
+                + self.config.text.chat_turn_overhead * len(value))
+
+    def _member_text(self, data: bytes | memoryview, ext: str, what: str,
+                     as_json: bool | None = None) -> str | list[dict] | None:
+        """A member's plain text, its conversation turns ({"role", "content"} strings), or None.
+        `as_json`: the member is JSON (a conversation-kind member); None: when `ext` is "json"."""
         cfg = self.config.text
         if len(data) > cfg.max_text_bytes:
             raise CountError(
                 "text_too_large", f"{what} holds {len(data)} bytes, over max_text_bytes={cfg.max_text_bytes}"
             )
         text = _utf8(data, what)
-        if (ext == "json") if as_json is None else as_json:
-            return self._json_text(text, what)
-        return text, self.count_text(text, len(data))
-
-    def _json_text(self, raw: str, what: str) -> tuple[str, int]:
-        cfg = self.config.text
+        if not ((ext == "json") if as_json is None else as_json):
+            return text
         try:
-            obj = json.loads(raw)
+            obj = json.loads(text)
         except ValueError as e:
             raise CountError("bad_json", f"{what} is not valid JSON: {e}") from None
+        if isinstance(obj, list):  # a conversation: the list of turns itself
+            return [_turn(turn, what) for turn in obj]
         if not isinstance(obj, dict):
-            raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an object")
+            raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an "
+                                         "object or a list of turns")
         value = next((obj[f] for f in cfg.json_fields if f in obj), None)
         if value is None:
-            return "", 0  # metadata JSON: carried as payload, not text
+            return None
         if isinstance(value, str):
-            return _sendable(value, what), self.count_text(value)
+            return _sendable(value, what)
         if isinstance(value, list):
-            turns = [_turn_text(turn, what) for turn in value]
-            text = _sendable("\n".join(turns), what)
-            return text, sum(self.count_text(t) for t in turns) + cfg.chat_turn_overhead * len(turns)
+            return [_turn(turn, what) for turn in value]
         raise CountError("bad_json", f"{what} field holds a {type(value).__name__}, expected text or turns")
 
 
@@ -340,15 +379,18 @@ def _sendable(text: str, what: str) -> str:
     return text
 
 
-def _turn_text(turn: object, what: str) -> str:
+def _turn(turn: object, what: str) -> dict:
+    """A conversation turn as {"role", "content"} strings, the form chat templates take."""
     if not isinstance(turn, dict):
         raise CountError("bad_json", f"{what} conversation turn is a {type(turn).__name__}, expected an object")
-    content = turn.get("content", turn.get("value"))
-    if isinstance(content, str):
-        return content
+    role, content = normalize_turn(turn)
+    if role is None:
+        raise CountError("bad_json", f"{what} conversation turn has no role/from string")
     if isinstance(content, list):  # OpenAI-style parts: only text parts carry text tokens
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    raise CountError("bad_json", f"{what} conversation turn has no content/value text")
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if not isinstance(content, str):
+        raise CountError("bad_json", f"{what} conversation turn has no content/value text")
+    return {"role": role, "content": _sendable(content, what)}
 
 
 def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) -> int:

@@ -34,13 +34,19 @@ REASONS: dict[str, str] = {
     "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",
     "member_too_large": "a member over ReaderConfig.max_member_bytes",
     "sample_too_large": "a sample whose members together exceed ReaderConfig.max_sample_bytes",
-    "empty_sample": "no countable text, image or audio among the sample's members",
+    "empty_sample": "no countable text, image, video or audio among the sample's members",
     "bad_image": "an image header that is unreadable, impossible, or over a cut or garbage body",
     "image_too_large": "an image header declaring more than ImageConfig.max_header_pixels",
+    "bad_video": "a video container that is cut, not a container, or declares an impossible "
+                 "duration, frame rate or size",
+    "video_unsupported": "a WebM/MKV (or fragmented MP4) video on a data node without PyAV "
+                         "(install the [video] extra)",
     "bad_audio": "an audio header that is unreadable, inconsistent, or lies about rate or length",
     "bad_text": "text that is not UTF-8 (or escapes an unpaired surrogate)",
     "text_too_large": "a text member, raw or inflated, over TextConfig.max_text_bytes",
     "bad_json": "a JSON member that does not parse or has no usable text field",
+    "chat_template": "a conversation the chat template refuses, or renders so that its assistant "
+                     "tokens cannot be located exactly",
     "bad_gzip": "a .gz member that is corrupt or truncated",
 }
 

@@ -52,8 +52,8 @@ class FieldMap:
                     raise ValueError(f"field map {kind}: 'gz' is not an extension to map; a "
                                      f"compressed text member 'txt.gz' is text when 'txt' is")
                 if ext in seen:
-                    raise ValueError(f"field map: extension {ext!r} is in both {seen[ext]} and "
-                                     f"{kind}; a suffix has one kind")
+                    raise ValueError(f"field map: extension {ext!r} is mapped to both {seen[ext]} "
+                                     f"and {kind}; map it once")
                 seen[ext] = kind
 
     @classmethod

@@ -2,8 +2,11 @@
 
 Samples are text-only (most), image+text, multi-image, audio+text and image+audio+text, with
 real JPEG/PNG/WAV/FLAC bytes whose sizes and durations span tiny icons to 4000x3000 photos and
-half-second blips to ten-minute recordings. Pixels and samples are smooth or silent so files
+half-second blips to ten-minute recordings; on request (`--video-share`) some also get a small
+H.264 MP4 clip. Pixels and samples are smooth or silent so files
 stay small while headers are real. Same seed, same bytes (fixed tar metadata, per-sample RNG).
+Beside the shards, a small byte-level BPE tokenizer trained on their texts (tokenizer.json, plus
+tokenizer_config.json with a ChatML chat template), the same for the same shards.
 """
 
 from __future__ import annotations
@@ -122,8 +125,63 @@ def _audio(rng: np.random.Generator) -> tuple[str, bytes]:
     return "wav", out.getvalue()
 
 
-def make_sample(seed: int, index: int) -> dict[str, bytes]:
-    """The members of sample `index` (suffix -> bytes); depends only on (seed, index)."""
+#: Container name -> (FFmpeg muxer, encoder) of the clips `video_clip` writes.
+_CLIP_FORMATS = {"mp4": ("mp4", "libx264"), "mov": ("mov", "libx264"),
+                 "mkv": ("matroska", "libx264"), "webm": ("webm", "libvpx")}
+
+
+def video_clip(width: int, height: int, fps: int, num_frames: int, *, seed: int = 0, fmt: str = "mp4") -> bytes:
+    """A real `fmt` clip (mp4, mov, mkv: H.264; webm: VP8) of `num_frames` frames at `fps`.
+
+    A colour gradient drifting across the frame: tiny files, real codec headers and frames.
+    Encoded single-threaded with fixed settings (x264 keeps its B-frames), so the same
+    arguments give the same bytes.
+    Needs PyAV (the `[video]` extra). Sides must be even (4:2:0 chroma).
+    """
+    import av  # optional dependency: only clips need it
+
+    if fmt not in _CLIP_FORMATS:
+        raise ValueError(f"clip format {fmt!r} must be one of {', '.join(_CLIP_FORMATS)}")
+    if width % 2 or height % 2 or num_frames < 1 or fps < 1:
+        raise ValueError(f"clip {width}x{height}, {num_frames} frames at {fps} fps: need even sides, "
+                         f">= 1 frame and fps >= 1")
+    muxer, codec = _CLIP_FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=3).astype(np.float32)
+    ramp = np.add.outer(np.arange(height), np.arange(width)).astype(np.float32)[..., None]
+    out = io.BytesIO()
+    # bitexact: no random segment ids or dates in Matroska, no encoder version strings.
+    with av.open(out, "w", format=muxer, container_options={"fflags": "+bitexact"}) as container:
+        # One thread, and x264 without macroblock-tree rate control and lookahead: with them
+        # libx264 gave different bytes for the same frames in about one clip size in ten.
+        options = {"threads": "1"} if codec != "libx264" else {
+            "threads": "1", "x264-params": "no-mbtree=1:rc-lookahead=0"}
+        stream = container.add_stream(codec, rate=fps, options=options)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.thread_count = 1
+        for i in range(num_frames):
+            pixels = (base + ramp * 2 + 8 * i) % 256
+            frame = av.VideoFrame.from_ndarray(pixels.astype(np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def _video(rng: np.random.Generator) -> tuple[str, bytes]:
+    """A 1-3 s MP4 clip, 64x48 to 160x120, at 4-12 fps."""
+    width = 2 * int(rng.integers(32, 81))
+    height = 2 * round(width * 3 / 8)
+    fps = int(rng.integers(4, 13))
+    frames = int(round(float(rng.uniform(1.0, 3.0)) * fps))
+    return "mp4", video_clip(width, height, fps, frames, seed=int(rng.integers(1 << 31)))
+
+
+def make_sample(seed: int, index: int, *, video_share: float = 0.0) -> dict[str, bytes]:
+    """The members of sample `index` (suffix -> bytes); depends only on (seed, index, video_share).
+
+    A `video_share` of the samples also get an MP4 clip; drawn last, so the other members of
+    every sample are the same whatever the share.
+    """
     rng = np.random.default_rng([seed, index])
     kind = list(MIX)[int(rng.choice(len(MIX), p=np.array(list(MIX.values()))))]
     members: dict[str, bytes] = {}
@@ -144,6 +202,9 @@ def make_sample(seed: int, index: int) -> dict[str, bytes]:
         members[ext] = data
     if rng.random() < 0.3:
         members["cls"] = str(int(rng.integers(0, 1000))).encode()  # payload nobody counts
+    if video_share and rng.random() < video_share:
+        ext, data = _video(rng)
+        members[ext] = data
     return members
 
 
@@ -157,10 +218,18 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> list[str]:
-    """Write `num_shards` shards `shard-000000.tar`... holding `num_samples` samples in total."""
+def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, video_share: float = 0.0) -> list[str]:
+    """Write `num_shards` shards `shard-000000.tar`... holding `num_samples` samples in total;
+    `video_share` of them (default none) with an MP4 clip (needs PyAV, the `[video]` extra)."""
     if num_shards < 1 or num_samples < num_shards:
         raise ValueError(f"need 1 <= num_shards={num_shards} <= num_samples={num_samples}")
+    if not 0.0 <= video_share <= 1.0:
+        raise ValueError(f"video_share={video_share} must be in [0, 1]")
+    if video_share:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError("--video-share needs PyAV to encode clips: pip install 'mmdispatch[video]'") from None
     os.makedirs(out_dir, exist_ok=True)
     bounds = np.linspace(0, num_samples, num_shards + 1).round().astype(int)
     paths = []
@@ -168,10 +237,137 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> l
         path = os.path.join(out_dir, f"shard-{shard:06d}.tar")
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
             for index in range(bounds[shard], bounds[shard + 1]):
-                for suffix, data in make_sample(seed, index).items():
+                for suffix, data in make_sample(seed, index, video_share=video_share).items():
                     _add(tar, f"{index:08d}.{suffix}", data)
         paths.append(path)
     return paths
+
+
+#: The sources of `--blend`: name -> (blend weight, field map). Field maps name what each
+#: source's members are; `cls` members stay unmapped (counted as ignored).
+BLEND_SOURCES: dict[str, tuple[float, dict[str, list[str]]]] = {
+    "captions": (5.0, {"image": ["jpg", "png"], "text": ["txt"]}),
+    "speech": (3.0, {"audio": ["wav", "flac"], "text": ["txt"]}),
+    "chat": (2.0, {"image": ["jpg", "png"], "video": ["mp4"], "conversation": ["json"]}),
+}
+
+
+def make_source_sample(source: str, seed: int, index: int) -> dict[str, bytes]:
+    """Sample `index` of a `--blend` source (see BLEND_SOURCES); depends only on its arguments.
+
+    captions: one image (sometimes 2-4) and a short caption; speech: a clip and its transcript;
+    chat: a conversation (a JSON list of {role, content} turns) with an image or a short clip.
+    """
+    rng = np.random.default_rng([seed, index, sum(map(ord, source))])
+    members: dict[str, bytes] = {}
+    if source == "captions":
+        count = 1 if rng.random() < 0.85 else int(rng.integers(2, 5))
+        for i in range(count):
+            ext, data = _image(rng)
+            members[ext if count == 1 else f"{i}.{ext}"] = data
+        members["txt"] = _text(rng, 2.5).encode()
+    elif source == "speech":
+        ext, data = _audio(rng)
+        members[ext] = data
+        members["txt"] = _text(rng, 3.0).encode()
+    elif source == "chat":
+        turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": _text(rng, 2.8)}
+                 for i in range(2 * int(rng.integers(1, 4)))]
+        members["json"] = json.dumps(turns, ensure_ascii=False).encode()
+        if rng.random() < 0.5:
+            ext, data = _video(rng)
+        else:
+            ext, data = _image(rng)
+        members[ext] = data
+    else:
+        raise ValueError(f"unknown blend source {source!r}: one of {', '.join(BLEND_SOURCES)}")
+    if rng.random() < 0.2:
+        members["cls"] = str(int(rng.integers(0, 1000))).encode()  # payload nobody counts
+    return members
+
+
+def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> tuple[str, list[str]]:
+    """Write one directory of shards per BLEND_SOURCES source, `num_samples` and `num_shards`
+    shared by weight (at least one shard of one sample each), and `dataset.toml` naming them
+    with their weights and field maps; returns (dataset file, every shard). Needs PyAV for the
+    chat source's clips."""
+    total = sum(w for w, _ in BLEND_SOURCES.values())
+    lines = ["# Written by `mmdispatch gen-data --blend`: three sources blended by weight.\n"]
+    paths: list[str] = []
+    for name, (weight, fields) in BLEND_SOURCES.items():
+        n = max(1, round(num_samples * weight / total))
+        k = max(1, min(n, round(num_shards * weight / total)))
+        src_dir = os.path.join(out_dir, name)
+        os.makedirs(src_dir, exist_ok=True)
+        bounds = np.linspace(0, n, k + 1).round().astype(int)
+        for shard in range(k):
+            path = os.path.join(src_dir, f"{shard:06d}.tar")
+            with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for index in range(bounds[shard], bounds[shard + 1]):
+                    for suffix, data in make_source_sample(name, seed, index).items():
+                        _add(tar, f"{name}{index:08d}.{suffix}", data)
+            paths.append(path)
+        field_lines = "".join(f"{kind} = {json.dumps(exts)}\n" for kind, exts in fields.items())
+        lines.append(f'\n[[sources]]\nname = "{name}"\nshards = "{name}/{{000000..{k - 1:06d}}}.tar"\n'
+                     f"weight = {weight}\n[sources.fields]\n{field_lines}")
+    dataset = os.path.join(out_dir, "dataset.toml")
+    with open(dataset, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+    return dataset, paths
+
+
+#: The trained tokenizer's vocabulary: 256 byte ids, the chat special tokens, then merges.
+TOKENIZER_VOCAB_SIZE = 512
+#: Special tokens of the generated tokenizer: ChatML's turn markers and an end of text.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _shard_texts(paths: list[str]):
+    """The text of every text member of the shards, in shard and member order (a conversation
+    member gives each turn's text)."""
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for info in tar:
+                name = info.name.rsplit("/", 1)[-1]
+                suffix = name[name.find(".") + 1:] if "." in name else ""
+                if suffix not in ("txt", "txt.gz", "json", "json.gz"):
+                    continue
+                data = tar.extractfile(info).read()
+                if suffix.endswith(".gz"):
+                    data = gzip.decompress(data)
+                if suffix.startswith("json"):
+                    doc = json.loads(data)
+                    turns = doc if isinstance(doc, list) else doc.get("conversations", [])
+                    for turn in turns:
+                        yield turn.get("value", turn.get("content", ""))
+                else:
+                    yield data.decode("utf-8")
+
+
+def write_tokenizer(out_dir: str, paths: list[str], *, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
+    """Train a byte-level BPE tokenizer on the shards' texts and write tokenizer.json and
+    tokenizer_config.json (ChatML chat template) into `out_dir`; returns tokenizer.json's path.
+
+    Deterministic: a fixed corpus order, and the `tokenizers` BPE trainer breaks ties between
+    equally frequent pairs by the pair itself, so the same shards give the same file.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from pipeline.tokenize import CHATML
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_shard_texts(paths), trainer)
+    path = os.path.join(out_dir, "tokenizer.json")
+    tok.save(path)
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
+              "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast"}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -179,16 +375,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
     parser.add_argument("--shards", type=int, default=8, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")
+    parser.add_argument("--video-share", type=float, default=0.0,
+                        help="share of samples that also get a 1-3 s MP4 clip (needs the [video] extra)")
+    parser.add_argument("--blend", action="store_true",
+                        help="write three sources instead (captions, speech, chat with images and "
+                             "clips; samples and shards shared by weight) and dataset.toml naming "
+                             "them for `serve --dataset` (needs the [video] extra)")
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.shards <= args.samples:
         raise ValueError(f"--shards {args.shards} and --samples {args.samples}: need at least one "
                          f"shard and at least one sample per shard")
-    paths = generate(args.out, num_samples=args.samples, num_shards=args.shards, seed=args.seed)
+    if args.blend:
+        try:
+            import av  # noqa: F401
+        except ImportError:
+            raise ValueError("--blend writes video clips and needs PyAV: pip install 'mmdispatch[video]'") from None
+        _, paths = generate_blend(args.out, num_samples=args.samples, num_shards=args.shards,
+                                  seed=args.seed)
+    else:
+        paths = generate(args.out, num_samples=args.samples, num_shards=args.shards,
+                         seed=args.seed, video_share=args.video_share)
     total = sum(os.path.getsize(p) for p in paths)
+    tokenizer = write_tokenizer(args.out, paths)
     print(
-        f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) to {args.out}",
+        f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) and their "
+        f"tokenizer {tokenizer} to {args.out}",
         file=sys.stderr,
     )
     return 0

@@ -31,6 +31,9 @@ _PERCENTILES = (50, 90, 99)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("shards", nargs="+", help="shard specs: paths, globs, {000..099} ranges, pipe:/file: URLs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--estimate-text", action="store_true",
+                        help="count text with the fast estimator instead of tokenizing it (quick; "
+                             "the counts are approximate and the report says so)")
     add_reader_arguments(parser)
 
 
@@ -66,11 +69,19 @@ def _bad_shard(url: str, stats: ErrorStats, stopped: str | None) -> dict:
             "stopped": stopped}
 
 
+def text_counted_by(config: ReaderConfig) -> dict:
+    """How text was counted: exact (the ids trainers receive) or the estimator's approximation."""
+    t = config.counting.text
+    if t.estimate:
+        return {"exact": False, "how": "approximate (estimator; drop --estimate-text for the exact ids readers send)"}
+    return {"exact": True, "how": f"exact ({'tokenizer ' + t.tokenizer_path if t.tokenizer_path else 'byte-level ids'})"}
+
+
 def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> dict:
     """Read every shard and return the statistics report as a JSON-ready dict."""
     stats = ErrorStats()
     bad_shards: list[dict] = []
-    lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "audio")}
+    lens: dict[str, dict[str, list]] = {m: {"enc_len": [], "llm_len": []} for m in ("image", "video", "audio")}
     durations: list[float] = []
     text_lens: list[int] = []
     sample_lens: list[int] = []
@@ -113,7 +124,8 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
         for m, v in lens.items()
     }
     modalities["audio"]["duration_s"] = _summary(durations)
-    modalities["text"] = {"count": len(text_lens), "llm_len": _summary(text_lens)}
+    modalities["text"] = {"count": len(text_lens), "llm_len": _summary(text_lens),
+                          "counted_by": text_counted_by(config)}
     return {
         "num_shards": len(urls),
         "num_samples": num_samples,
@@ -150,12 +162,14 @@ def render(report: dict, console: Console) -> None:
         if s.get("count"):
             table.add_row(name, what, str(s["count"]), *(f"{s[k]:.0f}" for k in ("p50", "p90", "p99", "max")))
 
-    for m in ("image", "audio"):
+    for m in ("image", "video", "audio"):
         row(m, "encoder", report["modalities"][m]["enc_len"])
         row(m, "llm", report["modalities"][m]["llm_len"])
-    row("text", "llm", report["modalities"]["text"]["llm_len"])
+    text = report["modalities"]["text"]
+    row("text" if text["counted_by"]["exact"] else "text (approx.)", "llm", text["llm_len"])
     row("sample", "llm total", report["samples"]["llm_len"])
     console.print(table)
+    console.print(f"text tokens: {text['counted_by']['how']}")
     dur = report["modalities"]["audio"]["duration_s"]
     if dur.get("count"):
         console.print(f"audio duration s: p50 {dur['p50']:.1f}  p90 {dur['p90']:.1f}  p99 {dur['p99']:.1f}  max {dur['max']:.1f}")

@@ -20,6 +20,8 @@ from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
+from pipeline.tokenize import TextTokens
+from pipeline.video import VideoConfig, count_video
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -55,6 +57,7 @@ class ReaderConfig:
 def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     """Command-line options for counting rules and error policy (shared by inspect and read)."""
     image, audio, text, errors = ImageConfig(), AudioConfig(), TextConfig(), ErrorPolicy()
+    video = VideoConfig()
     group = parser.add_argument_group("counting and errors")
     add = group.add_argument
     add("--min-pixels", type=int, default=image.min_pixels, help="image resize lower pixel budget")
@@ -62,10 +65,17 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
     add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
     add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
+    add("--video-fps", type=float, default=video.fps, help="video frames sampled per second")
+    add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
     add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
-    add("--tokenizer", default=None, help="HF tokenizers JSON file for exact text counts (unset: the fast estimator)")
+    add("--tokenizer", default=None,
+        help="HF tokenizers JSON file (a model's tokenizer.json) that turns text into the ids "
+             "trainers receive (unset: byte-level ids, the 256 UTF-8 byte values)")
+    add("--chat-template", default=None,
+        help="chat template for conversations: a built-in name (chatml), a .jinja file or a "
+             "tokenizer_config.json (unset: the tokenizer_config.json beside --tokenizer, else chatml)")
     add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
     add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
         help="skip samples with a member larger than this (read through, never held)")
@@ -80,7 +90,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
 
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
     """The `ReaderConfig` described by options added with `add_reader_arguments`."""
-    text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes}
+    text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes,
+                         "chat_template": getattr(args, "chat_template", None),
+                         "estimate": getattr(args, "estimate_text", False)}
     if args.json_field:
         text_kwargs["json_fields"] = tuple(args.json_field)
     counting = CountingConfig(
@@ -93,6 +105,8 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
             pad_window_s=args.audio_pad_window,
         ),
         text=TextConfig(**text_kwargs),
+        video=VideoConfig(fps=args.video_fps, max_pixels=args.video_max_pixels, patch_size=args.patch_size,
+                          merge_size=args.merge_size, min_pixels=min(VideoConfig().min_pixels, args.video_max_pixels)),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(
@@ -199,14 +213,11 @@ class SampleBuilder:
         self._suffixes: dict[str, tuple[str | None, str, bool]] = {}
 
     def classify(self, suffix: str) -> tuple[str | None, str, bool]:
-        """(kind, extension, gzip) of a member suffix under the field map; kind None: ignored.
-
-        Video members count as ignored: this reader has no video counter.
-        """
+        """(kind, extension, gzip) of a member suffix under the field map; kind None: ignored."""
         got = self._suffixes.get(suffix)
         if got is None:
             kind, ext = self.config.fields.classify(suffix)
-            got = (None if kind == "video" else kind, ext, is_gzip(suffix))
+            got = (kind, ext, is_gzip(suffix))
             if len(self._suffixes) >= 4096:
                 self._suffixes.clear()
             self._suffixes[suffix] = got
@@ -218,10 +229,14 @@ class SampleBuilder:
             if self.classify(suffix)[0] is None:
                 into[ignored_label(suffix)] += 1
 
+    def _video(self, data: bytes | memoryview) -> tuple[int, int, dict]:
+        return count_video(data, self.config.counting.video)
+
     def build(self, key: str, members: dict[str, bytes], shard: str, index: int) -> SampleRecord:
         """Count a sample; raises `CountError` when a member cannot be counted."""
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
+        videos: list[tuple[str, bytes]] = []
         texts: list[tuple[str, bytes, str, bool]] = []
         max_text = self.config.counting.text.max_text_bytes
         for suffix, data in members.items():
@@ -232,14 +247,18 @@ class SampleBuilder:
                 data = gunzip(data, max_text)
             if kind == "image":
                 images.append((suffix, data))
+            elif kind == "video":
+                videos.append((suffix, data))
             elif kind == "audio":
                 audios.append((suffix, data))
             else:
                 texts.append((suffix, data, ext, kind == "conversation"))
         items: list[Item] = []
         items_llm = 0
-        # LLM sequence convention: images, then audio clips, each in natural name order.
-        for modality, group, count in (("image", images, self.counter.image), ("audio", audios, self.counter.audio)):
+        # LLM sequence convention: images, then videos, then audio clips, each in natural name
+        # order, then text. Videos run in the vision phase beside images (as in Qwen2-VL).
+        for modality, group, count in (("image", images, self.counter.image), ("video", videos, self._video),
+                                       ("audio", audios, self.counter.audio)):
             if len(group) > 1:
                 group.sort(key=lambda m: _natural(m[0]))
             for suffix, data in group:
@@ -250,19 +269,20 @@ class SampleBuilder:
                 items.append(Item(modality=modality, member=suffix, enc_len=enc, llm_len=llm, meta=meta))
                 items_llm += llm
         text_len = 0
-        text = ""
+        tokens = TextTokens.empty()
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
-            parts = []
-            for suffix, data, ext, as_json in texts:
-                t, n = self.counter.text(data, ext, f"member {suffix!r}", as_json=as_json)
-                if n:
-                    parts.append(t)
-                    text_len += n
-            text = "\n".join(parts)
+            if self.counter.encoder is None:  # inspect's estimate: a count, no ids
+                text_len = sum(self.counter.estimate_text(d, ext, f"member {sfx!r}", as_json=js)
+                               for sfx, d, ext, js in texts)
+            else:
+                tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}", as_json=js)
+                                            for sfx, d, ext, js in texts])
+                text_len = len(tokens)
         if not items and not text_len:
-            raise CountError("empty_sample", f"no countable text, image or audio among members {sorted(members)}")
+            raise CountError("empty_sample",
+                             f"no countable text, image, video or audio among members {sorted(members)}")
         return SampleRecord(
             key=key,
             shard=shard,
@@ -270,7 +290,7 @@ class SampleBuilder:
             items=items,
             text_len=text_len,
             llm_len=text_len + items_llm,
-            text=text,
+            tokens=tokens,
             members=members if self.config.keep_members else {},
         )
 

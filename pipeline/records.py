@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.tokenize import TextTokens
+
 #: Modality of an item -> the encoder phase that processes it.
-MODALITY_PHASE: dict[str, str] = {"image": "vision", "audio": "audio"}
+MODALITY_PHASE: dict[str, str] = {"image": "vision", "video": "vision", "audio": "audio"}
 
 
 @dataclass(slots=True, kw_only=True)
 class Item:
-    """One image or audio clip of a sample, with its token counts."""
+    """One image, video or audio clip of a sample, with its token counts."""
 
-    modality: str  # "image" | "audio"
+    modality: str  # "image" | "video" | "audio"
     member: str  # member suffix inside the sample, e.g. "0.jpg" or "wav"
     enc_len: int  # sequence length its encoder attends over (patches, frames)
     llm_len: int  # embeddings it becomes in the LLM sequence
@@ -32,7 +34,7 @@ class SampleRecord:
     """A counted sample: key, where it came from, its items, and its raw members.
 
     `llm_len == text_len + sum(item.llm_len for item in items)`. Item order is the order of
-    the sample's LLM sequence (vision items, then audio items, then text), see the planner.
+    the sample's LLM sequence (images, videos, audio clips, then text), see the planner.
     """
 
     key: str
@@ -41,7 +43,9 @@ class SampleRecord:
     items: list[Item]
     text_len: int
     llm_len: int
-    text: str = ""  # the text the text tokens were counted from
+    # the text's token ids and loss mask (len == text_len); empty when text_len was only
+    # estimated (`inspect --estimate-text`)
+    tokens: TextTokens = field(default_factory=TextTokens.empty)
     members: dict[str, bytes | memoryview] = field(default_factory=dict)  # suffix -> raw bytes
     # suffix -> (offset, size) of each item's bytes in the shard file; filled on request
     # (`iter_shard(spans=True)`) for payloads sent by reference.

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -28,6 +28,7 @@ from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
+from pipeline.fieldmap import FieldMap
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.records import SampleRecord
 
@@ -79,13 +80,18 @@ class _Assignment:
         return out
 
 
+#: Text token bytes after which a SAMPLES message is sent without waiting for more samples:
+#: half the protocol's header limit, which one sample within TextConfig.max_text_bytes fits.
+_MAX_TOKEN_BYTES = P.DEFAULT_LIMITS.max_header_bytes // 2
+
+
 def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[list, list]:
     """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers,
     or with `ref_path` (reference payload mode) references to their bytes in that file."""
     items = [[it.modality, it.member, int(it.enc_len), int(it.llm_len), dict(it.meta)]
              for it in rec.items]
     header = [rec.key, int(rec.index), int(rec.text_len), int(rec.llm_len),
-              rec.text.encode("utf-8"), items]
+              rec.tokens.to_wire(), items]
     if ref_path is not None:
         return header, [P.pack_ref(ref_path, *rec.spans[it.member]) for it in rec.items]
     return header, [rec.members[it.member] for it in rec.items]
@@ -103,6 +109,7 @@ class ReaderWorker:
         self.payloads = "inline"  # the dispatcher's choice, from WELCOME
         self.num_samples_sent = 0
         self.ended = False  # the dispatcher said the job is done
+        self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
 
     def run(self, stop: threading.Event | None = None) -> None:
         self.session.run(stop or threading.Event())
@@ -161,10 +168,26 @@ class ReaderWorker:
         if self.payloads == "reference":
             ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
-        a.records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
+        a.records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
+                               start_index=msg["start_index"],
                                stats=self.stats, spans=ref_path is not None, on_skip=a.skipped,
                                ignored=a.ignored)
         self.assignments.append(a)
+
+    def _reader_config(self, fields: dict | None) -> ReaderConfig:
+        """This reader's rules with a source's field map (SHARD_ASSIGN `fields`), if it has one."""
+        if not fields:
+            return self.config.reader
+        key = repr(sorted(fields.items()))
+        config = self._configs.get(key)
+        if config is None:
+            try:
+                fm = FieldMap.from_dict(fields)
+            except ValueError as e:
+                raise FatalReaderError(f"dispatcher at {self.config.dispatcher} sent a field map "
+                                       f"this reader cannot use: {e}") from None
+            config = self._configs[key] = replace(self.config.reader, fields=fm)
+        return config
 
     def _drop_assignment(self, a: _Assignment) -> None:
         close = getattr(a.records, "close", None)
@@ -184,13 +207,15 @@ class ReaderWorker:
         finish the shard when exhausted."""
         headers, frames = [], []
         done = False
-        while len(headers) < min(a.credits, self.config.batch):
+        token_bytes = 0  # text tokens travel in the header: keep it well under its size limit
+        while len(headers) < min(a.credits, self.config.batch) and token_bytes < _MAX_TOKEN_BYTES:
             try:
                 rec = next(a.records)
             except StopIteration:
                 done = True
                 break
             h, f = sample_header(rec, a.ref_path)
+            token_bytes += len(h[4])
             headers.append(h)
             frames.extend(f)
         if headers:

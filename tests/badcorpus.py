@@ -128,6 +128,25 @@ def flac_with(*, rate: int | None = None, total: int | None = None) -> bytes:
     return bytes(data)
 
 
+def clip(fmt: str = "mp4") -> bytes:
+    """A real 2 s, 10 fps, 64x48 clip (PyAV, the `[video]` extra; imported only when a case is built)."""
+    from pipeline.gendata import video_clip
+
+    return video_clip(64, 48, 10, 20, seed=3, fmt=fmt)
+
+
+def mp4_with(*, delta: int | None = None, size: tuple[int, int] | None = None) -> bytes:
+    """`clip()` whose stts sample duration (ticks per frame) or stsd frame size is overwritten."""
+    data = bytearray(clip())
+    if delta is not None:
+        stts = data.index(b"stts") + 4  # version/flags, entry count, then (count, delta) runs
+        struct.pack_into(">I", data, stts + 12, delta)
+    if size is not None:
+        entry = data.index(b"stsd") + 4 + 8  # the first sample entry
+        struct.pack_into(">HH", data, entry + 32, *size)
+    return bytes(data)
+
+
 def gif_screen(width: int, height: int) -> bytes:
     """A GIF whose logical screen declares width x height (Pillow parses it, our parsers do not)."""
     out = io.BytesIO()
@@ -172,6 +191,16 @@ def _sample_case(name: str, reason: str, what: str, members: Callable[[], dict[s
 
 def _half(data: bytes) -> bytes:
     return data[: len(data) // 2]
+
+
+def _drop_frames(mp4: bytes, count: int) -> bytes:
+    """An MP4 (moov after mdat) whose mdat loses its last `count` bytes, box sizes kept consistent:
+    the sample table then claims more bytes than mdat holds."""
+    at = mp4.index(b"mdat") - 4
+    (size,) = struct.unpack_from(">I", mp4, at)
+    head = bytearray(mp4[: at + size - count])
+    struct.pack_into(">I", head, at, size - count)
+    return bytes(head) + mp4[at + size :]
 
 
 def _four(p: str) -> list[tuple[str, bytes]]:
@@ -326,6 +355,24 @@ _sample_case("flac_length_lies", "bad_audio", "FLAC claiming one hour (28.8M sam
              lambda: {"flac": flac_with(total=8000 * 3600), "txt": b"c"})
 _sample_case("audio_garbage", "bad_audio", "an .mp3 that is random bytes",
              lambda: {"mp3": bytes(np.random.default_rng(6).integers(0, 256, 500, dtype=np.uint8)), "txt": b"c"})
+
+# Video containers that are cut or lie (counted from headers: the lie must be seen there).
+_sample_case("mp4_ok", "ok", "a good 2 s H.264 MP4 beside text: counted", lambda: {"mp4": clip(), "txt": b"c"})
+_sample_case("zero_mp4", "bad_video", "a zero-byte .mp4", lambda: {"mp4": b"", "txt": b"c"})
+_sample_case("mp4_truncated", "bad_video", "a real MP4 cut in half (its moov index, at the end, is gone)",
+             lambda: {"mp4": _half(clip()), "txt": b"c"})
+_sample_case("mp4_cut_in_mdat", "bad_video", "a real MP4 whose mdat lost 200 bytes of frames, box sizes mended",
+             lambda: {"mp4": _drop_frames(clip(), 200), "txt": b"c"})
+_sample_case("mp4_zero_duration", "bad_video", "MP4 whose frames last 0 ticks (duration 0 s)",
+             lambda: {"mp4": mp4_with(delta=0), "txt": b"c"})
+_sample_case("mp4_absurd_fps", "bad_video", "MP4 timing 10,240 frames per second",
+             lambda: {"mp4": mp4_with(delta=1), "txt": b"c"})
+_sample_case("mp4_absurd_size", "bad_video", "MP4 declaring 65535x65535 frames",
+             lambda: {"mp4": mp4_with(size=(65535, 65535)), "txt": b"c"})
+_sample_case("video_garbage", "bad_video", "an .mp4 that is random bytes (no container)",
+             lambda: {"mp4": bytes(np.random.default_rng(7).integers(0, 256, 500, dtype=np.uint8)), "txt": b"c"})
+_sample_case("mkv_truncated", "bad_video", "a real MKV cut in half (its Segment size overruns the file)",
+             lambda: {"mkv": _half(clip("mkv")), "txt": b"c"})
 
 # Text.
 _sample_case("txt_not_utf8", "bad_text", "Latin-1 text in a .txt", lambda: {"txt": "café olé".encode("latin-1")})

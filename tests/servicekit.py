@@ -83,11 +83,13 @@ def kill(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
         proc.stdout.close()
 
 
-def serve(shards: list[str], *, world_size: int, extra: list[str] = (), log: str | None = None,
+def serve(shards: list[str] | str, *, world_size: int, extra: list[str] = (), log: str | None = None,
           global_batch: int = 8, num_microbatches: int = 2, seed: int = 5,
           timeout: float = 30.0) -> tuple[subprocess.Popen, dict]:
-    """`mmdispatch serve` with test liveness settings; returns the process and its READY dict."""
-    args = ["serve", "--shards", *shards, "--world-size", str(world_size), "--global-batch",
+    """`mmdispatch serve` with test liveness settings; returns the process and its READY dict.
+    `shards`: a list of shards, or the path of a dataset file."""
+    what = ["--dataset", shards] if isinstance(shards, str) else ["--shards", *shards]
+    args = ["serve", *what, "--world-size", str(world_size), "--global-batch",
             str(global_batch), "--num-microbatches", str(num_microbatches), "--seed", str(seed),
             "--heartbeat", "0.2", "--timeout", "1.5", "--no-fsync", *extra]
     proc = spawn(args, log=log)
@@ -164,9 +166,11 @@ def wait_for(predicate, timeout: float = 20.0, what: str = "condition") -> None:
 
 # -- a running service -------------------------------------------------------------------------
 WORLD, M = 2, 2
-# At most 21 samples buffered or credited per shard (shards of 60 in the fault corpus): readers
-# spend their time inside a shard waiting for credit, which is where a fault hurts most.
+# At most 13 samples buffered or credited per shard (shards of 60 in the fault corpus): readers
+# spend their time inside a shard waiting for credit, which is where a fault hurts most. A small
+# shuffle buffer keeps shuffle blocks in play across every fault.
 FLOW = ["--max-buffered-samples", "96", "--credit-batch", "8", "--inflight-shards", "3",
+        "--shuffle-buffer", "24",
         "--max-retained-steps", "3"]
 
 

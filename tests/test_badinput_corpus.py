@@ -54,7 +54,7 @@ def test_corpus_covers_the_issue_and_documents_its_reasons(corpus):
     # lying or bomb images, impossible audio, non-UTF-8 and huge text, duplicate keys.
     assert {
         "truncated_tar", "bad_tar", "empty_sample", "bad_gzip", "bad_image", "image_too_large",
-        "bad_audio", "bad_text", "text_too_large", "duplicate_key", "bad_key", "ok",
+        "bad_audio", "bad_video", "bad_text", "text_too_large", "duplicate_key", "bad_key", "ok",
     } <= reasons
     assert os.path.getsize(corpus["txt_huge"].path) > HUGE_TEXT_BYTES
     for c in corpus.values():
@@ -135,7 +135,7 @@ def test_ok_cases_count_what_is_there(corpus):
     assert only("zero_cls_with_text").members["cls"] == b""
     assert only("jpeg_trailing_bytes").items[0].meta["width"] == 64
     assert only("png_trailing_bytes").items[0].meta["height"] == 48
-    assert only("txt_large_ok").text_len == (1 << 20) // 4  # the estimator: 4 ASCII bytes per token
+    assert only("txt_large_ok").text_len == 5 * ((1 << 20) // 5)  # byte-level ids: one per byte
 
 
 def _pillow_images() -> list[tuple[str, bytes]]:
@@ -244,7 +244,7 @@ def test_huge_text_is_rejected_before_decoding(corpus):
 def test_huge_text_is_counted_when_the_limit_allows_it(corpus):
     config = _config("raise", counting=CountingConfig(text=TextConfig(max_text_bytes=HUGE_TEXT_BYTES * 2)))
     (rec,) = [r for r in iter_shard(corpus["txt_huge"].path, config) if r.key.endswith("_bad")]
-    assert rec.text_len == HUGE_TEXT_BYTES // 4 and len(rec.text) == HUGE_TEXT_BYTES
+    assert rec.text_len == len(rec.tokens) == HUGE_TEXT_BYTES  # byte-level ids: one per byte
 
 
 def test_member_over_max_member_bytes_is_read_through_not_held(tmp_path):

@@ -17,6 +17,12 @@ from tests.test_service import (
 from trainer_client.client import DispatcherClient, DispatcherDataset, decode_step
 
 
+def _tokens(i: int, n: int) -> bytes:
+    """Sample i's text as the wire carries it: ids 1000*i + j, then a mask of 1 on odd j."""
+    ids = np.arange(n, dtype="<i4") + 1000 * i
+    return ids.tobytes() + (np.arange(n) % 2).astype(np.uint8).tobytes()
+
+
 def _samples(n: int = 10) -> list[Sample]:
     rng = np.random.default_rng(1)
     out = []
@@ -30,7 +36,7 @@ def _samples(n: int = 10) -> list[Sample]:
         text_len = int(rng.integers(1, 40))
         llm = text_len + sum(it.llm_len for it in items)
         out.append(Sample(key=f"s{i}", pos=0, index=i, text_len=text_len, llm_len=llm,
-                          text=f"text {i}".encode(), items=items, payloads=payloads,
+                          tokens=_tokens(i, text_len), items=items, payloads=payloads,
                           nbytes=sum(p.nbytes for p in payloads)))
     return out
 
@@ -51,7 +57,12 @@ def test_decoded_step_is_views_over_the_received_frames():
             ref = plan.rank_microbatch(rank, m)
             np.testing.assert_array_equal(mb.plan.samples, ref.samples)
             assert mb.keys == [samples[i].key for i in ref.samples]
-            assert mb.texts == [samples[i].text for i in ref.samples]
+            # Token ids and masks arrive verbatim, one int32 / bool tensor per sample.
+            assert [t.dtype for t in mb.text_ids] == [torch.int32] * len(ref.samples)
+            assert [t.tolist() for t in mb.text_ids] == [
+                [1000 * int(i) + j for j in range(samples[i].text_len)] for i in ref.samples]
+            assert [t.tolist() for t in mb.loss_mask] == [
+                [j % 2 == 1 for j in range(samples[i].text_len)] for i in ref.samples]
             assert mb.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
             arrays = frames[at]
             if mb.text_len.numel():

@@ -42,7 +42,7 @@ def _corpus(rng: random.Random, num_shards: int, epochs: int) -> dict[int, list[
 
 
 def _message(dispatcher: Dispatcher, assign_id: int, samples: list[dict], coalesced: bool):
-    headers = [[s["key"], s["index"], s["text_len"], s["llm_len"], b"t", s["items"]]
+    headers = [[s["key"], s["index"], s["text_len"], s["llm_len"], bytes(P.TOKEN_BYTES * s["text_len"]), s["items"]]
                for s in samples]
     payloads = [p for s in samples for p in s["payloads"]]
     if coalesced:
@@ -81,7 +81,7 @@ def test_block_paths_plan_the_per_sample_steps(seed):
     budget = rng.choice([None, 40, 150])
     corpus = _corpus(rng, num_shards, epochs)
     config = ServerConfig(
-        shards=[f"/data/shard-{i}.tar" for i in range(num_shards)], world_size=1,
+        shuffle_buffer=0, shards=[f"/data/shard-{i}.tar" for i in range(num_shards)], world_size=1,
         batch=BatchConfig(global_batch=global_batch, token_budget=budget),
         planner=PlannerConfig(num_microbatches=1), mode=mode, max_epochs=epochs,
         flow=FlowConfig(max_buffered_samples=10_000, num_inflight_shards=rng.randint(1, 3)))
@@ -184,7 +184,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
     """A rank's STEP message copies its items' payloads and is kept until every rank acked the
     step: those bytes are held too, so they count against max_buffered_bytes until eviction."""
     config = ServerConfig(
-        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1,
         flow=FlowConfig(max_buffered_samples=1_000, max_buffered_bytes=100_000,
                         num_inflight_shards=1, credit_batch=4))
@@ -199,7 +199,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [bytes([i]) * 1000]}
                    for i in range(4)]
         d._on_samples(reader, _message(d, a.id, samples, True))
-        samples_bytes = 4 * (len(b"t") + 1000)
+        samples_bytes = 4 * (P.TOKEN_BYTES * 5 + 1000)  # text tokens + payload
         assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
         d.delivery.connect(slot, b"t")
@@ -221,7 +221,7 @@ def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_fe
     """A one-rank dispatcher of one shard whose reader delivered all 8 samples and whose rank 0
     is connected with credits for 10 steps; `before_feed(d)` runs first (after a restart)."""
     d = Dispatcher(ServerConfig(
-        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=global_batch),
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=global_batch),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=journal_dir,
         journal_fsync=False, flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1,
                                              credit_batch=8, **flow)))
@@ -305,10 +305,10 @@ def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept():
     try:
         _serve_steps(d, 4)
         assert sorted(d.replay.cursors) == [0, 1, 2, 3]
-        assert d.replay.cursor_before(3).to_wire() == {"base": 0, "partial": [[0, 6]], "done": []}
+        assert d.replay.cursor_before(3) == {"base": 0, "partial": [[0, 6]], "done": []}
         assert d.replay.commit(2)
         assert sorted(d.replay.cursors) == [2, 3]
-        assert d.replay.cursor_before(3).to_wire()["partial"] == [[0, 6]]
+        assert d.replay.cursor_before(3)["partial"] == [[0, 6]]
         with pytest.raises(JournalError, match="from the last commit on .*--journal-dir"):
             d.replay.cursor_before(2)
     finally:

@@ -26,7 +26,8 @@ from dispatcher_server.server import Dispatcher, Fatal
 
 
 def _header(key: str, index: int, llm: int = 9) -> P.SampleHeader:
-    return P.SampleHeader(key, index, llm - 4, llm, b"t", [P.ItemHeader("image", "jpg", 16, 4, {})])
+    return P.SampleHeader(key, index, llm - 4, llm, bytes(P.TOKEN_BYTES * (llm - 4)),
+                          [P.ItemHeader("image", "jpg", 16, 4, {})])
 
 
 def _assembler() -> StepAssembler:
@@ -74,7 +75,7 @@ def test_a_shard_level_skip_is_reported_without_moving_the_resume_point():
 def _config(tmp_path=None, **kw) -> ServerConfig:
     planner = kw.pop("planner", PlannerConfig(num_microbatches=1))
     return ServerConfig(
-        shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=kw.pop("gb", 4)),
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=kw.pop("gb", 4)),
         planner=planner, max_epochs=kw.pop("max_epochs", 1), journal_fsync=False,
         journal_dir=None if tmp_path is None else str(tmp_path),
         flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8),
@@ -325,8 +326,9 @@ def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_differenc
 def test_the_dataset_fingerprint_names_what_a_resume_depends_on():
     base = _config()
     fp = base.dataset_fingerprint()
-    assert set(fp) == {"shards", "num_shards", "seed", "mode", "global_batch", "token_budget"}
-    other = ServerConfig(shards=["/data/shard-1.tar"], world_size=1, batch=base.batch,
+    assert set(fp) == {"shards", "num_shards", "seed", "mode", "global_batch", "token_budget",
+                       "shuffle_buffer"}
+    other = ServerConfig(shuffle_buffer=0, shards=["/data/shard-1.tar"], world_size=1, batch=base.batch,
                          planner=base.planner)
     assert other.dataset_fingerprint()["shards"] != fp["shards"]
     assert len(msgpack.packb(fp)) < 200  # small on the wire whatever the shard count
@@ -360,7 +362,7 @@ def test_an_epoch_resumed_midway_is_not_called_empty():
     from dispatcher_server.ordering import Cursor
 
     d = Dispatcher(ServerConfig(
-        shards=["/data/s0.tar", "/data/s1.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+        shuffle_buffer=0, shards=["/data/s0.tar", "/data/s1.tar"], world_size=1, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1), max_epochs=None, journal_fsync=False))
     try:
         d.assembler.reset(Cursor(base=1))  # position 0 (epoch 0) consumed before the restart

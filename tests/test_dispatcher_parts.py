@@ -51,24 +51,24 @@ def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
     a0, a1 = Assignment(id=1, pos=0, reader=b"r"), Assignment(id=2, pos=1, reader=b"r")
     progress = {0: _progress(0), 1: _progress(1)}
     # Room for everything: both topped up to two batches.
-    got = grants([a0, a1], progress, head=0, held=Holdings(samples=0, nbytes=0),
+    got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=0, nbytes=0),
                  avg_sample_bytes=10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 16), (2, 16)]
     # The byte bound is reached: only the empty head shard still gets credit (no deadlock).
-    got = grants([a0, a1], progress, head=0, held=Holdings(samples=10, nbytes=1000),
+    got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=10, nbytes=1000),
                  avg_sample_bytes=10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 16)]
     # The sample bound is hard, head or not: 5 samples of room are all one shard may get ...
-    got = grants([a0, a1], progress, head=0, held=Holdings(samples=95, nbytes=0),
+    got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=95, nbytes=0),
                  avg_sample_bytes=0.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 5)]
     # ... and none at the bound.
-    got = grants([a0, a1], progress, head=0, held=Holdings(samples=100, nbytes=0),
+    got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=100, nbytes=0),
                  avg_sample_bytes=0.0, flow=flow, shard_cap=50)
     assert got == []
     # A grant smaller than a batch to an assignment that still has credits is not worth a message.
     a1.credits = 12
-    got = grants([a1], progress, head=0, held=Holdings(samples=0, nbytes=0),
+    got = grants([a1], progress, heads={0}, held=Holdings(samples=0, nbytes=0),
                  avg_sample_bytes=0.0, flow=flow, shard_cap=50)
     assert got == []
 
@@ -124,13 +124,13 @@ def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on()
         r.record(StepEntry(step=step, epoch=0, world_size=2,
                            cursor_after={"base": 0, "partial": [[0, step + 1]], "done": []},
                            num_samples=1, digest="d"), plan=None, verbatim=False)
-    assert r.cursor_before(2).partial == {0: 2}
+    assert r.cursor_before(2)["partial"] == [[0, 2]]
     assert r.commit(2) and not r.commit(1)
     with pytest.raises(JournalError, match="never planned"):
         r.commit(10)
     with pytest.raises(JournalError, match="--journal-dir"):
         r.cursor_before(2)
-    assert r.cursor_before(4).partial == {0: 4}
+    assert r.cursor_before(4)["partial"] == [[0, 4]]
 
 
 def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplog):

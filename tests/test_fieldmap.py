@@ -13,6 +13,7 @@ from pipeline.fieldmap import KINDS, FieldMap, ignored_label
 from pipeline.reader import ReaderConfig, SampleBuilder, iter_shard
 from pipeline.errors import ErrorStats
 from pipeline.gendata import make_sample
+from pipeline.tokenize import ByteTokenizer
 
 
 def write_tar(path, members: list[tuple[str, bytes]]) -> str:
@@ -70,7 +71,7 @@ def test_from_dict_refuses_with_a_line_naming_the_problem(data, words):
 
 
 def test_constructor_refuses_an_extension_in_two_kinds():
-    with pytest.raises(ValueError, match="'mp4' is in both video and audio|'mp4' is in both audio and video"):
+    with pytest.raises(ValueError, match="'mp4' is mapped to both audio and video; map it once"):
         FieldMap(audio=("wav", "mp4"))
 
 
@@ -101,8 +102,9 @@ def test_reader_classifies_by_the_field_map(tmp_path):
     stats = ErrorStats()
     recs = list(iter_shard(shard, ReaderConfig(fields=fm), stats=stats))
     assert [r.key for r in recs] == ["k0", "k1"]
-    assert [it.member for it in recs[0].items] == ["tif"] and recs[0].text == "a caption of some words"
-    assert recs[1].text == "plain text here"  # json no longer mapped: ignored
+    assert [it.member for it in recs[0].items] == ["tif"]
+    assert ByteTokenizer.decode(recs[0].tokens.ids) == "a caption of some words"
+    assert ByteTokenizer.decode(recs[1].tokens.ids) == "plain text here"  # json now ignored
     assert stats.ignored_members == {"cls": 1, "json": 1}
 
 
@@ -112,12 +114,19 @@ def test_a_conversation_member_under_any_suffix_is_parsed_as_json(tmp_path):
     builder = SampleBuilder(ReaderConfig(fields=fm))
     rec = builder.build("k", {"chat": json.dumps(turns).encode(), "chat.gz": gzip.compress(
         json.dumps({"text": "zz"}).encode())}, "s", 0)
-    assert rec.text == "x" * 40 + "\n" + "y" * 40 + "\n" + "zz"
-    assert rec.text_len == 10 + 10 + 2 * 5 + 1
+    chat = ("<|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "y" * 40
+            + "<|im_end|>\n")
+    assert ByteTokenizer.decode(rec.tokens.ids) == chat + "zz" and rec.text_len == len(chat) + 2
+    # The same bytes under a plain-text suffix are text, not a conversation.
+    plain = SampleBuilder(ReaderConfig()).build("k", {"txt": json.dumps(turns).encode()}, "s", 0)
+    assert ByteTokenizer.decode(plain.tokens.ids) == json.dumps(turns)
 
 
-def test_video_members_count_as_ignored_until_video_is_counted(tmp_path):
+def test_video_members_follow_the_field_map(tmp_path):
     shard = write_tar(tmp_path / "v.tar", [("k.mp4", b"\0\0\0\x18ftypisom"), ("k.txt", b"words")])
     stats = ErrorStats()
-    recs = list(iter_shard(shard, ReaderConfig(), stats=stats))
+    assert list(iter_shard(shard, ReaderConfig(), stats=stats)) == []  # a video, not a valid one
+    assert stats.by_reason == {"bad_video": 1} and stats.ignored_members == {}
+    stats = ErrorStats()
+    recs = list(iter_shard(shard, ReaderConfig(fields=FieldMap(video=())), stats=stats))
     assert len(recs) == 1 and recs[0].items == [] and stats.ignored_members == {"mp4": 1}

@@ -107,3 +107,20 @@ def test_dispatcher_counts_ignored_members_in_metrics_logs_and_step_log(cls_shar
     assert len(lines) == 1 and f"suffixes=cls={NUM}" in lines[0] and "sample.tgz" in lines[0]
     records = [json.loads(line) for line in steps.read_text().splitlines()]
     assert records[-1]["ignored_members"] == {"cls": NUM}
+
+
+@pytest.mark.timeout(60)
+def test_a_source_field_map_reaches_the_readers(cls_shard):
+    from dispatcher_server.config import Source
+
+    # This source's map names cls as text and no image kind: now png members are the ignored ones.
+    source = Source(name="labels", shards=[cls_shard], fields={"image": [], "text": ["cls"]})
+    with dispatcher(make_config([], sources=[source], world_size=1, global_batch=8)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        got = consume(srv.trainer_endpoint, 1)
+        png = srv.metrics.registry.get_sample_value("mmdispatch_members_ignored_total",
+                                                    {"suffix": "png"})
+        cls = srv.metrics.registry.get_sample_value("mmdispatch_members_ignored_total",
+                                                    {"suffix": "cls"})
+    assert sum(len(keys) for _, mbs in got[0] for keys in mbs) == NUM
+    assert png == NUM and cls is None

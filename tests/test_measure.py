@@ -72,7 +72,7 @@ def test_refit_uses_only_its_window():
 
 def _dispatcher(tmp_path, **kw) -> Dispatcher:
     return Dispatcher(ServerConfig(
-        shards=["/data/shard-0.tar"], world_size=2, batch=BatchConfig(global_batch=4),
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=2, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1, cost=SECONDS), max_epochs=1,
         step_log=str(tmp_path / "steps.jsonl"), **kw))
 

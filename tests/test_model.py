@@ -13,7 +13,7 @@ from dispatcher_server.planner import PlannerConfig, Topology, plan_step  # noqa
 from trainer_client.exchange import pack_llm_inputs  # noqa: E402
 from trainer_client.model import (  # noqa: E402
     IGNORE_INDEX, ModelConfig, MultimodalModel, ReferenceModel, audio_frames, encoder_input, image_patches,
-    packed_labels, synthetic_features, synthetic_text_ids, text_token_ids,
+    packed_labels, synthetic_features, synthetic_text_ids,
 )
 
 from tests.test_exchange import make_inputs  # noqa: E402
@@ -142,13 +142,29 @@ def test_synthetic_inputs_are_deterministic_and_distinct():
     assert ids.shape == (20,) and int(ids.max()) < 97 and torch.equal(ids, synthetic_text_ids(0, 1, 20, 97))
 
 
-def test_text_ids_from_bytes_have_the_counted_length():
-    long = text_token_ids("a caption that is longer than its token count", 7, 50)
-    assert long.shape == (7,) and int(long.max()) < 50
-    assert not torch.equal(long, text_token_ids("a caption that is longer than its token kount", 7, 50))
-    short = text_token_ids(b"ab", 5, 1000)
-    assert short.tolist() == [97, 98, 97, 98, 97]
-    assert text_token_ids("", 3, 10).tolist() == [0, 0, 0]
+def test_loss_mask_leaves_exactly_the_masked_tokens_out_of_the_targets():
+    inputs = make_inputs(12, 6)
+    plan = plan_step(inputs, Topology(world_size=1, ranks_per_node=1), PlannerConfig(num_microbatches=1))
+    rmb = plan.rank_microbatch(0, 0)
+    rng = np.random.default_rng(0)
+    ids = [torch.as_tensor(rng.integers(0, 97, int(n)), dtype=torch.int32) for n in rmb.text_len]
+    masks = [torch.as_tensor(rng.random(int(n)) < 0.5) for n in rmb.text_len]
+    unmasked, masked = packed_labels(rmb, ids), packed_labels(rmb, ids, masks)
+    flat_mask = torch.cat(masks)
+    # Every target of the unmasked labels is kept where its token's mask is 1, dropped where 0.
+    targets = unmasked != IGNORE_INDEX
+    kept = torch.zeros_like(targets)
+    t = 0
+    for off, start, n in zip(rmb.text_offsets, rmb.sample_offsets, rmb.text_len):
+        for j in range(int(n)):
+            pos = int(off) - 1 + j
+            if pos >= int(start) and flat_mask[t + j]:
+                kept[pos] = True
+        t += int(n)
+    assert torch.equal(masked != IGNORE_INDEX, kept & targets) and 0 < int(kept.sum()) < int(targets.sum())
+    assert torch.equal(masked[kept], unmasked[kept])
+    with pytest.raises(ValueError, match="loss mask of"):
+        packed_labels(rmb, ids, masks[:-1])
 
 
 def test_image_bytes_become_merged_patch_blocks():

@@ -28,6 +28,7 @@ from pipeline.counting import (
     smart_resize,
     wav_header,
 )
+from pipeline.tokenize import ByteTokenizer
 
 QWEN = ImageConfig()
 
@@ -157,15 +158,23 @@ def test_guard_below_pillow_limit_is_ours():
 def test_json_text_fields_and_conversations():
     counter = Counter(CountingConfig())
     turns = [{"from": "human", "value": "a" * 40}, {"role": "assistant", "content": "b" * 80}]
-    text, n = counter.text(json.dumps({"conversations": turns}).encode(), "json", "m")
-    assert text == "a" * 40 + "\n" + "b" * 80
-    assert n == 10 + 20 + 2 * TextConfig().chat_turn_overhead
-    text, n = counter.text(json.dumps({"caption": "c" * 41}).encode(), "json", "m")
-    assert (text, n) == ("c" * 41, 11)
-    assert counter.text(b'{"url": "x"}', "json", "m") == ("", 0)
+    conv = json.dumps({"conversations": turns}).encode()
+    got = counter.text(conv, "json", "m")
+    chat = "<|im_start|>user\n" + "a" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "b" * 80 + "<|im_end|>\n"
+    assert ByteTokenizer.decode(got.ids) == chat and int(got.mask.sum()) == 80 + len("<|im_end|>\n")
+    # The estimator (inspect --estimate-text only) charges each turn its overhead.
+    assert counter.estimate_text(conv, "json", "m") == 10 + 20 + 2 * TextConfig().chat_turn_overhead
+    assert counter.estimate_text(json.dumps({"caption": "c" * 41}).encode(), "json", "m") == 11
+    got = counter.text(json.dumps({"caption": "c" * 41}).encode(), "json", "m")
+    assert (ByteTokenizer.decode(got.ids), got.mask.tolist()) == ("c" * 41, [1] * 41)
+    assert len(counter.text(b'{"url": "x"}', "json", "m")) == 0
     custom = Counter(CountingConfig(text=TextConfig(json_fields=("prompt",))))
-    assert custom.text(b'{"prompt": "abcdefgh", "text": "zz"}', "json", "m") == ("abcdefgh", 2)
-    for bad in (b"{not json", b"[1, 2]", b'{"text": 5}', b'{"messages": [{"role": "user"}]}'):
+    assert ByteTokenizer.decode(custom.text(b'{"prompt": "abcdefgh", "text": "zz"}', "json", "m").ids) == "abcdefgh"
+    # A top-level list is a conversation's turns (the field-map kind `conversation`).
+    turns = counter.text(b'[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]',
+                         "json", "m")
+    assert len(turns) > 4 and 0 < int(turns.mask.sum()) < len(turns)
+    for bad in (b"{not json", b"[1, 2]", b"7", b'{"text": 5}', b'{"messages": [{"role": "user"}]}'):
         with pytest.raises(CountError) as err:
             counter.text(bad, "json", "m")
         assert err.value.reason == "bad_json"
@@ -223,7 +232,7 @@ def test_tokenizer_path_counts_exactly(tmp_path):
     tok.save(path)
     text = "The quick brown fox jumps over the lazy dog, twice."
     counter = Counter(CountingConfig(text=TextConfig(tokenizer_path=path)))
-    assert counter.text(text.encode(), "txt", "m") == (text, len(tok.encode(text).ids))
+    assert counter.text(text.encode(), "txt", "m").ids.tolist() == tok.encode(text).ids
 
 
 def test_estimator_non_ascii():

@@ -17,6 +17,7 @@ from PIL import Image
 from pipeline.errors import ErrorPolicy, ErrorStats, SampleError, TooManyErrors
 from pipeline.reader import ReaderConfig, iter_samples, iter_shard
 from pipeline.shards import expand_shards
+from pipeline.tokenize import ByteTokenizer
 
 POLICIES = ("raise", "skip", "warn")
 
@@ -81,12 +82,18 @@ def test_grouping_item_order_gz_and_payload(tmp_path):
     assert [it.member for it in s1.items] == ["2.jpg", "10.jpg", "img_0.png", "wav"]
     assert [it.modality for it in s1.items] == ["image", "image", "image", "audio"]
     assert [it.llm_len for it in s1.items] == [4, 100, 200, 50]
-    assert s1.text_len == 100 and s1.text == "z" * 400
-    assert s1.llm_len == 100 + 4 + 100 + 200 + 50
+    # Byte-level ids by default: one per UTF-8 byte, all training targets.
+    assert s1.text_len == 400 and ByteTokenizer.decode(s1.tokens.ids) == "z" * 400
+    assert s1.tokens.mask.tolist() == [1] * 400
+    assert s1.llm_len == 400 + 4 + 100 + 200 + 50
     assert s1.members["cls"] == b"7" and s1.members["txt.gz"][:2] == b"\x1f\x8b"
     assert s1.modality_mix == "audio+image+text"
-    assert recs[1].text_len == 10 + 10 + 2 * 5 and recs[1].items == []
-    assert recs[2].llm_len == 3
+    # The conversation through ChatML; only the assistant's content and end marker are targets.
+    chat = ("<|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "y" * 40
+            + "<|im_end|>\n")
+    assert ByteTokenizer.decode(recs[1].tokens.ids) == chat and recs[1].text_len == len(chat)
+    assert recs[1].tokens.mask.tolist() == [0] * (len(chat) - 51) + [1] * 51 and recs[1].items == []
+    assert recs[2].llm_len == 12
     assert stats.num_samples == 3 and stats.num_errors == 0 and stats.ignored_members == {"cls": 1, "": 1}
 
 
@@ -297,7 +304,7 @@ def test_mapped_and_streamed_reads_give_identical_records(small_shards):
     def records(map_shards):
         out = []
         for r in iter_samples(small_shards, ReaderConfig(map_shards=map_shards)):
-            out.append((r.key, r.index, r.items, r.text_len, r.text,
+            out.append((r.key, r.index, r.items, r.text_len, r.tokens.to_wire(),
                         {k: bytes(v) for k, v in r.members.items()}))
         return out
 

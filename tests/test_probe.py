@@ -95,3 +95,24 @@ def test_serve_starts_on_usable_shards_and_without_the_probe(tmp_path, unusable)
             assert ready["readers"].startswith("tcp://")
         finally:
             kill(proc)
+
+
+@pytest.mark.timeout(120)
+def test_serve_probes_each_dataset_source_with_its_field_map(tmp_path, unusable):
+    def dataset(fields: str) -> str:
+        path = tmp_path / "dataset.toml"
+        shards = ", ".join(f'"{u}"' for u in unusable)
+        path.write_text(f'[[sources]]\nname = "labels"\nshards = [{shards}]\n'
+                        f'[sources.fields]\n{fields}\n')
+        return str(path)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", dataset('text = ["txt"]'),
+         "--world-size", "1", "--global-batch", "4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "source 'labels' (shards " in proc.stderr and "found suffixes cls, npy" in proc.stderr
+    proc, ready = serve(dataset('text = ["txt", "cls"]'), world_size=1)
+    try:
+        assert ready["readers"].startswith("tcp://")
+    finally:
+        kill(proc)

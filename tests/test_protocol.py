@@ -22,14 +22,17 @@ def _raw(header: dict, *frames) -> list:
 
 def test_round_trip_keeps_fields_and_payloads_without_copies():
     payload = bytearray(b"\x00\x01jpegbytes" * 100)
-    sample = ["k1", 3, 10, 74, b"hello", [["image", "jpg", 256, 64, {"width": 32}]]]
+    tokens = bytes(range(40)) + b"\x01" * 10  # 10 int32 ids, then 10 mask bytes
+    sample = ["k1", 3, 10, 74, tokens, [["image", "jpg", 256, 64, {"width": 32}]]]
     frames = P.encode(P.SAMPLES, seq=7, frames=[payload], assign_id=2, samples=[sample])
     msg = P.decode(frames)
     assert (msg.type, msg.seq, msg["assign_id"]) == (P.SAMPLES, 7, 2)
     # Headers come out as named records with the same values in the same order.
     (got,) = msg["samples"]
     assert isinstance(got, P.SampleHeader) and isinstance(got.items[0], P.ItemHeader)
-    assert (got.key, got.index, got.text_len, got.llm_len, got.text) == ("k1", 3, 10, 74, b"hello")
+    assert (got.key, got.index, got.text_len, got.llm_len, got.tokens) == ("k1", 3, 10, 74, tokens)
+    ids, mask = P.split_tokens(got.tokens)
+    assert (bytes(ids), bytes(mask)) == (tokens[:40], tokens[40:])
     assert got.items[0] == P.ItemHeader("image", "jpg", 256, 64, {"width": 32})
     assert [list(got[:5]) + [[list(it) for it in got.items]]] == [sample]
     assert bytes(msg.frames[0]) == bytes(payload)
@@ -40,9 +43,9 @@ def test_round_trip_keeps_fields_and_payloads_without_copies():
 def test_coalesced_samples_slice_one_frame_without_copies():
     members = [b"\x89PNG" * 10, b"", b"RIFFwave" * 7]
     frame = bytearray(b"".join(members))
-    samples = [["k1", 0, 3, 13, b"a", [["image", "png", 40, 10, {}]]],
-               ["k2", 1, 2, 2, b"b", []],
-               ["k3", 2, 1, 9, b"c", [["image", "jpg", 4, 1, {}], ["audio", "wav", 32, 7, {}]]]]
+    samples = [["k1", 0, 3, 13, b"a" * 15, [["image", "png", 40, 10, {}]]],
+               ["k2", 1, 2, 2, b"b" * 10, []],
+               ["k3", 2, 1, 9, b"c" * 5, [["image", "jpg", 4, 1, {}], ["audio", "wav", 32, 7, {}]]]]
     msg = P.decode(P.encode(P.SAMPLES, frames=[frame], assign_id=1, samples=samples,
                             sizes=[len(m) for m in members]))
     views = P.split_payload(msg.frames[0], msg["sizes"])
@@ -58,14 +61,14 @@ def test_coalesced_samples_slice_one_frame_without_copies():
     ([3, 4], [b"abc", b"defg"]),  # coalesced means exactly one frame
 ])
 def test_coalesced_samples_with_wrong_sizes_are_malformed(sizes, frames):
-    samples = [["k", 0, 1, 3, b"", [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
+    samples = [["k", 0, 1, 3, b"t" * P.TOKEN_BYTES, [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
     with pytest.raises(P.ProtocolError) as info:
         P.decode(P.encode(P.SAMPLES, frames=frames, assign_id=1, samples=samples, sizes=sizes))
     assert info.value.code == "malformed"
 
 
 def test_step_payload_frame_must_match_its_sizes():
-    mb = {"arrays": [0] * 21, "keys": [], "texts": [], "items": [["image", "k", "png", {}]],
+    mb = {"arrays": [0] * 21, "keys": [], "tokens": [], "items": [["image", "k", "png", {}]],
           "payloads": 1, "sizes": [5]}
     good = P.encode(P.STEP, frames=[b"", b"12345"], step=0, epoch=0, rank=0, world_size=1,
                     microbatches=[mb])
@@ -116,7 +119,10 @@ def test_skips_travel_as_named_records_in_samples_and_shard_done():
     ({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": 1, "extra": 0}, [], "malformed"),
     ({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": 1}, [b"x"], "malformed"),
     ({"v": P.VERSION, "type": P.SAMPLES, "seq": 1, "assign_id": 1,
-      "samples": [["k", 0, 1, 1, b"", [["image", "jpg", 1, 1, {}]]]]}, [], "malformed"),
+      "samples": [["k", 0, 1, 1, b"t" * 5, [["image", "jpg", 1, 1, {}]]]]}, [], "malformed"),
+    # 2 text tokens planned but the tokens hold 1 (5 bytes each): a count that is not the ids
+    ({"v": P.VERSION, "type": P.SAMPLES, "seq": 1, "assign_id": 1,
+      "samples": [["k", 0, 2, 2, b"t" * 5, []]]}, [], "malformed"),
 ])
 def test_decode_rejects_with_a_code(header, frames, code):
     with pytest.raises(P.ProtocolError) as info:

@@ -82,8 +82,8 @@ def test_server_config_refuses_shards_trainers_cannot_read(shards):
 
 
 def _contents(step) -> list:
-    """Per micro-batch: (step, keys, texts, {phase: [(key, member, payload bytes)]})."""
-    return [(step.step, mb.keys, mb.texts,
+    """Per micro-batch: (step, keys, text ids, {phase: [(key, member, payload bytes)]})."""
+    return [(step.step, mb.keys, [t.tolist() for t in mb.text_ids],
              {p: [(k, m, bytes(b)) for k, m, b in zip(e.sample_keys, e.members, e.payloads)]
               for p, e in mb.encoders.items()}) for mb in step.microbatches]
 
@@ -100,7 +100,7 @@ def test_reference_mode_delivers_exactly_what_inline_delivers(shards):
             runs[mode] = _deliver(srv.trainer_endpoint, 3)
             bytes_in = srv.metrics.bytes_in.labels("reader")._value.get()
         runs[mode + "_bytes_in"] = bytes_in
-    assert runs["reference"] == runs["inline"]  # same steps, keys, texts and payload bytes
+    assert runs["reference"] == runs["inline"]  # same steps, keys, text ids and payload bytes
     payload = sum(len(b) for got in runs["inline"].values() for *_, enc in got
                   for items in enc.values() for _, _, b in items)
     assert payload > 100_000
@@ -128,7 +128,7 @@ def test_reference_outside_the_assigned_shard_is_refused(shards, tmp_path):
             assign = _wait_for(sock, P.SHARD_ASSIGN)
             _wait_for(sock, P.CREDIT)
             ref = P.pack_ref(str(secret).encode(), 0, 17)
-            header = ["k0", 0, 1, 1 + 4, b"x", [["image", "jpg", 16, 4, {}]]]
+            header = ["k0", 0, 1, 1 + 4, b"x" * P.TOKEN_BYTES, [["image", "jpg", 16, 4, {}]]]
             sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[ref],
                                          assign_id=assign["assign_id"], samples=[header],
                                          sizes=[len(ref)]))

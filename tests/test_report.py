@@ -75,3 +75,20 @@ def test_a_log_without_plans_is_refused(tmp_path):
     bad.write_text("not json\n")
     with pytest.raises(ValueError, match="x.jsonl:1"):
         report.load_step_log(bad)
+
+
+def test_the_report_shows_a_blend_s_realized_mixture(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    config = PlannerConfig(num_microbatches=1)
+    topo = Topology(world_size=2, ranks_per_node=2)
+    log = StepLog(tmp_path / "steps.jsonl")
+    counts = [{"img": 5, "asr": 3}, {"img": 4, "asr": 4}]
+    for step, sources in enumerate(counts):
+        plan = plan_step(synthetic_step(rng, 8), topo, config)
+        log.write(plan_record(step, plan, config=config, plan_ms=1.0, sources=sources))
+    log.close()
+    s = report.summarize(report.load_step_log(tmp_path / "steps.jsonl"))
+    assert s["sources"] == {"img": {"samples": 9, "share": 9 / 16}, "asr": {"samples": 7, "share": 7 / 16}}
+    report.print_table(s)
+    out = capsys.readouterr().out
+    assert "source img" in out and "56.2%" in out

@@ -40,7 +40,8 @@ def all_keys(shards: list[str]) -> list[str]:
 def make_config(shards, *, world_size=3, global_batch=8, num_microbatches=2, **kw) -> ServerConfig:
     flow = kw.pop("flow", FlowConfig(max_buffered_samples=256, num_inflight_shards=3, credit_batch=8))
     return ServerConfig(
-        shards=list(shards), world_size=world_size, batch=BatchConfig(global_batch=global_batch),
+        shuffle_buffer=kw.pop("shuffle_buffer", 0), shards=list(shards), world_size=world_size,
+        batch=BatchConfig(global_batch=global_batch),
         planner=PlannerConfig(num_microbatches=num_microbatches), flow=flow,
         liveness=kw.pop("liveness", LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=20)),
         journal_fsync=False, **kw)
@@ -330,7 +331,7 @@ def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
     toml.write_text('[serve]\nworld_size = 2\nbogus = 1\n')
     with pytest.raises(ValueError, match="bogus"):
         serve.resolve(parser.parse_args(["--config", str(toml)]))
-    with pytest.raises(ValueError, match="--shards is required"):
+    with pytest.raises(ValueError, match="--shards or --dataset is required"):
         serve.resolve(parser.parse_args(["--world-size", "2", "--global-batch", "4"]))
 
 
@@ -363,8 +364,8 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
             sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
             assign = recv(sock, P.SHARD_ASSIGN)
             recv(sock, P.CREDIT)
-            bad = [["k-video", 0, 1, 5, b"t", [["video", "mp4", 3, 4, {}]]],
-                   ["k-len", 1, 1, 99, b"t", []]]
+            bad = [["k-video", 0, 1, 5, b"t" * P.TOKEN_BYTES, [["video", "mp4", 3, 4, {}]]],
+                   ["k-len", 1, 1, 99, b"t" * P.TOKEN_BYTES, []]]
             sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[b"x"], assign_id=assign["assign_id"],
                                          samples=bad))
             sock.send_multipart(P.encode(P.BYE, seq=4))

@@ -79,12 +79,13 @@ def _serve_args(shards, journal, world_size):
     return ["--shards", *shards, "--world-size", str(world_size), "--global-batch", "8",
             "--num-microbatches", "2", "--journal-dir", journal, "--heartbeat", "0.2",
             "--timeout", "1.5", "--max-retained-steps", "3", "--inflight-shards", "3",
-            "--max-buffered-samples", "256", "--credit-batch", "8", "--seed", "5"]
+            "--max-buffered-samples", "256", "--credit-batch", "8", "--seed", "5",
+            "--shuffle-buffer", "64"]
 
 
 def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(shards, tmp_path):
     journal = str(tmp_path / "journal")
-    reference_cfg = make_config(shards, world_size=2, seed=5)
+    reference_cfg = make_config(shards, world_size=2, seed=5, shuffle_buffer=64)
     with dispatcher(reference_cfg) as srv, readers(srv.reader_endpoint, 2):
         reference = consume(srv.trainer_endpoint, 2)
     commit_at = 4

@@ -24,7 +24,7 @@ from tests.servicekit import ScriptedRouter
 def _dispatcher(num_shards: int, *, mode: str = "deterministic", epochs: int = 1,
                 inflight: int = 4) -> Dispatcher:
     return Dispatcher(ServerConfig(
-        shards=[f"/data/shard-{i}.tar" for i in range(num_shards)], world_size=1,
+        shuffle_buffer=0, shards=[f"/data/shard-{i}.tar" for i in range(num_shards)], world_size=1,
         batch=BatchConfig(global_batch=4), planner=PlannerConfig(num_microbatches=1), mode=mode,
         max_epochs=epochs, flow=FlowConfig(max_buffered_samples=10_000, num_inflight_shards=inflight)))
 

@@ -26,11 +26,11 @@ wds = pytest.importorskip("webdataset")
 from PIL import Image  # noqa: E402
 
 from mmdispatch.cli import main  # noqa: E402
-from pipeline.counting import AudioConfig, CountingConfig, ImageConfig, audio_lengths, image_lengths  # noqa: E402
-from pipeline.counting import Counter as TokenCounter  # noqa: E402
+from pipeline.counting import AudioConfig, ImageConfig, audio_lengths, image_lengths  # noqa: E402
 from pipeline.errors import ErrorStats  # noqa: E402
 from pipeline.fieldmap import FieldMap, ignored_label  # noqa: E402
 from pipeline.reader import ReaderConfig, iter_shard  # noqa: E402
+from pipeline.tokenize import ByteTokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,7 +125,6 @@ def test_iter_shard_reads_what_webdataset_reads(shards):
 
 
 def test_counts_match_webdataset_decoded_content(shards):
-    counter = TokenCounter(CountingConfig())
     for url in shards:
         for rec, sample in zip(iter_shard(url, ReaderConfig()), _wds_samples(url, decode=True)):
             assert rec.key == sample["__key__"]
@@ -142,21 +141,21 @@ def test_counts_match_webdataset_decoded_content(shards):
             if "10.jpg" in multi:
                 assert multi == ["0.jpg", "1.jpg", "10.jpg"]  # natural order, not tar order
             # Text: webdataset decodes txt (and txt.gz) to str and json to objects.
-            texts, expected = [], 0
-            for suffix in sorted(_members(sample)):  # one text per kind here: any order is natural
+            # Text: webdataset decodes txt (and txt.gz) to str and json to objects; readers ship
+            # byte-level ids by default, conversations rendered through ChatML.
+            texts = []
+            for suffix in sorted(_members(sample)):  # one text per sample here: any order
                 value, kind = sample[suffix], FieldMap().classify(suffix)[0]
                 if kind == "text":
                     texts.append(value)
-                    expected += counter.count_text(value)
                 elif kind == "conversation" and "conversations" in value:
-                    turns = [t["value"] for t in value["conversations"]]
-                    texts.append("\n".join(turns))
-                    expected += sum(map(counter.count_text, turns)) + 5 * len(turns)
+                    roles = {"human": "user", "gpt": "assistant"}
+                    texts.append("".join(f"<|im_start|>{roles[t['from']]}\n{t['value']}<|im_end|>\n"
+                                         for t in value["conversations"]))
                 elif kind == "conversation":
                     texts.append(value.get("text", value.get("caption")))
-                    expected += counter.count_text(texts[-1])
-            assert rec.text == "\n".join(texts)
-            assert rec.text_len == expected
+            assert ByteTokenizer.decode(rec.tokens.ids) == "".join(texts)
+            assert rec.text_len == len("".join(texts).encode())
             assert rec.llm_len == rec.text_len + sum(it.llm_len for it in rec.items)
 
 

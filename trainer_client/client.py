@@ -64,7 +64,10 @@ class Microbatch:
     index: int
     plan: RankMicrobatch  # numpy views; the exchange tables live in plan.exchanges
     keys: list[str]  # LLM samples in packing order
-    texts: list[bytes]
+    # per sample, in packing order: the text's token ids as the data node tokenized them
+    # (int32[text_len]) and its loss mask (bool[text_len], True on training targets)
+    text_ids: list[torch.Tensor]
+    loss_mask: list[torch.Tensor]
     text_len: torch.Tensor  # int64[s]
     sample_llm_len: torch.Tensor  # int64[s]
     cu_seqlens: torch.Tensor  # int32[s+1], varlen-attention boundaries of the packed sequence
@@ -198,6 +201,20 @@ def _plan_tensors(plan: RankMicrobatch) -> dict[str, torch.Tensor]:
     return out
 
 
+def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sample (int32 ids, bool loss mask) from the wire's `tokens`; ProtocolError when a
+    sample's token count is not its planned text length."""
+    ids, masks = [], []
+    for data, n in zip(tokens, text_len):
+        if len(data) != P.TOKEN_BYTES * n:
+            raise P.ProtocolError(f"step: a sample carries {len(data) // P.TOKEN_BYTES} text tokens "
+                                  f"but the plan has {n}")
+        raw_ids, raw_mask = P.split_tokens(data)
+        ids.append(torch.from_numpy(np.frombuffer(raw_ids, "<i4").astype(np.int32)))
+        masks.append(torch.from_numpy(np.frombuffer(raw_mask, np.uint8) != 0))
+    return ids, masks
+
+
 def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
 
@@ -231,8 +248,9 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
             raise P.ProtocolError("step: payload or key counts disagree with the plan arrays")
         cu = torch.zeros(len(plan.samples) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(tensors["sample_llm_len"], 0)
+        text_ids, loss_mask = text_tensors(mb["tokens"], plan.text_len.tolist())
         out.microbatches.append(Microbatch(
-            step=out.step, index=m, plan=plan, keys=list(mb["keys"]), texts=list(mb["texts"]),
+            step=out.step, index=m, plan=plan, keys=list(mb["keys"]), text_ids=text_ids, loss_mask=loss_mask,
             text_len=tensors["text_len"], sample_llm_len=tensors["sample_llm_len"],
             cu_seqlens=cu, encoders=encoders, tensors=tensors))
     return out

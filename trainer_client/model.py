@@ -233,15 +233,23 @@ class ReferenceModel(nn.Module):
         return LLMOutput(logits, loss, int((labels != IGNORE_INDEX).sum()))
 
 
-def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor) -> Tensor:
+def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor,
+                  loss_mask: Sequence[Tensor] | Tensor | None = None) -> Tensor:
     """Next-token targets of a packed micro-batch: position p predicts the text token at p+1.
 
     Text closes each sample, so its first token is predicted from the sample's last item
-    embedding (when it has items) and the sample's last position predicts nothing.
+    embedding (when it has items) and the sample's last position predicts nothing. A token
+    whose `loss_mask` is 0 (a conversation's non-assistant tokens) is no target either
+    (label IGNORE_INDEX); no mask means every text token is a target.
     """
-    ids = torch.cat([*text_ids, torch.zeros(0, dtype=torch.long)]) if not isinstance(text_ids, Tensor) else text_ids
+    ids = _flat(text_ids).long()
     if ids.shape[0] != int(np.sum(rank_mb.text_len)):
         raise ValueError(f"{ids.shape[0]} text ids given but the plan has {int(np.sum(rank_mb.text_len))} text tokens")
+    if loss_mask is not None:
+        mask = _flat(loss_mask).bool()
+        if mask.shape != ids.shape:
+            raise ValueError(f"loss mask of {mask.shape[0]} tokens for {ids.shape[0]} text ids")
+        ids = ids.masked_fill(~mask, IGNORE_INDEX)
     labels = torch.full((rank_mb.total_len,), IGNORE_INDEX, dtype=torch.long)
     t = 0
     for start, off, n in zip(rank_mb.sample_offsets, rank_mb.text_offsets, rank_mb.text_len):
@@ -252,6 +260,10 @@ def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor) 
     return labels
 
 
+def _flat(parts: Sequence[Tensor] | Tensor) -> Tensor:
+    return parts if isinstance(parts, Tensor) else torch.cat([*parts, torch.zeros(0, dtype=torch.long)])
+
+
 def forward_microbatch(
     model: MultimodalModel,
     rank_mb: RankMicrobatch,
@@ -259,15 +271,17 @@ def forward_microbatch(
     item_input: Callable[[str, int], Tensor],
     text_ids: Callable[[int], Tensor],
     exchanger: Exchanger,
+    loss_mask: Callable[[int], Tensor] | None = None,
 ) -> LLMOutput:
     """Encode this rank's items, exchange them to their LLM ranks, pack, run the LLM.
 
     `item_input(phase, item_id)` gives an item's encoder input, `text_ids(sample_id)` a
-    sample's token ids. Every rank of the world must call this for the same micro-batch.
+    sample's token ids and `loss_mask(sample_id)` (optional: all targets) which of them are
+    targets. Every rank of the world must call this for the same micro-batch.
     """
     enc = _encode(model, rank_mb, item_input, _untimed)
     exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
-    return _llm(model, rank_mb, text_ids, exchanged)
+    return _llm(model, rank_mb, text_ids, loss_mask, exchanged)
 
 
 def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span) -> dict[str, Tensor]:
@@ -283,12 +297,12 @@ def _encode(model: MultimodalModel, rank_mb: RankMicrobatch, item_input, span) -
     return enc
 
 
-def _llm(model: MultimodalModel, rank_mb: RankMicrobatch, text_ids, exchanged) -> LLMOutput:
+def _llm(model: MultimodalModel, rank_mb: RankMicrobatch, text_ids, loss_mask, exchanged) -> LLMOutput:
     """Text embeddings and exchanged item embeddings packed, through the LLM."""
-    ids = [text_ids(int(s)) for s in rank_mb.samples]
-    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    flat = _flat([text_ids(int(s)) for s in rank_mb.samples]).long()
+    mask = None if loss_mask is None else _flat([loss_mask(int(s)) for s in rank_mb.samples])
     packed, cu, pos = pack_llm_inputs(rank_mb, model.embed_text(flat), exchanged)
-    return model.llm(packed, cu, pos, packed_labels(rank_mb, flat).to(packed.device))
+    return model.llm(packed, cu, pos, packed_labels(rank_mb, flat, mask).to(packed.device))
 
 
 def train_microbatch(
@@ -298,6 +312,7 @@ def train_microbatch(
     item_input: Callable[[str, int], Tensor],
     text_ids: Callable[[int], Tensor],
     exchanger: Exchanger,
+    loss_mask: Callable[[int], Tensor] | None = None,
     loss_scale: float = 1.0,
     timer=None,
 ) -> LLMOutput:
@@ -320,7 +335,7 @@ def train_microbatch(
             exchanged = exchanger.exchange_phases(enc_cut, rank_mb.exchanges)
     ex_cut = {p: t.detach().requires_grad_() for p, t in exchanged.items()}
     with span("llm"):
-        out = _llm(model, rank_mb, text_ids, ex_cut)
+        out = _llm(model, rank_mb, text_ids, loss_mask, ex_cut)
         (out.loss_sum * loss_scale).backward()
     _backward_stage(span, "exchange", exchanged, ex_cut)
     for phase in enc:
@@ -369,26 +384,6 @@ def synthetic_features(seed: int, phase: str, item: int, rows: int, dim: int, dt
 def synthetic_text_ids(seed: int, sample: int, text_len: int, vocab_size: int) -> Tensor:
     gen = torch.Generator().manual_seed(_seed(seed, "text", sample))
     return torch.randint(0, vocab_size, (text_len,), generator=gen)
-
-
-def text_token_ids(data: bytes | str, text_len: int, vocab_size: int) -> Tensor:
-    """Byte-level ids folded into the vocabulary, exactly `text_len` of them.
-
-    Longer text is split into `text_len` contiguous chunks, each hashed to one id (every byte
-    counts); shorter text repeats cyclically; empty text gives zeros.
-    """
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    if text_len < 0 or vocab_size < 1:
-        raise ValueError(f"text_len={text_len} and vocab_size={vocab_size} must be >= 0 and >= 1")
-    b = np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
-    if b.size == 0:
-        return torch.zeros(text_len, dtype=torch.long)
-    if b.size <= text_len:
-        ids = b[np.arange(text_len) % b.size]
-    else:
-        ids = np.array([int(np.sum(c * (257 ** np.arange(c.size) % 1_000_003))) for c in np.array_split(b, text_len)],
-                       dtype=np.int64)
-    return torch.as_tensor(ids % vocab_size, dtype=torch.long)
 
 
 def image_patches(data: bytes, llm_len: int, *, patch_size: int, merge: int) -> Tensor:

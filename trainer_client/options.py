@@ -1,8 +1,9 @@
 """Options of the reference training loop (`python -m trainer_client.train`), free of torch.
 
 Kept apart from the loop so `mmdispatch` can validate a `[train]` table (and generate the
-configuration reference) on a data node that has no torch. Patch size and merge come from the
-data nodes' counting defaults and sit in the file's shared `[counting]` table.
+configuration reference) on a data node that has no torch. Patch size, merge and the tokenizer
+come from the data nodes' counting defaults and sit in the file's shared `[counting]` table: the
+model's vocabulary is the tokenizer's (byte-level without one: 256 ids).
 """
 
 from __future__ import annotations
@@ -42,4 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     counting.add_argument("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
     counting.add_argument("--merge-size", "--merge", type=int, default=image.merge_size,
                           help="patches merged per side into one LLM token")
+    counting.add_argument("--tokenizer", default=None,
+                          help="the data nodes' HF tokenizers JSON file; the model's vocabulary "
+                               "is its size (unset: the byte-level ids, 256)")
     add_logging_arguments(parser)

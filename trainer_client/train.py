@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from dispatcher_server.cliopts import HelpFormatter, check_endpoint, run_reporting_errors, setup_logging
 from mmdispatch.settings import ConfigError, apply_file
+from pipeline.tokenize import load_tokenizer
 from trainer_client.calibrate import PhaseTimer
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
 from trainer_client.exchange import ExchangeConfig, Exchanger
 from trainer_client.model import (
-    ModelConfig, ReferenceModel, encoder_input, microbatch_timings, text_token_ids,
-    train_microbatch,
+    ModelConfig, ReferenceModel, encoder_input, microbatch_timings, train_microbatch,
 )
 from trainer_client.options import add_arguments
 
@@ -92,7 +92,7 @@ class Progress:
 
 
 class ItemInputs:
-    """Encoder inputs and text ids of one micro-batch, decoded from the payloads the rank got."""
+    """Encoder inputs, text ids and loss masks of one micro-batch, as the rank received them."""
 
     def __init__(self, mb: Microbatch, model: ReferenceModel) -> None:
         self.mb, self.config = mb, model.config
@@ -107,8 +107,20 @@ class ItemInputs:
                              enc_len=int(eb.enc_len[k]), llm_len=int(eb.llm_len[k]))
 
     def text(self, sample_id: int) -> torch.Tensor:
+        """The data node's token ids, checked against the plan and the model's vocabulary."""
         k = self.sample_pos[sample_id]
-        return text_token_ids(self.mb.texts[k], int(self.mb.text_len[k]), self.config.llm.vocab_size)
+        ids, vocab = self.mb.text_ids[k], self.config.llm.vocab_size
+        if ids.numel() != int(self.mb.text_len[k]):
+            raise ValueError(f"sample {self.mb.keys[k]!r}: {ids.numel()} text ids but the plan has "
+                             f"{int(self.mb.text_len[k])}")
+        if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise ValueError(f"sample {self.mb.keys[k]!r}: token id {int(ids.max())} is outside the "
+                             f"model's vocabulary of {vocab}: give the trainer the data nodes' "
+                             f"--tokenizer (the [counting] table)")
+        return ids
+
+    def mask(self, sample_id: int) -> torch.Tensor:
+        return self.mb.loss_mask[self.sample_pos[sample_id]]
 
 
 def train(args: argparse.Namespace) -> int:
@@ -120,11 +132,12 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"key file {path!r} does not exist (create keys with: mmdispatch keygen NAME)")
     if args.connect_timeout is not None and args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
+    vocab_size = load_tokenizer(args.tokenizer).vocab_size  # the ids readers send
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     ctx = RankContext.from_process_group()
     torch.manual_seed(args.seed)
-    cfg = ModelConfig.tiny(patch_size=args.patch_size, hidden=args.hidden)
+    cfg = ModelConfig.tiny(patch_size=args.patch_size, hidden=args.hidden, vocab_size=vocab_size)
     cfg.vision.merge = args.merge_size
     model = ReferenceModel(cfg)
     for t in model.state_dict().values():
@@ -154,6 +167,7 @@ def train(args: argparse.Namespace) -> int:
                 inputs = ItemInputs(mb, model)
                 timer.reset()
                 out = train_microbatch(model, mb.plan, item_input=inputs.item, text_ids=inputs.text,
+                                       loss_mask=inputs.mask,
                                        exchanger=exchanger, timer=timer)
                 measured.append(microbatch_timings(mb.plan, timer.seconds()))
                 loss_sum += float(out.loss_sum)

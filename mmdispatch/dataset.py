@@ -1,0 +1,134 @@
+"""The dataset file: the sources a job blends, each with its shards, weight and field map.
+
+TOML, like the settings file (`--config`): the standard library reads it (no YAML dependency),
+it has comments, and its types are explicit (YAML reads `no` as false and `1e3` as a string).
+It is parsed strictly by pydantic: an unknown key or a wrong type is one line naming the file,
+the key and what was expected.
+
+    shuffle_buffer = 1000          # optional: samples per seeded shuffle block (0: off)
+
+    [[sources]]
+    name = "captions"
+    shards = "captions/{000..009}.tar"  # a spec or a list, as --shards takes; relative
+                                        # paths are relative to this file
+    weight = 3
+
+    [sources.fields]                # optional: which member extensions are which kind
+    image = ["jpg", "png"]
+    text = ["txt"]
+
+Fields: `image`, `audio`, `video`, `text` (plain text) and `conversation` (a JSON list of
+`{role, content}` turns); a source without `fields` uses the readers' default map. Members no
+kind names are counted by suffix, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+
+from dispatcher_server.config import Source
+from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
+from pipeline.shards import expand_shards
+
+_Ext = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
+
+
+class FieldsModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    image: list[_Ext] | None = None
+    audio: list[_Ext] | None = None
+    video: list[_Ext] | None = None
+    text: list[_Ext] | None = None
+    conversation: list[_Ext] | None = None
+
+
+class SourceModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
+    shards: str | list[str]
+    weight: Annotated[float, Field(gt=0)] = 1.0
+    fields: FieldsModel | None = None
+
+
+class DatasetModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    sources: Annotated[list[SourceModel], Field(min_length=1)]
+    shuffle_buffer: Annotated[int, Field(ge=0)] | None = None
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message is one line naming file, key and fix."""
+
+
+_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
+               list: "an array", dict: "a table"}
+
+
+def _describe(error: dict, path: str) -> str:
+    loc = []
+    for part in error["loc"]:
+        if isinstance(part, int) and loc:
+            loc[-1] = f"{loc[-1]}[{part}]"
+        elif not str(part).startswith(("list[", "str", "function-", "constrained-")):
+            loc.append(str(part))
+    where = ".".join(loc) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        allowed = {"sources": "name, shards, weight, fields", "fields": ", ".join(FIELD_KINDS)}
+        parent = loc[-2].split("[")[0] if len(loc) > 1 else ""
+        keys = allowed.get(parent, "sources, shuffle_buffer")
+        return f"{path}: {where}: unknown key (allowed here: {keys})"
+    if error["type"] == "missing":
+        return f"{path}: {where}: missing (required)"
+    expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
+    got = _TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
+    return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
+
+
+def load_dataset(path: str) -> tuple[list[Source], int | None]:
+    """The sources a dataset file names (shard specs expanded) and its shuffle buffer, if set.
+    DatasetError (one line) for a file that cannot be used."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise DatasetError(f"dataset file {path!r} does not exist") from None
+    except OSError as e:
+        raise DatasetError(f"dataset file {path!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise DatasetError(f"{path}: not valid TOML ({e})") from None
+    try:
+        model = DatasetModel.model_validate(data)
+    except ValidationError as e:
+        raise DatasetError(_describe(e.errors()[0], path)) from None
+    names = [s.name for s in model.sources]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise DatasetError(f"{path}: source name {dup[0]!r} is used twice; names must be unique")
+    sources = []
+    for i, src in enumerate(model.sources):
+        fields = None
+        if src.fields is not None:
+            fields = {k: [e.lower().lstrip(".") for e in v]
+                      for k, v in src.fields.model_dump().items() if v is not None}
+            try:
+                FieldMap.from_dict(fields)  # the readers' own checks (one kind per extension)
+            except ValueError as e:
+                raise DatasetError(f"{path}: sources[{i}].fields: {e}") from None
+        specs = [src.shards] if isinstance(src.shards, str) else src.shards
+        # Relative paths are the file's neighbours, wherever the command runs from.
+        base = os.path.dirname(os.path.abspath(path))
+        specs = [os.path.join(base, s) if ":" not in s and not os.path.isabs(s) else s
+                 for s in specs]
+        try:
+            shards = expand_shards(specs)
+        except (ValueError, OSError) as e:
+            raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: {e}") from None
+        sources.append(Source(name=src.name, shards=shards, weight=src.weight, fields=fields))
+    return sources, model.shuffle_buffer

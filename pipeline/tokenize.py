@@ -1,0 +1,298 @@
+"""Text to token ids on the data node: a tokenizer, chat templates for conversations, a loss mask.
+
+Readers tokenize, and the ids they compute are the ids the trainer receives, so a sample's
+planned text length is exact by construction. Two tokenizers: an HF `tokenizers` JSON file, or
+(without one) a byte-level tokenizer whose 256 ids are the UTF-8 bytes. A conversation is
+rendered through a jinja2 chat template (HF's convention) one turn at a time and each turn's
+text is encoded on its own, so the loss mask marks exactly the assistant tokens; the trade-off
+is that no BPE merge spans a turn boundary (templates put special tokens there, which split
+the text anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from dispatcher_server.protocol import TOKEN_BYTES
+
+#: Ids of the byte-level tokenizer: one per byte value.
+BYTE_VOCAB_SIZE = 256
+
+#: ChatML (Qwen, many others): `<|im_start|>ROLE\n CONTENT <|im_end|>\n` per turn.
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+#: Chat templates known by name (`--chat-template chatml`).
+BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
+#: ShareGPT role names (`from`) and the chat-template roles they stand for.
+ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant"}
+ASSISTANT = "assistant"
+#: Stands for an assistant turn's content while locating it in the rendered turn.
+_SENTINEL = "\x1emmdispatch-assistant-content\x1e"
+
+
+class ChatTemplateError(ValueError):
+    """A conversation the chat template refuses, or renders so that no exact mask exists."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What readers need of a tokenizer: ids of a text, and how many ids exist."""
+
+    name: str
+    vocab_size: int  # every id is < vocab_size
+
+    def encode(self, text: str) -> np.ndarray: ...  # int32 ids, no special tokens added
+
+
+class ByteTokenizer:
+    """Byte-level ids: the UTF-8 bytes of the text (exact, lossless, 256 ids)."""
+
+    name = "bytes"
+    vocab_size = BYTE_VOCAB_SIZE
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    @staticmethod
+    def decode(ids: np.ndarray) -> str:
+        return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8")
+
+
+class HFTokenizer:
+    """An HF `tokenizers` JSON file (a model's tokenizer.json). No special tokens are added:
+    BOS/EOS come from the chat template, as the model's own chat format puts them."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as _HF  # optional dependency, only when configured
+
+        if not os.path.isfile(path):
+            raise ValueError(f"tokenizer file {path!r} does not exist: pass an HF tokenizers JSON "
+                             f"file (a model's tokenizer.json)")
+        try:
+            self.tokenizer = _HF.from_file(path)
+        except Exception as e:  # the Rust side raises a bare Exception
+            raise ValueError(f"tokenizer file {path!r} is not an HF tokenizers JSON file ({e}): "
+                             f"pass a model's tokenizer.json") from None
+        self.name = os.path.basename(path)
+        vocab = self.tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """The HF tokenizer in `path`, or the byte-level tokenizer when `path` is None."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)
+
+
+@dataclass(frozen=True, slots=True)
+class TextTokens:
+    """A sample's text as ids plus its loss mask (1: a training target, 0: context only).
+
+    On the wire (`SampleHeader.tokens`): the ids as little-endian int32, then the mask as one
+    byte per id (`protocol.TOKEN_BYTES` bytes a token).
+    """
+
+    ids: np.ndarray  # int32[n]
+    mask: np.ndarray  # uint8[n]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @staticmethod
+    def empty() -> TextTokens:
+        return TextTokens(np.zeros(0, np.int32), np.zeros(0, np.uint8))
+
+    @staticmethod
+    def plain(ids: np.ndarray) -> TextTokens:
+        """Plain text: every token is a target."""
+        return TextTokens(np.asarray(ids, np.int32), np.ones(len(ids), np.uint8))
+
+    @staticmethod
+    def concat(parts: list[TextTokens]) -> TextTokens:
+        if not parts:
+            return TextTokens.empty()
+        if len(parts) == 1:
+            return parts[0]
+        return TextTokens(np.concatenate([p.ids for p in parts]), np.concatenate([p.mask for p in parts]))
+
+    def to_wire(self) -> bytes:
+        return self.ids.astype("<i4").tobytes() + self.mask.astype(np.uint8).tobytes()
+
+    @staticmethod
+    def from_wire(data: bytes | memoryview) -> TextTokens:
+        n, rest = divmod(len(data), TOKEN_BYTES)
+        if rest:
+            raise ValueError(f"{len(data)} token bytes are not {TOKEN_BYTES} per token")
+        return TextTokens(np.frombuffer(data, "<i4", n).astype(np.int32),
+                          np.frombuffer(data, np.uint8, n, offset=4 * n).copy())
+
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _token_text(value: object) -> str:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+class ChatTemplate:
+    """A jinja2 chat template (HF convention: `messages`, `add_generation_prompt`, `bos_token`,
+    `eos_token`, `raise_exception`), rendered in jinja2's sandbox as transformers does."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "") -> None:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        self.name = name
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def render(self, messages: list[dict]) -> str:
+        import jinja2
+
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=False, **self.specials)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template {self.name!r} fails: {e}") from None
+
+    def segments(self, messages: list[dict]) -> list[tuple[str, int]]:
+        """The rendered conversation cut into (text, mask) pieces whose texts concatenate to
+        `render(messages)`. An assistant turn is its header (mask 0), then its content and the
+        template's end-of-turn text after it (mask 1); every other piece has mask 0."""
+        out: list[tuple[str, int]] = []
+        prev = ""
+        for k, turn in enumerate(messages):
+            full = self.render(messages[: k + 1])
+            if not full.startswith(prev):
+                raise ChatTemplateError(f"chat template {self.name!r} renders turn {k - 1} differently once "
+                                        f"turn {k} follows: no exact per-turn mask exists")
+            seg, before, prev = full[len(prev):], prev, full
+            if turn["role"] != ASSISTANT:
+                out.append((seg, 0))
+                continue
+            probe = self.render([*messages[:k], {**turn, "content": _SENTINEL}])
+            at = probe.find(_SENTINEL, len(before)) if probe.startswith(before) else -1
+            head, tail = probe[len(before):at], probe[at + len(_SENTINEL):]
+            if at < 0 or not (seg.startswith(head) and seg.endswith(tail) and len(head) + len(tail) <= len(seg)):
+                raise ChatTemplateError(f"chat template {self.name!r}: cannot locate assistant turn "
+                                        f"{k}'s content in its rendering, so its mask would be a guess")
+            out += [(head, 0), (seg[len(head):], 1)]
+        return [(t, m) for t, m in out if t]
+
+
+def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatTemplate:
+    """The chat template to use: `spec` (a built-in name, a tokenizer_config.json or a jinja
+    file), else the `chat_template` of the tokenizer_config.json beside the tokenizer file,
+    else ChatML. ValueError, naming the value and the fix, when `spec` is none of these."""
+    config: dict = {}
+    beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json") if tokenizer_path else None
+    if beside and os.path.isfile(beside):
+        config = _read_config(beside)
+    if spec is None:
+        source = _template_of(config, beside) if config.get("chat_template") else CHATML
+        name = beside if config.get("chat_template") else "chatml"
+    elif spec in BUILTIN_TEMPLATES:
+        source, name = BUILTIN_TEMPLATES[spec], spec
+    elif os.path.isfile(spec):
+        if spec.endswith(".json"):
+            config = _read_config(spec)
+            source = _template_of(config, spec)
+        else:
+            with open(spec, encoding="utf-8") as f:
+                source = f.read()
+        name = spec
+    else:
+        raise ValueError(f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
+                         f"nor a file: pass a name, a .jinja file or a tokenizer_config.json")
+    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")),
+                        eos_token=_token_text(config.get("eos_token")), name=name)
+
+
+def _read_config(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer config {path!r} cannot be read as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"tokenizer config {path!r} holds a JSON {type(config).__name__}, expected an object")
+    return config
+
+
+def _template_of(config: dict, path: str | None) -> str:
+    """`chat_template` of a tokenizer config: a string, or a list of {name, template} (the
+    one named "default")."""
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(value, str):
+        raise ValueError(f"tokenizer config {path!r} has no chat_template string: pass --chat-template "
+                         f"with a name ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
+    return value
+
+
+class TextEncoder:
+    """Plain text and conversations -> `TextTokens`, under one tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
+        self.tokenizer, self.template = tokenizer, template
+
+    @staticmethod
+    def load(tokenizer_path: str | None, chat_template: str | None = None) -> TextEncoder:
+        return TextEncoder(load_tokenizer(tokenizer_path), resolve_chat_template(chat_template, tokenizer_path))
+
+    def plain(self, text: str) -> TextTokens:
+        """Plain text: all tokens are targets (mask 1)."""
+        return TextTokens.plain(self.tokenizer.encode(text))
+
+    def conversation(self, turns: list[dict]) -> TextTokens:
+        """Turns of {"role", "content"} rendered through the chat template; mask 1 on exactly the
+        assistant tokens (see `ChatTemplate.segments`). ChatTemplateError if the template fails."""
+        ids, masks = [], []
+        for text, m in self.template.segments(turns):
+            piece = self.tokenizer.encode(text)
+            ids.append(piece)
+            masks.append(np.full(len(piece), m, np.uint8))
+        if not ids:
+            return TextTokens.empty()
+        return TextTokens(np.concatenate(ids).astype(np.int32), np.concatenate(masks))
+
+
+def normalize_turn(turn: dict) -> tuple[str | None, object]:
+    """(role, content) of a {role|from, content|value} turn, ShareGPT role names mapped."""
+    role = turn.get("role", turn.get("from"))
+    if isinstance(role, str):
+        role = ROLE_ALIASES.get(role, role)
+    else:
+        role = None
+    return role, turn.get("content", turn.get("value"))
+
+
+__all__ = [
+    "ASSISTANT", "BUILTIN_TEMPLATES", "BYTE_VOCAB_SIZE", "ByteTokenizer", "CHATML", "ChatTemplate",
+    "ChatTemplateError", "HFTokenizer", "TextEncoder", "TextTokens", "Tokenizer",
+    "load_tokenizer", "normalize_turn", "resolve_chat_template",
+]

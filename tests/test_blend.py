@@ -1,0 +1,212 @@
+"""Sources blended by weight and shuffled in seeded blocks, driven without sockets.
+
+A simulated set of readers delivers each open shard's samples in random chunks at random times
+(as real readers do); the steps must not depend on that timing, must hold every sample of a
+source epoch exactly once, must follow the weights, and must continue identically from a
+journaled position (a dispatcher restart) at any step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dispatcher_server import protocol as P
+from dispatcher_server.assembler import StepAssembler
+from dispatcher_server.blend import Blend, block_permutation
+from dispatcher_server.config import BatchConfig, ServerConfig, Source
+from dispatcher_server.ordering import ShardOrder
+from dispatcher_server.planner import PlannerConfig
+
+
+def _corpus(name: str, num_shards: int, sizes: random.Random) -> dict[str, list[str]]:
+    """shard URL -> sample keys (shards of uneven size, a few empty)."""
+    return {f"/{name}/s{i}.tar": [f"{name}{i}-{j}" for j in range(sizes.choice([0, 3, 7, 12, 20]))]
+            for i in range(num_shards)}
+
+
+def _assembler(sources: dict[str, dict[str, list[str]]], weights: list[float], *, shuffle: int,
+               global_batch: int = 16, max_epochs: int | None = 2, mode: str = "deterministic",
+               seed: int = 5) -> StepAssembler:
+    names = list(sources)
+    config = ServerConfig(sources=[Source(name=n, shards=list(sources[n]), weight=w)
+                                   for n, w in zip(names, weights)],
+                          world_size=1, batch=BatchConfig(global_batch=global_batch),
+                          planner=PlannerConfig(num_microbatches=1), shuffle_buffer=shuffle,
+                          seed=seed, max_epochs=max_epochs)
+    one = len(names) == 1
+    orders = [ShardOrder(list(sources[n]), seed, max_epochs, salt="" if one else n) for n in names]
+    return StepAssembler(orders, mode=mode, batch=config.batch, names=names,
+                         weights=config.weights, windows=config.windows,
+                         block_sizes=config.block_sizes, seed=seed)
+
+
+def _run(a: StepAssembler, shards: dict[str, list[str]], rng: random.Random, *,
+         max_steps: int = 10_000, positions: list | None = None) -> list[list[str]]:
+    """Deliver samples like readers would (random shard, random chunk, from the shard's resume
+    point) until the assembler is exhausted or `max_steps` steps were taken; `positions` gets
+    the position after each step, taken when the server journals it."""
+    steps: list[list[str]] = []
+    positions = [] if positions is None else positions
+    for _ in range(200_000):
+        a.open_window()
+        a.fill()
+        while a.step_ready() and len(steps) < max_steps:
+            steps.append([s.key for s in a.take_step().samples])
+            positions.append(a.position())
+            a.fill()
+        if len(steps) >= max_steps or a.exhausted:
+            return steps
+        open_ = [p for p, pr in a.progress.items() if not pr.reader_done]
+        if not open_:
+            continue
+        pos = rng.choice(open_)
+        prog = a.progress[pos]
+        keys = shards[prog.url]
+        start = prog.next_index
+        chunk = keys[start:start + rng.randint(1, 6)]
+        headers = [P.SampleHeader(k, start + i, 5, 5, b"t", []) for i, k in enumerate(chunk)]
+        a.receive(pos, headers, [], [])
+        if start + len(chunk) >= len(keys):
+            a.reader_done(pos)
+    raise AssertionError("the stream did not finish")
+
+
+@pytest.fixture(scope="module")
+def blend3() -> dict[str, dict[str, list[str]]]:
+    sizes = random.Random(1)
+    return {"img": _corpus("img", 9, sizes), "asr": _corpus("asr", 5, sizes),
+            "chat": _corpus("chat", 4, sizes)}
+
+
+def _all(shards: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {url: keys for src in shards.values() for url, keys in src.items()}
+
+
+def test_the_blend_schedule_follows_the_weights_in_every_window():
+    weights = [0.5, 0.3, 0.15, 0.05]
+    b = Blend(weights, seed=3)
+    seq = []
+    while len(seq) < 50_000:
+        s, n = b.run(37)
+        b.draw(s, n)
+        seq += [s] * n
+    for n in (100, 1000, 10_000):
+        for lo in range(0, len(seq) - n + 1, n // 2):
+            got = Counter(seq[lo:lo + n])
+            err = max(abs(got[s] / n - w) for s, w in enumerate(weights))
+            assert err <= 2.5 / n, (n, lo, err)
+    # The seed moves the interleaving, not the shares; the same seed repeats it.
+    other = Blend(weights, seed=4)
+    seq2 = []
+    while len(seq2) < 1000:
+        s, n = other.run(1)
+        other.draw(s, n)
+        seq2.append(s)
+    assert seq2 != seq[:1000]
+    again = Blend(weights, seed=3, drawn=None)
+    assert [again.run(1)[0] for _ in range(1)] == seq[:1]
+
+
+def test_a_block_permutation_depends_on_the_block_not_on_when_it_is_asked():
+    p = block_permutation(7, "src", 12, 3, 100)
+    assert sorted(p) == list(range(100)) and p != list(range(100))
+    assert block_permutation(7, "src", 12, 3, 100) == p
+    assert block_permutation(8, "src", 12, 3, 100) != p
+    assert block_permutation(7, "src", 12, 4, 100) != p
+
+
+@pytest.mark.parametrize("shuffle", [0, 40])
+def test_steps_do_not_depend_on_reader_timing_and_hold_every_source_epoch_once(blend3, shuffle):
+    weights = [0.6, 0.3, 0.1]
+    runs = [_run(_assembler(blend3, weights, shuffle=shuffle), _all(blend3), random.Random(t))
+            for t in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    steps = runs[0]
+    assert all(len(s) == 16 for s in steps[:-1]) and steps[-1]
+    seq = [k for s in steps for k in s]
+    # Exactly once per source epoch: each source's draws are whole epochs, then a prefix of
+    # the next (the job ends when a source it needs has read its last epoch).
+    for name, shards in blend3.items():
+        keys = sorted(k for ks in shards.values() for k in ks)
+        drawn = [k for k in seq if k.startswith(name)]
+        whole, rest = divmod(len(drawn), len(keys))
+        for e in range(whole):
+            assert sorted(drawn[e * len(keys):(e + 1) * len(keys)]) == keys, (name, e)
+        assert len(set(drawn[whole * len(keys):])) == rest
+    # One source ran out after its 2 epochs: that ended the job.
+    assert any(Counter(k.split("-")[0].rstrip("0123456789") for k in seq)[n]
+               == 2 * sum(map(len, blend3[n].values())) for n in blend3)
+    # The realized mixture follows the weights.
+    share = Counter(k[:3] if not k.startswith("chat") else "chat" for k in seq)
+    for name, w in zip(blend3, weights):
+        assert abs(share[name[:3] if name != "chat" else "chat"] / len(seq) - w) < 0.02
+
+
+def test_shuffle_mixes_samples_across_shards_and_changes_between_epochs():
+    sizes = random.Random(2)
+    src = {"one": _corpus("one", 12, sizes)}
+    in_order = [k for s in _run(_assembler(src, [1.0], shuffle=0), _all(src), random.Random(0))
+                for k in s]
+    shuffled_steps = _run(_assembler(src, [1.0], shuffle=64), _all(src), random.Random(0))
+    shuffled = [k for s in shuffled_steps for k in s]
+    n = sum(map(len, src["one"].values()))
+    assert sorted(shuffled[:n]) == sorted(in_order[:n]) and sorted(shuffled[n:]) == sorted(in_order[n:])
+    assert shuffled[:n] != in_order[:n]
+    # Samples of several shards meet in a step (in order they come one shard after another).
+    shard_mix = [len({k.split("-")[0] for k in step}) for step in shuffled_steps]
+    assert max(shard_mix) >= 4
+    # Epoch 1 is not epoch 0 in another order of the same steps.
+    first = {frozenset(s) for s in shuffled_steps if all(k in set(shuffled[:n]) for k in s)}
+    assert not first & {frozenset(s) for s in shuffled_steps[len(first):]}
+    # One source, so steps never span its epochs.
+    assert len(shuffled_steps[0]) == 16
+
+
+@pytest.mark.parametrize("shuffle,stop", [(0, 3), (40, 1), (40, 4), (40, 7), (200, 5)])
+def test_a_restart_from_the_journaled_position_continues_the_same_steps(blend3, shuffle, stop):
+    """What a dispatcher restart does: a fresh assembler reset to the position after step `stop`
+    (as journaled), with readers starting every shard at the resume point it names."""
+    weights = [0.5, 0.3, 0.2]
+    whole = _run(_assembler(blend3, weights, shuffle=shuffle), _all(blend3), random.Random(9))
+    positions: list[dict] = []
+    head = _run(_assembler(blend3, weights, shuffle=shuffle), _all(blend3), random.Random(4),
+                max_steps=stop, positions=positions)
+    resumed = _assembler(blend3, weights, shuffle=shuffle)
+    resumed.reset(positions[-1])
+    tail = _run(resumed, _all(blend3), random.Random(11))
+    assert head + tail == whole
+
+
+def test_a_resume_with_another_number_of_sources_is_refused(blend3):
+    a = _assembler(blend3, [1, 1, 1], shuffle=10)
+    position = a.position()
+    two = _assembler({k: blend3[k] for k in ("img", "asr")}, [1, 1], shuffle=10)
+    with pytest.raises(ValueError, match="3 sources cannot resume a dataset of 2"):
+        two.reset(position)
+
+
+def test_arrival_mode_blends_by_weight_and_keeps_every_sample_once(blend3):
+    steps = _run(_assembler(blend3, [0.5, 0.25, 0.25], shuffle=30, mode="arrival", max_epochs=1),
+                 _all(blend3), random.Random(3))
+    seq = [k for s in steps for k in s]
+    assert len(seq) == len(set(seq))
+
+
+def test_a_shuffle_buffer_that_does_not_fit_the_sample_bound_is_refused_naming_both():
+    with pytest.raises(ValueError, match="max_buffered_samples=4096 is too small.*--shuffle-buffer"):
+        ServerConfig(shards=["/d/a.tar"], world_size=1, batch=BatchConfig(global_batch=256),
+                     planner=PlannerConfig(num_microbatches=1), shuffle_buffer=3000)
+
+
+def test_bench_mixture_measures_the_served_sequence_against_the_weights():
+    from bench.mixture import max_abs_err, realized_sources
+
+    # The measure itself: a sequence that alternates in blocks of 50 is 0.5 off in a window of 50.
+    assert max_abs_err([0] * 50 + [1] * 50, [0.5, 0.5], 50) == pytest.approx(0.5)
+    assert max_abs_err([0, 1] * 50, [0.5, 0.5], 10) == pytest.approx(0.0)
+    seq, weights = realized_sources(20_000, shuffle=200, global_batch=64)
+    assert len(seq) == 20_000 and set(seq) == {0, 1, 2}
+    assert max_abs_err(seq, weights, 2_000) < 0.005

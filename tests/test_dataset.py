@@ -1,0 +1,186 @@
+"""The dataset file and blended sources end to end: strict parsing with one-line errors, and a
+three-source blend served by real processes, exactly once per source epoch, in the weights'
+proportions, counted per source, and identical after the dispatcher is killed and restarted
+from its journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from mmdispatch.dataset import DatasetError, load_dataset
+from tests import servicekit as K
+
+
+def _write(tmp_path, text: str, name: str = "data.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> list[str]:
+    return K.make_corpus(str(tmp_path_factory.mktemp("blend")), num_copies=18, base_samples=40,
+                         base_shards=1)
+
+
+def test_a_dataset_file_parses_into_sources_with_paths_relative_to_it(tmp_path):
+    (tmp_path / "img").mkdir()
+    for i in range(3):
+        (tmp_path / "img" / f"{i:03d}.tar").write_bytes(b"")
+    (tmp_path / "speech.tar").write_bytes(b"")
+    path = _write(tmp_path, """
+shuffle_buffer = 500
+[[sources]]
+name = "captions"
+shards = "img/{000..002}.tar"
+weight = 3
+[sources.fields]
+image = ["JPG", "png"]
+text = ["txt"]
+
+[[sources]]
+name = "speech"
+shards = ["speech.tar"]
+""")
+    sources, shuffle = load_dataset(path)
+    assert shuffle == 500
+    assert [s.name for s in sources] == ["captions", "speech"]
+    assert sources[0].shards == [str(tmp_path / "img" / f"{i:03d}.tar") for i in range(3)]
+    assert sources[0].weight == 3 and sources[1].weight == 1.0
+    assert sources[0].fields == {"image": ["jpg", "png"], "text": ["txt"]}
+    assert sources[1].fields is None
+
+
+@pytest.mark.parametrize("body,message", [
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nwieght = 2\n',
+     r"sources\[0\]\.wieght: unknown key \(allowed here: name, shards, weight, fields\)"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nweight = "heavy"\n',
+     r"sources\[0\]\.weight: expected .*number.*got 'heavy' \(a string\)"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nweight = 0\n',
+     r"sources\[0\]\.weight: expected greater than 0"),
+    ('[[sources]]\nname = "a"\n', r"sources\[0\]\.shards: missing"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\n[sources.fields]\npictures = ["jpg"]\n',
+     r"sources\[0\]\.fields\.pictures: unknown key \(allowed here: image, audio, video, text, "
+     r"conversation\)"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\n[sources.fields]\nimage = ["png"]\ntext = ["png"]\n',
+     r"extension 'png' is mapped to both image and text"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\n[[sources]]\nname = "a"\nshards = "x.tar"\n',
+     r"source name 'a' is used twice"),
+    ('[[sources]]\nname = "a"\nshards = "missing-*.tar"\n', r"sources\[0\] \('a'\)\.shards: "),
+    ('sources = []\n', r"sources: expected .*at least 1"),
+    ('shufle_buffer = 3\n[[sources]]\nname = "a"\nshards = "x.tar"\n', r"shufle_buffer: unknown key"),
+    ('[[sources]\n', r"not valid TOML"),
+])
+def test_a_bad_dataset_file_is_one_line_naming_file_and_key(tmp_path, body, message):
+    (tmp_path / "x.tar").write_bytes(b"")
+    path = _write(tmp_path, body)
+    with pytest.raises(DatasetError, match=message) as e:
+        load_dataset(path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(path)
+
+
+def test_serve_refuses_a_bad_dataset_file_in_one_line(tmp_path):
+    path = _write(tmp_path, '[[sources]]\nname = "a"\nshards = "x.tar"\ncolour = 1\n')
+    r = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", path,
+                        "--world-size", "1", "--global-batch", "4"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "sources[0].colour: unknown key" in lines[0], r.stderr
+    both = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", path,
+                           "--shards", "x.tar", "--world-size", "1", "--global-batch", "4"],
+                          capture_output=True, text=True, timeout=60)
+    assert both.returncode == 2 and "not both" in both.stderr and "Traceback" not in both.stderr
+
+
+def _blend_file(tmp_path, shards: list[str]) -> str:
+    parts = {"captions": (shards[:9], 1), "speech": (shards[9:15], 1), "chat": (shards[15:], 2)}
+    text = "".join(f'[[sources]]\nname = "{n}"\nshards = {json.dumps(s)}\nweight = {w}\n\n'
+                   for n, (s, w) in parts.items())
+    return _write(tmp_path, text)
+
+
+def _keys_of(urls: list[str]) -> set[str]:
+    return set(K.corpus_keys(urls))
+
+
+def _flat(per_rank: dict[int, list]) -> list[list[str]]:
+    """Each step's keys (all ranks, all micro-batches), in step order."""
+    steps = {}
+    for rank in sorted(per_rank):
+        for step, mbs in per_rank[rank]:
+            steps.setdefault(step, []).extend(k for mb in mbs for k in mb)
+    return [steps[s] for s in sorted(steps)]
+
+
+def test_a_blend_is_served_once_per_source_epoch_by_weight_and_survives_a_dispatcher_kill(
+        shards, tmp_path):
+    dataset = _blend_file(tmp_path, shards)
+    extra = ["--max-epochs", "2", "--step-log", str(tmp_path / "steps.jsonl")]
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    with K.Stack(dataset, str(ref_dir), num_readers=2, extra=extra, metrics=True) as st:
+        trainers = K.Trainers(st.ready["trainers"], K.WORLD)
+        try:
+            reference = trainers.join(60)
+            metrics = K.scrape(st.metrics_port)
+        finally:
+            trainers.close()
+    seq = [k for step in _flat(reference) for k in step]
+    keys = {"captions": _keys_of(shards[:9]), "speech": _keys_of(shards[9:15]),
+            "chat": _keys_of(shards[15:])}
+    drawn = {n: [k for k in seq if k in ks] for n, ks in keys.items()}
+    # chat (weight 1/2, 120 samples) ends the job after its 2 epochs, each key once per epoch.
+    assert len(drawn["chat"]) == 2 * len(keys["chat"])
+    assert set(drawn["chat"][:len(keys["chat"])]) == keys["chat"]
+    assert set(drawn["chat"][len(keys["chat"]):]) == keys["chat"]
+    for n in ("captions", "speech"):  # within their first epoch: no key twice
+        assert len(drawn[n]) == len(set(drawn[n])) and abs(len(drawn[n]) / len(seq) - 0.25) < 0.02
+    # Per-source counts: the step log and the metrics agree with what trainers got.
+    logged = Counter()
+    with open(tmp_path / "steps.jsonl") as f:
+        for line in f:
+            rec = json.loads(line)
+            if rec.get("kind") == "plan":
+                logged.update(rec["sources"])
+    assert logged == Counter({n: len(d) for n, d in drawn.items()})
+    for n, d in drawn.items():
+        assert metrics[f'mmdispatch_source_samples_total{{source="{n}"}}'] == len(d)
+
+    # The same blend, the dispatcher SIGKILLed mid-run and restarted from its journal.
+    run_dir = tmp_path / "kill"
+    run_dir.mkdir()
+    with K.Stack(dataset, str(run_dir), num_readers=2, extra=["--max-epochs", "2"],
+                 fixed_ports=True, journal=True) as st:
+        trainers = K.Trainers(st.ready["trainers"], K.WORLD, commit_every=5)
+        try:
+            K.wait_for(lambda: trainers.progress() >= 25, 30, "streaming")
+            K.kill(st.server)
+            st.start_server()
+            got = trainers.join(60)
+        finally:
+            trainers.close()
+    assert got == reference
+
+
+def test_gen_data_blend_writes_three_sources_and_a_dataset_file_that_serves_them(tmp_path):
+    from pipeline.gendata import BLEND_SOURCES, generate_blend
+    from pipeline.reader import iter_samples
+
+    dataset, paths = generate_blend(str(tmp_path / "a"), num_samples=40, num_shards=6, seed=2)
+    _, again = generate_blend(str(tmp_path / "b"), num_samples=40, num_shards=6, seed=2)
+    assert [open(p, "rb").read() for p in paths] == [open(p, "rb").read() for p in again]
+    sources, _ = load_dataset(dataset)
+    assert [(s.name, s.weight, s.fields) for s in sources] == [
+        (n, w, f) for n, (w, f) in BLEND_SOURCES.items()]
+    assert sorted(u for s in sources for u in s.shards) == sorted(paths)
+    mixes = {s.name: Counter(r.modality_mix for r in iter_samples(s.shards)) for s in sources}
+    assert set(mixes["captions"]) == {"image+text"} and set(mixes["speech"]) == {"audio+text"}
+    assert set(mixes["chat"]) == {"image+text", "video+text"}
+    assert sum(map(sum, (m.values() for m in mixes.values()))) == 40

@@ -1,0 +1,229 @@
+"""Text as token ids: tokenizers, chat templates and loss masks, and ids delivered verbatim."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pipeline.counting import CountError, Counter, CountingConfig, TextConfig
+from pipeline.gendata import TOKENIZER_VOCAB_SIZE, generate, write_tokenizer
+from pipeline.inspect import collect
+from pipeline.reader import ReaderConfig, iter_samples, iter_shard
+from pipeline.tokenize import (
+    CHATML, ByteTokenizer, ChatTemplate, ChatTemplateError, HFTokenizer, TextEncoder, TextTokens,
+    load_tokenizer, resolve_chat_template,
+)
+
+tokenizers = pytest.importorskip("tokenizers")
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what is a shard?"},
+    {"role": "assistant", "content": "a tar file of samples."},
+    {"role": "user", "content": "and a tokenizer? 東京"},
+    {"role": "assistant", "content": "it turns text into ids: café"},
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[list[str], str]:
+    """Generated shards and the BPE tokenizer gen-data trains on them."""
+    out = tmp_path_factory.mktemp("tok")
+    shards = generate(str(out), num_samples=40, num_shards=2, seed=5)
+    return shards, write_tokenizer(str(out), shards)
+
+
+def _assistant_text(turns: list[dict]) -> str:
+    return "".join(t["content"] + "<|im_end|>\n" for t in turns if t["role"] == "assistant")
+
+
+def test_byte_tokenizer_round_trips_exactly():
+    tok = ByteTokenizer()
+    for text in ("", "plain ascii", "café naïve 東京 数据 모델 🙂", "tab\tnew\nline\0nul"):
+        ids = tok.encode(text)
+        assert ids.dtype == np.int32 and len(ids) == len(text.encode("utf-8"))
+        assert ids.max(initial=0) < tok.vocab_size == 256
+        assert tok.decode(ids) == text
+    plain = TextEncoder(tok, resolve_chat_template(None, None)).plain("abc")
+    assert plain.ids.tolist() == [97, 98, 99] and plain.mask.tolist() == [1, 1, 1]
+
+
+def test_hf_tokenizer_ids_equal_the_library_encode(data):
+    _, path = data
+    hf = tokenizers.Tokenizer.from_file(path)
+    tok = load_tokenizer(path)
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == TOKENIZER_VOCAB_SIZE
+    for text in ("the dispatcher balances a shard of samples", "café 東京 <|im_start|>user\nhi<|im_end|>", ""):
+        assert tok.encode(text).tolist() == hf.encode(text, add_special_tokens=False).ids
+    # The chat markers are single special tokens, not split into bytes.
+    assert tok.encode("<|im_start|>").tolist() == [hf.token_to_id("<|im_start|>")]
+
+
+@pytest.mark.parametrize("which", ["bytes", "bpe"])
+def test_chat_template_renders_and_masks_exactly_the_assistant_tokens(data, which):
+    path = None if which == "bytes" else data[1]
+    enc = TextEncoder.load(path)  # bpe: the template comes from the tokenizer_config.json beside it
+    got = enc.conversation(CONVERSATION)
+    rendered = ChatTemplate(CHATML).render(CONVERSATION)
+    assert got.ids.dtype == np.int32 and got.mask.dtype == np.uint8 and len(got.ids) == len(got.mask)
+    targets = got.ids[got.mask == 1]
+    if which == "bytes":
+        assert ByteTokenizer.decode(got.ids) == rendered
+        assert ByteTokenizer.decode(targets) == _assistant_text(CONVERSATION)
+    else:
+        hf = tokenizers.Tokenizer.from_file(path)
+        assert hf.decode(got.ids.tolist(), skip_special_tokens=False) == rendered
+        want = [i for t in CONVERSATION if t["role"] == "assistant"
+                for i in hf.encode(t["content"] + "<|im_end|>\n", add_special_tokens=False).ids]
+        assert targets.tolist() == want
+    # Every masked-out token belongs to a system/user turn or an assistant header.
+    assert 0 < int(got.mask.sum()) < len(got.mask)
+
+
+def test_custom_template_file_with_special_tokens(tmp_path):
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+                "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+                "{% else %}{{ raise_exception('roles must be user or assistant') }}{% endif %}{% endfor %}")
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": template, "bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    enc = TextEncoder.load(None, str(cfg))
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    got = enc.conversation(turns)
+    assert ByteTokenizer.decode(got.ids) == "<s>[INST] hi [/INST]hello</s>"
+    assert ByteTokenizer.decode(got.ids[got.mask == 1]) == "hello</s>"
+    with pytest.raises(ChatTemplateError, match="roles must be user or assistant"):
+        enc.conversation([{"role": "system", "content": "x"}])
+    # A refused conversation is a bad sample (its own reason), not a crashed reader.
+    counter = Counter(CountingConfig(text=TextConfig(chat_template=str(cfg))))
+    with pytest.raises(CountError) as err:
+        counter.text(json.dumps({"messages": [{"role": "tool", "content": "x"}]}).encode(), "json", "m")
+    assert err.value.reason == "chat_template"
+
+
+def test_template_that_rewrites_earlier_turns_has_no_exact_mask(tmp_path):
+    # Renders earlier assistant turns differently once another turn follows (as templates that
+    # drop past reasoning do): a per-turn mask would be wrong, so it is refused.
+    jinja = tmp_path / "odd.jinja"
+    jinja.write_text("{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% else %}"
+                     "{{ m['content'][:1] }}{% endif %}|{% endfor %}")
+    enc = TextEncoder.load(None, str(jinja))
+    with pytest.raises(ChatTemplateError, match="renders turn 0 differently"):
+        enc.conversation(CONVERSATION[1:3])
+
+
+def test_bad_template_settings_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither a built-in"):
+        TextConfig(chat_template="llama9")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match="not valid jinja2"):
+        resolve_chat_template(str(broken), None)
+    no_template = tmp_path / "tokenizer_config.json"
+    no_template.write_text("{}")
+    with pytest.raises(ValueError, match="no chat_template"):
+        resolve_chat_template(str(no_template), None)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(str(tmp_path / "missing.json"))
+
+
+def test_wire_form_round_trips():
+    tokens = TextTokens(np.array([0, 511, 2**31 - 1], np.int32), np.array([1, 0, 1], np.uint8))
+    wire = tokens.to_wire()
+    assert len(wire) == 15 and wire[:4] == (0).to_bytes(4, "little") and wire[12:] == b"\x01\x00\x01"
+    back = TextTokens.from_wire(wire)
+    assert back.ids.tolist() == tokens.ids.tolist() and back.mask.tolist() == tokens.mask.tolist()
+
+
+def test_reader_samples_carry_exactly_text_len_ids(data):
+    shards, path = data
+    config = ReaderConfig(counting=CountingConfig(text=TextConfig(tokenizer_path=path)))
+    hf = tokenizers.Tokenizer.from_file(path)
+    records = [r for s in shards for r in iter_shard(s, config)]
+    assert len(records) == 40
+    plain = conversations = 0
+    for rec in records:
+        assert len(rec.tokens.ids) == len(rec.tokens.mask) == rec.text_len > 0
+        assert rec.llm_len == rec.text_len + sum(it.llm_len for it in rec.items)
+        assert int(rec.tokens.ids.max()) < TOKENIZER_VOCAB_SIZE
+        text = next((bytes(rec.members[s]) for s in ("txt",) if s in rec.members), None)
+        if text is not None:  # a plain caption: the library's ids, all targets
+            assert rec.tokens.ids.tolist() == hf.encode(text.decode(), add_special_tokens=False).ids
+            assert rec.tokens.mask.all()
+            plain += 1
+        elif "json" in rec.members:
+            assert 0 < rec.tokens.mask.sum() < rec.text_len  # user turns are not targets
+            conversations += 1
+    assert plain and conversations
+
+
+def test_inspect_counts_exactly_unless_asked_to_estimate(data):
+    shards, _ = data
+    exact = collect(shards, ReaderConfig(keep_members=False), show_progress=False)
+    quick = collect(shards, ReaderConfig(counting=CountingConfig(text=TextConfig(estimate=True)),
+                                         keep_members=False), show_progress=False)
+    want = sum(r.text_len for r in iter_samples(shards))
+    assert exact["modalities"]["text"]["llm_len"]["sum"] == want
+    assert exact["modalities"]["text"]["counted_by"]["exact"] is True
+    assert quick["modalities"]["text"]["counted_by"] == {
+        "exact": False, "how": quick["modalities"]["text"]["counted_by"]["how"]}
+    assert "approximate" in quick["modalities"]["text"]["counted_by"]["how"]
+    assert quick["modalities"]["text"]["llm_len"]["sum"] != want  # bytes are not BPE-sized tokens
+
+
+def test_gen_data_tokenizer_is_deterministic(data, tmp_path):
+    shards, path = data
+    again = write_tokenizer(str(tmp_path), shards)
+    assert open(again, "rb").read() == open(path, "rb").read()
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == CHATML
+
+
+def test_trainer_receives_the_readers_ids_verbatim_through_the_dispatcher(data):
+    torch = pytest.importorskip("torch")
+    from tests.test_service import consume, dispatcher, make_config, readers
+
+    shards, path = data
+    reader = ReaderConfig(counting=CountingConfig(text=TextConfig(tokenizer_path=path)))
+    want = {r.key: (r.tokens.ids.tolist(), r.tokens.mask.astype(bool).tolist()) for r in iter_samples(shards, reader)}
+
+    def record(step):
+        out = []
+        for mb in step.microbatches:
+            # The tensors have exactly the planned length, per sample.
+            assert [t.numel() for t in mb.text_ids] == [m.numel() for m in mb.loss_mask] == mb.text_len.tolist()
+            assert all(t.dtype == torch.int32 for t in mb.text_ids)
+            assert all(m.dtype == torch.bool for m in mb.loss_mask)
+            out += [(k, t.tolist(), m.tolist()) for k, t, m in zip(mb.keys, mb.text_ids, mb.loss_mask)]
+        return out
+
+    with dispatcher(make_config(shards, world_size=2, global_batch=8, max_epochs=1)) as srv, \
+            readers(srv.reader_endpoint, 2, reader=reader):
+        got = consume(srv.trainer_endpoint, 2, record=record)
+    delivered = [s for steps in got.values() for step in steps for s in step]
+    assert len(delivered) == 40  # five full steps of 8: the whole epoch
+    assert {k: (ids, mask) for k, ids, mask in delivered} == want
+
+
+def test_trainer_refuses_ids_outside_its_vocabulary():
+    torch = pytest.importorskip("torch")
+    from dispatcher_server import protocol as P
+    from dispatcher_server.batching import Sample, build_batch, rank_message
+    from dispatcher_server.planner import PlannerConfig, Topology, plan_step
+    from trainer_client.client import decode_step
+    from trainer_client.model import ModelConfig, ReferenceModel
+    from trainer_client.train import ItemInputs
+
+    tokens = TextTokens(np.array([5, 300, 7], np.int32), np.array([0, 1, 1], np.uint8))
+    batch = build_batch([Sample(key="k-wide", pos=0, index=0, text_len=3, llm_len=3, tokens=tokens.to_wire(),
+                                items=[], payloads=[], nbytes=0)])
+    plan = plan_step(batch.inputs, Topology(world_size=1, ranks_per_node=1), PlannerConfig(num_microbatches=1))
+    (mb,) = decode_step(P.decode(rank_message(batch, plan, step=0, epoch=0, rank=0, seq=1))).microbatches
+    assert mb.loss_mask[0].tolist() == [False, True, True]
+    wide = ItemInputs(mb, ReferenceModel(ModelConfig.tiny(vocab_size=512)))
+    assert wide.text(0).tolist() == [5, 300, 7]
+    byte_model = ReferenceModel(ModelConfig.tiny(vocab_size=load_tokenizer(None).vocab_size))
+    with pytest.raises(ValueError, match="'k-wide': token id 300 is outside the model's vocabulary of 256"):
+        ItemInputs(mb, byte_model).text(0)
+    assert torch.is_tensor(wide.mask(0))
