@@ -364,7 +364,7 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
             sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
             assign = recv(sock, P.SHARD_ASSIGN)
             recv(sock, P.CREDIT)
-            bad = [["k-video", 0, 1, 5, b"t" * P.TOKEN_BYTES, [["video", "mp4", 3, 4, {}]]],
+            bad = [["k-smell", 0, 1, 5, b"t" * P.TOKEN_BYTES, [["smell", "nose", 3, 4, {}]]],
                    ["k-len", 1, 1, 99, b"t" * P.TOKEN_BYTES, []]]
             sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[b"x"], assign_id=assign["assign_id"],
                                          samples=bad))
@@ -373,7 +373,7 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
         finally:
             sock.close(linger=0)
         assert srv._thread.is_alive()
-        assert srv.skipped == [("k-video", "invalid_header"), ("k-len", "invalid_llm_len")]
+        assert srv.skipped == [("k-smell", "invalid_header"), ("k-len", "invalid_llm_len")]
         with readers(srv.reader_endpoint, 1):  # the shard is finished by an honest reader
             got = consume(srv.trainer_endpoint, 1)
     expected = all_keys(shards[:1])
