@@ -89,7 +89,8 @@ class Dispatcher:
             raise
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.skip_log = SkipLog(self.metrics)
-        self.ignored_members: Counter = Counter()  # members no field map names, by suffix
+        # members no field map names, by source, then suffix (the step log shows the totals)
+        self.ignored_members: dict[str, Counter] = {}
         one = len(config.sources) == 1
         orders = [ShardOrder(src.shards, config.seed, config.max_epochs, salt="" if one else src.name)
                   for src in config.sources]
@@ -382,8 +383,9 @@ class Dispatcher:
         if self.step_log is not None:
             record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms,
                                  epoch=epoch, sources=sources)
-            if self.ignored_members:  # so far in this run, by suffix
-                record["ignored_members"] = dict(sorted(self.ignored_members.items()))
+            if self.ignored_members:  # so far in this run, by source and suffix
+                record["ignored_members"] = {src: dict(sorted(c.items()))
+                                             for src, c in sorted(self.ignored_members.items())}
             self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
@@ -577,18 +579,18 @@ class Dispatcher:
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
-        self._ignored(prog.url, msg.get("ignored"))
+        self._ignored(self.assembler.stream_of(a.pos).name, prog.url, msg.get("ignored"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
 
-    def _ignored(self, url: str, ignored: dict[str, int] | None) -> None:
+    def _ignored(self, source: str, url: str, ignored: dict[str, int] | None) -> None:
         """Members of a finished shard that no field map kind names: metrics, log, step log."""
         if not ignored:
             return
         for suffix, n in ignored.items():
-            self.metrics.ignored(suffix, n)
-        self.ignored_members.update(ignored)
-        event("members_ignored", shard=url,
+            self.metrics.ignored(source, suffix, n)
+        self.ignored_members.setdefault(source, Counter()).update(ignored)
+        event("members_ignored", source=source, shard=url,
               suffixes=",".join(f"{s or '(no suffix)'}={n}" for s, n in sorted(ignored.items())))
 
     def _skip(self, url: str, skipped: list[P.SkipRecord]) -> None:

@@ -100,13 +100,14 @@ def test_dispatcher_counts_ignored_members_in_metrics_logs_and_step_log(cls_shar
                                 step_log=str(steps))) as srv, readers(srv.reader_endpoint, 1):
         got = consume(srv.trainer_endpoint, 2)
         value = srv.metrics.registry.get_sample_value("mmdispatch_members_ignored_total",
-                                                      {"suffix": "cls"})
+                                                      {"source": "default", "suffix": "cls"})
     assert sum(len(keys) for steps_ in got.values() for _, mbs in steps_ for keys in mbs) == NUM
     assert value == NUM
     lines = [r.getMessage() for r in caplog.records if "event=members_ignored" in r.getMessage()]
     assert len(lines) == 1 and f"suffixes=cls={NUM}" in lines[0] and "sample.tgz" in lines[0]
+    assert "source=default" in lines[0]
     records = [json.loads(line) for line in steps.read_text().splitlines()]
-    assert records[-1]["ignored_members"] == {"cls": NUM}
+    assert records[-1]["ignored_members"] == {"default": {"cls": NUM}}
 
 
 @pytest.mark.timeout(60)
@@ -119,8 +120,8 @@ def test_a_source_field_map_reaches_the_readers(cls_shard):
             readers(srv.reader_endpoint, 1):
         got = consume(srv.trainer_endpoint, 1)
         png = srv.metrics.registry.get_sample_value("mmdispatch_members_ignored_total",
-                                                    {"suffix": "png"})
+                                                    {"source": "labels", "suffix": "png"})
         cls = srv.metrics.registry.get_sample_value("mmdispatch_members_ignored_total",
-                                                    {"suffix": "cls"})
+                                                    {"source": "labels", "suffix": "cls"})
     assert sum(len(keys) for _, mbs in got[0] for keys in mbs) == NUM
     assert png == NUM and cls is None
