@@ -309,9 +309,13 @@ class Dispatcher:
         source, epoch = epoch
         st = next(st for st in self.assembler.streams if st.name == source)
         which = f"source {source!r}: " if len(self.assembler.streams) > 1 else ""
+        ignored = self.ignored_members.get(source)
+        found = (f"; members no field map names: "
+                 + ", ".join(f"{s or '(no suffix)'} {n}" for s, n in ignored.most_common(5))
+                 if ignored else "")
         return (f"{which}epoch {epoch} of the {st.order.num_shards} shards yielded no usable sample "
-                f"(skipped: {why}); check them with `mmdispatch inspect` and the counting options "
-                "(suffixes, --errors): serving would only loop over empty epochs")
+                f"(skipped: {why}{found}); check them with `mmdispatch inspect` and the counting "
+                "options (field map, --errors): serving would only loop over empty epochs")
 
     def _assign(self) -> None:
         todo = self.assembler.unassigned()

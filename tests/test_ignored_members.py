@@ -125,3 +125,29 @@ def test_a_source_field_map_reaches_the_readers(cls_shard):
                                                     {"source": "labels", "suffix": "cls"})
     assert sum(len(keys) for _, mbs in got[0] for keys in mbs) == NUM
     assert png == NUM and cls is None
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_epoch_names_the_ignored_suffixes(tmp_path):
+    import time
+
+    path = str(tmp_path / "unusable.tar")
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(20):
+            for suffix, data in (("cls", b"1"), ("npy", b"\x93NUMPY")):
+                info = tarfile.TarInfo(f"{i:04d}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    with dispatcher(make_config([path], world_size=1, global_batch=4, max_epochs=None)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        deadline = time.monotonic() + 30
+        while srv.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert srv.fatal is not None, "an epoch of unusable samples did not end the job"
+    message = str(srv.fatal)
+    import re
+
+    # Counts over the epochs read so far: every sample skipped holds one cls and one npy.
+    assert re.search(r"yielded no usable sample \(skipped: (\d+) empty_sample; members no field "
+                     r"map names: cls \1, npy \1\)", message), message
+    assert "\n" not in message
