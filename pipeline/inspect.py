@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections import Counter as Tally
+from dataclasses import replace
 
 import numpy as np
 from rich.console import Console
@@ -22,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
+from pipeline.fieldmap import FieldMap
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.shards import expand_shards
 
@@ -34,7 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimate-text", action="store_true",
                         help="count text with the fast estimator instead of tokenizing it (quick; "
                              "the counts are approximate and the report says so)")
+    parser.add_argument("--map", action="append", default=None, metavar="KIND=EXT[,EXT]",
+                        help="field map: these extensions are KIND (image, audio, video, text, "
+                             "conversation), as a dataset file's [sources.fields] would say; "
+                             "repeatable; kinds not named keep their defaults")
     add_reader_arguments(parser)
+
+
+def field_map_from_args(specs: list[str] | None) -> FieldMap:
+    """The FieldMap of `--map KIND=EXT[,EXT]` options (the default map without any)."""
+    if not specs:
+        return FieldMap()
+    kinds: dict[str, list[str]] = {}
+    for spec in specs:
+        kind, sep, exts = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--map {spec!r}: expected KIND=EXT[,EXT] (e.g. --map image=png,tif)")
+        kinds.setdefault(kind.strip(), []).extend(e for e in exts.split(",") if e.strip())
+    return FieldMap.from_dict(kinds)
 
 
 def _summary(values: list[float] | np.ndarray) -> dict:
@@ -207,7 +226,8 @@ def render(report: dict, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     urls = expand_shards(args.shards)
-    config = reader_config_from_args(args, keep_members=False)
+    config = replace(reader_config_from_args(args, keep_members=False),
+                     fields=field_map_from_args(args.map))
     report = collect(urls, config, show_progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps(report))

@@ -91,16 +91,16 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     return result
 
 
-def _example(suffixes: list[str]) -> str:
-    """A field map line for a found suffix, its kind guessed from Python's built-in MIME table
-    (not the host's /etc/mime.types, so the message is the same everywhere)."""
+def _example(suffixes: list[str]) -> tuple[str, str, str]:
+    """(kind, suffix, caveat) of a field map example for a found suffix, its kind guessed from
+    Python's built-in MIME table (not the host's /etc/mime.types: the same message everywhere)."""
     table = mimetypes.MimeTypes()
     for suffix in suffixes:
         kind = (table.guess_type(f"x.{suffix}")[0] or "").split("/")[0]
         if kind in KINDS:
-            return f"{kind}: [{suffix}]"
+            return kind, suffix, ""
     suffix = suffixes[0] if suffixes else "png"
-    return f"image: [{suffix}] if the {suffix} members are images"
+    return "image", suffix, f" if the {suffix} members are images"
 
 
 def refusal(result: ProbeResult, source: str = "default") -> str | None:
@@ -110,11 +110,12 @@ def refusal(result: ProbeResult, source: str = "default") -> str | None:
     shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"
                                             if len(result.shards) > 3 else "")
     found = sorted(s for s in result.suffixes if s)
-    listed = ", ".join(found) or "none"
+    kind, suffix, caveat = _example(found)
     return (f"source {source!r} (shards {shown}): no sample has a usable member (the first "
-            f"{result.samples} samples read); found suffixes {listed}; map them to a kind "
-            f"({', '.join(KINDS)}) with a field map in a dataset file (e.g. {_example(found)}), "
-            f"or check that these are the shards you meant")
+            f"{result.samples} samples read); found suffixes {', '.join(found) or 'none'}; map them "
+            f"to a kind ({', '.join(KINDS)}) with a field map in a dataset file (e.g. {kind}: "
+            f"[{suffix}]{caveat}; try it with `mmdispatch inspect --map {kind}={suffix}`), or "
+            f"check that these are the shards you meant")
 
 
 def log_unprobed(result: ProbeResult, source: str = "default") -> None:

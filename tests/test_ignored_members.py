@@ -70,6 +70,19 @@ def test_inspect_lists_ignored_members_by_suffix(cls_shard, capsys):
     assert f"ignored members: cls {NUM}" in out
 
 
+def test_inspect_takes_a_field_map(cls_shard, capsys):
+    assert main(["inspect", "--json", "--map", "text=cls", "--map", "image=", cls_shard]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["errors"]["ignored_members"] == {"png": NUM}
+    assert report["modalities"]["image"]["count"] == 0 and report["modalities"]["text"]["count"] == NUM
+    for bad, words in ((["--map", "picture=cls"], "unknown kind 'picture'"),
+                       (["--map", "textcls"], "expected KIND=EXT"),
+                       (["--map", "text=png", "--map", "image=png"], "'png' is mapped to both")):
+        assert main(["inspect", *bad, cls_shard]) == 2
+        err = capsys.readouterr().err.strip()
+        assert words in err and len(err.splitlines()) == 1, err
+
+
 def test_shard_done_carries_ignored_counts_checked():
     frames = P.encode(P.SHARD_DONE, assign_id=1, count=3, skipped=[], ignored={"cls": 90, "": 2})
     assert P.decode(frames).get("ignored") == {"cls": 90, "": 2}

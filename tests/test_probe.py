@@ -42,7 +42,8 @@ def test_probe_reads_a_bounded_prefix_and_reports_suffixes(unusable):
     assert line is not None and "\n" not in line
     assert line.startswith(f"source 'default' (shards {unusable[0]}, {unusable[1]}): no sample has a usable member")
     assert "found suffixes cls, npy" in line and "field map in a dataset file" in line
-    assert "(e.g. image: [cls] if the cls members are images)" in line
+    assert ("(e.g. image: [cls] if the cls members are images; try it with "
+            "`mmdispatch inspect --map image=cls`)") in line
 
 
 def test_probe_stops_at_the_first_usable_sample(tmp_path, unusable):
