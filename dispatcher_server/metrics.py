@@ -59,6 +59,10 @@ class Metrics:
         self.errors = Counter("mmdispatch_errors", "Errors by kind", ["kind"], registry=r)
         self.skipped = Counter("mmdispatch_samples_skipped", "Bad samples skipped by readers",
                                registry=r)
+        self.members_ignored = Counter("mmdispatch_members_ignored",
+                                       "Shard members no field map kind names, by source and "
+                                       "suffix (their extension; '' for names without one)",
+                                       ["source", "suffix"], registry=r)
         self.slowest_rank = Gauge("mmdispatch_phase_slowest_rank",
                                   "Last measured step: slowest rank per phase, summed over "
                                   "micro-batches (predicted: cost-model units; measured: seconds)",
@@ -93,6 +97,10 @@ class Metrics:
             self.slowest_rank.labels(phase, "measured").set(v["measured_max"])
             self.measured_imbalance.labels(phase).set(v["measured_max_over_mean"])
         self.measured_step.set(summary["measured_step_s"])
+
+    def ignored(self, source: str, suffix: str, count: int) -> None:
+        """Count `count` ignored members of one suffix (`mmdispatch_members_ignored_total`)."""
+        self.members_ignored.labels(source, suffix).inc(count)
 
     def error(self, kind: str, /, **fields) -> None:
         self.errors.labels(kind).inc()

@@ -73,7 +73,8 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     CANCEL: {"assign_id": (_INT, True)},
     SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
               "skipped": (list, False)},
-    SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True)},
+    SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True),
+                 "ignored": (dict, False)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
@@ -356,9 +357,24 @@ def split_payload(frame: memoryview, sizes: list[int]) -> list[memoryview]:
     return out
 
 
+#: SHARD_DONE's optional `ignored`: {suffix: count} of the shard's members no field map kind
+#: names ("" for names without a suffix); readers fold suffixes beyond the most common
+#: MAX_IGNORED_SUFFIXES - 1 into IGNORED_OTHER, so metric labels stay few.
+MAX_IGNORED_SUFFIXES = 64
+MAX_SUFFIX_CHARS = 64
+IGNORED_OTHER = "(other)"
+
+
 def _check_shard_done(fields: dict, payloads: list) -> None:
     _no_payload(fields, payloads)
     fields["skipped"] = _skip_records(fields["skipped"])
+    ignored = fields.get("ignored")
+    if ignored is not None and (
+            len(ignored) > MAX_IGNORED_SUFFIXES
+            or not all(type(k) is str and len(k) <= MAX_SUFFIX_CHARS and type(n) is int and n > 0
+                       for k, n in ignored.items())):
+        raise ProtocolError(f"shard_done: malformed ignored counts (at most {MAX_IGNORED_SUFFIXES} "
+                            f"suffixes of at most {MAX_SUFFIX_CHARS} characters, counts > 0)")
 
 
 #: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then

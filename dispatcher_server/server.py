@@ -89,6 +89,8 @@ class Dispatcher:
             raise
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.skip_log = SkipLog(self.metrics)
+        # members no field map names, by source, then suffix (the step log shows the totals)
+        self.ignored_members: dict[str, Counter] = {}
         one = len(config.sources) == 1
         orders = [ShardOrder(src.shards, config.seed, config.max_epochs, salt="" if one else src.name)
                   for src in config.sources]
@@ -307,9 +309,13 @@ class Dispatcher:
         source, epoch = epoch
         st = next(st for st in self.assembler.streams if st.name == source)
         which = f"source {source!r}: " if len(self.assembler.streams) > 1 else ""
+        ignored = self.ignored_members.get(source)
+        found = (f"; members no field map names: "
+                 + ", ".join(f"{s or '(no suffix)'} {n}" for s, n in ignored.most_common(5))
+                 if ignored else "")
         return (f"{which}epoch {epoch} of the {st.order.num_shards} shards yielded no usable sample "
-                f"(skipped: {why}); check them with `mmdispatch inspect` and the counting options "
-                "(suffixes, --errors): serving would only loop over empty epochs")
+                f"(skipped: {why}{found}); check them with `mmdispatch inspect` and the counting "
+                "options (field map, --errors): serving would only loop over empty epochs")
 
     def _assign(self) -> None:
         todo = self.assembler.unassigned()
@@ -379,8 +385,12 @@ class Dispatcher:
     def _observe(self, step: int, epoch: int, plan: StepPlan, plan_ms: float,
                  sources: dict[str, int]) -> None:
         if self.step_log is not None:
-            self.step_log.write(plan_record(step, plan, config=self.config.planner,
-                                            plan_ms=plan_ms, epoch=epoch, sources=sources))
+            record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms,
+                                 epoch=epoch, sources=sources)
+            if self.ignored_members:  # so far in this run, by source and suffix
+                record["ignored_members"] = {src: dict(sorted(c.items()))
+                                             for src, c in sorted(self.ignored_members.items())}
+            self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
         for name, n in sources.items():
@@ -573,8 +583,19 @@ class Dispatcher:
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
+        self._ignored(self.assembler.stream_of(a.pos).name, prog.url, msg.get("ignored"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
+
+    def _ignored(self, source: str, url: str, ignored: dict[str, int] | None) -> None:
+        """Members of a finished shard that no field map kind names: metrics, log, step log."""
+        if not ignored:
+            return
+        for suffix, n in ignored.items():
+            self.metrics.ignored(source, suffix, n)
+        self.ignored_members.setdefault(source, Counter()).update(ignored)
+        event("members_ignored", source=source, shard=url,
+              suffixes=",".join(f"{s or '(no suffix)'}={n}" for s, n in sorted(ignored.items())))
 
     def _skip(self, url: str, skipped: list[P.SkipRecord]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""

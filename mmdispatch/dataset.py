@@ -31,10 +31,8 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dispatcher_server.config import Source
+from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
 from pipeline.shards import expand_shards
-
-#: The kinds a field map may name.
-FIELD_KINDS = ("image", "audio", "video", "text", "conversation")
 
 _Ext = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
 
@@ -119,13 +117,10 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
         if src.fields is not None:
             fields = {k: [e.lower().lstrip(".") for e in v]
                       for k, v in src.fields.model_dump().items() if v is not None}
-            seen: dict[str, str] = {}
-            for kind, exts in fields.items():
-                for ext in exts:
-                    if ext in seen and seen[ext] != kind:
-                        raise DatasetError(f"{path}: sources[{i}].fields: extension {ext!r} is "
-                                           f"mapped to both {seen[ext]} and {kind}; map it once")
-                    seen[ext] = kind
+            try:
+                FieldMap.from_dict(fields)  # the readers' own checks (one kind per extension)
+            except ValueError as e:
+                raise DatasetError(f"{path}: sources[{i}].fields: {e}") from None
         specs = [src.shards] if isinstance(src.shards, str) else src.shards
         # Relative paths are the file's neighbours, wherever the command runs from.
         base = os.path.dirname(os.path.abspath(path))

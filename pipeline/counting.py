@@ -54,7 +54,6 @@ class ImageConfig:
     # Decompression-bomb guard on the *declared* size, checked before any pixel is touched;
     # Pillow's own MAX_IMAGE_PIXELS (~9459x9459).
     max_header_pixels: int = 89_478_485
-    extensions: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif")
 
     def __post_init__(self) -> None:
         if self.patch_size < 1 or self.merge_size < 1:
@@ -81,7 +80,6 @@ class AudioConfig:
     # this range is corrupt, and its duration cannot be trusted either.
     min_sample_rate: int = 1000
     max_sample_rate: int = 768_000
-    extensions: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
 
     def __post_init__(self) -> None:
         if self.encoder_frames_per_s <= 0 or self.llm_tokens_per_s <= 0:
@@ -134,8 +132,6 @@ class TextConfig:
     # beyond any model's context, and a sample's tokens travel in one message header at 5 bytes
     # a token (32 MiB limit in the wire protocol).
     max_text_bytes: int = 4 << 20
-    extensions: tuple[str, ...] = ("txt", "text")
-    json_extensions: tuple[str, ...] = ("json",)
 
     def __post_init__(self) -> None:
         if self.ascii_bytes_per_token <= 0:
@@ -315,11 +311,12 @@ class Counter:
         return enc, llm, {"duration_s": duration, "sample_rate": rate, "channels": channels}
 
     # -- text -----------------------------------------------------------------------------
-    def text(self, data: bytes | memoryview, ext: str, what: str) -> TextTokens:
+    def text(self, data: bytes | memoryview, ext: str, what: str, *,
+             as_json: bool | None = None) -> TextTokens:
         """Token ids and loss mask of a text or JSON member; JSON without a text field gives none."""
         if self.encoder is None:
             raise ValueError("TextConfig.estimate counts text without ids: use estimate_text")
-        value = self._member_text(data, ext, what)
+        value = self._member_text(data, ext, what, as_json)
         if value is None:
             return TextTokens.empty()  # metadata JSON: carried as payload, not text
         if isinstance(value, str):
@@ -329,9 +326,10 @@ class Counter:
         except ChatTemplateError as e:
             raise CountError("chat_template", f"{what}: {e}") from None
 
-    def estimate_text(self, data: bytes | memoryview, ext: str, what: str) -> int:
+    def estimate_text(self, data: bytes | memoryview, ext: str, what: str, *,
+                      as_json: bool | None = None) -> int:
         """Approximate tokens of a text or JSON member by the estimator (no tokenizer run)."""
-        value = self._member_text(data, ext, what)
+        value = self._member_text(data, ext, what, as_json)
         if value is None:
             return 0
         if isinstance(value, str):
@@ -339,15 +337,17 @@ class Counter:
         return (sum(estimate_tokens(t["content"], self.config.text) for t in value)
                 + self.config.text.chat_turn_overhead * len(value))
 
-    def _member_text(self, data: bytes | memoryview, ext: str, what: str) -> str | list[dict] | None:
-        """A member's plain text, its conversation turns ({"role", "content"} strings), or None."""
+    def _member_text(self, data: bytes | memoryview, ext: str, what: str,
+                     as_json: bool | None = None) -> str | list[dict] | None:
+        """A member's plain text, its conversation turns ({"role", "content"} strings), or None.
+        `as_json`: the member is JSON (a conversation-kind member); None: when `ext` is "json"."""
         cfg = self.config.text
         if len(data) > cfg.max_text_bytes:
             raise CountError(
                 "text_too_large", f"{what} holds {len(data)} bytes, over max_text_bytes={cfg.max_text_bytes}"
             )
         text = _utf8(data, what)
-        if ext not in cfg.json_extensions:
+        if not ((ext == "json") if as_json is None else as_json):
             return text
         try:
             obj = json.loads(text)

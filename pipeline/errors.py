@@ -135,7 +135,8 @@ class ErrorStats:
     num_samples: int = 0  # samples yielded
     num_errors: int = 0
     num_shards: int = 0  # shards opened
-    num_ignored_members: int = 0  # tar members without a webdataset suffix
+    # members no field map kind names, by extension ("cls"; "" for a name without a suffix)
+    ignored_members: Counter = field(default_factory=Counter)
     by_reason: Counter = field(default_factory=Counter)
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (reason, shard, key, message)
     consecutive: int = 0
@@ -172,7 +173,7 @@ class ErrorStats:
         self.num_samples += other.num_samples
         self.num_errors += other.num_errors
         self.num_shards += other.num_shards
-        self.num_ignored_members += other.num_ignored_members
+        self.ignored_members.update(other.ignored_members)
         self.by_reason.update(other.by_reason)
         self.recent.extend(other.recent)
 
@@ -181,7 +182,8 @@ class ErrorStats:
             "num_samples": self.num_samples,
             "num_errors": self.num_errors,
             "num_shards": self.num_shards,
-            "num_ignored_members": self.num_ignored_members,
+            "num_ignored_members": self.ignored_members.total(),
+            "ignored_members": dict(sorted(self.ignored_members.items())),
             "by_reason": dict(sorted(self.by_reason.items())),
             "recent": [
                 {"reason": r, "shard": shard, "key": key, "message": msg} for r, shard, key, msg in self.recent

@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections import Counter as Tally
+from dataclasses import replace
 
 import numpy as np
 from rich.console import Console
@@ -22,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
+from pipeline.fieldmap import FieldMap
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.shards import expand_shards
 
@@ -34,7 +36,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--estimate-text", action="store_true",
                         help="count text with the fast estimator instead of tokenizing it (quick; "
                              "the counts are approximate and the report says so)")
+    parser.add_argument("--map", action="append", default=None, metavar="KIND=EXT[,EXT]",
+                        help="field map: these extensions are KIND (image, audio, video, text, "
+                             "conversation), as a dataset file's [sources.fields] would say; "
+                             "repeatable; kinds not named keep their defaults")
     add_reader_arguments(parser)
+
+
+def field_map_from_args(specs: list[str] | None) -> FieldMap:
+    """The FieldMap of `--map KIND=EXT[,EXT]` options (the default map without any)."""
+    if not specs:
+        return FieldMap()
+    kinds: dict[str, list[str]] = {}
+    for spec in specs:
+        kind, sep, exts = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--map {spec!r}: expected KIND=EXT[,EXT] (e.g. --map image=png,tif)")
+        kinds.setdefault(kind.strip(), []).extend(e for e in exts.split(",") if e.strip())
+    return FieldMap.from_dict(kinds)
 
 
 def _summary(values: list[float] | np.ndarray) -> dict:
@@ -142,6 +161,12 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
     }
 
 
+def format_ignored(counts: dict[str, int]) -> str:
+    """"cls 90, npy 3" (most first; "(no suffix)" for members named without one), or "none"."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return ", ".join(f"{sfx or '(no suffix)'} {n}" for sfx, n in ranked) or "none"
+
+
 def render(report: dict, console: Console) -> None:
     """Print the report as tables and a terminal histogram."""
     console.print(
@@ -178,7 +203,8 @@ def render(report: dict, console: Console) -> None:
     console.print("images per sample: " + ", ".join(f"{k}: {v}" for k, v in per.items()))
     errors = report["errors"]
     reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
-    console.print(f"errors: {errors['num_errors']} ({reasons}); ignored members: {errors['num_ignored_members']}")
+    console.print(f"errors: {errors['num_errors']} ({reasons}); "
+                  f"ignored members: {format_ignored(errors['ignored_members'])}", highlight=False)
     if report["bad_shards"]:
         bad = Table(title="shards with errors")
         for col in ("shard", "samples read", "errors", "reasons", "first error"):
@@ -200,7 +226,8 @@ def render(report: dict, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     urls = expand_shards(args.shards)
-    config = reader_config_from_args(args, keep_members=False)
+    config = replace(reader_config_from_args(args, keep_members=False),
+                     fields=field_map_from_args(args.map))
     report = collect(urls, config, show_progress=sys.stderr.isatty())
     if args.json:
         print(json.dumps(report))

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
+from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
@@ -28,9 +30,10 @@ SkipSink = Callable[[SampleError, int], None]
 
 @dataclass(kw_only=True, slots=True)
 class ReaderConfig:
-    """Counting rules plus what to do with bad samples."""
+    """Counting rules, which member suffixes are which kind, and what to do with bad samples."""
 
     counting: CountingConfig = field(default_factory=CountingConfig)
+    fields: FieldMap = field(default_factory=FieldMap)  # suffix -> kind; others are ignored
     errors: ErrorPolicy = field(default_factory=ErrorPolicy)
     keep_members: bool = True  # carry raw member bytes in records (False: counts only)
     # Members over this are read through and the sample skipped (`member_too_large`): one member
@@ -206,36 +209,25 @@ class SampleBuilder:
     def __init__(self, config: ReaderConfig) -> None:
         self.config = config
         self.counter = Counter(config.counting)
-        c = config.counting
-        self._kinds: dict[str, str] = {}
-        for exts, kind in (
-            (c.image.extensions, "image"),
-            (c.video.extensions, "video"),
-            (c.audio.extensions, "audio"),
-            (c.text.extensions, "text"),
-            (c.text.json_extensions, "text"),
-        ):
-            for ext in exts:
-                self._kinds.setdefault(ext.lower(), kind)
-        # suffix -> (kind or None, ext): a dataset repeats a handful of suffixes millions of times.
-        self._suffixes: dict[str, tuple[str | None, str]] = {}
+        # suffix -> (kind or None, ext, gzip): a dataset repeats a handful of suffixes millions of times.
+        self._suffixes: dict[str, tuple[str | None, str, bool]] = {}
 
-    def _classify(self, suffix: str) -> tuple[str | None, str]:
-        """(kind, extension) of a member suffix; `.gz` text members are kind "text.gz"."""
+    def classify(self, suffix: str) -> tuple[str | None, str, bool]:
+        """(kind, extension, gzip) of a member suffix under the field map; kind None: ignored."""
         got = self._suffixes.get(suffix)
         if got is None:
-            ext = suffix[suffix.rfind(".") + 1 :].lower()
-            if ext == "gz":
-                inner = suffix[:-3]
-                ext = inner[inner.rfind(".") + 1 :].lower()
-                # compressed non-text members are payload
-                got = ("text.gz", ext) if self._kinds.get(ext) == "text" else (None, ext)
-            else:
-                got = (self._kinds.get(ext), ext)
+            kind, ext = self.config.fields.classify(suffix)
+            got = (kind, ext, is_gzip(suffix))
             if len(self._suffixes) >= 4096:
                 self._suffixes.clear()
             self._suffixes[suffix] = got
         return got
+
+    def count_ignored(self, members: Iterable[str], into: Tally) -> None:
+        """Add the members (suffixes) no kind maps to `into`, by `ignored_label`."""
+        for suffix in members:
+            if self.classify(suffix)[0] is None:
+                into[ignored_label(suffix)] += 1
 
     def _video(self, data: bytes | memoryview) -> tuple[int, int, dict]:
         return count_video(data, self.config.counting.video)
@@ -245,20 +237,22 @@ class SampleBuilder:
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
         videos: list[tuple[str, bytes]] = []
-        texts: list[tuple[str, bytes, str]] = []
+        texts: list[tuple[str, bytes, str, bool]] = []
         max_text = self.config.counting.text.max_text_bytes
         for suffix, data in members.items():
-            kind, ext = self._classify(suffix)
-            if kind == "text.gz":
-                data, kind = gunzip(data, max_text), "text"
+            kind, ext, gz = self.classify(suffix)
+            if kind is None:
+                continue  # ignored: counted by the reader (`count_ignored`), carried as payload
+            if gz:
+                data = gunzip(data, max_text)
             if kind == "image":
                 images.append((suffix, data))
             elif kind == "video":
                 videos.append((suffix, data))
             elif kind == "audio":
                 audios.append((suffix, data))
-            elif kind == "text":
-                texts.append((suffix, data, ext))
+            else:
+                texts.append((suffix, data, ext, kind == "conversation"))
         items: list[Item] = []
         items_llm = 0
         # LLM sequence convention: images, then videos, then audio clips, each in natural name
@@ -280,9 +274,11 @@ class SampleBuilder:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
-                text_len = sum(self.counter.estimate_text(d, ext, f"member {sfx!r}") for sfx, d, ext in texts)
+                text_len = sum(self.counter.estimate_text(d, ext, f"member {sfx!r}", as_json=js)
+                               for sfx, d, ext, js in texts)
             else:
-                tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}") for sfx, d, ext in texts])
+                tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}", as_json=js)
+                                            for sfx, d, ext, js in texts])
                 text_len = len(tokens)
         if not items and not text_len:
             raise CountError("empty_sample",
@@ -321,6 +317,7 @@ def iter_shard(
     stats: ErrorStats | None = None,
     spans: bool = False,
     on_skip: SkipSink | None = None,
+    ignored: Tally | None = None,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
@@ -331,6 +328,11 @@ def iter_shard(
     skipped sample as it happens, with its index (-1: the rest of the shard). A shard holding
     fewer than `start_index` samples is reported as `shard_changed`: it is not the file that
     was read before.
+
+    Members no kind of `config.fields` maps are counted by `ignored_label` in
+    `stats.ignored_members`, and also in `ignored` when given (this shard's alone). They are
+    counted over the whole shard, samples before `start_index` included, so a shard resumed by
+    another reader is counted whole by the one that finishes it.
     """
     config = config or ReaderConfig()
     if start_index < 0:
@@ -353,8 +355,10 @@ def iter_shard(
         skip(SampleError("open_failed", url, None, f"cannot open: {e}"), -1)
         return
 
-    def ignored(name: str) -> None:
-        stats.num_ignored_members += 1
+    shard_ignored = ignored if ignored is not None else Tally()
+
+    def unnamed(name: str) -> None:  # a member without any suffix
+        shard_ignored[""] += 1
 
     index = -1
     last_key: str | None = None
@@ -364,7 +368,7 @@ def iter_shard(
         offsets: dict[str, int] | None = {} if spans else None
         members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes,
                                  None if offsets is None else offsets.__setitem__)
-        for key, members, problem in group_samples(members_of, ignored, config.max_sample_bytes):
+        for key, members, problem in group_samples(members_of, unnamed, config.max_sample_bytes):
             if offsets is not None:
                 where = {sfx: offsets.pop(f"{key}.{sfx}", -1) for sfx in members}
                 if len(offsets) > 1:  # members read but not grouped (ignored, skipped samples)
@@ -374,6 +378,7 @@ def iter_shard(
                     offsets[newest[0]] = newest[1]
             index += 1
             last_key = key
+            builder.count_ignored(members, shard_ignored)
             if key in seen and problem is None:
                 problem = ("duplicate_key", f"key {key!r} appears again at sample {index} (must be unique in a shard)")
             seen.add(key)
@@ -399,6 +404,7 @@ def iter_shard(
             e.reason, url, None, f"{e}{after}; samples from index {index + 1}{lost} on are lost"
         )
     finally:
+        stats.ignored_members.update(shard_ignored)
         try:
             stream.close()
         except OSError as e:

@@ -17,7 +17,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import zmq
 
@@ -27,6 +28,7 @@ from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
+from pipeline.fieldmap import FieldMap
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.records import SampleRecord
 
@@ -71,6 +73,7 @@ class _Assignment:
     count: int = 0
     unsent: list = field(default_factory=list)  # P.SkipRecord not yet reported
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
+    ignored: Counter = field(default_factory=Counter)  # members no field map kind names
 
     def skipped(self, error: SampleError, index: int) -> None:
         self.unsent.append(P.SkipRecord(error.key or "", error.reason, index))
@@ -109,6 +112,7 @@ class ReaderWorker:
         self.payloads = "inline"  # the dispatcher's choice, from WELCOME
         self.num_samples_sent = 0
         self.ended = False  # the dispatcher said the job is done
+        self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
 
     def run(self, stop: threading.Event | None = None) -> None:
         self.session.run(stop or threading.Event())
@@ -171,26 +175,43 @@ class ReaderWorker:
         if self.payloads == "reference":
             ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
-        a.records = iter_shard(msg["shard"], self.config.reader, start_index=msg["start_index"],
-                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped)
+        a.records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
+                               start_index=msg["start_index"],
+                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped,
+                               ignored=a.ignored)
         if self.config.preprocess_on == "datanode":
             a.records = self._preprocessed(a, a.records)
         self.assignments.append(a)
 
+    def _reader_config(self, fields: dict | None) -> ReaderConfig:
+        """This reader's rules with a source's field map (SHARD_ASSIGN `fields`), if it has one."""
+        if not fields:
+            return self.config.reader
+        key = repr(sorted(fields.items()))
+        config = self._configs.get(key)
+        if config is None:
+            try:
+                fm = FieldMap.from_dict(fields)
+            except ValueError as e:
+                raise FatalReaderError(f"dispatcher at {self.config.dispatcher} sent a field map "
+                                       f"this reader cannot use: {e}") from None
+            config = self._configs[key] = replace(self.config.reader, fields=fm)
+        return config
+
     def _preprocessed(self, a: _Assignment, records):
         """`a`'s records with model inputs in place of member bytes; an item that decodes badly
-        is skipped under the error policy, as a bad header is (reason bad_image/bad_audio)."""
+        is skipped under the error policy, as a bad header is (reason bad_image/bad_audio/bad_video)."""
         # imported here: scipy's signal module costs a reader that ships bytes a slower start
         from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
 
         counting = self.config.reader.counting
-        config = PreprocessConfig(image=counting.image, audio=counting.audio)
+        config = PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
         try:
             for rec in records:
                 try:
                     preprocess_record(rec, config)
                 except PreprocessError as e:
-                    reason = "bad_audio" if e.modality == "audio" else "bad_image"
+                    reason = f"bad_{e.modality}" if e.modality in ("audio", "video") else "bad_image"
                     error = SampleError(reason, rec.shard, rec.key, str(e))
                     self.stats.handle(error, self.config.reader.errors)  # raises under --errors raise
                     a.skipped(error, rec.index)
@@ -241,9 +262,24 @@ class ReaderWorker:
             self.num_samples_sent += len(headers)
         if done:
             self.session.send(P.SHARD_DONE, assign_id=a.id, count=a.count,
-                              skipped=a.take_unsent())
+                              skipped=a.take_unsent(), **ignored_field(a.ignored))
             self._drop_assignment(a)
             self._request_shards()
+
+
+def ignored_field(ignored: Counter) -> dict:
+    """SHARD_DONE's optional `ignored` field: absent when nothing was ignored; suffixes beyond
+    the protocol's limit are folded into `P.IGNORED_OTHER` (the most common kept by name)."""
+    if not ignored:
+        return {}
+    named: dict[str, int] = {}
+    other = 0
+    for suffix, n in ignored.most_common():
+        if len(named) < P.MAX_IGNORED_SUFFIXES - 1 and len(suffix) <= P.MAX_SUFFIX_CHARS:
+            named[suffix] = n
+        else:
+            other += n
+    return {"ignored": {**named, P.IGNORED_OTHER: other} if other else named}
 
 
 def _skipped_field(skipped: list) -> dict:

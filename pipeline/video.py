@@ -52,7 +52,6 @@ class VideoConfig:
     max_header_pixels: int = 16384 * 16384  # HEVC's and AV1's largest level
     max_fps: float = 1000.0
     max_duration_s: float = 4 * 3600.0
-    extensions: tuple[str, ...] = ("mp4", "mov", "webm", "mkv")
 
     def __post_init__(self) -> None:
         if not self.fps > 0:

@@ -94,7 +94,7 @@ def test_grouping_item_order_gz_and_payload(tmp_path):
     assert ByteTokenizer.decode(recs[1].tokens.ids) == chat and recs[1].text_len == len(chat)
     assert recs[1].tokens.mask.tolist() == [0] * (len(chat) - 51) + [1] * 51 and recs[1].items == []
     assert recs[2].llm_len == 12
-    assert stats.num_samples == 3 and stats.num_errors == 0 and stats.num_ignored_members == 1
+    assert stats.num_samples == 3 and stats.num_errors == 0 and stats.ignored_members == {"cls": 1, "": 1}
 
 
 def _bad_case(tmp_path, case: str) -> tuple[str, str, int]:

@@ -1,0 +1,130 @@
+"""Probe a source before serving it: does any sample hold a member its field map can use?
+
+A dataset whose suffixes no field map names (`.cls`, `.npy` only, or images under a suffix the
+map lacks) would otherwise be read whole by every reader, every sample skipped, before the
+dispatcher could tell. The probe reads the first samples of the first shards (bounded: cheap
+at start) and stops at the first usable sample. It classifies members only (no counting), so a
+usable member that later fails to count is the readers' `--errors` business, not the probe's.
+"""
+
+from __future__ import annotations
+
+import logging
+import mimetypes
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pipeline.fieldmap import KINDS, ignored_label
+from pipeline.reader import ReaderConfig, _builder, group_samples
+from pipeline.shards import open_shard
+from pipeline.tario import TarError, open_decompressed, tar_members
+
+log = logging.getLogger("mmdispatch.pipeline")
+
+
+@dataclass(kw_only=True, slots=True)
+class ProbeResult:
+    """What the probe saw: samples read, how many had a usable member, members by suffix."""
+
+    shards: list[str] = field(default_factory=list)  # shards opened, in order
+    samples: int = 0  # samples read (grouped by key)
+    usable: int = 0  # of those, samples with a member some kind of the field map names
+    suffixes: Counter = field(default_factory=Counter)  # every member by its extension
+    ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
+
+    @property
+    def refused(self) -> bool:
+        """Samples were read and not one had a usable member."""
+        return self.samples > 0 and self.usable == 0
+
+
+def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_samples: int = 64,
+                 max_shards: int = 4) -> ProbeResult:
+    """Read the first shards of `urls` until a sample with a usable member turns up, or
+    `max_samples` samples (default 64) or `max_shards` shards (default 4) were read.
+
+    A shard that cannot be opened or breaks is noted in `unreadable` and the next one tried
+    (the dispatcher's host may not see the shards its readers see; the readers report such
+    failures themselves).
+    """
+    if max_samples < 1 or max_shards < 1:
+        raise ValueError(f"max_samples={max_samples} and max_shards={max_shards} must be >= 1")
+    result = ProbeResult()
+    builder = _builder(reader_config)
+    for url in urls[:max_shards]:
+        if result.usable or result.samples >= max_samples:
+            break
+        try:
+            stream = open_shard(url, mapped=reader_config.map_shards)
+        except OSError as e:
+            result.unreadable.append((url, f"cannot open: {e}"))
+            continue
+        result.shards.append(url)
+
+        def unnamed(name: str) -> None:
+            result.suffixes[""] += 1
+            result.ignored[""] += 1
+
+        try:
+            members = tar_members(open_decompressed(stream, url), reader_config.max_member_bytes)
+            for _key, group, problem in group_samples(members, unnamed, reader_config.max_sample_bytes):
+                if problem is not None:
+                    continue  # its members were not kept; the readers report it
+                result.samples += 1
+                for suffix in group:
+                    result.suffixes[ignored_label(suffix)] += 1
+                builder.count_ignored(group, result.ignored)
+                if any(builder.classify(suffix)[0] is not None for suffix in group):
+                    result.usable += 1
+                    break
+                if result.samples >= max_samples:
+                    break
+        except (TarError, OSError) as e:
+            result.unreadable.append((url, str(e)))
+        finally:
+            try:
+                stream.close()
+            except OSError:
+                pass  # a pipe cut short exits non-zero; what was read stands
+    return result
+
+
+def _example(suffixes: list[str]) -> tuple[str, str, str]:
+    """(kind, suffix, caveat) of a field map example for a found suffix, its kind guessed from
+    Python's built-in MIME table (not the host's /etc/mime.types: the same message everywhere)."""
+    table = mimetypes.MimeTypes()
+    for suffix in suffixes:
+        kind = (table.guess_type(f"x.{suffix}")[0] or "").split("/")[0]
+        if kind in KINDS:
+            return kind, suffix, ""
+    suffix = suffixes[0] if suffixes else "png"
+    return "image", suffix, f" if the {suffix} members are images"
+
+
+def refusal(result: ProbeResult, source: str = "default") -> str | None:
+    """The one-line refusal of a source in which no probed sample has a usable member, or None."""
+    if not result.refused:
+        return None
+    shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"
+                                            if len(result.shards) > 3 else "")
+    found = sorted(s for s in result.suffixes if s)
+    kind, suffix, caveat = _example(found)
+    return (f"source {source!r} (shards {shown}): no sample has a usable member (the first "
+            f"{result.samples} samples read); found suffixes {', '.join(found) or 'none'}; map them "
+            f"to a kind ({', '.join(KINDS)}) with a field map in a dataset file (e.g. {kind}: "
+            f"[{suffix}]{caveat}; try it with `mmdispatch inspect --map {kind}={suffix}`), or "
+            f"check that these are the shards you meant")
+
+
+def log_unprobed(result: ProbeResult, source: str = "default") -> None:
+    """Warn when the probe could read no sample at all (nothing was checked)."""
+    if result.samples == 0 and result.unreadable:
+        url, why = result.unreadable[0]
+        log.warning("mmdispatch.pipeline: source %r not probed: no sample readable here from "
+                    "%d shard(s) (first: %s: %s); the readers will report what they find",
+                    source, len(result.unreadable), url, why)
+
+
+__all__ = ["ProbeResult", "log_unprobed", "probe_source", "refusal"]

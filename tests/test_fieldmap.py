@@ -1,0 +1,132 @@
+"""FieldMap: defaults, strict from_dict/to_dict, and the reader classifying by it."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import tarfile
+
+import pytest
+
+from pipeline.fieldmap import KINDS, FieldMap, ignored_label
+from pipeline.reader import ReaderConfig, SampleBuilder, iter_shard
+from pipeline.errors import ErrorStats
+from pipeline.gendata import make_sample
+from pipeline.tokenize import ByteTokenizer
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_defaults_are_the_suffixes_read_before_the_field_map():
+    fm = FieldMap()
+    assert fm.image == ("jpg", "jpeg", "png", "webp", "gif")
+    assert fm.audio == ("wav", "flac", "mp3", "ogg")
+    assert fm.video == ("mp4", "mov", "webm", "mkv")
+    assert fm.text == ("txt", "text") and fm.conversation == ("json",)
+    assert ReaderConfig().fields == fm
+
+
+def test_round_trip_and_hashable_repr_stable():
+    fm = FieldMap.from_dict({"image": ["tif", ".PNG"], "text": ["caption"]})
+    assert fm.image == ("tif", "png") and fm.text == ("caption",)
+    assert fm.audio == FieldMap().audio  # kinds left out keep their defaults
+    assert FieldMap.from_dict(fm.to_dict()) == fm
+    assert list(fm.to_dict()) == list(KINDS)
+    assert hash(fm) == hash(FieldMap.from_dict(fm.to_dict()))
+    # The reader's builder cache keys on the config's repr: equal maps, equal reprs.
+    assert repr(ReaderConfig(fields=fm)) == repr(ReaderConfig(fields=FieldMap.from_dict(fm.to_dict())))
+    assert repr(ReaderConfig(fields=fm)) != repr(ReaderConfig())
+
+
+def test_an_explicit_kind_takes_an_extension_from_a_default_kind():
+    fm = FieldMap.from_dict({"text": ["txt", "json"]})
+    assert fm.text == ("txt", "json") and fm.conversation == ()
+    assert fm.classify("json") == ("text", "json")
+
+
+@pytest.mark.parametrize("data, words", [
+    ({"picture": ["png"]}, ["unknown kind 'picture'", "image, audio, video, text, conversation"]),
+    ({"image": ["png"], "text": ["png"]}, ["'png'", "image", "text"]),
+    ({"image": "png"}, ["image", "list of extensions"]),
+    ({"image": [3]}, ["image", "strings"]),
+    ({"audio": ["wav.gz"]}, ["'wav.gz'"]),
+    ({"text": ["gz"]}, ["'gz'"]),
+    (["image"], ["mapping"]),
+])
+def test_from_dict_refuses_with_a_line_naming_the_problem(data, words):
+    with pytest.raises(ValueError) as e:
+        FieldMap.from_dict(data)
+    message = str(e.value)
+    assert "\n" not in message
+    for w in words:
+        assert w in message
+
+
+def test_constructor_refuses_an_extension_in_two_kinds():
+    with pytest.raises(ValueError, match="'mp4' is mapped to both audio and video; map it once"):
+        FieldMap(audio=("wav", "mp4"))
+
+
+def test_classify_and_ignored_labels():
+    fm = FieldMap()
+    assert fm.classify("0.JPG") == ("image", "jpg")
+    assert fm.classify("txt.gz") == ("text", "txt")
+    assert fm.classify("json.gz") == ("conversation", "json")
+    assert fm.classify("jpg.gz") == (None, "jpg")  # compressed images are payload, not images
+    assert fm.classify("cls") == (None, "cls")
+    assert [ignored_label(s) for s in ("cls", "0.npy", "npy.gz", "")] == ["cls", "npy", "npy.gz", ""]
+
+
+def test_reader_classifies_by_the_field_map(tmp_path):
+    sample = make_sample(4, 0)  # some real image/audio/text members
+    image_suffix = next(s for s in sample if s in ("jpg", "png"))
+    members = [("k0.tif", sample[image_suffix]), ("k0.caption", b"a caption of some words"),
+               ("k0.cls", b"3"), ("k1.txt", b"plain text here"), ("k1.json", json.dumps({"text": "hi"}).encode())]
+    shard = write_tar(tmp_path / "a.tar", members)
+    default_stats = ErrorStats()
+    recs = list(iter_shard(shard, ReaderConfig(), stats=default_stats))
+    # Default map: tif, caption and cls unmapped, so k0 has nothing usable; k1 reads.
+    assert [r.key for r in recs] == ["k1"]
+    assert default_stats.by_reason == {"empty_sample": 1}
+    assert default_stats.ignored_members == {"tif": 1, "caption": 1, "cls": 1}
+
+    fm = FieldMap.from_dict({"image": ["tif"], "text": ["txt", "caption"], "conversation": []})
+    stats = ErrorStats()
+    recs = list(iter_shard(shard, ReaderConfig(fields=fm), stats=stats))
+    assert [r.key for r in recs] == ["k0", "k1"]
+    assert [it.member for it in recs[0].items] == ["tif"]
+    assert ByteTokenizer.decode(recs[0].tokens.ids) == "a caption of some words"
+    assert ByteTokenizer.decode(recs[1].tokens.ids) == "plain text here"  # json now ignored
+    assert stats.ignored_members == {"cls": 1, "json": 1}
+
+
+def test_a_conversation_member_under_any_suffix_is_parsed_as_json(tmp_path):
+    turns = {"conversations": [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 40}]}
+    fm = FieldMap.from_dict({"conversation": ["chat"]})
+    builder = SampleBuilder(ReaderConfig(fields=fm))
+    rec = builder.build("k", {"chat": json.dumps(turns).encode(), "chat.gz": gzip.compress(
+        json.dumps({"text": "zz"}).encode())}, "s", 0)
+    chat = ("<|im_start|>user\n" + "x" * 40 + "<|im_end|>\n<|im_start|>assistant\n" + "y" * 40
+            + "<|im_end|>\n")
+    assert ByteTokenizer.decode(rec.tokens.ids) == chat + "zz" and rec.text_len == len(chat) + 2
+    # The same bytes under a plain-text suffix are text, not a conversation.
+    plain = SampleBuilder(ReaderConfig()).build("k", {"txt": json.dumps(turns).encode()}, "s", 0)
+    assert ByteTokenizer.decode(plain.tokens.ids) == json.dumps(turns)
+
+
+def test_video_members_follow_the_field_map(tmp_path):
+    shard = write_tar(tmp_path / "v.tar", [("k.mp4", b"\0\0\0\x18ftypisom"), ("k.txt", b"words")])
+    stats = ErrorStats()
+    assert list(iter_shard(shard, ReaderConfig(), stats=stats)) == []  # a video, not a valid one
+    assert stats.by_reason == {"bad_video": 1} and stats.ignored_members == {}
+    stats = ErrorStats()
+    recs = list(iter_shard(shard, ReaderConfig(fields=FieldMap(video=())), stats=stats))
+    assert len(recs) == 1 and recs[0].items == [] and stats.ignored_members == {"mp4": 1}

@@ -1,0 +1,119 @@
+"""Zero-usable refusal: `probe_source` reads a bounded prefix, and `mmdispatch serve` refuses a
+dataset in which no probed sample has a member the field map uses, with one line."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+from pipeline.fieldmap import FieldMap
+from pipeline.probe import probe_source, refusal
+from pipeline.reader import ReaderConfig
+from tests.servicekit import kill, serve
+
+
+def write_tar(path, samples: int, suffixes: dict[str, bytes], *, start: int = 0) -> str:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(start, start + samples):
+            for suffix, data in suffixes.items():
+                info = tarfile.TarInfo(f"{i:06d}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+@pytest.fixture()
+def unusable(tmp_path) -> list[str]:
+    """Two shards whose samples hold only .cls and .npy members."""
+    return [write_tar(tmp_path / f"u{s}.tar", 20, {"cls": b"3", "npy": b"\x93NUMPY" + bytes(10)},
+                      start=20 * s) for s in range(2)]
+
+
+def test_probe_reads_a_bounded_prefix_and_reports_suffixes(unusable):
+    result = probe_source(unusable, ReaderConfig(), max_samples=30)
+    assert result.samples == 30 and result.usable == 0 and result.refused
+    assert result.shards == unusable  # 20 in the first, 10 in the second
+    assert result.suffixes == {"cls": 30, "npy": 30} and result.ignored == result.suffixes
+    line = refusal(result)
+    assert line is not None and "\n" not in line
+    assert line.startswith(f"source 'default' (shards {unusable[0]}, {unusable[1]}): no sample has a usable member")
+    assert "found suffixes cls, npy" in line and "field map in a dataset file" in line
+    assert ("(e.g. image: [cls] if the cls members are images; try it with "
+            "`mmdispatch inspect --map image=cls`)") in line
+
+
+def test_probe_stops_at_the_first_usable_sample(tmp_path, unusable):
+    usable = write_tar(tmp_path / "ok.tar", 5, {"txt": b"some words", "cls": b"1"})
+    result = probe_source([unusable[0], usable, unusable[1]], ReaderConfig(), max_samples=64)
+    assert result.usable == 1 and result.samples == 21 and not result.refused
+    assert result.shards == [unusable[0], usable] and refusal(result) is None
+
+
+def test_a_field_map_makes_the_same_shards_usable(unusable):
+    fm = FieldMap.from_dict({"text": ["txt", "cls"]})
+    result = probe_source(unusable, ReaderConfig(fields=fm))
+    assert result.usable == 1 and result.ignored == {"npy": 1}
+
+
+def test_unreadable_shards_are_not_refused(tmp_path):
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"\x01" * 2048)
+    result = probe_source([str(tmp_path / "missing.tar"), str(bad)], ReaderConfig())
+    assert result.samples == 0 and not result.refused and refusal(result) is None
+    assert [u for u, _ in result.unreadable] == [str(tmp_path / "missing.tar"), str(bad)]
+
+
+def test_refusal_suggests_a_kind_from_the_mime_type(tmp_path):
+    shard = write_tar(tmp_path / "tif.tar", 3, {"tif": b"II*\0", "cls": b"1"})
+    line = refusal(probe_source([shard], ReaderConfig()))
+    assert "found suffixes cls, tif" in line and "e.g. image: [tif]" in line
+
+
+@pytest.mark.timeout(90)
+def test_serve_refuses_a_dataset_without_usable_members(unusable):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", *unusable, "--world-size", "1",
+         "--global-batch", "4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "READY" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("mmdispatch serve: error: source 'default' (shards ")
+    assert unusable[0] in lines[0] and "found suffixes cls, npy" in lines[0]
+    assert "field map in a dataset file" in lines[0]
+
+
+@pytest.mark.timeout(90)
+def test_serve_starts_on_usable_shards_and_without_the_probe(tmp_path, unusable):
+    usable = write_tar(tmp_path / "ok.tar", 4, {"txt": b"some words", "cls": b"1"})
+    for shards, extra in (([usable, *unusable], []), (unusable, ["--probe-samples", "0"])):
+        proc, ready = serve(shards, world_size=1, extra=extra)
+        try:
+            assert ready["readers"].startswith("tcp://")
+        finally:
+            kill(proc)
+
+
+@pytest.mark.timeout(120)
+def test_serve_probes_each_dataset_source_with_its_field_map(tmp_path, unusable):
+    def dataset(fields: str) -> str:
+        path = tmp_path / "dataset.toml"
+        shards = ", ".join(f'"{u}"' for u in unusable)
+        path.write_text(f'[[sources]]\nname = "labels"\nshards = [{shards}]\n'
+                        f'[sources.fields]\n{fields}\n')
+        return str(path)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", dataset('text = ["txt"]'),
+         "--world-size", "1", "--global-batch", "4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "source 'labels' (shards " in proc.stderr and "found suffixes cls, npy" in proc.stderr
+    proc, ready = serve(dataset('text = ["txt", "cls"]'), world_size=1)
+    try:
+        assert ready["readers"].startswith("tcp://")
+    finally:
+        kill(proc)
