@@ -1,10 +1,13 @@
 """Run the whole product locally: data, dispatcher, readers and torchrun trainers, then a report.
 
-One command for a new user: generate a small synthetic multimodal dataset and its BPE
-tokenizer (once; readers tokenize with it, the trainers' vocabulary is its size), start the
-dispatcher, R readers and two torchrun "nodes" of G ranks each training the reference model
-with the in-model exchange, print one line per step, and finish with a summary table, a JSON
-report and a PNG figure. Every child runs in its own process group, so Ctrl-C stops them all.
+One command for a new user: generate a small synthetic dataset of three weighted sources
+(captions, speech with transcripts, conversations with images and short clips; a dataset file
+with their weights and field maps) and its BPE tokenizer (once; readers tokenize with it, the
+trainers' vocabulary is its size), start the dispatcher on the dataset file, R readers and two
+torchrun "nodes" of G ranks each training the reference model on real token ids, image and
+video patches and log-mel frames with the in-model exchange, print one line per step, and
+finish with the realized mixture, a summary table, a JSON report and a PNG figure. Every child
+runs in its own process group, so Ctrl-C stops them all.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ from pathlib import Path
 from mmdispatch import report
 from mmdispatch.serve import read_ready
 
-#: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches) and audio at
-#: 5 encoder frames/s, so the CPU reference model stays fast; the trainers take the same rules
-#: (their model inputs must have exactly the counted lengths).
-DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
+#: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches), video frames
+#: at 64*28*28 pixels and audio at 5 encoder frames/s, so the CPU reference model stays fast;
+#: the trainers take the same rules (their model inputs must have exactly the counted lengths).
+DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--video-max-pixels", str(64 * 28 * 28),
+                    "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", default="demo-data", help="dataset directory (generated if it has no shards)")
+    parser.add_argument("--data", default="demo-data",
+                        help="dataset directory (generated if it has no dataset.toml)")
     parser.add_argument("--samples", type=int, default=512, help="samples to generate")
     parser.add_argument("--shards", type=int, default=8, help="shards to generate")
     parser.add_argument("--steps", type=int, default=24, help="training steps")
@@ -113,14 +118,29 @@ def _inspect(shards: list[Path], reader_args: tuple[str, ...]) -> None:
     inspect.render(inspect.collect([str(s) for s in shards], config, show_progress=False), Console())
 
 
+def _mixture_line(summary: dict, dataset: Path) -> str:
+    """The realized share of each source beside its weight."""
+    from mmdispatch.dataset import load_dataset
+
+    sources, _ = load_dataset(str(dataset))
+    total = sum(s.weight for s in sources)
+    got = summary.get("sources", {})
+    return "realized mixture: " + ", ".join(
+        f"{s.name} {got.get(s.name, {}).get('share', 0.0):.1%} (weight {s.weight / total:.1%})"
+        for s in sources)
+
+
 def run(args: argparse.Namespace) -> int:
-    from pipeline.gendata import generate, write_tokenizer
+    from mmdispatch.dataset import load_dataset
+    from pipeline.gendata import generate_blend, write_tokenizer
 
     data = Path(args.data)
-    shards = sorted(data.glob("shard-*.tar"))
-    if not shards:
-        print(f"generating {args.samples} samples in {args.shards} shards into {data}/", flush=True)
-        shards = [Path(p) for p in generate(data, num_samples=args.samples, num_shards=args.shards, seed=args.seed)]
+    dataset = data / "dataset.toml"
+    if not dataset.exists():
+        print(f"generating {args.samples} samples of 3 sources in {args.shards} shards into {data}/",
+              flush=True)
+        generate_blend(str(data), num_samples=args.samples, num_shards=args.shards, seed=args.seed)
+    shards = [Path(u) for src in load_dataset(str(dataset))[0] for u in src.shards]
     tokenizer = data / "tokenizer.json"
     if not tokenizer.exists():
         write_tokenizer(str(data), [str(s) for s in shards])
@@ -133,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     kids = Children(out / "logs")
     try:
         dispatcher = kids.start("dispatcher", [
-            sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", *map(str, shards),
+            sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", str(dataset),
             "--world-size", str(world), "--ranks-per-node", str(args.ranks_per_node),
             "--global-batch", str(args.global_batch), "--num-microbatches", str(args.microbatches),
             "--seed", str(args.seed), "--max-epochs", "0", "--max-steps", str(args.steps), "--exit-when-done",
@@ -170,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     summary["figure"] = str(report.render_figure(records, out / "demo.png"))
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     report.print_table(summary)
+    print(_mixture_line(summary, dataset))
     print(f"report: {out}/report.json\nfigure: {summary['figure']}")
     return 0
 

@@ -184,3 +184,62 @@ def test_gen_data_blend_writes_three_sources_and_a_dataset_file_that_serves_them
     assert set(mixes["captions"]) == {"image+text"} and set(mixes["speech"]) == {"audio+text"}
     assert set(mixes["chat"]) == {"image+text", "video+text"}
     assert sum(map(sum, (m.values() for m in mixes.values()))) == 40
+
+
+def test_a_blend_of_real_media_reaches_trainers_as_tensors_of_exactly_the_planned_lengths(tmp_path):
+    """Three sources (captions, speech, conversations with images and clips), a trained BPE
+    tokenizer and its ChatML template, through a dispatcher and two readers to two ranks: every
+    text, image, video and audio tensor has exactly the planned length, conversations carry a
+    loss mask on their assistant tokens only, and every sample of an epoch arrives once."""
+    pytest.importorskip("torch")
+    pytest.importorskip("av")
+    from dispatcher_server.config import FlowConfig
+    from pipeline.counting import AudioConfig, CountingConfig, ImageConfig, TextConfig
+    from pipeline.gendata import generate_blend, write_tokenizer
+    from pipeline.preprocess import PreprocessConfig
+    from pipeline.reader import ReaderConfig, iter_samples
+    from pipeline.video import VideoConfig
+    from tests.test_service import consume, dispatcher, make_config, readers
+    from trainer_client.prefetch import prepare_item
+
+    dataset, paths = generate_blend(str(tmp_path), num_samples=36, num_shards=6, seed=4)
+    tokenizer = write_tokenizer(str(tmp_path), paths)
+    rules = dict(image=ImageConfig(max_pixels=224 * 224), audio=AudioConfig(encoder_frames_per_s=5,
+                                                                             llm_tokens_per_s=2.5),
+                 video=VideoConfig(max_pixels=64 * 28 * 28, min_pixels=64 * 28 * 28))
+    reader = ReaderConfig(counting=CountingConfig(text=TextConfig(tokenizer_path=tokenizer), **rules))
+    pre = PreprocessConfig(**rules)
+    sources, _ = load_dataset(dataset)
+    keys = {s.name: {r.key for r in iter_samples(s.shards, reader)} for s in sources}
+
+    def record(step):
+        seen = []
+        for mb in step.microbatches:
+            assert [t.numel() for t in mb.text_ids] == [m.numel() for m in mb.loss_mask] == mb.text_len.tolist()
+            for k, m in zip(mb.keys, mb.loss_mask):
+                if k in keys["chat"]:  # a conversation: targets are the assistant turns only
+                    assert 0 < int(m.sum()) < m.numel(), k
+                else:
+                    assert bool(m.all()), k
+            for phase, eb in mb.encoders.items():
+                for i, payload in enumerate(eb.payloads):
+                    arr = prepare_item(eb.modalities[i], payload, eb.meta[i], pre,
+                                       enc_len=int(eb.enc_len[i]), key=eb.sample_keys[i],
+                                       member=eb.members[i])
+                    assert arr.shape[0] == int(eb.enc_len[i])
+                    seen.append((phase, eb.modalities[i]))
+            seen += [("llm", k) for k in mb.keys]
+        return seen
+
+    config = make_config([], sources=sources, world_size=2, global_batch=6, max_epochs=1,
+                         shuffle_buffer=12, flow=FlowConfig(max_buffered_samples=256,
+                                                            num_inflight_shards=3, credit_batch=8))
+    with dispatcher(config) as srv, readers(srv.reader_endpoint, 2, reader=reader):
+        got = consume(srv.trainer_endpoint, 2, record=record)
+    seen = [x for steps in got.values() for step in steps for x in step]
+    assert {m for ph, m in seen if ph == "vision"} == {"image", "video"}
+    assert {m for ph, m in seen if ph == "audio"} == {"audio"}
+    delivered = Counter(k for ph, k in seen if ph == "llm")
+    assert max(delivered.values()) == 1
+    # The job ends when a source has been read once; the others are within one epoch.
+    assert any(set(delivered) >= ks for ks in keys.values())

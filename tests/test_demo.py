@@ -24,6 +24,10 @@ def test_demo_trains_reports_and_stops_everything(tmp_path):
     (run_dir,) = (tmp_path / "reports").iterdir()
     summary = json.loads((run_dir / "report.json").read_text())
     assert summary["num_steps"] == steps and summary["predicted_speedup_vs_random"] >= 1.0
+    # A dataset file of three weighted sources: the realized mixture is printed and reported.
+    assert set(summary["sources"]) == {"captions", "speech", "chat"}
+    assert sum(s["samples"] for s in summary["sources"].values()) == steps * 16
+    assert "realized mixture: captions" in out.stdout and "(weight 50.0%)" in out.stdout
     assert (run_dir / "demo.png").stat().st_size > 20_000
     # Every child was stopped: no process still runs from this run's folder.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
