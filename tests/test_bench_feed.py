@@ -36,6 +36,8 @@ def test_quick_run_prints_one_flat_json_object():
         v = res[f"pool_items_per_s_{kind}"]
         assert isinstance(v, float) and math.isfinite(v) and v > 0
     assert res["items"] > 0 and isinstance(res["targets"]["data_wait_fraction<=0.05"], bool)
+    # the blend's shares over windows of consecutive served samples follow the weights
+    assert 0.0 <= res["mixture_max_abs_err"] < 0.005 and res["targets"]["mixture_max_abs_err<=0.02"]
     # flat: a later field is one more key (bytes_per_sample and targets are the documented objects)
     assert {k for k, v in res.items() if isinstance(v, dict)} == {"bytes_per_sample", "targets"}
 
