@@ -303,6 +303,9 @@ def _feed(d: dict) -> list[str]:
            f"| payload bytes per sample, `--preprocess-on datanode` | {b['datanode']:,.0f} | |",
            f"| items preprocessed per s: 1 thread / 2 threads / 2 processes | {d['pool_items_per_s_inloop']:.0f} / "
            f"{d['pool_items_per_s_thread']:.0f} / {d['pool_items_per_s_process']:.0f} | |"]
+    if "mixture_max_abs_err" in d:
+        out.append(f"| blend: largest share - weight over 10,000-sample windows | "
+                   f"{d['mixture_max_abs_err']:.6f} | <= 0.02 |")
     return out + ["", d["config"] + "."]
 
 
