@@ -227,3 +227,19 @@ def test_trainer_refuses_ids_outside_its_vocabulary():
     with pytest.raises(ValueError, match="'k-wide': token id 300 is outside the model's vocabulary of 256"):
         ItemInputs(mb, byte_model).text(0)
     assert torch.is_tensor(wide.mask(0))
+
+
+def test_the_direct_chatml_cut_equals_the_rendered_one():
+    import random
+
+    from pipeline.tokenize import CHATML, ChatTemplate
+
+    template = ChatTemplate(CHATML, name="chatml")
+    assert template.chatml
+    rng = random.Random(0)
+    for _ in range(200):
+        turns = [{"role": rng.choice(["system", "user", "assistant", "tool"]),
+                  "content": "".join(rng.choice("ab <|>\n{}%é") for _ in range(rng.randint(0, 12)))}
+                 for _ in range(rng.randint(1, 7))]
+        assert template.segments(turns) == template.rendered_segments(turns)
+        assert "".join(t for t, _ in template.segments(turns)) == template.render(turns)
