@@ -107,7 +107,7 @@ def reader_main(endpoint: str, seed: int, stop_at: float) -> None:
             for i in range(w[1], w[1] + n):
                 text, llm, items = pool[k % len(pool)]
                 k += 1
-                headers.append([f"{aid}-{i}", i, text, llm, bytes(P.TOKEN_BYTES * text), items])
+                headers.append([f"{aid}-{i}", i, text, llm, P.blank_tokens(text), items])
                 refs.extend([w[3]] * len(items))
             send(P.SAMPLES, frames=[b"".join(refs)], assign_id=aid, samples=headers,
                  sizes=[len(r) for r in refs])

@@ -30,7 +30,7 @@ class Sample:
     index: int  # raw index in its shard
     text_len: int
     llm_len: int
-    tokens: bytes  # text token ids and loss mask, as the reader sent them (protocol.TOKEN_BYTES)
+    tokens: bytes  # text token ids and loss mask, as the reader sent them (protocol.TOKEN_WIDTHS)
     items: list  # ItemHeader per item
     payloads: list  # one buffer per item
     nbytes: int

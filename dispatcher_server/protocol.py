@@ -23,7 +23,7 @@ import msgpack
 #: v3: WELCOME says the session's payload mode; in `reference` mode payloads are references.
 #: v4: skipped samples travel with SAMPLES as they happen, as (key, reason, index) records;
 #:     HELLO/WELCOME carry the dataset fingerprint; END also tells readers the job is done.
-#: v5: text travels as token ids plus loss mask (`tokens`, see TOKEN_BYTES), not raw text.
+#: v5: text travels as token ids plus loss mask (`tokens`, see TOKEN_WIDTHS), not raw text.
 VERSION = 5
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -240,7 +240,7 @@ class SampleHeader(NamedTuple):
     index: int  # raw index in its shard
     text_len: int
     llm_len: int
-    tokens: bytes  # text_len int32 LE token ids, then text_len loss-mask bytes (TOKEN_BYTES each)
+    tokens: bytes  # text_len token ids and their loss mask (see TOKEN_WIDTHS)
     items: list  # of ItemHeader
 
 
@@ -254,15 +254,43 @@ class SkipRecord(NamedTuple):
 
 
 SAMPLE_FIELDS = SampleHeader._fields
-#: Wire bytes per text token: a little-endian int32 id plus one loss-mask byte (1: a target).
-TOKEN_BYTES = 5
+#: A sample's text on the wire (`tokens`): no bytes for no text; else one byte w, the narrowest
+#: width in TOKEN_WIDTHS that holds its largest id, then its ids as w-byte little-endian integers,
+#: then its loss mask as bits (1: a target), least significant bit first, ceil(n/8) bytes. Byte-
+#: level ids cost 1.125 bytes a token, a vocabulary up to 65,536 ids 2.125.
+TOKEN_WIDTHS = (1, 2, 4)
+_WIDTH_SET = frozenset(TOKEN_WIDTHS)
 
 
-def split_tokens(tokens: bytes | memoryview) -> tuple[memoryview, memoryview]:
-    """(ids bytes, mask bytes) of a sample's `tokens` (views; the length was checked on decode)."""
+def tokens_size(n: int, width: int) -> int:
+    """Bytes of `n` tokens of `width`-byte ids on the wire."""
+    return 1 + width * n + (n + 7) // 8 if n else 0
+
+
+def tokens_ok(tokens: bytes | memoryview, n: int) -> bool:
+    """Whether `tokens` is a well-formed wire form of exactly `n` tokens."""
+    if not n:
+        return len(tokens) == 0
+    return len(tokens) > 0 and tokens[0] in _WIDTH_SET and len(tokens) == tokens_size(n, tokens[0])
+
+
+def blank_tokens(n: int, width: int = 1) -> bytes:
+    """The wire form of `n` tokens of id 0, all targets (for tests and synthetic headers)."""
+    if not n:
+        return b""
+    full, rest = divmod(n, 8)
+    return bytes([width]) + bytes(width * n) + b"\xff" * full + (bytes([(1 << rest) - 1]) if rest else b"")
+
+
+def split_tokens(tokens: bytes | memoryview, n: int) -> tuple[int, memoryview, memoryview]:
+    """(width, ids bytes, mask bits) of a sample's `tokens` of `n` tokens (checked on decode)."""
     view = memoryview(tokens)
-    n = len(view) // TOKEN_BYTES
-    return view[:4 * n], view[4 * n:]
+    if not n:
+        return 1, view[:0], view[:0]
+    width = view[0]
+    return width, view[1:1 + width * n], view[1 + width * n:]
+
+
 ITEM_FIELDS = ItemHeader._fields
 
 
@@ -275,7 +303,9 @@ def _check_samples(fields: dict, payloads: list) -> None:
     for s in fields["samples"]:
         if (type(s) is not list or len(s) != 6 or type(s[0]) is not str or type(s[1]) is not int
                 or type(s[2]) is not int or type(s[3]) is not int or type(s[4]) is not bytes
-                or type(s[5]) is not list or len(s[4]) != TOKEN_BYTES * s[2]):
+                or type(s[5]) is not list
+                or len(s[4]) != ((1 + s[4][0] * s[2] + (s[2] + 7) // 8) if s[2] > 0 and s[4]
+                                 and s[4][0] in _WIDTH_SET else (0 if s[2] == 0 else -1))):
             raise ProtocolError("malformed sample header")
         items = s[5]
         for k, it in enumerate(items):
@@ -406,8 +436,9 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: negative counts")
         if len(mb["keys"]) != len(mb["tokens"]) or not all(isinstance(k, str) for k in mb["keys"]):
             raise ProtocolError("step: keys and tokens disagree")
-        if not all(isinstance(t, bytes) and len(t) % TOKEN_BYTES == 0 for t in mb["tokens"]):
-            raise ProtocolError(f"step: tokens must be bytes, {TOKEN_BYTES} per token")
+        if not all(isinstance(t, bytes) and (not t or t[0] in _WIDTH_SET) for t in mb["tokens"]):
+            raise ProtocolError("step: tokens must be bytes, empty or led by a width of "
+                                f"{'/'.join(map(str, TOKEN_WIDTHS))}")
         if len(mb["items"]) != mb["payloads"]:
             raise ProtocolError("step: item headers and payload count disagree")
         mb["items"] = [StepItemHeader(*_list_of(it, 4, (str, str, str, dict), "step item header"))

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from dispatcher_server.protocol import TOKEN_BYTES
+from dispatcher_server.protocol import split_tokens, tokens_ok
 
 #: Ids of the byte-level tokenizer: one per byte value.
 BYTE_VOCAB_SIZE = 256
@@ -99,8 +99,8 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 class TextTokens:
     """A sample's text as ids plus its loss mask (1: a training target, 0: context only).
 
-    On the wire (`SampleHeader.tokens`): the ids as little-endian int32, then the mask as one
-    byte per id (`protocol.TOKEN_BYTES` bytes a token).
+    On the wire (`SampleHeader.tokens`): the ids at the narrowest width that holds them (1, 2 or
+    4 bytes), then the mask as bits (`protocol.TOKEN_WIDTHS`).
     """
 
     ids: np.ndarray  # int32[n]
@@ -127,16 +127,23 @@ class TextTokens:
         return TextTokens(np.concatenate([p.ids for p in parts]), np.concatenate([p.mask for p in parts]))
 
     def to_wire(self) -> bytes:
-        return self.ids.astype("<i4").tobytes() + self.mask.astype(np.uint8).tobytes()
+        n = len(self.ids)
+        if not n:
+            return b""
+        top = int(self.ids.max())
+        width, dtype = (1, "<u1") if top < 1 << 8 else (2, "<u2") if top < 1 << 16 else (4, "<i4")
+        bits = np.packbits(self.mask.astype(bool), bitorder="little")
+        return bytes([width]) + self.ids.astype(dtype).tobytes() + bits.tobytes()
 
     @staticmethod
-    def from_wire(data: bytes | memoryview) -> TextTokens:
-        n, rest = divmod(len(data), TOKEN_BYTES)
-        if rest:
-            raise ValueError(f"{len(data)} token bytes are not {TOKEN_BYTES} per token")
-        return TextTokens(np.frombuffer(data, "<i4", n).astype(np.int32),
-                          np.frombuffer(data, np.uint8, n, offset=4 * n).copy())
-
+    def from_wire(data: bytes | memoryview, n: int) -> TextTokens:
+        """The `n` tokens of a wire form (ValueError if it does not hold exactly `n`)."""
+        if not tokens_ok(data, n):
+            raise ValueError(f"{len(data)} token bytes are not a wire form of {n} tokens")
+        width, ids, bits = split_tokens(data, n)
+        dtype = {1: "<u1", 2: "<u2", 4: "<i4"}[width]
+        return TextTokens(np.frombuffer(ids, dtype).astype(np.int32),
+                          np.unpackbits(np.frombuffer(bits, np.uint8), count=n, bitorder="little"))
 
 
 def _raise(message: str) -> None:

@@ -19,8 +19,10 @@ from trainer_client.client import DispatcherClient, DispatcherDataset, decode_st
 
 def _tokens(i: int, n: int) -> bytes:
     """Sample i's text as the wire carries it: ids 1000*i + j, then a mask of 1 on odd j."""
-    ids = np.arange(n, dtype="<i4") + 1000 * i
-    return ids.tobytes() + (np.arange(n) % 2).astype(np.uint8).tobytes()
+    from pipeline.tokenize import TextTokens
+
+    return TextTokens(np.arange(n, dtype=np.int32) + 1000 * i,
+                      (np.arange(n) % 2).astype(np.uint8)).to_wire()
 
 
 def _samples(n: int = 10) -> list[Sample]:

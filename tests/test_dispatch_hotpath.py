@@ -42,7 +42,7 @@ def _corpus(rng: random.Random, num_shards: int, epochs: int) -> dict[int, list[
 
 
 def _message(dispatcher: Dispatcher, assign_id: int, samples: list[dict], coalesced: bool):
-    headers = [[s["key"], s["index"], s["text_len"], s["llm_len"], bytes(P.TOKEN_BYTES * s["text_len"]), s["items"]]
+    headers = [[s["key"], s["index"], s["text_len"], s["llm_len"], P.blank_tokens(s["text_len"]), s["items"]]
                for s in samples]
     payloads = [p for s in samples for p in s["payloads"]]
     if coalesced:
@@ -199,7 +199,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [bytes([i]) * 1000]}
                    for i in range(4)]
         d._on_samples(reader, _message(d, a.id, samples, True))
-        samples_bytes = 4 * (P.TOKEN_BYTES * 5 + 1000)  # text tokens + payload
+        samples_bytes = 4 * (P.tokens_size(5, 1) + 1000)  # text tokens + payload
         assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
         d.delivery.connect(slot, b"t")

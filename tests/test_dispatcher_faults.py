@@ -26,7 +26,7 @@ from dispatcher_server.server import Dispatcher, Fatal
 
 
 def _header(key: str, index: int, llm: int = 9) -> P.SampleHeader:
-    return P.SampleHeader(key, index, llm - 4, llm, bytes(P.TOKEN_BYTES * (llm - 4)),
+    return P.SampleHeader(key, index, llm - 4, llm, P.blank_tokens(llm - 4),
                           [P.ItemHeader("image", "jpg", 16, 4, {})])
 
 

@@ -244,7 +244,7 @@ def _steps(records: list[SampleRecord], per_step: int = 6, world_size: int = 1, 
     steps = []
     for s in range(0, len(records), per_step):
         samples = [Sample(key=r.key, pos=0, index=r.index, text_len=r.text_len, llm_len=r.llm_len,
-                          tokens=b"\x01\x00\x00\x00" * r.text_len + b"\x01" * r.text_len,
+                          tokens=P.blank_tokens(r.text_len),
                           items=[P.ItemHeader(it.modality, it.member, it.enc_len, it.llm_len,
                                                          dict(it.meta)) for it in r.items],
                           payloads=[memoryview(r.members[it.member]).cast("B") for it in r.items],

@@ -22,7 +22,7 @@ def _raw(header: dict, *frames) -> list:
 
 def test_round_trip_keeps_fields_and_payloads_without_copies():
     payload = bytearray(b"\x00\x01jpegbytes" * 100)
-    tokens = bytes(range(40)) + b"\x01" * 10  # 10 int32 ids, then 10 mask bytes
+    tokens = b"\x02" + bytes(range(20)) + b"\xff\x02"  # width 2, 10 ids, then 10 mask bits
     sample = ["k1", 3, 10, 74, tokens, [["image", "jpg", 256, 64, {"width": 32}]]]
     frames = P.encode(P.SAMPLES, seq=7, frames=[payload], assign_id=2, samples=[sample])
     msg = P.decode(frames)
@@ -31,8 +31,8 @@ def test_round_trip_keeps_fields_and_payloads_without_copies():
     (got,) = msg["samples"]
     assert isinstance(got, P.SampleHeader) and isinstance(got.items[0], P.ItemHeader)
     assert (got.key, got.index, got.text_len, got.llm_len, got.tokens) == ("k1", 3, 10, 74, tokens)
-    ids, mask = P.split_tokens(got.tokens)
-    assert (bytes(ids), bytes(mask)) == (tokens[:40], tokens[40:])
+    width, ids, mask = P.split_tokens(got.tokens, 10)
+    assert (width, bytes(ids), bytes(mask)) == (2, tokens[1:21], tokens[21:])
     assert got.items[0] == P.ItemHeader("image", "jpg", 256, 64, {"width": 32})
     assert [list(got[:5]) + [[list(it) for it in got.items]]] == [sample]
     assert bytes(msg.frames[0]) == bytes(payload)
@@ -43,9 +43,9 @@ def test_round_trip_keeps_fields_and_payloads_without_copies():
 def test_coalesced_samples_slice_one_frame_without_copies():
     members = [b"\x89PNG" * 10, b"", b"RIFFwave" * 7]
     frame = bytearray(b"".join(members))
-    samples = [["k1", 0, 3, 13, b"a" * 15, [["image", "png", 40, 10, {}]]],
-               ["k2", 1, 2, 2, b"b" * 10, []],
-               ["k3", 2, 1, 9, b"c" * 5, [["image", "jpg", 4, 1, {}], ["audio", "wav", 32, 7, {}]]]]
+    samples = [["k1", 0, 3, 13, P.blank_tokens(3), [["image", "png", 40, 10, {}]]],
+               ["k2", 1, 2, 2, P.blank_tokens(2, 2), []],
+               ["k3", 2, 1, 9, P.blank_tokens(1, 4), [["image", "jpg", 4, 1, {}], ["audio", "wav", 32, 7, {}]]]]
     msg = P.decode(P.encode(P.SAMPLES, frames=[frame], assign_id=1, samples=samples,
                             sizes=[len(m) for m in members]))
     views = P.split_payload(msg.frames[0], msg["sizes"])
@@ -61,7 +61,7 @@ def test_coalesced_samples_slice_one_frame_without_copies():
     ([3, 4], [b"abc", b"defg"]),  # coalesced means exactly one frame
 ])
 def test_coalesced_samples_with_wrong_sizes_are_malformed(sizes, frames):
-    samples = [["k", 0, 1, 3, b"t" * P.TOKEN_BYTES, [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
+    samples = [["k", 0, 1, 3, P.blank_tokens(1), [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
     with pytest.raises(P.ProtocolError) as info:
         P.decode(P.encode(P.SAMPLES, frames=frames, assign_id=1, samples=samples, sizes=sizes))
     assert info.value.code == "malformed"

@@ -128,7 +128,7 @@ def test_reference_outside_the_assigned_shard_is_refused(shards, tmp_path):
             assign = _wait_for(sock, P.SHARD_ASSIGN)
             _wait_for(sock, P.CREDIT)
             ref = P.pack_ref(str(secret).encode(), 0, 17)
-            header = ["k0", 0, 1, 1 + 4, b"x" * P.TOKEN_BYTES, [["image", "jpg", 16, 4, {}]]]
+            header = ["k0", 0, 1, 1 + 4, P.blank_tokens(1), [["image", "jpg", 16, 4, {}]]]
             sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[ref],
                                          assign_id=assign["assign_id"], samples=[header],
                                          sizes=[len(ref)]))

@@ -48,7 +48,7 @@ def _step_frames() -> list[bytes]:
         text_len = int(rng.integers(1, 30))
         samples.append(Sample(key=f"k{i}", pos=0, index=i, text_len=text_len,
                               llm_len=text_len + items[0].llm_len,
-                              tokens=bytes(P.TOKEN_BYTES * text_len), items=items,
+                              tokens=P.blank_tokens(text_len), items=items,
                               payloads=payloads, nbytes=20))
     batch = build_batch(samples)
     plan = plan_step(batch.inputs, Topology(world_size=2, ranks_per_node=1),
@@ -228,7 +228,7 @@ def _rogue(endpoint: str, stop: threading.Event, sent: dict, seed: int) -> None:
                         P.encode(P.COMMIT, step=rng.randint(0, 10**6)),
                         P.encode(P.CREDIT, upto=10**9, received=10**9),
                         P.encode(P.SAMPLES, frames=[b"x"], assign_id=1,
-                                 samples=[["evil", 0, 1, 2, b"\0" * P.TOKEN_BYTES, [["image", "j", 1, 1, {}]]]]),
+                                 samples=[["evil", 0, 1, 2, P.blank_tokens(1), [["image", "j", 1, 1, {}]]]]),
                         P.encode(P.SHARD_DONE, assign_id=1, count=0, skipped=[])]))
                 else:
                     send("malformed", [hdr(type=P.COMMIT, step="zero")])
@@ -338,7 +338,7 @@ def test_curve_refuses_unlisted_peers_on_both_endpoints(shards, tmp_path):
     inject = [P.encode(P.HELLO, seq=1, role="reader", name="intruder"),
               P.encode(P.SHARD_REQUEST, seq=2),
               P.encode(P.SAMPLES, frames=[b"x"], assign_id=1,
-                       samples=[["evil", 0, 1, 2, b"\0" * P.TOKEN_BYTES, [["image", "j", 1, 1, {}]]]])]
+                       samples=[["evil", 0, 1, 2, P.blank_tokens(1), [["image", "j", 1, 1, {}]]]])]
     hello_trainer = [P.encode(P.HELLO, seq=1, role="trainer", rank=0, world_size=1)]
     with dispatcher(cfg) as srv:
         intruder = (*pub["intruder"], pub["server"][0])

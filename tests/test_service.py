@@ -364,8 +364,8 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
             sock.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
             assign = recv(sock, P.SHARD_ASSIGN)
             recv(sock, P.CREDIT)
-            bad = [["k-smell", 0, 1, 5, b"t" * P.TOKEN_BYTES, [["smell", "nose", 3, 4, {}]]],
-                   ["k-len", 1, 1, 99, b"t" * P.TOKEN_BYTES, []]]
+            bad = [["k-smell", 0, 1, 5, P.blank_tokens(1), [["smell", "nose", 3, 4, {}]]],
+                   ["k-len", 1, 1, 99, P.blank_tokens(1), []]]
             sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[b"x"], assign_id=assign["assign_id"],
                                          samples=bad))
             sock.send_multipart(P.encode(P.BYE, seq=4))

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from dispatcher_server import protocol as P
 from pipeline.counting import CountError, Counter, CountingConfig, TextConfig
 from pipeline.gendata import TOKENIZER_VOCAB_SIZE, generate, write_tokenizer
 from pipeline.inspect import collect
@@ -130,10 +131,23 @@ def test_bad_template_settings_are_one_line_errors(tmp_path):
 
 def test_wire_form_round_trips():
     tokens = TextTokens(np.array([0, 511, 2**31 - 1], np.int32), np.array([1, 0, 1], np.uint8))
-    wire = tokens.to_wire()
-    assert len(wire) == 15 and wire[:4] == (0).to_bytes(4, "little") and wire[12:] == b"\x01\x00\x01"
-    back = TextTokens.from_wire(wire)
+    wire = tokens.to_wire()  # the narrowest width that holds the largest id: 4 bytes here
+    assert len(wire) == 1 + 12 + 1 and wire[0] == 4 and wire[1:5] == bytes(4) and wire[13:] == b"\x05"
+    back = TextTokens.from_wire(wire, 3)
     assert back.ids.tolist() == tokens.ids.tolist() and back.mask.tolist() == tokens.mask.tolist()
+    # Byte-level ids take one byte each, ids under 65,536 two; the mask one bit a token.
+    for top, width in ((255, 1), (256, 2), (65535, 2), (65536, 4)):
+        ids = np.arange(17, dtype=np.int32) * 0 + top
+        mask = (np.arange(17) % 3 == 0).astype(np.uint8)
+        w = TextTokens(ids, mask).to_wire()
+        assert w[0] == width and len(w) == P.tokens_size(17, width) == 1 + 17 * width + 3
+        back = TextTokens.from_wire(w, 17)
+        assert back.ids.tolist() == ids.tolist() and back.mask.tolist() == mask.tolist()
+    assert TextTokens.empty().to_wire() == b"" and len(TextTokens.from_wire(b"", 0)) == 0
+    for bad, n in ((wire, 4), (b"\x03" + wire[1:], 3), (wire[:-1], 3), (b"", 1), (b"\x01", 0)):
+        assert not P.tokens_ok(bad, n)
+        with pytest.raises(ValueError, match="wire form"):
+            TextTokens.from_wire(bad, n)
 
 
 def test_reader_samples_carry_exactly_text_len_ids(data):

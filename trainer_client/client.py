@@ -207,12 +207,14 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
     sample's token count is not its planned text length."""
     ids, masks = [], []
     for data, n in zip(tokens, text_len):
-        if len(data) != P.TOKEN_BYTES * n:
-            raise P.ProtocolError(f"step: a sample carries {len(data) // P.TOKEN_BYTES} text tokens "
-                                  f"but the plan has {n}")
-        raw_ids, raw_mask = P.split_tokens(data)
-        ids.append(torch.from_numpy(np.frombuffer(raw_ids, "<i4").astype(np.int32)))
-        masks.append(torch.from_numpy(np.frombuffer(raw_mask, np.uint8) != 0))
+        if not P.tokens_ok(data, n):
+            raise P.ProtocolError(f"step: a sample's {len(data)} token bytes are not the wire form "
+                                  f"of its planned {n} text tokens")
+        width, raw_ids, bits = P.split_tokens(data, n)
+        dtype = {1: "<u1", 2: "<u2", 4: "<i4"}[width]
+        ids.append(torch.from_numpy(np.frombuffer(raw_ids, dtype).astype(np.int32)))
+        masks.append(torch.from_numpy(np.unpackbits(np.frombuffer(bits, np.uint8), count=n,
+                                                    bitorder="little").astype(bool)))
     return ids, masks
 
 
