@@ -193,9 +193,12 @@ class Dispatcher:
                 or (max_steps is not None and self.next_plan >= max_steps))
 
     def done(self) -> bool:
-        """The stream ended, every rank was told so and acknowledged its last step. (END queued
-        is not enough: a server exiting then drops what a slow rank has not yet read.)"""
-        return self.finished() and self.delivery.all_received()
+        """The stream ended, every rank was told so, acknowledged its last step and left (BYE,
+        or silence past the timeout). END queued is not enough: a server exiting then drops
+        what a slow rank has not yet read; nor is the last step received: a rank still training
+        on its prefetched steps commits them later, and the commit must find the dispatcher."""
+        return (self.finished() and self.delivery.all_received()
+                and self.delivery.connected() == 0)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()

@@ -210,7 +210,7 @@ def _follow(kids: Children, steps_log: Path, train_log: Path, args: argparse.Nam
             for rec in recs:
                 if rec["kind"] == "plan":
                     plans[rec["step"]] = rec
-                elif rec["step"] in plans:
+                elif rec["kind"] == "train" and rec["step"] in plans:
                     print(_step_line(plans[rec["step"]], rec), flush=True)
                     printed += 1
         if kids.failed():

@@ -315,7 +315,7 @@ def test_without_a_journal_only_cursors_from_the_last_commit_on_are_kept():
         d._close()
 
 
-def test_the_stream_is_done_only_once_every_rank_has_its_last_step():
+def test_the_stream_is_done_only_once_every_rank_has_its_last_step_and_left():
     """`--exit-when-done` leaves after done(): END queued behind steps a rank has not read yet
     must not count (the exit dropped them, and the rank reconnected to nobody until its step
     timeout: seen in bench.stream)."""
@@ -333,6 +333,12 @@ def test_the_stream_is_done_only_once_every_rank_has_its_last_step():
         d._on_trainer(slot.ident, P.decode(P.encode(P.CREDIT, upto=12, received=1)), 0.0)
         assert not d.done()
         d._on_trainer(slot.ident, P.decode(P.encode(P.CREDIT, upto=12, received=2)), 0.0)
+        # Every step received, but the rank may still be training on them and commit later (the
+        # demo's trainers did, to a dispatcher already gone): done once it has left.
+        assert not d.done()
+        d._on_trainer(slot.ident, P.decode(P.encode(P.COMMIT, step=1)), 0.0)
+        assert d.replay.committed == 1 and not d.done()
+        d._on_trainer(slot.ident, P.decode(P.encode(P.BYE)), 0.0)
         assert d.done()
     finally:
         d._close()
