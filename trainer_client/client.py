@@ -202,19 +202,37 @@ def _plan_tensors(plan: RankMicrobatch) -> dict[str, torch.Tensor]:
     return out
 
 
+#: numpy dtype of each token id width on the wire (protocol.TOKEN_WIDTHS)
+_ID_DTYPES = {1: "<u1", 2: "<u2", 4: "<i4"}
+
+
 def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sample (int32 ids, bool loss mask) from the wire's `tokens`; ProtocolError when a
-    sample's token count is not its planned text length."""
-    ids, masks = [], []
-    for data, n in zip(tokens, text_len):
+    sample's token count is not its planned text length.
+
+    Decoded for the whole micro-batch at once (one array per id width, one for the masks) and
+    split into per-sample views: per-sample numpy and torch calls cost the trainer ~10 us a
+    sample, more than the rest of a step's decoding.
+    """
+    lengths = [int(n) for n in text_len]
+    groups: dict[int, list] = {}
+    bits: list = []
+    for k, (data, n) in enumerate(zip(tokens, lengths)):
         if not P.tokens_ok(data, n):
             raise P.ProtocolError(f"step: a sample's {len(data)} token bytes are not the wire form "
                                   f"of its planned {n} text tokens")
-        width, raw_ids, bits = P.split_tokens(data, n)
-        dtype = {1: "<u1", 2: "<u2", 4: "<i4"}[width]
-        ids.append(torch.from_numpy(np.frombuffer(raw_ids, dtype).astype(np.int32)))
-        masks.append(torch.from_numpy(np.unpackbits(np.frombuffer(bits, np.uint8), count=n,
-                                                    bitorder="little").astype(bool)))
+        width, raw_ids, raw_bits = P.split_tokens(data, n)
+        groups.setdefault(width, []).append((k, raw_ids, n))
+        bits.append(raw_bits)
+    ids: list = [None] * len(lengths)
+    for width, group in groups.items():
+        flat = np.frombuffer(b"".join(raw for _, raw, _ in group), _ID_DTYPES[width]).astype(np.int32)
+        for (k, _, _), t in zip(group, torch.from_numpy(flat).split([n for _, _, n in group])):
+            ids[k] = t
+    # Each sample's mask bits start on a byte boundary: unpacked per sample, joined, split once.
+    flat_mask = np.concatenate([np.unpackbits(np.frombuffer(b, np.uint8), count=n, bitorder="little")
+                                for b, n in zip(bits, lengths)]) if lengths else np.zeros(0, np.uint8)
+    masks = list(torch.from_numpy(flat_mask.astype(bool)).split(lengths))
     return ids, masks
 
 
