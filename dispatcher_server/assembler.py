@@ -379,7 +379,10 @@ class StepAssembler:
         return self.stream_of(pos).name
 
     def heads(self) -> set[int]:
-        return {st.head for st in self.streams}
+        """The positions the order waits on: credit control lets these have samples even past
+        the memory bounds, or the stream would stall. A source emitting a complete shuffle block
+        waits on nothing: the next block it prefills takes credits within the bounds."""
+        return {st.head for st in self.streams if st.block_size <= 1 or st.perm is None}
 
     # -- the window --------------------------------------------------------------------
     @property

@@ -210,3 +210,21 @@ def test_bench_mixture_measures_the_served_sequence_against_the_weights():
     seq, weights = realized_sources(20_000, shuffle=200, global_batch=64)
     assert len(seq) == 20_000 and set(seq) == {0, 1, 2}
     assert max_abs_err(seq, weights, 2_000) < 0.005
+
+
+def test_a_source_emitting_a_complete_block_is_not_a_head_that_may_pass_the_memory_bounds():
+    """Credit control lets the positions the order waits on have samples past the bounds. A
+    source emitting a complete block waits on nothing: prefilling its next block must stay
+    within the bounds (the slow-trainer stream went 20 MB over while it did not)."""
+    src = {"one": {"/one/a.tar": [f"a-{j}" for j in range(20)], "/one/b.tar": [f"b-{j}" for j in range(20)]}}
+    a = _assembler(src, [1.0], shuffle=8, global_batch=4)
+    a.open_window()
+    assert a.heads() == {0}  # the first block fills from position 0
+    a.receive(0, [P.SampleHeader(f"a-{j}", j, 5, 5, b"", []) for j in range(12)], [], [])
+    a.fill()
+    assert a.step_ready() and a.streams[0].perm is not None
+    assert a.heads() == set()
+    while a.step_ready():
+        a.take_step()
+        a.fill()
+    assert a.streams[0].perm is None and a.heads() == {0}  # emitted: the next block needs pos 0
