@@ -25,12 +25,12 @@ kind names are counted by suffix, never silently dropped.
 from __future__ import annotations
 
 import os
-import tomllib
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from dispatcher_server.config import Source
+from mmdispatch.settings import TOML_TYPES, read_toml
 from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
 from pipeline.shards import expand_shards
 
@@ -67,9 +67,6 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used; the message is one line naming file, key and fix."""
 
 
-_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
-               list: "an array", dict: "a table"}
-
 
 def _describe(error: dict, path: str) -> str:
     loc = []
@@ -87,22 +84,14 @@ def _describe(error: dict, path: str) -> str:
     if error["type"] == "missing":
         return f"{path}: {where}: missing (required)"
     expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
-    got = _TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
+    got = TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
     return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
 
 
 def load_dataset(path: str) -> tuple[list[Source], int | None]:
     """The sources a dataset file names (shard specs expanded) and its shuffle buffer, if set.
     DatasetError (one line) for a file that cannot be used."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise DatasetError(f"dataset file {path!r} does not exist") from None
-    except OSError as e:
-        raise DatasetError(f"dataset file {path!r} cannot be read: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise DatasetError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path, "dataset", DatasetError)
     try:
         model = DatasetModel.model_validate(data)
     except ValidationError as e:

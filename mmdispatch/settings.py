@@ -86,7 +86,7 @@ def schema() -> type[BaseModel]:
     return create_model("Settings", __config__=ConfigDict(extra="forbid", strict=True), **tables)
 
 
-_TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
+TOML_TYPES = {str: "a string", int: "an integer", float: "a float", bool: "a boolean",
                list: "an array", dict: "a table"}
 
 
@@ -102,21 +102,27 @@ def _describe(error: dict, path: str) -> str:
                 else f"the keys of [{loc[0]}] are its options' names, see docs/configuration.md")
         return f"{path}: {where}: unknown setting ({hint})"
     expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
-    got = _TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
+    got = TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
     return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
+
+
+def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
+    """The contents of the TOML file `path` (a `what` file: "config", "dataset"); `error`, one
+    line naming the file, when it is missing, unreadable or not TOML."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise error(f"{what} file {path!r} does not exist") from None
+    except OSError as e:
+        raise error(f"{what} file {path!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{path}: not valid TOML ({e})") from None
 
 
 def load(path: str) -> dict[str, dict]:
     """The settings a file holds, per table, validated; ConfigError naming the first problem."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    data = read_toml(path, "config", ConfigError)
     try:
         settings = schema().model_validate(data)
     except ValidationError as e:
