@@ -243,3 +243,24 @@ def test_a_blend_of_real_media_reaches_trainers_as_tensors_of_exactly_the_planne
     assert max(delivered.values()) == 1
     # The job ends when a source has been read once; the others are within one epoch.
     assert any(set(delivered) >= ks for ks in keys.values())
+
+
+def test_serve_takes_the_dataset_file_s_shuffle_buffer_unless_the_user_sets_one(tmp_path):
+    import argparse
+
+    from mmdispatch import serve
+
+    (tmp_path / "a.tar").write_bytes(b"")
+    path = _write(tmp_path, 'shuffle_buffer = 300\n[[sources]]\nname = "a"\nshards = "a.tar"\n'
+                            '[sources.fields]\nimage = ["png"]\n')
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    base = ["--dataset", path, "--world-size", "2", "--global-batch", "8"]
+    config = serve.build_config(serve.resolve(parser.parse_args(base)))
+    assert config.shuffle_buffer == 300 and [s.name for s in config.sources] == ["a"]
+    assert config.sources[0].fields == {"image": ["png"]}
+    flag = serve.build_config(serve.resolve(parser.parse_args([*base, "--shuffle-buffer", "0"])))
+    assert flag.shuffle_buffer == 0 and flag.block_sizes == [1]
+    shards = serve.build_config(serve.resolve(parser.parse_args(
+        ["--shards", str(tmp_path / "a.tar"), "--world-size", "2", "--global-batch", "8"])))
+    assert shards.shuffle_buffer == 1000 and [s.name for s in shards.sources] == ["default"]
