@@ -103,7 +103,7 @@ def bytes_per_sample(shards: list[str]) -> dict[str, float]:
     from pipeline.reader import ReaderConfig, iter_samples
 
     counting = _counting()
-    config = PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
+    config = PreprocessConfig.of(counting)
     raw = tensor = samples = 0
     for rec in iter_samples(shards, ReaderConfig(counting=counting)):
         samples += 1
@@ -124,7 +124,7 @@ def pool_rates(items: list[tuple], workers: int, repeats: int) -> dict[str, floa
     from trainer_client.prefetch import prepare_item
 
     counting = _counting()
-    config = PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
+    config = PreprocessConfig.of(counting)
 
     def inline(fn, *a, **kw):
         f: Future = Future()

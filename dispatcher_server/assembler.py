@@ -352,10 +352,6 @@ class StepAssembler:
 
     # -- one source's views, kept for single-source callers ----------------------------
     @property
-    def order(self) -> ShardOrder:
-        return self.streams[0].order
-
-    @property
     def cursor(self) -> Cursor:
         return self.streams[0].cursor
 

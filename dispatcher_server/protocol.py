@@ -260,6 +260,13 @@ SAMPLE_FIELDS = SampleHeader._fields
 #: level ids cost 1.125 bytes a token, a vocabulary up to 65,536 ids 2.125.
 TOKEN_WIDTHS = (1, 2, 4)
 _WIDTH_SET = frozenset(TOKEN_WIDTHS)
+#: numpy dtype string of the ids at each width.
+TOKEN_DTYPES = {1: "<u1", 2: "<u2", 4: "<i4"}
+
+
+def token_width(largest_id: int) -> int:
+    """The narrowest width in TOKEN_WIDTHS that holds ids up to `largest_id`."""
+    return 1 if largest_id < 1 << 8 else 2 if largest_id < 1 << 16 else 4
 
 
 def tokens_size(n: int, width: int) -> int:

@@ -118,11 +118,8 @@ def _inspect(shards: list[Path], reader_args: tuple[str, ...]) -> None:
     inspect.render(inspect.collect([str(s) for s in shards], config, show_progress=False), Console())
 
 
-def _mixture_line(summary: dict, dataset: Path) -> str:
+def _mixture_line(summary: dict, sources: list) -> str:
     """The realized share of each source beside its weight."""
-    from mmdispatch.dataset import load_dataset
-
-    sources, _ = load_dataset(str(dataset))
     total = sum(s.weight for s in sources)
     got = summary.get("sources", {})
     return "realized mixture: " + ", ".join(
@@ -140,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"generating {args.samples} samples of 3 sources in {args.shards} shards into {data}/",
               flush=True)
         generate_blend(str(data), num_samples=args.samples, num_shards=args.shards, seed=args.seed)
-    shards = [Path(u) for src in load_dataset(str(dataset))[0] for u in src.shards]
+    sources, _ = load_dataset(str(dataset))
+    shards = [Path(u) for src in sources for u in src.shards]
     tokenizer = data / "tokenizer.json"
     if not tokenizer.exists():
         write_tokenizer(str(data), [str(s) for s in shards])
@@ -190,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     summary["figure"] = str(report.render_figure(records, out / "demo.png"))
     (out / "report.json").write_text(json.dumps(summary, indent=2))
     report.print_table(summary)
-    print(_mixture_line(summary, dataset))
+    print(_mixture_line(summary, sources))
     print(f"report: {out}/report.json\nfigure: {summary['figure']}")
     return 0
 

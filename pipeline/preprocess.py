@@ -85,6 +85,11 @@ class PreprocessConfig:
     audio: AudioConfig = field(default_factory=AudioConfig)
     video: VideoConfig = field(default_factory=VideoConfig)
 
+    @staticmethod
+    def of(counting) -> PreprocessConfig:
+        """The preprocessing rules of a `CountingConfig` (the same image, audio and video rules)."""
+        return PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
+
 
 # ---------------------------------------------------------------------------------- images
 def image_row_dim(cfg: ImageConfig) -> int:

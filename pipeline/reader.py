@@ -21,7 +21,7 @@ from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
 from pipeline.tokenize import TextTokens
-from pipeline.video import VideoConfig, count_video
+from pipeline.video import VideoConfig, count_video, video_config
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -105,8 +105,8 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
             pad_window_s=args.audio_pad_window,
         ),
         text=TextConfig(**text_kwargs),
-        video=VideoConfig(fps=args.video_fps, max_pixels=args.video_max_pixels, patch_size=args.patch_size,
-                          merge_size=args.merge_size, min_pixels=min(VideoConfig().min_pixels, args.video_max_pixels)),
+        video=video_config(fps=args.video_fps, max_pixels=args.video_max_pixels,
+                           patch_size=args.patch_size, merge_size=args.merge_size),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(

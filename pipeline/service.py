@@ -205,7 +205,7 @@ class ReaderWorker:
         from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
 
         counting = self.config.reader.counting
-        config = PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
+        config = PreprocessConfig.of(counting)
         try:
             for rec in records:
                 try:

@@ -18,7 +18,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from dispatcher_server.protocol import split_tokens, tokens_ok
+from dispatcher_server.protocol import TOKEN_DTYPES, split_tokens, token_width, tokens_ok
 
 #: Ids of the byte-level tokenizer: one per byte value.
 BYTE_VOCAB_SIZE = 256
@@ -130,10 +130,9 @@ class TextTokens:
         n = len(self.ids)
         if not n:
             return b""
-        top = int(self.ids.max())
-        width, dtype = (1, "<u1") if top < 1 << 8 else (2, "<u2") if top < 1 << 16 else (4, "<i4")
+        width = token_width(int(self.ids.max()))
         bits = np.packbits(self.mask.astype(bool), bitorder="little")
-        return bytes([width]) + self.ids.astype(dtype).tobytes() + bits.tobytes()
+        return bytes([width]) + self.ids.astype(TOKEN_DTYPES[width]).tobytes() + bits.tobytes()
 
     @staticmethod
     def from_wire(data: bytes | memoryview, n: int) -> TextTokens:
@@ -141,8 +140,7 @@ class TextTokens:
         if not tokens_ok(data, n):
             raise ValueError(f"{len(data)} token bytes are not a wire form of {n} tokens")
         width, ids, bits = split_tokens(data, n)
-        dtype = {1: "<u1", 2: "<u2", 4: "<i4"}[width]
-        return TextTokens(np.frombuffer(ids, dtype).astype(np.int32),
+        return TextTokens(np.frombuffer(ids, TOKEN_DTYPES[width]).astype(np.int32),
                           np.unpackbits(np.frombuffer(bits, np.uint8), count=n, bitorder="little"))
 
 

@@ -83,7 +83,16 @@ class VideoHeader:
     container: str
 
 
+def video_config(*, fps: float, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
+    """The video rules the `--video-fps`/`--video-max-pixels` and patch options describe (data
+    nodes and trainers build them here, so they cannot disagree): a budget under the default
+    minimum lowers the minimum with it."""
+    return VideoConfig(fps=fps, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
+                       min_pixels=min(VideoConfig().min_pixels, max_pixels))
+
+
 # -- lengths -------------------------------------------------------------------------------------
+
 def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> int:
     """Frames the model sees: ceil(duration * fps), capped by the clip's own frames and
     `max_frames`, rounded up to whole temporal patches (at least one)."""

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gzip
-import io
 import json
-import tarfile
 
 import pytest
 
@@ -14,15 +12,7 @@ from pipeline.reader import ReaderConfig, SampleBuilder, iter_shard
 from pipeline.errors import ErrorStats
 from pipeline.gendata import make_sample
 from pipeline.tokenize import ByteTokenizer
-
-
-def write_tar(path, members: list[tuple[str, bytes]]) -> str:
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
+from tests.test_pipeline_reader import write_tar
 
 
 def test_defaults_are_the_suffixes_read_before_the_field_map():

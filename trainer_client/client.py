@@ -202,10 +202,6 @@ def _plan_tensors(plan: RankMicrobatch) -> dict[str, torch.Tensor]:
     return out
 
 
-#: numpy dtype of each token id width on the wire (protocol.TOKEN_WIDTHS)
-_ID_DTYPES = {1: "<u1", 2: "<u2", 4: "<i4"}
-
-
 def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sample (int32 ids, bool loss mask) from the wire's `tokens`; ProtocolError when a
     sample's token count is not its planned text length.
@@ -226,7 +222,7 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
         bits.append(raw_bits)
     ids: list = [None] * len(lengths)
     for width, group in groups.items():
-        flat = np.frombuffer(b"".join(raw for _, raw, _ in group), _ID_DTYPES[width]).astype(np.int32)
+        flat = np.frombuffer(b"".join(raw for _, raw, _ in group), P.TOKEN_DTYPES[width]).astype(np.int32)
         for (k, _, _), t in zip(group, torch.from_numpy(flat).split([n for _, _, n in group])):
             ids[k] = t
     # Each sample's mask bits start on a byte boundary: unpacked per sample, joined, split once.

@@ -14,7 +14,7 @@ import argparse
 from dispatcher_server.cliopts import add_config_argument, add_logging_arguments
 from pipeline.counting import AudioConfig, ImageConfig
 from pipeline.preprocess import PreprocessConfig
-from pipeline.video import VideoConfig
+from pipeline.video import VideoConfig, video_config
 
 #: Preprocessing pool kinds (`trainer_client.prefetch.POOL_KINDS`, kept here free of torch).
 POOL_KINDS = ("thread", "process")
@@ -81,8 +81,6 @@ def preprocess_config_from_args(args: argparse.Namespace) -> PreprocessConfig:
                           min_pixels=args.min_pixels, max_pixels=args.max_pixels),
         audio=AudioConfig(encoder_frames_per_s=args.audio_frames_per_s,
                           llm_tokens_per_s=args.audio_tokens_per_s, pad_window_s=args.audio_pad_window),
-        # The same construction as the data nodes' (pipeline.reader.reader_config_from_args).
-        video=VideoConfig(fps=args.video_fps, max_pixels=args.video_max_pixels,
-                          patch_size=args.patch_size, merge_size=args.merge_size,
-                          min_pixels=min(VideoConfig().min_pixels, args.video_max_pixels)),
+        video=video_config(fps=args.video_fps, max_pixels=args.video_max_pixels,
+                           patch_size=args.patch_size, merge_size=args.merge_size),
     )
