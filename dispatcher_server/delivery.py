@@ -54,6 +54,10 @@ class Delivery:
         self.max_retained_steps = max_retained_steps
         self.retained: deque[RetainedStep] = deque()
         self.next_plan = 0
+        # Eviction needs the lowest `received` of all ranks. It is recounted (O(W)) only when the
+        # last rank at the old lowest moves up: once per step, not once per acknowledgement.
+        self._floor = 0
+        self._at_floor = world_size
 
     def reset(self, step: int) -> None:
         """Deliver from `step` on: retained steps go (they are planned again)."""
@@ -65,6 +69,7 @@ class Delivery:
             slot.next_send = slot.received = max(step, slot.received)
             slot.end_sent = False
         self._due = set(range(len(self.slots)))
+        self._recount_floor()
 
     @property
     def lowest(self) -> int:
@@ -83,7 +88,10 @@ class Delivery:
     def credit(self, slot: TrainerSlot, upto: int, received: int) -> None:
         """A rank's credit: steps below `upto` may be sent; it has received those below `received`."""
         slot.upto = upto
-        slot.received = max(slot.received, received)
+        if received > slot.received:
+            if slot.received == self._floor:
+                self._at_floor -= 1
+            slot.received = received
         self._due.add(slot.rank)
 
     def rewind_slot(self, slot: TrainerSlot, step: int, prefetch: int) -> None:
@@ -92,6 +100,7 @@ class Delivery:
         slot.upto = step + max(1, prefetch)
         slot.end_sent = False
         self._due.add(slot.rank)
+        self._recount_floor()
 
     def sends(self, encode: Callable[[RetainedStep], list]) -> Iterator[tuple[TrainerSlot, list]]:
         """(slot, frames) of every step a connected rank may be sent now, in order; `encode`
@@ -118,8 +127,16 @@ class Delivery:
         return [s for s in self.slots if s.ident is not None and not s.end_sent
                 and s.next_send >= self.next_plan]
 
+    def _recount_floor(self) -> None:
+        received = [s.received for s in self.slots]
+        self._floor = min(received)
+        self._at_floor = received.count(self._floor)
+
     def evict(self) -> None:
-        while self.retained and all(s.received > self.retained[0].step for s in self.slots):
+        """Forget the retained steps every rank has received."""
+        if self._at_floor == 0:
+            self._recount_floor()
+        while self.retained and self.retained[0].step < self._floor:
             self.retained.popleft()
 
     def all_received(self) -> bool:

@@ -114,7 +114,7 @@ def test_block_paths_plan_the_per_sample_steps(seed):
             for p in d.progress:
                 assert d.assembler.cursor.start_index(p) == pending.get(p, 0)
             for slot in d.slots:
-                slot.received = d.next_plan  # every step acknowledged: _evict drops it
+                d.delivery.credit(slot, slot.upto, received=d.next_plan)  # all acknowledged: evicted
             if d.finished():
                 break
             open_ = [p for p, pr in d.progress.items() if not pr.reader_done]
@@ -209,7 +209,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
         message_bytes = sum(memoryview(f).nbytes for f in rs.messages[0])
         assert message_bytes > 4 * 1000  # the coalesced payload copy
         assert rs.nbytes == samples_bytes + message_bytes == d._gauges().nbytes
-        slot.received = 1  # acknowledged: evicted, nothing held
+        d.delivery.credit(slot, slot.upto, received=1)  # acknowledged: evicted, nothing held
         d._pump()
         assert not d.retained and d._gauges().nbytes == 0
     finally:
@@ -248,7 +248,7 @@ def _serve_steps(d: Dispatcher, n: int) -> None:
     """Plan steps 0..n-1, rank 0 acknowledging each."""
     for acked in range(1, n + 1):
         d._pump()
-        d.slots[0].received = acked
+        d.delivery.credit(d.slots[0], d.slots[0].upto, received=acked)
     d._pump()
 
 

@@ -102,7 +102,10 @@ def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received(
     d.rewind_slot(s1, 0, prefetch=1)
     again = [frames for _, frames in d.sends(lambda rs: pytest.fail("encoded twice"))]
     assert again == [[b"m01"]]
-    s0.received, s1.received = 2, 1
+    d.credit(s0, 2, received=2)
+    d.evict()
+    assert [rs.step for rs in d.retained] == [0, 1]  # rank 1 has received neither
+    d.credit(s1, 1, received=1)
     d.evict()
     assert [rs.step for rs in d.retained] == [1]
     assert d.ends_due() == [s0] and not d.all_received()
@@ -112,7 +115,7 @@ def test_delivery_reset_keeps_a_rank_that_is_already_past_the_rewind():
     d = Delivery(world_size=2, max_retained_steps=4)
     for step in range(3):
         d.add(_retained(step))
-    d.slots[1].received = 3
+    d.credit(d.slots[1], 4, received=3)
     d.reset(1)
     assert d.next_plan == 1 and not d.retained
     assert [s.next_send for s in d.slots] == [1, 3]
