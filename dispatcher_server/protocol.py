@@ -59,7 +59,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
-            "dataset": (dict, False)},
+            "dataset": (dict, False), "inputs": (dict, False)},
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),
               "world_size": (_INT, False), "next_step": (_INT, False),
               "num_microbatches": (_OPT_INT, False), "payloads": (str, False),

@@ -27,6 +27,7 @@ from dispatcher_server.config import ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
 from dispatcher_server.halt import Halt, oversize_report
+from dispatcher_server.inputs import InputRules
 from dispatcher_server.journal import Journal, JournalError, StepEntry
 from dispatcher_server.measure import StepMeasurements
 from dispatcher_server.metrics import Metrics, SkipLog, event
@@ -70,6 +71,7 @@ class Dispatcher:
         self.ctx = context or zmq.Context.instance()
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
         self.dataset = config.dataset_fingerprint()
+        self.inputs = InputRules()  # the rules model inputs follow, as the first peers state them
         self.fatal: str | None = None
         self._halt = Halt(config.journal_dir, config.planner) if config.journal_dir else None
         if self._halt is not None:
@@ -520,6 +522,11 @@ class Dispatcher:
             self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
                        message=f"role {msg['role']!r} connected to the reader endpoint")
             return
+        why = self.inputs.admit(f"reader {msg.get('name', '')!r}", msg.get("inputs"))
+        if why is not None:
+            self.metrics.error("inputs", role="reader", detail=why)
+            self._send(self.reader_sock, ident, P.ERROR, code="inputs", ack=msg.seq, message=why)
+            return
         if reader is not None:
             self._drop_reader(reader, "re-hello")
         reader = self.pool.join(ident, msg.get("name", ""), now)
@@ -660,7 +667,8 @@ class Dispatcher:
             return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
                                f"({diff}); restore a checkpoint of this job or start the "
                                "dispatcher with that job's settings")
-        return None
+        why = self.inputs.admit(f"rank {rank}", msg.get("inputs"))
+        return None if why is None else ("inputs", why)
 
     def _trainer_hello(self, ident: bytes, msg: P.Message, now: float) -> None:
         problem = self._hello_problem(msg)

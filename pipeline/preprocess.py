@@ -90,6 +90,24 @@ class PreprocessConfig:
         """The preprocessing rules of a `CountingConfig` (the same image, audio and video rules)."""
         return PreprocessConfig(image=counting.image, audio=counting.audio, video=counting.video)
 
+    def identity(self) -> dict[str, int | float | None]:
+        """The rules that shape model inputs, flat (`image.patch_size`: 14, ...): data nodes and
+        trainers state them in their HELLO and the dispatcher refuses a peer that disagrees.
+        Validity limits (largest header, longest clip) are left out: they decide which samples
+        are used, not what a used sample becomes."""
+        image, audio, video = self.image, self.audio, self.video
+        return {
+            **{f"image.{k}": getattr(image, k) for k in _IMAGE_RULES},
+            **{f"audio.{k}": getattr(audio, k) for k in _AUDIO_RULES},
+            **{f"video.{k}": getattr(video, k) for k in _VIDEO_RULES},
+        }
+
+
+_IMAGE_RULES = ("patch_size", "merge_size", "min_pixels", "max_pixels")
+_AUDIO_RULES = ("encoder_frames_per_s", "llm_tokens_per_s", "pad_window_s")
+_VIDEO_RULES = ("fps", "temporal_patch", "patch_size", "merge_size", "min_pixels", "max_pixels",
+                "max_frames")
+
 
 # ---------------------------------------------------------------------------------- images
 def image_row_dim(cfg: ImageConfig) -> int:

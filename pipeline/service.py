@@ -30,7 +30,9 @@ from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
+from pipeline.counting import CountingConfig
 from pipeline.records import SampleRecord
+from pipeline.tokenize import tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
 
@@ -113,13 +115,15 @@ class ReaderWorker:
         self.num_samples_sent = 0
         self.ended = False  # the dispatcher said the job is done
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
+        self.inputs = input_rules(config.reader.counting)  # stated in HELLO, checked by the dispatcher
 
     def run(self, stop: threading.Event | None = None) -> None:
         self.session.run(stop or threading.Event())
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
-        return {"role": "reader", "name": self.config.name or f"pid{os.getpid()}"}
+        return {"role": "reader", "name": self.config.name or f"pid{os.getpid()}",
+                "inputs": self.inputs}
 
     def reset(self) -> None:
         for a in list(self.assignments):
@@ -151,7 +155,7 @@ class ReaderWorker:
             self.ended = True
             session.finish()
         elif msg.type == P.ERROR:
-            if msg["code"] in ("version", "role"):
+            if msg["code"] in ("version", "role", "inputs"):
                 raise FatalReaderError(f"dispatcher at {self.config.dispatcher} refused this "
                                        f"reader: {msg['message']}")
             log.warning("mmdispatch event=reader_error dispatcher=%s code=%s message=%r",
@@ -265,6 +269,17 @@ class ReaderWorker:
                               skipped=a.take_unsent(), **ignored_field(a.ignored))
             self._drop_assignment(a)
             self._request_shards()
+
+
+def input_rules(counting: CountingConfig) -> dict:
+    """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
+    tokenizer's identity unless text is only estimated (then no ids are sent)."""
+    from pipeline.preprocess import PreprocessConfig
+
+    rules = PreprocessConfig.of(counting).identity()
+    if not counting.text.estimate:
+        rules.update(tokenizer_identity(counting.text.tokenizer_path))
+    return rules
 
 
 def ignored_field(ignored: Counter) -> dict:

@@ -11,6 +11,7 @@ the text anyway).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -88,6 +89,19 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+
+def tokenizer_identity(path: str | None) -> dict[str, str]:
+    """`{"tokenizer": ...}`: `byte-level`, or the SHA-256 of the tokenizer file (its first 16 hex
+    digits), so data nodes and trainers can be checked to use the same ids."""
+    if path is None:
+        return {"tokenizer": "byte-level"}
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    except OSError as e:
+        raise ValueError(f"tokenizer file {path!r} cannot be read: {e.strerror or e}") from None
+    return {"tokenizer": f"sha256:{digest}"}
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

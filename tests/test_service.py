@@ -378,3 +378,32 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
             got = consume(srv.trainer_endpoint, 1)
     expected = all_keys(shards[:1])
     assert sorted(flat_keys(got)) == sorted(expected[2:])  # indices 0, 1 were consumed as bad
+
+
+def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
+    from pipeline.counting import CountingConfig, ImageConfig
+    from pipeline.reader import ReaderConfig
+    from pipeline.service import FatalReaderError, ReaderWorker, input_rules
+
+    with dispatcher(make_config(shards, world_size=1)) as srv:
+        ours = input_rules(CountingConfig())
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config(),
+                                  inputs={**ours, "image.patch_size": 16})
+        with readers(srv.reader_endpoint, 1):  # the default rules state the session's first
+            deadline = time.monotonic() + 10
+            while not srv.inputs.rules and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert srv.inputs.rules == ours
+            try:
+                with pytest.raises(Exception, match=r"image\.patch_size: rank 0 16, reader 'r0' 14"):
+                    next(client)
+            finally:
+                client.close()
+        # A data node with another pixel budget is refused too, and stops: the error is fatal.
+        other = ReaderConfig(counting=CountingConfig(image=ImageConfig(max_pixels=256 * 256)))
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, name="odd",
+                                                  reader=other, timeout_s=1.5))
+        with pytest.raises(FatalReaderError, match=r"image\.max_pixels: reader 'odd' 65536, reader 'r0'"):
+            worker.run()
+        # Agreeing peers, and peers stating nothing, are admitted.
+        assert srv.inputs.admit("rank 0", ours) is None and srv.inputs.admit("rank 0", None) is None

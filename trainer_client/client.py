@@ -309,7 +309,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 #: ERROR codes a reconnect cannot fix: the training loop sees them as DispatcherError.
-_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset")
+_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "inputs")
 
 
 def dataset_difference(saved: dict, served: dict) -> str:
@@ -476,12 +476,17 @@ class DispatcherClient:
     rank / world_size / local_world_size default to torchrun's RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE. Restore with `load_state_dict()` before iterating; call `commit(step)`
     when the checkpoint holding `state_dict()` is durable.
+
+    `inputs`: the rules this trainer's model inputs follow (`PreprocessConfig.identity()`,
+    `pipeline.tokenize.tokenizer_identity()`); the dispatcher refuses the rank in one line if
+    the data nodes count by other rules. Unset: nothing is checked.
     """
 
     def __init__(self, address: str, rank: int | None = None, world_size: int | None = None,
                  local_world_size: int | None = None, *, config: ClientConfig | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, inputs: dict | None = None) -> None:
         self.address = address
+        self.inputs = inputs
         self.rank = _env_int("RANK", 0) if rank is None else rank
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         self.local_world_size = (_env_int("LOCAL_WORLD_SIZE", self.world_size)
@@ -512,7 +517,8 @@ class DispatcherClient:
         if self._thread is None:
             self._peer = _TrainerPeer(
                 hello={"role": "trainer", "name": f"rank{self.rank}", "rank": self.rank,
-                       "world_size": self.world_size, "local_world_size": self.local_world_size},
+                       "world_size": self.world_size, "local_world_size": self.local_world_size,
+                       **({} if self.inputs is None else {"inputs": self.inputs})},
                 prefetch=self.config.prefetch, map_shards=self.config.map_shards,
                 next_step=self._consumed, dataset=self._restored, steps=self._steps,
                 commands=self._commands)
@@ -644,7 +650,11 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
                              "batch_size=None, num_workers=0) and PrefetchConfig(workers=N) to "
                              "preprocess in parallel")
         if self.client is None:
-            self.client = DispatcherClient(self.address, **self.client_kwargs)
+            kwargs = self.client_kwargs
+            if self.preprocess is not None and "inputs" not in kwargs:
+                # The rules the pool prepares inputs by: the dispatcher refuses a mismatch.
+                kwargs = {**kwargs, "inputs": self.preprocess.preprocess.identity()}
+            self.client = DispatcherClient(self.address, **kwargs)
         if self.preprocess is None:
             return iter(self.client)
         if self.pool is None:

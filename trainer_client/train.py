@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dispatcher_server.cliopts import HelpFormatter, check_endpoint, run_reporting_errors, setup_logging
 from mmdispatch.settings import ConfigError, apply_file
-from pipeline.tokenize import load_tokenizer
+from pipeline.tokenize import load_tokenizer, tokenizer_identity
 from trainer_client.calibrate import PhaseTimer
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
 from trainer_client.dist import RankContext
@@ -149,7 +149,8 @@ def train(args: argparse.Namespace) -> int:
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
                               config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
                                                   server_public_file=args.curve_server_key,
-                                                  map_shards=args.map_shards, **timeouts))
+                                                  map_shards=args.map_shards, **timeouts),
+                              inputs={**preprocess.identity(), **tokenizer_identity(args.tokenizer)})
     pool = PrefetchPool(client, prefetch)
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
     progress = Progress(args.progress_every, enabled=ctx.rank == 0)
