@@ -80,6 +80,9 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "probe_samples": (int, 64, "at start, read up to this many samples of the first shards and "
                                "refuse a dataset in which none has a member the field map uses "
                                "(0 = no probe)"),
+    "probe_timeout_s": (float, 30.0, "seconds the start-up probe may take; past them (a shard "
+                                     "command or server that does not answer) serving starts "
+                                     "unprobed, with a warning"),
     "curve_secret": (str, None, "require CurveZMQ: the dispatcher's NAME.key_secret"),
     "curve_allowed_dir": (str, None, "require CurveZMQ: directory of allowed public keys"),
     "max_epochs": (int, 1, "epochs to serve; 0 = unbounded"),
@@ -227,17 +230,17 @@ def read_ready(stdout, timeout: float = 30.0) -> dict:
     raise RuntimeError(f"mmdispatch serve reported no endpoints within {timeout} s")
 
 
-def _probe(sources: list, max_samples: int) -> None:
+def _probe(sources: list, max_samples: int, timeout_s: float) -> None:
     """Refuse (ValueError, one line) a source in which no probed sample has a member its field
     map uses; each source is probed with its own field map (the default where it has none)."""
     from pipeline.fieldmap import FieldMap
-    from pipeline.probe import log_unprobed, probe_source, refusal
+    from pipeline.probe import log_unprobed, probe_within, refusal
     from pipeline.reader import ReaderConfig
 
     for src in sources:
         fields = FieldMap.from_dict(src.fields) if src.fields else FieldMap()
-        result = probe_source(src.shards, ReaderConfig(keep_members=False, fields=fields),
-                              max_samples=max_samples)
+        result = probe_within(src.shards, ReaderConfig(keep_members=False, fields=fields),
+                              timeout_s=timeout_s, max_samples=max_samples)
         log_unprobed(result, src.name)
         problem = refusal(result, src.name)
         if problem is not None:
@@ -252,8 +255,10 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(values)
     if values["probe_samples"] < 0:
         raise ValueError(f"--probe-samples must be >= 0 (0 = no probe), got {values['probe_samples']}")
+    if values["probe_timeout_s"] <= 0:
+        raise ValueError(f"--probe-timeout-s must be > 0 seconds, got {values['probe_timeout_s']}")
     if values["probe_samples"]:
-        _probe(config.sources, values["probe_samples"])
+        _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])
     relax_gc()
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import mimetypes
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,25 +34,27 @@ class ProbeResult:
     suffixes: Counter = field(default_factory=Counter)  # every member by its extension
     ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
+    timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
+    reading: object = field(default=None, repr=False)  # the shard stream open now, if any
 
     @property
     def refused(self) -> bool:
-        """Samples were read and not one had a usable member."""
-        return self.samples > 0 and self.usable == 0
+        """Samples were read and not one had a usable member (a probe cut short refuses nothing)."""
+        return self.samples > 0 and self.usable == 0 and not self.timed_out
 
 
 def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_samples: int = 64,
-                 max_shards: int = 4) -> ProbeResult:
+                 max_shards: int = 4, into: ProbeResult | None = None) -> ProbeResult:
     """Read the first shards of `urls` until a sample with a usable member turns up, or
     `max_samples` samples (default 64) or `max_shards` shards (default 4) were read.
 
     A shard that cannot be opened or breaks is noted in `unreadable` and the next one tried
     (the dispatcher's host may not see the shards its readers see; the readers report such
-    failures themselves).
+    failures themselves). `into`: the result to fill (`probe_within` watches it).
     """
     if max_samples < 1 or max_shards < 1:
         raise ValueError(f"max_samples={max_samples} and max_shards={max_shards} must be >= 1")
-    result = ProbeResult()
+    result = into if into is not None else ProbeResult()
     builder = _builder(reader_config)
     for url in urls[:max_shards]:
         if result.usable or result.samples >= max_samples:
@@ -62,6 +65,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
             result.unreadable.append((url, f"cannot open: {e}"))
             continue
         result.shards.append(url)
+        result.reading = stream
 
         def unnamed(name: str) -> None:
             result.suffixes[""] += 1
@@ -84,10 +88,30 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
         except (TarError, OSError) as e:
             result.unreadable.append((url, str(e)))
         finally:
+            result.reading = None
             try:
                 stream.close()
             except OSError:
                 pass  # a pipe cut short exits non-zero; what was read stands
+    return result
+
+
+def probe_within(urls: Sequence[str], reader_config: ReaderConfig, *, timeout_s: float,
+                 **limits) -> ProbeResult:
+    """`probe_source` given at most `timeout_s` seconds, so a shard that never answers (a
+    `pipe:` command or a server that hangs) cannot hold the dispatcher's start. Past the
+    limit the result is `timed_out` (it refuses nothing) and the shard being read is abandoned:
+    a shard command is killed, which ends the probe's thread."""
+    result = ProbeResult()
+    worker = threading.Thread(target=probe_source, args=(urls, reader_config),
+                              kwargs={**limits, "into": result}, daemon=True, name="mmdispatch-probe")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        result.timed_out = True
+        kill = getattr(result.reading, "kill", None)
+        if kill is not None:
+            kill()
     return result
 
 
@@ -119,12 +143,17 @@ def refusal(result: ProbeResult, source: str = "default") -> str | None:
 
 
 def log_unprobed(result: ProbeResult, source: str = "default") -> None:
-    """Warn when the probe could read no sample at all (nothing was checked)."""
-    if result.samples == 0 and result.unreadable:
+    """Warn when the probe was cut short or could read no sample at all (nothing was checked)."""
+    if result.timed_out:
+        where = result.shards[-1] if result.shards else "its first shard"
+        log.warning("mmdispatch.pipeline: source %r not probed: gave up waiting on %s (a shard "
+                    "command or server that does not answer?); serving without the check, the "
+                    "readers will report what they find", source, where)
+    elif result.samples == 0 and result.unreadable:
         url, why = result.unreadable[0]
         log.warning("mmdispatch.pipeline: source %r not probed: no sample readable here from "
                     "%d shard(s) (first: %s: %s); the readers will report what they find",
                     source, len(result.unreadable), url, why)
 
 
-__all__ = ["ProbeResult", "log_unprobed", "probe_source", "refusal"]
+__all__ = ["ProbeResult", "log_unprobed", "probe_source", "probe_within", "refusal"]

@@ -114,6 +114,10 @@ class _PipeStream:
     def read(self, size: int = -1) -> bytes:
         return self.stdout.read(size)
 
+    def kill(self) -> None:
+        """End the command now (a reader of it that waits for bytes gets end of file)."""
+        self._proc.kill()
+
     def close(self) -> None:
         self.stdout.close()
         status = self._proc.wait()

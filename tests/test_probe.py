@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -117,3 +118,34 @@ def test_serve_probes_each_dataset_source_with_its_field_map(tmp_path, unusable)
         assert ready["readers"].startswith("tcp://")
     finally:
         kill(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_command_that_never_answers_cannot_hold_the_start(tmp_path, unusable, caplog):
+    from pipeline.probe import log_unprobed, probe_within
+
+    # The first shard's command hangs; what the probe read before giving up proves nothing,
+    # and the command is killed so no process is left behind.
+    pidfile = tmp_path / "pid"
+    hang = f"pipe:echo $$ > {pidfile}; exec sleep 600"
+    result = probe_within([hang, *unusable], ReaderConfig(keep_members=False), timeout_s=1.0)
+    assert result.timed_out and not result.refused and refusal(result) is None
+    with caplog.at_level("WARNING", logger="mmdispatch.pipeline"):
+        log_unprobed(result, "web")
+    assert "source 'web' not probed: gave up waiting on pipe:echo" in caplog.text
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.05)
+    assert not _alive(pid), "the hanging shard command was not killed"
+    # The same probe with time to spare refuses the unusable shards after it.
+    quick = probe_within([*unusable], ReaderConfig(keep_members=False), timeout_s=30.0)
+    assert not quick.timed_out and quick.refused
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
