@@ -37,6 +37,8 @@ class ShardProgress:
     nbytes: int = 0
     assignment: int | None = None
     reader_done: bool = False
+    lost_at: int = -1  # next_index when a reader reading this shard was last lost
+    losses: int = 0  # readers lost in a row at lost_at
 
     @property
     def ref_path(self) -> bytes:

@@ -47,10 +47,15 @@ class LivenessConfig:
     heartbeat_s: float = 1.0
     timeout_s: float = 5.0
     poll_ms: int = 50
+    # Readers lost (silent past timeout_s) in a row while reading one shard at the same sample
+    # before that sample is skipped: a sample that kills every reader cannot stall a job.
+    max_shard_losses: int = 3
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.timeout_s:
             raise ValueError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < timeout_s ({self.timeout_s})")
+        if self.max_shard_losses < 1:
+            raise ValueError(f"max_shard_losses must be >= 1, got {self.max_shard_losses}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -761,6 +761,8 @@ class Dispatcher:
                 slot.last_sent = now
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
+        if why == "timeout" and reader.assignments:
+            self._reader_lost_in(reader.assignments[0])  # the shard it was reading
         shards = [self.assembler.url(a.pos) for a in reader.assignments]
         for a in list(reader.assignments):
             self._release(reader, a)
@@ -768,6 +770,26 @@ class Dispatcher:
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
               name=reader.name, why=why, shards=",".join(shards) or None)
+
+    def _reader_lost_in(self, a: Assignment) -> None:
+        """Count a reader lost while reading `a`'s shard; once `max_shard_losses` were lost in
+        a row at the same sample, that sample is skipped (`readers_lost`: logged and journaled
+        by shard and index, as a reader's own skip is) and the next reader starts after it,
+        instead of being handed the sample that took the others down."""
+        prog = self.assembler.progress.get(a.pos)
+        if prog is None or prog.reader_done:
+            return
+        if prog.lost_at == prog.next_index:
+            prog.losses += 1
+        else:
+            prog.lost_at, prog.losses = prog.next_index, 1
+        limit = self.config.liveness.max_shard_losses
+        if prog.losses < limit:
+            return
+        event("sample_abandoned", logging.WARNING, shard=prog.url, index=prog.next_index,
+              readers_lost=prog.losses)
+        lost = P.SkipRecord(f"{prog.url}#{prog.next_index}", "readers_lost", prog.next_index)
+        self._skip(prog.url, self.assembler.receive(a.pos, [], [], [], [lost]).skipped)
 
     def _send_reader(self, reader: Reader, type_: str, **fields) -> None:
         self._send(self.reader_sock, reader.ident, type_, **fields)

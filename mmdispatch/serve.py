@@ -65,6 +65,9 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "credit_batch": (int, 32, "samples per reader credit grant"),
     "heartbeat": (float, 1.0, "heartbeat interval, seconds"),
     "timeout": (float, 5.0, "peer silence before it is considered gone, seconds"),
+    "max_shard_losses": (int, 3, "readers lost in a row while reading one shard at the same "
+                                 "sample before that sample is skipped (readers_lost, logged by "
+                                 "shard and index) rather than take down every reader in turn"),
     "reader_bind": (str, "tcp://127.0.0.1:0", "endpoint readers connect to"),
     "trainer_bind": (str, "tcp://127.0.0.1:0", "endpoint trainers connect to"),
     "journal_dir": (str, None, "journal directory (enables exact resume)"),
@@ -161,6 +164,8 @@ def _check_flags(v: dict) -> None:
         if path and not os.path.exists(path):
             raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
                              f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
+    if v["max_shard_losses"] < 1:
+        raise ValueError(f"--max-shard-losses must be >= 1, got {v['max_shard_losses']}")
     if not 0 < v["heartbeat"] < v["timeout"]:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
@@ -196,7 +201,8 @@ def build_config(v: dict) -> ServerConfig:
                         max_buffered_bytes=v["max_buffered_bytes"],
                         max_retained_steps=v["max_retained_steps"],
                         num_inflight_shards=v["inflight_shards"], credit_batch=v["credit_batch"]),
-        liveness=LivenessConfig(heartbeat_s=v["heartbeat"], timeout_s=v["timeout"]),
+        liveness=LivenessConfig(heartbeat_s=v["heartbeat"], timeout_s=v["timeout"],
+                                max_shard_losses=v["max_shard_losses"]),
         reader_bind=v["reader_bind"], trainer_bind=v["trainer_bind"],
         journal_dir=v["journal_dir"], journal_fsync=not v["no_fsync"],
         journal_plan_file_bytes=v["journal_plan_file_mb"] << 20,

@@ -29,6 +29,8 @@ REASONS: dict[str, str] = {
     "bad_tar": "a corrupt tar header, pax record or gzip stream; samples from there on are lost",
     "shard_changed": "the shard file changed since it was read or mapped (rewritten, shrunk or "
                      "appended to); samples from the change on are not read",
+    "shard_stalled": "the shard read no byte for the reader's --stall-timeout (a pipe: command or "
+                     "server that hangs); the rest of the shard is not read",
     # sample level
     "duplicate_key": "a key or member name seen before in the same shard",
     "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",

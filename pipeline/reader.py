@@ -13,6 +13,7 @@ import re
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
@@ -318,6 +319,7 @@ def iter_shard(
     spans: bool = False,
     on_skip: SkipSink | None = None,
     ignored: Tally | None = None,
+    on_open: Callable[[BinaryIO], BinaryIO] | None = None,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
@@ -325,7 +327,8 @@ def iter_shard(
     (`SampleRecord.spans`); only uncompressed shards have such offsets (ValueError otherwise).
 
     Pass an `ErrorStats` to read the counters afterwards, and `on_skip` to hear of every
-    skipped sample as it happens, with its index (-1: the rest of the shard). A shard holding
+    skipped sample as it happens, with its index (-1: the rest of the shard). `on_open` gets the
+    opened shard stream and returns the stream to read through (a watcher). A shard holding
     fewer than `start_index` samples is reported as `shard_changed`: it is not the file that
     was read before.
 
@@ -354,6 +357,8 @@ def iter_shard(
     except OSError as e:
         skip(SampleError("open_failed", url, None, f"cannot open: {e}"), -1)
         return
+    if on_open is not None:
+        stream = on_open(stream)
 
     shard_ignored = ignored if ignored is not None else Tally()
 

@@ -29,9 +29,11 @@ from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
+from pipeline.readahead import ReadAhead
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.counting import CountingConfig
 from pipeline.records import SampleRecord
+from pipeline.shards import reads_can_wait
 from pipeline.tokenize import tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
@@ -47,6 +49,7 @@ class ReaderServiceConfig:
     timeout_s: float = 5.0  # dispatcher silent this long: reconnect
     connect_timeout_s: float | None = 60.0  # no WELCOME this long after connecting: give up
     poll_ms: int = 50
+    stall_s: float = 300.0  # a shard that reads no byte this long is given up (rest skipped)
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     secret_file: str | None = None  # CurveZMQ: this reader's key pair
@@ -70,12 +73,15 @@ class FatalReaderError(RuntimeError):
 class _Assignment:
     id: int
     shard: str
-    records: object  # iterator of SampleRecord
+    records: ReadAhead  # the shard's records and skips, read by a thread of their own
     credits: int = 0
     count: int = 0
     unsent: list = field(default_factory=list)  # P.SkipRecord not yet reported
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
     ignored: Counter = field(default_factory=Counter)  # members no field map kind names
+    # This shard's error counters: its reading thread's own (the worker's totals add them up
+    # when it ends), so two shards read at once never share a run of consecutive errors.
+    stats: ErrorStats = field(default_factory=ErrorStats)
 
     def skipped(self, error: SampleError, index: int) -> None:
         self.unsent.append(P.SkipRecord(error.key or "", error.reason, index))
@@ -178,13 +184,16 @@ class ReaderWorker:
         ref_path = None
         if self.payloads == "reference":
             ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
-        a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=None, ref_path=ref_path)
-        a.records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
-                               start_index=msg["start_index"],
-                               stats=self.stats, spans=ref_path is not None, on_skip=a.skipped,
-                               ignored=a.ignored)
+        ahead = ReadAhead(stall_s=self.config.stall_s, threaded=reads_can_wait(msg["shard"]),
+                          name=f"mmdispatch-read-{msg['assign_id']}")
+        a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=ahead, ref_path=ref_path)
+        records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
+                             start_index=msg["start_index"], stats=a.stats,
+                             spans=ref_path is not None, on_skip=ahead.skip, ignored=a.ignored,
+                             on_open=ahead.watch)
         if self.config.preprocess_on == "datanode":
-            a.records = self._preprocessed(a, a.records)
+            records = self._preprocessed(ahead.skip, a.stats, records)
+        ahead.start(records)
         self.assignments.append(a)
 
     def _reader_config(self, fields: dict | None) -> ReaderConfig:
@@ -202,9 +211,9 @@ class ReaderWorker:
             config = self._configs[key] = replace(self.config.reader, fields=fm)
         return config
 
-    def _preprocessed(self, a: _Assignment, records):
-        """`a`'s records with model inputs in place of member bytes; an item that decodes badly
-        is skipped under the error policy, as a bad header is (reason bad_image/bad_audio/bad_video)."""
+    def _preprocessed(self, skip, stats: ErrorStats, records):
+        """`records` with model inputs in place of member bytes; an item that decodes badly is
+        skipped (`skip`) under the error policy, as a bad header is (bad_image/bad_audio/bad_video)."""
         # imported here: scipy's signal module costs a reader that ships bytes a slower start
         from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
 
@@ -217,8 +226,8 @@ class ReaderWorker:
                 except PreprocessError as e:
                     reason = f"bad_{e.modality}" if e.modality in ("audio", "video") else "bad_image"
                     error = SampleError(reason, rec.shard, rec.key, str(e))
-                    self.stats.handle(error, self.config.reader.errors)  # raises under --errors raise
-                    a.skipped(error, rec.index)
+                    stats.handle(error, self.config.reader.errors)  # raises under --errors raise
+                    skip(error, rec.index)
                     continue
                 yield rec
         finally:
@@ -227,9 +236,8 @@ class ReaderWorker:
                 close()
 
     def _drop_assignment(self, a: _Assignment) -> None:
-        close = getattr(a.records, "close", None)
-        if close is not None:
-            close()  # shuts the shard file if reading began
+        a.records.close()  # its thread shuts the shard file
+        self.stats.merge(a.stats)
         self.assignments.remove(a)
 
     def _find(self, assign_id) -> _Assignment | None:
@@ -243,18 +251,24 @@ class ReaderWorker:
         """Send up to min(credits, batch) samples of `a`'s shard, with the skips among them;
         finish the shard when exhausted."""
         headers, frames = [], []
-        done = False
         token_bytes = 0  # text tokens travel in the header: keep it well under its size limit
+        wait_s = self.config.poll_ms / 1000
         while len(headers) < min(a.credits, self.config.batch) and token_bytes < _MAX_TOKEN_BYTES:
-            try:
-                rec = next(a.records)
-            except StopIteration:
-                done = True
+            entries = a.records.take(min(a.credits, self.config.batch) - len(headers), wait_s)
+            if not entries:
                 break
-            h, f = sample_header(rec, a.ref_path)
-            token_bytes += len(h[4])
-            headers.append(h)
-            frames.extend(f)
+            wait_s = 0.0  # send what is ready rather than wait for more
+            for entry in entries:
+                if isinstance(entry, tuple):
+                    a.skipped(*entry)
+                    continue
+                h, f = sample_header(entry, a.ref_path)
+                token_bytes += len(h[4])
+                headers.append(h)
+                frames.extend(f)
+        done = a.records.finished
+        if not done and not headers and a.records.stalled():
+            done = self._give_up(a)
         if headers:
             # One coalesced payload frame per message: a memcpy of the members costs less than
             # a zmq frame per item here, in the dispatcher and in its I/O threads.
@@ -269,6 +283,20 @@ class ReaderWorker:
                               skipped=a.take_unsent(), **ignored_field(a.ignored))
             self._drop_assignment(a)
             self._request_shards()
+
+
+    def _give_up(self, a: _Assignment) -> bool:
+        """A shard whose reads made no progress for `stall_s`: the rest of it is reported as
+        skipped (the dispatcher logs and journals it by shard and index), and it is finished."""
+        log.warning("mmdispatch event=shard_stalled dispatcher=%s shard=%s after=%d stall_s=%g",
+                    self.config.dispatcher, a.shard, a.count, self.config.stall_s)
+        error = SampleError("shard_stalled", a.shard, None,
+                            f"no byte read for {self.config.stall_s:g} s (see --stall-timeout): "
+                            f"the rest of the shard, after the {a.count} samples sent, is not read")
+        a.stats.handle(error, self.config.reader.errors)
+        a.skipped(error, -1)
+        a.records.close()
+        return True
 
 
 def input_rules(counting: CountingConfig) -> dict:
@@ -321,6 +349,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=_DEFAULTS.connect_timeout_s,
                         help="seconds to keep trying to reach the dispatcher (at start and after "
                              "losing it) before exiting with an error; 0 = keep trying forever")
+    parser.add_argument("--stall-timeout", type=float, default=_DEFAULTS.stall_s,
+                        help="seconds a shard may read no byte (a pipe: command or server that "
+                             "hangs) before the reader gives up on it and reports the rest of it "
+                             "as skipped (shard_stalled); the reader stays up meanwhile")
     parser.add_argument("--malloc-keep-mb", type=int, default=16,
                         help="reuse freed heap blocks up to this size instead of fresh pages "
                              "(glibc; saves page faults on payload frames); 0 = off")
@@ -348,6 +380,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
+    if args.stall_timeout <= 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
     reader = reader_config_from_args(args)
     if args.preprocess_on == "datanode":
         from pipeline.preprocess import mel_stride
@@ -356,7 +390,7 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
                                prefetch_shards=args.prefetch_shards,
-                               timeout_s=args.timeout,
+                               timeout_s=args.timeout, stall_s=args.stall_timeout,
                                connect_timeout_s=args.connect_timeout or None,
                                reader=reader, preprocess_on=args.preprocess_on,
                                secret_file=args.curve_secret, server_public_file=args.curve_server_key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from typing import BinaryIO
@@ -39,6 +40,12 @@ def _local_path(url: str) -> str | None:
     if "://" in url:
         raise ValueError(f"unsupported shard URL {url!r}: use a local path, file: or pipe:")
     return url
+
+
+def reads_can_wait(url: str) -> bool:
+    """Whether a read of shard `url` can wait for long: a `pipe:` command or a remote URL can
+    (a command or server that pauses), a local file cannot."""
+    return url.startswith("pipe:") or ("://" in url and not url.startswith("file:"))
 
 
 def _check_suffix(path: str, spec: str) -> None:
@@ -107,7 +114,10 @@ class _PipeStream:
 
     def __init__(self, url: str, command: str) -> None:
         self.url = url
-        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=_READ_BUFFER)
+        # Its own process group, so `kill` ends the command's children too (`curl ... | tar`,
+        # `cat x; sleep`): one left holding the pipe open would keep a reader waiting.
+        self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=_READ_BUFFER,
+                                      start_new_session=True)
         assert self._proc.stdout is not None
         self.stdout = self._proc.stdout
 
@@ -115,8 +125,11 @@ class _PipeStream:
         return self.stdout.read(size)
 
     def kill(self) -> None:
-        """End the command now (a reader of it that waits for bytes gets end of file)."""
-        self._proc.kill()
+        """End the command and its children now (a reader waiting for bytes gets end of file)."""
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # already gone
 
     def close(self) -> None:
         self.stdout.close()

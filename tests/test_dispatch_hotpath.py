@@ -342,3 +342,52 @@ def test_the_stream_is_done_only_once_every_rank_has_its_last_step_and_left():
         assert d.done()
     finally:
         d._close()
+
+
+def test_a_sample_that_takes_down_every_reader_is_skipped_after_max_shard_losses():
+    """Readers lost in a row at the same sample of a shard: after `max_shard_losses` that sample
+    is skipped (readers_lost, by shard and index) and the next reader starts after it; a loss
+    after progress starts the count again."""
+    from dispatcher_server.config import LivenessConfig
+
+    config = ServerConfig(
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
+        planner=PlannerConfig(num_microbatches=1), max_epochs=1,
+        liveness=LivenessConfig(max_shard_losses=2),
+        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=4))
+    d = Dispatcher(config)
+    samples = [{"key": f"k{i}", "index": i, "text_len": 5, "llm_len": 5, "items": [], "payloads": []}
+               for i in range(6)]
+
+    def reader_on_the_shard(name: str) -> tuple[Reader, Assignment]:
+        reader = Reader(ident=name.encode(), name=name, last_seen=0.0)
+        d.readers[reader.ident] = reader
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
+        d._pump()
+        (a,) = reader.assignments
+        return reader, a
+
+    try:
+        r, a = reader_on_the_shard("r0")
+        d._on_samples(r, _message(d, a.id, samples[:2], True))
+        d._drop_reader(r, "timeout")  # lost at index 2 (first loss there)
+        r, a = reader_on_the_shard("r1")
+        d._on_samples(r, _message(d, a.id, samples[2:3], True))
+        d._drop_reader(r, "timeout")  # progress was made: lost at index 3, count starts again
+        assert d.skipped == []
+        r, a = reader_on_the_shard("r2")
+        d._drop_reader(r, "bye")  # a clean leave is no loss
+        r, a = reader_on_the_shard("r3")
+        d._drop_reader(r, "timeout")  # second loss in a row at index 3: skipped
+        assert d.skipped == [("/data/shard-0.tar#3", "readers_lost")]
+        r, a = reader_on_the_shard("r4")
+        assert d.pool.assignments[a.id].pos == a.pos and d.progress[a.pos].next_index == 4
+        d._on_samples(r, _message(d, a.id, samples[4:], True))
+        d._on_shard_done(r, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id, count=a.received,
+                                               skipped=[])))
+        for _ in range(5):
+            d._pump()
+        planned = [s.key for rs in d.retained for s in rs.batch.samples]
+        assert planned == ["k0", "k1", "k2", "k4", "k5"]  # k3 alone is skipped; none is lost
+    finally:
+        d._close()
