@@ -1,10 +1,13 @@
-"""Process tuning for the service processes (dispatcher, readers): heap reuse and GC thresholds.
+"""Process tuning for the service processes (dispatcher, readers): heap reuse and garbage collection.
 
 Separate from the wire protocol: these change how a process allocates, not what it says.
 Trainer processes never call them; their allocator and GC belong to the training job.
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 
 def keep_freed_memory(threshold_mb: int) -> bool:
@@ -44,3 +47,31 @@ def relax_gc(young_threshold: int = 50_000) -> None:
     _, second, third = gc.get_threshold()
     gc.set_threshold(young_threshold, second, third)
 
+
+
+def collect_on_a_clock(every_s: float = 30.0) -> threading.Thread:
+    """The dispatcher's garbage collection: a full collection every `every_s` seconds (default
+    30) from a daemon thread, none triggered by allocation counts.
+
+    The dispatcher holds every buffered and retained sample as Python objects (about a million
+    at 2,560 ranks); each step adds and frees a step's worth. Collections by allocation count
+    walk those survivors again and again: 40-50 ms of CPU a step at W=2560 (measured with gc
+    callbacks in bench.scale), for data that is freed by reference counting anyway. On a clock
+    a full collection costs ~0.3 s every 30 s there (~1-2% of its CPU), and cyclic garbage
+    (error paths, tracebacks) lives at most `every_s`. Not for trainers or readers.
+    """
+    import gc
+
+    if every_s <= 0:
+        raise ValueError(f"garbage collection interval must be > 0 seconds, got {every_s}")
+    gc.freeze()  # what start-up built is never walked again
+    gc.disable()
+
+    def run() -> None:
+        while True:
+            time.sleep(every_s)
+            gc.collect()
+
+    thread = threading.Thread(target=run, name="mmdispatch-gc", daemon=True)
+    thread.start()
+    return thread

@@ -26,7 +26,7 @@ from dispatcher_server.costfile import load_cost_file
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.planner.config import OVERSIZE_POLICIES
 from dispatcher_server.protocol import PAYLOAD_MODES
-from dispatcher_server.tuning import keep_freed_memory, relax_gc
+from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
 from dispatcher_server.server import Dispatcher
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     if values["probe_samples"]:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])
-    relax_gc()
+    collect_on_a_clock()
     try:
         server = Dispatcher(config, context=zmq.Context(io_threads=values["io_threads"]))
     except HaltedJob as e:
