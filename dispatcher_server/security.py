@@ -67,12 +67,15 @@ class PeerCurve:
                              f"server_public_file={server_public_file!r}")
         return cls(secret_file=secret_file, server_public_file=server_public_file)
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket, server_public: bytes | None = None) -> None:
+        """Make `sock` a CURVE client of the dispatcher, or of the server whose public key (z85)
+        is `server_public` (a reader's payload socket, direct payload mode)."""
         public, secret = _load(self.secret_file)
         if secret is None:
             raise ValueError(f"{self.secret_file!r} holds no secret key (pass NAME.key_secret, "
                              "not the public NAME.key)")
-        server_public, _ = _load(self.server_public_file)
+        if server_public is None:
+            server_public, _ = _load(self.server_public_file)
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_serverkey = server_public
