@@ -89,8 +89,9 @@ def _load(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read CurveZMQ key file {path!r}: {e}") from None
 
 
-def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
-    """Make a bound socket a CURVE server with the dispatcher's key pair, reporting failed handshakes."""
+def apply_server_curve(sock: zmq.Socket, secret_file: str) -> bytes:
+    """Make a bound socket a CURVE server with the key pair in `secret_file` (the dispatcher's,
+    or a reader's for its payload socket), reporting failed handshakes; returns the public key."""
     public, secret = zmq.auth.load_certificate(secret_file)
     if secret is None:
         raise ValueError(f"{secret_file!r} holds no secret key")
@@ -98,6 +99,7 @@ def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
     sock.curve_secretkey = secret
     sock.curve_server = True
     watch_handshakes(sock)
+    return public
 
 
 #: ZMTP protocol error -> what it means for a dispatcher requiring CurveZMQ

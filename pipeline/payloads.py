@@ -133,8 +133,7 @@ class PayloadServer:
                     raise ValueError("CurveZMQ payload sockets need --curve-allowed-dir (the "
                                      "trainers' public NAME.key files)")
                 self._auth = start_authenticator(self.ctx, allowed_dir)
-                apply_server_curve(self.sock, secret_file)
-                self.public_key = self.sock.curve_publickey.decode("ascii")
+                self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
             self.sock.bind(bind)
         except BaseException:
             self.close()
