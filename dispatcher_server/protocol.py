@@ -511,8 +511,23 @@ def _check_table(fields: dict, payloads: list) -> None:
 
 
 def _check_fetch(fields: dict, payloads: list) -> None:
-    """FETCH: references (see pack_ref) coalesced in one frame; PAYLOADS: their bytes likewise."""
+    """FETCH: references (see pack_ref) coalesced in one frame."""
     _check_sizes(fields["sizes"], len(fields["sizes"]), payloads, "fetch")
+
+
+def _check_payloads(fields: dict, payloads: list) -> None:
+    """PAYLOADS: the bytes coalesced in one frame, or one frame per item (a reader sends mapped
+    members so, uncopied); `sizes` either way."""
+    sizes = fields["sizes"]
+    if len(payloads) == 1 or len(payloads) != len(sizes):
+        _check_sizes(sizes, len(sizes), payloads, "payloads")
+    elif not all(type(n) is int and f.nbytes == n for f, n in zip(payloads, sizes)):
+        raise ProtocolError("payloads: a frame's bytes differ from its size")
+
+
+def item_views(frames: list, sizes: list[int]) -> list[memoryview]:
+    """The items of a checked PAYLOADS message, coalesced or one frame each (no copies)."""
+    return split_payload(frames[0], sizes) if len(frames) == 1 else list(frames)
 
 
 #: CREDIT from a trainer may carry `timings`: per computed step {"step": int, "mb": [per
@@ -543,7 +558,7 @@ def _check_credit(fields: dict, payloads: list) -> None:
 
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
            STEP: _check_step, CREDIT: _check_credit, WELCOME: _check_table,
-           READERS: _check_table, FETCH: _check_fetch, PAYLOADS: _check_fetch}
+           READERS: _check_table, FETCH: _check_fetch, PAYLOADS: _check_payloads}
 
 
 def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int = 0) -> None:

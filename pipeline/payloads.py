@@ -124,6 +124,7 @@ class PayloadServer:
         self.ctx = zmq.Context()
         self._auth = None
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.copy_threshold = 0  # members go out as they are: no copy into zmq's buffers
         try:
             P.socket_limits(self.sock)
             if secret_file:
@@ -174,7 +175,8 @@ class PayloadServer:
         except (OSError, ValueError, P.ProtocolError) as e:
             self._send(ident, P.ERROR, code="fetch", message=str(e), ack=msg["id"])
             return
-        self._send(ident, P.PAYLOADS, frames=[b"".join(out)], id=msg["id"],
+        # One frame per item, sent from the members' buffers (mapped shard pages) uncopied.
+        self._send(ident, P.PAYLOADS, frames=out, id=msg["id"],
                    sizes=[memoryview(b).nbytes for b in out])
 
     def _bytes(self, ref: memoryview):

@@ -48,6 +48,12 @@ def test_step_holders_must_index_the_step_readers():
             P.decode(step(holders, readers))
     with pytest.raises(P.ProtocolError, match="sizes"):
         P.decode(P.encode(P.FETCH, frames=[b"abc"], id=1, sizes=[2]))
+    for frames in ([b"ab", b"c"], [b"abc"]):  # one frame per item, or coalesced
+        msg = P.decode(P.encode(P.PAYLOADS, frames=frames, id=1, sizes=[2, 1]))
+        assert [bytes(v) for v in P.item_views(msg.frames, msg["sizes"])] == [b"ab", b"c"]
+    for frames in ([b"a", b"bc"], [b"ab"], [b"a", b"b", b"c"]):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(P.PAYLOADS, frames=frames, id=1, sizes=[2, 1]))
 
 
 def test_cache_evicts_on_take_and_past_its_byte_cap():

@@ -167,7 +167,7 @@ class PayloadFetcher:
         if req is None:
             return  # the answer to a request already given up on
         if msg.type == P.PAYLOADS and msg["sizes"] == [P.unpack_ref(r)[2] for r in req.refs]:
-            req.views = P.split_payload(msg.frames[0], msg["sizes"])
+            req.views = P.item_views(msg.frames, msg["sizes"])
         else:
             why = msg["message"] if msg.type == P.ERROR else f"a {msg.type} that does not match"
             self._failed(req, why, waiting)
