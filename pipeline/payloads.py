@@ -156,7 +156,10 @@ class PayloadServer:
                 if not self.sock.poll(self.poll_ms):
                     continue
                 for frames in P.pending(self.sock, 64):
-                    self._serve(frames[0].bytes, frames[1:])
+                    try:
+                        self._serve(frames[0].bytes, frames[1:])
+                    except Exception:  # noqa: BLE001 - one odd request must not end serving
+                        log.exception("mmdispatch event=payload_request_failed")
         except zmq.ZMQError:
             if not self._stop.is_set():
                 raise
@@ -188,6 +191,8 @@ class PayloadServer:
         path, offset, size = P.unpack_ref(ref)
         if path not in self.servable:
             raise ValueError(f"{path.decode(errors='replace')!r} is not a shard of this job")
+        if size > P.DEFAULT_LIMITS.max_frame_bytes or offset >= 1 << 62:
+            raise ValueError(f"{size} bytes at offset {offset} is no member of a shard")
         self.num_missed += 1
         return read_range(path.decode("utf-8", "surrogateescape"), offset, size)
 

@@ -139,6 +139,34 @@ def test_a_dead_holder_is_replaced_by_another_reader(shards):
         server.close()
 
 
+def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
+    """Requests for other files, impossible ranges or garbage get an ERROR; serving goes on."""
+    other = tmp_path / "secret.tar"
+    other.write_bytes(b"not training data" * 64)
+    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
+    good = P.pack_ref(shards[0].encode(), *rec.spans[rec.items[0].member])
+    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
+    server.servable = frozenset({shards[0].encode()})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)  # a hang fails the test instead
+    sock.connect(server.endpoint)
+    try:
+        for i, ref in enumerate((P.pack_ref(str(other).encode(), 0, 17),
+                                 P.pack_ref(shards[0].encode(), 0, 1 << 40),
+                                 P.pack_ref(shards[0].encode(), 1 << 63, 1))):
+            sock.send_multipart(P.encode(P.FETCH, frames=[ref], id=i, sizes=[len(ref)]))
+            reply = P.decode(sock.recv_multipart())
+            assert reply.type == P.ERROR and reply["ack"] == i and reply["code"] == "fetch"
+        sock.send_multipart([b"garbage"])
+        assert P.decode(sock.recv_multipart()).type == P.ERROR
+        sock.send_multipart(P.encode(P.FETCH, frames=[good], id=9, sizes=[len(good)]))
+        reply = P.decode(sock.recv_multipart())
+        assert reply.type == P.PAYLOADS and bytes(reply.frames[0]) == bytes(rec.members[rec.items[0].member])
+    finally:
+        sock.close(linger=0)
+        server.close()
+
+
 # -- faults, as in test_faults, with direct payloads ------------------------------------------
 @pytest.fixture
 def direct(monkeypatch, reference):  # noqa: F811 - the undisturbed run is inline, made first

@@ -131,6 +131,8 @@ class PayloadFetcher:
         pending: dict[int, _Request] = {}
         waiting = list(requests)
         while waiting or pending:
+            if self._stop.is_set():
+                raise FetchError("the client closed while fetching payloads")
             now = time.monotonic()
             for req in [r for r in waiting if r.not_before <= now]:
                 waiting.remove(req)
@@ -181,13 +183,17 @@ class PayloadFetcher:
             raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched "
                              f"from any reader (tried {tried})")
         self.num_retries += 1
-        asked = {e for e, _ in req.tried}
-        live = self.readers
-        fresh = [r for r in live if r.endpoint not in asked]
-        req.endpoint = (fresh or live or [req.endpoint])[len(req.tried) % max(1, len(fresh or live))]
+        req.endpoint = self._next_reader(req)
         req.not_before = time.monotonic() + min(c.backoff_max_s,
                                                 c.backoff_min_s * 2 ** (len(req.tried) - 1))
         waiting.append(req)
+
+    def _next_reader(self, req: _Request) -> P.ReaderEndpoint:
+        """A live reader not yet asked for `req`; once all were, the live ones in turn; with no
+        live reader known (all gone, replacements not yet reported), the last one asked."""
+        asked = {e for e, _ in req.tried}
+        candidates = [r for r in self.readers if r.endpoint not in asked] or self.readers
+        return candidates[len(req.tried) % len(candidates)] if candidates else req.endpoint
 
     def _socket(self, reader: P.ReaderEndpoint) -> zmq.Socket:
         sock = self._socks.get(reader)
