@@ -365,7 +365,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(tcp://HOST[:PORT], no port: the bound one); default the bound "
                              "endpoint, a wildcard host replaced by that interface's address")
     parser.add_argument("--payload-cache-mb", type=int, default=_DEFAULTS.payload_cache_mb,
-                        help="--payloads direct: bytes of sent members held for trainers to fetch "
+                        help="--payloads direct: MiB of sent members held for trainers to fetch "
                              "(each dropped once fetched, oldest first past this cap; a miss is "
                              "read again from the shard file)")
     parser.add_argument("--curve-allowed-dir", default=None,
