@@ -6,9 +6,9 @@ of many items travel coalesced in one frame with their sizes in the header (v2):
 far more than a memcpy of a typical member, and receivers slice memoryviews out of it. In
 `reference` payload mode (v3) an item's payload is not its bytes but a reference to them in
 its shard file (`pack_ref`), which trainers read themselves; in `direct` mode the same
-references travel, and trainers fetch the bytes from the readers (FETCH/PAYLOADS). Headers are plain dicts checked
-against the schemas below on decode, so a peer can send anything and `decode` still raises
-nothing but `ProtocolError`. Imports nothing of ours.
+references travel, and trainers fetch the bytes from the readers (FETCH/PAYLOADS). Headers
+are plain dicts checked against the schemas below on decode, so a peer can send anything and
+`decode` still raises nothing but `ProtocolError`. Imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ COMMIT = "commit"  # trainer -> dispatcher: step checkpointed; echoed back once 
 BYE = "bye"  # peer -> dispatcher: leaving on purpose
 READERS = "readers"  # dispatcher -> trainer (direct mode): the live readers' payload endpoints
 FETCH = "fetch"  # trainer -> reader's payload socket (direct mode): references, coalesced
-PAYLOADS = "payloads"  # reader -> trainer (direct mode): the bytes of one FETCH, coalesced
+PAYLOADS = "payloads"  # reader -> trainer (direct mode): the bytes of one FETCH
 
 ROLES = ("reader", "trainer")
 #: Most shards a reader holds at once (SHARD_REQUEST `shards`, default 1): it reads one and
