@@ -21,10 +21,11 @@ from dispatcher_server.config import CurveConfig
 from dispatcher_server.security import PeerCurve, create_keypair
 from pipeline.payloads import PayloadCache, PayloadServer, advertised, bind_address
 from pipeline.reader import iter_shard
+from pipeline.service import FatalReaderError, ReaderServiceConfig, ReaderWorker
 from tests import servicekit as K
 from tests import test_faults as F
 from tests.test_faults import corpus, keys, reference  # noqa: F401 - fixtures
-from tests.test_reference_payloads import _contents, _deliver
+from tests.test_reference_payloads import _contents, _deliver, _recv, _wait_for
 from tests.test_service import consume, dispatcher, make_config, readers, shards  # noqa: F401
 from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
 
@@ -167,6 +168,34 @@ def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
         server.close()
 
 
+def test_dispatcher_tells_trainers_the_live_readers_and_gives_none_a_shard_without_an_endpoint(shards):
+    """A reader's endpoint reaches connected trainers (READERS) when it asks for shards, and leaves
+    the table when it goes; a reader that names no endpoint gets an ERROR and no shard."""
+    cfg = make_config(shards, world_size=1, payloads="direct")
+    ctx = zmq.Context.instance()
+    with dispatcher(cfg) as srv:
+        trainer, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            trainer.connect(srv.trainer_endpoint)
+            trainer.send_multipart(P.encode(P.HELLO, seq=1, role="trainer", rank=0, world_size=1))
+            welcome = _wait_for(trainer, P.WELCOME)
+            assert welcome["payloads"] == "direct" and welcome["readers"] == []
+            reader.connect(srv.reader_endpoint)
+            reader.send_multipart(P.encode(P.HELLO, seq=1, role="reader", name="r"))
+            assert _wait_for(reader, P.WELCOME)["shards"] == [str(s) for s in shards]
+            reader.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
+            assert _wait_for(reader, P.ERROR)["code"] == "payloads"
+            reader.send_multipart(P.encode(P.SHARD_REQUEST, seq=3, payload_endpoint="tcp://h:7"))
+            assert _wait_for(reader, P.SHARD_ASSIGN)["start_index"] == 0
+            table = _wait_for(trainer, P.READERS)["readers"]
+            assert table == [P.ReaderEndpoint("tcp://h:7", "")]
+            reader.send_multipart(P.encode(P.BYE, seq=4))
+            assert _wait_for(trainer, P.READERS)["readers"] == []
+        finally:
+            trainer.close(linger=0)
+            reader.close(linger=0)
+
+
 # -- faults, as in test_faults, with direct payloads ------------------------------------------
 @pytest.fixture
 def direct(monkeypatch, reference):  # noqa: F811 - the undisturbed run is inline, made first
@@ -254,3 +283,12 @@ def test_serve_refuses_shards_direct_mode_cannot_read_by_offset(shards, tmp_path
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "payloads='direct'" in lines[0] and bad in lines[0] and "payloads='inline'" in lines[0]
+
+
+def test_datanode_preprocessing_is_refused_with_direct_payloads(shards):
+    with dispatcher(make_config(shards, world_size=1, payloads="direct")) as srv:
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, timeout_s=1.5,
+                                                  connect_timeout_s=10, preprocess_on="datanode"))
+        with pytest.raises(FatalReaderError, match="--payloads direct.*--preprocess-on datanode"):
+            worker.run()
+        assert worker.payload_server is None  # refused before opening a port
