@@ -1,7 +1,7 @@
 """`direct` payload mode: the dispatcher plans on references, trainers fetch the bytes from readers.
 
 Held to inline mode's delivery (same steps, keys, text ids and byte-identical payloads), through
-the cache and its miss path, across reader, dispatcher and trainer faults (the fault runs of
+the cache and its miss path, across reader (killed or hung), dispatcher and trainer faults (the fault runs of
 test_faults with `--payloads direct`, audited and compared with an undisturbed inline run),
 under CurveZMQ, and refusing at start the shards it cannot read by offset.
 """
@@ -218,6 +218,12 @@ def test_dispatcher_sigkill_restarts_from_journal(direct, corpus, keys, referenc
 def test_trainer_killed_and_restarted_from_checkpoint(direct, corpus, keys, reference, tmp_path):  # noqa: F811
     F.test_trainer_process_killed_and_restarted_from_its_checkpoint(corpus, keys, reference, tmp_path)
     assert "event=reader_payloads" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_hung_reader_times_out_and_others_serve_its_payloads(direct, corpus, keys, reference,  # noqa: F811
+                                                             tmp_path):
+    F.test_hung_reader_is_detected_and_its_shard_reassigned(corpus, keys, reference, tmp_path)
 
 
 # -- CurveZMQ ---------------------------------------------------------------------------------
