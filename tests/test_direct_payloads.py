@@ -1,9 +1,9 @@
 """`direct` payload mode: the dispatcher plans on references, trainers fetch the bytes from readers.
 
 Held to inline mode's delivery (same steps, keys, text ids and byte-identical payloads), through
-the cache and its miss path, across reader (killed or hung), dispatcher and trainer faults (the fault runs of
-test_faults with `--payloads direct`, audited and compared with an undisturbed inline run),
-under CurveZMQ, and refusing at start the shards it cannot read by offset.
+the cache and its miss path, across reader (killed or hung), dispatcher and trainer faults (the
+fault runs of test_faults with `--payloads direct`, audited and compared with an undisturbed
+inline run), under CurveZMQ, and refusing at start the shards it cannot read by offset.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pipeline.service import FatalReaderError, ReaderServiceConfig, ReaderWorker
 from tests import servicekit as K
 from tests import test_faults as F
 from tests.test_faults import corpus, keys, reference  # noqa: F401 - fixtures
-from tests.test_reference_payloads import _contents, _deliver, _recv, _wait_for
+from tests.test_reference_payloads import _contents, _deliver, _wait_for
 from tests.test_service import consume, dispatcher, make_config, readers, shards  # noqa: F401
 from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
 
