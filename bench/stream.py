@@ -8,10 +8,11 @@ peak RSS against its configured bound.
 
     python -m bench.stream [--json]
 
-Both payload modes run (`--payloads both`, the default), alternating with the bare read:
-`inline` (members travel reader -> dispatcher -> trainer) and `reference` (trainers read the
-members from the shard files; the dispatcher carries metadata). The headline keys are the last
-mode run; each mode's full figures are under its name.
+Every payload mode runs (`--payloads all`, the default), alternating with the bare read:
+`inline` (members travel reader -> dispatcher -> trainer), `direct` (trainers fetch the members
+from the readers that counted them; the dispatcher carries metadata) and `reference` (trainers
+read the members from the shard files). The headline keys are the last mode run (`reference`);
+each mode's full figures are under its name.
 
 CPU per sample is reported per party over the timed window (from the first step a trainer gets
 to the end; start-up and imports excluded, as for the bare read): dispatcher and readers from
@@ -25,7 +26,9 @@ the bare read spends ~0.07-0.08. The chain spends ~0.04 in the readers (tar
 reading and header counting from mapped shards, then building and sending SAMPLES messages),
 ~0.02 in the dispatcher in reference mode (~0.045 inline: every payload byte crosses a second
 TCP hop) and ~0.015 in the trainers with mapped reference payloads (~0.03 when they copy them,
-`--trainer-reads copy`, or receive them inline). Beyond CPU, the ratio needs the chain never to
+`--trainer-reads copy`, or receive them inline). Direct payloads cost the dispatcher what
+reference mode does, and readers and trainers the bytes' one TCP hop (~0.04 more in readers,
+serving fetches, and ~0.025 in trainers, receiving them; a short run: e2e_vs_raw ~0.46). Beyond CPU, the ratio needs the chain never to
 wait on itself: readers hold their next shard queued (no round trip per shard) and the
 dispatcher keeps serve's window of 8 shards and 4 retained steps. Neither side decodes: the bare read collects each member as a bytes object (a copy),
 the trainers take their payloads (mapped views by default, copies with `--trainer-reads copy`)
@@ -44,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from dispatcher_server.protocol import PAYLOAD_MODES
 
 MiB = 1 << 20
 
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", choices=("tcp", "ipc"), default="tcp",
                    help="how readers and trainers reach the dispatcher on this host")
     p.add_argument("--inflight-shards", type=int, default=8, help="reorder window (serve's default)")
-    p.add_argument("--payloads", choices=("inline", "reference", "both"), default="both",
+    p.add_argument("--payloads", choices=(*PAYLOAD_MODES, "all"), default="all",
                    help="payload mode(s) of the e2e runs (serve --payloads)")
     p.add_argument("--retained-steps", type=int, default=4, help="serve's default")
     p.add_argument("--trainer-reads", choices=("map", "copy"), default="map",
@@ -344,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         shards = generate(a.data, num_samples=a.samples, num_shards=a.shards, seed=0)
     # Raw and e2e runs alternate, so each trio sees the same background load on a shared
     # machine; ratios are medians of the per-trio ratios, rates and CPU figures are medians.
-    modes = ("inline", "reference") if a.payloads == "both" else (a.payloads,)
+    # reference last: the headline keys stay the mode they have always been
+    modes = ("inline", "direct", "reference") if a.payloads == "all" else (a.payloads,)
     raws, e2es = [], {m: [] for m in modes}
     for _ in range(a.repeat):
         raws.append(run_raw(shards, a.readers, a.epochs) if not a.skip_raw else
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                    "trainer_reads": a.trainer_reads,
                    "payload_frames": "coalesced (protocol v3)", "malloc_keep_mb": 16,
                    "repeat": a.repeat},
-        # Headline figures: the last mode run (`reference` when both are), each mode in full below.
+        # Headline figures: the last mode run (`reference` when all are), each mode in full below.
         "payloads": modes[-1],
         "e2e_samples_per_s": head["e2e_samples_per_s"],
         "raw_samples_per_s": round(raw["samples_per_s"], 1),

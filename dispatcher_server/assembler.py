@@ -410,13 +410,14 @@ class StepAssembler:
 
     # -- intake ------------------------------------------------------------------------
     def receive(self, pos: int, headers: list[SampleHeader], views: list, item_bytes: list[int],
-                skipped: list[SkipRecord] = ()) -> Received:
+                skipped: list[SkipRecord] = (), holder: int = -1) -> Received:
         """Move one message's samples into shard `pos`'s buffer, in a loop over header fields.
 
         Skips advance the shard's resume point like samples do: a skip the dispatcher has heard
         of is never read again, and one it has not is re-read (and re-reported) by the next
         reader of the shard, so none is lost with a reader that dies. Indices that neither a
         sample nor a skip accounts for are reported as gaps, never passed over in silence.
+        `holder` is the sending reader's payload endpoint (direct payload mode).
         """
         prog = self.progress[pos]
         out = Received()
@@ -438,7 +439,8 @@ class StepAssembler:
                 out.skipped.append(SkipRecord(key, problem, index))
                 continue
             size = len(text) + sum(item_bytes[start:at])
-            append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size))
+            append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size,
+                          holder))
             nbytes += size
             out.kept += 1
         last_skip = max(skip_at, default=-1)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import STEP, StepItemHeader, encode
+from dispatcher_server.protocol import HOLDERS, STEP, StepItemHeader, encode
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -34,6 +34,7 @@ class Sample:
     items: list  # ItemHeader per item
     payloads: list  # one buffer per item
     nbytes: int
+    holder: int = -1  # direct payload mode: the reader holding the payloads (ReaderPool.endpoints)
 
 
 def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
@@ -68,6 +69,7 @@ class StepBatch:
     item_headers: dict[str, list[StepItemHeader]]  # phase -> header per item id
     item_payloads: dict[str, list]  # phase -> payload buffer per item id
     item_sizes: dict[str, list[int]]  # phase -> payload bytes per item id
+    item_holders: dict[str, list[int]]  # phase -> holder per item id (direct mode; else -1)
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +85,7 @@ class StepBatch:
 def build_batch(samples: list[Sample]) -> StepBatch:
     """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order."""
     # Per phase: refs, enc_len, llm_len, owner, header, payload, size of each item.
-    cols = {p: ([], [], [], [], [], [], []) for p in ENCODER_PHASES}
+    cols = {p: ([], [], [], [], [], [], [], []) for p in ENCODER_PHASES}
     by_modality = {m: cols[p] for m, p in _PHASE_OF.items()}
     for si, s in enumerate(samples):
         if not s.items:
@@ -101,6 +103,7 @@ def build_batch(samples: list[Sample]) -> StepBatch:
             p = payloads[ii]
             c[5].append(p)
             c[6].append(memoryview(p).nbytes)
+            c[7].append(s.holder)
     encoders = {p: EncoderItems(enc_len=np.asarray(c[1], dtype=np.int64),
                                 llm_len=np.asarray(c[2], dtype=np.int64),
                                 sample=np.asarray(c[3], dtype=np.int64))
@@ -114,12 +117,17 @@ def build_batch(samples: list[Sample]) -> StepBatch:
                      keys=[s.key for s in samples], tokens=[s.tokens for s in samples],
                      item_headers={p: c[4] for p, c in cols.items()},
                      item_payloads={p: c[5] for p, c in cols.items()},
-                     item_sizes={p: c[6] for p, c in cols.items()})
+                     item_sizes={p: c[6] for p, c in cols.items()},
+                     item_holders={p: c[7] for p, c in cols.items()})
 
 
-def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int) -> list[list]:
+def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
+                  endpoints: list | None = None) -> list[list]:
     """The STEP message of every rank (rank r's has sequence number seq + r): exactly
     `plan.num_microbatches` micro-batches each, only that rank's part.
+
+    With `endpoints` (direct payload mode: ReaderPool.endpoints) each micro-batch also names
+    the holder of each item, as an index into the rank's `readers`: the endpoints it needs.
 
     The arrays of all ranks are packed at once (`stepwire.pack_step`); each rank's arrays frame
     is a view of that buffer. Keys, tokens and item headers are put in group order once, so a
@@ -135,28 +143,33 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int) ->
     for phase in ENCODER_PHASES:
         ex = plan._exchange(phase)
         send = ex.send_order.tolist()
-        headers, buffers, nbytes = (batch.item_headers[phase], batch.item_payloads[phase],
-                                    batch.item_sizes[phase])
+        headers, buffers, nbytes, holders = (batch.item_headers[phase], batch.item_payloads[phase],
+                                             batch.item_sizes[phase], batch.item_holders[phase])
         items[phase] = (ex.ptr_lists[0], [headers[i] for i in send], [buffers[i] for i in send],
-                        [nbytes[i] for i in send])
+                        [nbytes[i] for i in send], [holders[i] for i in send])
     out = []
     for rank in range(W):
-        mbs, frames = [], []
+        mbs, frames, table = [], [], {}
         for m in range(M):
             g = m * W + rank
             s0, s1 = sample_ptr[g], sample_ptr[g + 1]
-            heads, payloads, sizes = [], [], []
-            for ptr, h, b, n in items.values():
+            heads, payloads, sizes, held = [], [], [], []
+            for ptr, h, b, n, o in items.values():
                 a, z = ptr[g], ptr[g + 1]
                 heads += h[a:z]
                 payloads += b[a:z]
                 sizes += n[a:z]
-            mbs.append({"arrays": packed.lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
-                        "items": heads, "payloads": len(heads), "sizes": sizes})
+                held += o[a:z]
+            mb = {"arrays": packed.lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
+                  "items": heads, "payloads": len(heads), "sizes": sizes}
+            if endpoints is not None:
+                mb[HOLDERS] = [table.setdefault(h, len(table)) for h in held]
+            mbs.append(mb)
             frames.append(packed.frame(g))
             frames.append(b"".join(payloads))
+        direct = {} if endpoints is None else {"readers": [list(endpoints[h]) for h in table]}
         out.append(encode(STEP, seq=seq + rank, frames=frames, step=step, epoch=epoch, rank=rank,
-                          world_size=W, microbatches=mbs))
+                          world_size=W, microbatches=mbs, **direct))
     return out
 
 

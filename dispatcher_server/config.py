@@ -113,7 +113,9 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no metrics endpoint
     metrics_host: str = "127.0.0.1"
     step_log: str | None = None  # JSON lines per planned step, with the random baseline's metrics
-    payloads: str = "inline"  # or "reference": trainers read member bytes from the shard files
+    # or "reference": trainers read member bytes from the shard files; "direct": they fetch
+    # them from the readers (protocol.PAYLOAD_MODES)
+    payloads: str = "inline"
     refit: RefitConfig | None = None  # refit the cost model online from trainers' timings
     sources: list[Source] = field(default_factory=list)
     # Samples per seeded shuffle block, shared by the sources in proportion to their weights
@@ -137,9 +139,9 @@ class ServerConfig:
             raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         if self.payloads not in PAYLOAD_MODES:
             raise ValueError(f"payloads must be one of {PAYLOAD_MODES}, got {self.payloads!r}")
-        if self.payloads == "reference":
+        if self.payloads != "inline":
             for url in self.shards:
-                reference_path(url)  # ValueError naming the first shard trainers cannot read
+                reference_path(url, self.payloads)  # ValueError naming the first unfit shard
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.max_epochs is not None and self.max_epochs < 1:

@@ -5,9 +5,10 @@ the further frames are raw payloads that are never copied on receipt (`copy=Fals
 of many items travel coalesced in one frame with their sizes in the header (v2): a frame costs
 far more than a memcpy of a typical member, and receivers slice memoryviews out of it. In
 `reference` payload mode (v3) an item's payload is not its bytes but a reference to them in
-its shard file (`pack_ref`), which trainers read themselves. Headers are plain dicts checked
-against the schemas below on decode, so a peer can send anything and `decode` still raises
-nothing but `ProtocolError`. Imports nothing of ours.
+its shard file (`pack_ref`), which trainers read themselves; in `direct` mode the same
+references travel, and trainers fetch the bytes from the readers (FETCH/PAYLOADS). Headers
+are plain dicts checked against the schemas below on decode, so a peer can send anything and
+`decode` still raises nothing but `ProtocolError`. Imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import msgpack
 #: v4: skipped samples travel with SAMPLES as they happen, as (key, reason, index) records;
 #:     HELLO/WELCOME carry the dataset fingerprint; END also tells readers the job is done.
 #: v5: text travels as token ids plus loss mask (`tokens`, see TOKEN_WIDTHS), not raw text.
+#:     The `direct` payload mode added optional fields and the READERS/FETCH/PAYLOADS types
+#:     without a bump: none of them is sent unless the dispatcher runs --payloads direct.
 VERSION = 5
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -40,6 +43,9 @@ STEP = "step"  # dispatcher -> trainer: one rank's micro-batches of one step
 END = "end"  # dispatcher -> peer: no more steps (trainers) / the job is done (readers)
 COMMIT = "commit"  # trainer -> dispatcher: step checkpointed; echoed back once journaled
 BYE = "bye"  # peer -> dispatcher: leaving on purpose
+READERS = "readers"  # dispatcher -> trainer (direct mode): the live readers' payload endpoints
+FETCH = "fetch"  # trainer -> reader's payload socket (direct mode): references, coalesced
+PAYLOADS = "payloads"  # reader -> trainer (direct mode): the bytes of one FETCH
 
 ROLES = ("reader", "trainer")
 #: Most shards a reader holds at once (SHARD_REQUEST `shards`, default 1): it reads one and
@@ -50,7 +56,9 @@ MAX_READER_SHARDS = 4
 #: inline: payload frames hold the members' bytes, reader -> dispatcher -> trainer.
 #: reference: they hold (offset, size, path) of each member in its shard file; trainers read
 #: the bytes from a filesystem they share with the data nodes, so payloads skip both hops.
-PAYLOAD_MODES = ("inline", "reference")
+#: direct: they hold references too; trainers fetch the bytes from the reader that counted them
+#: (any live reader serves any reference from its shard file when that one is gone).
+PAYLOAD_MODES = ("inline", "reference", "direct")
 _INT = int
 _OPT_INT = (int, type(None))
 
@@ -60,13 +68,17 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
             "dataset": (dict, False), "inputs": (dict, False)},
+    # direct mode: `readers` (trainers) is the live reader table, `shards` (readers) the files
+    # whose bytes a reader may serve.
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),
               "world_size": (_INT, False), "next_step": (_INT, False),
               "num_microbatches": (_OPT_INT, False), "payloads": (str, False),
-              "dataset": (dict, False)},
+              "dataset": (dict, False), "readers": (list, False), "shards": (list, False)},
     ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
     HEARTBEAT: {},
-    SHARD_REQUEST: {"shards": (_INT, False)},
+    # direct mode: where the reader serves payloads, and its CurveZMQ public key (z85) if any
+    SHARD_REQUEST: {"shards": (_INT, False), "payload_endpoint": (str, False),
+                    "payload_key": (str, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True), "source": (str, False),
                    "fields": (dict, False)},
@@ -78,10 +90,13 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
-           "world_size": (_INT, True), "microbatches": (list, True)},
+           "world_size": (_INT, True), "microbatches": (list, True), "readers": (list, False)},
     END: {"next_step": (_INT, False), "reason": (str, True)},
     COMMIT: {"step": (_INT, True)},
     BYE: {},
+    READERS: {"readers": (list, True)},
+    FETCH: {"id": (_INT, True), "sizes": (list, True)},
+    PAYLOADS: {"id": (_INT, True), "sizes": (list, True)},
 }
 
 
@@ -350,18 +365,21 @@ def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
 _REF = struct.Struct("<QQ")  # member data offset in the shard file, member size
 
 
-def reference_path(url: str) -> str:
-    """The file whose bytes `reference` payloads of shard `url` point into; ValueError if none.
+def reference_path(url: str, mode: str = "reference") -> str:
+    """The file whose bytes `reference` (or `direct`) payloads of shard `url` point into;
+    ValueError naming the shard and the fix if none.
 
     Only plain (uncompressed) tar files on a filesystem qualify: a `pipe:` or remote stream
-    has no offsets a trainer could read at, and a gzip shard's offsets are not file offsets.
+    has no offsets anyone could read at, and a gzip shard's offsets are not file offsets.
     """
     path = url[len("file://"):] if url.startswith("file://") else url
+    who = ("a filesystem the trainers mount" if mode == "reference"
+           else "a local filesystem the readers can read at an offset")
     if url.startswith("pipe:") or "://" in path:
-        raise ValueError(f"payloads='reference' needs shards on a filesystem the trainers "
-                         f"mount; {url!r} is a stream (use payloads='inline')")
+        raise ValueError(f"payloads={mode!r} needs shards on {who}; {url!r} is a stream "
+                         f"(use payloads='inline')")
     if path.endswith((".gz", ".tgz")):
-        raise ValueError(f"payloads='reference' needs uncompressed tars; {url!r} is gzip "
+        raise ValueError(f"payloads={mode!r} needs uncompressed tars; {url!r} is gzip "
                          f"(its member offsets are not file offsets; use payloads='inline')")
     return path
 
@@ -429,16 +447,19 @@ class StepItemHeader(NamedTuple):
 
 MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list, "payloads": int,
                      "sizes": list}
+#: direct mode: a micro-batch also says, per item, which entry of the STEP's `readers` holds it.
+HOLDERS = "holders"
 
 
 def _check_step(fields: dict, payloads: list) -> None:
     expected = 0
     for mb in fields["microbatches"]:
-        if not isinstance(mb, dict) or set(mb) != set(MICROBATCH_FIELDS):
+        if not isinstance(mb, dict) or set(mb) - {HOLDERS} != set(MICROBATCH_FIELDS):
             raise ProtocolError("step: malformed micro-batch header")
         for name, t in MICROBATCH_FIELDS.items():
             if not _is(mb[name], t):
                 raise ProtocolError(f"step: micro-batch field {name!r} malformed")
+        _check_holders(mb, fields)
         if not all(_is_int(n) and n >= 0 for n in mb["arrays"]) or mb["payloads"] < 0:
             raise ProtocolError("step: negative counts")
         if len(mb["keys"]) != len(mb["tokens"]) or not all(isinstance(k, str) for k in mb["keys"]):
@@ -455,6 +476,58 @@ def _check_step(fields: dict, payloads: list) -> None:
         raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
     for m, mb in enumerate(fields["microbatches"]):
         _check_sizes(mb["sizes"], mb["payloads"], payloads[2 * m + 1: 2 * m + 2], "step")
+    _check_readers(fields)
+
+
+def _check_holders(mb: dict, fields: dict) -> None:
+    """direct mode: one holder per item, each an index into the STEP's `readers`, or neither."""
+    holders, readers = mb.get(HOLDERS), fields.get("readers")
+    if holders is None and readers is None:
+        return
+    if holders is None or readers is None:
+        raise ProtocolError("step: holders and readers go together")
+    if (type(holders) is not list or len(holders) != mb["payloads"]
+            or not all(_is_int(h) and 0 <= h < len(readers) for h in holders)):
+        raise ProtocolError("step: holders must index the step's readers, one per item")
+
+
+class ReaderEndpoint(NamedTuple):
+    """A reader's payload socket (direct mode): its endpoint and CurveZMQ public key (z85, or
+    "" without CurveZMQ)."""
+
+    endpoint: str
+    key: str
+
+
+def _check_readers(fields: dict) -> None:
+    if "readers" in fields:
+        fields["readers"] = [ReaderEndpoint(*_list_of(e, 2, (str, str), "reader endpoint"))
+                             for e in fields["readers"]]
+
+
+def _check_table(fields: dict, payloads: list) -> None:
+    _no_payload(fields, payloads)
+    _check_readers(fields)
+
+
+def _check_fetch(fields: dict, payloads: list) -> None:
+    """FETCH: references (see pack_ref) coalesced in one frame."""
+    _check_sizes(fields["sizes"], len(fields["sizes"]), payloads, "fetch")
+
+
+def _check_payloads(fields: dict, payloads: list) -> None:
+    """PAYLOADS: the bytes coalesced in one frame, or one frame per item (a reader sends mapped
+    members so, uncopied); `sizes` either way."""
+    sizes = fields["sizes"]
+    if len(payloads) == 1 or len(payloads) != len(sizes):
+        _check_sizes(sizes, len(sizes), payloads, "payloads")
+    elif not all(type(n) is int and f.nbytes == n for f, n in zip(payloads, sizes)):
+        raise ProtocolError("payloads: a frame's bytes differ from its size")
+
+
+def item_views(frames: list, sizes: list[int]) -> list[memoryview]:
+    """The items of a checked PAYLOADS message, coalesced or one frame each (no copies)."""
+    return split_payload(frames[0], sizes) if len(frames) == 1 else list(frames)
 
 
 #: CREDIT from a trainer may carry `timings`: per computed step {"step": int, "mb": [per
@@ -484,7 +557,8 @@ def _check_credit(fields: dict, payloads: list) -> None:
 
 
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
-           STEP: _check_step, CREDIT: _check_credit}
+           STEP: _check_step, CREDIT: _check_credit, WELCOME: _check_table,
+           READERS: _check_table, FETCH: _check_fetch, PAYLOADS: _check_payloads}
 
 
 def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int = 0) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dispatcher_server.protocol import MAX_READER_SHARDS
+from dispatcher_server.protocol import MAX_READER_SHARDS, ReaderEndpoint
 
 
 @dataclass(slots=True, kw_only=True)
@@ -34,6 +34,7 @@ class Reader:
     ready: bool = False  # asked for shards (SHARD_REQUEST): assign whenever a slot is free
     slots: int = 1  # shards it holds at once: one being read, the rest queued behind it
     assignments: list[Assignment] = field(default_factory=list)  # in the order assigned
+    payload: int = -1  # direct payload mode: its entry in ReaderPool.endpoints
 
 
 class ReaderPool:
@@ -43,6 +44,10 @@ class ReaderPool:
         self.readers: dict[bytes, Reader] = {}
         self.assignments: dict[int, Assignment] = {}
         self.next_id = 1
+        # direct payload mode: every payload endpoint ever reported, never reused or removed, so
+        # a sample's holder (an index here) stays valid while its step is retained
+        self.endpoints: list[ReaderEndpoint] = []
+        self._endpoint_index: dict[ReaderEndpoint, int] = {}
 
     def join(self, ident: bytes, name: str, now: float) -> Reader:
         reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now)
@@ -51,6 +56,20 @@ class ReaderPool:
     def request(self, reader: Reader, shards: int) -> None:
         reader.ready = True
         reader.slots = max(1, min(shards, MAX_READER_SHARDS))
+
+    def serves(self, reader: Reader, endpoint: str, key: str) -> bool:
+        """`reader` serves payloads at `endpoint`; True when the live table changed."""
+        entry = ReaderEndpoint(endpoint, key)
+        index = self._endpoint_index.setdefault(entry, len(self.endpoints))
+        if index == len(self.endpoints):
+            self.endpoints.append(entry)
+        changed, reader.payload = reader.payload != index, index
+        return changed
+
+    def live_endpoints(self) -> list[ReaderEndpoint]:
+        """The payload endpoints of the readers connected now, each once."""
+        return list(dict.fromkeys(self.endpoints[r.payload] for r in self.readers.values()
+                                  if r.payload >= 0))
 
     def find(self, reader: Reader, assign_id: int) -> Assignment | None:
         """`reader`'s assignment `assign_id`, or None if it is stale or someone else's."""

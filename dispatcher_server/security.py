@@ -67,12 +67,15 @@ class PeerCurve:
                              f"server_public_file={server_public_file!r}")
         return cls(secret_file=secret_file, server_public_file=server_public_file)
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def apply(self, sock: zmq.Socket, server_public: bytes | None = None) -> None:
+        """Make `sock` a CURVE client of the dispatcher, or of the server whose public key (z85)
+        is `server_public` (a reader's payload socket, direct payload mode)."""
         public, secret = _load(self.secret_file)
         if secret is None:
             raise ValueError(f"{self.secret_file!r} holds no secret key (pass NAME.key_secret, "
                              "not the public NAME.key)")
-        server_public, _ = _load(self.server_public_file)
+        if server_public is None:
+            server_public, _ = _load(self.server_public_file)
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_serverkey = server_public
@@ -86,8 +89,9 @@ def _load(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read CurveZMQ key file {path!r}: {e}") from None
 
 
-def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
-    """Make a bound socket a CURVE server with the dispatcher's key pair, reporting failed handshakes."""
+def apply_server_curve(sock: zmq.Socket, secret_file: str) -> bytes:
+    """Make a bound socket a CURVE server with the key pair in `secret_file` (the dispatcher's,
+    or a reader's for its payload socket), reporting failed handshakes; returns the public key."""
     public, secret = zmq.auth.load_certificate(secret_file)
     if secret is None:
         raise ValueError(f"{secret_file!r} holds no secret key")
@@ -95,6 +99,7 @@ def apply_server_curve(sock: zmq.Socket, secret_file: str) -> None:
     sock.curve_secretkey = secret
     sock.curve_server = True
     watch_handshakes(sock)
+    return public
 
 
 #: ZMTP protocol error -> what it means for a dispatcher requiring CurveZMQ

@@ -410,11 +410,13 @@ class Dispatcher:
 
     def _send_steps(self) -> None:
         encoding = 0.0
+        direct = self.config.payloads == "direct"
 
         def encode(rs: RetainedStep) -> list:
             nonlocal encoding
             e0 = thread_time()
-            msgs = step_messages(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, seq=self._seq + 1)
+            msgs = step_messages(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, seq=self._seq + 1,
+                                 endpoints=self.pool.endpoints if direct else None)
             self._seq += len(msgs)
             encoding += thread_time() - e0
             return msgs
@@ -505,7 +507,8 @@ class Dispatcher:
             return
         reader.last_seen = now
         if msg.type == P.SHARD_REQUEST:
-            self.pool.request(reader, int(msg.get("shards", 1)))
+            if self._serves_payloads(reader, msg):
+                self.pool.request(reader, int(msg.get("shards", 1)))
         elif msg.type == P.SAMPLES:
             self._on_samples(reader, msg)
         elif msg.type == P.SHARD_DONE:
@@ -532,11 +535,41 @@ class Dispatcher:
         reader = self.pool.join(ident, msg.get("name", ""), now)
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_joined", name=reader.name)
+        # direct mode: the shard files whose bytes a reader may serve to trainers
+        direct = ({"shards": [P.reference_path(u, "direct") for u in self.config.shards]}
+                  if self.config.payloads == "direct" else {})
         self._send_reader(reader, P.WELCOME, role="reader", ack=msg.seq,
                           heartbeat_s=float(self.config.liveness.heartbeat_s),
-                          payloads=self.config.payloads)
+                          payloads=self.config.payloads, **direct)
         if self._readers_ended:
             self._send_reader(reader, P.END, reason="done")
+
+    def _serves_payloads(self, reader: Reader, msg: P.Message) -> bool:
+        """direct mode: note where `reader` serves payloads (SHARD_REQUEST); False when it does not
+        say, so it gets no shard (trainers could not fetch what it read)."""
+        if self.config.payloads != "direct":
+            return True
+        endpoint = msg.get("payload_endpoint")
+        if endpoint is None:
+            self.metrics.error("no_payload_endpoint", reader=reader.name)
+            self._send_reader(reader, P.ERROR, code="payloads", message="the dispatcher runs "
+                              "--payloads direct: shard_request needs payload_endpoint")
+            return False
+        if self.pool.serves(reader, endpoint, msg.get("payload_key", "")):
+            event("reader_payloads", name=reader.name, endpoint=endpoint)
+            self._send_reader_table()
+        return True
+
+    def _reader_table(self) -> dict:
+        """WELCOME's and READERS' `readers` field: the live payload endpoints (direct mode)."""
+        return {"readers": [list(e) for e in self.pool.live_endpoints()]}
+
+    def _send_reader_table(self) -> None:
+        """Tell every connected trainer the live payload endpoints (direct mode)."""
+        table = self._reader_table()
+        for slot in self.delivery.slots:
+            if slot.ident is not None:
+                self._send(self.trainer_sock, slot.ident, P.READERS, **table)
 
     def _on_samples(self, reader: Reader, msg: P.Message) -> None:
         a = self.pool.find(reader, msg["assign_id"])
@@ -556,13 +589,14 @@ class Dispatcher:
         sizes = msg.get("sizes")
         # Coalesced payloads: every item is a view of the one frame (no copy, no frame per item).
         views = msg.frames if sizes is None else P.split_payload(msg.frames[0], sizes)
-        if self.config.payloads == "reference" and not P.refs_point_into(views, prog.ref_path):
+        if self.config.payloads != "inline" and not P.refs_point_into(views, prog.ref_path):
             # Trainers read what references name: only the assigned shard's file may be named.
             self.metrics.error("bad_reference", reader=reader.name, shard=prog.url)
             self._take_back(reader, a)
             return
         item_bytes = sizes if sizes is not None else [v.nbytes for v in views]
-        got = self.assembler.receive(a.pos, headers, views, item_bytes, msg.get("skipped", ()))
+        got = self.assembler.receive(a.pos, headers, views, item_bytes, msg.get("skipped", ()),
+                                     reader.payload)
         for key, index in got.out_of_order:
             self.metrics.error("out_of_order", key=key, index=index)
         a.received += got.read
@@ -704,7 +738,8 @@ class Dispatcher:
                    heartbeat_s=float(self.config.liveness.heartbeat_s),
                    world_size=self.config.world_size, next_step=want,
                    num_microbatches=self.config.planner.num_microbatches,
-                   payloads=self.config.payloads, dataset=self.dataset)
+                   payloads=self.config.payloads, dataset=self.dataset,
+                   **(self._reader_table() if self.config.payloads == "direct" else {}))
 
     def _measured(self, rank: int, record: dict) -> None:
         """A rank's timings of one step: log every step now complete, refit when due."""
@@ -767,6 +802,8 @@ class Dispatcher:
         for a in list(reader.assignments):
             self._release(reader, a)
         self.pool.drop(reader)
+        if reader.payload >= 0:
+            self._send_reader_table()
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
               name=reader.name, why=why, shards=",".join(shards) or None)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dispatcher_server.cliopts import HelpFormatter
+from dispatcher_server.protocol import PAYLOAD_MODES
 from mmdispatch import settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +203,7 @@ def _stream(d: dict) -> list[str]:
            f"({d['raw_samples_per_s']:,.0f} samples/s).", "",
            "| payloads | e2e samples/s | e2e vs bare read, median (runs) (target >= 0.8) | CPU-bound ratio | "
            "payload MB/s | dispatcher peak RSS MB |", "|---|---|---|---|---|---|"]
-    for mode in ("inline", "reference"):
+    for mode in PAYLOAD_MODES:
         if isinstance(d.get(mode), dict):
             m = d[mode]
             runs = ", ".join(f"{r:.2f}" for r in m.get("e2e_vs_raw_runs", []))
@@ -214,7 +215,7 @@ def _stream(d: dict) -> list[str]:
             "the chain shares the bare read's cores. Wall-clock ratios move with other load on the "
             "machine, which the spread of the runs shows.", "",
             "| payloads | CPU ms per sample: readers | dispatcher | trainers | bare read |", "|---|---|---|---|---|"]
-    for mode in ("inline", "reference"):
+    for mode in PAYLOAD_MODES:
         if isinstance(d.get(mode), dict):
             c = d[mode]["e2e_cpu_ms_per_sample"]
             out.append(f"| {mode} | {c['readers']:.3f} | {c['dispatcher']:.3f} | {c['trainers']:.3f} | "

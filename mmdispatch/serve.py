@@ -79,7 +79,9 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline)"),
     "payloads": (str, "inline", "inline: member bytes flow reader -> dispatcher -> trainer; "
                                 "reference: only their offsets do, and trainers read the bytes "
-                                "from the shard files (same paths on every host, plain tars)"),
+                                "from the shard files (same paths on every host, plain tars); "
+                                "direct: only their offsets do, and trainers fetch the bytes from "
+                                "the readers (plain local tars, see read --payload-bind)"),
     "probe_samples": (int, 64, "at start, read up to this many samples of the first shards and "
                                "refuse a dataset in which none has a member the field map uses "
                                "(0 = no probe)"),
@@ -183,8 +185,9 @@ def build_config(v: dict) -> ServerConfig:
             shuffle = file_shuffle
     else:
         sources = [Source(name="default", shards=expand_shards(v["shards"]))]
-    if v["payloads"] == "reference":
-        # Trainers open these paths themselves, from their own working directories.
+    if v["payloads"] != "inline":
+        # Trainers (reference) or any reader (direct) open these paths, from their own
+        # working directories.
         for src in sources:
             src.shards = [os.path.abspath(u) if "://" not in u and not u.startswith("pipe:") else u
                           for u in src.shards]

@@ -29,9 +29,10 @@ from dispatcher_server.cliopts import check_endpoint, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
+from pipeline.counting import CountingConfig
+from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
-from pipeline.counting import CountingConfig
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait
 from pipeline.tokenize import tokenizer_identity
@@ -57,6 +58,13 @@ class ReaderServiceConfig:
     # "trainer": ship member bytes (trainers decode them); "datanode": ship the model inputs
     # (`pipeline.preprocess`: float16 arrays, shape and dtype in the item meta), inline only.
     preprocess_on: str = "trainer"
+    # direct payload mode: where this reader serves payloads to trainers (None: an ephemeral
+    # port on the interface that reaches the dispatcher), what it tells them, its cache's cap,
+    # and (CurveZMQ) the directory of the trainers' allowed public keys.
+    payload_bind: str | None = None
+    payload_advertise: str | None = None
+    payload_cache_mb: int = DEFAULT_CACHE_MB
+    allowed_dir: str | None = None
 
     def session(self) -> SessionConfig:
         return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,
@@ -122,9 +130,14 @@ class ReaderWorker:
         self.ended = False  # the dispatcher said the job is done
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
         self.inputs = input_rules(config.reader.counting)  # stated in HELLO, checked by the dispatcher
+        self.payload_server: PayloadServer | None = None  # direct mode, from the first WELCOME
 
     def run(self, stop: threading.Event | None = None) -> None:
-        self.session.run(stop or threading.Event())
+        try:
+            self.session.run(stop or threading.Event())
+        finally:
+            if self.payload_server is not None:
+                self.payload_server.close()
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
@@ -140,12 +153,32 @@ class ReaderWorker:
         if mode not in P.PAYLOAD_MODES:
             raise FatalReaderError(f"dispatcher at {self.config.dispatcher} asks for unknown "
                                    f"payload mode {mode!r}")
-        if mode == "reference" and self.config.preprocess_on == "datanode":
-            raise FatalReaderError(f"dispatcher at {self.config.dispatcher} runs --payloads reference, "
+        if mode != "inline" and self.config.preprocess_on == "datanode":
+            raise FatalReaderError(f"dispatcher at {self.config.dispatcher} runs --payloads {mode}, "
                                    f"but --preprocess-on datanode ships tensors inline: serve with "
                                    f"--payloads inline or read with --preprocess-on trainer")
         self.payloads = mode
+        if mode == "direct":
+            self._serve_payloads(msg.get("shards", []))
         self._request_shards()
+
+    def _serve_payloads(self, shards: list) -> None:
+        """Open the payload socket (once per worker) and let it serve the job's shard files."""
+        c = self.config
+        if self.payload_server is None:
+            try:
+                self.payload_server = PayloadServer(
+                    bind_address(c.payload_bind, c.dispatcher, 0),
+                    cache=PayloadCache(c.payload_cache_mb << 20),
+                    advertise=c.payload_advertise, dispatcher=c.dispatcher,
+                    secret_file=c.secret_file, allowed_dir=c.allowed_dir)
+            except (zmq.ZMQError, ValueError) as e:
+                raise FatalReaderError(f"--payloads direct: cannot serve payloads at "
+                                       f"{c.payload_bind or 'an ephemeral port'}: {e} "
+                                       f"(see --payload-bind)") from None
+            log.info("mmdispatch event=payloads_bound endpoint=%s", self.payload_server.endpoint)
+        self.payload_server.servable = frozenset(
+            P.reference_path(url, "direct").encode("utf-8", "surrogateescape") for url in shards)
 
     def on_message(self, session: PeerSession, msg: P.Message) -> bool:
         if msg.type == P.SHARD_ASSIGN:
@@ -182,8 +215,8 @@ class ReaderWorker:
     # -- assignments ---------------------------------------------------------------------
     def _assign(self, msg: P.Message) -> None:
         ref_path = None
-        if self.payloads == "reference":
-            ref_path = P.reference_path(msg["shard"]).encode("utf-8", "surrogateescape")
+        if self.payloads != "inline":
+            ref_path = P.reference_path(msg["shard"], self.payloads).encode("utf-8", "surrogateescape")
         ahead = ReadAhead(stall_s=self.config.stall_s, threaded=reads_can_wait(msg["shard"]),
                           name=f"mmdispatch-read-{msg['assign_id']}")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=ahead, ref_path=ref_path)
@@ -244,8 +277,12 @@ class ReaderWorker:
         return next((a for a in self.assignments if a.id == assign_id), None)
 
     def _request_shards(self) -> None:
+        served = self.payload_server
+        where = ({} if self.payloads != "direct" or served is None else
+                 {"payload_endpoint": served.endpoint,
+                  **({"payload_key": served.public_key} if served.public_key else {})})
         self.session.send(P.SHARD_REQUEST, shards=min(1 + max(0, self.config.prefetch_shards),
-                                                      P.MAX_READER_SHARDS))
+                                                      P.MAX_READER_SHARDS), **where)
 
     def _stream(self, a: _Assignment) -> None:
         """Send up to min(credits, batch) samples of `a`'s shard, with the skips among them;
@@ -263,6 +300,8 @@ class ReaderWorker:
                     a.skipped(*entry)
                     continue
                 h, f = sample_header(entry, a.ref_path)
+                if self.payloads == "direct":
+                    self.payload_server.keep(f, [entry.members[it.member] for it in entry.items])
                 token_bytes += len(h[4])
                 headers.append(h)
                 frames.extend(f)
@@ -364,6 +403,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="trainer: ship member bytes, trainers decode them; datanode: ship "
                              "the model inputs (float16 image patches and audio log-mels, larger "
                              "on the wire), for trainers short of CPU; needs --payloads inline")
+    parser.add_argument("--payload-bind", default=None,
+                        help="--payloads direct: endpoint this reader serves payloads to trainers "
+                             "at (a fixed port P serves worker w at P + w); default an ephemeral "
+                             "port on the interface that reaches the dispatcher")
+    parser.add_argument("--payload-advertise", default=None,
+                        help="--payloads direct: the endpoint trainers are told to fetch from "
+                             "(tcp://HOST[:PORT], no port: the bound one); default the bound "
+                             "endpoint, a wildcard host replaced by that interface's address")
+    parser.add_argument("--payload-cache-mb", type=int, default=_DEFAULTS.payload_cache_mb,
+                        help="--payloads direct: MiB of sent members held for trainers to fetch "
+                             "(each dropped once fetched, oldest first past this cap; a miss is "
+                             "read again from the shard file)")
+    parser.add_argument("--curve-allowed-dir", default=None,
+                        help="CurveZMQ with --payloads direct: directory of the trainers' allowed "
+                             "public NAME.key files (the payload socket refuses other clients)")
     add_reader_arguments(parser)  # counting rules and error policy, shared with `inspect`
 
 
@@ -378,6 +432,12 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
         raise ValueError("--curve-secret and --curve-server-key go together")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.payload_cache_mb < 0:
+        raise ValueError(f"--payload-cache-mb must be >= 0, got {args.payload_cache_mb}")
+    for flag, value in (("--payload-bind", args.payload_bind),
+                        ("--payload-advertise", args.payload_advertise)):
+        if value:
+            check_endpoint(flag, value)
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     if args.stall_timeout <= 0:
@@ -393,7 +453,12 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                timeout_s=args.timeout, stall_s=args.stall_timeout,
                                connect_timeout_s=args.connect_timeout or None,
                                reader=reader, preprocess_on=args.preprocess_on,
-                               secret_file=args.curve_secret, server_public_file=args.curve_server_key)
+                               secret_file=args.curve_secret, server_public_file=args.curve_server_key,
+                               payload_bind=(bind_address(args.payload_bind, args.dispatcher, worker)
+                                             if args.payload_bind else None),
+                               payload_advertise=args.payload_advertise,
+                               payload_cache_mb=args.payload_cache_mb,
+                               allowed_dir=args.curve_allowed_dir)
 
 
 def _worker_main(args: argparse.Namespace, worker: int) -> int:

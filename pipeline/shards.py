@@ -230,3 +230,21 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     if mapped and not path.endswith((".gz", ".tgz")) and os.path.isfile(path):
         return MappedShard(path)  # type: ignore[return-value]
     return open(path, "rb", buffering=_READ_BUFFER)
+
+
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """`size` bytes at `offset` of the shard `url` (a local uncompressed tar; see
+    protocol.reference_path). The one place payloads are read by offset (`direct` mode), so
+    other storage can be routed here later. OSError naming the shard if it holds fewer."""
+    path = _local_path(url)
+    if path is None:
+        raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        data = os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise OSError(f"shard {url!r} holds {len(data)} of the {size} bytes at offset {offset}: "
+                      f"changed on disk?")
+    return data

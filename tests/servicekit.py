@@ -174,6 +174,11 @@ FLOW = ["--max-buffered-samples", "96", "--credit-batch", "8", "--inflight-shard
         "--max-retained-steps", "3"]
 
 
+#: Direct payloads: a dead reader's fetches move on as fast as the dispatcher notices it is gone,
+#: with attempts enough to span a replacement reader's start on a loaded machine.
+FETCH = {"fetch_timeout_s": 1.5, "fetch_attempts": 12}
+
+
 class Stack:
     """`mmdispatch serve` plus reader processes; everything is SIGKILLed on exit."""
 
@@ -250,7 +255,7 @@ class Trainers:
         self.pause = {r: threading.Event() for r in ranks}
         self.stop = threading.Event()
         cfg = dict(heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=step_timeout_s,
-                   backoff_max_s=0.5, prefetch=prefetch)
+                   backoff_max_s=0.5, prefetch=prefetch, **FETCH)
         self.clients = {r: DispatcherClient(endpoint, r, world_size, world_size,
                                             config=ClientConfig(**cfg)) for r in ranks}
         self.commit_every = commit_every
@@ -422,7 +427,7 @@ def _trainer_main(argv: list[str]) -> int:
     from trainer_client.client import ClientConfig, DispatcherClient
 
     client = DispatcherClient(a.endpoint, a.rank, a.world_size, a.world_size, config=ClientConfig(
-        heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=60, backoff_max_s=0.5))
+        heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=60, backoff_max_s=0.5, **FETCH))
     if a.next_step is not None:
         client.load_state_dict({"next_step": a.next_step, "rank": a.rank,
                                 "world_size": a.world_size})

@@ -70,8 +70,8 @@ CASES = {
                      ["'fast'", "deterministic", "arrival"]),
     "unknown oversize": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--oversize", "drop"],
                          ["'drop'", "isolate"]),
-    "unknown payloads": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--payloads", "direct"],
-                         ["'direct'", "reference"]),
+    "unknown payloads": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--payloads", "pigeon"],
+                         ["'pigeon'", "reference", "direct"]),
     "heartbeat >= timeout": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                            "--heartbeat", "5", "--timeout", "5"],
                              ["--heartbeat 5.0", "--timeout 5.0"]),
@@ -162,7 +162,7 @@ def _help(command: str) -> str:
 def test_help_shows_choices_and_no_meaningless_defaults():
     serve = _help("serve")
     for flag, choices in (("--mode", "{deterministic,arrival}"), ("--oversize", "{error,isolate}"),
-                          ("--payloads", "{inline,reference}")):
+                          ("--payloads", "{inline,reference,direct}")):
         assert f"{flag} {choices}" in serve
     assert "pipe:" in serve and "file:" in serve  # the shard URL forms --shards accepts
     for command in ("serve", "read", "inspect"):

@@ -71,6 +71,9 @@ def valid_messages() -> list[list[bytes]]:
         P.encode(P.END, next_step=4, reason="max_epochs"),
         P.encode(P.COMMIT, step=3),
         _step_frames(),
+        P.encode(P.READERS, readers=[["tcp://10.0.0.5:7000", ""]]),
+        P.encode(P.FETCH, frames=[P.pack_ref(b"/d/a.tar", 512, 3)], id=1, sizes=[19]),
+        P.encode(P.PAYLOADS, frames=[b"abc"], id=1, sizes=[3]),
     ]
     return [[bytes(memoryview(f)) for f in m] for m in out]
 
@@ -153,7 +156,7 @@ _mutation = st.tuples(st.sampled_from(["flip", "truncate", "drop", "dup", "swap"
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.integers(0, 10), st.lists(_mutation, min_size=1, max_size=4))
+@given(st.integers(0, 13), st.lists(_mutation, min_size=1, max_size=4))
 def test_fuzz_mutated_valid_messages_raise_only_protocol_error(which, mutations):
     frames = [bytearray(f) for f in VALID[which]]
     for kind, at, byte in mutations:

@@ -26,6 +26,7 @@ from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig
 from dispatcher_server.stepwire import SAMPLE_ARRAYS, unpack_microbatch
+from trainer_client.fetch import FetchConfig, PayloadFetcher
 
 log = logging.getLogger("mmdispatch.client")
 _END = object()
@@ -47,8 +48,9 @@ class EncoderBatch:
     item_ids: torch.Tensor  # int64[n], ids within the step's phase items
     enc_len: torch.Tensor  # int64[n]
     llm_len: torch.Tensor  # int64[n]
-    # raw member bytes (jpg/png/wav...): views over received frames (inline payloads) or over
-    # the shard files' pages (reference payloads, mapped; read-only either way)
+    # raw member bytes (jpg/png/wav...): views over received frames (inline payloads, and
+    # direct payloads fetched from the readers) or over the shard files' pages (reference
+    # payloads, mapped; read-only either way)
     payloads: list[memoryview]
     modalities: list[str]
     sample_keys: list[str]  # owning sample of each item
@@ -232,17 +234,20 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
     return ids, masks
 
 
-def decode_step(msg: P.Message, files: ShardFiles | None = None) -> Step:
+def decode_step(msg: P.Message, files: ShardFiles | None = None,
+                fetched: list[list[memoryview]] | None = None) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
 
-    With `files` (reference payload mode) the payload frames hold references, read from disk.
+    With `files` (reference payload mode) the payload frames hold references, read from disk;
+    `fetched` (direct mode) holds the bytes they name, per micro-batch (`fetch.PayloadFetcher`).
     """
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
     for m, mb in enumerate(msg["microbatches"]):
         buf = msg.frames[2 * m]
         # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
-        payloads = P.split_payload(msg.frames[2 * m + 1], mb["sizes"]) if files is None \
-            else files.read(msg.frames[2 * m + 1], mb["sizes"])
+        payloads = (fetched[m] if fetched is not None
+                    else P.split_payload(msg.frames[2 * m + 1], mb["sizes"]) if files is None
+                    else files.read(msg.frames[2 * m + 1], mb["sizes"]))
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m,
                                  world_size=msg["world_size"])
         tensors = _plan_tensors(plan)
@@ -289,6 +294,10 @@ class ClientConfig:
     map_shards: bool = True
     secret_file: str | None = None  # CurveZMQ: this trainer's key pair
     server_public_file: str | None = None  # CurveZMQ: the dispatcher's public key
+    # Direct payloads: a reader silent this long on a fetch is replaced by another live one,
+    # at most `fetch_attempts` readers per request (see fetch.PayloadFetcher).
+    fetch_timeout_s: float = 5.0
+    fetch_attempts: int = 4
 
     def session(self, address: str) -> SessionConfig:
         return SessionConfig(address=address, heartbeat_s=self.heartbeat_s,
@@ -296,6 +305,16 @@ class ClientConfig:
                              poll_ms=self.poll_ms, backoff_min_s=self.backoff_min_s,
                              backoff_max_s=self.backoff_max_s,
                              curve=PeerCurve.from_files(self.secret_file, self.server_public_file))
+
+    def fetcher(self, out: queue.Queue) -> PayloadFetcher:
+        """The direct-mode payload fetcher of a client whose steps go to `out`."""
+        return PayloadFetcher(decode=lambda msg, fetched: decode_step(msg, fetched=fetched),
+                              out=out, curve=PeerCurve.from_files(self.secret_file,
+                                                                  self.server_public_file),
+                              config=FetchConfig(timeout_s=self.fetch_timeout_s,
+                                                 attempts=self.fetch_attempts,
+                                                 backoff_min_s=self.backoff_min_s,
+                                                 backoff_max_s=self.backoff_max_s))
 
 
 def _env_int(name: str, default: int) -> int:
@@ -339,7 +358,8 @@ class _TrainerPeer:
     """
 
     def __init__(self, *, hello: dict, prefetch: int, map_shards: bool, next_step: int | None,
-                 dataset: dict | None, steps: queue.Queue, commands: queue.Queue) -> None:
+                 dataset: dict | None, steps: queue.Queue, commands: queue.Queue,
+                 fetcher=None) -> None:
         self.hello = hello
         self.prefetch = prefetch
         self.map_shards = map_shards
@@ -351,6 +371,8 @@ class _TrainerPeer:
         self.commands = commands
         self.commits: list[_Commit] = []
         self.files: ShardFiles | None = None  # reference payload mode
+        self.make_fetcher = fetcher  # out queue -> PayloadFetcher (direct mode)
+        self.fetcher: PayloadFetcher | None = None  # direct payload mode
         self.credit_sent: tuple | None = None
         self.timings: list[dict] = []  # measured steps not yet sent (bounded)
 
@@ -367,6 +389,8 @@ class _TrainerPeer:
     def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
         self._check_dataset(msg.get("dataset"))
         self._payload_mode(msg.get("payloads", "inline"))
+        if self.fetcher is not None:
+            self.fetcher.readers = msg.get("readers", [])
         self.next_expected = msg["next_step"]
         if self.consumed is None:
             self.consumed = msg["next_step"]
@@ -379,11 +403,13 @@ class _TrainerPeer:
             if msg["step"] > self.next_expected:
                 session.hello()  # a step was lost (peer reconnected): ask again from ours
             elif msg["step"] == self.next_expected:
-                self.steps.put(decode_step(msg, self.files))
+                self._deliver(msg)
                 self.next_expected += 1
         elif (msg.type == P.END and session.welcomed
               and msg.get("next_step", self.next_expected) == self.next_expected):
-            self.steps.put(_END)
+            self._deliver(_END)
+        elif msg.type == P.READERS and self.fetcher is not None:
+            self.fetcher.readers = msg["readers"]
         elif msg.type == P.COMMIT:
             for c in [c for c in self.commits if c.step <= msg["step"]]:
                 self.commits.remove(c)
@@ -403,6 +429,15 @@ class _TrainerPeer:
         return False
 
     # -- parts ---------------------------------------------------------------------------
+    def _deliver(self, item) -> None:
+        """A STEP message (decoded, payloads read or fetched) or the end, in order."""
+        if self.fetcher is not None:
+            self.fetcher.put(item)  # it passes the end on after the steps before it
+        elif isinstance(item, P.Message):
+            self.steps.put(decode_step(item, self.files))
+        else:
+            self.steps.put(item)
+
     def _check_dataset(self, served: dict | None) -> None:
         if self.restored is not None and served is not None and served != self.restored:
             raise DispatcherError("dataset", "the restored state belongs to another dataset ("
@@ -414,9 +449,14 @@ class _TrainerPeer:
             raise DispatcherError("payloads", f"unknown payload mode {mode!r}")
         if mode == "reference" and self.files is None:
             self.files = ShardFiles(mapped=self.map_shards)
-        elif mode == "inline" and self.files is not None:
+        elif mode != "reference" and self.files is not None:
             self.files.close()
             self.files = None
+        if mode == "direct" and self.fetcher is None:
+            self.fetcher = self.make_fetcher(self.steps)
+        elif mode != "direct" and self.fetcher is not None:
+            self.fetcher.close()
+            self.fetcher = None
 
     def _do_commands(self, session: PeerSession) -> None:
         while True:
@@ -434,6 +474,8 @@ class _TrainerPeer:
                 self.commits.append(c)
                 c.seq = session.send(P.COMMIT, step=c.step)
             elif cmd[0] == "resync":
+                if self.fetcher is not None:
+                    self.fetcher.clear()
                 while not self.steps.empty():
                     self.steps.get_nowait()
                 self.next_expected = self.consumed = cmd[1]
@@ -468,6 +510,9 @@ class _TrainerPeer:
         if self.files is not None:
             self.files.close()
             self.files = None
+        if self.fetcher is not None:
+            self.fetcher.close()
+            self.fetcher = None
 
 
 class DispatcherClient:
@@ -521,7 +566,7 @@ class DispatcherClient:
                        **({} if self.inputs is None else {"inputs": self.inputs})},
                 prefetch=self.config.prefetch, map_shards=self.config.map_shards,
                 next_step=self._consumed, dataset=self._restored, steps=self._steps,
-                commands=self._commands)
+                commands=self._commands, fetcher=self.config.fetcher)
             self._session = PeerSession(self.config.session(self.address), self._peer,
                                         context=self.ctx, name="client")
             self._thread = threading.Thread(target=self._run, name=f"mmdispatch-client-{self.rank}",

@@ -1,0 +1,210 @@
+"""A reader's payload socket for `direct` payload mode: trainers fetch member bytes from it.
+
+The dispatcher plans on headers and references only; each trainer asks a reader for the bytes
+of the items it encodes (FETCH: references, one request per reader and step; PAYLOADS: the
+bytes). Pull, by the trainer: it bounds its own memory and backpressure, readers need to know
+nothing of trainer liveness, and a restarted trainer simply asks again.
+
+A reader keeps the members it sent headers for in a bounded cache (evicted once fetched, and
+oldest first past a byte cap); a miss, e.g. a replay after a trainer restarts or a reference
+whose reader died, is read from the shard file at its offset, so any live reader serves any
+reference of a shard of the job (the dispatcher's WELCOME lists them; no other file is read).
+With CurveZMQ the socket is a CURVE server with the reader's key pair and admits only clients
+whose public key is in the allowed directory (the same ZAP handler as the dispatcher's).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import OrderedDict
+from urllib.parse import urlsplit
+
+import zmq
+
+from dispatcher_server import protocol as P
+from pipeline.shards import read_range
+
+log = logging.getLogger("mmdispatch.payloads")
+
+#: Default byte cap of a reader's payload cache (`--payload-cache-mb`).
+DEFAULT_CACHE_MB = 256
+
+
+class PayloadCache:
+    """Member buffers by reference (protocol.pack_ref), at most `max_bytes` of them: the oldest
+    go first when more arrive, and each goes once fetched. Thread-safe (the reader puts, the
+    payload thread takes)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._items: OrderedDict[bytes, memoryview] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, ref: bytes, data) -> None:
+        view = memoryview(data)
+        with self._lock:
+            old = self._items.pop(ref, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            if view.nbytes > self.max_bytes:
+                return
+            self._items[ref] = view
+            self.nbytes += view.nbytes
+            while self.nbytes > self.max_bytes:
+                self.nbytes -= self._items.popitem(last=False)[1].nbytes
+
+    def take(self, ref: bytes) -> memoryview | None:
+        with self._lock:
+            view = self._items.pop(ref, None)
+            if view is not None:
+                self.nbytes -= view.nbytes
+            return view
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def local_address(dispatcher: str) -> str:
+    """The address of this host's interface that reaches `dispatcher` (tcp://HOST:PORT): what
+    trainers, which reach the dispatcher too, most likely reach. 127.0.0.1 for other transports."""
+    parts = urlsplit(dispatcher)
+    if parts.scheme != "tcp" or not parts.hostname:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((parts.hostname, parts.port or 9))  # UDP: nothing is sent
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def bind_address(bind: str | None, dispatcher: str, worker: int) -> str:
+    """Where worker `worker` binds: `bind` (a fixed port P becomes P + worker, so the workers of
+    one `read --workers N` do not collide), default an ephemeral port on the interface that
+    reaches the dispatcher."""
+    if not bind:
+        return f"tcp://{local_address(dispatcher)}:0"
+    parts = urlsplit(bind)
+    if parts.scheme == "tcp" and parts.port:
+        return f"tcp://{parts.hostname}:{parts.port + worker}"
+    return bind
+
+
+def advertised(bound: str, advertise: str | None, dispatcher: str) -> str:
+    """The endpoint trainers are told: `advertise` (without a port: the bound one), else the bound
+    endpoint with a wildcard host replaced by the interface that reaches the dispatcher."""
+    port = urlsplit(bound).port
+    if advertise:
+        return advertise if urlsplit(advertise).port else f"{advertise.rstrip('/')}:{port}"
+    host = urlsplit(bound).hostname
+    if host in ("0.0.0.0", "*", "::", None) and bound.startswith("tcp://"):
+        return f"tcp://{local_address(dispatcher)}:{port}"
+    return bound
+
+
+class PayloadServer:
+    """The ROUTER payload socket and its thread; `close()` stops both.
+
+    `servable` (set by the reader from WELCOME) holds the shard files this reader may read
+    for a reference; `cache` the members it sent headers for.
+    """
+
+    def __init__(self, bind: str, *, cache: PayloadCache, advertise: str | None = None,
+                 dispatcher: str = "", secret_file: str | None = None,
+                 allowed_dir: str | None = None, poll_ms: int = 100) -> None:
+        self.cache = cache
+        self.servable: frozenset[bytes] = frozenset()
+        self.public_key = ""
+        self.poll_ms = poll_ms
+        self.num_served = self.num_missed = 0
+        # Its own context: a ZAP handler is per context, and a reader's session is a client.
+        self.ctx = zmq.Context()
+        self._auth = None
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.copy_threshold = 0  # members go out as they are: no copy into zmq's buffers
+        try:
+            P.socket_limits(self.sock)
+            if secret_file:
+                from dispatcher_server.security import apply_server_curve, start_authenticator
+
+                if not allowed_dir:
+                    raise ValueError("CurveZMQ payload sockets need --curve-allowed-dir (the "
+                                     "trainers' public NAME.key files)")
+                self._auth = start_authenticator(self.ctx, allowed_dir)
+                self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
+            self.sock.bind(bind)
+        except BaseException:
+            self.close()
+            raise
+        self.endpoint = advertised(self.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise,
+                                   dispatcher)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmdispatch-payloads", daemon=True)
+        self._thread.start()
+
+    def keep(self, refs: list, members: list) -> None:
+        """Cache the members whose references were just sent to the dispatcher."""
+        for ref, data in zip(refs, members):
+            self.cache.put(bytes(ref), data)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.sock.poll(self.poll_ms):
+                    continue
+                for frames in P.pending(self.sock, 64):
+                    try:
+                        self._serve(frames[0].bytes, frames[1:])
+                    except Exception:  # noqa: BLE001 - one odd request must not end serving
+                        log.exception("mmdispatch event=payload_request_failed")
+        except zmq.ZMQError:
+            if not self._stop.is_set():
+                raise
+
+    def _serve(self, ident: bytes, body: list) -> None:
+        try:
+            msg = P.decode(body)
+        except P.ProtocolError as e:
+            self._send(ident, P.ERROR, code=e.code, message=str(e))
+            return
+        if msg.type != P.FETCH:
+            self._send(ident, P.ERROR, code="unexpected", message=f"{msg.type} is not a fetch")
+            return
+        try:
+            out = [self._bytes(ref) for ref in P.split_payload(msg.frames[0], msg["sizes"])]
+        except (OSError, ValueError, P.ProtocolError) as e:
+            self._send(ident, P.ERROR, code="fetch", message=str(e), ack=msg["id"])
+            return
+        # One frame per item, sent from the members' buffers (mapped shard pages) uncopied.
+        self._send(ident, P.PAYLOADS, frames=out, id=msg["id"],
+                   sizes=[memoryview(b).nbytes for b in out])
+
+    def _bytes(self, ref: memoryview):
+        """A reference's bytes: from the cache, else read from its shard file."""
+        cached = self.cache.take(bytes(ref))
+        if cached is not None:
+            self.num_served += 1
+            return cached
+        path, offset, size = P.unpack_ref(ref)
+        if path not in self.servable:
+            raise ValueError(f"{path.decode(errors='replace')!r} is not a shard of this job")
+        if size > P.DEFAULT_LIMITS.max_frame_bytes or offset >= 1 << 62:
+            raise ValueError(f"{size} bytes at offset {offset} is no member of a shard")
+        self.num_missed += 1
+        return read_range(path.decode("utf-8", "surrogateescape"), offset, size)
+
+    def _send(self, ident: bytes, type_: str, **fields) -> None:
+        self.sock.send_multipart([ident, *P.encode(type_, **fields)], copy=False)
+
+    def close(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            self._thread.join(5)
+        self.sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()

@@ -1,0 +1,300 @@
+"""`direct` payload mode: the dispatcher plans on references, trainers fetch the bytes from readers.
+
+Held to inline mode's delivery (same steps, keys, text ids and byte-identical payloads), through
+the cache and its miss path, across reader (killed or hung), dispatcher and trainer faults (the
+fault runs of test_faults with `--payloads direct`, audited and compared with an undisturbed
+inline run), under CurveZMQ, and refusing at start the shards it cannot read by offset.
+"""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.config import CurveConfig
+from dispatcher_server.security import PeerCurve, create_keypair
+from pipeline.payloads import PayloadCache, PayloadServer, advertised, bind_address
+from pipeline.reader import iter_shard
+from pipeline.service import FatalReaderError, ReaderServiceConfig, ReaderWorker
+from tests import servicekit as K
+from tests import test_faults as F
+from tests.test_faults import corpus, keys, reference  # noqa: F401 - fixtures
+from tests.test_reference_payloads import _contents, _deliver, _wait_for
+from tests.test_service import consume, dispatcher, make_config, readers, shards  # noqa: F401
+from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
+
+
+# -- parts ------------------------------------------------------------------------------------
+def test_step_holders_must_index_the_step_readers():
+    def step(holders, readers):
+        mb = {"arrays": [], "keys": [], "tokens": [], "items": [["image", "k", "jpg", {}]],
+              "payloads": 1, "sizes": [1]}
+        if holders is not None:
+            mb[P.HOLDERS] = holders
+        extra = {} if readers is None else {"readers": readers}
+        return P.encode(P.STEP, frames=[b"", b"x"], step=0, epoch=0, rank=0, world_size=1,
+                        microbatches=[mb], **extra)
+
+    msg = P.decode(step([0], [["tcp://h:1", ""]]))
+    assert msg["readers"] == [P.ReaderEndpoint("tcp://h:1", "")]
+    for holders, readers in (([1], [["tcp://h:1", ""]]), ([0], None), (None, [["tcp://h:1", ""]]),
+                             ([0, 0], [["tcp://h:1", ""]]), ([0], [["tcp://h:1"]])):
+        with pytest.raises(P.ProtocolError):
+            P.decode(step(holders, readers))
+    with pytest.raises(P.ProtocolError, match="sizes"):
+        P.decode(P.encode(P.FETCH, frames=[b"abc"], id=1, sizes=[2]))
+    for frames in ([b"ab", b"c"], [b"abc"]):  # one frame per item, or coalesced
+        msg = P.decode(P.encode(P.PAYLOADS, frames=frames, id=1, sizes=[2, 1]))
+        assert [bytes(v) for v in P.item_views(msg.frames, msg["sizes"])] == [b"ab", b"c"]
+    for frames in ([b"a", b"bc"], [b"ab"], [b"a", b"b", b"c"]):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(P.PAYLOADS, frames=frames, id=1, sizes=[2, 1]))
+
+
+def test_cache_evicts_on_take_and_past_its_byte_cap():
+    cache = PayloadCache(10)
+    cache.put(b"a", b"1234")
+    cache.put(b"b", b"5678")
+    assert bytes(cache.take(b"a")) == b"1234" and cache.take(b"a") is None  # gone once fetched
+    cache.put(b"c", b"901234")  # 10 bytes with b: fits
+    cache.put(b"d", b"56")  # 12: the oldest (b) goes
+    assert cache.take(b"b") is None and bytes(cache.take(b"c")) == b"901234"
+    cache.put(b"e", b"x" * 11)  # larger than the cap: never held
+    assert cache.take(b"e") is None and cache.nbytes == 2 and len(cache) == 1
+
+
+def test_payload_endpoint_defaults():
+    assert bind_address(None, "tcp://127.0.0.1:5555", 3) == "tcp://127.0.0.1:0"
+    assert bind_address("tcp://0.0.0.0:7000", "tcp://127.0.0.1:5555", 2) == "tcp://0.0.0.0:7002"
+    assert advertised("tcp://0.0.0.0:7002", None, "tcp://127.0.0.1:5555") == "tcp://127.0.0.1:7002"
+    assert advertised("tcp://0.0.0.0:7002", "tcp://node7", "") == "tcp://node7:7002"
+    assert advertised("tcp://10.1.2.3:7002", None, "") == "tcp://10.1.2.3:7002"
+
+
+# -- delivery ---------------------------------------------------------------------------------
+def test_direct_mode_delivers_exactly_what_inline_delivers(shards):
+    runs, bytes_in = {}, {}
+    for mode in ("inline", "direct"):
+        with dispatcher(make_config(shards, payloads=mode)) as srv, \
+                readers(srv.reader_endpoint, 2) as workers:
+            runs[mode] = _deliver(srv.trainer_endpoint, 3)
+            bytes_in[mode] = srv.metrics.bytes_in.labels("reader")._value.get()
+            served = sum(w.payload_server.num_served for w in workers) if mode == "direct" else 0
+    assert runs["direct"] == runs["inline"]  # same steps, keys, text ids and payload bytes
+    payload = sum(len(b) for got in runs["inline"].values() for *_, enc in got
+                  for items in enc.values() for _, _, b in items)
+    items = sum(len(items) for got in runs["inline"].values() for *_, enc in got
+                for items in enc.values())
+    assert payload > 100_000 and served == items  # every item came from a reader's cache
+    assert bytes_in["direct"] < bytes_in["inline"] - 0.9 * payload  # not through the dispatcher
+
+
+def test_cache_misses_and_replays_read_the_shard_and_give_the_same_bytes(shards, tmp_path):
+    """No cache at all (every fetch a miss), then trainers restarted from a checkpoint: the
+    replayed steps, fetched again, are byte-identical to an undisturbed inline run's."""
+    with dispatcher(make_config(shards, world_size=2)) as srv, readers(srv.reader_endpoint, 2):
+        inline = consume(srv.trainer_endpoint, 2, record=_contents)
+    cfg = make_config(shards, world_size=2, payloads="direct", journal_dir=str(tmp_path / "j"))
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2, payload_cache_mb=0) as workers:
+        first = consume(srv.trainer_endpoint, 2, max_steps=4, commit_at=1, record=_contents)
+        states = {r: {"next_step": 2, "rank": r, "world_size": 2} for r in range(2)}
+        second = consume(srv.trainer_endpoint, 2, states=states, record=_contents)
+        missed = sum(w.payload_server.num_missed for w in workers)
+        hits = sum(w.payload_server.num_served for w in workers)
+    assert hits == 0 and missed > 20
+    for r in range(2):
+        assert first[r] == inline[r][:4]
+        assert second[r] == inline[r][2:]  # steps 2 and 3 replayed, fetched again
+
+
+def test_a_dead_holder_is_replaced_by_another_reader(shards):
+    """A reference fetched from a reader that does not answer is served by another one from its
+    shard file; with no reader left the step fails with one error naming shard and readers."""
+    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
+    it = rec.items[0]
+    ref = P.pack_ref(shards[0].encode(), *rec.spans[it.member])
+    msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+                            readers=[["tcp://127.0.0.1:9", ""]], microbatches=[
+                                {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
+                                 "items": [[it.modality, rec.key, it.member, {}]],
+                                 "sizes": [len(ref)], P.HOLDERS: [0]}]))
+    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
+    server.servable = frozenset({shards[0].encode()})
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=FetchConfig(
+        timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05))
+    try:
+        fetcher.readers = [P.ReaderEndpoint(server.endpoint, "")]
+        (views,) = fetcher.fetch(msg)
+        assert bytes(views[0]) == bytes(rec.members[it.member]) and server.num_missed == 1
+        fetcher.readers = []
+        with pytest.raises(FetchError, match=f"{shards[0]}.*tcp://127.0.0.1:9"):
+            fetcher.fetch(msg)
+    finally:
+        fetcher.close()
+        server.close()
+
+
+def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
+    """Requests for other files, impossible ranges or garbage get an ERROR; serving goes on."""
+    other = tmp_path / "secret.tar"
+    other.write_bytes(b"not training data" * 64)
+    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
+    good = P.pack_ref(shards[0].encode(), *rec.spans[rec.items[0].member])
+    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
+    server.servable = frozenset({shards[0].encode()})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)  # a hang fails the test instead
+    sock.connect(server.endpoint)
+    try:
+        for i, ref in enumerate((P.pack_ref(str(other).encode(), 0, 17),
+                                 P.pack_ref(shards[0].encode(), 0, 1 << 40),
+                                 P.pack_ref(shards[0].encode(), 1 << 63, 1))):
+            sock.send_multipart(P.encode(P.FETCH, frames=[ref], id=i, sizes=[len(ref)]))
+            reply = P.decode(sock.recv_multipart())
+            assert reply.type == P.ERROR and reply["ack"] == i and reply["code"] == "fetch"
+        sock.send_multipart([b"garbage"])
+        assert P.decode(sock.recv_multipart()).type == P.ERROR
+        sock.send_multipart(P.encode(P.FETCH, frames=[good], id=9, sizes=[len(good)]))
+        reply = P.decode(sock.recv_multipart())
+        assert reply.type == P.PAYLOADS and bytes(reply.frames[0]) == bytes(rec.members[rec.items[0].member])
+    finally:
+        sock.close(linger=0)
+        server.close()
+
+
+def test_dispatcher_tells_trainers_the_live_readers_and_gives_none_a_shard_without_an_endpoint(shards):
+    """A reader's endpoint reaches connected trainers (READERS) when it asks for shards, and leaves
+    the table when it goes; a reader that names no endpoint gets an ERROR and no shard."""
+    cfg = make_config(shards, world_size=1, payloads="direct")
+    ctx = zmq.Context.instance()
+    with dispatcher(cfg) as srv:
+        trainer, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            trainer.connect(srv.trainer_endpoint)
+            trainer.send_multipart(P.encode(P.HELLO, seq=1, role="trainer", rank=0, world_size=1))
+            welcome = _wait_for(trainer, P.WELCOME)
+            assert welcome["payloads"] == "direct" and welcome["readers"] == []
+            reader.connect(srv.reader_endpoint)
+            reader.send_multipart(P.encode(P.HELLO, seq=1, role="reader", name="r"))
+            assert _wait_for(reader, P.WELCOME)["shards"] == [str(s) for s in shards]
+            reader.send_multipart(P.encode(P.SHARD_REQUEST, seq=2))
+            assert _wait_for(reader, P.ERROR)["code"] == "payloads"
+            reader.send_multipart(P.encode(P.SHARD_REQUEST, seq=3, payload_endpoint="tcp://h:7"))
+            assert _wait_for(reader, P.SHARD_ASSIGN)["start_index"] == 0
+            table = _wait_for(trainer, P.READERS)["readers"]
+            assert table == [P.ReaderEndpoint("tcp://h:7", "")]
+            reader.send_multipart(P.encode(P.BYE, seq=4))
+            assert _wait_for(trainer, P.READERS)["readers"] == []
+        finally:
+            trainer.close(linger=0)
+            reader.close(linger=0)
+
+
+# -- faults, as in test_faults, with direct payloads ------------------------------------------
+@pytest.fixture
+def direct(monkeypatch, reference):  # noqa: F811 - the undisturbed run is inline, made first
+    monkeypatch.setattr(K, "FLOW", [*K.FLOW, "--payloads", "direct"])
+
+
+@pytest.mark.timeout(180)
+def test_reader_sigkill_mid_shard(direct, corpus, keys, reference, tmp_path):  # noqa: F811
+    F.test_reader_sigkill_mid_shard(corpus, keys, reference, tmp_path)
+    assert "event=reader_payloads" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_dispatcher_sigkill_restarts_from_journal(direct, corpus, keys, reference, tmp_path):  # noqa: F811
+    F.test_dispatcher_sigkill_mid_step_restarts_from_journal(corpus, keys, reference, tmp_path)
+    assert "event=reader_payloads" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_trainer_killed_and_restarted_from_checkpoint(direct, corpus, keys, reference, tmp_path):  # noqa: F811
+    F.test_trainer_process_killed_and_restarted_from_its_checkpoint(corpus, keys, reference, tmp_path)
+    assert "event=reader_payloads" in (tmp_path / "serve.log").read_text()
+
+
+@pytest.mark.timeout(180)
+def test_hung_reader_times_out_and_others_serve_its_payloads(direct, corpus, keys, reference,  # noqa: F811
+                                                             tmp_path):
+    F.test_hung_reader_is_detected_and_its_shard_reassigned(corpus, keys, reference, tmp_path)
+
+
+# -- CurveZMQ ---------------------------------------------------------------------------------
+def test_curve_payload_sockets_refuse_trainers_without_the_right_keys(shards, tmp_path):
+    keys_dir, allowed, readers_allow = tmp_path / "keys", tmp_path / "allowed", tmp_path / "ra"
+    allowed.mkdir()
+    readers_allow.mkdir()
+    for name in ("server", "reader", "trainer", "outsider"):
+        create_keypair(str(keys_dir), name)
+    for name in ("reader", "trainer", "outsider"):  # the dispatcher admits all three...
+        shutil.copy(keys_dir / f"{name}.key", allowed)
+    shutil.copy(keys_dir / "trainer.key", readers_allow)  # ...the readers' payloads only one
+    server_public = str(keys_dir / "server.key")
+    curve = CurveConfig(server_secret_file=str(keys_dir / "server.key_secret"),
+                        allowed_keys_dir=str(allowed))
+    cfg = make_config(shards, world_size=1, curve=curve, max_steps=2, payloads="direct",
+                      journal_dir=str(tmp_path / "journal"))
+
+    def trainer(name: str, **kw) -> dict:
+        return consume(srv.trainer_endpoint, 1, secret_file=str(keys_dir / f"{name}.key_secret"),
+                       server_public_file=server_public, record=_contents, **kw)
+
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1,
+                                         secret_file=str(keys_dir / "reader.key_secret"),
+                                         server_public_file=server_public,
+                                         allowed_dir=str(readers_allow)) as (worker,):
+        got = trainer("trainer")
+        assert worker.payload_server.public_key  # a CURVE server, its key in the table
+        assert sum(len(b) for step in got[0] for *_, enc in step for items in enc.values()
+                   for *_, b in items) > 0
+        with pytest.raises(FetchError, match="could not be fetched"):
+            trainer("outsider", fetch_timeout_s=0.3, fetch_attempts=2,
+                    states={0: {"next_step": 0, "rank": 0, "world_size": 1}})
+        # A plaintext client on the payload socket hears nothing either.
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(worker.payload_server.endpoint)
+        ref = P.pack_ref(shards[0].encode(), 0, 10)
+        sock.send_multipart(P.encode(P.FETCH, frames=[ref], id=1, sizes=[len(ref)]))
+        assert not sock.poll(500)
+        sock.close(linger=0)
+
+
+def test_curve_client_needs_a_key_pair_for_a_keyed_reader():
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), curve=None)
+    try:
+        with pytest.raises(FetchError, match="requires CurveZMQ"):
+            fetcher._socket(P.ReaderEndpoint("tcp://127.0.0.1:9", "x" * 40))
+    finally:
+        fetcher.close()
+    assert PeerCurve.from_files(None, None) is None
+
+
+# -- refusals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["shard.tgz", "pipe:cat shard.tar"])
+def test_serve_refuses_shards_direct_mode_cannot_read_by_offset(shards, tmp_path, bad):
+    if bad.endswith(".tgz"):
+        (tmp_path / bad).write_bytes(b"")
+        bad = str(tmp_path / bad)
+    proc = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", bad,
+                           "--world-size", "1", "--global-batch", "4", "--payloads", "direct"],
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "payloads='direct'" in lines[0] and bad in lines[0] and "payloads='inline'" in lines[0]
+
+
+def test_datanode_preprocessing_is_refused_with_direct_payloads(shards):
+    with dispatcher(make_config(shards, world_size=1, payloads="direct")) as srv:
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, timeout_s=1.5,
+                                                  connect_timeout_s=10, preprocess_on="datanode"))
+        with pytest.raises(FatalReaderError, match="--payloads direct.*--preprocess-on datanode"):
+            worker.run()
+        assert worker.payload_server is None  # refused before opening a port

@@ -1,0 +1,219 @@
+"""`direct` payload mode, trainer side: fetch each step's payloads from the readers that hold them.
+
+STEP messages carry references (protocol.pack_ref) and, per item, which reader holds it. A
+`PayloadFetcher` thread takes the client's STEP messages in order, asks each holding reader
+for all of the step's items it holds in one FETCH (the readers of a step in parallel), and
+hands the decoded step on: the fetch of step N+1 overlaps the training of step N, and memory
+stays bounded by the steps the client was granted. The thread owns the reader sockets.
+
+A reader that answers with an error, or not within `timeout_s`, is replaced by another live
+reader from the dispatcher's table (any reader serves any reference from the shard file),
+after a backoff; after `attempts` tries the step fails with one error naming the shards and
+the readers tried. Pull keeps the readers stateless toward trainers: a restarted trainer
+simply asks again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from dispatcher_server import protocol as P
+from dispatcher_server.security import PeerCurve
+
+
+class FetchError(RuntimeError):
+    """No reader served some of a step's payloads within the attempts allowed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FetchConfig:
+    timeout_s: float = 5.0  # a reader silent this long on a request: ask another
+    attempts: int = 4  # readers asked for one request before the step fails
+    backoff_min_s: float = 0.1  # wait before a retry, doubling up to backoff_max_s
+    backoff_max_s: float = 2.0
+
+
+@dataclass(slots=True)
+class _Request:
+    """The items of one step held by one reader: where they go and who was asked."""
+
+    places: list  # (micro-batch, item) per reference
+    refs: list  # memoryview per reference
+    endpoint: P.ReaderEndpoint
+    id: int = -1
+    deadline: float = 0.0
+    not_before: float = 0.0
+    tried: list = field(default_factory=list)  # (endpoint, why) per failed try
+    views: list | None = None
+
+
+def _shards(refs: list) -> str:
+    return ", ".join(sorted({P.unpack_ref(r)[0].decode(errors="replace") for r in refs}))
+
+
+class PayloadFetcher:
+    """`put(msg)` STEP messages (or any other item, passed on in order); `decode(msg, fetched)`
+    turns a message and its payloads (per micro-batch, one view per item) into what goes
+    into `out`; a step that cannot be fetched goes there as its FetchError."""
+
+    def __init__(self, *, decode: Callable, out: queue.Queue, curve: PeerCurve | None = None,
+                 config: FetchConfig | None = None) -> None:
+        self.decode, self.out, self.curve = decode, out, curve
+        self.config = config or FetchConfig()
+        self.readers: list[P.ReaderEndpoint] = []  # the live table, replaced whole
+        self.num_retries = 0
+        self._inbox: queue.Queue = queue.Queue()
+        self._ctx = zmq.Context()
+        self._socks: dict[P.ReaderEndpoint, zmq.Socket] = {}
+        self._ids = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmdispatch-fetch", daemon=True)
+        self._thread.start()
+
+    def put(self, item) -> None:
+        self._inbox.put(item)
+
+    def clear(self) -> None:
+        """Drop what is queued (a resync: those steps will come again)."""
+        while True:
+            try:
+                self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for sock in self._socks.values():
+            sock.close(linger=0)
+        self._ctx.term()
+
+    # -- the thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if not isinstance(item, P.Message):
+                self.out.put(item)
+                continue
+            try:
+                self.out.put(self.decode(item, self.fetch(item)))
+            except Exception as e:  # noqa: BLE001 - the training loop raises it
+                self.out.put(e)
+
+    def fetch(self, msg: P.Message) -> list[list[memoryview]]:
+        """Every item's bytes, per micro-batch in item order, from the readers holding them."""
+        readers, out, groups = msg.get("readers"), [], {}
+        if readers is None:
+            raise P.ProtocolError("step: direct payloads need the step's readers")
+        for m, mb in enumerate(msg["microbatches"]):
+            refs = P.split_payload(msg.frames[2 * m + 1], mb["sizes"])
+            out.append([None] * len(refs))
+            for k, (ref, h) in enumerate(zip(refs, mb[P.HOLDERS])):
+                places, grouped = groups.setdefault(h, ([], []))
+                places.append((m, k))
+                grouped.append(ref)
+        requests = [_Request(places, refs, readers[h]) for h, (places, refs) in groups.items()]
+        self._complete(requests)
+        for req in requests:
+            for (m, k), view in zip(req.places, req.views):
+                out[m][k] = view
+        return out
+
+    def _complete(self, requests: list[_Request]) -> None:
+        pending: dict[int, _Request] = {}
+        waiting = list(requests)
+        while waiting or pending:
+            if self._stop.is_set():
+                raise FetchError("the client closed while fetching payloads")
+            now = time.monotonic()
+            for req in [r for r in waiting if r.not_before <= now]:
+                waiting.remove(req)
+                self._send(req, now)
+                pending[req.id] = req
+            socks = {self._socks[r.endpoint] for r in pending.values()}
+            wake = min([r.deadline for r in pending.values()] + [r.not_before for r in waiting])
+            poller = zmq.Poller()
+            for sock in socks:
+                poller.register(sock, zmq.POLLIN)
+            ready = dict(poller.poll(max(1, min(100, int((wake - now) * 1e3) + 1))))
+            for sock in socks:
+                if sock in ready:
+                    for frames in P.pending(sock):
+                        self._receive(frames, pending, waiting)
+            now = time.monotonic()
+            for req in [r for r in pending.values() if r.deadline <= now]:
+                del pending[req.id]
+                self._drop_socket(req.endpoint)
+                self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
+
+    def _send(self, req: _Request, now: float) -> None:
+        req.id, req.deadline = next(self._ids), now + self.config.timeout_s
+        self._socket(req.endpoint).send_multipart(
+            P.encode(P.FETCH, frames=[b"".join(req.refs)], id=req.id,
+                     sizes=[r.nbytes for r in req.refs]), copy=False)
+
+    def _receive(self, frames: list, pending: dict, waiting: list) -> None:
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError:
+            return  # nothing to match it to: the request times out and is asked elsewhere
+        req = pending.pop(msg.get("id", msg.get("ack")), None)
+        if req is None:
+            return  # the answer to a request already given up on
+        if msg.type == P.PAYLOADS and msg["sizes"] == [P.unpack_ref(r)[2] for r in req.refs]:
+            req.views = P.item_views(msg.frames, msg["sizes"])
+        else:
+            why = msg["message"] if msg.type == P.ERROR else f"a {msg.type} that does not match"
+            self._failed(req, why, waiting)
+
+    def _failed(self, req: _Request, why: str, waiting: list) -> None:
+        """Ask another live reader after a backoff, or give up naming shards and readers."""
+        req.tried.append((req.endpoint.endpoint, why))
+        c = self.config
+        if len(req.tried) >= c.attempts:
+            tried = "; ".join(f"{e}: {w}" for e, w in req.tried)
+            raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched "
+                             f"from any reader (tried {tried})")
+        self.num_retries += 1
+        req.endpoint = self._next_reader(req)
+        req.not_before = time.monotonic() + min(c.backoff_max_s,
+                                                c.backoff_min_s * 2 ** (len(req.tried) - 1))
+        waiting.append(req)
+
+    def _next_reader(self, req: _Request) -> P.ReaderEndpoint:
+        """A live reader not yet asked for `req`; once all were, the live ones in turn; with no
+        live reader known (all gone, replacements not yet reported), the last one asked."""
+        asked = {e for e, _ in req.tried}
+        candidates = [r for r in self.readers if r.endpoint not in asked] or self.readers
+        return candidates[len(req.tried) % len(candidates)] if candidates else req.endpoint
+
+    def _socket(self, reader: P.ReaderEndpoint) -> zmq.Socket:
+        sock = self._socks.get(reader)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            P.socket_limits(sock)
+            if reader.key:
+                if self.curve is None:
+                    sock.close(linger=0)
+                    raise FetchError(f"reader {reader.endpoint} requires CurveZMQ: give the "
+                                     "trainer its key pair (ClientConfig.secret_file)")
+                self.curve.apply(sock, reader.key.encode("ascii"))
+            sock.connect(reader.endpoint)
+            self._socks[reader] = sock
+        return sock
+
+    def _drop_socket(self, reader: P.ReaderEndpoint) -> None:
+        """Forget a silent reader's socket: what it queued is dropped, a retry reconnects."""
+        sock = self._socks.pop(reader, None)
+        if sock is not None:
+            sock.close(linger=0)
