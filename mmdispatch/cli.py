@@ -20,7 +20,7 @@ from mmdispatch.settings import ConfigError, apply_file
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "gen-data": ("pipeline.gendata", "write reproducible synthetic multimodal WebDataset shards"),
-    "inspect": ("pipeline.inspect", "count tokens per modality in shards and print statistics"),
+    "inspect": ("mmdispatch.inspecting", "count tokens per modality in shards or a dataset's sources and print statistics"),
     "serve": ("mmdispatch.serve", "run the dispatcher: collect counts, plan every step, stream to trainers"),
     "read": ("pipeline.service", "run a data-node reader that streams counted samples to the dispatcher"),
     "keygen": ("dispatcher_server.security", "create a CurveZMQ key pair for the dispatcher, a reader or a trainer"),

@@ -31,7 +31,7 @@ _PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("shards", nargs="+", help="shard specs: paths, globs, {000..099} ranges, pipe:/file: URLs")
+    parser.add_argument("shards", nargs="*", help="shard specs: paths, globs, {000..099} ranges, pipe:/file: URLs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--estimate-text", action="store_true",
                         help="count text with the fast estimator instead of tokenizing it (quick; "
@@ -225,6 +225,9 @@ def render(report: dict, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.shards:
+        raise ValueError("no shards to inspect: give shard specs (paths, globs, {000..099} ranges) "
+                         "or a dataset file with --dataset FILE")
     urls = expand_shards(args.shards)
     config = replace(reader_config_from_args(args, keep_members=False),
                      fields=field_map_from_args(args.map))

@@ -264,3 +264,32 @@ def test_serve_takes_the_dataset_file_s_shuffle_buffer_unless_the_user_sets_one(
     shards = serve.build_config(serve.resolve(parser.parse_args(
         ["--shards", str(tmp_path / "a.tar"), "--world-size", "2", "--global-batch", "8"])))
     assert shards.shuffle_buffer == 1000 and [s.name for s in shards.sources] == ["default"]
+
+
+def test_inspect_a_dataset_reports_each_source_and_the_mixture_of_its_weights(tmp_path, capsys):
+    from mmdispatch.cli import main
+    from pipeline.reader import ReaderConfig, iter_shard
+
+    shards = K.make_corpus(str(tmp_path / "c"), num_copies=4, base_samples=10, base_shards=1)
+    parts = {"captions": (shards[:2], 1), "speech": (shards[2:3], 1), "chat": (shards[3:], 2)}
+    path = _write(tmp_path, "".join(f'[[sources]]\nname = "{n}"\nshards = {json.dumps(s)}\n'
+                                    f'weight = {w}\n\n' for n, (s, w) in parts.items()))
+    assert main(["inspect", "--json", "--dataset", path]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["sources"]) == list(out["mixture"]) == ["captions", "speech", "chat"]
+    for name, urls in (("captions", shards[:2]), ("speech", shards[2:3]), ("chat", shards[3:])):
+        records = [r for u in urls for r in iter_shard(u, ReaderConfig(keep_members=False))]
+        assert out["sources"][name]["num_samples"] == len(records)
+        per_sample = sum(r.llm_len for r in records) / len(records)
+        assert out["mixture"][name]["llm_tokens_per_sample"] == pytest.approx(per_sample, abs=0.1)
+    mix = out["mixture"]
+    assert [mix[n]["sample_share"] for n in mix] == [0.25, 0.25, 0.5]  # weights 1, 1, 2
+    assert sum(m["token_share"] for m in mix.values()) == pytest.approx(1.0, abs=1e-3)
+    expected = {n: mix[n]["sample_share"] * mix[n]["llm_tokens_per_sample"] for n in mix}
+    for n in mix:  # a source's token share: its weight times its tokens per sample, normalized
+        assert mix[n]["token_share"] == pytest.approx(expected[n] / sum(expected.values()), abs=1e-3)
+    # Shard specs with a dataset file, or neither: one line naming the fix.
+    assert main(["inspect", "--dataset", path, shards[0]]) == 2
+    assert "drop the shard specs and --map, or drop --dataset" in capsys.readouterr().err
+    assert main(["inspect"]) == 2
+    assert "give shard specs" in capsys.readouterr().err
