@@ -376,7 +376,8 @@ def reference_path(url: str, mode: str = "reference") -> str:
     who = ("a filesystem the trainers mount" if mode == "reference"
            else "a local filesystem the readers can read at an offset")
     if url.startswith("pipe:") or "://" in path:
-        raise ValueError(f"payloads={mode!r} needs shards on {who}; {url!r} is a stream "
+        what = "a command's stream" if url.startswith("pipe:") else "remote storage"
+        raise ValueError(f"payloads={mode!r} needs shards on {who}; {url!r} is {what} "
                          f"(use payloads='inline')")
     if path.endswith((".gz", ".tgz")):
         raise ValueError(f"payloads={mode!r} needs uncompressed tars; {url!r} is gzip "

@@ -36,7 +36,8 @@ from pipeline.shards import expand_shards
 #: dest -> (flag type, default, help). Defaults live here, not in argparse, so TOML can fill gaps.
 OPTIONS: dict[str, tuple[object, object, str]] = {
     "shards": (str, None, "shard specs: paths, directories, globs, {000..009} ranges, file: and "
-                          "pipe: URLs (one source; or --dataset)"),
+                          "pipe: URLs, s3:// gs:// http(s):// URLs (the [cloud] extra; credentials "
+                          "from AWS_*/GOOGLE_* variables; docs/datasets.md) (one source; or --dataset)"),
     "dataset": (str, None, "dataset file (TOML): sources with shards, blend weights and field "
                            "maps, see docs/datasets.md (instead of --shards)"),
     "shuffle_buffer": (int, 1000, "samples per seeded shuffle block, shared by the sources by "

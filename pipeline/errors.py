@@ -23,7 +23,8 @@ ERROR_MODES: tuple[str, ...] = ("raise", "skip", "warn")
 REASONS: dict[str, str] = {
     # shard level
     "open_failed": "the shard could not be opened",
-    "shard_failed": "the shard's stream failed on close (e.g. a pipe: command exited non-zero)",
+    "shard_failed": "the shard's stream failed: a read error (a remote shard after its retries) "
+                    "or a pipe: command that exited non-zero",
     "empty_shard": "the shard holds no samples",
     "truncated_tar": "the archive (or its gzip stream) ends early; samples from the break on are lost",
     "bad_tar": "a corrupt tar header, pax record or gzip stream; samples from there on are lost",

@@ -31,7 +31,8 @@ _PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("shards", nargs="*", help="shard specs: paths, globs, {000..099} ranges, pipe:/file: URLs")
+    parser.add_argument("shards", nargs="*", help="shard specs: paths, globs, {000..099} ranges, "
+                                                  "pipe:/file: URLs, s3:// gs:// http(s):// URLs")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("--estimate-text", action="store_true",
                         help="count text with the fast estimator instead of tokenizing it (quick; "

@@ -408,6 +408,10 @@ def iter_shard(
         failure = SampleError(
             e.reason, url, None, f"{e}{after}; samples from index {index + 1}{lost} on are lost"
         )
+    except OSError as e:  # a read failing for good (a remote shard after its retries, EIO)
+        after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""
+        failure = SampleError("shard_failed", url, None,
+                              f"{e}{after}; samples from index {index + 1} on are lost")
     finally:
         stats.ignored_members.update(shard_ignored)
         try:

@@ -18,6 +18,7 @@ from typing import BinaryIO
 
 import braceexpand
 
+from pipeline import remote
 from pipeline.tario import TarError
 
 #: File names a shard may have; gzip-compressed tars are decompressed while streaming.
@@ -38,7 +39,8 @@ def _local_path(url: str) -> str | None:
     if url.startswith("file:"):
         return url[len("file:"):]
     if "://" in url:
-        raise ValueError(f"unsupported shard URL {url!r}: use a local path, file: or pipe:")
+        raise ValueError(f"unsupported shard URL {url!r}: use a local path, file:, pipe:, "
+                         f"s3://, gs:// or http(s)://")
     return url
 
 
@@ -64,6 +66,14 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
     urls: list[str] = []
     for spec in specs:
         for expanded in braceexpand.braceexpand(spec):
+            if remote.scheme(expanded):
+                matches = remote.expand(expanded, spec)
+                if not matches:
+                    raise FileNotFoundError(f"no shard matches {expanded!r} (from spec {spec!r})")
+                for url in matches:
+                    _check_suffix(url.split("?", 1)[0], spec)
+                urls.extend(matches)
+                continue
             path = _local_path(expanded)
             if path is None:
                 urls.append(expanded)
@@ -222,8 +232,11 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     """Open a shard URL for sequential binary reading (tar or gzip-compressed tar).
 
     With `mapped`, a local uncompressed shard is read through a `MappedShard` (members as
-    views of the file's pages, no copies); other shards open as streams either way.
+    views of the file's pages, no copies); other shards open as streams either way: remote ones
+    (`pipeline.remote`) with bounded read-ahead, resumed where a transient failure cut them.
     """
+    if remote.scheme(url):
+        return remote.RemoteShard(url)  # type: ignore[return-value]
     path = _local_path(url)
     if path is None:
         return _PipeStream(url, url[len("pipe:"):])  # type: ignore[return-value]

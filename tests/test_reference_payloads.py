@@ -75,7 +75,7 @@ def test_reference_path_and_ref_round_trip():
 
 
 def test_server_config_refuses_shards_trainers_cannot_read(shards):
-    with pytest.raises(ValueError, match="is a stream"):
+    with pytest.raises(ValueError, match="is a command.s stream"):
         make_config(["pipe:cat a.tar"], payloads="reference")
     with pytest.raises(ValueError, match="payloads must be one of"):
         make_config(shards, payloads="by-carrier-pigeon")

@@ -1,0 +1,134 @@
+"""Shards on object storage and HTTP (`s3://`, `gs://`, `http(s)://`), through fsspec.
+
+A remote shard is read front to back like a local one, with bounded memory: fsspec's read-ahead
+cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Transient failures
+(a dropped connection, a timeout, a 5xx) are retried with exponential backoff: the file is
+reopened and read on from the byte offset reached, so a shard cut mid-way loses and repeats
+nothing. Missing objects and refused credentials are not retried. Every error names the URL.
+
+Credentials and endpoints come from the environment each library reads: for S3 the usual
+`AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_PROFILE`, and `AWS_ENDPOINT_URL` for an
+S3-compatible store (MinIO, Ceph, a local test server); for GCS `GOOGLE_APPLICATION_CREDENTIALS`.
+fsspec, s3fs, gcsfs and aiohttp (HTTP) come with the `[cloud]` extra and are imported only
+when a remote URL is used.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+#: URL schemes read through fsspec, and the package each one needs.
+REMOTE_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
+#: fsspec read-ahead block: what a reader holds of a remote shard beyond the current member.
+BLOCK_BYTES = 4 << 20
+#: Tries of one read (the first and the retries), and the first backoff, doubled each retry.
+TRIES = 5
+BACKOFF_S = 0.5
+
+_GLOB_CHARS = frozenset("*?[")
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
+
+
+def scheme(url: str) -> str | None:
+    """The remote scheme of `url` (`s3`, `gs`, `gcs`, `http`, `https`), else None."""
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep and head.lower() in REMOTE_SCHEMES else None
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, path) of a remote URL; ValueError naming the missing package."""
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(url)
+    except ImportError as e:
+        package = REMOTE_SCHEMES.get(scheme(url) or "", "fsspec")
+        raise ValueError(f"shard {url!r} needs {package} ({e.name or e} is not installed): "
+                         f"pip install 'mmdispatch[cloud]'") from None
+
+
+def expand(url: str, spec: str) -> list[str]:
+    """The shard URLs one (brace-expanded) remote spec names: a glob on S3 or GCS lists the
+    bucket; HTTP has no listing, so its URLs are given one by one or as {a..b} ranges."""
+    path = url.split("?", 1)[0]
+    if not _GLOB_CHARS.intersection(path):
+        return [url]
+    if scheme(url) in ("http", "https"):
+        raise ValueError(f"shard spec {spec!r}: an HTTP server cannot be listed, so {url!r} "
+                         f"cannot be globbed; list the URLs or use a {{000..099}} range")
+    fs, pattern = filesystem(url)
+    try:
+        found = sorted(fs.glob(pattern))
+    except Exception as e:  # noqa: BLE001 - any listing failure is one line naming the spec
+        raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: {type(e).__name__}: {e}") from None
+    prefix = url.split("://", 1)[0] + "://"
+    return [prefix + p for p in found]
+
+
+class RemoteShard:
+    """A remote shard opened for sequential reading, resumed at the offset reached after a
+    transient failure (up to `tries` tries per read, backoff from `backoff_s`, doubling)."""
+
+    def __init__(self, url: str, *, tries: int | None = None, backoff_s: float | None = None,
+                 block_bytes: int | None = None) -> None:
+        self.url = url
+        self.tries = TRIES if tries is None else tries
+        self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+        self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+        self.fs, self.path = filesystem(url)
+        self.pos = 0
+        self.size: int | None = None
+        self._file: Any = None
+        self._with_retries(self._open)
+
+    def _open(self) -> None:
+        self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type="readahead")
+        self.size = getattr(self._file, "size", None)
+        if self.pos:
+            self._file.seek(self.pos)
+
+    def read(self, size: int = -1) -> bytes:
+        return self._with_retries(lambda: self._read_once(size))
+
+    def _read_once(self, size: int) -> bytes:
+        if self._file is None:
+            self._open()
+        data = self._file.read(size)
+        short = size > 0 and len(data) < size and self.size is not None and self.pos + len(data) < self.size
+        if short:  # the object is longer: the connection ended early
+            raise ConnectionError(f"read {len(data)} of {size} bytes at {self.pos} of {self.size}")
+        self.pos += len(data)
+        return data
+
+    def _with_retries(self, call):
+        last: BaseException | None = None
+        for attempt in range(self.tries):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                return call()
+            except _PERMANENT as e:
+                raise type(e)(f"shard {self.url!r}: {e}") from None
+            except Exception as e:  # noqa: BLE001 - network libraries raise many kinds
+                last = e
+                self._drop()
+        raise OSError(f"shard {self.url!r}: failed {self.tries} times at byte {self.pos} "
+                      f"(last: {type(last).__name__}: {last})")
+
+    def _drop(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - the connection is being discarded anyway
+                pass
+
+    def close(self) -> None:
+        self._drop()
+
+    def __enter__(self) -> RemoteShard:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
