@@ -66,9 +66,11 @@ class ReplaySource:
         """Remember a planned step before it is sent (OSError if the journal cannot)."""
         if self.journal is None:
             self.cursors[entry.step] = pack_cursor(entry.cursor_after)
-        elif not verbatim:
+        elif not verbatim or entry.step > self.journal.last_step:
             # A verbatim replay is journaled already: recording it again would supersede the
-            # journaled steps after it, which ranks ahead of the others may be committing.
+            # journaled steps after it, which ranks ahead of the others may be committing. Unless
+            # an earlier step planned anew superseded it: then it is journaled again, or the
+            # journal's steps would not follow one another.
             entry.plan = plan.to_dict()
             self.journal.record_step(entry)
 

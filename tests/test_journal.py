@@ -583,3 +583,44 @@ def test_a_failed_checkpoint_keeps_the_commit_and_is_tried_again(tmp_path, monke
             r.cursor_after(3)  # the second commit's checkpoint went through
     finally:
         r.close()
+
+
+def test_a_rewind_behind_a_verbatim_replay_keeps_the_journal_contiguous(tmp_path):
+    """A restarted dispatcher: one rank asks for step 8 first (replayed verbatim, not journaled
+    again), then another for step 6, which is committed and so planned anew: that supersedes
+    the journaled 7..9. Their verbatim replays must be journaled again, or step 10 would follow
+    step 6 in the journal and the dispatcher would stop (seen in the dispatcher-kill fault test)."""
+    from dispatcher_server.replay import ReplaySource
+
+    j = Journal(str(tmp_path), _fp())
+    for step in range(10):
+        j.record_step(_entry(step))
+    j.commit(6)
+    j.close()
+
+    class Plan:
+        def __init__(self, step):
+            self.step = step
+
+        def to_dict(self):
+            return {"p": self.step}
+
+    r = ReplaySource(Journal(str(tmp_path), _fp()), world_size=2)
+
+    def plan_step(step: int) -> None:
+        journaled, mismatch = r.journaled_plan(step, "d")
+        assert not mismatch
+        entry = StepEntry(step=step, epoch=0, world_size=2, num_samples=8,
+                          cursor_after={"base": step + 1}, digest="d")
+        r.record(entry, Plan(step), verbatim=journaled is not None)
+
+    r.reset(8)
+    plan_step(8)  # verbatim: the journal holds it
+    r.reset(6)
+    for step in range(6, 12):  # 6 anew (committed, no plan kept), 7..9 verbatim, 10.. anew
+        plan_step(step)
+    assert r.journal.last_step == 11
+    r.journal.close()
+    reopened = Journal(str(tmp_path), _fp())  # and the file reads back whole
+    assert reopened.last_step == 11 and set(range(7, 12)) <= set(reopened.pending)
+    reopened.close()
