@@ -147,8 +147,12 @@ def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
     room = np.maximum(0.0, good - loads)
     room[np.unique(r[shed])] = 0.0  # a rank that sheds takes nothing back
     by_room = np.argsort(-room, kind="stable")
-    pos = np.searchsorted(np.cumsum(room[by_room]), np.cumsum(sz[shed]) - sz[shed] / 2)
-    fits = pos < np.count_nonzero(room)
+    cum_room, end = np.cumsum(room[by_room]), np.cumsum(sz[shed])
+    pos = np.searchsorted(cum_room, end)
+    # an item lands only where its whole stretch of the cumulative room lies in one rank's
+    # room, so no rank goes above `good`; one that straddles two ranks stays
+    fits = (pos == np.searchsorted(cum_room, end - sz[shed], side="right")) \
+        & (pos < np.count_nonzero(room))
     dest = np.where(fits, by_room[np.minimum(pos, len(room) - 1)], r[shed])
     np.add.at(loads, dest, sz[shed])
     r[shed] = dest
@@ -169,11 +173,11 @@ def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float)
     return local
 
 
-def node_first(items: Items, good: float) -> Placement:
+def node_first(items: Items, good: float, loose: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
-    the rest is LPT over the ranks of its node; refine in nodes, then across nodes with
-    moves and swaps until the slowest rank is at most `good` (few items cross)."""
+    the rest is LPT over the ranks of its node; refine in nodes down to `good`, then
+    `_across_nodes` (few items cross)."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     lb = items.bound
     within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -185,11 +189,49 @@ def node_first(items: Items, good: float) -> Placement:
         node_load = np.bincount(home // g, weights=sz, minlength=W // g)
         node = _export_excess(items, pool, node_load, g * lb)
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8, swaps=False)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
     if W > g and loads.max() > good:
-        r, loads = _shed_excess(sz, r, loads, good)
-        refine(sz, r, loads, target=good, max_iter=8, swaps=True)
+        r, loads = _across_nodes(sz, r, loads, g, good, loose)
     return Placement("node_first", r, loads)
+
+
+def node_lpt(items: Items, good: float, loose: float) -> Placement:
+    """Items to nodes as node-first does (home node; a node over its ranks' bound exports its
+    smallest-first excess to the lightest nodes), then LPT of each node's items over its
+    ranks from scratch, refine in nodes, `_across_nodes`: for coarse items, where keeping
+    each rank's largest items home leaves too little to pack with."""
+    sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
+    node_load = np.bincount(home // g, weights=sz, minlength=W // g)
+    node = _export_excess(items, np.arange(len(sz)), node_load, g * items.bound)
+    loads = np.zeros((W // g, g))
+    r = node * g + lpt_rounds(sz, node, loads)
+    loads = loads.ravel()
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=16)
+    if W > g and loads.max() > good:
+        r, loads = _across_nodes(sz, r, loads, g, good, loose)
+    return Placement("node_lpt", r, loads)
+
+
+def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good: float,
+                  loose: float, rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, loads) balanced across nodes with few items crossing: heavy ranks shed to
+    roomy ones (`_shed_excess`); then rounds of single moves across nodes (one item crosses
+    per move) each followed by a refine in nodes (moves and swaps, nothing crosses), down to
+    `good`; last, moves and swaps across nodes only down to `loose` (a swap sends two items
+    across to gain little)."""
+    r, loads = _shed_excess(sz, r, loads, good)
+    for _ in range(rounds):
+        top = loads.max()
+        if top <= good:
+            break
+        refine(sz, r, loads, target=good, max_iter=4, swaps=False)
+        refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+        if loads.max() >= top * (1 - 1e-12):
+            break
+    refine(sz, r, loads, target=loose, max_iter=8, swaps=True)
+    if loads.max() > loose:
+        refine(sz, r, loads, target=loose, all_pairs=True, max_iter=16)
+    return r, loads
 
 
 def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
@@ -263,21 +305,17 @@ def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement
     return Placement(placed.name, r, loads)
 
 
-def place_items(items: Items, *, tolerance: float, band: float, catch_up: float) -> np.ndarray:
-    """Rank of each encoder item: node-first, and where it leaves the slowest rank more than
-    `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
-    them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
+def place_items(items: Items, *, tolerance: float, band: float) -> np.ndarray:
+    """Rank of each encoder item: node-first, and while no placement so far leaves the
+    slowest rank within `tolerance` of the bound, node LPT, home-biased LPT and sequential
+    LPT in turn; `choose_placement` picks; `pull_home` last."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    first = node_first(items, items.bound * (1 + tolerance / 4))
-    cands = [first]
-    if first.loads.max() > good:
-        cands.append(home_biased_lpt(items, band, good))
-        if min(c.loads.max() for c in cands) > good:
-            cands.append(sequential_lpt(items, good))
-        best_alt = min(c.loads.max() for c in cands[1:])
-        if first.loads.max() <= best_alt * catch_up:
-            r, loads = first.rank.copy(), first.loads.copy()
-            refine(items.size, r, loads, target=max(good, best_alt), all_pairs=True,
-                   max_iter=16)
-            cands.append(Placement("node_first_refined", r, loads))
+    tight = items.bound * (1 + tolerance / 4)  # what the node strategies aim at in nodes
+    strategies = (lambda: node_lpt(items, tight, good), lambda: home_biased_lpt(items, band, good),
+                  lambda: sequential_lpt(items, good))
+    cands = [node_first(items, tight, good)]
+    for strategy in strategies:
+        if min(c.loads.max() for c in cands) <= good:
+            break
+        cands.append(strategy())
     return pull_home(items, choose_placement(cands, items, tolerance)).rank

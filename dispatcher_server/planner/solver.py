@@ -324,8 +324,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
             continue
         items = Items.make(unit_costs[p][it], sample_rank[inputs.items(p).sample[it]],
                            inputs.items(p).llm_len[it].astype(np.float64), W, g)
-        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band,
-                             catch_up=config.catch_up)
+        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band)
     return rank, out
 
 
