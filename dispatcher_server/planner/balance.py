@@ -358,7 +358,7 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
         ls, lr, lpos = ls[keep], lr[keep], lpos[keep]
         D = int(lpos.max()) + 1 if len(lpos) else 0
         light = light[:kl]
-    Sh = np.full((kh, C), np.nan)
+    Sh = np.full((kh, C), -np.inf)
     Sh[rs[hv], hpos] = sizes[hs]
     Ih = np.full((kh, C), -1, dtype=np.int64)
     Ih[rs[hv], hpos] = hs
@@ -366,14 +366,12 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
     Sl[lr, lpos + 1] = sizes[ls]
     Il = np.full((kl, D + 1), -1, dtype=np.int64)
     Il[lr, lpos + 1] = ls
-    d = Sh[:, None, :, None] - Sl[None, :, None, :]  # heavy, light, heavy item, light item
-    lh = loads[heavy][:, None, None, None]
-    ll = loads[light][None, :, None, None]
-    with np.errstate(invalid="ignore"):
-        new = np.where(d > 0, np.maximum(lh - d, ll + d), np.inf)  # also drops NaN padding
-    flat = new.reshape(kh, kl, -1)
-    best_ij = np.argmin(flat, axis=2)
-    v = np.take_along_axis(flat, best_ij[:, :, None], axis=2)[:, :, 0]
+    lh, ll = loads[heavy][:, None], loads[light][None, :]
+    # axes: heavy bin, light bin, heavy item, light item
+    cost = _exchange_cost(Sh[:, None, :, None], Sl[None, :, None, :],
+                          ((lh - ll) / 2)[:, :, None, None]).reshape(kh, kl, -1)
+    best_ij = np.argmin(cost, axis=2)
+    v = (lh + ll) / 2 + np.take_along_axis(cost, best_ij[:, :, None], axis=2)[:, :, 0]
     best_l = np.argmin(v, axis=1)
     hk = np.flatnonzero(v[np.arange(kh), best_l] < loads[heavy] * (1 - 1e-12))
     if len(hk) == 0:
@@ -382,7 +380,7 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
     hk = hk[np.sort(first)]
     lk = best_l[hk]
     i, j = np.divmod(best_ij[hk, lk], D + 1)
-    delta = d[hk, lk, i, j]
+    delta = Sh[hk, i] - Sl[lk, j]
     mi, mj = Ih[hk, i], Il[lk, j]
     bin_of[mi] = light[lk]
     has = mj >= 0
@@ -392,49 +390,59 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
     return True
 
 
+def _exchange_cost(Sh: np.ndarray, Sl: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """|d - half| for every exchange d = Sh - Sl that moves work off the heavy bin (d > 0),
+    inf otherwise; shapes broadcast. Moving d from a bin at lh to one at ll leaves
+    max(lh - d, ll + d) = (lh + ll) / 2 + |d - (lh - ll) / 2|, so with half = (lh - ll) / 2
+    the cheapest cost is the best exchange. Computed in place: a few passes over the cells.
+    Padding: -inf in Sh (no item)."""
+    cost = Sh - Sl
+    bad = cost <= 0
+    cost -= half
+    np.abs(cost, out=cost)
+    cost[bad] = np.inf
+    return cost
+
+
 def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> bool:
     """Best move or swap for every (heavy[k], light[k]) pair at once; False if none helps."""
     nb, K = len(loads), len(heavy)
-    pair_of = np.full(nb, -1, dtype=np.int64)
-    pair_of[heavy] = np.arange(K)
-    pair_of[light] = np.arange(K)
-    is_heavy = np.zeros(nb, dtype=bool)
-    is_heavy[heavy] = True
-    sel = cand[pair_of[bin_of[cand]] >= 0]
+    role = np.full(nb, -1, dtype=np.int64)  # k: heavy bin of pair k, K + k: its light bin
+    role[light] = K + np.arange(K)
+    role[heavy] = np.arange(K)
+    ro = role[bin_of[cand]]
+    keep = (ro >= 0) if swaps else (ro >= 0) & (ro < K)  # moves only: heavy bins' items
+    sel, ro = cand[keep], ro[keep]
     if len(sel) == 0:
         return False
-    pk = pair_of[bin_of[sel]]
-    hv = is_heavy[bin_of[sel]]
-    if not swaps:  # light bins' items are not candidates: moves only
-        sel, pk, hv = sel[hv], pk[hv], hv[hv]
-    hs, ls = sel[hv], sel[~hv]
-    H, hpos = _padded(pk[hv], K)
-    Lm, lpos = _padded(pk[~hv], K)
+    hv = ro < K
+    hs, hk = sel[hv], ro[hv]
+    ls, lk = sel[~hv], ro[~hv] - K
+    H, hpos = _padded(hk, K)
+    Lm, lpos = _padded(lk, K)
     if K * H * (Lm + 1) > _SWAP_CELLS:  # padded to the fullest bin: too big, moves only
-        ls, lpos, Lm = ls[:0], lpos[:0], 0
-        pk, hv = pk[hv], hv[hv]
-    Sh = np.full((K, max(H, 1)), np.nan)
-    Sh[pk[hv], hpos] = sizes[hs]
+        ls, lk, lpos, Lm = ls[:0], lk[:0], lpos[:0], 0
+    Sh = np.full((K, max(H, 1)), -np.inf)
+    Sh[hk, hpos] = sizes[hs]
     Sl = np.zeros((K, Lm + 1))  # column 0 is "nothing": a plain move
-    Sl[pk[~hv], lpos + 1] = sizes[ls]
+    Sl[lk, lpos + 1] = sizes[ls]
     Ih = np.full((K, max(H, 1)), -1, dtype=np.int64)
-    Ih[pk[hv], hpos] = hs
+    Ih[hk, hpos] = hs
     Il = np.full((K, Lm + 1), -1, dtype=np.int64)
-    Il[pk[~hv], lpos + 1] = ls
-    lh, ll = loads[heavy][:, None, None], loads[light][:, None, None]
-    d = Sh[:, :, None] - Sl[:, None, :]
-    with np.errstate(invalid="ignore"):
-        new = np.where(d > 0, np.maximum(lh - d, ll + d), np.inf)  # also drops NaN padding
-    flat = new.reshape(K, -1)
-    best = np.argmin(flat, axis=1)
-    bestv = flat[np.arange(K), best]
-    ok = bestv < loads[heavy] * (1 - 1e-12)
+    Il[lk, lpos + 1] = ls
+    lh, ll = loads[heavy], loads[light]
+    cost = _exchange_cost(Sh[:, :, None], Sl[:, None, :], ((lh - ll) / 2)[:, None, None])
+    best = np.argmin(cost.reshape(K, -1), axis=1)
+    i, j = np.divmod(best, Lm + 1)
+    rows = np.arange(K)
+    delta = Sh[rows, i] - Sl[rows, j]
+    with np.errstate(invalid="ignore"):  # -inf padding where a heavy bin has no candidate
+        ok = (delta > 0) & (np.maximum(lh - delta, ll + delta) < lh * (1 - 1e-12))
     if not ok.any():
         return False
     ki = np.flatnonzero(ok)
-    i, j = np.divmod(best[ki], Lm + 1)
+    i, j, delta = i[ki], j[ki], delta[ki]
     mi, mj = Ih[ki, i], Il[ki, j]
-    delta = d.reshape(K, -1)[ki, best[ki]]
     bin_of[mi] = light[ki]
     has = mj >= 0
     bin_of[mj[has]] = heavy[ki][has]

@@ -79,17 +79,22 @@ def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
 
 def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
     """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
-    by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
-    nodes with samples that carry no embeddings, then any. The refine in nodes stops within a
-    quarter of `tolerance` above the bound (it pairs every node's ranks, the costly one); the
-    later ones aim at the bound itself."""
+    by class, ranks in each node by batched LPT on LLM cost (on one node, sequential LPT:
+    no bytes to keep local, and its one Python pass over the samples costs less than
+    numpy's rounds of a few bins each), then LLM refine in nodes, across nodes with samples
+    that carry no embeddings, then any. The refine in nodes stops within a quarter of
+    `tolerance` above the bound (it pairs every node's ranks, the costly one); the later
+    ones aim at the bound itself."""
     N = W // g
-    node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
-    rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    if N > 1:
+        node = _nodes_by_class(c, N)
+        rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    else:
+        rank = lpt_heap(c[K_LLM], W)
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
-    good = llm_lb * (1 + tolerance / 4)
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=good, max_iter=4)
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb * (1 + tolerance / 4),
+           max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
         refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
@@ -97,14 +102,6 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     # last, all pairs (coarse bins only); across nodes only samples without embeddings
     refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
-    if N == 1 and loads.max() > good:
-        # one node: no bytes to keep local, so sequential LPT may take over where batching
-        # left a residual it cannot refine away
-        alt = lpt_heap(c[K_LLM], W)
-        alt_loads = np.bincount(alt, weights=c[K_LLM], minlength=W)
-        refine(c[K_LLM], alt, alt_loads, target=llm_lb, max_iter=16)
-        if alt_loads.max() < loads.max() * (1 - 1e-12):
-            return alt
     return rank
 
 
@@ -310,7 +307,7 @@ def place_items(items: Items, *, tolerance: float, band: float) -> np.ndarray:
     slowest rank within `tolerance` of the bound, node LPT, home-biased LPT and sequential
     LPT in turn; `choose_placement` picks; `pull_home` last."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    tight = items.bound * (1 + tolerance / 4)  # what the node strategies aim at in nodes
+    tight = good  # what the node strategies aim at in nodes
     strategies = (lambda: node_lpt(items, tight, good), lambda: home_biased_lpt(items, band, good),
                   lambda: sequential_lpt(items, good))
     cands = [node_first(items, tight, good)]
