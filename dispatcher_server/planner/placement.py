@@ -82,9 +82,8 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     by class, ranks in each node by batched LPT on LLM cost (on one node, sequential LPT:
     no bytes to keep local, and its one Python pass over the samples costs less than
     numpy's rounds of a few bins each), then LLM refine in nodes, across nodes with samples
-    that carry no embeddings, then any. The refine in nodes stops within a quarter of
-    `tolerance` above the bound (it pairs every node's ranks, the costly one); the later
-    ones aim at the bound itself."""
+    that carry no embeddings, then any. Every refine stops within a quarter of `tolerance`
+    above the bound."""
     N = W // g
     if N > 1:
         node = _nodes_by_class(c, N)
@@ -93,14 +92,14 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
         rank = lpt_heap(c[K_LLM], W)
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=llm_lb * (1 + tolerance / 4),
-           max_iter=4)
+    good = llm_lb * (1 + tolerance / 4)
+    refine(c[K_LLM], rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
-        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
-        refine(c[K_LLM], rank, loads, target=llm_lb, max_iter=16)
+        refine(c[K_LLM], rank, loads, movable=no_items, target=good, max_iter=16)
+        refine(c[K_LLM], rank, loads, target=good, max_iter=16)
     # last, all pairs (coarse bins only); across nodes only samples without embeddings
-    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
+    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=good,
            all_pairs=True, max_iter=8)
     return rank
 
@@ -210,7 +209,7 @@ def node_lpt(items: Items, good: float, loose: float) -> Placement:
 
 
 def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good: float,
-                  loose: float, rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
+                  loose: float, rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, loads) balanced across nodes with few items crossing: heavy ranks shed to
     roomy ones (`_shed_excess`); then rounds of single moves across nodes (one item crosses
     per move) each followed by a refine in nodes (moves and swaps, nothing crosses), down to
@@ -222,12 +221,12 @@ def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good
         if top <= good:
             break
         refine(sz, r, loads, target=good, max_iter=4, swaps=False)
-        refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+        refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4)
         if loads.max() >= top * (1 - 1e-12):
             break
-    refine(sz, r, loads, target=loose, max_iter=8, swaps=True)
+    refine(sz, r, loads, target=loose, max_iter=4, swaps=True)
     if loads.max() > loose:
-        refine(sz, r, loads, target=loose, all_pairs=True, max_iter=16)
+        refine(sz, r, loads, target=loose, all_pairs=True, max_iter=4)
     return r, loads
 
 
