@@ -92,7 +92,7 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
     out = np.zeros(n, dtype=np.int64)
     if n == 0:
         return out
-    order = np.lexsort((-sizes, groups))
+    order = order_by_key_then_size(groups, sizes)
     g = groups[order]
     pos = np.arange(n) - np.searchsorted(g, g)
     rnd, slot = np.divmod(pos, B)
@@ -451,12 +451,26 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> 
     return True
 
 
-def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
-    """`np.argsort(keys, kind="stable")` for keys in 0..num_keys-1: keys that fit 16 bits
-    sort by numpy's radix sort, O(n) and ~6x faster than the int64 merge sort."""
-    if num_keys <= 1 << 16:
+def stable_order(keys: np.ndarray, num_keys: int | None = None) -> np.ndarray:
+    """`np.argsort(keys, kind="stable")` for non-negative int keys (below `num_keys` if
+    given): keys that fit 16 bits sort by numpy's radix sort, O(n) and ~6x faster than the
+    int64 merge sort."""
+    if num_keys is None:
+        small = len(keys) == 0 or (keys.min() >= 0 and keys.max() < 1 << 16)
+    else:
+        small = num_keys <= 1 << 16
+    if small:
         return np.argsort(keys.astype(np.uint16), kind="stable")
     return np.argsort(keys, kind="stable")
+
+
+def order_by_key_then_size(keys: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """`np.lexsort((-sizes, keys))`: by key, then decreasing size, then position. A stable
+    sort by size, then a stable (radix) sort by key: ~3x faster than lexsort, and O(n) for
+    the sort by size where sizes come sorted, as a micro-batch's items do (the planner
+    orders them largest first once)."""
+    first = np.argsort(-sizes, kind="stable")
+    return first[stable_order(keys[first])]
 
 
 def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:

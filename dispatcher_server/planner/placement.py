@@ -82,8 +82,8 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     by class, ranks in each node by batched LPT on LLM cost (on one node, sequential LPT:
     no bytes to keep local, and its one Python pass over the samples costs less than
     numpy's rounds of a few bins each), then LLM refine in nodes, across nodes with samples
-    that carry no embeddings, then any. Every refine stops within a quarter of `tolerance`
-    above the bound."""
+    that carry no embeddings, then any: each within a quarter of `tolerance` above the
+    bound; last, a refine over all pairs of ranks (coarse bins only) aims at the bound."""
     N = W // g
     if N > 1:
         node = _nodes_by_class(c, N)
@@ -98,8 +98,9 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     if N > 1:
         refine(c[K_LLM], rank, loads, movable=no_items, target=good, max_iter=16)
         refine(c[K_LLM], rank, loads, target=good, max_iter=16)
-    # last, all pairs (coarse bins only); across nodes only samples without embeddings
-    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=good,
+    # last, all pairs (coarse bins only) to the bound itself; across nodes only samples
+    # without embeddings
+    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
     return rank
 

@@ -385,8 +385,9 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
     for m in range(M):
         samp = idx[mb == m]
-        items_in = {p: np.flatnonzero((item_mb[p] == m) & regular[inputs.items(p).sample])
-                    for p in ENCODER_PHASES}
+        items_in = {p: _largest_first(np.flatnonzero((item_mb[p] == m)
+                                                     & regular[inputs.items(p).sample]),
+                                      unit_costs[p]) for p in ENCODER_PHASES}
         sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
                                                      topology, config)
         for p in ENCODER_PHASES:
@@ -408,6 +409,12 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     if config.llm_capacity is not None or config.encoder_capacity:
         plan = repair_capacity(plan)
     return plan
+
+
+def _largest_first(sel: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """`sel` by decreasing cost (ties by index): the placement sorts items by size many
+    times, and numpy's stable sort of sorted data is O(n)."""
+    return sel[np.argsort(-cost[sel], kind="stable")]
 
 
 def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
