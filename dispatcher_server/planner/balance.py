@@ -282,6 +282,8 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
         if pairs is None:
             break
         heavy, light, rotations = pairs
+        if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
+            cand = cand[sizes[cand] < top - loads.min()]
         moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps)
         idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1

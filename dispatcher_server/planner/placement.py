@@ -170,7 +170,7 @@ def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float)
     return local
 
 
-def node_first(items: Items, good: float, loose: float) -> Placement:
+def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
     the rest is LPT over the ranks of its node; refine in nodes down to `good`, then
@@ -188,13 +188,13 @@ def node_first(items: Items, good: float, loose: float) -> Placement:
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
     refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
     if W > g and loads.max() > good:
-        r, loads = _across_nodes(sz, r, loads, g, good, loose)
+        r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_first", r, loads)
 
 
-def node_lpt(items: Items, good: float, loose: float) -> Placement:
-    """Items to nodes as node-first does (home node; a node over its ranks' bound exports its
-    smallest-first excess to the lightest nodes), then LPT of each node's items over its
+def node_lpt(items: Items, good: float) -> Placement:
+    """Items to nodes as node-first does (home node; a node over its ranks' bound exports
+    items, largest first, to the lightest nodes), then LPT of each node's items over its
     ranks from scratch, refine in nodes, `_across_nodes`: for coarse items, where keeping
     each rank's largest items home leaves too little to pack with."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
@@ -205,17 +205,17 @@ def node_lpt(items: Items, good: float, loose: float) -> Placement:
     loads = loads.ravel()
     refine(sz, r, loads, bins_per_group=g, target=good, max_iter=16)
     if W > g and loads.max() > good:
-        r, loads = _across_nodes(sz, r, loads, g, good, loose)
+        r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_lpt", r, loads)
 
 
 def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good: float,
-                  loose: float, rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
+                  rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, loads) balanced across nodes with few items crossing: heavy ranks shed to
     roomy ones (`_shed_excess`); then rounds of single moves across nodes (one item crosses
-    per move) each followed by a refine in nodes (moves and swaps, nothing crosses), down to
-    `good`; last, moves and swaps across nodes only down to `loose` (a swap sends two items
-    across to gain little)."""
+    per move), each followed by a refine in nodes (moves and swaps, nothing crosses); last,
+    moves and swaps across nodes (a swap sends two items across), then over all pairs of
+    ranks for coarse items. Every step stops at `good`."""
     r, loads = _shed_excess(sz, r, loads, good)
     for _ in range(rounds):
         top = loads.max()
@@ -225,9 +225,9 @@ def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good
         refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4)
         if loads.max() >= top * (1 - 1e-12):
             break
-    refine(sz, r, loads, target=loose, max_iter=4, swaps=True)
-    if loads.max() > loose:
-        refine(sz, r, loads, target=loose, all_pairs=True, max_iter=4)
+    refine(sz, r, loads, target=good, max_iter=4, swaps=True)
+    if loads.max() > good:
+        refine(sz, r, loads, target=good, all_pairs=True, max_iter=4)
     return r, loads
 
 
@@ -307,10 +307,9 @@ def place_items(items: Items, *, tolerance: float, band: float) -> np.ndarray:
     slowest rank within `tolerance` of the bound, node LPT, home-biased LPT and sequential
     LPT in turn; `choose_placement` picks; `pull_home` last."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    tight = good  # what the node strategies aim at in nodes
-    strategies = (lambda: node_lpt(items, tight, good), lambda: home_biased_lpt(items, band, good),
+    strategies = (lambda: node_lpt(items, good), lambda: home_biased_lpt(items, band, good),
                   lambda: sequential_lpt(items, good))
-    cands = [node_first(items, tight, good)]
+    cands = [node_first(items, good)]
     for strategy in strategies:
         if min(c.loads.max() for c in cands) <= good:
             break

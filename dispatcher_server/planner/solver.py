@@ -373,25 +373,9 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     regular[oversize] = False
     idx = np.flatnonzero(regular)
     sample_mb = np.zeros(S, dtype=np.int64)
-    sample_rank = np.zeros(S, dtype=np.int64)
-    item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
-    share = _capacity_shares(inputs, config, idx)
-    if not _split_fits(share, mb, M, W):
-        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
-        if not _split_fits(share, mb, M, W):
-            mb = _split_by_capacity(share, M)
-    sample_mb[idx] = mb
-    item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
-    for m in range(M):
-        samp = idx[mb == m]
-        items_in = {p: _largest_first(np.flatnonzero((item_mb[p] == m)
-                                                     & regular[inputs.items(p).sample]),
-                                      unit_costs[p]) for p in ENCODER_PHASES}
-        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
-                                                     topology, config)
-        for p in ENCODER_PHASES:
-            item_rank[p][items_in[p]] = ranks[p]
+    sample_mb[idx] = _split(cost, big, idx, inputs, config, M, W, rng)
+    sample_rank, item_rank = _place_regular(inputs, topology, config, cost, unit_costs,
+                                            sample_mb, regular, M)
     isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
     if len(oversize):
         warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
@@ -411,10 +395,39 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     return plan
 
 
-def _largest_first(sel: np.ndarray, cost: np.ndarray) -> np.ndarray:
-    """`sel` by decreasing cost (ties by index): the placement sorts items by size many
-    times, and numpy's stable sort of sorted data is O(n)."""
-    return sel[np.argsort(-cost[sel], kind="stable")]
+def _split(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
+           config: PlannerConfig, M: int, W: int, rng: np.random.Generator) -> np.ndarray:
+    """Micro-batch of each sample in `idx`: the cost split; where it crowds a micro-batch
+    past its ranks' capacities, the split without concentrating, then by capacity shares."""
+    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
+    share = _capacity_shares(inputs, config, idx)
+    if not _split_fits(share, mb, M, W):
+        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
+        if not _split_fits(share, mb, M, W):
+            mb = _split_by_capacity(share, M)
+    return mb
+
+
+def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig,
+                   cost: np.ndarray, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
+                   regular: np.ndarray, M: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(LLM rank of every sample, encoder rank of every item per phase) for the `regular`
+    samples, micro-batch by micro-batch. Each micro-batch's items go in largest first: the
+    placement sorts them by size many times, and numpy's stable sort of sorted data is O(n)."""
+    sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
+    item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
+    by_size = {}
+    for p in ENCODER_PHASES:
+        order = np.argsort(-unit_costs[p], kind="stable")
+        by_size[p] = order[regular[inputs.items(p).sample[order]]]
+    for m in range(M):
+        samp = np.flatnonzero(regular & (sample_mb == m))
+        items_in = {p: o[sample_mb[inputs.items(p).sample[o]] == m] for p, o in by_size.items()}
+        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
+                                                     topology, config)
+        for p in ENCODER_PHASES:
+            item_rank[p][items_in[p]] = ranks[p]
+    return sample_rank, item_rank
 
 
 def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
