@@ -186,7 +186,7 @@ def node_first(items: Items, good: float) -> Placement:
         node_load = np.bincount(home // g, weights=sz, minlength=W // g)
         node = _export_excess(items, pool, node_load, g * lb)
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4)
     if W > g and loads.max() > good:
         r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_first", r, loads)
