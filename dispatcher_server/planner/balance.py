@@ -17,9 +17,12 @@ import heapq
 import numpy as np
 
 
-def lpt_heap(sizes: np.ndarray, num_bins: int) -> np.ndarray:
-    """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin). O(n log n)."""
-    heap = [(0.0, b) for b in range(num_bins)]
+def lpt_heap(sizes: np.ndarray, num_bins: int, loads: np.ndarray | None = None) -> np.ndarray:
+    """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin), from
+    empty bins or from `loads` (float64[num_bins], updated in place). O(n log n)."""
+    start = [0.0] * num_bins if loads is None else loads.tolist()
+    heap = [(start[b], b) for b in range(num_bins)]
+    heapq.heapify(heap)
     sz = np.asarray(sizes, dtype=np.float64)
     out = [0] * len(sz)
     szl = sz.tolist()
@@ -27,6 +30,9 @@ def lpt_heap(sizes: np.ndarray, num_bins: int) -> np.ndarray:
         load, b = heap[0]
         out[i] = b
         heapq.heapreplace(heap, (load + szl[i], b))
+    if loads is not None:
+        for load, b in heap:
+            loads[b] = load
     return np.asarray(out, dtype=np.int64)
 
 

@@ -173,8 +173,8 @@ def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float)
 def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
-    the rest is LPT over the ranks of its node; refine in nodes down to `good`, then
-    `_across_nodes` (few items cross)."""
+    the rest is LPT over the ranks of its node (capped batched LPT; on one node, sequential
+    LPT); refine in nodes down to `good`, then `_across_nodes` (few items cross)."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     lb = items.bound
     within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -182,11 +182,14 @@ def node_first(items: Items, good: float) -> Placement:
     r = home.copy()
     loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
     pool = np.flatnonzero(~keep)
-    if len(pool):
+    if len(pool) and W > g:
         node_load = np.bincount(home // g, weights=sz, minlength=W // g)
         node = _export_excess(items, pool, node_load, g * lb)
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4)
+    elif len(pool):  # one node: sequential LPT (one Python pass beats numpy rounds of g items)
+        r[pool] = lpt_heap(sz[pool], W, loads)
+    # on one node this refine is the last: more iterations
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4 if W > g else 8)
     if W > g and loads.max() > good:
         r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_first", r, loads)
