@@ -1,11 +1,14 @@
 """Where each sample runs its LLM sequence and each encoder item runs, inside one micro-batch.
 
 Samples go to nodes, then ranks (`place_samples`). Encoder items then have a home, their
-sample's LLM rank, and three named strategies place them: `node_first` keeps items home and
-moves only the excess, same node first (fewest bytes); `home_biased_lpt` and `sequential_lpt`
-balance coarse items better and are relabelled so each rank's items mostly go to its own node.
-`choose_placement` is the one scoring rule: balance first, then bytes crossing nodes. Every
-strategy returns new arrays; none writes into its arguments.
+sample's LLM rank, and four named strategies place them: `node_first` keeps items home and
+moves only the excess, same node first (fewest bytes); `node_lpt` sends the same excess to
+other nodes but packs each node's items afresh (coarse items); `home_biased_lpt` and
+`sequential_lpt` balance over the whole cluster and are relabelled so each rank's items mostly
+go to its own node. The node strategies cross nodes by single moves, each followed by a refine
+inside nodes, before they swap across nodes. `choose_placement` is the one scoring rule:
+balance first, then bytes crossing nodes. Every strategy returns new arrays; none writes into
+its arguments.
 """
 
 from __future__ import annotations
@@ -219,7 +222,7 @@ def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good
     per move), each followed by a refine in nodes (moves and swaps, nothing crosses); last,
     moves and swaps across nodes (a swap sends two items across), then over all pairs of
     ranks for coarse items. Every step stops at `good`."""
-    r, loads = _shed_excess(sz, r, loads, good)
+    r, loads = _shed_excess(sz, r.copy(), loads.copy(), good)
     for _ in range(rounds):
         top = loads.max()
         if top <= good:

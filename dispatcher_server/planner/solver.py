@@ -10,13 +10,15 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
    `llm_capacity_factor`), can overrule the split (`_split_fits`, `_split_by_capacity`).
 2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
-3. Per micro-batch and encoder phase, `placement.place_items`: node-first (items stay home up
-   to the bound, a node's excess goes to the lightest nodes), and where that is not within
-   `balance_tolerance` of the bound, whole-cluster LPT strategies relabelled onto ranks; the
+3. Per micro-batch and encoder phase, `placement.place_items` (items largest first):
+   node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
+   then single moves across nodes each followed by a refine inside nodes), and while no
+   placement is within `balance_tolerance` of the bound, node LPT (the same nodes, each
+   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks; the
    fewest inter-node bytes among the best-balanced wins; off-node items then return home
    wherever that raises no rank above the maximum.
-Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
-placement moves almost nothing, and the fallbacks restore balance when items are coarse.
+Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
+strategies move little, and the cluster-wide ones restore balance where they cannot.
 Cost: O(n log n) sorting, O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x
 items^2); what `bench.planner` measures for each regime and W (CPU ms per plan) is in
 docs/planner.md, generated from docs/bench/planner.json.
