@@ -209,7 +209,7 @@ def node_lpt(items: Items, good: float) -> Placement:
     loads = np.zeros((W // g, g))
     r = node * g + lpt_rounds(sz, node, loads)
     loads = loads.ravel()
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=16)
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
     if W > g and loads.max() > good:
         r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_lpt", r, loads)
