@@ -191,8 +191,10 @@ def node_first(items: Items, good: float) -> Placement:
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
     elif len(pool):  # one node: sequential LPT (one Python pass beats numpy rounds of g items)
         r[pool] = lpt_heap(sz[pool], W, loads)
-    # on one node this refine is the last: more iterations
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4 if W > g else 8)
+    # across nodes, only the pool moves here (each rank keeps its largest items); on one node
+    # this refine is the last: every item, more iterations
+    refine(sz, r, loads, movable=~keep if W > g else None, bins_per_group=g, target=good,
+           max_iter=4 if W > g else 8)
     if W > g and loads.max() > good:
         r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_first", r, loads)
