@@ -25,8 +25,8 @@ bytes crossing ranks. `solver.py` splits the step into micro-batches (three cand
 the lowest sum of per-micro-batch bounds wins); `placement.py` places samples on nodes and
 ranks, then encoder items by named strategies (node-first, node LPT, home-biased LPT,
 sequential LPT) chosen by one rule: fewest inter-node bytes among the placements within
-`balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py` solves small steps
-exactly (MILP, HiGHS) to measure the heuristic's gap.
+`balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
+solves small steps exactly (MILP, HiGHS) to measure the heuristic's gap.
 
 ## Benchmark
 
