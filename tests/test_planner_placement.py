@@ -66,7 +66,7 @@ def test_node_strategies_keep_coarse_items_on_their_node():
     rng.shuffle(home)
     size = -np.sort(-rng.uniform(0.95, 1.05, len(home)))
     items = Items.make(size, home, size * 10, W, g)
-    rank = place_items(items, tolerance=0.005, band=0.02)
+    rank = place_items(items, tolerance=0.005, band=0.02, coarse_per_rank=8.0)
     loads = np.bincount(rank, weights=size, minlength=W)
     lpt = sequential_lpt(items, items.bound * 1.005)
     assert loads.max() <= lpt.loads.max() * 1.005 + 1e-12

@@ -310,16 +310,26 @@ def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement
     return Placement(placed.name, r, loads)
 
 
-def place_items(items: Items, *, tolerance: float, band: float) -> np.ndarray:
-    """Rank of each encoder item: node-first, and while no placement so far leaves the
-    slowest rank within `tolerance` of the bound, node LPT, home-biased LPT and sequential
-    LPT in turn; `choose_placement` picks; `pull_home` last."""
+def place_items(items: Items, *, tolerance: float, band: float,
+                coarse_per_rank: float) -> np.ndarray:
+    """Rank of each encoder item: node-first, and while no placement so far is balanced
+    enough, node LPT, home-biased LPT and sequential LPT in turn; `choose_placement` picks;
+    `pull_home` last. Balanced enough: within `tolerance` of the bound; with at most
+    `coarse_per_rank` items a rank, where the bound is often out of reach, sequential LPT
+    (cheap there) goes first and a node strategy within `tolerance` of the best so far
+    suffices: the node strategies aim at that, not at the bound."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    strategies = (lambda: node_lpt(items, good), lambda: home_biased_lpt(items, band, good),
-                  lambda: sequential_lpt(items, good))
+    coarse = len(items.size) <= coarse_per_rank * items.world_size
     cands = [node_first(items, good)]
-    for strategy in strategies:
-        if min(c.loads.max() for c in cands) <= good:
+    order = ("home_biased", "node", "sequential") if coarse else ("node", "home_biased",
+                                                                   "sequential")
+    for k, name in enumerate(order):
+        best = min(c.loads.max() for c in cands)
+        target = max(good, best * (1 + tolerance)) if coarse and k else good
+        if (best <= good and not coarse) or any(c.name.startswith("node")
+                                                and c.loads.max() <= target for c in cands):
             break
-        cands.append(strategy())
+        cands.append(node_lpt(items, target) if name == "node" else
+                     home_biased_lpt(items, band, target) if name == "home_biased" else
+                     sequential_lpt(items, target))
     return pull_home(items, choose_placement(cands, items, tolerance)).rank

@@ -14,9 +14,11 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
    then single moves across nodes each followed by a refine inside nodes), and while no
    placement is within `balance_tolerance` of the bound, node LPT (the same nodes, each
-   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks; the
-   fewest inter-node bytes among the best-balanced wins; off-node items then return home
-   wherever that raises no rank above the maximum.
+   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks
+   (with a few items a rank, where the bound is often out of reach, home-biased LPT first,
+   and a node strategy within tolerance of the best so far ends the search); the fewest
+   inter-node bytes among the best-balanced wins; off-node items then return home wherever
+   that raises no rank above the maximum.
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
 strategies move little, and the cluster-wide ones restore balance where they cannot.
 Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
@@ -330,7 +332,8 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
             continue
         items = Items.make(unit_costs[p][it], sample_rank[inputs.items(p).sample[it]],
                            inputs.items(p).llm_len[it].astype(np.float64), W, g)
-        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band)
+        out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band,
+                             coarse_per_rank=config.coarse_items_per_rank)
     return rank, out
 
 
