@@ -24,9 +24,9 @@ strategies move little, and the cluster-wide ones restore balance where they can
 Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
 sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). What
 `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
-docs/planner.md, generated from docs/bench/planner.json): W=4, 512 samples: 3.5 ms; W=64:
-5.5-9.9 ms in every regime but document pages (21 ms); W=2560: 35-100 ms for 1.5k-104k
-encoder items a step, 197 ms for document pages (37k near-equal items, where every placement
+docs/planner.md, generated from docs/bench/planner.json): W=4, 512 samples: 3.4 ms; W=64:
+5.8-10.1 ms in every regime but document pages (17 ms); W=2560: 32-98 ms for 1.5k-104k
+encoder items a step, 183 ms for document pages (37k near-equal items, where every placement
 strategy runs).
 """
 
