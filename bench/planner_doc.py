@@ -23,10 +23,10 @@ Objective, in order: the slowest rank of every phase of every micro-batch (predi
 = sum over micro-batches and phases of the slowest rank's cost), then bytes crossing nodes, then
 bytes crossing ranks. `solver.py` splits the step into micro-batches (three candidate splits,
 the lowest sum of per-micro-batch bounds wins); `placement.py` places samples on nodes and
-ranks, then encoder items by named strategies (node-first, home-biased LPT, sequential LPT)
-chosen by one rule: fewest inter-node bytes among the placements within `balance_tolerance`
-of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py` solves small steps
-exactly (MILP, HiGHS) to measure the heuristic's gap.
+ranks, then encoder items by named strategies (node-first, node LPT, home-biased LPT,
+sequential LPT) chosen by one rule: fewest inter-node bytes among the placements within
+`balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
+solves small steps exactly (MILP, HiGHS) to measure the heuristic's gap.
 
 ## Benchmark
 

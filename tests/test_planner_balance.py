@@ -35,6 +35,19 @@ def test_partitions_use_every_item_once(k):
         assert loads.max() <= sizes.sum() / k + sizes.max() + 1e-9  # LPT/KK guarantee
 
 
+def test_lpt_heap_from_loads_fills_the_lightest_bins():
+    """From given loads, each item (largest first) lands on the then lightest bin, and the
+    loads come back updated."""
+    start = np.array([5.0, 0.0, 2.0])
+    loads = start.copy()
+    sizes = np.array([1.0, 4.0, 2.0])
+    bins = lpt_heap(sizes, 3, loads)
+    # 4 -> bin 1 (0), 2 -> bin 2 (2), 1 -> bin 1 (4; bin 2 holds 4 too, the lower bin wins)
+    assert bins.tolist() == [1, 1, 2]
+    assert np.allclose(loads, start + _loads(sizes, bins, 3))
+    assert loads.tolist() == [5.0, 5.0, 4.0]
+
+
 def test_lpt_rounds_groups_and_cap():
     rng = np.random.default_rng(1)
     sizes = rng.uniform(1, 10, 300)

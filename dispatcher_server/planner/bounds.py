@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .balance import order_by_key_then_size
 from .cost import CostModel, phase_costs
 from .types import LLM_PHASE, PHASES, StepInputs, Topology
 
@@ -31,7 +32,7 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     n = len(c)
     if n == 0:
         return lb
-    order = np.lexsort((-c, group))
+    order = order_by_key_then_size(group, c)
     g, s = group[order], c[order]
     start = np.searchsorted(g, np.arange(num_groups))
     count = np.bincount(g, minlength=num_groups)

@@ -46,12 +46,13 @@ class PlannerConfig:
     # equally balanced (the one moving fewer inter-node bytes wins); node-first placement
     # within it of the bound is kept without trying the LPT strategies.
     balance_tolerance: float = 0.005
-    # Node-first placement gets a refine over all pairs of ranks when its slowest rank is
-    # within this factor of the LPT strategies' best.
-    catch_up: float = 1.08
     # Home-biased LPT treats rank loads within this fraction of the bound (spread over a
     # rank's items) as equal, so an item may take its home rank.
     home_band: float = 0.02
+    # Encoder placement with at most this many items a rank counts as coarse: the bound is
+    # often out of reach there, so sequential LPT runs early as the yardstick and a node
+    # strategy within balance_tolerance of the best placement so far is kept.
+    coarse_items_per_rank: float = 8.0
 
     def __post_init__(self) -> None:
         if (self.num_microbatches is None) == (self.microbatch_token_budget is None):
@@ -74,9 +75,10 @@ class PlannerConfig:
                 raise ValueError(f"bad bytes_per_token entry {phase!r}: {bpt}")
         if not 0 <= self.room_slack < 1:
             raise ValueError(f"room_slack must be in [0, 1), got {self.room_slack}")
-        if self.balance_tolerance < 0 or self.home_band < 0 or self.catch_up < 1:
-            raise ValueError(f"need balance_tolerance >= 0, home_band >= 0, catch_up >= 1; got "
-                             f"{self.balance_tolerance}, {self.home_band}, {self.catch_up}")
+        if self.balance_tolerance < 0 or self.home_band < 0 or self.coarse_items_per_rank < 0:
+            raise ValueError(f"need balance_tolerance, home_band, coarse_items_per_rank >= 0; "
+                             f"got {self.balance_tolerance}, {self.home_band}, "
+                             f"{self.coarse_items_per_rank}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
 

@@ -1,11 +1,14 @@
 """Where each sample runs its LLM sequence and each encoder item runs, inside one micro-batch.
 
 Samples go to nodes, then ranks (`place_samples`). Encoder items then have a home, their
-sample's LLM rank, and three named strategies place them: `node_first` keeps items home and
-moves only the excess, same node first (fewest bytes); `home_biased_lpt` and `sequential_lpt`
-balance coarse items better and are relabelled so each rank's items mostly go to its own node.
-`choose_placement` is the one scoring rule: balance first, then bytes crossing nodes. Every
-strategy returns new arrays; none writes into its arguments.
+sample's LLM rank, and four named strategies place them: `node_first` keeps items home and
+moves only the excess, same node first (fewest bytes); `node_lpt` sends the same excess to
+other nodes but packs each node's items afresh (coarse items); `home_biased_lpt` and
+`sequential_lpt` balance over the whole cluster and are relabelled so each rank's items mostly
+go to its own node. The node strategies cross nodes by single moves, each followed by a refine
+inside nodes, before they swap across nodes. `choose_placement` is the one scoring rule:
+balance first, then bytes crossing nodes. Every strategy returns new arrays; none writes into
+its arguments.
 """
 
 from __future__ import annotations
@@ -79,32 +82,29 @@ def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
 
 def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
     """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
-    by class, ranks in each node by batched LPT on LLM cost, then LLM refine in nodes, across
-    nodes with samples that carry no embeddings, then any. The refine in nodes stops within a
-    quarter of `tolerance` above the bound (it pairs every node's ranks, the costly one); the
-    later ones aim at the bound itself."""
+    by class, ranks in each node by batched LPT on LLM cost (on one node, sequential LPT:
+    no bytes to keep local, and its one Python pass over the samples costs less than
+    numpy's rounds of a few bins each), then LLM refine in nodes, across nodes with samples
+    that carry no embeddings, then any: each within a quarter of `tolerance` above the
+    bound; last, a refine over all pairs of ranks (coarse bins only) aims at the bound."""
     N = W // g
-    node = _nodes_by_class(c, N) if N > 1 else np.zeros(c.shape[1], dtype=np.int64)
-    rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    if N > 1:
+        node = _nodes_by_class(c, N)
+        rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+    else:
+        rank = lpt_heap(c[K_LLM], W)
     loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
     good = llm_lb * (1 + tolerance / 4)
     refine(c[K_LLM], rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
-        refine(c[K_LLM], rank, loads, movable=no_items, target=llm_lb, max_iter=16)
-        refine(c[K_LLM], rank, loads, target=llm_lb, max_iter=16)
-    # last, all pairs (coarse bins only); across nodes only samples without embeddings
+        refine(c[K_LLM], rank, loads, movable=no_items, target=good, max_iter=16)
+        refine(c[K_LLM], rank, loads, target=good, max_iter=16)
+    # last, all pairs (coarse bins only) to the bound itself; across nodes only samples
+    # without embeddings
     refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
-    if N == 1 and loads.max() > good:
-        # one node: no bytes to keep local, so sequential LPT may take over where batching
-        # left a residual it cannot refine away
-        alt = lpt_heap(c[K_LLM], W)
-        alt_loads = np.bincount(alt, weights=c[K_LLM], minlength=W)
-        refine(c[K_LLM], alt, alt_loads, target=llm_lb, max_iter=16)
-        if alt_loads.max() < loads.max() * (1 - 1e-12):
-            return alt
     return rank
 
 
@@ -147,8 +147,12 @@ def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
     room = np.maximum(0.0, good - loads)
     room[np.unique(r[shed])] = 0.0  # a rank that sheds takes nothing back
     by_room = np.argsort(-room, kind="stable")
-    pos = np.searchsorted(np.cumsum(room[by_room]), np.cumsum(sz[shed]) - sz[shed] / 2)
-    fits = pos < np.count_nonzero(room)
+    cum_room, end = np.cumsum(room[by_room]), np.cumsum(sz[shed])
+    pos = np.searchsorted(cum_room, end)
+    # an item lands only where its whole stretch of the cumulative room lies in one rank's
+    # room, so no rank goes above `good`; one that straddles two ranks stays
+    fits = (pos == np.searchsorted(cum_room, end - sz[shed], side="right")) \
+        & (pos < np.count_nonzero(room))
     dest = np.where(fits, by_room[np.minimum(pos, len(room) - 1)], r[shed])
     np.add.at(loads, dest, sz[shed])
     r[shed] = dest
@@ -172,8 +176,8 @@ def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float)
 def node_first(items: Items, good: float) -> Placement:
     """Each rank keeps its largest items up to the bound (zero bytes, and large items carry
     the most bytes); a node over its ranks' bound exports its excess to the lightest nodes;
-    the rest is LPT over the ranks of its node; refine in nodes, then across nodes with
-    moves and swaps until the slowest rank is at most `good` (few items cross)."""
+    the rest is LPT over the ranks of its node (capped batched LPT; on one node, sequential
+    LPT); refine in nodes down to `good`, then `_across_nodes` (few items cross)."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     lb = items.bound
     within, _ = group_excl_cumsum(home, sz, by_size=True)
@@ -181,15 +185,58 @@ def node_first(items: Items, good: float) -> Placement:
     r = home.copy()
     loads = np.bincount(home[keep], weights=sz[keep], minlength=W)
     pool = np.flatnonzero(~keep)
-    if len(pool):
+    if len(pool) and W > g:
         node_load = np.bincount(home // g, weights=sz, minlength=W // g)
         node = _export_excess(items, pool, node_load, g * lb)
         r[pool] = node * g + _capped_lpt(sz[pool], node, loads.reshape(W // g, g), lb)
-    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8, swaps=False)
+    elif len(pool):  # one node: sequential LPT (one Python pass beats numpy rounds of g items)
+        r[pool] = lpt_heap(sz[pool], W, loads)
+    # across nodes, only the pool moves here (each rank keeps its largest items); on one node
+    # this refine is the last: every item, more iterations
+    refine(sz, r, loads, movable=~keep if W > g else None, bins_per_group=g, target=good,
+           max_iter=4 if W > g else 8)
     if W > g and loads.max() > good:
-        r, loads = _shed_excess(sz, r, loads, good)
-        refine(sz, r, loads, target=good, max_iter=8, swaps=True)
+        r, loads = _across_nodes(sz, r, loads, g, good)
     return Placement("node_first", r, loads)
+
+
+def node_lpt(items: Items, good: float) -> Placement:
+    """Items to nodes as node-first does (home node; a node over its ranks' bound exports
+    items, largest first, to the lightest nodes), then LPT of each node's items over its
+    ranks from scratch, refine in nodes, `_across_nodes`: for coarse items, where keeping
+    each rank's largest items home leaves too little to pack with."""
+    sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
+    node_load = np.bincount(home // g, weights=sz, minlength=W // g)
+    node = _export_excess(items, np.arange(len(sz)), node_load, g * items.bound)
+    loads = np.zeros((W // g, g))
+    r = node * g + lpt_rounds(sz, node, loads)
+    loads = loads.ravel()
+    refine(sz, r, loads, bins_per_group=g, target=good, max_iter=8)
+    if W > g and loads.max() > good:
+        r, loads = _across_nodes(sz, r, loads, g, good)
+    return Placement("node_lpt", r, loads)
+
+
+def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good: float,
+                  rounds: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """(ranks, loads) balanced across nodes with few items crossing: heavy ranks shed to
+    roomy ones (`_shed_excess`); then rounds of single moves across nodes (one item crosses
+    per move), each followed by a refine in nodes (moves and swaps, nothing crosses); last,
+    moves and swaps across nodes (a swap sends two items across), then over all pairs of
+    ranks for coarse items. Every step stops at `good`."""
+    r, loads = _shed_excess(sz, r.copy(), loads.copy(), good)
+    for _ in range(rounds):
+        top = loads.max()
+        if top <= good:
+            break
+        refine(sz, r, loads, target=good, max_iter=4, swaps=False)
+        refine(sz, r, loads, bins_per_group=g, target=good, max_iter=4)
+        if loads.max() >= top * (1 - 1e-12):
+            break
+    refine(sz, r, loads, target=good, max_iter=4, swaps=True)
+    if loads.max() > good:
+        refine(sz, r, loads, target=good, all_pairs=True, max_iter=4)
+    return r, loads
 
 
 def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
@@ -263,21 +310,26 @@ def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement
     return Placement(placed.name, r, loads)
 
 
-def place_items(items: Items, *, tolerance: float, band: float, catch_up: float) -> np.ndarray:
-    """Rank of each encoder item: node-first, and where it leaves the slowest rank more than
-    `tolerance` above the bound, the LPT strategies too (node-first, if within `catch_up` of
-    them, first refines across all pairs); `choose_placement` picks; `pull_home` last."""
+def place_items(items: Items, *, tolerance: float, band: float,
+                coarse_per_rank: float) -> np.ndarray:
+    """Rank of each encoder item: node-first, and while no placement so far is balanced
+    enough, node LPT, home-biased LPT and sequential LPT in turn; `choose_placement` picks;
+    `pull_home` last. Balanced enough: within `tolerance` of the bound; with at most
+    `coarse_per_rank` items a rank, where the bound is often out of reach, sequential LPT
+    (cheap there) goes first and a node strategy within `tolerance` of the best so far
+    suffices: the node strategies aim at that, not at the bound."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
-    first = node_first(items, items.bound * (1 + tolerance / 4))
-    cands = [first]
-    if first.loads.max() > good:
-        cands.append(home_biased_lpt(items, band, good))
-        if min(c.loads.max() for c in cands) > good:
-            cands.append(sequential_lpt(items, good))
-        best_alt = min(c.loads.max() for c in cands[1:])
-        if first.loads.max() <= best_alt * catch_up:
-            r, loads = first.rank.copy(), first.loads.copy()
-            refine(items.size, r, loads, target=max(good, best_alt), all_pairs=True,
-                   max_iter=16)
-            cands.append(Placement("node_first_refined", r, loads))
+    coarse = len(items.size) <= coarse_per_rank * items.world_size
+    cands = [node_first(items, good)]
+    order = ("home_biased", "node", "sequential") if coarse else ("node", "home_biased",
+                                                                   "sequential")
+    for k, name in enumerate(order):
+        best = min(c.loads.max() for c in cands)
+        target = max(good, best * (1 + tolerance)) if coarse and k else good
+        if (best <= good and not coarse) or any(c.name.startswith("node")
+                                                and c.loads.max() <= target for c in cands):
+            break
+        cands.append(node_lpt(items, target) if name == "node" else
+                     home_biased_lpt(items, band, target) if name == "home_biased" else
+                     sequential_lpt(items, target))
     return pull_home(items, choose_placement(cands, items, tolerance)).rank

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .balance import order_by_key_then_size, stable_order
 from .bounds import split_free_bound, unit_bound
 from .cost import CostModel, phase_costs  # noqa: F401  (phase_costs: part of this module's API)
 from .types import (
@@ -27,11 +28,7 @@ def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = Fals
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(exclusive cumsum of `values` within equal `keys`, in original order; the order used).
     Within a key the order is by position, or by decreasing value with `by_size`."""
-    if by_size:  # by key, then decreasing value: a value sort, then a stable key sort
-        first = np.argsort(-values, kind="stable")
-        order = first[_stable_key_order(keys[first])]
-    else:
-        order = _stable_key_order(keys)
+    order = order_by_key_then_size(keys, values) if by_size else stable_order(keys)
     k, v = keys[order], values[order]
     cs = np.cumsum(v) - v
     if len(k):
@@ -44,14 +41,6 @@ def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = Fals
     out = np.empty_like(values)
     out[order] = cs - base
     return out, order
-
-
-def _stable_key_order(keys: np.ndarray) -> np.ndarray:
-    """Stable argsort of non-negative int keys; keys that fit 16 bits use numpy's radix sort
-    (several times faster than the merge sort of int64 or a lexsort)."""
-    if len(keys) and 0 <= keys.min() and keys.max() < 1 << 16:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
-    return np.argsort(keys, kind="stable")
 
 
 def _ptr(sorted_groups: np.ndarray, num_groups: int) -> np.ndarray:

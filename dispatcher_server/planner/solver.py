@@ -10,16 +10,24 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
    `llm_capacity_factor`), can overrule the split (`_split_fits`, `_split_by_capacity`).
 2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
-3. Per micro-batch and encoder phase, `placement.place_items`: node-first (items stay home up
-   to the bound, a node's excess goes to the lightest nodes), and where that is not within
-   `balance_tolerance` of the bound, whole-cluster LPT strategies relabelled onto ranks; the
-   fewest inter-node bytes among the best-balanced wins; off-node items then return home
-   wherever that raises no rank above the maximum.
-Why: plain LPT per phase balances well but ships ~all embeddings across nodes; node-first
-placement moves almost nothing, and the fallbacks restore balance when items are coarse.
-Cost: O(n log n) sorting, O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x
-items^2); what `bench.planner` measures for each regime and W (CPU ms per plan) is in
-docs/planner.md, generated from docs/bench/planner.json.
+3. Per micro-batch and encoder phase, `placement.place_items` (items largest first):
+   node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
+   then single moves across nodes each followed by a refine inside nodes), and while no
+   placement is within `balance_tolerance` of the bound, node LPT (the same nodes, each
+   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks
+   (with a few items a rank, where the bound is often out of reach, home-biased LPT first,
+   and a node strategy within tolerance of the best so far ends the search); the fewest
+   inter-node bytes among the best-balanced wins; off-node items then return home wherever
+   that raises no rank above the maximum.
+Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
+strategies move little, and the cluster-wide ones restore balance where they cannot.
+Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
+sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). What
+`bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
+docs/planner.md, generated from docs/bench/planner.json): W=4, 512 samples: 3.4 ms; W=64:
+5.8-10.1 ms in every regime but document pages (17 ms); W=2560: 32-98 ms for 1.5k-104k
+encoder items a step, 183 ms for document pages (37k near-equal items, where every placement
+strategy runs).
 """
 
 from __future__ import annotations
@@ -325,7 +333,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
         items = Items.make(unit_costs[p][it], sample_rank[inputs.items(p).sample[it]],
                            inputs.items(p).llm_len[it].astype(np.float64), W, g)
         out[p] = place_items(items, tolerance=config.balance_tolerance, band=config.home_band,
-                             catch_up=config.catch_up)
+                             coarse_per_rank=config.coarse_items_per_rank)
     return rank, out
 
 
@@ -374,24 +382,9 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     regular[oversize] = False
     idx = np.flatnonzero(regular)
     sample_mb = np.zeros(S, dtype=np.int64)
-    sample_rank = np.zeros(S, dtype=np.int64)
-    item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
-    share = _capacity_shares(inputs, config, idx)
-    if not _split_fits(share, mb, M, W):
-        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
-        if not _split_fits(share, mb, M, W):
-            mb = _split_by_capacity(share, M)
-    sample_mb[idx] = mb
-    item_mb = {p: sample_mb[inputs.items(p).sample] for p in ENCODER_PHASES}
-    for m in range(M):
-        samp = idx[mb == m]
-        items_in = {p: np.flatnonzero((item_mb[p] == m) & regular[inputs.items(p).sample])
-                    for p in ENCODER_PHASES}
-        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
-                                                     topology, config)
-        for p in ENCODER_PHASES:
-            item_rank[p][items_in[p]] = ranks[p]
+    sample_mb[idx] = _split(cost, big, idx, inputs, config, M, W, rng)
+    sample_rank, item_rank = _place_regular(inputs, topology, config, cost, unit_costs,
+                                            sample_mb, regular, M)
     isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
     if len(oversize):
         warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
@@ -409,6 +402,41 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     if config.llm_capacity is not None or config.encoder_capacity:
         plan = repair_capacity(plan)
     return plan
+
+
+def _split(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
+           config: PlannerConfig, M: int, W: int, rng: np.random.Generator) -> np.ndarray:
+    """Micro-batch of each sample in `idx`: the cost split; where it crowds a micro-batch
+    past its ranks' capacities, the split without concentrating, then by capacity shares."""
+    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
+    share = _capacity_shares(inputs, config, idx)
+    if not _split_fits(share, mb, M, W):
+        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
+        if not _split_fits(share, mb, M, W):
+            mb = _split_by_capacity(share, M)
+    return mb
+
+
+def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig,
+                   cost: np.ndarray, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
+                   regular: np.ndarray, M: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(LLM rank of every sample, encoder rank of every item per phase) for the `regular`
+    samples, micro-batch by micro-batch. Each micro-batch's items go in largest first: the
+    placement sorts them by size many times, and numpy's stable sort of sorted data is O(n)."""
+    sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
+    item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
+    by_size = {}
+    for p in ENCODER_PHASES:
+        order = np.argsort(-unit_costs[p], kind="stable")
+        by_size[p] = order[regular[inputs.items(p).sample[order]]]
+    for m in range(M):
+        samp = np.flatnonzero(regular & (sample_mb == m))
+        items_in = {p: o[sample_mb[inputs.items(p).sample[o]] == m] for p, o in by_size.items()}
+        sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
+                                                     topology, config)
+        for p in ENCODER_PHASES:
+            item_rank[p][items_in[p]] = ranks[p]
+    return sample_rank, item_rank
 
 
 def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
