@@ -131,7 +131,7 @@ class PayloadServer:
                 from dispatcher_server.security import apply_server_curve, start_authenticator
 
                 if not allowed_dir:
-                    raise ValueError("CurveZMQ payload sockets need --curve-allowed-dir (the "
+                    raise ValueError("CurveZMQ payload sockets need --payload-allowed-dir (the "
                                      "trainers' public NAME.key files)")
                 self._auth = start_authenticator(self.ctx, allowed_dir)
                 self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")

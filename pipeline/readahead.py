@@ -66,7 +66,7 @@ class ReadAhead:
         self._closed = threading.Event()
         self._reading_since: float | None = None  # the thread waits on the shard since then
         self._progress_at = time.monotonic()
-        self.finished = False  # every entry was handed out and the shard ended
+        self._ended = False  # the shard ended (entries may still wait in `_ready`)
         self._thread: threading.Thread | None = None
         self._records: Iterator | None = None  # read in the caller's thread (threaded=False)
 
@@ -89,6 +89,11 @@ class ReadAhead:
         self._thread = threading.Thread(target=self._run, args=(records,), name=self.name, daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def finished(self) -> bool:
+        """The shard ended and every entry was handed out."""
+        return self._ended and not self._ready
 
     def _run(self, records: Iterator) -> None:
         end: tuple = ("end", None)
@@ -135,9 +140,10 @@ class ReadAhead:
         out: list = []
         n = 0
         deadline = time.monotonic() + wait_s
-        while n < limit and not self.finished:
-            if not self._ready and not (self._next() if self._records is not None
-                                        else self._fill(deadline if not out else None)):
+        while n < limit:
+            if not self._ready and (self._ended or not (
+                    self._next() if self._records is not None
+                    else self._fill(deadline if not out else None))):
                 break
             entry = self._ready.popleft()
             out.append(entry)
@@ -150,8 +156,8 @@ class ReadAhead:
         try:
             self._ready.append(next(self._records))
         except StopIteration:
-            self.finished = True
-            return bool(self._ready)
+            self._ended = True
+            return bool(self._ready)  # the shard's last skips
         return True
 
     def _fill(self, deadline: float | None) -> bool:
@@ -169,7 +175,7 @@ class ReadAhead:
             elif kind == "error":
                 raise value
             else:
-                self.finished = True
+                self._ended = True
                 return False
 
     def stalled(self, now: float | None = None) -> bool:

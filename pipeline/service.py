@@ -415,7 +415,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--payloads direct: MiB of sent members held for trainers to fetch "
                              "(each dropped once fetched, oldest first past this cap; a miss is "
                              "read again from the shard file)")
-    parser.add_argument("--curve-allowed-dir", default=None,
+    parser.add_argument("--payload-allowed-dir", default=None,
                         help="CurveZMQ with --payloads direct: directory of the trainers' allowed "
                              "public NAME.key files (the payload socket refuses other clients)")
     add_reader_arguments(parser)  # counting rules and error policy, shared with `inspect`
@@ -458,7 +458,7 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                              if args.payload_bind else None),
                                payload_advertise=args.payload_advertise,
                                payload_cache_mb=args.payload_cache_mb,
-                               allowed_dir=args.curve_allowed_dir)
+                               allowed_dir=args.payload_allowed_dir)
 
 
 def _worker_main(args: argparse.Namespace, worker: int) -> int:
