@@ -2,7 +2,8 @@
 
 One real dispatcher (`mmdispatch serve --payloads reference`) serves W simulated trainer ranks:
 lightweight DEALER clients without torch, many per process, that acknowledge each step the way
-a trainer's client does (credit for the next steps, `received`). Simulated readers feed it
+a trainer's client does (credit for the next steps, `received`) and, like its session, send a
+heartbeat only after a second without sending anything. Simulated readers feed it
 counted sample headers with reference payloads drawn from a demo-like mixture (images, audio
 clips, text with a long tail), 8 samples per rank per step, M=2, 8 ranks per node. Nothing
 here reads a shard: the figures are the control plane's alone.
@@ -143,6 +144,7 @@ def ranks_main(endpoint: str, ranks: list[int], world: int, stop_at: float) -> N
         poller.register(s, zmq.POLLIN)
         socks[s] = rank
     last = time.monotonic()
+    sent = dict.fromkeys(socks, last)  # as the client's session: a heartbeat only after 1 s idle
     while time.monotonic() < stop_at:
         for s, _ in poller.poll(100):
             for frames in P.pending(s):
@@ -154,10 +156,14 @@ def ranks_main(endpoint: str, ranks: list[int], world: int, stop_at: float) -> N
                 else:
                     continue
                 s.send_multipart(P.encode(P.CREDIT, seq=2, upto=got + 2, received=got))
-        if time.monotonic() - last > 1.0:
+                sent[s] = time.monotonic()
+        now = time.monotonic()
+        if now - last > 0.25:
             for s in socks:
-                s.send_multipart(P.encode(P.HEARTBEAT, seq=3))
-            last = time.monotonic()
+                if now - sent[s] > 1.0:
+                    s.send_multipart(P.encode(P.HEARTBEAT, seq=3))
+                    sent[s] = now
+            last = now
     for s in socks:
         s.close(linger=0)
 
