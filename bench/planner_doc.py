@@ -28,19 +28,26 @@ sequential LPT) chosen by one rule: fewest inter-node bytes among the placements
 `balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
 solves small steps exactly (MILP, HiGHS) to measure the heuristic's gap.
 
-## Micro-batches and memory (a known limitation)
+## Micro-batches and memory
 
 The predicted step time sums, over micro-batches, the slowest rank's cost, so it never rewards
-spreading a rank's samples over its M micro-batches: with M = 2 and the default capacity
-(`serve --llm-capacity-factor 3`: at most 3x the step's mean LLM tokens per rank and
-micro-batch, at least the longest sample) the planner often puts a rank's whole share in one
-micro-batch and leaves the other empty. This is the case at W >= 64 in every regime below: that
-micro-batch then holds about twice the tokens of an even split. The baselines split
-each rank's samples over M, which is part of the lead the table shows. If your memory is sized
-for an even split, bound it: `--llm-capacity TOKENS`, or `--llm-capacity-factor 1.5`. With
-1.5 the planner trailed the best baseline by up to 1.36x (video at W=512; 3 steps per regime
-at W = 8, 64, 512, with the baselines unbounded), and still led on the image mixtures: its
-split under tight capacities is the part of the planner to improve next.
+spreading a rank's work over its M micro-batches: uncapped, the planner often runs a whole step
+in one micro-batch and leaves the other empty on every rank (twice the tokens of an even split
+in memory at M = 2). So serve bounds every (rank, micro-batch) by default: at most
+`--llm-capacity-factor` (1.25) times the step's mean LLM tokens per rank and micro-batch, or
+the longest sample where that is longer (a micro-batch never needs more memory than the longest
+sample does). `--llm-capacity TOKENS` sets it outright; `--llm-capacity-factor 0` lifts it.
+
+Under a capacity, `solver._splits` offers splits best first and the first whose ranks can hold
+it is planned: the cost split, if it leaves every micro-batch under 90% of W x capacity; then,
+in order of their bound, the same greedy held to that room (no micro-batch over it, and at most
+W samples over half a capacity in one, since no two share a rank) and an LPT over all W x M
+(rank, micro-batch) bins whose bins hold the capacity; the held greedy again at 80% and 70%
+(near-capacity samples can fail to pack well under W x capacity); then the older fallbacks.
+Samples are held to the capacity on their ranks before the encoder items are placed, so the
+items follow them and the exchange stays on the node. The regimes below are planned this way, under the
+default factor. The baselines ignore capacities: the last column shows the best baseline's
+peak (rank, micro-batch) tokens over mmdispatch's capacity (over 1: it would not have fit).
 
 ## Benchmark
 
@@ -57,6 +64,8 @@ parameter settings (`bench/regimes.py`). Columns, for mmdispatch:
   as `plan_wall_ms_p50`), on a shared 2-core VM; **items**: encoder items per step.
 - **inter-node vs LPT**: inter-node exchange bytes over per-phase LPT's (blank where LPT moves
   none, i.e. one node).
+- **peak / capacity**: the largest LLM tokens of any (rank, micro-batch), over the capacity
+  mmdispatch planned under (max over steps): mmdispatch's, then the best baseline's.
 
 Targets (issue 16): vs best baseline < 1 at every point; plan p50 <= 100 ms at W=2560 and
 <= 10 ms at W=64; inter-node bytes <= 30% of per-phase LPT's.
@@ -65,8 +74,8 @@ Targets (issue 16): vs best baseline < 1 at every point; plan p50 <= 100 ms at W
 
 def regimes_table(regimes: dict) -> str:
     rows = ["| regime | W | vs best baseline | over best bound | plan ms p50 | items | "
-            "inter-node vs LPT | best baseline |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+            "inter-node vs LPT | best baseline | peak / capacity |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name, by_w in regimes.items():
         for W, methods in by_w.items():
             e = methods["mmdispatch"]
@@ -77,8 +86,13 @@ def regimes_table(regimes: dict) -> str:
                 f"| {name} | {W} | {e['step_time_vs_best_baseline']:.4f} | "
                 f"{e['step_time_over_best_lb']:.4f} | {e['plan_ms_p50']:.1f} | "
                 f"{e['items_per_step']:,} | {'' if inter is None else f'{inter:.3f}'} | "
-                f"{base} |")
+                f"{base} | {_peak(e)} / {_peak(methods[base])} |")
     return "\n".join(rows)
+
+
+def _peak(method: dict) -> str:
+    peak = method.get("peak_llm_tokens_over_capacity")
+    return "" if peak is None else f"{peak:.2f}"
 
 
 def exact_table(exact: dict, shape: dict) -> str:

@@ -24,7 +24,7 @@ from dispatcher_server.config import (
 )
 from dispatcher_server.costfile import load_cost_file
 from dispatcher_server.planner import PlannerConfig
-from dispatcher_server.planner.config import OVERSIZE_POLICIES
+from dispatcher_server.planner.config import DEFAULT_LLM_CAPACITY_FACTOR, OVERSIZE_POLICIES
 from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
@@ -53,10 +53,12 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch"),
     "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
-    "llm_capacity_factor": (float, 3.0, "without --llm-capacity, each rank's micro-batch holds at "
-                                        "most this many times the step's mean LLM tokens per rank "
-                                        "and micro-batch (at least its longest sample); 0 = no "
-                                        "limit"),
+    "llm_capacity_factor": (float, DEFAULT_LLM_CAPACITY_FACTOR,
+                            "without --llm-capacity, each rank's micro-batch holds at most this "
+                            "many times the step's mean LLM tokens per rank and micro-batch (at "
+                            "least its longest sample), so M micro-batches need about the memory "
+                            "of an even split; 0 = no limit (the planner may then run a rank's "
+                            "whole share in one micro-batch)"),
     "oversize": (str, "error", "samples over capacity: error or isolate"),
     "cost_model": (str, None, "cost file written by 'mmdispatch calibrate' (default: FLOP-formula costs)"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),

@@ -42,7 +42,7 @@ def make_config(shards, *, world_size=3, global_batch=8, num_microbatches=2, **k
     return ServerConfig(
         shuffle_buffer=kw.pop("shuffle_buffer", 0), shards=list(shards), world_size=world_size,
         batch=BatchConfig(global_batch=global_batch),
-        planner=PlannerConfig(num_microbatches=num_microbatches), flow=flow,
+        planner=kw.pop("planner", PlannerConfig(num_microbatches=num_microbatches)), flow=flow,
         liveness=kw.pop("liveness", LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=20)),
         journal_fsync=False, **kw)
 

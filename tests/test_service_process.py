@@ -15,6 +15,7 @@ import pytest
 
 from dispatcher_server.config import CurveConfig, FlowConfig
 from dispatcher_server.journal import JournalError
+from dispatcher_server.planner import DEFAULT_LLM_CAPACITY_FACTOR, PlannerConfig
 from dispatcher_server.security import create_keypair
 from dispatcher_server.server import Dispatcher
 from mmdispatch import cli
@@ -85,7 +86,9 @@ def _serve_args(shards, journal, world_size):
 
 def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(shards, tmp_path):
     journal = str(tmp_path / "journal")
-    reference_cfg = make_config(shards, world_size=2, seed=5, shuffle_buffer=64)
+    # serve's planner defaults, as the `mmdispatch serve` runs below have them
+    planner = PlannerConfig(num_microbatches=2, llm_capacity_factor=DEFAULT_LLM_CAPACITY_FACTOR)
+    reference_cfg = make_config(shards, world_size=2, seed=5, shuffle_buffer=64, planner=planner)
     with dispatcher(reference_cfg) as srv, readers(srv.reader_endpoint, 2):
         reference = consume(srv.trainer_endpoint, 2)
     commit_at = 4

@@ -17,6 +17,12 @@ DEFAULT_BYTES_PER_TOKEN = 4096 * 2
 
 OVERSIZE_POLICIES = ("error", "isolate")
 
+#: serve's default `llm_capacity_factor`: a rank's micro-batch holds at most 1.25x the step's
+#: mean LLM tokens per (rank, micro-batch), or its longest sample. M micro-batches then need
+#: about the memory of an even split: the step-time model alone never rewards spreading a
+#: rank's work over its micro-batches, and uncapped puts most steps whole into one.
+DEFAULT_LLM_CAPACITY_FACTOR = 1.25
+
 
 @dataclass(kw_only=True, slots=True)
 class PlannerConfig:

@@ -8,7 +8,9 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    (giants greedy, then audio, vision and text-only samples to targets that fill the room
    under giant-set bounds, then level the totals). A polish pass moves a micro-batch's largest
    unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
-   `llm_capacity_factor`), can overrule the split (`_split_fits`, `_split_by_capacity`).
+   `llm_capacity_factor`, serve's default), can overrule it: `_splits` then offers splits
+   held to them (the greedy with room per micro-batch, an LPT over all rank x micro-batch
+   bins, fallbacks), and the first whose ranks can hold it is planned.
 2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
 3. Per micro-batch and encoder phase, `placement.place_items` (items largest first):
    node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
@@ -24,20 +26,23 @@ strategies move little, and the cluster-wide ones restore balance where they can
 Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
 sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). What
 `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
-docs/planner.md, generated from docs/bench/planner.json): W=4, 512 samples: 3.4 ms; W=64:
-5.8-10.1 ms in every regime but document pages (17 ms); W=2560: 32-98 ms for 1.5k-104k
-encoder items a step, 183 ms for document pages (37k near-equal items, where every placement
-strategy runs).
+docs/planner.md, generated from docs/bench/planner.json; regimes under serve's default
+capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document pages
+(19 ms); W=2560: 32-100 ms for 1.5k-28k encoder items a step, 162 ms for 104k interleaved
+images (a capacity repair repacks a micro-batch) and 183 ms for document pages (37k
+near-equal items, where every placement strategy runs).
 """
 
 from __future__ import annotations
 
 import warnings
+import bisect
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
 
-from .balance import lpt_rounds
+from .balance import lpt_heap, lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
 from .placement import Items, place_items, place_samples
@@ -139,27 +144,33 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
 
 
 def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
-                  W: int) -> np.ndarray:
+                  W: int, share: np.ndarray | None = None) -> np.ndarray:
     """Every sample through `_greedy_blocks`, all phases at once: giants first (as in
     `_split_pass`), then the rest largest first, about 64 blocks per micro-batch. Unlike the
     class-by-class pass, a sample counts in every phase it touches, so the room a giant of
-    one phase leaves in its micro-batch fills with the other phases' work too."""
+    one phase leaves in its micro-batch fills with the other phases' work too.
+
+    With `share` (samples x capacities: each sample's tokens over each capacity), a block
+    only goes where every capacity's micro-batch total stays within `_FILL` x W (see
+    `_greedy_blocks`)."""
     P, n = c.shape
     csum = c.sum(axis=1)
     tau = np.where(csum > 0, csum / (W * M), 1.0)
     score = (b / tau[:, None]).max(axis=0)
     is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
     Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
+    full = None if share is None else [[0.0] * share.shape[1] for _ in range(M)]
     out = np.zeros(n, dtype=np.int64)
     giants = np.flatnonzero(is_giant)
     giants = giants[np.argsort(-score[giants], kind="stable")]
     if len(giants):
-        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
+        out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W, share, full)
     rest = np.flatnonzero(~is_giant)
     size = (c[:, rest] / tau[:, None]).sum(axis=0)
     rest = rest[np.argsort(-size, kind="stable")]
     if len(rest):
-        out[rest] = _greedy_blocks(c, b, rest, max(1, len(rest) // (64 * M)), Tc, Lc, W)
+        block = max(1, len(rest) // (64 * M))
+        out[rest] = _greedy_blocks(c, b, rest, block, Tc, Lc, W, share, full)
     return out
 
 
@@ -172,10 +183,15 @@ def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -
 
 
 def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
-                   Tc: list, Lc: list, W: int) -> np.ndarray:
+                   Tc: list, Lc: list, W: int, share: np.ndarray | None = None,
+                   full: list | None = None) -> np.ndarray:
     """Micro-batch of each of `members`, taken in order in blocks of `block`: each block goes
     where it raises sum_p max(total_p/W, largest_p) least (ties: the lighter micro-batch).
     `Tc`, `Lc` (per micro-batch, per phase: totals, largest units) are updated in place.
+
+    With `share` and `full` (per micro-batch, per capacity: the shares taken so far, updated in
+    place), only micro-batches whose every capacity stays within `_FILL` x W after the block
+    are candidates; when none is, the block goes where the fullest capacity stays lowest.
 
     Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates."""
     P, M = len(c), len(Tc)
@@ -184,13 +200,24 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
     starts = np.arange(0, len(members), block)
     bsum = np.add.reduceat(c[:, members], starts, axis=1).T.tolist()
     bmax = np.maximum.reduceat(b[:, members], starts, axis=1).T.tolist()
+    if share is not None and share.shape[1]:
+        bshare = np.add.reduceat(share[members], starts, axis=0).tolist()
+        limit = _FILL * W
+    else:
+        bshare, full = [None] * len(bsum), None
     olds = [[max(t / W, l) for t, l in zip(Tm, Lm)] for Tm, Lm in zip(Tc, Lc)]
     ties = [sum(x * t for x, t in zip(shr, Tm)) for Tm in Tc]
     bounds = [sum(om) for om in olds]
     chosen = []
-    for bs, bx in zip(bsum, bmax):
-        incs = []
-        for m in range(M):
+    for bs, bx, bf in zip(bsum, bmax, bshare):
+        allowed = range(M)
+        if full is not None:
+            after = [max(f + x for f, x in zip(full[m], bf)) for m in range(M)]
+            allowed = [m for m in range(M) if after[m] <= limit]
+            if not allowed:
+                allowed = [min(range(M), key=after.__getitem__)]
+        incs = {}
+        for m in allowed:
             Tm, Lm, om = Tc[m], Lc[m], olds[m]
             inc = 0.0
             for q in range(P):
@@ -200,10 +227,10 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
                 if l > t:
                     t = l
                 inc += t - om[q]
-            incs.append(inc)
-        lo = min(incs)
+            incs[m] = inc
+        lo = min(incs.values())
         eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-        m = min((ties[k], k) for k in range(M) if incs[k] <= lo + eps)[1]
+        m = min((ties[k], k) for k, inc in incs.items() if inc <= lo + eps)[1]
         chosen.append(m)
         Tm, Lm, om = Tc[m], Lc[m], olds[m]
         tie = bnd = 0.0
@@ -214,6 +241,8 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
             tie += shr[q] * Tm[q]
             bnd += om[q]
         ties[m], bounds[m] = tie, bnd
+        if full is not None:
+            full[m] = [f + x for f, x in zip(full[m], bf)]
     return np.repeat(chosen, block)[:len(members)]
 
 
@@ -284,11 +313,14 @@ def _top2(b: np.ndarray, mb: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray
 
 
 def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
-                  max_iter: int = 4) -> None:
+                  share: np.ndarray | None = None, max_iter: int = 4) -> None:
     """Move a micro-batch's largest unit elsewhere when it alone sets that micro-batch's bound
-    and moving it lowers sum_m,p max(total/W, largest) (the class split above ignores sizes)."""
+    and moving it lowers sum_m,p max(total/W, largest) (the class split above ignores sizes);
+    with `share`, only where the destination's capacities stay within `_FILL` x W."""
     for _ in range(max_iter):
         T = np.stack([np.bincount(mb, weights=c[k], minlength=M) for k in range(len(c))])
+        F = None if share is None else np.stack(
+            [np.bincount(mb, weights=share[:, k], minlength=M) for k in range(share.shape[1])])
         first, who, second = _top2(b, mb, M)
         moved = False
         for k, m in zip(*np.nonzero(first > T / W)):
@@ -300,7 +332,7 @@ def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
             after_m = np.maximum((T[:, m] - c[:, s]) / W, L_wo).sum()
             gains = []
             for m2 in range(M):
-                if m2 == m:
+                if m2 == m or (F is not None and np.any(F[:, m2] + share[s] > _FILL * W)):
                     gains.append(-np.inf)
                     continue
                 old2 = np.maximum(T[:, m2] / W, first[:, m2]).sum()
@@ -322,6 +354,11 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
     2-3 of the module docstring for one micro-batch."""
     W, g = topology.world_size, topology.ranks_per_node
     rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
+    if config.llm_capacity is not None:
+        # held to the capacity before the items are placed, so they follow where samples are
+        rank = _repair_units(np.zeros(len(samp), dtype=np.int64), rank,
+                             inputs.llm_len[samp].astype(np.float64), config.llm_capacity,
+                             np.ones(1, dtype=bool), topology, "LLM")
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     sample_rank[samp] = rank
     out = {}
@@ -347,7 +384,7 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
     M = config.microbatches_for(inputs, topology)
     capacity = config.llm_capacity_for(inputs, topology)
     if capacity != config.llm_capacity:
-        config = replace(config, llm_capacity=capacity)
+        return _plan_derived(inputs, topology, replace(config, llm_capacity=capacity), M)
     try:
         return _plan_with(inputs, topology, config, M)
     except PlanError as refused:
@@ -366,6 +403,22 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
         raise
 
 
+def _plan_derived(inputs: StepInputs, topology: Topology, config: PlannerConfig,
+                  M: int) -> StepPlan:
+    """Plan under a capacity derived by `llm_capacity_factor` (a default, not the user's
+    memory): where its ranks cannot hold the step (few samples per micro-batch: 5 equal
+    samples in 4 slots of 1.25x the mean fit no two to a slot), it grows by 25% until they
+    can, at most to the step's total, which holds any placement."""
+    total = int(inputs.llm_len.sum())
+    while True:
+        try:
+            return _plan_with(inputs, topology, config, M)
+        except PlanError:
+            if config.llm_capacity >= total:
+                raise
+            config = replace(config, llm_capacity=min(total, -(-config.llm_capacity * 5 // 4)))
+
+
 def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M: int) -> StepPlan:
     W = topology.world_size
     S = inputs.num_samples
@@ -381,15 +434,33 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     regular = np.ones(S, dtype=bool)
     regular[oversize] = False
     idx = np.flatnonzero(regular)
-    sample_mb = np.zeros(S, dtype=np.int64)
-    sample_mb[idx] = _split(cost, big, idx, inputs, config, M, W, rng)
+    if len(oversize):
+        extra = -(-len(oversize) // W)
+        warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
+                      f"in an extra micro-batch ({M} -> {M + extra} micro-batches)", stacklevel=2)
+    refused = None
+    for split in _splits(cost, big, idx, inputs, config, M, W, rng):
+        sample_mb = np.zeros(S, dtype=np.int64)
+        sample_mb[idx] = split
+        try:
+            plan = _place_split(inputs, topology, config, cost, unit_costs, sample_mb, regular,
+                                oversize, M)
+        except PlanError as e:  # its ranks cannot hold it: the next split
+            refused = e
+            continue
+        return plan
+    raise refused
+
+
+def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
+                 cost: np.ndarray, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
+                 regular: np.ndarray, oversize: np.ndarray, M: int) -> StepPlan:
+    """The plan of one split: regular samples placed, oversize ones isolated, then capacities
+    repaired (PlanError if some rank cannot be brought under them)."""
     sample_rank, item_rank = _place_regular(inputs, topology, config, cost, unit_costs,
                                             sample_mb, regular, M)
-    isolated = np.arange(M, M + -(-len(oversize) // W), dtype=np.int64)
+    isolated = np.arange(M, M + -(-len(oversize) // topology.world_size), dtype=np.int64)
     if len(oversize):
-        warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
-                      f"in an extra micro-batch ({M} -> {M + len(isolated)} micro-batches)",
-                      stacklevel=2)
         _place_isolated(inputs, topology, oversize, M, unit_costs, sample_mb, sample_rank,
                         item_rank)
     plan = StepPlan(
@@ -404,17 +475,48 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     return plan
 
 
-def _split(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
-           config: PlannerConfig, M: int, W: int, rng: np.random.Generator) -> np.ndarray:
-    """Micro-batch of each sample in `idx`: the cost split; where it crowds a micro-batch
-    past its ranks' capacities, the split without concentrating, then by capacity shares."""
+def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
+            config: PlannerConfig, M: int, W: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Micro-batch of each sample in `idx`, best first: the cost split if it fits the
+    capacities (`_split_fits`); else the greedy split held to them (`_split_greedy` with
+    shares, filling micro-batches to each of `_HELD_FILLS` in turn; the first and an LPT
+    over all rank x micro-batch bins in order of their bound), the split without
+    concentrating, and the split by capacity shares alone, each that fits and then, whatever
+    fits, the last. `_plan_with` takes the first its ranks can hold."""
     mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
-    share = _capacity_shares(inputs, config, idx)
-    if not _split_fits(share, mb, M, W):
-        mb = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
-        if not _split_fits(share, mb, M, W):
-            mb = _split_by_capacity(share, M)
-    return mb
+    share = raw = _capacity_shares(inputs, config, idx)
+    if share.shape[1]:
+        # Samples over half a capacity cannot share a rank's micro-batch: at most W of them
+        # fit one. A column worth _FILL each holds a split to that count like a capacity.
+        large = (share > 0.5).any(axis=1) * _FILL
+        share = np.column_stack([share, large])
+    if _split_fits(share, mb, M, W):
+        yield mb
+        if not share.shape[1]:
+            return
+    c, b = cost[:, idx], big[:, idx]
+    first = []
+    for fill in _HELD_FILLS:  # fuller micro-batches are harder to pack on ranks: less, then
+        scaled = share * (_FILL / fill)
+        held = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, scaled)
+        if _split_fits(scaled, held, M, W):
+            _polish_split(c, b, held, M, W, scaled)
+            first.append(held)
+        if fill == _HELD_FILLS[0]:
+            # LPT of the LLM cost over all W x M (rank, micro-batch) bins, kept if its bins
+            # hold the capacities (a packing comes with it); it and the fullest held split
+            # go first in order of their bound, sum_m,p max(total/W, largest).
+            bins = lpt_heap(c[PHASES.index(LLM_PHASE)], W * M)
+            if all(np.bincount(bins, weights=raw[:, j], minlength=W * M).max() <= 1
+                   for j in range(raw.shape[1])):
+                first.append(bins // W)
+            first.sort(key=lambda split: _split_bound(c, b, split, M, W))
+        yield from first
+        first = []
+    level = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
+    if _split_fits(share, level, M, W):
+        yield level
+    yield _split_by_capacity(share, M)
 
 
 def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig,
@@ -482,10 +584,17 @@ def _split_by_capacity(share: np.ndarray, M: int) -> np.ndarray:
     return mb
 
 
+#: A split may fill a micro-batch's capacities up to this fraction of W x capacity: the rest
+#: is the room its placement on ranks needs.
+_FILL = 0.9
+#: The fills the capacity-held greedy split tries in turn, when its ranks cannot hold the
+#: previous one (bin packing of near-capacity samples can fail well under W x capacity).
+_HELD_FILLS = (0.9, 0.8, 0.7)
+
+
 def _split_fits(share: np.ndarray, mb: np.ndarray, M: int, W: int) -> bool:
     """Whether the split leaves every micro-batch's tokens comfortably under W x capacity."""
-    tight = 0.9
-    return all(np.bincount(mb, weights=share[:, k], minlength=M).max(initial=0) <= tight * W
+    return all(np.bincount(mb, weights=share[:, k], minlength=M).max(initial=0) <= _FILL * W
                for k in range(share.shape[1]))
 
 
@@ -512,20 +621,21 @@ def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
     """Ranks for units of sizes `tok` over W ranks of capacity `cap`, largest first: into the
     roomiest rank that fits (balanced), else into the fullest that fits (packs tighter);
     None if neither fits them all."""
-    order = np.argsort(-tok, kind="stable")
-    for tightest in (False, True):
-        load = np.zeros(W)
-        out = np.empty(len(tok), dtype=np.int64)
-        for u in order:
-            fits = np.flatnonzero(load + tok[u] <= cap)
-            if len(fits) == 0:
-                break
-            r = int(fits[np.argmax(load[fits]) if tightest else np.argmin(load[fits])])
-            out[u] = r
-            load[r] += tok[u]
-        else:
-            return out
-    return None
+    load = np.zeros(W)
+    out = lpt_heap(tok, W, load)  # roomiest first is LPT: it fits iff the lightest rank did
+    if load.max(initial=0) <= cap:
+        return out
+    # best fit decreasing: each unit onto the fullest rank it fits (loads kept sorted)
+    bins = [(0.0, -r) for r in range(W)]  # (load, -rank): among equal loads the lowest rank
+    sizes = tok.tolist()
+    for u in np.argsort(-tok, kind="stable").tolist():
+        k = bisect.bisect_right(bins, (cap - sizes[u], 1)) - 1
+        if k < 0:
+            return None
+        load_r, neg = bins.pop(k)
+        out[u] = -neg
+        bisect.insort(bins, (load_r + sizes[u], neg))
+    return out
 
 
 def repair_capacity(plan: StepPlan) -> StepPlan:
