@@ -573,15 +573,48 @@ def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int 
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
+_BACKEND: tuple | None = None
+
+
+def _load_backend() -> tuple:
+    global _BACKEND
+    _BACKEND = _backend()
+    return _BACKEND
+
+
+def _backend():
+    """pyzmq's compiled send/recv and flags. The `zmq.Socket` wrappers (`send_multipart`,
+    `recv_multipart`) add a Python layer per frame (type checks, enum flag arithmetic,
+    routing-id handling): at thousands of ranks, ~6 us of 11.5 per message sent and ~1.8 of
+    3.3 per message received; these call the compiled methods directly, with the same
+    semantics (zero-copy for frames above the socket's copy threshold)."""
+    import zmq
+    from zmq.backend import Socket
+
+    return Socket.send, Socket.recv, int(zmq.SNDMORE), int(zmq.NOBLOCK), zmq.Again
+
+
+def send_frames(sock: Any, frames: list) -> None:
+    """`sock.send_multipart(frames, copy=False)`, at half its cost (see `_backend`)."""
+    send, _, more, _, _ = _BACKEND or _load_backend()
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        send(sock, frame, more if i < last else 0, False, False)
+
+
 def pending(sock: Any, budget: int | None = None):
     """Yield the multipart messages already waiting on `sock` (zero-copy frames), never blocking;
     at most `budget` of them, so one busy socket cannot starve the rest of a poll loop."""
-    import zmq
-
+    _, recv, _, noblock, again = _BACKEND or _load_backend()
     count = 0
     while budget is None or count < budget:
         try:
-            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            frame = recv(sock, noblock, False, False)
+        except again:
             return
+        parts = [frame]
+        while frame.more:  # a multipart message arrives whole: its other parts are there
+            frame = recv(sock, 0, False, False)
+            parts.append(frame)
+        yield parts
         count += 1

@@ -423,10 +423,10 @@ class Dispatcher:
 
         t0 = thread_time()
         now = time.monotonic()
-        send = self.trainer_sock.send_multipart
+        sock, send = self.trainer_sock, P.send_frames
         count = nbytes = 0
         for slot, frames in self.delivery.sends(encode):
-            send([slot.ident, *frames], copy=False)
+            send(sock, [slot.ident, *frames])
             slot.last_sent = now
             count += 1
             nbytes += sum(memoryview(f).nbytes for f in frames)
@@ -855,4 +855,4 @@ class Dispatcher:
     def _send_frames(self, sock: zmq.Socket, ident: bytes, frames: list, role: str) -> None:
         self.metrics.bytes_out_of[role].inc(sum(memoryview(f).nbytes for f in frames))
         self.metrics.messages_of[role, "out"].inc()
-        sock.send_multipart([ident, *frames], copy=False)
+        P.send_frames(sock, [ident, *frames])
