@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dispatcher_server.planner import (
-    BASELINES, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig, StepInputs, StepPlan,
+    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig, StepInputs, StepPlan,
     Topology, plan_step, validate,
 )
 
@@ -43,6 +43,28 @@ def steps(draw):
                         encoder_capacity={"vision": 40000} if cap else {},
                         oversize="isolate", seed=draw(st.integers(0, 3)))
     return inputs, topo, cfg
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(steps())
+def test_serve_default_capacity_never_refuses_a_step(case):
+    """serve's default capacity is derived from the step, so no step may be refused for it: it
+    grows where the ranks cannot hold the step (few samples per micro-batch), and every
+    (rank, micro-batch) holds at most the capacity the plan states (`validate`)."""
+    inputs, topo, drawn = case
+    cfg = PlannerConfig(num_microbatches=drawn.num_microbatches, seed=drawn.seed,
+                        llm_capacity_factor=DEFAULT_LLM_CAPACITY_FACTOR)
+    S = inputs.num_samples
+    # and the same number of equal samples, where a slot's share is fractional (the corner)
+    equal = StepInputs(text_len=np.full(S, 1000), llm_len=np.full(S, 1000), encoders={})
+    for step in (inputs, equal):
+        plan = plan_step(step, topo, cfg)
+        validate(plan, step)
+        assert plan.num_microbatches == drawn.num_microbatches
+        if S:
+            assert plan.llm_capacity >= cfg.llm_capacity_for(step, topo)
+            assert plan.metrics["peak_tokens"]["llm"] <= plan.llm_capacity
 
 
 # Derandomized: fitting capacities is a heuristic, and CI must not depend on what a run draws.
