@@ -48,6 +48,7 @@ class Delivery:
     def __init__(self, world_size: int, max_retained_steps: int) -> None:
         self.slots = [TrainerSlot(rank=r) for r in range(world_size)]
         self._by_ident: dict[bytes, TrainerSlot] = {}
+        self._connected = 0  # slots with an ident: read on every HELLO (O(W) each was O(W^2))
         # Ranks that may have a step to send: only they are looked at on a send, so a pump
         # costs O(ranks that changed), not O(W), at thousands of ranks.
         self._due: set[int] = set()
@@ -144,7 +145,7 @@ class Delivery:
         return all(s.end_sent and s.received >= self.next_plan for s in self.slots)
 
     def connected(self) -> int:
-        return sum(s.ident is not None for s in self.slots)
+        return self._connected
 
     def slot_of(self, ident: bytes) -> TrainerSlot | None:
         slot = self._by_ident.get(ident)
@@ -154,12 +155,15 @@ class Delivery:
         """`slot`'s rank now speaks from socket `ident` (a reconnect replaces the old one)."""
         if slot.ident is not None:
             self._by_ident.pop(slot.ident, None)
+        else:
+            self._connected += 1
         slot.ident = ident
         self._by_ident[ident] = slot
 
     def disconnect(self, slot: TrainerSlot) -> None:
         if slot.ident is not None:
             self._by_ident.pop(slot.ident, None)
+            self._connected -= 1
         slot.ident = None
 
     def held(self) -> tuple[int, int]:

@@ -156,3 +156,18 @@ def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplo
     assert skips.keys == [("k1", "bad_image"), ("k2", "bad_image"), ("k3", "bad_image"),
                           ("k9", "bad_audio")]
     assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 4
+
+
+def test_delivery_counts_connected_ranks_through_reconnects():
+    """`connected` is read on every HELLO: kept as a count (a scan of W slots per HELLO was
+    O(W^2) when thousands of ranks connect), equal to the slots that have a socket."""
+    d = Delivery(world_size=4, max_retained_steps=2)
+    d.connect(d.slots[0], b"a")
+    d.connect(d.slots[1], b"b")
+    d.connect(d.slots[0], b"a2")  # a reconnect replaces the socket: still one rank
+    assert d.connected() == 2 == sum(s.ident is not None for s in d.slots)
+    assert d.slot_of(b"a") is None and d.slot_of(b"a2") is d.slots[0]
+    d.disconnect(d.slots[1])
+    d.disconnect(d.slots[1])  # twice: counted once
+    d.disconnect(d.slots[3])  # never connected
+    assert d.connected() == 1 == sum(s.ident is not None for s in d.slots)
