@@ -210,24 +210,8 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
     bounds = [sum(om) for om in olds]
     chosen = []
     for bs, bx, bf in zip(bsum, bmax, bshare):
-        allowed = range(M)
-        if full is not None:
-            after = [max(f + x for f, x in zip(full[m], bf)) for m in range(M)]
-            allowed = [m for m in range(M) if after[m] <= limit]
-            if not allowed:
-                allowed = [min(range(M), key=after.__getitem__)]
-        incs = {}
-        for m in allowed:
-            Tm, Lm, om = Tc[m], Lc[m], olds[m]
-            inc = 0.0
-            for q in range(P):
-                t, l, v = (Tm[q] + bs[q]) / W, Lm[q], bx[q]
-                if v > l:
-                    l = v
-                if l > t:
-                    t = l
-                inc += t - om[q]
-            incs[m] = inc
+        incs = {m: _bound_increase(Tc[m], Lc[m], olds[m], bs, bx, W)
+                for m in (range(M) if full is None else _with_room(full, bf, limit))}
         lo = min(incs.values())
         eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
         m = min((ties[k], k) for k, inc in incs.items() if inc <= lo + eps)[1]
@@ -244,6 +228,26 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
         if full is not None:
             full[m] = [f + x for f, x in zip(full[m], bf)]
     return np.repeat(chosen, block)[:len(members)]
+
+
+def _bound_increase(Tm: list, Lm: list, om: list, bs: list, bx: list, W: int) -> float:
+    """How much a block (per phase: total `bs`, largest unit `bx`) raises one micro-batch's
+    sum_p max(total_p/W, largest_p), from its totals `Tm`, largest units `Lm`, bounds `om`."""
+    inc = 0.0
+    for t, l, o, s, x in zip(Tm, Lm, om, bs, bx):
+        t = (t + s) / W
+        if x > l:
+            l = x
+        inc += (l if l > t else t) - o
+    return inc
+
+
+def _with_room(full: list, block: list, limit: float) -> list[int]:
+    """Micro-batches whose every capacity stays within `limit` with the block's shares added;
+    where none does, the one whose fullest capacity stays lowest."""
+    after = [max(f + x for f, x in zip(fm, block)) for fm in full]
+    room = [m for m, a in enumerate(after) if a <= limit]
+    return room or [min(range(len(full)), key=after.__getitem__)]
 
 
 def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
