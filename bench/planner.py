@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 
 from bench.regimes import REGIMES, regime_step  # noqa: E402
 from dispatcher_server.planner import (  # noqa: E402
-    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig, StepInputs, Topology,
+    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig,
+    StepInputs, Topology,
     best_lower_bound, plan_step, validate,
 )
 from dispatcher_server.planner.exact import solve_exact  # noqa: E402

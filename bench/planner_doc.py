@@ -45,9 +45,10 @@ W samples over half a capacity in one, since no two share a rank) and an LPT ove
 (rank, micro-batch) bins whose bins hold the capacity; the held greedy again at 80% and 70%
 (near-capacity samples can fail to pack well under W x capacity); then the older fallbacks.
 Samples are held to the capacity on their ranks before the encoder items are placed, so the
-items follow them and the exchange stays on the node. The regimes below are planned this way, under the
-default factor. The baselines ignore capacities: the last column shows the best baseline's
-peak (rank, micro-batch) tokens over mmdispatch's capacity (over 1: it would not have fit).
+items follow them and the exchange stays on the node. The regimes below are planned this way,
+under the default factor. The baselines ignore capacities: the last column shows the best
+baseline's peak (rank, micro-batch) tokens over mmdispatch's capacity (over 1: it would not
+have fit).
 
 ## Benchmark
 

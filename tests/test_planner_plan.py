@@ -10,7 +10,8 @@ import pytest
 
 from bench.planner import synthetic_step
 from dispatcher_server.planner import (
-    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig, StepInputs, StepPlan,
+    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig,
+    StepInputs, StepPlan,
     Topology, lower_bound, plan_step, validate,
 )
 
@@ -339,11 +340,12 @@ def test_a_tight_capacity_fills_every_microbatch_and_keeps_the_planner_ahead(reg
     """The step-time model never rewards spreading a rank's work over its micro-batches:
     uncapped, these steps go whole into micro-batch 0 (micro-batch 1 is empty on every rank),
     past the default capacity. At serve's default factor every (rank, micro-batch) holds at
-    most its capacity, each micro-batch carries a fair share of the step, and the split held to the capacities still plans a
-    faster step than verl-style KK, which splits every rank's samples evenly (found: the
-    previous fallback trailed it by 1.2-1.4x). Steps are drawn until the factor binds: where
-    one sample is longer than the factor x the mean, the capacity is that sample, and one
-    micro-batch may hold a rank's whole share without needing more memory."""
+    most its capacity, each micro-batch carries a fair share of the step, and the split held
+    to the capacities still plans a faster step than verl-style KK, which splits every rank's
+    samples evenly (found: the previous fallback trailed it by 1.2-1.4x). Steps are drawn
+    until the factor binds: where one sample is longer than the factor x the mean, the
+    capacity is that sample, and one micro-batch may hold a rank's whole share without needing
+    more memory."""
     from bench.regimes import regime_step
     from dispatcher_server.planner.baselines import plan_verl_kk
 

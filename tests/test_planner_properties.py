@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dispatcher_server.planner import (
-    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig, StepInputs, StepPlan,
+    BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig,
+    StepInputs, StepPlan,
     Topology, plan_step, validate,
 )
 

@@ -18,7 +18,8 @@ from .types import (
 )
 
 __all__ = [
-    "BASELINES", "DEFAULT_BYTES_PER_TOKEN", "DEFAULT_LLM_CAPACITY_FACTOR", "ENCODER_PHASES", "LLM_PHASE", "LOCALITIES", "PHASES",
+    "BASELINES", "DEFAULT_BYTES_PER_TOKEN", "DEFAULT_LLM_CAPACITY_FACTOR", "ENCODER_PHASES",
+    "LLM_PHASE", "LOCALITIES", "PHASES",
     "CostModel", "EncoderItems", "ExchangeTable", "PhaseCost", "PhaseExchange", "PlanError",
     "PlannerConfig", "RankMicrobatch", "StepInputs", "StepPlan", "Topology", "compute_metrics",
     "best_lower_bound", "lower_bound", "split_free_bound", "unit_bound", "plan_encoder_only", "plan_llm_kk", "plan_per_phase_lpt", "plan_random",

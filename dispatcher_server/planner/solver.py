@@ -35,8 +35,8 @@ near-equal items, where every placement strategy runs).
 
 from __future__ import annotations
 
-import warnings
 import bisect
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -480,7 +480,8 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
 
 
 def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
-            config: PlannerConfig, M: int, W: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+            config: PlannerConfig, M: int, W: int,
+            rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Micro-batch of each sample in `idx`, best first: the cost split if it fits the
     capacities (`_split_fits`); else the greedy split held to them (`_split_greedy` with
     shares, filling micro-batches to each of `_HELD_FILLS` in turn; the first and an LPT
