@@ -474,7 +474,7 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
         llm_capacity=config.llm_capacity, encoder_capacity=config.encoder_capacity,
         isolated_microbatches=isolated,
     )
-    if config.llm_capacity is not None or config.encoder_capacity:
+    if config.encoder_capacity:
         plan = repair_capacity(plan)
     return plan
 
@@ -644,30 +644,26 @@ def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
 
 
 def repair_capacity(plan: StepPlan) -> StepPlan:
-    """Move units off (rank, micro-batch)s over capacity onto the roomiest rank of the same
-    micro-batch (same node first); where moving units one by one does not get there, pack the
-    micro-batch's units of that phase again, largest first (`_repack`); PlanError if some rank
-    still cannot be brought under capacity."""
+    """Move encoder items off (rank, micro-batch)s over their phase's capacity onto the roomiest
+    rank of the same micro-batch (same node first); where moving items one by one does not get
+    there, pack the micro-batch's items of that phase again, largest first (`_repack`);
+    PlanError if some rank still cannot be brought under capacity. (The LLM capacity is held
+    by `_place_microbatch`, before the items are placed, so they follow their samples.)"""
     inp, topo = plan.inputs, plan.topology
     free = np.ones(plan.num_microbatches, dtype=bool)
     free[plan.isolated_microbatches] = False
-    sample_rank, item_rank = plan.sample_rank, dict(plan.item_rank)
-    if plan.llm_capacity is not None:
-        sample_rank = _repair_units(plan.sample_mb, sample_rank,
-                                    np.asarray(inp.llm_len, np.float64), plan.llm_capacity,
-                                    free, topo, "LLM")
+    item_rank = dict(plan.item_rank)
     for p, cap in plan.encoder_capacity.items():
         it = inp.items(p)
         tok = plan.cost.phase(p).padded_len(it.enc_len).astype(np.float64)
         item_rank[p] = _repair_units(plan.sample_mb[it.sample], item_rank[p], tok, cap, free,
                                      topo, p)
-    if sample_rank is plan.sample_rank and all(item_rank[p] is plan.item_rank[p]
-                                               for p in item_rank):
+    if all(item_rank[p] is plan.item_rank[p] for p in item_rank):
         return plan
     return StepPlan(
         inputs=inp, topology=topo, num_microbatches=plan.num_microbatches,
-        sample_mb=plan.sample_mb, sample_rank=sample_rank, item_rank=item_rank, cost=plan.cost,
-        bytes_per_token=plan.bytes_per_token, llm_capacity=plan.llm_capacity,
+        sample_mb=plan.sample_mb, sample_rank=plan.sample_rank, item_rank=item_rank,
+        cost=plan.cost, bytes_per_token=plan.bytes_per_token, llm_capacity=plan.llm_capacity,
         encoder_capacity=plan.encoder_capacity, isolated_microbatches=plan.isolated_microbatches,
     )
 
