@@ -13,6 +13,7 @@ are plain dicts checked against the schemas below on decode, so a peer can send 
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -573,16 +574,8 @@ def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int 
     sock.setsockopt(zmq.RCVHWM, 0)
 
 
-_BACKEND: tuple | None = None
-
-
-def _load_backend() -> tuple:
-    global _BACKEND
-    _BACKEND = _backend()
-    return _BACKEND
-
-
-def _backend():
+@functools.cache
+def _backend() -> tuple:
     """pyzmq's compiled send/recv and flags. The `zmq.Socket` wrappers (`send_multipart`,
     `recv_multipart`) add a Python layer per frame (type checks, enum flag arithmetic,
     routing-id handling): at thousands of ranks, ~6 us of 11.5 per message sent and ~1.8 of
@@ -596,7 +589,7 @@ def _backend():
 
 def send_frames(sock: Any, frames: list) -> None:
     """`sock.send_multipart(frames, copy=False)`, at half its cost (see `_backend`)."""
-    send, _, more, _, _ = _BACKEND or _load_backend()
+    send, _, more, _, _ = _backend()
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         send(sock, frame, more if i < last else 0, False, False)
@@ -605,7 +598,7 @@ def send_frames(sock: Any, frames: list) -> None:
 def pending(sock: Any, budget: int | None = None):
     """Yield the multipart messages already waiting on `sock` (zero-copy frames), never blocking;
     at most `budget` of them, so one busy socket cannot starve the rest of a poll loop."""
-    _, recv, _, noblock, again = _BACKEND or _load_backend()
+    _, recv, _, noblock, again = _backend()
     count = 0
     while budget is None or count < budget:
         try:
