@@ -132,6 +132,38 @@ def test_decode_rejects_with_a_code(header, frames, code):
         assert info.value.peer_version == P.VERSION + 1 and f"v{P.VERSION}" in str(info.value)
 
 
+#: one value of every type msgpack decodes to
+_WIRE_VALUES = [True, 0, -3, 1.5, "s", b"b", [1], {"k": 1}, None]
+
+
+@pytest.mark.parametrize("type_", sorted(P.SCHEMAS))
+def test_compiled_schemas_accept_exactly_what_the_schemas_say(type_):
+    """decode checks fields against compiled exact-type sets: for every field and every value
+    msgpack can yield, a header differing only in that value passes exactly when the schema's
+    declared types accept it (`_is`: bool is no int; a float field takes an int)."""
+    schema = P.SCHEMAS[type_]
+    valid = {n: next(v for v in _WIRE_VALUES if P._is(v, t)) for n, (t, req) in schema.items()
+             if req}
+    for name, (types, _) in schema.items():
+        for value in _WIRE_VALUES:
+            try:
+                P._check_fields(type_, {**valid, name: value})
+                accepted = True
+            except P.ProtocolError as e:
+                assert f"field {name!r} has type" in str(e)
+                accepted = False
+            assert accepted == P._is(value, types), (type_, name, value)
+
+
+def test_unknown_and_missing_fields_are_named():
+    with pytest.raises(P.ProtocolError, match="unknown field 'bogus'"):
+        P.decode(_raw({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": 1, "bogus": 2}))
+    with pytest.raises(P.ProtocolError, match="missing field 'step'"):
+        P.decode(_raw({"v": P.VERSION, "type": P.COMMIT, "seq": 1}))
+    with pytest.raises(P.ProtocolError, match="field 'step' has type bool"):
+        P.decode(_raw({"v": P.VERSION, "type": P.COMMIT, "seq": 1, "step": True}))
+
+
 def test_error_of_another_version_still_decodes():
     msg = P.decode(_raw({"v": 99, "type": P.ERROR, "seq": 0, "code": "c", "message": "m"}))
     assert msg["message"] == "m"
