@@ -139,38 +139,45 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     keys = [batch.keys[i] for i in order]
     tokens = [batch.tokens[i] for i in order]
     sample_ptr = plan.sample_ptr.tolist()
-    items = {}
-    for phase in ENCODER_PHASES:
-        ex = plan._exchange(phase)
-        send = ex.send_order.tolist()
-        headers, buffers, nbytes, holders = (batch.item_headers[phase], batch.item_payloads[phase],
-                                             batch.item_sizes[phase], batch.item_holders[phase])
-        items[phase] = (ex.ptr_lists[0], [headers[i] for i in send], [buffers[i] for i in send],
-                        [nbytes[i] for i in send], [holders[i] for i in send])
+    heads, buffers, nbytes, holders, item_ptr = _items_by_group(batch, plan, W * M)
     out = []
     for rank in range(W):
         mbs, frames, table = [], [], {}
         for m in range(M):
             g = m * W + rank
             s0, s1 = sample_ptr[g], sample_ptr[g + 1]
-            heads, payloads, sizes, held = [], [], [], []
-            for ptr, h, b, n, o in items.values():
-                a, z = ptr[g], ptr[g + 1]
-                heads += h[a:z]
-                payloads += b[a:z]
-                sizes += n[a:z]
-                held += o[a:z]
+            a, z = item_ptr[g], item_ptr[g + 1]
             mb = {"arrays": packed.lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
-                  "items": heads, "payloads": len(heads), "sizes": sizes}
+                  "items": heads[a:z], "payloads": z - a, "sizes": nbytes[a:z]}
             if endpoints is not None:
-                mb[HOLDERS] = [table.setdefault(h, len(table)) for h in held]
+                mb[HOLDERS] = [table.setdefault(h, len(table)) for h in holders[a:z]]
             mbs.append(mb)
             frames.append(packed.frame(g))
-            frames.append(b"".join(payloads))
+            frames.append(b"".join(buffers[a:z]))
         direct = {} if endpoints is None else {"readers": [list(endpoints[h]) for h in table]}
         out.append(encode(STEP, seq=seq + rank, frames=frames, step=step, epoch=epoch, rank=rank,
                           world_size=W, microbatches=mbs, **direct))
     return out
+
+
+def _items_by_group(batch: StepBatch, plan, num_groups: int) -> tuple[list, list, list, list,
+                                                                       list[int]]:
+    """(header, payload, size, holder) of every item in the order the STEP messages list them:
+    by group g = mb * W + rank, then phase, then the phase's send order; and the CSR pointer
+    over groups. One reordering for all phases, so a group's items are one slice each."""
+    lists, groups = ([], [], [], []), []
+    for phase in ENCODER_PHASES:
+        ex = plan._exchange(phase)
+        groups.append(np.repeat(np.arange(num_groups), np.diff(ex.send_ptr)))
+        send = ex.send_order.tolist()
+        for out, col in zip(lists, (batch.item_headers[phase], batch.item_payloads[phase],
+                                    batch.item_sizes[phase], batch.item_holders[phase])):
+            out.extend([col[i] for i in send])
+    group = np.concatenate(groups)
+    order = np.argsort(group, kind="stable").tolist()  # phases in order, each in send order
+    ptr = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(np.bincount(group, minlength=num_groups), out=ptr[1:])
+    return (*([col[i] for i in order] for col in lists), ptr.tolist())
 
 
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:
