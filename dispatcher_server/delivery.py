@@ -90,18 +90,16 @@ class Delivery:
         """A rank's credit: steps below `upto` may be sent; it has received those below `received`."""
         slot.upto = upto
         if received > slot.received:
-            if slot.received == self._floor:
-                self._at_floor -= 1
-            slot.received = received
+            self._set_received(slot, received)
         self._due.add(slot.rank)
 
     def rewind_slot(self, slot: TrainerSlot, step: int, prefetch: int) -> None:
         """A (re)connected rank starts at `step` with `prefetch` steps of credit."""
-        slot.next_send = slot.received = step
+        self._set_received(slot, step)
+        slot.next_send = step
         slot.upto = step + max(1, prefetch)
         slot.end_sent = False
         self._due.add(slot.rank)
-        self._recount_floor()
 
     def sends(self, encode: Callable[[RetainedStep], list]) -> Iterator[tuple[TrainerSlot, list]]:
         """(slot, frames) of every step a connected rank may be sent now, in order; `encode`
@@ -127,6 +125,19 @@ class Delivery:
         will ever be planned again)."""
         return [s for s in self.slots if s.ident is not None and not s.end_sent
                 and s.next_send >= self.next_plan]
+
+    def _set_received(self, slot: TrainerSlot, received: int) -> None:
+        """Move a rank's `received`, keeping (_floor, _at_floor) in O(1): the floor is the
+        lowest `received` of all ranks and _at_floor how many sit on it, or 0 when none does any
+        more (evict recounts then). A connect storm at thousands of ranks was O(W^2) when every
+        HELLO recounted."""
+        if slot.received == self._floor and self._at_floor:
+            self._at_floor -= 1
+        slot.received = received
+        if received < self._floor:
+            self._floor, self._at_floor = received, 1
+        elif received == self._floor:
+            self._at_floor += 1
 
     def _recount_floor(self) -> None:
         received = [s.received for s in self.slots]
