@@ -19,21 +19,50 @@ import numpy as np
 
 def lpt_heap(sizes: np.ndarray, num_bins: int, loads: np.ndarray | None = None) -> np.ndarray:
     """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin), from
-    empty bins or from `loads` (float64[num_bins], updated in place). O(n log n)."""
-    start = [0.0] * num_bins if loads is None else loads.tolist()
-    heap = [(start[b], b) for b in range(num_bins)]
-    heapq.heapify(heap)
+    empty bins or from `loads` (float64[num_bins], updated in place). O(n log n).
+
+    Exactly the heap algorithm's result, mostly in whole-array rounds: with the bins sorted by
+    (load, index) as l_1 <= l_2 <= ... and the next items s_1 >= s_2 >= ..., items 1..k go to
+    bins 1..k in that order whenever l_k < l_1 + s_k (every bin that took an item is then
+    heavier than every bin not yet reached). Where rounds would be short (equal or tiny
+    items), a stretch of items goes through the heap instead."""
     sz = np.asarray(sizes, dtype=np.float64)
-    out = [0] * len(sz)
-    szl = sz.tolist()
-    for i in np.argsort(-sz, kind="stable").tolist():
-        load, b = heap[0]
-        out[i] = b
-        heapq.heapreplace(heap, (load + szl[i], b))
+    n, B = len(sz), num_bins
+    load = np.zeros(B) if loads is None else np.asarray(loads, dtype=np.float64).copy()
+    order = np.argsort(-sz, kind="stable")
+    out = np.empty(n, dtype=np.int64)
+    bins = np.arange(B)
+    min_round = max(16, B // 64)
+    i, szl = 0, None
+    while i < n:
+        ranked = np.lexsort((bins, load))
+        lr = load[ranked]
+        ids = order[i:i + B]
+        s = sz[ids]
+        fits = lr[1:len(s)] < lr[0] + s[1:]
+        k = 1 + (len(fits) if fits.all() else int(np.argmin(fits)))
+        if k >= min(min_round, n - i):
+            out[ids[:k]] = ranked[:k]
+            load[ranked[:k]] += s[:k]
+            i += k
+            continue
+        # a sorted list of (load, bin) is a valid heap: a stretch of items the textbook way
+        if szl is None:
+            szl = sz.tolist()
+        heap = list(zip(lr.tolist(), ranked.tolist()))
+        stretch = order[i:i + 2 * B].tolist()
+        got = []
+        for j in stretch:
+            w, bn = heap[0]
+            got.append(bn)
+            heapq.heapreplace(heap, (w + szl[j], bn))
+        out[stretch] = got
+        ws, bs = zip(*heap)
+        load[list(bs)] = ws
+        i += len(stretch)
     if loads is not None:
-        for load, b in heap:
-            loads[b] = load
-    return np.asarray(out, dtype=np.int64)
+        loads[:] = load
+    return out
 
 
 def karmarkar_karp(sizes: np.ndarray, num_bins: int) -> np.ndarray:
