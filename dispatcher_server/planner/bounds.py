@@ -23,6 +23,7 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     largest units, some bin holds at least k+1 (pigeonhole); its load is at least the sum of
     the k+1 smallest of those kB+1 units (sizes are non-negative). k = 0 is the largest unit,
     k = 1 the classic s_B + s_(B+1); larger k count how many units must share a bin.
+    Last, `_count_term`: how many units some bins must hold, at the sizes they can hold.
     When every size is a whole multiple of the smallest positive one q (a padded encoder's
     windows), every bin's load is too, so the bound rounds up to a multiple of q.
     """
@@ -43,7 +44,37 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     hi = start[grp] + k * bins + 1  # exclusive end of the window
     window = prefix[hi] - prefix[hi - k - 1]
     np.maximum.at(lb, grp, window)
+    np.maximum(lb, _count_term(prefix, start, count, bins), out=lb)
     return _round_to_quantum(c, lb)
+
+
+def _count_term(prefix: np.ndarray, start: np.ndarray, count: np.ndarray, bins: int
+                ) -> np.ndarray:
+    """Per group, the counting bound for near-equal units: with n units and q = ceil(n/B),
+    min over t of max(S_small(tq), total - S_large((B - t)(q - 1))) / t, t = 1..min(B, n//q)
+    (S_small(j), S_large(j): sum of the j smallest, largest units; 0 for an empty group).
+
+    Proof: let t be the number of bins holding q or more units. t >= 1, since B bins of at most
+    q - 1 units hold fewer than n; and tq <= n. Those t bins hold at least tq units, so at least
+    S_small(tq); the other B - t hold at most (B - t)(q - 1) units, so at most
+    S_large((B - t)(q - 1)), and the t bins the rest. The heaviest of the t bins is at least
+    their mean. Where units differ by less than a unit's share of a bin (coarse, near-equal
+    encoder items), this is the count a bin must hold at the smallest sizes, well above
+    total/B, which the windows reach only for one bin's worth of units."""
+    out = np.zeros(len(count))
+    has = np.flatnonzero(count)
+    q = -(-count[has] // bins)
+    tmax = np.minimum(bins, count[has] // q)
+    grp = np.repeat(np.arange(len(has)), tmax)
+    t = np.arange(len(grp)) - np.repeat(np.cumsum(tmax) - tmax, tmax) + 1
+    st, n, qg = start[has][grp], count[has][grp], q[grp]
+    total = prefix[st + n] - prefix[st]
+    small = prefix[st + n] - prefix[st + n - t * qg]  # units sorted largest first
+    large = prefix[st + np.minimum((bins - t) * (qg - 1), n)] - prefix[st]
+    best = np.full(len(has), np.inf)
+    np.minimum.at(best, grp, np.maximum(small, total - large) / t)
+    out[has] = best
+    return out
 
 
 def _round_to_quantum(c: np.ndarray, lb: np.ndarray) -> np.ndarray:
