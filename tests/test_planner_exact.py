@@ -64,3 +64,8 @@ def test_unit_bound_counts_units_that_must_share_a_bin():
     # sizes 1.0 and 0.9: the three smallest of the top five share a bin
     c = np.array([1.0, 1.0, 0.9, 0.9, 0.9])
     assert unit_bound(c, zero, 1, 2)[0] == pytest.approx(2.7)
+    # eight near-equal units on three bins (the counting term): one bin holding three takes at
+    # least the three smallest (3.09), or two such bins share what the third cannot hold
+    # (9.21 - 1.28 - 1.27 = 6.66, 3.33 each); every window stays at 3.16; the optimum is 3.34
+    c = np.array([1.28, 1.27, 1.26, 1.23, 1.08, 1.05, 1.03, 1.01])
+    assert unit_bound(c, np.zeros(8, dtype=np.int64), 1, 3)[0] == pytest.approx(3.33)
