@@ -20,6 +20,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from bench.machine import cpu_reference_ms  # noqa: E402
 from bench.regimes import REGIMES, regime_step  # noqa: E402
 from dispatcher_server.planner import (  # noqa: E402
     BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, PHASES, EncoderItems, PlannerConfig,
@@ -324,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     r_steps = {W: (min(3, REGIME_STEPS.get(W, 3)) if args.quick else REGIME_STEPS.get(W, 3))
                for W in r_worlds}
     res = {"config": {"worlds": worlds, "num_steps": steps, "regime_worlds": r_worlds,
-                      "regime_steps": r_steps, **shape, **CONFIG_NOTE}}
+                      "regime_steps": r_steps, "cpu_reference_ms": cpu_reference_ms(),
+                      **shape, **CONFIG_NOTE}}
     res["regimes"] = run_regimes(args.regimes.split(","), r_worlds, r_steps, **shape)
     exact_cases = args.exact_cases if args.exact_cases is not None else (20 if args.quick else 200)
     if exact_cases:

@@ -60,9 +60,10 @@ parameter settings (`bench/regimes.py`). Columns, for mmdispatch:
   (random, verl-style KK on `24576*l + l^2`, KK on the LLM cost, encoder-only, per-phase LPT);
   below 1 is better.
 - **over best bound**: over the tightest proven lower bound (`bounds.best_lower_bound`: the
-  split-free bound with the k-unit pigeonhole and padded-window terms); 1.000 is optimal.
+  split-free bound with the k-unit pigeonhole, counting and padded-window terms); 1.000 is
+  optimal.
 - **plan ms p50**: median CPU time of the planning thread per step (wall time is in the JSON
-  as `plan_wall_ms_p50`), on a shared 2-core VM; **items**: encoder items per step.
+  as `plan_wall_ms_p50`), on a shared 2-core VM{cpu}; **items**: encoder items per step.
 - **inter-node vs LPT**: inter-node exchange bytes over per-phase LPT's (blank where LPT moves
   none, i.e. one node).
 - **peak / capacity**: the largest LLM tokens of any (rank, micro-batch), over the capacity
@@ -117,7 +118,10 @@ def exact_table(exact: dict, shape: dict) -> str:
 def render(res: dict) -> str:
     cfg = res["config"]
     steps = ", ".join(f"W={w}: {n} steps" for w, n in cfg["regime_steps"].items())
-    parts = [INTRO.format(steps=steps), regimes_table(res["regimes"])]
+    ref = cfg.get("cpu_reference_ms")
+    cpu = ("" if ref is None else f" that runs a fixed 2M-iteration Python loop in {ref:.0f} ms "
+           "(`bench.machine.cpu_reference_ms`: scale by it to compare machines)")
+    parts = [INTRO.format(steps=steps, cpu=cpu), regimes_table(res["regimes"])]
     if "exact" in res:
         parts += ["", "### Against the exact optimum", "", exact_table(res["exact"],
                                                                         cfg["exact"])]

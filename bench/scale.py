@@ -32,6 +32,7 @@ import urllib.request
 
 import numpy as np
 
+from bench.machine import cpu_reference_ms
 from bench.soak import _free_port
 from bench.stream import _cpu_s, _start_serve
 
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 for w, r in worlds.items()]
     out = {"samples_per_rank": SAMPLES_PER_RANK, "ranks_per_node": RANKS_PER_NODE,
            "num_microbatches": MICROBATCHES, "payloads": "reference", "cpus": os.cpu_count(),
+           "cpu_reference_ms": cpu_reference_ms(),
            "worlds": worlds, "non_plan_cpu_fit": linear_fit(non_plan)}
     if a.json:
         print(json.dumps(out))

@@ -274,7 +274,10 @@ def _scale(d: dict) -> list[str]:
     out = [f"{d['samples_per_rank']} samples per rank per step, M = {d['num_microbatches']}, "
            f"{d['ranks_per_node']} ranks per node, {d['payloads']} payloads, {d['cpus']} CPUs shared "
            "with the simulators. CPU is the dispatcher process's (zmq I/O threads included); the "
-           "breakdown is its loop thread's.", "",
+           "breakdown is its loop thread's."
+           + (f" This machine runs a fixed 2M-iteration Python loop in {d['cpu_reference_ms']:.0f} "
+              "ms of CPU (`cpu_reference_ms`): the loop is interpreter-bound, so figures from two "
+              "machines compare after scaling by it." if "cpu_reference_ms" in d else ""), "",
            "| W | steps/s | CPU ms per step (target <= 300 at 2560) | intake | acks | assemble | plan | "
            "encode | send | peak RSS MB (bound) | messages / step | bytes / step |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -28,11 +28,12 @@ def test_regimes_json_shape_and_docs():
         assert methods["mmdispatch"]["inter_node_vs_per_phase_lpt"] is not None
     assert exact["speech"]["cases"] == 2
     assert {"exact_gap_mean", "exact_gap_max", "optimal_cases"} <= set(exact["speech"])
-    doc = render({"config": {"regime_steps": {"8": 2},
+    doc = render({"config": {"regime_steps": {"8": 2}, "cpu_reference_ms": 77.6,
                              "exact": {"world_size": 4, "num_samples": 8,
                                        "num_microbatches": 2, "time_limit_s": 1.0}},
                   "regimes": regimes, "exact": exact})
     assert "| speech | 8 |" in doc and "| video | 8 |" in doc and "exact_gap_max" in doc
+    assert "loop in 78 ms" in doc  # the machine's speed beside its times
 
 
 @pytest.mark.parametrize("name", sorted(REGIMES))
