@@ -150,8 +150,11 @@ def _counting(d: dict) -> list[str]:
 
 def _planner(d: dict) -> list[str]:
     methods = ("random", "llm_kk", "per_phase_lpt", "mmdispatch")
+    ref = d.get("config", {}).get("cpu_reference_ms")
     out = ["Long-tailed mixture, M = 2 micro-batches, 8 ranks per node; cost in training FLOPs. "
-           "`max/LB` is the slowest rank over the lower bound per phase (vision / audio / LLM).",
+           "`max/LB` is the slowest rank over the lower bound per phase (vision / audio / LLM)."
+           + ("" if ref is None else f" Plan times are CPU ms on a machine that runs a fixed "
+              f"2M-iteration Python loop in {ref:.0f} ms (`bench.machine.cpu_reference_ms`)."),
            "", "| W | method | max/LB V / A / L | max/mean V / A / L | speedup vs random | "
            "inter-node bytes vs per-phase LPT | plan ms p50 |", "|---|---|---|---|---|---|---|"]
     for world, results in d["results"].items():
