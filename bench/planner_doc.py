@@ -11,6 +11,8 @@ import argparse
 import json
 import sys
 
+from mmdispatch.docgen import machine_note
+
 BASELINE_NAMES = ("random", "llm_kk", "verl_kk", "encoder_only", "per_phase_lpt")
 
 INTRO = """# The planner
@@ -63,7 +65,7 @@ parameter settings (`bench/regimes.py`). Columns, for mmdispatch:
   split-free bound with the k-unit pigeonhole, counting and padded-window terms); 1.000 is
   optimal.
 - **plan ms p50**: median CPU time of the planning thread per step (wall time is in the JSON
-  as `plan_wall_ms_p50`), on a shared 2-core VM{cpu}; **items**: encoder items per step.
+  as `plan_wall_ms_p50`), on a shared 2-core VM; **items**: encoder items per step.{cpu}
 - **inter-node vs LPT**: inter-node exchange bytes over per-phase LPT's (blank where LPT moves
   none, i.e. one node).
 - **peak / capacity**: the largest LLM tokens of any (rank, micro-batch), over the capacity
@@ -118,10 +120,8 @@ def exact_table(exact: dict, shape: dict) -> str:
 def render(res: dict) -> str:
     cfg = res["config"]
     steps = ", ".join(f"W={w}: {n} steps" for w, n in cfg["regime_steps"].items())
-    ref = cfg.get("cpu_reference_ms")
-    cpu = ("" if ref is None else f" that runs a fixed 2M-iteration Python loop in {ref:.0f} ms "
-           "(`bench.machine.cpu_reference_ms`: scale by it to compare machines)")
-    parts = [INTRO.format(steps=steps, cpu=cpu), regimes_table(res["regimes"])]
+    parts = [INTRO.format(steps=steps, cpu=machine_note(cfg.get("cpu_reference_ms"))),
+             regimes_table(res["regimes"])]
     if "exact" in res:
         parts += ["", "### Against the exact optimum", "", exact_table(res["exact"],
                                                                         cfg["exact"])]

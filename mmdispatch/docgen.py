@@ -148,13 +148,21 @@ def _counting(d: dict) -> list[str]:
     ]
 
 
+def machine_note(reference_ms: float | None) -> str:
+    """The sentence that puts a bench's CPU figures beside its machine's speed (empty for a run
+    that did not record `bench.machine.cpu_reference_ms`)."""
+    if reference_ms is None:
+        return ""
+    return (f" The machine runs a fixed 2M-iteration Python loop in {reference_ms:.0f} ms of CPU "
+            "(`bench.machine.cpu_reference_ms`): the code is interpreter-bound, so CPU figures "
+            "from two machines compare after scaling by it.")
+
+
 def _planner(d: dict) -> list[str]:
     methods = ("random", "llm_kk", "per_phase_lpt", "mmdispatch")
-    ref = d.get("config", {}).get("cpu_reference_ms")
     out = ["Long-tailed mixture, M = 2 micro-batches, 8 ranks per node; cost in training FLOPs. "
            "`max/LB` is the slowest rank over the lower bound per phase (vision / audio / LLM)."
-           + ("" if ref is None else f" Plan times are CPU ms on a machine that runs a fixed "
-              f"2M-iteration Python loop in {ref:.0f} ms (`bench.machine.cpu_reference_ms`)."),
+           + machine_note(d.get("config", {}).get("cpu_reference_ms")),
            "", "| W | method | max/LB V / A / L | max/mean V / A / L | speedup vs random | "
            "inter-node bytes vs per-phase LPT | plan ms p50 |", "|---|---|---|---|---|---|---|"]
     for world, results in d["results"].items():
@@ -277,10 +285,7 @@ def _scale(d: dict) -> list[str]:
     out = [f"{d['samples_per_rank']} samples per rank per step, M = {d['num_microbatches']}, "
            f"{d['ranks_per_node']} ranks per node, {d['payloads']} payloads, {d['cpus']} CPUs shared "
            "with the simulators. CPU is the dispatcher process's (zmq I/O threads included); the "
-           "breakdown is its loop thread's."
-           + (f" This machine runs a fixed 2M-iteration Python loop in {d['cpu_reference_ms']:.0f} "
-              "ms of CPU (`cpu_reference_ms`): the loop is interpreter-bound, so figures from two "
-              "machines compare after scaling by it." if "cpu_reference_ms" in d else ""), "",
+           "breakdown is its loop thread's." + machine_note(d.get("cpu_reference_ms")), "",
            "| W | steps/s | CPU ms per step (target <= 300 at 2560) | intake | acks | assemble | plan | "
            "encode | send | peak RSS MB (bound) | messages / step | bytes / step |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
