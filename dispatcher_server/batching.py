@@ -164,20 +164,23 @@ def _items_by_group(batch: StepBatch, plan, num_groups: int) -> tuple[list, list
                                                                        list[int]]:
     """(header, payload, size, holder) of every item in the order the STEP messages list them:
     by group g = mb * W + rank, then phase, then the phase's send order; and the CSR pointer
-    over groups. One reordering for all phases, so a group's items are one slice each."""
-    lists, groups = ([], [], [], []), []
+    over groups. The phases' columns are concatenated and gathered once in that order, so a
+    group's items are one slice each."""
+    columns, groups, ids, base = ([], [], [], []), [], [], 0
     for phase in ENCODER_PHASES:
         ex = plan._exchange(phase)
         groups.append(np.repeat(np.arange(num_groups), np.diff(ex.send_ptr)))
-        send = ex.send_order.tolist()
-        for out, col in zip(lists, (batch.item_headers[phase], batch.item_payloads[phase],
-                                    batch.item_sizes[phase], batch.item_holders[phase])):
-            out.extend([col[i] for i in send])
+        ids.append(ex.send_order + base)
+        for out, col in zip(columns, (batch.item_headers[phase], batch.item_payloads[phase],
+                                      batch.item_sizes[phase], batch.item_holders[phase])):
+            out.extend(col)
+        base += len(batch.item_headers[phase])
     group = np.concatenate(groups)
-    order = np.argsort(group, kind="stable").tolist()  # phases in order, each in send order
+    # stable: phases stay in order, each in its send order
+    order = np.concatenate(ids)[np.argsort(group, kind="stable")].tolist()
     ptr = np.zeros(num_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(group, minlength=num_groups), out=ptr[1:])
-    return (*([col[i] for i in order] for col in lists), ptr.tolist())
+    return (*([col[i] for i in order] for col in columns), ptr.tolist())
 
 
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:
