@@ -129,8 +129,8 @@ class Delivery:
     def _set_received(self, slot: TrainerSlot, received: int) -> None:
         """Move a rank's `received`, keeping (_floor, _at_floor) in O(1): the floor is the
         lowest `received` of all ranks and _at_floor how many sit on it, or 0 when none does any
-        more (evict recounts then). A connect storm at thousands of ranks was O(W^2) when every
-        HELLO recounted."""
+        more (evict recounts then). No HELLO recounts every rank, so a connect storm at
+        thousands of ranks costs O(W), not O(W^2)."""
         if slot.received == self._floor and self._at_floor:
             self._at_floor -= 1
         slot.received = received
