@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,6 +113,52 @@ def test_refine_lowers_the_max_and_keeps_loads_consistent(mode):
     assert np.allclose(loads, _loads(sizes, bins, 32))
     assert loads.max() < before
     assert np.array_equal(bins[~movable], fixed)
+
+
+def _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells):
+    """The pair step's rule, one pair and one candidate exchange at a time."""
+    members = {b: [c for c in cand if bin_of[c] == b] for b in list(heavy) + list(light)}
+    if swaps and len(heavy) * max(len(members[h]) for h in heavy) * (
+            max(len(members[lb]) for lb in light) + 1) > max_cells:
+        swaps = False
+    bin_of, loads, moved = bin_of.copy(), loads.copy(), False
+    for h, lb in zip(heavy, light):
+        lh, ll = loads[h], loads[lb]
+        exchanges = [(i, j) for i in members[h] for j in [None] + (members[lb] if swaps else [])]
+        best = None
+        for i, j in exchanges:  # first of the smallest |d - (lh - ll) / 2| with d > 0
+            d = sizes[i] - (sizes[j] if j is not None else 0.0)
+            if d > 0 and (best is None or abs(d - (lh - ll) / 2) < best[0]):
+                best = (abs(d - (lh - ll) / 2), i, j, d)
+        if best is None or max(lh - best[3], ll + best[3]) >= lh * (1 - 1e-12):
+            continue
+        _, i, j, d = best
+        bin_of[i] = lb
+        if j is not None:
+            bin_of[j] = h
+        loads[h] -= d
+        loads[lb] += d
+        moved = True
+    return moved, bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pair_step_applies_the_best_exchange_of_every_pair(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.integers(4, 40)), int(rng.integers(1, 300))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 3)))  # ties when rounded
+    bin_of = rng.integers(0, nb, n)
+    loads = _loads(sizes, bin_of, nb)
+    order = rng.permutation(nb)
+    K = int(rng.integers(1, nb // 2 + 1))
+    heavy, light = order[:K], order[K:2 * K]
+    cand = np.flatnonzero(rng.random(n) < 0.9)
+    swaps, cells = bool(rng.random() < 0.7), int(rng.choice([10, 10**6]))
+    moved, want_bins, want_loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy,
+                                                          light, swaps, cells)
+    assert _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, cells) == moved
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
 
 
 def test_refine_in_groups_never_crosses_groups():

@@ -5,9 +5,10 @@ B least-loaded bins), so its Python loop runs items/B times instead of items tim
 is the same over all bins, bent toward each item's home bin; `refine` repairs what batching
 lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
 permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
-the textbook versions (baselines, and the sequential yardstick). Each kernel exists once, as
-whole-array numpy: with few bins a round or refine iteration costs numpy's per-call overhead
-(tens of microseconds), the price of one implementation.
+the textbook versions (baselines, and the sequential yardstick). Each kernel exists once: as
+whole-array numpy where that does the work in a few passes, compiled (`jit.kernel`) where a
+numpy version makes many passes over arrays it mostly does not change (a refine iteration's
+pair step: ~4x faster compiled, 1,000 pairs of 2,560 bins).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+
+from .jit import kernel
 
 
 def lpt_heap(sizes: np.ndarray, num_bins: int, loads: np.ndarray | None = None) -> np.ndarray:
@@ -319,7 +322,7 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
         heavy, light, rotations = pairs
         if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
             cand = cand[sizes[cand] < top - loads.min()]
-        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps)
+        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, _SWAP_CELLS)
         idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1
         if idle >= rotations + 2 or still >= rotations:
@@ -441,51 +444,72 @@ def _exchange_cost(Sh: np.ndarray, Sl: np.ndarray, half: np.ndarray) -> np.ndarr
     return cost
 
 
-def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps: bool = True) -> bool:
-    """Best move or swap for every (heavy[k], light[k]) pair at once; False if none helps."""
-    nb, K = len(loads), len(heavy)
-    role = np.full(nb, -1, dtype=np.int64)  # k: heavy bin of pair k, K + k: its light bin
-    role[light] = K + np.arange(K)
-    role[heavy] = np.arange(K)
-    ro = role[bin_of[cand]]
-    keep = (ro >= 0) if swaps else (ro >= 0) & (ro < K)  # moves only: heavy bins' items
-    sel, ro = cand[keep], ro[keep]
-    if len(sel) == 0:
+@kernel
+def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells):
+    """Best move or swap for every (heavy[k], light[k]) pair; False if none helps.
+
+    Pairs are disjoint bins. For pair k the candidates are the heavy bin's items of `cand` (in
+    `cand` order) and, with `swaps`, the light bin's: the exchange of heavy item i for light
+    item j (or for nothing: a move) that leaves the pair's maximum lowest, i.e. the smallest
+    |d - (lh - ll) / 2| over d = s_i - s_j > 0, the first in (i, then nothing, then j) order on
+    ties; applied only if it lowers the pair's maximum. With more than `max_cells` cells
+    (pairs x the fullest heavy bin x the fullest light bin + 1), moves only. `bin_of` and `loads`
+    are updated in place."""
+    K = heavy.shape[0]
+    role = np.full(loads.shape[0], -1, np.int64)  # k: heavy bin of pair k, K + k: its light bin
+    for k in range(K):
+        role[light[k]] = K + k
+    for k in range(K):
+        role[heavy[k]] = k
+    hptr = np.zeros(K + 1, np.int64)
+    lptr = np.zeros(K + 1, np.int64)
+    for c in cand:
+        r = role[bin_of[c]]
+        if r >= K:
+            lptr[r - K + 1] += 1
+        elif r >= 0:
+            hptr[r + 1] += 1
+    fullest_h, fullest_l = hptr.max(), lptr.max()
+    if fullest_h == 0:
         return False
-    hv = ro < K
-    hs, hk = sel[hv], ro[hv]
-    ls, lk = sel[~hv], ro[~hv] - K
-    H, hpos = _padded(hk, K)
-    Lm, lpos = _padded(lk, K)
-    if K * H * (Lm + 1) > _SWAP_CELLS:  # padded to the fullest bin: too big, moves only
-        ls, lk, lpos, Lm = ls[:0], lk[:0], lpos[:0], 0
-    Sh = np.full((K, max(H, 1)), -np.inf)
-    Sh[hk, hpos] = sizes[hs]
-    Sl = np.zeros((K, Lm + 1))  # column 0 is "nothing": a plain move
-    Sl[lk, lpos + 1] = sizes[ls]
-    Ih = np.full((K, max(H, 1)), -1, dtype=np.int64)
-    Ih[hk, hpos] = hs
-    Il = np.full((K, Lm + 1), -1, dtype=np.int64)
-    Il[lk, lpos + 1] = ls
-    lh, ll = loads[heavy], loads[light]
-    cost = _exchange_cost(Sh[:, :, None], Sl[:, None, :], ((lh - ll) / 2)[:, None, None])
-    best = np.argmin(cost.reshape(K, -1), axis=1)
-    i, j = np.divmod(best, Lm + 1)
-    rows = np.arange(K)
-    delta = Sh[rows, i] - Sl[rows, j]
-    with np.errstate(invalid="ignore"):  # -inf padding where a heavy bin has no candidate
-        ok = (delta > 0) & (np.maximum(lh - delta, ll + delta) < lh * (1 - 1e-12))
-    if not ok.any():
-        return False
-    ki = np.flatnonzero(ok)
-    i, j, delta = i[ki], j[ki], delta[ki]
-    mi, mj = Ih[ki, i], Il[ki, j]
-    bin_of[mi] = light[ki]
-    has = mj >= 0
-    bin_of[mj[has]] = heavy[ki][has]
-    loads[heavy[ki]] -= delta
-    loads[light[ki]] += delta
-    return True
+    swaps = swaps and K * fullest_h * (fullest_l + 1) <= max_cells
+    hptr, lptr = np.cumsum(hptr), np.cumsum(lptr)
+    hitem, litem = np.empty(hptr[K], np.int64), np.empty(lptr[K], np.int64)
+    hfill, lfill = hptr[:K].copy(), lptr[:K].copy()
+    for c in cand:  # items grouped by pair, each group in cand order
+        r = role[bin_of[c]]
+        if r >= K:
+            litem[lfill[r - K]] = c
+            lfill[r - K] += 1
+        elif r >= 0:
+            hitem[hfill[r]] = c
+            hfill[r] += 1
+    moved = False
+    for k in range(K):
+        lh, ll = loads[heavy[k]], loads[light[k]]
+        half = (lh - ll) / 2
+        best, bi, bj = np.inf, -1, -1
+        for i in range(hptr[k], hptr[k + 1]):
+            sh = sizes[hitem[i]]
+            if sh > 0 and abs(sh - half) < best:
+                best, bi, bj = abs(sh - half), i, -1
+            if swaps:
+                for j in range(lptr[k], lptr[k + 1]):
+                    d = sh - sizes[litem[j]]
+                    if d > 0 and abs(d - half) < best:
+                        best, bi, bj = abs(d - half), i, j
+        if bi < 0:
+            continue
+        delta = sizes[hitem[bi]] - (sizes[litem[bj]] if bj >= 0 else 0.0)
+        if max(lh - delta, ll + delta) >= lh * (1 - 1e-12):
+            continue
+        bin_of[hitem[bi]] = light[k]
+        if bj >= 0:
+            bin_of[litem[bj]] = heavy[k]
+        loads[heavy[k]] -= delta
+        loads[light[k]] += delta
+        moved = True
+    return moved
 
 
 def stable_order(keys: np.ndarray, num_keys: int | None = None) -> np.ndarray:
