@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH_SPEC)'
 	$(PIP) install -q -e '.[trainer,test]'
+	$(PY) -m dispatcher_server.planner.warm  # the planner's kernels into numba's cache
 	touch $(STAMP)
 
 install: $(STAMP)

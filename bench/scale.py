@@ -34,15 +34,15 @@ import numpy as np
 
 from bench.machine import cpu_reference_ms
 from bench.soak import _free_port
-from bench.stream import _cpu_s, _start_serve
+from bench.stream import _cpu_s, _rss_mb, _start_serve
 
 SAMPLES_PER_RANK = 8
 RANKS_PER_NODE = 8
 MICROBATCHES = 2
 SHARD_SAMPLES = 4096
-#: RSS bound: a fixed base plus what each sample the dispatcher may hold costs in Python objects
-#: (header record, key, item records, reference views) and each retained rank message.
-RSS_BASE_MB = 160.0
+#: RSS bound: the dispatcher's RSS once it is READY (interpreter, libraries, the planner's compiled
+#: kernels) plus what each sample it may hold costs in Python objects (header record, key, item
+#: records, reference views) and each retained rank message.
 RSS_PER_BUFFERED_SAMPLE_KB = 2.0
 
 
@@ -211,6 +211,8 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         "--shuffle-buffer", str(SHUFFLE),
         "--credit-batch", "64", "--timeout", "60", "--metrics-port", str(metrics_port),
         "--log-level", "WARNING"])
+    time.sleep(0.3)  # let the interpreter settle before taking the idle RSS
+    idle_rss = _rss_mb(proc.pid)
     stop_at = time.monotonic() + a.warmup_s + a.seconds + 30
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=reader_main, args=(ready["readers"], r, stop_at), daemon=True)
@@ -253,7 +255,8 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         "dispatcher_cpu_ms_per_step": round(1e3 * (c1 - c0) / steps, 2),
         "breakdown_ms": breakdown,
         "dispatcher_peak_rss_mb": round(peak, 1),
-        "rss_bound_mb": round(RSS_BASE_MB + RSS_PER_BUFFERED_SAMPLE_KB * buffered / 1024, 1),
+        "idle_rss_mb": round(idle_rss, 1),
+        "rss_bound_mb": round(idle_rss + RSS_PER_BUFFERED_SAMPLE_KB * buffered / 1024, 1),
         "messages_per_step": round(sum(per(f"mmdispatch_messages_total{{{d_},{r}}}")
                                        for d_ in ("in", "out") for r in ("reader", "trainer")), 1),
         "bytes_per_step": int(sum(per(f"mmdispatch_bytes_{d_}_total{{{r}}}")

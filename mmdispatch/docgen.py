@@ -298,6 +298,12 @@ def _scale(d: dict) -> list[str]:
     f = d["non_plan_cpu_fit"]
     out += ["", f"Non-planning CPU per step = {f['intercept_ms']:.1f} ms + {f['per_rank_ms']:.4f} ms x W "
             f"(R^2 {f['r2']:.3f})."]
+    idle = [r["idle_rss_mb"] for r in d["worlds"].values() if "idle_rss_mb" in r]
+    if idle:
+        out += ["", f"The RSS bound is the dispatcher's RSS once READY ({min(idle):.0f}-"
+                f"{max(idle):.0f} MB: interpreter, libraries, the planner's compiled kernels) "
+                "plus 2 KB per sample it may hold (retained steps, the step being filled, the "
+                "shuffle buffer)."]
     return out
 
 

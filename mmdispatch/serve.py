@@ -23,8 +23,9 @@ from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
 )
 from dispatcher_server.costfile import load_cost_file
-from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.planner import PlannerConfig, Topology
 from dispatcher_server.planner.config import DEFAULT_LLM_CAPACITY_FACTOR, OVERSIZE_POLICIES
+from dispatcher_server.planner.warm import warm_up
 from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
@@ -273,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])
     collect_on_a_clock()
+    warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
+            config.planner)  # the planner's kernels loaded (or compiled) before READY
     try:
         server = Dispatcher(config, context=zmq.Context(io_threads=values["io_threads"]))
     except HaltedJob as e:

@@ -1,0 +1,44 @@
+"""Loading (or, on a machine that has not run them yet, compiling) the planner's kernels before
+a service serves, so that its first step is planned as fast as the rest."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import DEFAULT_LLM_CAPACITY_FACTOR, PlannerConfig
+from .solver import plan_step
+from .types import EncoderItems, PlanError, StepInputs, Topology
+
+
+def synthetic_step(num_samples: int, seed: int = 0) -> StepInputs:
+    """A step shaped like multimodal training data: long-tailed text, images on about half the
+    samples (some several), audio on a quarter."""
+    rng = np.random.default_rng(seed)
+    text = np.minimum(8192, rng.lognormal(5.5, 1.0, num_samples)).astype(np.int64) + 1
+    vis_sample = np.sort(rng.choice(num_samples, num_samples, replace=True)[: num_samples // 2 + 1])
+    vis = rng.choice([64, 256, 576, 1024, 4096], len(vis_sample)).astype(np.int64)
+    aud_sample = np.sort(rng.choice(num_samples, num_samples // 4 + 1, replace=False))
+    aud = rng.integers(50, 1500, len(aud_sample)).astype(np.int64)
+    encoders = {"vision": EncoderItems(enc_len=vis, llm_len=vis // 4, sample=vis_sample),
+                "audio": EncoderItems(enc_len=aud, llm_len=aud // 2, sample=aud_sample)}
+    llm = text.copy()
+    for e in encoders.values():
+        np.add.at(llm, e.sample, e.llm_len)
+    return StepInputs(text_len=text, llm_len=llm, encoders=encoders)
+
+
+def warm_up(topology: Topology, config: PlannerConfig, samples_per_rank: int = 4) -> None:
+    """Plan one synthetic step at `topology` under `config`: every kernel its plans use is
+    loaded from numba's cache or compiled now (seconds on a fresh machine), not on step 0.
+    A config the synthetic step does not fit (capacities below its samples) warms what ran."""
+    try:
+        plan_step(synthetic_step(samples_per_rank * topology.world_size), topology, config)
+    except PlanError:
+        pass
+
+
+if __name__ == "__main__":  # `make install`: compile every kernel into numba's cache once
+    for world, per_node in ((8, 8), (64, 8), (512, 8)):
+        for factor in (None, DEFAULT_LLM_CAPACITY_FACTOR):
+            warm_up(Topology(world_size=world, ranks_per_node=per_node),
+                    PlannerConfig(num_microbatches=2, llm_capacity_factor=factor))

@@ -1,0 +1,47 @@
+"""The planner's compiled kernels: loaded only by processes that plan, warmed before serving."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dispatcher_server.planner import PlannerConfig, Topology, balance, plan_step
+from dispatcher_server.planner.jit import _Kernel
+from dispatcher_server.planner.warm import synthetic_step, warm_up
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_importing_the_planner_does_not_load_numba():
+    """Trainers import the planner's types and never plan: no LLVM in their memory."""
+    code = ("import sys, dispatcher_server.planner, dispatcher_server.server; "
+            "print('numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_warm_up_compiles_the_kernels_a_plan_uses():
+    topo = Topology(world_size=16, ranks_per_node=8)
+    warm_up(topo, PlannerConfig(num_microbatches=2))
+    assert not isinstance(balance._pair_step, _Kernel)  # the module now calls compiled code
+
+
+def test_a_synthetic_step_is_a_valid_multimodal_step():
+    step = synthetic_step(200)
+    assert len(step.text_len) == 200
+    assert set(step.encoders) == {"vision", "audio"}
+    llm = step.text_len.copy()
+    for e in step.encoders.values():
+        assert np.all(np.diff(e.sample) >= 0)
+        np.add.at(llm, e.sample, e.llm_len)
+    assert np.array_equal(llm, step.llm_len)
+    plan_step(step, Topology(world_size=8, ranks_per_node=8), PlannerConfig(num_microbatches=2))
+
+
+def test_warm_up_under_capacities_the_synthetic_step_exceeds_does_not_fail():
+    warm_up(Topology(world_size=8, ranks_per_node=8),
+            PlannerConfig(num_microbatches=2, llm_capacity=16))
