@@ -799,6 +799,9 @@ class Dispatcher:
                 self._drop_reader(reader, "timeout")
             elif now - reader.last_sent > live.heartbeat_s:
                 self._send_reader(reader, P.HEARTBEAT)
+        # One HEARTBEAT for every idle rank of this round (receivers read no seq from it): at
+        # thousands of ranks, encoding and counting each one cost more than sending it.
+        heartbeat, sent = None, 0
         for slot in self.delivery.slots:
             if slot.ident is None:
                 continue
@@ -807,8 +810,15 @@ class Dispatcher:
                 self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())
             elif now - slot.last_sent > live.heartbeat_s:
-                self._send(self.trainer_sock, slot.ident, P.HEARTBEAT)
+                if heartbeat is None:
+                    self._seq += 1
+                    heartbeat = P.encode(P.HEARTBEAT, seq=self._seq)
+                P.send_frames(self.trainer_sock, [slot.ident, *heartbeat])
                 slot.last_sent = now
+                sent += 1
+        if sent:
+            self.metrics.bytes_out_of["trainer"].inc(sent * len(heartbeat[0]))
+            self.metrics.messages_of["trainer", "out"].inc(sent)
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
         if why == "timeout" and reader.assignments:

@@ -75,7 +75,7 @@ def test_a_shard_level_skip_is_reported_without_moving_the_resume_point():
 def _config(tmp_path=None, **kw) -> ServerConfig:
     planner = kw.pop("planner", PlannerConfig(num_microbatches=1))
     return ServerConfig(
-        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=kw.pop("gb", 4)),
+        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=kw.pop("world_size", 1), batch=BatchConfig(global_batch=kw.pop("gb", 4)),
         planner=planner, max_epochs=kw.pop("max_epochs", 1), journal_fsync=False,
         journal_dir=None if tmp_path is None else str(tmp_path),
         flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8),
@@ -171,6 +171,28 @@ def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_ser
         peer.expect(P.HEARTBEAT, timeout=3)  # still serving
     finally:
         peer.close()
+        d.stop()
+
+
+def test_idle_trainers_each_get_heartbeats_and_the_metrics_count_them():
+    d = Dispatcher(_config(world_size=2)).start()
+    peers = [_Peer(d.trainer_endpoint) for _ in range(2)]
+    out = d.metrics.messages_of["trainer", "out"]
+    before = out._value.get()
+    try:
+        for rank, peer in enumerate(peers):
+            peer.send(P.HELLO, role="trainer", rank=rank, world_size=2, next_step=None, prefetch=2)
+            peer.expect(P.WELCOME)
+        for peer in peers:  # no step to send (no reader): only heartbeats keep them alive
+            for _ in range(2):
+                assert peer.expect(P.HEARTBEAT, timeout=3).type == P.HEARTBEAT
+        deadline = time.monotonic() + 3  # a round's sends are counted after the round
+        while out._value.get() - before < 2 + 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert out._value.get() - before >= 2 + 4  # two WELCOMEs, four heartbeats at least
+    finally:
+        for peer in peers:
+            peer.close()
         d.stop()
 
 
