@@ -45,6 +45,7 @@ import numpy as np
 from .balance import lpt_heap, lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
+from .jit import kernel
 from .placement import Items, place_items, place_samples
 from .plan import StepPlan
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
@@ -158,8 +159,8 @@ def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
     tau = np.where(csum > 0, csum / (W * M), 1.0)
     score = (b / tau[:, None]).max(axis=0)
     is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
-    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
-    full = None if share is None else [[0.0] * share.shape[1] for _ in range(M)]
+    Tc, Lc = np.zeros((M, P)), np.zeros((M, P))
+    full = None if share is None else np.zeros((M, share.shape[1]))
     out = np.zeros(n, dtype=np.int64)
     giants = np.flatnonzero(is_giant)
     giants = giants[np.argsort(-score[giants], kind="stable")]
@@ -183,71 +184,107 @@ def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -
 
 
 def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
-                   Tc: list, Lc: list, W: int, share: np.ndarray | None = None,
-                   full: list | None = None) -> np.ndarray:
+                   Tc: np.ndarray, Lc: np.ndarray, W: int, share: np.ndarray | None = None,
+                   full: np.ndarray | None = None) -> np.ndarray:
     """Micro-batch of each of `members`, taken in order in blocks of `block`: each block goes
     where it raises sum_p max(total_p/W, largest_p) least (ties: the lighter micro-batch).
-    `Tc`, `Lc` (per micro-batch, per phase: totals, largest units) are updated in place.
+    `Tc`, `Lc` (micro-batches x phases: totals, largest units) are updated in place.
 
-    With `share` and `full` (per micro-batch, per capacity: the shares taken so far, updated in
+    With `share` and `full` (micro-batches x capacities: the shares taken so far, updated in
     place), only micro-batches whose every capacity stays within `_FILL` x W after the block
     are candidates; when none is, the block goes where the fullest capacity stays lowest.
 
-    Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates."""
-    P, M = len(c), len(Tc)
+    The blocks' sums and largest units are numpy passes; their placement, one block after
+    the other over a state of M x P numbers, is the compiled `_place_blocks`."""
     csum = c.sum(axis=1)
-    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
+    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0)
     starts = np.arange(0, len(members), block)
-    bsum = np.add.reduceat(c[:, members], starts, axis=1).T.tolist()
-    bmax = np.maximum.reduceat(b[:, members], starts, axis=1).T.tolist()
+    bsum = np.ascontiguousarray(np.add.reduceat(c[:, members], starts, axis=1).T)
+    bmax = np.ascontiguousarray(np.maximum.reduceat(b[:, members], starts, axis=1).T)
     if share is not None and share.shape[1]:
-        bshare = np.add.reduceat(share[members], starts, axis=0).tolist()
-        limit = _FILL * W
+        bshare = np.add.reduceat(share[members], starts, axis=0)
+        chosen = _place_blocks(bsum, bmax, bshare, shr, Tc, Lc, full, W, _FILL * W)
     else:
-        bshare, full = [None] * len(bsum), None
-    olds = [[max(t / W, l) for t, l in zip(Tm, Lm)] for Tm, Lm in zip(Tc, Lc)]
-    ties = [sum(x * t for x, t in zip(shr, Tm)) for Tm in Tc]
-    bounds = [sum(om) for om in olds]
-    chosen = []
-    for bs, bx, bf in zip(bsum, bmax, bshare):
-        incs = {m: _bound_increase(Tc[m], Lc[m], olds[m], bs, bx, W)
-                for m in (range(M) if full is None else _with_room(full, bf, limit))}
-        lo = min(incs.values())
-        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-        m = min((ties[k], k) for k, inc in incs.items() if inc <= lo + eps)[1]
-        chosen.append(m)
-        Tm, Lm, om = Tc[m], Lc[m], olds[m]
-        tie = bnd = 0.0
-        for q in range(P):
-            Tm[q] += bs[q]
-            Lm[q] = max(Lm[q], bx[q])
-            om[q] = max(Tm[q] / W, Lm[q])
-            tie += shr[q] * Tm[q]
-            bnd += om[q]
-        ties[m], bounds[m] = tie, bnd
-        if full is not None:
-            full[m] = [f + x for f, x in zip(full[m], bf)]
+        none = np.zeros((len(starts), 0))
+        chosen = _place_blocks(bsum, bmax, none, shr, Tc, Lc, np.zeros((len(Tc), 0)), W, 0.0)
     return np.repeat(chosen, block)[:len(members)]
 
 
-def _bound_increase(Tm: list, Lm: list, om: list, bs: list, bx: list, W: int) -> float:
+@kernel
+def _place_blocks(bsum, bmax, bshare, shr, Tc, Lc, full, W, limit):
+    """Micro-batch of each block i (per phase: total `bsum[i]`, largest unit `bmax[i]`; per
+    capacity: shares `bshare[i]`), in order: among the micro-batches `_with_room` offers (all
+    where `full` has no columns), those whose `_bound_increase` is within 1e-9 x max(|lowest|,
+    largest bound, 1) of the lowest; of these the lowest shr . Tc (the lighter), then the
+    lowest index. `Tc`, `Lc`, `full` get the block added in place."""
+    nblk, P = bsum.shape
+    M = Tc.shape[0]
+    olds, ties, bounds = np.empty((M, P)), np.zeros(M), np.zeros(M)
+    for m in range(M):
+        for q in range(P):
+            t = Tc[m, q] / W
+            olds[m, q] = Lc[m, q] if Lc[m, q] > t else t
+            ties[m] += shr[q] * Tc[m, q]
+            bounds[m] += olds[m, q]
+    chosen = np.empty(nblk, np.int64)
+    inc = np.empty(M)
+    ok = np.ones(M, np.bool_)
+    for i in range(nblk):
+        if full.shape[1]:
+            ok = _with_room(full, bshare[i], limit)
+        lo = np.inf
+        for m in range(M):
+            if ok[m]:
+                inc[m] = _bound_increase(Tc[m], Lc[m], olds[m], bsum[i], bmax[i], W)
+                lo = min(lo, inc[m])
+        eps = 1e-9 * max(abs(lo), bounds.max(), 1.0)
+        m = -1
+        for k in range(M):
+            if ok[k] and inc[k] <= lo + eps and (m < 0 or ties[k] < ties[m]):
+                m = k
+        chosen[i] = m
+        tie = bnd = 0.0
+        for q in range(P):
+            Tc[m, q] += bsum[i, q]
+            if bmax[i, q] > Lc[m, q]:
+                Lc[m, q] = bmax[i, q]
+            t = Tc[m, q] / W
+            olds[m, q] = Lc[m, q] if Lc[m, q] > t else t
+            tie += shr[q] * Tc[m, q]
+            bnd += olds[m, q]
+        ties[m], bounds[m] = tie, bnd
+        full[m] += bshare[i]
+    return chosen
+
+
+@kernel
+def _bound_increase(Tm, Lm, om, bs, bx, W):
     """How much a block (per phase: total `bs`, largest unit `bx`) raises one micro-batch's
     sum_p max(total_p/W, largest_p), from its totals `Tm`, largest units `Lm`, bounds `om`."""
     inc = 0.0
-    for t, l, o, s, x in zip(Tm, Lm, om, bs, bx):
-        t = (t + s) / W
-        if x > l:
-            l = x
-        inc += (l if l > t else t) - o
+    for q in range(Tm.shape[0]):
+        t = (Tm[q] + bs[q]) / W
+        l = bx[q] if bx[q] > Lm[q] else Lm[q]
+        inc += (l if l > t else t) - om[q]
     return inc
 
 
-def _with_room(full: list, block: list, limit: float) -> list[int]:
-    """Micro-batches whose every capacity stays within `limit` with the block's shares added;
-    where none does, the one whose fullest capacity stays lowest."""
-    after = [max(f + x for f, x in zip(fm, block)) for fm in full]
-    room = [m for m, a in enumerate(after) if a <= limit]
-    return room or [min(range(len(full)), key=after.__getitem__)]
+@kernel
+def _with_room(full, block, limit):
+    """Mask of the micro-batches (rows of `full`) whose every capacity stays within `limit`
+    with the block's shares added; where none does, the first whose fullest capacity stays
+    lowest."""
+    M = full.shape[0]
+    after = np.empty(M)
+    for m in range(M):
+        a = full[m, 0] + block[0]
+        for j in range(1, full.shape[1]):
+            a = max(a, full[m, j] + block[j])
+        after[m] = a
+    room = after <= limit
+    if not room.any():
+        room[np.argmin(after)] = True
+    return room
 
 
 def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
@@ -260,13 +297,13 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
         else np.zeros(n, dtype=bool)
     giants = np.flatnonzero(is_giant)
-    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
+    Tc, Lc = np.zeros((M, P)), np.zeros((M, P))
     if len(giants):
         tau = np.where(has, csum / (W * M), 1.0)
         score = (b[:, giants] / tau[:, None]).max(axis=0)
         giants = giants[np.argsort(-score, kind="stable")]
         out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
-    T, L = np.array(Tc).T.copy(), np.array(Lc).T.copy()
+    T, L = Tc.T.copy(), Lc.T.copy()
     rest = ~is_giant
     k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
     has_a = rest & (c[k_aud] > 0)

@@ -1,0 +1,79 @@
+"""The split's compiled kernels, each against its rule written plainly (one block, one
+micro-batch at a time)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dispatcher_server.planner.solver import _FILL, _greedy_blocks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _greedy_blocks_by_the_rule(c, b, members, block, Tc, Lc, W, share, full):
+    """Each block of `members` in turn to the micro-batch where it raises sum_p max(T/W, L)
+    least (within 1e-9 x max(|least|, largest bound, 1)), then the lowest shr . T, then the
+    lowest index; with `share`, among those whose capacities stay within _FILL x W (else the
+    first whose fullest stays lowest)."""
+    P, M = c.shape[0], len(Tc)
+    T, L = Tc.tolist(), Lc.tolist()
+    F = None if full is None else full.tolist()
+    csum = c.sum(axis=1)
+    shr = [1.0 / x if x > 0 else 0.0 for x in csum]
+
+    def bound(t, lg):
+        return [lg[q] if lg[q] > t[q] / W else t[q] / W for q in range(P)]
+
+    out = []
+    for start in range(0, len(members), block):
+        blk = members[start:start + block]
+        bs = [sum(float(c[q, u]) for u in blk) for q in range(P)]
+        bx = [max(float(b[q, u]) for u in blk) for q in range(P)]
+        cands = list(range(M))
+        if F is not None:
+            bf = [sum(float(share[u, j]) for u in blk) for j in range(share.shape[1])]
+            after = [max(F[m][j] + bf[j] for j in range(len(bf))) for m in range(M)]
+            cands = [m for m in range(M) if after[m] <= _FILL * W] or [after.index(min(after))]
+        olds = [bound(T[m], L[m]) for m in range(M)]
+        inc = {}
+        for m in cands:
+            new = bound([T[m][q] + bs[q] for q in range(P)],
+                        [max(L[m][q], bx[q]) for q in range(P)])
+            inc[m] = 0.0
+            for q in range(P):
+                inc[m] += new[q] - olds[m][q]
+        lo = min(inc.values())
+        bounds = [sum(om) for om in olds]
+        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
+        ties = {m: sum(shr[q] * T[m][q] for q in range(P)) for m in cands if inc[m] <= lo + eps}
+        m = min(ties, key=lambda k: (ties[k], k))
+        out += [m] * len(blk)
+        T[m] = [T[m][q] + bs[q] for q in range(P)]
+        L[m] = [max(L[m][q], bx[q]) for q in range(P)]
+        if F is not None:
+            F[m] = [F[m][j] + bf[j] for j in range(len(bf))]
+    return np.array(out, dtype=np.int64), np.array(T), np.array(L), F and np.array(F)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_blocks_places_each_block_where_the_bound_rises_least(seed):
+    rng = np.random.default_rng(seed)
+    P, n, M, W = 4, int(rng.integers(1, 200)), int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    # quarter-integers: block sums are exact in any order, and bounds and loads tie
+    c = rng.integers(0, 12, (P, n)) * (rng.random((P, n)) < 0.6) / 4
+    c[int(rng.integers(P))] = 0.0  # a phase no sample touches
+    b = np.minimum(c, rng.integers(0, 6, (P, n)) / 4)
+    members = rng.permutation(n)[:int(rng.integers(1, n + 1))]
+    block = int(rng.integers(1, 6))
+    Tc = rng.integers(0, 3, (M, P)) * rng.integers(0, 20) / 4
+    Lc = np.minimum(Tc, rng.integers(0, 3, (M, P)) / 4)
+    share = full = None
+    if rng.random() < 0.5:
+        share = rng.integers(0, 8, (n, int(rng.integers(1, 3)))) / 4
+        full = rng.integers(0, 4 * W, (M, share.shape[1])) / 4
+    want = _greedy_blocks_by_the_rule(c, b, members, block, Tc, Lc, W, share, full)
+    got = _greedy_blocks(c, b, members, block, Tc, Lc, W, share, full)
+    assert np.array_equal(got, want[0])
+    assert np.array_equal(Tc, want[1]) and np.array_equal(Lc, want[2])
+    assert full is None or np.array_equal(full, want[3])
