@@ -1,12 +1,12 @@
-"""The split's compiled kernels, each against its rule written plainly (one block, one
-micro-batch at a time)."""
+"""The split's and the capacity repair's compiled kernels, each against its rule written
+plainly (one micro-batch, one rank, one unit at a time)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from dispatcher_server.planner.solver import _FILL, _greedy_blocks
+from dispatcher_server.planner.solver import _FILL, _greedy_blocks, _move_smallest_away
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,3 +77,40 @@ def test_greedy_blocks_places_each_block_where_the_bound_rises_least(seed):
     assert np.array_equal(got, want[0])
     assert np.array_equal(Tc, want[1]) and np.array_equal(Lc, want[2])
     assert full is None or np.array_equal(full, want[3])
+
+
+def _move_smallest_away_by_the_rule(mb, rank, tok, load, cap, m, r, W, g):
+    """Rank r's units in micro-batch m, smallest first, each to the roomiest rank that fits it
+    (its node's first, then any; ties: lowest rank), until r holds at most `cap`."""
+    rank, load = rank.copy(), load.copy()
+    units = sorted((u for u in range(len(mb)) if mb[u] == m and rank[u] == r),
+                   key=lambda u: (tok[u], u))
+    for u in units:
+        if load[m * W + r] <= cap:
+            break
+        fits = [d for d in range(W) if d != r and cap - load[m * W + d] >= tok[u]]
+        pick = [d for d in fits if d // g == r // g] or fits
+        if pick:
+            dst = max(pick, key=lambda d: (cap - load[m * W + d], -d))
+            rank[u] = dst
+            load[m * W + r] -= tok[u]
+            load[m * W + dst] += tok[u]
+    return rank, load
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_move_smallest_away_moves_units_to_the_roomiest_fitting_rank(seed):
+    rng = np.random.default_rng(seed)
+    g = int(rng.choice([1, 2, 4]))
+    W, M, n = g * int(rng.integers(1, 5)), int(rng.integers(1, 3)), int(rng.integers(1, 120))
+    m, r = int(rng.integers(M)), int(rng.integers(W))
+    mb, rank = rng.integers(0, M, n), rng.integers(0, W, n)
+    rank[rng.random(n) < 0.5] = r  # r over capacity, the other ranks with room
+    tok = rng.integers(0, 10, n).astype(np.float64)  # integers: sizes and rooms tie
+    load = np.bincount(mb * W + rank, weights=tok, minlength=W * M)
+    top = int(load[m * W + r])
+    cap = float(rng.integers(min(top, int(load[m * W:(m + 1) * W].max(initial=0) / 2)), top + 1))
+    want_rank, want_load = _move_smallest_away_by_the_rule(mb, rank, tok, load, cap, m, r, W, g)
+    _move_smallest_away(mb, rank, tok, load, cap, m, r, W, g)
+    assert np.array_equal(rank, want_rank)
+    assert np.array_equal(load, want_load)

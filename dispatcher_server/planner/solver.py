@@ -717,7 +717,7 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     rank = rank.copy()
     for grp in over:
         m, r = divmod(grp, W)
-        _move_smallest_away(mb, rank, tok, load, cap, m, r, topo)
+        _move_smallest_away(mb, rank, tok, load, float(cap), m, r, W, topo.ranks_per_node)
         if load[grp] > cap:
             in_mb = np.flatnonzero(mb == m)
             packed = _repack(tok[in_mb], W, cap)
@@ -730,25 +730,41 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     return rank
 
 
-def _move_smallest_away(mb, rank, tok, load, cap, m: int, r: int, topo: Topology) -> None:
-    """Units of (rank r, micro-batch m), smallest first, to the roomiest rank of m that fits
-    them (same node first) until r is under `cap`; updates the repair's own `rank`, `load`."""
-    W, g = topo.world_size, topo.ranks_per_node
-    grp = m * W + r
-    members = np.flatnonzero((mb == m) & (rank == r))
-    node = (np.arange(W) // g) == (r // g)
-    for u in members[np.argsort(tok[members], kind="stable")]:
+@kernel
+def _move_smallest_away(mb, rank, tok, load, cap, m, r, W, g):
+    """Units of (rank r, micro-batch m), smallest first (ties: lowest index), while r holds
+    more than `cap`: each to the rank d != r of m with the most room cap - load that fits it
+    (room >= its size), of r's node (d // g == r // g) if one fits there (ties: lowest d);
+    a unit that fits nowhere stays. Updates the repair's own `rank` and `load` (W per
+    micro-batch) in place."""
+    grp, first = m * W + r, r // g * g
+    members = np.empty(len(mb), np.int64)
+    n = 0
+    for u in range(len(mb)):
+        if mb[u] == m and rank[u] == r:
+            members[n] = u
+            n += 1
+    members = members[:n]
+    for u in members[np.argsort(tok[members], kind="mergesort")]:
         if load[grp] <= cap:
             break
-        room = cap - load[m * W:(m + 1) * W]
-        fits = room >= tok[u]
-        fits[r] = False
-        if not fits.any():
+        dst = _roomiest(load[m * W:(m + 1) * W], cap, tok[u], first, first + g, r)  # r's node
+        if dst < 0:
+            dst = _roomiest(load[m * W:(m + 1) * W], cap, tok[u], 0, W, r)
+        if dst < 0:
             continue
-        pick = np.flatnonzero(fits & node)
-        if len(pick) == 0:
-            pick = np.flatnonzero(fits)
-        dst = int(pick[np.argmax(room[pick])])
         rank[u] = dst
         load[grp] -= tok[u]
         load[m * W + dst] += tok[u]
+
+
+@kernel
+def _roomiest(load, cap, size, lo, hi, skip):
+    """The rank d in lo..hi-1, not `skip`, with the most room cap - load[d] >= `size`, the
+    first on ties; -1 if none."""
+    best, most = -1, 0.0
+    for d in range(lo, hi):
+        room = cap - load[d]
+        if d != skip and room >= size and (best < 0 or room > most):
+            best, most = d, room
+    return best
