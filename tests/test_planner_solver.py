@@ -3,10 +3,12 @@ plainly (one micro-batch, one rank, one unit at a time)."""
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pytest
 
-from dispatcher_server.planner.solver import _FILL, _greedy_blocks, _move_smallest_away
+from dispatcher_server.planner.solver import _FILL, _best_fit, _greedy_blocks, _move_smallest_away
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,3 +116,34 @@ def test_move_smallest_away_moves_units_to_the_roomiest_fitting_rank(seed):
     _move_smallest_away(mb, rank, tok, load, cap, m, r, W, g)
     assert np.array_equal(rank, want_rank)
     assert np.array_equal(load, want_load)
+
+
+def _best_fit_by_the_rule(tok, order, W, cap):
+    """Each unit onto the entry of a bisect-ordered list of (load, -rank) left of where
+    (cap - size, 1) would go, the list starting as [(0.0, 0), (0.0, -1), ...]; None at the
+    first unit with no such entry."""
+    bins, out = [(0.0, -r) for r in range(W)], {}
+    for u in order:
+        k = bisect.bisect_right(bins, (cap - tok[u], 1)) - 1
+        if k < 0:
+            return None
+        load, neg = bins.pop(k)
+        out[u] = -neg
+        bisect.insort(bins, (load + tok[u], neg))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_best_fit_takes_the_fullest_rank_that_fits_in_bisect_order(seed):
+    rng = np.random.default_rng(seed)
+    W, n = int(rng.integers(1, 12)), int(rng.integers(1, 80))
+    tok = rng.integers(0, 8, n).astype(np.float64)  # integers: loads tie
+    order = rng.permutation(n)
+    if rng.random() < 0.5:
+        order = np.argsort(-tok, kind="stable")
+    cap = float(rng.integers(int(tok.max()), max(int(tok.max()), int(tok.sum() / W * 1.3)) + 2))
+    want = _best_fit_by_the_rule(tok.tolist(), order.tolist(), W, cap)
+    out = np.full(n, -1, dtype=np.int64)
+    assert _best_fit(tok, order, W, cap, out) == (want is not None)
+    if want is not None:
+        assert out.tolist() == [want[u] for u in range(n)]

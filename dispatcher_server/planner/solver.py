@@ -35,7 +35,6 @@ near-equal items, where every placement strategy runs).
 
 from __future__ import annotations
 
-import bisect
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -667,17 +666,47 @@ def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
     out = lpt_heap(tok, W, load)  # roomiest first is LPT: it fits iff the lightest rank did
     if load.max(initial=0) <= cap:
         return out
-    # best fit decreasing: each unit onto the fullest rank it fits (loads kept sorted)
-    bins = [(0.0, -r) for r in range(W)]  # (load, -rank): among equal loads the lowest rank
-    sizes = tok.tolist()
-    for u in np.argsort(-tok, kind="stable").tolist():
-        k = bisect.bisect_right(bins, (cap - sizes[u], 1)) - 1
+    # best fit decreasing: each unit onto the fullest rank it fits
+    return out if _best_fit(tok, np.argsort(-tok, kind="stable"), W, float(cap), out) else None
+
+
+@kernel
+def _best_fit(tok, order, W, cap, out):
+    """Units in `order`, each onto the fullest of W ranks it fits (`out[u]` its rank); False
+    at the first unit that fits none. The ranks are a list of (load, -rank) kept in bisect
+    order, starting as [(0, 0), (0, -1), ..., (0, -(W - 1))]: each unit pops the entry left
+    of bisect_right(list, (cap - size, 1)), which goes back in at bisect_right of its new
+    (load, -rank), Python's tuple order (the list's first order, descending in -rank among
+    the equal loads, is kept as the packing's rule). Only the entries between the two
+    places move."""
+    load, neg = np.zeros(W), -np.arange(W)
+    for u in order:
+        lo, hi = 0, W  # bisect_right for (cap - size, 1): -rank <= 0 < 1 on equal loads
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cap - tok[u] < load[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        k = lo - 1
         if k < 0:
-            return None
-        load_r, neg = bins.pop(k)
-        out[u] = -neg
-        bisect.insort(bins, (load_r + sizes[u], neg))
-    return out
+            return False
+        filled, r = load[k] + tok[u], neg[k]
+        out[u] = -r
+        lo, hi = 0, W - 1  # bisect_right for (filled, r) in the list without entry k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at = mid + (mid >= k)
+            if filled < load[at] or (filled == load[at] and r < neg[at]):
+                hi = mid
+            else:
+                lo = mid + 1
+        for i in range(k, lo):  # entries k+1..lo one left
+            load[i], neg[i] = load[i + 1], neg[i + 1]
+        for i in range(k, lo, -1):  # entries lo..k-1 one right
+            load[i], neg[i] = load[i - 1], neg[i - 1]
+        load[lo], neg[lo] = filled, r
+    return True
 
 
 def repair_capacity(plan: StepPlan) -> StepPlan:
