@@ -8,7 +8,10 @@ import bisect
 import numpy as np
 import pytest
 
-from dispatcher_server.planner.solver import _FILL, _best_fit, _greedy_blocks, _move_smallest_away
+from dispatcher_server.planner.solver import (
+    _FILL, _best_fit, _greedy_blocks, _group_max, _group_sums, _move_smallest_away, _polish_split,
+    _top2,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,3 +150,94 @@ def test_best_fit_takes_the_fullest_rank_that_fits_in_bisect_order(seed):
     assert _best_fit(tok, order, W, cap, out) == (want is not None)
     if want is not None:
         assert out.tolist() == [want[u] for u in range(n)]
+
+
+def _largest(b, mb, q, m, without=-1):
+    """The largest unit of phase q in micro-batch m (0 if none), leaving out sample `without`."""
+    return max([0.0] + [float(b[q, i]) for i in range(len(mb)) if mb[i] == m and i != without])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_sums_and_maxima_add_in_sample_order(seed):
+    rng = np.random.default_rng(seed)
+    R, n, M = int(rng.integers(1, 4)), int(rng.integers(0, 300)), int(rng.integers(1, 5))
+    x, mb = rng.lognormal(0, 2, (R, n)) * (rng.random((R, n)) < 0.8), rng.integers(0, M, n)
+    sums = np.zeros((R, M))
+    for i in range(n):  # in sample order, as np.bincount adds its weights
+        for k in range(R):
+            sums[k, mb[i]] += x[k, i]
+    assert np.array_equal(_group_sums(x, mb, M), sums)
+    assert np.array_equal(_group_sums(np.ascontiguousarray(x.T).T, mb, M), sums)  # a view
+    assert np.array_equal(_group_max(x, mb, M), [[_largest(x, mb, k, m) for m in range(M)]
+                                                 for k in range(R)])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_top2_names_the_lowest_sample_among_equal_largest_units(seed):
+    rng = np.random.default_rng(seed)
+    P, n, M = 3, int(rng.integers(0, 60)), int(rng.integers(1, 5))
+    b, mb = rng.integers(0, 4, (P, n)).astype(np.float64), rng.integers(0, M, n)  # ties
+    first, who, second = _top2(b, mb, M)
+    for q in range(P):
+        for m in range(M):
+            top = _largest(b, mb, q, m)
+            owner = min((i for i in range(n) if mb[i] == m and b[q, i] == top and top > 0),
+                        default=-1)
+            assert (first[q, m], who[q, m]) == (top, owner)
+            assert second[q, m] == _largest(b, mb, q, m, without=owner)
+
+
+def _polish_split_by_the_rule(c, b, mb, M, W, share, limit, max_iter=4):
+    """Up to `max_iter` times: the first (phase, micro-batch m), in order, whose largest unit
+    exceeds its total/W and belongs to a sample s (the lowest on ties) moves s to the first
+    micro-batch d != m with capacities within `limit` that lowers bound_m + bound_d most, if
+    that gains more than 1e-9 x bound_m; none: stop. (Sizes exact: any order of sums.)"""
+    mb, (P, n) = mb.copy(), c.shape
+    for _ in range(max_iter):
+        T = [[sum(c[q, i] for i in range(n) if mb[i] == m) for m in range(M)] for q in range(P)]
+        F = [[sum(share[i, j] for i in range(n) if mb[i] == m) for m in range(M)]
+             for j in range(share.shape[1])]
+
+        def bound(m, add=-1, drop=-1):
+            return sum(max((T[q][m] + (c[q, add] if add >= 0 else 0) - (c[q, drop] if drop >= 0
+                            else 0)) / W, _largest(b, mb, q, m, without=drop),
+                           b[q, add] if add >= 0 else 0.0) for q in range(P))
+        move = None
+        for q, m in ((q, m) for q in range(P) for m in range(M)):
+            top = _largest(b, mb, q, m)
+            s = min((i for i in range(n) if mb[i] == m and b[q, i] == top and top > 0),
+                    default=-1)
+            if s < 0 or not top > T[q][m] / W:
+                continue
+            gains = [-np.inf if d == m or any(F[j][d] + share[s, j] > limit
+                                              for j in range(share.shape[1]))
+                     else bound(m) + bound(d) - bound(m, drop=s) - bound(d, add=s)
+                     for d in range(M)]
+            d = gains.index(max(gains))
+            if gains[d] > 1e-9 * bound(m):
+                move = s, d
+                break
+        if move is None:
+            break
+        mb[move[0]] = move[1]
+    return mb
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_polish_split_moves_a_bound_setting_unit_where_the_bounds_drop_most(seed):
+    rng = np.random.default_rng(seed)
+    P, n, M, W = 3, int(rng.integers(1, 40)), int(rng.integers(1, 5)), int(rng.choice([1, 2, 4]))
+    # quarter-integers over a power of two: every sum exact, so gains tie exactly
+    c = rng.integers(0, 8, (P, n)) * (rng.random((P, n)) < 0.7) / 4
+    giants = rng.random(n) < 0.15
+    c[:, giants] *= 8
+    b = np.minimum(c, rng.integers(0, 3, (P, n)) / 4 + c * (rng.random((P, n)) < 0.5))
+    mb = rng.integers(0, M, n)
+    share, limit = np.zeros((n, 0)), 0.0
+    if rng.random() < 0.5:
+        share = rng.integers(0, 4, (n, int(rng.integers(1, 3)))) / 4
+        limit = float(rng.integers(0, 2 * n)) / 4
+    max_iter = int(rng.integers(1, 6))
+    want = _polish_split_by_the_rule(c, b, mb, M, W, share, limit, max_iter)
+    _polish_split(c, b, mb, M, W, share, limit, max_iter)
+    assert np.array_equal(mb, want)

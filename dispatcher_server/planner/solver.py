@@ -139,7 +139,7 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
         bound = _split_bound(c, b, third, M, W)
         if bound < best_bound * (1 - 1e-9):
             best, best_bound = third, bound
-    _polish_split(c, b, best, M, W)
+    _polish_split(c, b, best, M, W, np.zeros((len(best), 0)), 0.0)
     return best
 
 
@@ -175,11 +175,31 @@ def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
-    T = np.stack([np.bincount(mb, weights=ck, minlength=M) for ck in c])
-    L = np.zeros_like(T)
-    for k in range(len(c)):
-        np.maximum.at(L[k], mb, b[k])
-    return float(np.maximum(T / W, L).sum())
+    """sum_m,p max(total_pm/W, largest unit_pm) of the split `mb`."""
+    return float(np.maximum(_group_sums(c, mb, M) / W, _group_max(b, mb, M)).sum())
+
+
+@kernel
+def _group_sums(x, mb, M):
+    """Per row of `x` and micro-batch: the sum of its columns in that micro-batch, added in
+    column order (what np.bincount(mb, weights=row, minlength=M) gives)."""
+    out = np.zeros((x.shape[0], M))
+    for i in range(x.shape[1]):
+        for k in range(x.shape[0]):
+            out[k, mb[i]] += x[k, i]
+    return out
+
+
+@kernel
+def _group_max(x, mb, M):
+    """Per row of `x` and micro-batch: the largest of its columns in that micro-batch, at
+    least 0."""
+    out = np.zeros((x.shape[0], M))
+    for i in range(x.shape[1]):
+        for k in range(x.shape[0]):
+            if x[k, i] > out[k, mb[i]]:
+                out[k, mb[i]] = x[k, i]
+    return out
 
 
 def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
@@ -337,54 +357,78 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     return out
 
 
-def _top2(b: np.ndarray, mb: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per phase and micro-batch: (largest unit, its sample, second largest unit)."""
+@kernel
+def _top2(b, mb, M):
+    """Per phase and micro-batch: (largest unit, at least 0; its sample, the lowest on ties,
+    -1 where no unit is positive; the largest of the other units, at least 0)."""
     P, S = b.shape
-    first, who, second = np.zeros((P, M)), np.full((P, M), -1, dtype=np.int64), np.zeros((P, M))
+    first, who, second = _group_max(b, mb, M), np.full((P, M), -1, np.int64), np.zeros((P, M))
     for k in range(P):
-        np.maximum.at(first[k], mb, b[k])
-        is_top = (b[k] == first[k][mb]) & (b[k] > 0)
-        idx = np.flatnonzero(is_top)
-        who[k][mb[idx[::-1]]] = idx[::-1]  # lowest sample id wins ties
-        rest = np.ones(S, dtype=bool)
-        rest[who[k][who[k] >= 0]] = False
-        np.maximum.at(second[k], mb[rest], b[k][rest])
+        for i in range(S):
+            if b[k, i] > 0 and b[k, i] == first[k, mb[i]] and who[k, mb[i]] < 0:
+                who[k, mb[i]] = i
+        for i in range(S):
+            if i != who[k, mb[i]] and b[k, i] > second[k, mb[i]]:
+                second[k, mb[i]] = b[k, i]
     return first, who, second
 
 
-def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
-                  share: np.ndarray | None = None, max_iter: int = 4) -> None:
+@kernel
+def _polish_split(c, b, mb, M, W, share, limit, max_iter=4):
     """Move a micro-batch's largest unit elsewhere when it alone sets that micro-batch's bound
     and moving it lowers sum_m,p max(total/W, largest) (the class split above ignores sizes);
-    with `share`, only where the destination's capacities stay within `_FILL` x W."""
+    only where the destination's capacities (`share`: samples x capacities, maybe none) stay
+    within `limit`. In each of at most `max_iter` rounds, the first (phase, micro-batch) in
+    order whose best move gains more than 1e-9 x its bound moves; a round without one ends.
+    Sums over the phases are taken in phase order, as numpy sums fewer than 8 numbers."""
     for _ in range(max_iter):
-        T = np.stack([np.bincount(mb, weights=c[k], minlength=M) for k in range(len(c))])
-        F = None if share is None else np.stack(
-            [np.bincount(mb, weights=share[:, k], minlength=M) for k in range(share.shape[1])])
+        T, F = _group_sums(c, mb, M), _group_sums(share.T, mb, M)
         first, who, second = _top2(b, mb, M)
         moved = False
-        for k, m in zip(*np.nonzero(first > T / W)):
-            s = who[k, m]
-            if s < 0 or mb[s] != m:
-                continue
-            L_wo = np.where(who[:, m] == s, second[:, m], first[:, m])
-            before = np.maximum(T[:, m] / W, first[:, m]).sum()
-            after_m = np.maximum((T[:, m] - c[:, s]) / W, L_wo).sum()
-            gains = []
-            for m2 in range(M):
-                if m2 == m or (F is not None and np.any(F[:, m2] + share[s] > _FILL * W)):
-                    gains.append(-np.inf)
+        for k in range(c.shape[0]):
+            for m in range(M):
+                s = who[k, m]
+                if not first[k, m] > T[k, m] / W or s < 0 or mb[s] != m:
                     continue
-                old2 = np.maximum(T[:, m2] / W, first[:, m2]).sum()
-                new2 = np.maximum((T[:, m2] + c[:, s]) / W, np.maximum(first[:, m2], b[:, s])).sum()
-                gains.append(before + old2 - after_m - new2)
-            m2 = int(np.argmax(gains))
-            if gains[m2] > 1e-9 * before:
-                mb[s] = m2
-                moved = True
-                break  # totals changed: recompute
+                m2, gain, before = _best_move(c, b, T, F, share[s], limit, first, who, second,
+                                              s, m, W)
+                if gain > 1e-9 * before:
+                    mb[s], moved = m2, True
+                    break  # totals changed: recompute
+            if moved:
+                break
         if not moved:
             return
+
+
+@kernel
+def _best_move(c, b, T, F, share_s, limit, first, who, second, s, m, W):
+    """(destination, gain, bound of m before) of moving sample s, largest unit of micro-batch
+    m, to the micro-batch d != m whose capacities stay within `limit` where the sum of the
+    two micro-batches' bounds drops most (the first on ties; -inf where none may take it)."""
+    P, M = T.shape
+    before = after_m = 0.0
+    for q in range(P):
+        t = T[q, m] / W
+        before += first[q, m] if first[q, m] > t else t
+        lwo = second[q, m] if who[q, m] == s else first[q, m]
+        t = (T[q, m] - c[q, s]) / W
+        after_m += lwo if lwo > t else t
+    best, dst = -np.inf, 0
+    for d in range(M):
+        if d == m or np.any(F[:, d] + share_s > limit):
+            continue
+        old2 = new2 = 0.0
+        for q in range(P):
+            t = T[q, d] / W
+            old2 += first[q, d] if first[q, d] > t else t
+            big = b[q, s] if b[q, s] > first[q, d] else first[q, d]
+            t = (T[q, d] + c[q, s]) / W
+            new2 += big if big > t else t
+        gain = before + old2 - after_m - new2
+        if gain > best:
+            best, dst = gain, d
+    return dst, best, before
 
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
@@ -541,7 +585,7 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
         scaled = share * (_FILL / fill)
         held = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, scaled)
         if _split_fits(scaled, held, M, W):
-            _polish_split(c, b, held, M, W, scaled)
+            _polish_split(c, b, held, M, W, scaled, _FILL * W)
             first.append(held)
         if fill == _HELD_FILLS[0]:
             # LPT of the LLM cost over all W x M (rank, micro-batch) bins, kept if its bins
