@@ -24,7 +24,9 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
 strategies move little, and the cluster-wide ones restore balance where they cannot.
 Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
-sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). What
+sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). The
+loops that go block by block or unit by unit (the split's block greedy and polish, the
+capacity repair's moves and best fit) are compiled (`jit.kernel`), the rest is numpy. What
 `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
 docs/planner.md, generated from docs/bench/planner.json; regimes under serve's default
 capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document pages
