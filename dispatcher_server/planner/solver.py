@@ -24,7 +24,9 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
 strategies move little, and the cluster-wide ones restore balance where they cannot.
 Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
-sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). What
+sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). The
+loops that go block by block or unit by unit (the split's block greedy and polish, the
+capacity repair's moves and best fit) are compiled (`jit.kernel`), the rest is numpy. What
 `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
 docs/planner.md, generated from docs/bench/planner.json; regimes under serve's default
 capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document pages
@@ -35,7 +37,6 @@ near-equal items, where every placement strategy runs).
 
 from __future__ import annotations
 
-import bisect
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -45,6 +46,7 @@ import numpy as np
 from .balance import lpt_heap, lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
+from .jit import kernel
 from .placement import Items, place_items, place_samples
 from .plan import StepPlan
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
@@ -139,7 +141,7 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
         bound = _split_bound(c, b, third, M, W)
         if bound < best_bound * (1 - 1e-9):
             best, best_bound = third, bound
-    _polish_split(c, b, best, M, W)
+    _polish_split(c, b, best, M, W, np.zeros((len(best), 0)), 0.0)
     return best
 
 
@@ -158,8 +160,8 @@ def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
     tau = np.where(csum > 0, csum / (W * M), 1.0)
     score = (b / tau[:, None]).max(axis=0)
     is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
-    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
-    full = None if share is None else [[0.0] * share.shape[1] for _ in range(M)]
+    Tc, Lc = np.zeros((M, P)), np.zeros((M, P))
+    full = None if share is None else np.zeros((M, share.shape[1]))
     out = np.zeros(n, dtype=np.int64)
     giants = np.flatnonzero(is_giant)
     giants = giants[np.argsort(-score[giants], kind="stable")]
@@ -175,79 +177,135 @@ def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
-    T = np.stack([np.bincount(mb, weights=ck, minlength=M) for ck in c])
-    L = np.zeros_like(T)
-    for k in range(len(c)):
-        np.maximum.at(L[k], mb, b[k])
-    return float(np.maximum(T / W, L).sum())
+    """sum_m,p max(total_pm/W, largest unit_pm) of the split `mb`."""
+    return float(np.maximum(_group_sums(c, mb, M) / W, _group_max(b, mb, M)).sum())
+
+
+@kernel
+def _group_sums(x, mb, M):
+    """Per row of `x` and micro-batch: the sum of its columns in that micro-batch, added in
+    column order (what np.bincount(mb, weights=row, minlength=M) gives)."""
+    out = np.zeros((x.shape[0], M))
+    for i in range(x.shape[1]):
+        for k in range(x.shape[0]):
+            out[k, mb[i]] += x[k, i]
+    return out
+
+
+@kernel
+def _group_max(x, mb, M):
+    """Per row of `x` and micro-batch: the largest of its columns in that micro-batch, at
+    least 0."""
+    out = np.zeros((x.shape[0], M))
+    for i in range(x.shape[1]):
+        for k in range(x.shape[0]):
+            if x[k, i] > out[k, mb[i]]:
+                out[k, mb[i]] = x[k, i]
+    return out
 
 
 def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int,
-                   Tc: list, Lc: list, W: int, share: np.ndarray | None = None,
-                   full: list | None = None) -> np.ndarray:
+                   Tc: np.ndarray, Lc: np.ndarray, W: int, share: np.ndarray | None = None,
+                   full: np.ndarray | None = None) -> np.ndarray:
     """Micro-batch of each of `members`, taken in order in blocks of `block`: each block goes
     where it raises sum_p max(total_p/W, largest_p) least (ties: the lighter micro-batch).
-    `Tc`, `Lc` (per micro-batch, per phase: totals, largest units) are updated in place.
+    `Tc`, `Lc` (micro-batches x phases: totals, largest units) are updated in place.
 
-    With `share` and `full` (per micro-batch, per capacity: the shares taken so far, updated in
+    With `share` and `full` (micro-batches x capacities: the shares taken so far, updated in
     place), only micro-batches whose every capacity stays within `_FILL` x W after the block
     are candidates; when none is, the block goes where the fullest capacity stays lowest.
 
-    Plain Python floats: the state is P x M numbers, where numpy's per-call cost dominates."""
-    P, M = len(c), len(Tc)
+    The blocks' sums and largest units are numpy passes; their placement, one block after
+    the other over a state of M x P numbers, is the compiled `_place_blocks`."""
     csum = c.sum(axis=1)
-    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0).tolist()
+    shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0)
     starts = np.arange(0, len(members), block)
-    bsum = np.add.reduceat(c[:, members], starts, axis=1).T.tolist()
-    bmax = np.maximum.reduceat(b[:, members], starts, axis=1).T.tolist()
+    bsum = np.ascontiguousarray(np.add.reduceat(c[:, members], starts, axis=1).T)
+    bmax = np.ascontiguousarray(np.maximum.reduceat(b[:, members], starts, axis=1).T)
     if share is not None and share.shape[1]:
-        bshare = np.add.reduceat(share[members], starts, axis=0).tolist()
-        limit = _FILL * W
+        bshare = np.add.reduceat(share[members], starts, axis=0)
+        chosen = _place_blocks(bsum, bmax, bshare, shr, Tc, Lc, full, W, _FILL * W)
     else:
-        bshare, full = [None] * len(bsum), None
-    olds = [[max(t / W, l) for t, l in zip(Tm, Lm)] for Tm, Lm in zip(Tc, Lc)]
-    ties = [sum(x * t for x, t in zip(shr, Tm)) for Tm in Tc]
-    bounds = [sum(om) for om in olds]
-    chosen = []
-    for bs, bx, bf in zip(bsum, bmax, bshare):
-        incs = {m: _bound_increase(Tc[m], Lc[m], olds[m], bs, bx, W)
-                for m in (range(M) if full is None else _with_room(full, bf, limit))}
-        lo = min(incs.values())
-        eps = 1e-9 * max(abs(lo), max(bounds), 1.0)
-        m = min((ties[k], k) for k, inc in incs.items() if inc <= lo + eps)[1]
-        chosen.append(m)
-        Tm, Lm, om = Tc[m], Lc[m], olds[m]
-        tie = bnd = 0.0
-        for q in range(P):
-            Tm[q] += bs[q]
-            Lm[q] = max(Lm[q], bx[q])
-            om[q] = max(Tm[q] / W, Lm[q])
-            tie += shr[q] * Tm[q]
-            bnd += om[q]
-        ties[m], bounds[m] = tie, bnd
-        if full is not None:
-            full[m] = [f + x for f, x in zip(full[m], bf)]
+        none = np.zeros((len(starts), 0))
+        chosen = _place_blocks(bsum, bmax, none, shr, Tc, Lc, np.zeros((len(Tc), 0)), W, 0.0)
     return np.repeat(chosen, block)[:len(members)]
 
 
-def _bound_increase(Tm: list, Lm: list, om: list, bs: list, bx: list, W: int) -> float:
+@kernel
+def _place_blocks(bsum, bmax, bshare, shr, Tc, Lc, full, W, limit):
+    """Micro-batch of each block i (per phase: total `bsum[i]`, largest unit `bmax[i]`; per
+    capacity: shares `bshare[i]`), in order: among the micro-batches `_with_room` offers (all
+    where `full` has no columns), those whose `_bound_increase` is within 1e-9 x max(|lowest|,
+    largest bound, 1) of the lowest; of these the lowest shr . Tc (the lighter), then the
+    lowest index. `Tc`, `Lc`, `full` get the block added in place."""
+    nblk, P = bsum.shape
+    M = Tc.shape[0]
+    olds, ties, bounds = np.empty((M, P)), np.zeros(M), np.zeros(M)
+    for m in range(M):
+        for q in range(P):
+            t = Tc[m, q] / W
+            olds[m, q] = Lc[m, q] if Lc[m, q] > t else t
+            ties[m] += shr[q] * Tc[m, q]
+            bounds[m] += olds[m, q]
+    chosen = np.empty(nblk, np.int64)
+    inc = np.empty(M)
+    ok = np.ones(M, np.bool_)
+    for i in range(nblk):
+        if full.shape[1]:
+            ok = _with_room(full, bshare[i], limit)
+        lo = np.inf
+        for m in range(M):
+            if ok[m]:
+                inc[m] = _bound_increase(Tc[m], Lc[m], olds[m], bsum[i], bmax[i], W)
+                lo = min(lo, inc[m])
+        eps = 1e-9 * max(abs(lo), bounds.max(), 1.0)
+        m = -1
+        for k in range(M):
+            if ok[k] and inc[k] <= lo + eps and (m < 0 or ties[k] < ties[m]):
+                m = k
+        chosen[i] = m
+        tie = bnd = 0.0
+        for q in range(P):
+            Tc[m, q] += bsum[i, q]
+            if bmax[i, q] > Lc[m, q]:
+                Lc[m, q] = bmax[i, q]
+            t = Tc[m, q] / W
+            olds[m, q] = Lc[m, q] if Lc[m, q] > t else t
+            tie += shr[q] * Tc[m, q]
+            bnd += olds[m, q]
+        ties[m], bounds[m] = tie, bnd
+        full[m] += bshare[i]
+    return chosen
+
+
+@kernel
+def _bound_increase(Tm, Lm, om, bs, bx, W):
     """How much a block (per phase: total `bs`, largest unit `bx`) raises one micro-batch's
     sum_p max(total_p/W, largest_p), from its totals `Tm`, largest units `Lm`, bounds `om`."""
     inc = 0.0
-    for t, l, o, s, x in zip(Tm, Lm, om, bs, bx):
-        t = (t + s) / W
-        if x > l:
-            l = x
-        inc += (l if l > t else t) - o
+    for q in range(Tm.shape[0]):
+        t = (Tm[q] + bs[q]) / W
+        l = bx[q] if bx[q] > Lm[q] else Lm[q]
+        inc += (l if l > t else t) - om[q]
     return inc
 
 
-def _with_room(full: list, block: list, limit: float) -> list[int]:
-    """Micro-batches whose every capacity stays within `limit` with the block's shares added;
-    where none does, the one whose fullest capacity stays lowest."""
-    after = [max(f + x for f, x in zip(fm, block)) for fm in full]
-    room = [m for m, a in enumerate(after) if a <= limit]
-    return room or [min(range(len(full)), key=after.__getitem__)]
+@kernel
+def _with_room(full, block, limit):
+    """Mask of the micro-batches (rows of `full`) whose every capacity stays within `limit`
+    with the block's shares added; where none does, the first whose fullest capacity stays
+    lowest."""
+    M = full.shape[0]
+    after = np.empty(M)
+    for m in range(M):
+        a = full[m, 0] + block[0]
+        for j in range(1, full.shape[1]):
+            a = max(a, full[m, j] + block[j])
+        after[m] = a
+    room = after <= limit
+    if not room.any():
+        room[np.argmin(after)] = True
+    return room
 
 
 def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int,
@@ -260,13 +318,13 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     is_giant = ((b > threshold[:, None]) & has[:, None]).any(axis=0) if slack < 1 \
         else np.zeros(n, dtype=bool)
     giants = np.flatnonzero(is_giant)
-    Tc, Lc = [[0.0] * P for _ in range(M)], [[0.0] * P for _ in range(M)]
+    Tc, Lc = np.zeros((M, P)), np.zeros((M, P))
     if len(giants):
         tau = np.where(has, csum / (W * M), 1.0)
         score = (b[:, giants] / tau[:, None]).max(axis=0)
         giants = giants[np.argsort(-score, kind="stable")]
         out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W)
-    T, L = np.array(Tc).T.copy(), np.array(Lc).T.copy()
+    T, L = Tc.T.copy(), Lc.T.copy()
     rest = ~is_giant
     k_vis, k_aud, k_llm = PHASES.index("vision"), PHASES.index("audio"), PHASES.index(LLM_PHASE)
     has_a = rest & (c[k_aud] > 0)
@@ -301,54 +359,78 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     return out
 
 
-def _top2(b: np.ndarray, mb: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per phase and micro-batch: (largest unit, its sample, second largest unit)."""
+@kernel
+def _top2(b, mb, M):
+    """Per phase and micro-batch: (largest unit, at least 0; its sample, the lowest on ties,
+    -1 where no unit is positive; the largest of the other units, at least 0)."""
     P, S = b.shape
-    first, who, second = np.zeros((P, M)), np.full((P, M), -1, dtype=np.int64), np.zeros((P, M))
+    first, who, second = _group_max(b, mb, M), np.full((P, M), -1, np.int64), np.zeros((P, M))
     for k in range(P):
-        np.maximum.at(first[k], mb, b[k])
-        is_top = (b[k] == first[k][mb]) & (b[k] > 0)
-        idx = np.flatnonzero(is_top)
-        who[k][mb[idx[::-1]]] = idx[::-1]  # lowest sample id wins ties
-        rest = np.ones(S, dtype=bool)
-        rest[who[k][who[k] >= 0]] = False
-        np.maximum.at(second[k], mb[rest], b[k][rest])
+        for i in range(S):
+            if b[k, i] > 0 and b[k, i] == first[k, mb[i]] and who[k, mb[i]] < 0:
+                who[k, mb[i]] = i
+        for i in range(S):
+            if i != who[k, mb[i]] and b[k, i] > second[k, mb[i]]:
+                second[k, mb[i]] = b[k, i]
     return first, who, second
 
 
-def _polish_split(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
-                  share: np.ndarray | None = None, max_iter: int = 4) -> None:
+@kernel
+def _polish_split(c, b, mb, M, W, share, limit, max_iter=4):
     """Move a micro-batch's largest unit elsewhere when it alone sets that micro-batch's bound
     and moving it lowers sum_m,p max(total/W, largest) (the class split above ignores sizes);
-    with `share`, only where the destination's capacities stay within `_FILL` x W."""
+    only where the destination's capacities (`share`: samples x capacities, maybe none) stay
+    within `limit`. In each of at most `max_iter` rounds, the first (phase, micro-batch) in
+    order whose best move gains more than 1e-9 x its bound moves; a round without one ends.
+    Sums over the phases are taken in phase order, as numpy sums fewer than 8 numbers."""
     for _ in range(max_iter):
-        T = np.stack([np.bincount(mb, weights=c[k], minlength=M) for k in range(len(c))])
-        F = None if share is None else np.stack(
-            [np.bincount(mb, weights=share[:, k], minlength=M) for k in range(share.shape[1])])
+        T, F = _group_sums(c, mb, M), _group_sums(share.T, mb, M)
         first, who, second = _top2(b, mb, M)
         moved = False
-        for k, m in zip(*np.nonzero(first > T / W)):
-            s = who[k, m]
-            if s < 0 or mb[s] != m:
-                continue
-            L_wo = np.where(who[:, m] == s, second[:, m], first[:, m])
-            before = np.maximum(T[:, m] / W, first[:, m]).sum()
-            after_m = np.maximum((T[:, m] - c[:, s]) / W, L_wo).sum()
-            gains = []
-            for m2 in range(M):
-                if m2 == m or (F is not None and np.any(F[:, m2] + share[s] > _FILL * W)):
-                    gains.append(-np.inf)
+        for k in range(c.shape[0]):
+            for m in range(M):
+                s = who[k, m]
+                if not first[k, m] > T[k, m] / W or s < 0 or mb[s] != m:
                     continue
-                old2 = np.maximum(T[:, m2] / W, first[:, m2]).sum()
-                new2 = np.maximum((T[:, m2] + c[:, s]) / W, np.maximum(first[:, m2], b[:, s])).sum()
-                gains.append(before + old2 - after_m - new2)
-            m2 = int(np.argmax(gains))
-            if gains[m2] > 1e-9 * before:
-                mb[s] = m2
-                moved = True
-                break  # totals changed: recompute
+                m2, gain, before = _best_move(c, b, T, F, share[s], limit, first, who, second,
+                                              s, m, W)
+                if gain > 1e-9 * before:
+                    mb[s], moved = m2, True
+                    break  # totals changed: recompute
+            if moved:
+                break
         if not moved:
             return
+
+
+@kernel
+def _best_move(c, b, T, F, share_s, limit, first, who, second, s, m, W):
+    """(destination, gain, bound of m before) of moving sample s, largest unit of micro-batch
+    m, to the micro-batch d != m whose capacities stay within `limit` where the sum of the
+    two micro-batches' bounds drops most (the first on ties; -inf where none may take it)."""
+    P, M = T.shape
+    before = after_m = 0.0
+    for q in range(P):
+        t = T[q, m] / W
+        before += first[q, m] if first[q, m] > t else t
+        lwo = second[q, m] if who[q, m] == s else first[q, m]
+        t = (T[q, m] - c[q, s]) / W
+        after_m += lwo if lwo > t else t
+    best, dst = -np.inf, 0
+    for d in range(M):
+        if d == m or np.any(F[:, d] + share_s > limit):
+            continue
+        old2 = new2 = 0.0
+        for q in range(P):
+            t = T[q, d] / W
+            old2 += first[q, d] if first[q, d] > t else t
+            big = b[q, s] if b[q, s] > first[q, d] else first[q, d]
+            t = (T[q, d] + c[q, s]) / W
+            new2 += big if big > t else t
+        gain = before + old2 - after_m - new2
+        if gain > best:
+            best, dst = gain, d
+    return dst, best, before
 
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
@@ -505,7 +587,7 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
         scaled = share * (_FILL / fill)
         held = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, scaled)
         if _split_fits(scaled, held, M, W):
-            _polish_split(c, b, held, M, W, scaled)
+            _polish_split(c, b, held, M, W, scaled, _FILL * W)
             first.append(held)
         if fill == _HELD_FILLS[0]:
             # LPT of the LLM cost over all W x M (rank, micro-batch) bins, kept if its bins
@@ -630,17 +712,47 @@ def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
     out = lpt_heap(tok, W, load)  # roomiest first is LPT: it fits iff the lightest rank did
     if load.max(initial=0) <= cap:
         return out
-    # best fit decreasing: each unit onto the fullest rank it fits (loads kept sorted)
-    bins = [(0.0, -r) for r in range(W)]  # (load, -rank): among equal loads the lowest rank
-    sizes = tok.tolist()
-    for u in np.argsort(-tok, kind="stable").tolist():
-        k = bisect.bisect_right(bins, (cap - sizes[u], 1)) - 1
+    # best fit decreasing: each unit onto the fullest rank it fits
+    return out if _best_fit(tok, np.argsort(-tok, kind="stable"), W, float(cap), out) else None
+
+
+@kernel
+def _best_fit(tok, order, W, cap, out):
+    """Units in `order`, each onto the fullest of W ranks it fits (`out[u]` its rank); False
+    at the first unit that fits none. The ranks are a list of (load, -rank) kept in bisect
+    order, starting as [(0, 0), (0, -1), ..., (0, -(W - 1))]: each unit pops the entry left
+    of bisect_right(list, (cap - size, 1)), which goes back in at bisect_right of its new
+    (load, -rank), Python's tuple order (the list's first order, descending in -rank among
+    the equal loads, is kept as the packing's rule). Only the entries between the two
+    places move."""
+    load, neg = np.zeros(W), -np.arange(W)
+    for u in order:
+        lo, hi = 0, W  # bisect_right for (cap - size, 1): -rank <= 0 < 1 on equal loads
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cap - tok[u] < load[mid]:
+                hi = mid
+            else:
+                lo = mid + 1
+        k = lo - 1
         if k < 0:
-            return None
-        load_r, neg = bins.pop(k)
-        out[u] = -neg
-        bisect.insort(bins, (load_r + sizes[u], neg))
-    return out
+            return False
+        filled, r = load[k] + tok[u], neg[k]
+        out[u] = -r
+        lo, hi = 0, W - 1  # bisect_right for (filled, r) in the list without entry k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            at = mid + (mid >= k)
+            if filled < load[at] or (filled == load[at] and r < neg[at]):
+                hi = mid
+            else:
+                lo = mid + 1
+        for i in range(k, lo):  # entries k+1..lo one left
+            load[i], neg[i] = load[i + 1], neg[i + 1]
+        for i in range(k, lo, -1):  # entries lo..k-1 one right
+            load[i], neg[i] = load[i - 1], neg[i - 1]
+        load[lo], neg[lo] = filled, r
+    return True
 
 
 def repair_capacity(plan: StepPlan) -> StepPlan:
@@ -680,7 +792,7 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     rank = rank.copy()
     for grp in over:
         m, r = divmod(grp, W)
-        _move_smallest_away(mb, rank, tok, load, cap, m, r, topo)
+        _move_smallest_away(mb, rank, tok, load, float(cap), m, r, W, topo.ranks_per_node)
         if load[grp] > cap:
             in_mb = np.flatnonzero(mb == m)
             packed = _repack(tok[in_mb], W, cap)
@@ -693,25 +805,41 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     return rank
 
 
-def _move_smallest_away(mb, rank, tok, load, cap, m: int, r: int, topo: Topology) -> None:
-    """Units of (rank r, micro-batch m), smallest first, to the roomiest rank of m that fits
-    them (same node first) until r is under `cap`; updates the repair's own `rank`, `load`."""
-    W, g = topo.world_size, topo.ranks_per_node
-    grp = m * W + r
-    members = np.flatnonzero((mb == m) & (rank == r))
-    node = (np.arange(W) // g) == (r // g)
-    for u in members[np.argsort(tok[members], kind="stable")]:
+@kernel
+def _move_smallest_away(mb, rank, tok, load, cap, m, r, W, g):
+    """Units of (rank r, micro-batch m), smallest first (ties: lowest index), while r holds
+    more than `cap`: each to the rank d != r of m with the most room cap - load that fits it
+    (room >= its size), of r's node (d // g == r // g) if one fits there (ties: lowest d);
+    a unit that fits nowhere stays. Updates the repair's own `rank` and `load` (W per
+    micro-batch) in place."""
+    grp, first = m * W + r, r // g * g
+    members = np.empty(len(mb), np.int64)
+    n = 0
+    for u in range(len(mb)):
+        if mb[u] == m and rank[u] == r:
+            members[n] = u
+            n += 1
+    members = members[:n]
+    for u in members[np.argsort(tok[members], kind="mergesort")]:
         if load[grp] <= cap:
             break
-        room = cap - load[m * W:(m + 1) * W]
-        fits = room >= tok[u]
-        fits[r] = False
-        if not fits.any():
+        dst = _roomiest(load[m * W:(m + 1) * W], cap, tok[u], first, first + g, r)  # r's node
+        if dst < 0:
+            dst = _roomiest(load[m * W:(m + 1) * W], cap, tok[u], 0, W, r)
+        if dst < 0:
             continue
-        pick = np.flatnonzero(fits & node)
-        if len(pick) == 0:
-            pick = np.flatnonzero(fits)
-        dst = int(pick[np.argmax(room[pick])])
         rank[u] = dst
         load[grp] -= tok[u]
         load[m * W + dst] += tok[u]
+
+
+@kernel
+def _roomiest(load, cap, size, lo, hi, skip):
+    """The rank d in lo..hi-1, not `skip`, with the most room cap - load[d] >= `size`, the
+    first on ties; -1 if none."""
+    best, most = -1, 0.0
+    for d in range(lo, hi):
+        room = cap - load[d]
+        if d != skip and room >= size and (best < 0 or room > most):
+            best, most = d, room
+    return best
