@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -157,6 +157,63 @@ def test_pair_step_applies_the_best_exchange_of_every_pair(seed):
     moved, want_bins, want_loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy,
                                                           light, swaps, cells)
     assert _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, cells) == moved
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+def _all_pairs_by_the_rule(sizes, bin_of, loads, cand, heavy, light, max_cells):
+    """The all-pairs step's rule, one heavy bin, light bin and candidate exchange at a time."""
+    members = {b: [c for c in cand if bin_of[c] == b] for b in list(heavy) + list(light)}
+    fullest_h = max(len(members[h]) for h in heavy)
+    if fullest_h == 0:
+        return False, bin_of, loads
+    while len(light) > 1 and len(heavy) * len(light) * fullest_h * (
+            max(len(members[lb]) for lb in light) + 1) > max_cells:
+        light = light[:len(light) // 2]
+    chosen = []  # (heavy bin, light bin, item, light item or None), heaviest first
+    for h in heavy:
+        lh, top = loads[h], None
+        for lb in light:
+            ll, best = loads[lb], None
+            for i in members[h]:  # first of the smallest |d - (lh - ll) / 2| with d > 0
+                for j in [None] + members[lb]:
+                    d = sizes[i] - (sizes[j] if j is not None else 0.0)
+                    if d > 0 and (best is None or abs(d - (lh - ll) / 2) < best[0]):
+                        best = (abs(d - (lh - ll) / 2), i, j)
+            # first light bin whose best exchange leaves the lowest maximum
+            if best is not None and (top is None or (lh + ll) / 2 + best[0] < top[0]):
+                top = ((lh + ll) / 2 + best[0], lb, best[1], best[2])
+        if top is not None and top[0] < lh * (1 - 1e-12):
+            chosen.append((h,) + top[1:])
+    bin_of, loads, taken = bin_of.copy(), loads.copy(), set()
+    for h, lb, i, j in chosen:
+        if lb in taken:  # the heaviest bin that wants a light bin gets it
+            continue
+        taken.add(lb)
+        d = sizes[i] - (sizes[j] if j is not None else 0.0)
+        bin_of[i] = lb
+        if j is not None:
+            bin_of[j] = h
+        loads[h] -= d
+        loads[lb] += d
+    return bool(taken), bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_all_pairs_exchange_gives_each_heavy_bin_its_best_exchange(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.integers(2, 40)), int(rng.integers(1, 300))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 3)))  # ties when rounded
+    bin_of = rng.integers(0, nb, n)
+    loads = _loads(sizes, bin_of, nb)
+    order = rng.permutation(nb)
+    kh = int(rng.integers(1, nb // 2 + 1))
+    heavy, light = order[:kh], order[kh:kh + int(rng.integers(1, nb - kh + 1))]
+    cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
+    cells = int(rng.choice([10, 1000, 10**6]))
+    moved, want_bins, want_loads = _all_pairs_by_the_rule(sizes, bin_of, loads, cand, heavy,
+                                                          light, cells)
+    assert _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, cells) == moved
     assert np.array_equal(bin_of, want_bins)
     assert np.array_equal(loads, want_loads)
 

@@ -378,70 +378,84 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
     top, mean = loads.max(), loads.mean()
     cut = max(target, mean + 0.25 * (top - mean))
     kh = int(min(nb // 2, _MAX_HEAVY, max(1, (loads > cut).sum())))
-    kl = int(min(nb - kh, _MAX_LIGHT))
-    heavy, light = _extremes(loads, kh, kl)
-    role = np.full(nb, -1, dtype=np.int64)
-    role[heavy] = np.arange(kh)
-    role[light] = kh + np.arange(kl)
-    sel = cand[role[bin_of[cand]] >= 0]
-    rs = role[bin_of[sel]]
-    hv = rs < kh
-    if not hv.any():
+    heavy, light = _extremes(loads, kh, int(min(nb - kh, _MAX_LIGHT)))
+    return _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, _CELLS)
+
+
+@kernel
+def _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, max_cells):
+    """Each heavy bin's best exchange with any light bin, applied; False if none helps.
+
+    `heavy` and `light` are disjoint bins, heaviest and lightest first. While heavy bins x
+    light bins x the fullest heavy bin x (the fullest light bin + 1) exceeds `max_cells`, only
+    the lighter half of the light bins stays. For heavy bin h and light bin l the candidates
+    are h's items of `cand` i (in `cand` order), each for nothing (a move) then for each of l's
+    items j: the first smallest |d - (lh - ll) / 2| over d = s_i - s_j > 0, leaving the pair's
+    maximum at (lh + ll) / 2 + that; h takes the first light bin with the lowest such maximum,
+    if below lh. A light bin wanted by several goes to the heaviest of them. `bin_of` and
+    `loads` are updated in place."""
+    kh, kl = heavy.shape[0], light.shape[0]
+    role = np.full(loads.shape[0], -1, np.int64)  # k: heavy[k]; kh + k: light[k]
+    for k in range(kh):
+        role[heavy[k]] = k
+    for k in range(kl):
+        role[light[k]] = kh + k
+    ptr = np.zeros(kh + kl + 1, np.int64)
+    for c in cand:
+        if role[bin_of[c]] >= 0:
+            ptr[role[bin_of[c]] + 1] += 1
+    fullest_h = ptr[1:kh + 1].max()
+    if fullest_h == 0:
         return False
-    hs, ls = sel[hv], sel[~hv]
-    C, hpos = _padded(rs[hv], kh)
-    lr = rs[~hv] - kh
-    D, lpos = _padded(lr, kl)
-    while kh * kl * C * (D + 1) > _CELLS and kl > 1:
+    while kl > 1 and kh * kl * fullest_h * (ptr[kh + 1:kh + kl + 1].max() + 1) > max_cells:
         kl //= 2  # keep the lightest half
-        keep = lr < kl
-        ls, lr, lpos = ls[keep], lr[keep], lpos[keep]
-        D = int(lpos.max()) + 1 if len(lpos) else 0
-        light = light[:kl]
-    Sh = np.full((kh, C), -np.inf)
-    Sh[rs[hv], hpos] = sizes[hs]
-    Ih = np.full((kh, C), -1, dtype=np.int64)
-    Ih[rs[hv], hpos] = hs
-    Sl = np.zeros((kl, D + 1))  # column 0 is "nothing": a plain move
-    Sl[lr, lpos + 1] = sizes[ls]
-    Il = np.full((kl, D + 1), -1, dtype=np.int64)
-    Il[lr, lpos + 1] = ls
-    lh, ll = loads[heavy][:, None], loads[light][None, :]
-    # axes: heavy bin, light bin, heavy item, light item
-    cost = _exchange_cost(Sh[:, None, :, None], Sl[None, :, None, :],
-                          ((lh - ll) / 2)[:, :, None, None]).reshape(kh, kl, -1)
-    best_ij = np.argmin(cost, axis=2)
-    v = (lh + ll) / 2 + np.take_along_axis(cost, best_ij[:, :, None], axis=2)[:, :, 0]
-    best_l = np.argmin(v, axis=1)
-    hk = np.flatnonzero(v[np.arange(kh), best_l] < loads[heavy] * (1 - 1e-12))
-    if len(hk) == 0:
-        return False
-    _, first = np.unique(best_l[hk], return_index=True)  # heaviest bin wins a shared partner
-    hk = hk[np.sort(first)]
-    lk = best_l[hk]
-    i, j = np.divmod(best_ij[hk, lk], D + 1)
-    delta = Sh[hk, i] - Sl[lk, j]
-    mi, mj = Ih[hk, i], Il[lk, j]
-    bin_of[mi] = light[lk]
-    has = mj >= 0
-    bin_of[mj[has]] = heavy[hk][has]
-    loads[heavy[hk]] -= delta
-    loads[light[lk]] += delta
-    return True
+    ptr = np.cumsum(ptr)
+    item, fill = np.empty(ptr[-1], np.int64), ptr[:-1].copy()
+    for c in cand:  # items grouped by bin, each group in cand order
+        r = role[bin_of[c]]
+        if r >= 0:
+            item[fill[r]] = c
+            fill[r] += 1
+    choice = np.full((kh, 3), -1, np.int64)  # light bin, heavy item, light item (-1: move)
+    for h in range(kh):
+        lh, top = loads[heavy[h]], np.inf
+        for lb in range(kl):
+            ll = loads[light[lb]]
+            half, best, bi, bj = (lh - ll) / 2, np.inf, -1, -1
+            for i in range(ptr[h], ptr[h + 1]):
+                sh = sizes[item[i]]
+                if sh > 0 and abs(sh - half) < best:
+                    best, bi, bj = abs(sh - half), item[i], -1
+                for j in range(ptr[kh + lb], ptr[kh + lb + 1]):
+                    d = sh - sizes[item[j]]
+                    if d > 0 and abs(d - half) < best:
+                        best, bi, bj = abs(d - half), item[i], item[j]
+            if (lh + ll) / 2 + best < top:
+                top, choice[h, 0], choice[h, 1], choice[h, 2] = (lh + ll) / 2 + best, lb, bi, bj
+        if not top < lh * (1 - 1e-12):
+            choice[h, 0] = -1
+    return _apply_choices(sizes, bin_of, loads, heavy, light, choice)
 
 
-def _exchange_cost(Sh: np.ndarray, Sl: np.ndarray, half: np.ndarray) -> np.ndarray:
-    """|d - half| for every exchange d = Sh - Sl that moves work off the heavy bin (d > 0),
-    inf otherwise; shapes broadcast. Moving d from a bin at lh to one at ll leaves
-    max(lh - d, ll + d) = (lh + ll) / 2 + |d - (lh - ll) / 2|, so with half = (lh - ll) / 2
-    the cheapest cost is the best exchange. Computed in place: a few passes over the cells.
-    Padding: -inf in Sh (no item)."""
-    cost = Sh - Sl
-    bad = cost <= 0
-    cost -= half
-    np.abs(cost, out=cost)
-    cost[bad] = np.inf
-    return cost
+@kernel
+def _apply_choices(sizes, bin_of, loads, heavy, light, choice):
+    """Applies heavy bin h's exchange `choice[h]` = (light bin, its item, light item or -1 for
+    a move; light bin -1: none), heaviest first, skipping a light bin already taken; False if
+    none applies."""
+    taken = np.zeros(light.shape[0], np.bool_)
+    moved = False
+    for h in range(heavy.shape[0]):
+        lb, i, j = choice[h, 0], choice[h, 1], choice[h, 2]
+        if lb < 0 or taken[lb]:
+            continue
+        taken[lb] = moved = True
+        delta = sizes[i] - (sizes[j] if j >= 0 else 0.0)
+        bin_of[i] = light[lb]
+        if j >= 0:
+            bin_of[j] = heavy[h]
+        loads[heavy[h]] -= delta
+        loads[light[lb]] += delta
+    return moved
 
 
 @kernel
@@ -532,15 +546,3 @@ def order_by_key_then_size(keys: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     orders them largest first once)."""
     first = np.argsort(-sizes, kind="stable")
     return first[stable_order(keys[first])]
-
-
-def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:
-    """(max count per key, position of each element among equal keys)."""
-    if len(keys) == 0:
-        return 0, np.zeros(0, dtype=np.int64)
-    order = stable_order(keys, num_keys)
-    counts = np.bincount(keys, minlength=num_keys)
-    starts = np.cumsum(counts) - counts
-    pos = np.empty(len(keys), dtype=np.int64)
-    pos[order] = np.arange(len(keys)) - starts[keys[order]]
-    return int(counts.max()), pos
