@@ -218,6 +218,37 @@ def test_all_pairs_exchange_gives_each_heavy_bin_its_best_exchange(seed):
     assert np.array_equal(loads, want_loads)
 
 
+def _lpt_rounds_by_the_rule(sizes, groups, loads, cap):
+    """Batched LPT's rule, one group, round and item at a time."""
+    loads, out = loads.copy(), [0] * len(sizes)
+    B = loads.shape[1]
+    for g in sorted(set(groups.tolist())):
+        # the group's items, largest first (ties: first given first)
+        items = sorted((i for i in range(len(sizes)) if groups[i] == g), key=lambda i: -sizes[i])
+        for lo in range(0, len(items), B):
+            ranked = sorted(range(B), key=lambda b: (loads[g, b], b))  # as the round starts
+            for item, b in zip(items[lo:lo + B], ranked):
+                if cap is not None and not loads[g, b] + sizes[item] <= cap:
+                    out[item] = -1
+                else:
+                    out[item] = b
+                    loads[g, b] += sizes[item]
+    return np.array(out, dtype=np.int64), loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lpt_rounds_hands_each_round_to_the_least_loaded_bins(seed):
+    rng = np.random.default_rng(seed)
+    G, B, n = int(rng.integers(1, 5)), int(rng.integers(1, 12)), int(rng.integers(0, 200))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    groups = rng.integers(0, G, n)
+    loads = np.round(rng.random((G, B)) * float(rng.choice([0, 2, 10])))  # tied loads too
+    cap = None if rng.random() < 0.4 else float(rng.uniform(1, 3) * (sizes.sum() / (G * B) + 1))
+    want_bins, want_loads = _lpt_rounds_by_the_rule(sizes, groups, loads, cap)
+    assert np.array_equal(lpt_rounds(sizes, groups, loads, cap=cap), want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
 def test_refine_in_groups_never_crosses_groups():
     rng = np.random.default_rng(3)
     sizes = rng.lognormal(0, 1, 200)

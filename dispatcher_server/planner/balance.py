@@ -123,34 +123,38 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
 
     `loads` is float64[G, B] (updated in place); returns each item's bin index within its group,
     or -1 for an item that would push its bin over `cap` (left for the caller to place).
-    O(n log n + (n/B) * G B log B).
+    O(n log n + (n/B) * B log B).
     """
-    n = len(sizes)
-    G, B = loads.shape
-    out = np.zeros(n, dtype=np.int64)
-    if n == 0:
-        return out
-    order = order_by_key_then_size(groups, sizes)
-    g = groups[order]
-    pos = np.arange(n) - np.searchsorted(g, g)
-    rnd, slot = np.divmod(pos, B)
-    by_round = np.argsort(rnd, kind="stable")
-    bounds = np.searchsorted(rnd[by_round], np.arange(rnd.max() + 2)).tolist()
-    # Everything a round reads, gathered once in round order: a round is then slices, one
-    # argsort of the loads and one gather (with few bins, rounds are many and numpy calls cost
-    # more than the work in them).
-    items = order[by_round]
-    groups_r, slots_r, sizes_r = g[by_round], slot[by_round], sizes[items]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        gs, add = groups_r[lo:hi], sizes_r[lo:hi]
-        b = np.argsort(loads, axis=1, kind="stable")[gs, slots_r[lo:hi]]
-        if cap is not None:
-            fits = loads[gs, b] + add <= cap
-            b = np.where(fits, b, -1)
-            gs, add = gs[fits], add[fits]
-        out[items[lo:hi]] = b
-        loads[gs, b[b >= 0]] += add  # (group, bin) pairs are unique within a round
+    out = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes):
+        _lpt_rounds(sizes, groups, order_by_key_then_size(groups, sizes), loads,
+                    np.inf if cap is None else cap, cap is not None, out)
     return out
+
+
+@kernel
+def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
+    """`lpt_rounds` over items in `order` (by group, then decreasing size): each group's items
+    in rounds of B, the round's t-th item to the group's t-th least-loaded bin (stable: ties by
+    bin) at the round's start, unless `capped` and that takes the bin over `cap` (then -1).
+    Groups do not share bins, so each goes through its rounds on its own. `loads` and `out`
+    are updated in place."""
+    n, B = order.shape[0], loads.shape[1]
+    start = 0
+    while start < n:
+        g, end = groups[order[start]], start
+        while end < n and groups[order[end]] == g:
+            end += 1
+        for lo in range(start, end, B):
+            by_load = np.argsort(loads[g], kind="mergesort")
+            for t in range(lo, min(lo + B, end)):
+                item, b = order[t], by_load[t - lo]
+                if capped and not loads[g, b] + sizes[item] <= cap:
+                    out[item] = -1
+                else:
+                    out[item] = b
+                    loads[g, b] += sizes[item]
+        start = end
 
 
 def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_size: int,
