@@ -249,6 +249,61 @@ def test_lpt_rounds_hands_each_round_to_the_least_loaded_bins(seed):
     assert np.array_equal(loads, want_loads)
 
 
+def _lpt_home_by_the_rule(sizes, home, loads, node_size, tol, K):
+    """lpt_home's rule, one round, item and bin at a time."""
+    loads, out, nb = loads.copy(), [0] * len(sizes), len(loads)
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])  # ties: first given first
+    for start in range(0, len(order), K):
+        items = order[start:start + K]
+        k, homes = len(items), {home[i] for i in items}
+        bins = list(range(nb))
+        if k < nb:  # near the k-th load: home bins first, then by index; then by load, index
+            near = loads <= sorted(loads)[k - 1] + tol
+            bins = sorted(bins, key=lambda b: (0.0 if near[b] else loads[b],
+                                               not (near[b] and b in homes), b))[:k]
+        bins.sort(key=lambda b: loads[b])
+        band = [int((loads[b] - loads[bins[0]]) // tol) if tol > 0 else t
+                for t, b in enumerate(bins)]
+        take, pos = [None] * k, {b: t for t, b in enumerate(bins)}
+        for t, i in enumerate(items):  # the home bin, if in the round and the item's band
+            hp = pos.get(home[i])
+            if hp is not None and band[hp] == band[t] and hp not in take:
+                take[t] = hp
+        if node_size > 1:  # then a bin left of the same band and node, in order
+            free = {}
+            for p in range(k):
+                if p not in take:
+                    free.setdefault((band[p], bins[p] // node_size), []).append(p)
+            for t, i in enumerate(items):
+                q = free.get((band[t], home[i] // node_size))
+                if take[t] is None and q:
+                    take[t] = q.pop(0)
+        left = sorted((t for t in range(k) if take[t] is None), key=lambda t: band[t])
+        for t, p in zip(left, sorted((p for p in range(k) if p not in take),
+                                     key=lambda p: band[p])):
+            take[t] = p
+        for t, i in enumerate(items):
+            out[i] = bins[take[t]]
+            loads[bins[take[t]]] += sizes[i]
+    return np.array(out, dtype=np.int64), loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lpt_home_is_batched_lpt_bent_home_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.choice([2, 4, 6, 8, 16, 24])), int(rng.integers(0, 200))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    home = rng.integers(0, nb, n)
+    loads = np.round(rng.random(nb) * float(rng.choice([0, 2, 10])))  # tied loads too
+    node = int(rng.choice([d for d in (1, 2, 4) if nb % d == 0]))
+    tol = float(rng.choice([0.0, 0.3, 1.0, 2.5, -0.5]))
+    K = int(rng.integers(1, nb + 1))
+    want_bins, want_loads = _lpt_home_by_the_rule(sizes, home, loads, node, tol, K)
+    assert np.array_equal(lpt_home(sizes, home, loads, node_size=node, tol=tol, round_size=K),
+                          want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
 def test_refine_in_groups_never_crosses_groups():
     rng = np.random.default_rng(3)
     sizes = rng.lognormal(0, 1, 200)

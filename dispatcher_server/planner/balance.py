@@ -168,55 +168,96 @@ def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_siz
     at most about `tol` per round against batched LPT and keeps the big first-round items home.
     `loads` (float64[B]) is updated in place; returns each item's bin.
     """
-    n, nb = len(sizes), len(loads)
-    out = np.zeros(n, dtype=np.int64)
-    order = np.argsort(-sizes, kind="stable")
-    pos_of_bin = np.full(nb, -1, dtype=np.int64)
-    K = min(nb, round_size or nb)
-    is_home = np.zeros(nb, dtype=bool)
-    for start in range(0, n, K):
-        items = order[start:start + K]
-        k = len(items)
-        if k < nb:
-            # the k least-loaded bins, but among bins tied within `tol` of the k-th, this
-            # round's home bins first
-            kth = np.partition(loads, k - 1)[k - 1]
-            is_home[home[items]] = True
-            near = loads <= kth + tol
-            pick = np.lexsort((np.arange(nb), ~(is_home & near), np.where(near, 0.0, loads)))
-            bo = pick[:k]
-            bo = bo[np.argsort(loads[bo], kind="stable")]
-            is_home[home[items]] = False
-        else:
-            bo = np.argsort(loads, kind="stable")
-        bl = loads[bo]
-        band = ((bl - bl[0]) // tol).astype(np.int64) if tol > 0 else np.arange(k)
-        pos_of_bin[bo] = np.arange(k)
-        hp = pos_of_bin[home[items]]
-        claim = (hp >= 0) & (band[np.maximum(hp, 0)] == band)
-        take = np.zeros(k, dtype=np.int64) - 1
-        ci = np.flatnonzero(claim)
-        _, first = np.unique(hp[ci], return_index=True)
-        ci = ci[first]
-        take[ci] = hp[ci]
-        free_bin = np.ones(k, dtype=bool)
-        free_bin[hp[ci]] = False
-        ri = np.flatnonzero(take < 0)
-        rb = np.flatnonzero(free_bin)
-        if node_size > 1 and len(ri):
-            # same band and node first: join on (band, node, rank among equals)
-            ki = _ranked(band[ri] * nb + home[items[ri]] // node_size)
-            kb = _ranked(band[rb] * nb + bo[rb] // node_size)
-            _, a, b = np.intersect1d(ki, kb, assume_unique=True, return_indices=True)
-            take[ri[a]] = rb[b]
-            ri, rb = np.delete(ri, a), np.delete(rb, b)
-        ri = ri[np.argsort(band[ri], kind="stable")]
-        rb = rb[np.argsort(band[rb], kind="stable")]
-        take[ri] = rb
-        out[items] = bo[take]
-        loads[bo[take]] += sizes[items]
-        pos_of_bin[bo] = -1
+    out = np.zeros(len(sizes), dtype=np.int64)
+    K = min(len(loads), round_size or len(loads))
+    _lpt_home(sizes, home, np.argsort(-sizes, kind="stable"), loads, node_size, tol, K, out)
     return out
+
+
+@kernel
+def _lpt_home(sizes, home, order, loads, node_size, tol, K, out):
+    """`lpt_home`'s rounds over the items in `order` (largest first): the round's bins
+    (`_round_bins`), their bands (bin t of the round: (load_t - load_0) // tol, or t with no
+    `tol`), items matched to bins (`_match_in_bands`). `loads` and `out` are updated in place."""
+    nb = loads.shape[0]
+    is_home = np.zeros(nb, np.bool_)
+    pos_of_bin = np.full(nb, -1, np.int64)
+    for start in range(0, order.shape[0], K):
+        items = order[start:start + K]
+        k = items.shape[0]
+        bo = _round_bins(loads, home, items, tol, is_home)
+        band = np.arange(k)
+        if tol > 0:
+            for t in range(k):
+                band[t] = np.int64((loads[bo[t]] - loads[bo[0]]) // tol)
+        for t in range(k):
+            pos_of_bin[bo[t]] = t
+        take = _match_in_bands(home, items, bo, band, pos_of_bin, node_size, nb)
+        for t in range(k):
+            pos_of_bin[bo[t]] = -1
+            out[items[t]] = bo[take[t]]
+            loads[bo[take[t]]] += sizes[items[t]]
+
+
+@kernel
+def _round_bins(loads, home, items, tol, is_home):
+    """The bins of a round of k = len(items) items, by load (stable): all bins if k is their
+    number, else the k least-loaded where, among bins within `tol` of the k-th lowest load,
+    the round's home bins come first, then the others by index (bins further off, if needed,
+    by load then index). `is_home` is all False, and left so."""
+    nb, k = loads.shape[0], items.shape[0]
+    if k >= nb:
+        return np.argsort(loads, kind="mergesort")
+    kth = np.partition(loads, k - 1)[k - 1]
+    for it in items:
+        is_home[home[it]] = True
+    bo = np.empty(k, np.int64)
+    m = 0
+    for want_home in (True, False):
+        for b in range(nb):
+            if m < k and loads[b] <= kth + tol and is_home[b] == want_home:
+                bo[m] = b
+                m += 1
+    for it in items:
+        is_home[home[it]] = False
+    if m < k:  # fewer than k bins near the k-th load (only with tol < 0)
+        far = np.flatnonzero(~(loads <= kth + tol))
+        bo[m:] = far[np.argsort(loads[far], kind="mergesort")][:k - m]
+    return bo[np.argsort(loads[bo], kind="mergesort")]
+
+
+@kernel
+def _match_in_bands(home, items, bo, band, pos_of_bin, node_size, nb):
+    """Round position of the bin each item t of the round takes: its home bin if that is in the
+    round (`pos_of_bin`) and in the band of position t, the first such item winning; else, with
+    nodes (`node_size` > 1), the r-th item left of a (band, node) takes the r-th bin left of it;
+    last, items and bins left, each by band (stable), pairwise."""
+    k = items.shape[0]
+    take = np.full(k, -1, np.int64)
+    free = np.ones(k, np.bool_)
+    for t in range(k):
+        hp = pos_of_bin[home[items[t]]]
+        if hp >= 0 and band[hp] == band[t] and free[hp]:
+            take[t] = hp
+            free[hp] = False
+    ri, rb = np.flatnonzero(take < 0), np.flatnonzero(free)
+    if node_size > 1 and ri.shape[0] > 0:
+        ki = band[ri] * nb + home[items[ri]] // node_size
+        kb = band[rb] * nb + bo[rb] // node_size
+        oi, ob = np.argsort(ki, kind="mergesort"), np.argsort(kb, kind="mergesort")
+        p = q = 0
+        while p < oi.shape[0] and q < ob.shape[0]:
+            if ki[oi[p]] != kb[ob[q]]:
+                p, q = (p + 1, q) if ki[oi[p]] < kb[ob[q]] else (p, q + 1)
+                continue
+            take[ri[oi[p]]] = rb[ob[q]]
+            free[rb[ob[q]]] = False
+            p, q = p + 1, q + 1
+        ri, rb = np.flatnonzero(take < 0), np.flatnonzero(free)
+    ri = ri[np.argsort(band[ri], kind="mergesort")]
+    rb = rb[np.argsort(band[rb], kind="mergesort")]
+    take[ri] = rb
+    return take
 
 
 def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_bins: int,
@@ -266,16 +307,6 @@ def _affinities(bin_of, target, weight, num_targets):
     order = np.lexsort((uk, -w))
     order = order[w[order] > 0]
     return uk[order] // num_targets, uk[order] % num_targets
-
-
-def _ranked(keys: np.ndarray) -> np.ndarray:
-    """Unique int keys: key * n + rank of the element among equal keys."""
-    n = len(keys)
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n) - np.searchsorted(k, k)
-    return keys * n + rank
 
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
