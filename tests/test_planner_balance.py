@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -302,6 +302,22 @@ def test_lpt_home_is_batched_lpt_bent_home_by_the_rule(seed):
     assert np.array_equal(lpt_home(sizes, home, loads, node_size=node, tol=tol, round_size=K),
                           want_bins)
     assert np.array_equal(loads, want_loads)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_pairs_gives_each_bin_its_first_target_with_room(seed):
+    rng = np.random.default_rng(seed)
+    nb, nt, m = int(rng.integers(1, 20)), int(rng.integers(1, 10)), int(rng.integers(0, 100))
+    bins, targets = rng.integers(0, nb, m), rng.integers(0, nt, m)  # repeats on both sides
+    room = rng.integers(0, 4, nt)
+    want_out, want_room = [-1] * nb, room.tolist()
+    for b, t in zip(bins.tolist(), targets.tolist()):  # the rule: in order, first come
+        if want_out[b] < 0 and want_room[t] > 0:
+            want_out[b] = t
+            want_room[t] -= 1
+    out = np.full(nb, -1, dtype=np.int64)
+    _greedy_pairs(bins, targets, room, out)
+    assert out.tolist() == want_out and room.tolist() == want_room
 
 
 def test_refine_in_groups_never_crosses_groups():

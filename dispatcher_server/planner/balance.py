@@ -267,36 +267,38 @@ def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_b
 
     Greedy on (bin, node) affinities, heaviest first, each node taking `node_size` bins; then
     the same inside each node for (bin, rank). Affinities are sparse (one per distinct home of
-    a bin's items), so this is O(n log n) plus a Python pass over the pairs. Returns
+    a bin's items), so this is O(n log n) plus a compiled pass over the pairs. Returns
     new_rank[bin]."""
     N = num_bins // node_size
     node_arr = np.zeros(num_bins, dtype=np.int64)  # one node: every bin is on it
     if N > 1:
-        node_of_bin = [-1] * num_bins
-        room = [node_size] * N
-        b, h = _affinities(bin_of, home // node_size, weight, N)
-        for bb, hh in zip(b.tolist(), h.tolist()):
-            if node_of_bin[bb] < 0 and room[hh]:
-                node_of_bin[bb] = hh
-                room[hh] -= 1
-        node_arr = np.asarray(node_of_bin, dtype=np.int64)
+        node_arr -= 1
+        room = np.full(N, node_size, dtype=np.int64)
+        _greedy_pairs(*_affinities(bin_of, home // node_size, weight, N), room, node_arr)
         left = np.flatnonzero(node_arr < 0)
         node_arr[left] = np.repeat(np.arange(N), room)[:len(left)]
     # inside nodes: bins to ranks by same-rank affinity, only with ranks of the bin's node
-    new_rank = [-1] * num_bins
-    taken = [False] * num_bins
+    out = np.full(num_bins, -1, dtype=np.int64)
+    free = np.ones(num_bins, dtype=np.int64)
     b, r = _affinities(bin_of, home, weight, num_bins)
     ok = node_arr[b] == r // node_size
-    for bb, rr in zip(b[ok].tolist(), r[ok].tolist()):
-        if new_rank[bb] < 0 and not taken[rr]:
-            new_rank[bb] = rr
-            taken[rr] = True
-    out = np.asarray(new_rank, dtype=np.int64)
+    _greedy_pairs(b[ok], r[ok], free, out)
     # every node has as many unplaced bins as free ranks: match them in node order
     bins_left = np.flatnonzero(out < 0)
     bins_left = bins_left[np.argsort(node_arr[bins_left], kind="stable")]
-    out[bins_left] = np.flatnonzero(~np.asarray(taken))  # free ranks, already in node order
+    out[bins_left] = np.flatnonzero(free)  # free ranks, already in node order
     return out
+
+
+@kernel
+def _greedy_pairs(bins, targets, room, out):
+    """In the pairs' order, bin b takes target t where b has none yet (out[b] < 0) and t has
+    room left (room[t] > 0, one less after). `room` and `out` are updated in place."""
+    for x in range(bins.shape[0]):
+        b, t = bins[x], targets[x]
+        if out[b] < 0 and room[t] > 0:
+            out[b] = t
+            room[t] -= 1
 
 
 def _affinities(bin_of, target, weight, num_targets):
