@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _greedy_pairs, _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _pair_step, _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -318,6 +318,53 @@ def test_greedy_pairs_gives_each_bin_its_first_target_with_room(seed):
     out = np.full(nb, -1, dtype=np.int64)
     _greedy_pairs(bins, targets, room, out)
     assert out.tolist() == want_out and room.tolist() == want_room
+
+
+def _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target, max_iter, swaps,
+                                  max_cells):
+    """Refine's rule in groups of B bins, one iteration and group at a time."""
+    idle = still = 0
+    h = B // 2
+    for it in range(max_iter):
+        top = max(loads)
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, light = [], []
+        for g in range(len(loads) // B):  # each busy group: heavier half x lighter half
+            if max(loads[g * B:(g + 1) * B]) > target * (1 + 1e-12):
+                o = sorted(range(g * B, (g + 1) * B), key=lambda b: loads[b])  # ties: by bin
+                heavy += [o[B - 1 - j] for j in range(h)]
+                light += [o[(j + it) % h] for j in range(h)]  # the partner rotates
+        if not heavy:
+            break
+        if not swaps:
+            cand = np.array([c for c in cand if sizes[c] < top - min(loads)], dtype=np.int64)
+        moved, bin_of, loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light,
+                                                      swaps, max_cells)
+        idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
+        still = 0 if moved else still + 1
+        if idle >= h + 2 or still >= h:
+            break
+    return bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_refine_in_groups_iterates_pair_steps_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.choice([2, 3, 4, 8]))
+    nb, n = B * int(rng.integers(1, 6)), int(rng.integers(1, 150))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))  # skewed
+    loads = _loads(sizes, bin_of, nb)
+    cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
+    target = float(rng.choice([0.0, sizes.sum() / nb]))
+    max_iter, swaps = int(rng.choice([1, 4, 16])), bool(rng.random() < 0.6)
+    cells = int(rng.choice([10, 10**6]))
+    want_bins, want_loads = _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target,
+                                                          max_iter, swaps, cells)
+    _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, cells)
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
 
 
 def test_refine_in_groups_never_crosses_groups():

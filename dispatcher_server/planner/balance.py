@@ -1,14 +1,17 @@
 """Number-partitioning primitives, vectorised over bins and groups of bins (nodes).
 
 `lpt_rounds` is LPT that assigns a whole round of B items at once (the B largest left go to the
-B least-loaded bins), so its Python loop runs items/B times instead of items times; `lpt_home`
+B least-loaded bins), so it ranks the bins items/B times instead of once per item; `lpt_home`
 is the same over all bins, bent toward each item's home bin; `refine` repairs what batching
 lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
 permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
 the textbook versions (baselines, and the sequential yardstick). Each kernel exists once: as
-whole-array numpy where that does the work in a few passes, compiled (`jit.kernel`) where a
-numpy version makes many passes over arrays it mostly does not change (a refine iteration's
-pair step: ~4x faster compiled, 1,000 pairs of 2,560 bins).
+whole-array numpy where that does the work in a few passes (sorts, np.unique, `_extremes`'
+selection), compiled (`jit.kernel`) where numpy would make many passes over arrays it mostly
+does not change, or Python would loop over rounds or pairs: the rounds of `lpt_rounds` and
+`lpt_home`, refine's pair step, all-pairs step and iterations in groups, and `relabel_bins`'
+greedy passes. Refine's global iterations stay Python around numpy: their pairs come from the
+mean (numpy's pairwise sum) and argpartition's selection, which a kernel would not reproduce.
 """
 
 from __future__ import annotations
@@ -340,6 +343,10 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
     if swaps is None:  # a swap search costs about items^2 / (2 bins) cells an iteration
         swaps = (len(cand) <= _SWAP_ITEMS_PER_BIN * nb
                  or len(cand) ** 2 <= 2 * nb * _SWAP_CELLS)
+    if bins_per_group is not None:
+        _refine_in_groups(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
+                          _SWAP_CELLS)
+        return
     # An iteration that moves nothing leaves the state as it was, and the pairs depend only on
     # the state and the rotation: once every rotation has moved nothing, nothing ever will.
     idle = still = 0
@@ -347,16 +354,13 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
         top = loads.max()
         if top <= target * (1 + 1e-12):
             break
-        if bins_per_group is None and all_pairs:
+        if all_pairs:
             moved = _all_pairs_step(sizes, bin_of, loads, cand, target)
             idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
             if idle >= 3 or not moved:
                 break
             continue
-        pairs = _rotating_pairs(loads, bins_per_group, target, it)
-        if pairs is None:
-            break
-        heavy, light, rotations = pairs
+        heavy, light, rotations = _rotating_pairs(loads, target, it)
         if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
             cand = cand[sizes[cand] < top - loads.min()]
         moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, _SWAP_CELLS)
@@ -366,26 +370,60 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
             break
 
 
-def _rotating_pairs(loads: np.ndarray, B: int | None, target: float, it: int):
-    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat),
-    or None when no group is above `target`. Globally: the bins well above the mean against
-    the 4x as many lightest; in groups of B: each busy group's heavier half against its lighter
-    half."""
+@kernel
+def _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, max_cells):
+    """`refine`'s iterations in groups of B consecutive bins, from its candidate items `cand`:
+    each group above `target` pairs its heavier half with its lighter half (`_group_pairs`)
+    for `_pair_step`; stops as `refine` does (at `target`, after `max_iter`, or once every
+    rotation has moved nothing or lowered nothing). `bin_of` and `loads` are updated in
+    place."""
+    idle = still = 0
+    for it in range(max_iter):
+        top = loads.max()
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, light = _group_pairs(loads, B, target, it)
+        if heavy.shape[0] == 0:
+            break
+        if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
+            cand = cand[sizes[cand] < top - loads.min()]
+        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells)
+        idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
+        still = 0 if moved else still + 1
+        if idle >= B // 2 + 2 or still >= B // 2:
+            break
+
+
+@kernel
+def _group_pairs(loads, B, target, it):
+    """(heavy bins, their light partners in iteration `it`) of the groups of B bins whose
+    heaviest is above `target`, group by group: with the group's bins by load (stable) as
+    o_0..o_{B-1} and h = B // 2, heavy o_{B-1-j} pairs with light o_{(j + it) % h}."""
+    G, h = loads.shape[0] // B, B // 2
+    busy = np.zeros(G, np.bool_)
+    for g in range(G):
+        busy[g] = loads[g * B:(g + 1) * B].max() > target * (1 + 1e-12)
+    heavy = np.empty(busy.sum() * h, np.int64)
+    light = np.empty(busy.sum() * h, np.int64)
+    x = 0
+    for g in np.flatnonzero(busy):
+        o = np.argsort(loads[g * B:(g + 1) * B], kind="mergesort") + g * B
+        for j in range(h):
+            heavy[x + j], light[x + j] = o[B - 1 - j], o[(j + it) % h]
+        x += h
+    return heavy, light
+
+
+def _rotating_pairs(loads: np.ndarray, target: float, it: int):
+    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat):
+    the bins well above the mean (and `target`) against the 4x as many lightest."""
     nb = len(loads)
-    if B is None:
-        top, mean = loads.max(), loads.mean()
-        cut = max(target, mean + 0.25 * (top - mean))
-        k = int(min(nb // 2, max(1, (loads > cut).sum())))
-        heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
-        rotations = -(-len(pool) // k)
-        return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
-    grid = loads.reshape(-1, B)
-    busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
-    if len(busy) == 0:
-        return None
-    o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
-    h = B // 2
-    return o[:, ::-1][:, :h].ravel(), o[:, (np.arange(h) + it) % h].ravel(), h
+    top, mean = loads.max(), loads.mean()
+    cut = max(target, mean + 0.25 * (top - mean))
+    k = int(min(nb // 2, max(1, (loads > cut).sum())))
+    heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
+    rotations = -(-len(pool) // k)
+    return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
 
 
 def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:
