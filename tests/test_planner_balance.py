@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _greedy_pairs, _pair_step, _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _members, _pair_step, _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -365,6 +365,19 @@ def test_refine_in_groups_iterates_pair_steps_by_the_rule(seed):
     _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, cells)
     assert np.array_equal(bin_of, want_bins)
     assert np.array_equal(loads, want_loads)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_members_groups_items_by_their_bins_role_in_cand_order(seed):
+    rng = np.random.default_rng(seed)
+    nb, n, R = int(rng.integers(1, 30)), int(rng.integers(0, 300)), int(rng.integers(1, 10))
+    bin_of = rng.integers(0, nb, n)
+    role = np.where(rng.random(nb) < 0.5, rng.integers(0, R, nb), -1)
+    cand = rng.permutation(n)[:int(rng.integers(0, n + 1))]  # any order, some items
+    ptr, items = _members(cand, bin_of, role, R)
+    for r in range(R):  # the rule: role r's items, as cand lists them
+        assert items[ptr[r]:ptr[r + 1]].tolist() == [c for c in cand if role[bin_of[c]] == r]
+    assert ptr[R] == len(items)
 
 
 def test_refine_in_groups_never_crosses_groups():

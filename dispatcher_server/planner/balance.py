@@ -475,22 +475,13 @@ def _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, max_cells):
         role[heavy[k]] = k
     for k in range(kl):
         role[light[k]] = kh + k
-    ptr = np.zeros(kh + kl + 1, np.int64)
-    for c in cand:
-        if role[bin_of[c]] >= 0:
-            ptr[role[bin_of[c]] + 1] += 1
-    fullest_h = ptr[1:kh + 1].max()
+    ptr, item = _members(cand, bin_of, role, kh + kl)
+    count = ptr[1:] - ptr[:-1]
+    fullest_h = count[:kh].max()
     if fullest_h == 0:
         return False
-    while kl > 1 and kh * kl * fullest_h * (ptr[kh + 1:kh + kl + 1].max() + 1) > max_cells:
+    while kl > 1 and kh * kl * fullest_h * (count[kh:kh + kl].max() + 1) > max_cells:
         kl //= 2  # keep the lightest half
-    ptr = np.cumsum(ptr)
-    item, fill = np.empty(ptr[-1], np.int64), ptr[:-1].copy()
-    for c in cand:  # items grouped by bin, each group in cand order
-        r = role[bin_of[c]]
-        if r >= 0:
-            item[fill[r]] = c
-            fill[r] += 1
     choice = np.full((kh, 3), -1, np.int64)  # light bin, heavy item, light item (-1: move)
     for h in range(kh):
         lh, top = loads[heavy[h]], np.inf
@@ -545,60 +536,67 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells):
     (pairs x the fullest heavy bin x the fullest light bin + 1), moves only. `bin_of` and `loads`
     are updated in place."""
     K = heavy.shape[0]
+    if K == 0:
+        return False
     role = np.full(loads.shape[0], -1, np.int64)  # k: heavy bin of pair k, K + k: its light bin
     for k in range(K):
         role[light[k]] = K + k
     for k in range(K):
         role[heavy[k]] = k
-    hptr = np.zeros(K + 1, np.int64)
-    lptr = np.zeros(K + 1, np.int64)
-    for c in cand:
-        r = role[bin_of[c]]
-        if r >= K:
-            lptr[r - K + 1] += 1
-        elif r >= 0:
-            hptr[r + 1] += 1
-    fullest_h, fullest_l = hptr.max(), lptr.max()
+    ptr, item = _members(cand, bin_of, role, 2 * K)
+    count = ptr[1:] - ptr[:-1]
+    fullest_h, fullest_l = count[:K].max(), count[K:].max()
     if fullest_h == 0:
         return False
     swaps = swaps and K * fullest_h * (fullest_l + 1) <= max_cells
-    hptr, lptr = np.cumsum(hptr), np.cumsum(lptr)
-    hitem, litem = np.empty(hptr[K], np.int64), np.empty(lptr[K], np.int64)
-    hfill, lfill = hptr[:K].copy(), lptr[:K].copy()
-    for c in cand:  # items grouped by pair, each group in cand order
-        r = role[bin_of[c]]
-        if r >= K:
-            litem[lfill[r - K]] = c
-            lfill[r - K] += 1
-        elif r >= 0:
-            hitem[hfill[r]] = c
-            hfill[r] += 1
     moved = False
     for k in range(K):
         lh, ll = loads[heavy[k]], loads[light[k]]
         half = (lh - ll) / 2
         best, bi, bj = np.inf, -1, -1
-        for i in range(hptr[k], hptr[k + 1]):
-            sh = sizes[hitem[i]]
+        for i in range(ptr[k], ptr[k + 1]):
+            sh = sizes[item[i]]
             if sh > 0 and abs(sh - half) < best:
                 best, bi, bj = abs(sh - half), i, -1
             if swaps:
-                for j in range(lptr[k], lptr[k + 1]):
-                    d = sh - sizes[litem[j]]
+                for j in range(ptr[K + k], ptr[K + k + 1]):
+                    d = sh - sizes[item[j]]
                     if d > 0 and abs(d - half) < best:
                         best, bi, bj = abs(d - half), i, j
         if bi < 0:
             continue
-        delta = sizes[hitem[bi]] - (sizes[litem[bj]] if bj >= 0 else 0.0)
+        delta = sizes[item[bi]] - (sizes[item[bj]] if bj >= 0 else 0.0)
         if max(lh - delta, ll + delta) >= lh * (1 - 1e-12):
             continue
-        bin_of[hitem[bi]] = light[k]
+        bin_of[item[bi]] = light[k]
         if bj >= 0:
-            bin_of[litem[bj]] = heavy[k]
+            bin_of[item[bj]] = heavy[k]
         loads[heavy[k]] -= delta
         loads[light[k]] += delta
         moved = True
     return moved
+
+
+@kernel
+def _members(cand, bin_of, role, num_roles):
+    """(ptr, items): the items c of `cand` whose bin has a role r = role[bin_of[c]] >= 0,
+    grouped by role, each group in `cand` order: role r's are items[ptr[r]:ptr[r + 1]]. One
+    pass over `cand`, then a counting sort of the few that have a role."""
+    sel = np.empty(cand.shape[0], np.int64)
+    m = 0
+    for c in cand:
+        if role[bin_of[c]] >= 0:
+            sel[m] = c
+            m += 1
+    ptr = np.zeros(num_roles + 1, np.int64)
+    for x in range(m):
+        ptr[role[bin_of[sel[x]]] + 1] += 1
+    ptr = np.cumsum(ptr)
+    items, fill = np.empty(m, np.int64), ptr[:-1].copy()
+    for x in range(m):
+        items[fill[role[bin_of[sel[x]]]]] = sel[x]
+        fill[role[bin_of[sel[x]]]] += 1
+    return ptr, items
 
 
 def stable_order(keys: np.ndarray, num_keys: int | None = None) -> np.ndarray:
