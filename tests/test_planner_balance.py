@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _greedy_pairs, _members, _pair_step, _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _kth_smallest, _members, _pair_step, _refine_in_groups,
+    karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -378,6 +379,16 @@ def test_members_groups_items_by_their_bins_role_in_cand_order(seed):
     for r in range(R):  # the rule: role r's items, as cand lists them
         assert items[ptr[r]:ptr[r + 1]].tolist() == [c for c in cand if role[bin_of[c]] == r]
     assert ptr[R] == len(items)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kth_smallest_is_the_sorted_values_kth(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(1, 300))
+        values = np.round(rng.random(n) * float(rng.choice([1, 3, 100])))  # many ties
+        k = int(rng.integers(0, n))
+        assert _kth_smallest(values, k) == sorted(values.tolist())[k]
 
 
 def test_refine_in_groups_never_crosses_groups():
