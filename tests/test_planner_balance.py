@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _pair_step, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _kth_smallest, _members, _pair_step, _refine_in_groups,
+    karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -159,6 +160,235 @@ def test_pair_step_applies_the_best_exchange_of_every_pair(seed):
     assert _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, cells) == moved
     assert np.array_equal(bin_of, want_bins)
     assert np.array_equal(loads, want_loads)
+
+
+def _all_pairs_by_the_rule(sizes, bin_of, loads, cand, heavy, light, max_cells):
+    """The all-pairs step's rule, one heavy bin, light bin and candidate exchange at a time."""
+    members = {b: [c for c in cand if bin_of[c] == b] for b in list(heavy) + list(light)}
+    fullest_h = max(len(members[h]) for h in heavy)
+    if fullest_h == 0:
+        return False, bin_of, loads
+    while len(light) > 1 and len(heavy) * len(light) * fullest_h * (
+            max(len(members[lb]) for lb in light) + 1) > max_cells:
+        light = light[:len(light) // 2]
+    chosen = []  # (heavy bin, light bin, item, light item or None), heaviest first
+    for h in heavy:
+        lh, top = loads[h], None
+        for lb in light:
+            ll, best = loads[lb], None
+            for i in members[h]:  # first of the smallest |d - (lh - ll) / 2| with d > 0
+                for j in [None] + members[lb]:
+                    d = sizes[i] - (sizes[j] if j is not None else 0.0)
+                    if d > 0 and (best is None or abs(d - (lh - ll) / 2) < best[0]):
+                        best = (abs(d - (lh - ll) / 2), i, j)
+            # first light bin whose best exchange leaves the lowest maximum
+            if best is not None and (top is None or (lh + ll) / 2 + best[0] < top[0]):
+                top = ((lh + ll) / 2 + best[0], lb, best[1], best[2])
+        if top is not None and top[0] < lh * (1 - 1e-12):
+            chosen.append((h,) + top[1:])
+    bin_of, loads, taken = bin_of.copy(), loads.copy(), set()
+    for h, lb, i, j in chosen:
+        if lb in taken:  # the heaviest bin that wants a light bin gets it
+            continue
+        taken.add(lb)
+        d = sizes[i] - (sizes[j] if j is not None else 0.0)
+        bin_of[i] = lb
+        if j is not None:
+            bin_of[j] = h
+        loads[h] -= d
+        loads[lb] += d
+    return bool(taken), bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_all_pairs_exchange_gives_each_heavy_bin_its_best_exchange(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.integers(2, 40)), int(rng.integers(1, 300))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 3)))  # ties when rounded
+    bin_of = rng.integers(0, nb, n)
+    loads = _loads(sizes, bin_of, nb)
+    order = rng.permutation(nb)
+    kh = int(rng.integers(1, nb // 2 + 1))
+    heavy, light = order[:kh], order[kh:kh + int(rng.integers(1, nb - kh + 1))]
+    cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
+    cells = int(rng.choice([10, 1000, 10**6]))
+    moved, want_bins, want_loads = _all_pairs_by_the_rule(sizes, bin_of, loads, cand, heavy,
+                                                          light, cells)
+    assert _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, cells) == moved
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+def _lpt_rounds_by_the_rule(sizes, groups, loads, cap):
+    """Batched LPT's rule, one group, round and item at a time."""
+    loads, out = loads.copy(), [0] * len(sizes)
+    B = loads.shape[1]
+    for g in sorted(set(groups.tolist())):
+        # the group's items, largest first (ties: first given first)
+        items = sorted((i for i in range(len(sizes)) if groups[i] == g), key=lambda i: -sizes[i])
+        for lo in range(0, len(items), B):
+            ranked = sorted(range(B), key=lambda b: (loads[g, b], b))  # as the round starts
+            for item, b in zip(items[lo:lo + B], ranked):
+                if cap is not None and not loads[g, b] + sizes[item] <= cap:
+                    out[item] = -1
+                else:
+                    out[item] = b
+                    loads[g, b] += sizes[item]
+    return np.array(out, dtype=np.int64), loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lpt_rounds_hands_each_round_to_the_least_loaded_bins(seed):
+    rng = np.random.default_rng(seed)
+    G, B, n = int(rng.integers(1, 5)), int(rng.integers(1, 12)), int(rng.integers(0, 200))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    groups = rng.integers(0, G, n)
+    loads = np.round(rng.random((G, B)) * float(rng.choice([0, 2, 10])))  # tied loads too
+    cap = None if rng.random() < 0.4 else float(rng.uniform(1, 3) * (sizes.sum() / (G * B) + 1))
+    want_bins, want_loads = _lpt_rounds_by_the_rule(sizes, groups, loads, cap)
+    assert np.array_equal(lpt_rounds(sizes, groups, loads, cap=cap), want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+def _lpt_home_by_the_rule(sizes, home, loads, node_size, tol, K):
+    """lpt_home's rule, one round, item and bin at a time."""
+    loads, out, nb = loads.copy(), [0] * len(sizes), len(loads)
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])  # ties: first given first
+    for start in range(0, len(order), K):
+        items = order[start:start + K]
+        k, homes = len(items), {home[i] for i in items}
+        bins = list(range(nb))
+        if k < nb:  # near the k-th load: home bins first, then by index; then by load, index
+            near = loads <= sorted(loads)[k - 1] + tol
+            bins = sorted(bins, key=lambda b: (0.0 if near[b] else loads[b],
+                                               not (near[b] and b in homes), b))[:k]
+        bins.sort(key=lambda b: loads[b])
+        band = [int((loads[b] - loads[bins[0]]) // tol) if tol > 0 else t
+                for t, b in enumerate(bins)]
+        take, pos = [None] * k, {b: t for t, b in enumerate(bins)}
+        for t, i in enumerate(items):  # the home bin, if in the round and the item's band
+            hp = pos.get(home[i])
+            if hp is not None and band[hp] == band[t] and hp not in take:
+                take[t] = hp
+        if node_size > 1:  # then a bin left of the same band and node, in order
+            free = {}
+            for p in range(k):
+                if p not in take:
+                    free.setdefault((band[p], bins[p] // node_size), []).append(p)
+            for t, i in enumerate(items):
+                q = free.get((band[t], home[i] // node_size))
+                if take[t] is None and q:
+                    take[t] = q.pop(0)
+        left = sorted((t for t in range(k) if take[t] is None), key=lambda t: band[t])
+        for t, p in zip(left, sorted((p for p in range(k) if p not in take),
+                                     key=lambda p: band[p])):
+            take[t] = p
+        for t, i in enumerate(items):
+            out[i] = bins[take[t]]
+            loads[bins[take[t]]] += sizes[i]
+    return np.array(out, dtype=np.int64), loads
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_lpt_home_is_batched_lpt_bent_home_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.choice([2, 4, 6, 8, 16, 24])), int(rng.integers(0, 200))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    home = rng.integers(0, nb, n)
+    loads = np.round(rng.random(nb) * float(rng.choice([0, 2, 10])))  # tied loads too
+    node = int(rng.choice([d for d in (1, 2, 4) if nb % d == 0]))
+    tol = float(rng.choice([0.0, 0.3, 1.0, 2.5, -0.5]))
+    K = int(rng.integers(1, nb + 1))
+    want_bins, want_loads = _lpt_home_by_the_rule(sizes, home, loads, node, tol, K)
+    assert np.array_equal(lpt_home(sizes, home, loads, node_size=node, tol=tol, round_size=K),
+                          want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_pairs_gives_each_bin_its_first_target_with_room(seed):
+    rng = np.random.default_rng(seed)
+    nb, nt, m = int(rng.integers(1, 20)), int(rng.integers(1, 10)), int(rng.integers(0, 100))
+    bins, targets = rng.integers(0, nb, m), rng.integers(0, nt, m)  # repeats on both sides
+    room = rng.integers(0, 4, nt)
+    want_out, want_room = [-1] * nb, room.tolist()
+    for b, t in zip(bins.tolist(), targets.tolist()):  # the rule: in order, first come
+        if want_out[b] < 0 and want_room[t] > 0:
+            want_out[b] = t
+            want_room[t] -= 1
+    out = np.full(nb, -1, dtype=np.int64)
+    _greedy_pairs(bins, targets, room, out)
+    assert out.tolist() == want_out and room.tolist() == want_room
+
+
+def _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target, max_iter, swaps,
+                                  max_cells):
+    """Refine's rule in groups of B bins, one iteration and group at a time."""
+    idle = still = 0
+    h = B // 2
+    for it in range(max_iter):
+        top = max(loads)
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, light = [], []
+        for g in range(len(loads) // B):  # each busy group: heavier half x lighter half
+            if max(loads[g * B:(g + 1) * B]) > target * (1 + 1e-12):
+                o = sorted(range(g * B, (g + 1) * B), key=lambda b: loads[b])  # ties: by bin
+                heavy += [o[B - 1 - j] for j in range(h)]
+                light += [o[(j + it) % h] for j in range(h)]  # the partner rotates
+        if not heavy:
+            break
+        if not swaps:
+            cand = np.array([c for c in cand if sizes[c] < top - min(loads)], dtype=np.int64)
+        moved, bin_of, loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light,
+                                                      swaps, max_cells)
+        idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
+        still = 0 if moved else still + 1
+        if idle >= h + 2 or still >= h:
+            break
+    return bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_refine_in_groups_iterates_pair_steps_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    B = int(rng.choice([2, 3, 4, 8]))
+    nb, n = B * int(rng.integers(1, 6)), int(rng.integers(1, 150))
+    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))  # skewed
+    loads = _loads(sizes, bin_of, nb)
+    cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
+    target = float(rng.choice([0.0, sizes.sum() / nb]))
+    max_iter, swaps = int(rng.choice([1, 4, 16])), bool(rng.random() < 0.6)
+    cells = int(rng.choice([10, 10**6]))
+    want_bins, want_loads = _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target,
+                                                          max_iter, swaps, cells)
+    _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, cells)
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_members_groups_items_by_their_bins_role_in_cand_order(seed):
+    rng = np.random.default_rng(seed)
+    nb, n, R = int(rng.integers(1, 30)), int(rng.integers(0, 300)), int(rng.integers(1, 10))
+    bin_of = rng.integers(0, nb, n)
+    role = np.where(rng.random(nb) < 0.5, rng.integers(0, R, nb), -1)
+    cand = rng.permutation(n)[:int(rng.integers(0, n + 1))]  # any order, some items
+    ptr, items = _members(cand, bin_of, role, R)
+    for r in range(R):  # the rule: role r's items, as cand lists them
+        assert items[ptr[r]:ptr[r + 1]].tolist() == [c for c in cand if role[bin_of[c]] == r]
+    assert ptr[R] == len(items)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_kth_smallest_is_the_sorted_values_kth(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(1, 300))
+        values = np.round(rng.random(n) * float(rng.choice([1, 3, 100])))  # many ties
+        k = int(rng.integers(0, n))
+        assert _kth_smallest(values, k) == sorted(values.tolist())[k]
 
 
 def test_refine_in_groups_never_crosses_groups():

@@ -1,14 +1,17 @@
 """Number-partitioning primitives, vectorised over bins and groups of bins (nodes).
 
 `lpt_rounds` is LPT that assigns a whole round of B items at once (the B largest left go to the
-B least-loaded bins), so its Python loop runs items/B times instead of items times; `lpt_home`
+B least-loaded bins), so it ranks the bins items/B times instead of once per item; `lpt_home`
 is the same over all bins, bent toward each item's home bin; `refine` repairs what batching
 lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
 permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
 the textbook versions (baselines, and the sequential yardstick). Each kernel exists once: as
-whole-array numpy where that does the work in a few passes, compiled (`jit.kernel`) where a
-numpy version makes many passes over arrays it mostly does not change (a refine iteration's
-pair step: ~4x faster compiled, 1,000 pairs of 2,560 bins).
+whole-array numpy where that does the work in a few passes (sorts, np.unique, `_extremes`'
+selection), compiled (`jit.kernel`) where numpy would make many passes over arrays it mostly
+does not change, or Python would loop over rounds or pairs: the rounds of `lpt_rounds` and
+`lpt_home`, refine's pair step, all-pairs step and iterations in groups, and `relabel_bins`'
+greedy passes. Refine's global iterations stay Python around numpy: their pairs come from the
+mean (numpy's pairwise sum) and argpartition's selection, which a kernel would not reproduce.
 """
 
 from __future__ import annotations
@@ -123,34 +126,38 @@ def lpt_rounds(sizes: np.ndarray, groups: np.ndarray, loads: np.ndarray,
 
     `loads` is float64[G, B] (updated in place); returns each item's bin index within its group,
     or -1 for an item that would push its bin over `cap` (left for the caller to place).
-    O(n log n + (n/B) * G B log B).
+    O(n log n + (n/B) * B log B).
     """
-    n = len(sizes)
-    G, B = loads.shape
-    out = np.zeros(n, dtype=np.int64)
-    if n == 0:
-        return out
-    order = order_by_key_then_size(groups, sizes)
-    g = groups[order]
-    pos = np.arange(n) - np.searchsorted(g, g)
-    rnd, slot = np.divmod(pos, B)
-    by_round = np.argsort(rnd, kind="stable")
-    bounds = np.searchsorted(rnd[by_round], np.arange(rnd.max() + 2)).tolist()
-    # Everything a round reads, gathered once in round order: a round is then slices, one
-    # argsort of the loads and one gather (with few bins, rounds are many and numpy calls cost
-    # more than the work in them).
-    items = order[by_round]
-    groups_r, slots_r, sizes_r = g[by_round], slot[by_round], sizes[items]
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        gs, add = groups_r[lo:hi], sizes_r[lo:hi]
-        b = np.argsort(loads, axis=1, kind="stable")[gs, slots_r[lo:hi]]
-        if cap is not None:
-            fits = loads[gs, b] + add <= cap
-            b = np.where(fits, b, -1)
-            gs, add = gs[fits], add[fits]
-        out[items[lo:hi]] = b
-        loads[gs, b[b >= 0]] += add  # (group, bin) pairs are unique within a round
+    out = np.zeros(len(sizes), dtype=np.int64)
+    if len(sizes):
+        _lpt_rounds(sizes, groups, order_by_key_then_size(groups, sizes), loads,
+                    np.inf if cap is None else cap, cap is not None, out)
     return out
+
+
+@kernel
+def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
+    """`lpt_rounds` over items in `order` (by group, then decreasing size): each group's items
+    in rounds of B, the round's t-th item to the group's t-th least-loaded bin (stable: ties by
+    bin) at the round's start, unless `capped` and that takes the bin over `cap` (then -1).
+    Groups do not share bins, so each goes through its rounds on its own. `loads` and `out`
+    are updated in place."""
+    n, B = order.shape[0], loads.shape[1]
+    start = 0
+    while start < n:
+        g, end = groups[order[start]], start
+        while end < n and groups[order[end]] == g:
+            end += 1
+        for lo in range(start, end, B):
+            by_load = np.argsort(loads[g], kind="mergesort")
+            for t in range(lo, min(lo + B, end)):
+                item, b = order[t], by_load[t - lo]
+                if capped and not loads[g, b] + sizes[item] <= cap:
+                    out[item] = -1
+                else:
+                    out[item] = b
+                    loads[g, b] += sizes[item]
+        start = end
 
 
 def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_size: int,
@@ -164,55 +171,121 @@ def lpt_home(sizes: np.ndarray, home: np.ndarray, loads: np.ndarray, *, node_siz
     at most about `tol` per round against batched LPT and keeps the big first-round items home.
     `loads` (float64[B]) is updated in place; returns each item's bin.
     """
-    n, nb = len(sizes), len(loads)
-    out = np.zeros(n, dtype=np.int64)
-    order = np.argsort(-sizes, kind="stable")
-    pos_of_bin = np.full(nb, -1, dtype=np.int64)
-    K = min(nb, round_size or nb)
-    is_home = np.zeros(nb, dtype=bool)
-    for start in range(0, n, K):
-        items = order[start:start + K]
-        k = len(items)
-        if k < nb:
-            # the k least-loaded bins, but among bins tied within `tol` of the k-th, this
-            # round's home bins first
-            kth = np.partition(loads, k - 1)[k - 1]
-            is_home[home[items]] = True
-            near = loads <= kth + tol
-            pick = np.lexsort((np.arange(nb), ~(is_home & near), np.where(near, 0.0, loads)))
-            bo = pick[:k]
-            bo = bo[np.argsort(loads[bo], kind="stable")]
-            is_home[home[items]] = False
-        else:
-            bo = np.argsort(loads, kind="stable")
-        bl = loads[bo]
-        band = ((bl - bl[0]) // tol).astype(np.int64) if tol > 0 else np.arange(k)
-        pos_of_bin[bo] = np.arange(k)
-        hp = pos_of_bin[home[items]]
-        claim = (hp >= 0) & (band[np.maximum(hp, 0)] == band)
-        take = np.zeros(k, dtype=np.int64) - 1
-        ci = np.flatnonzero(claim)
-        _, first = np.unique(hp[ci], return_index=True)
-        ci = ci[first]
-        take[ci] = hp[ci]
-        free_bin = np.ones(k, dtype=bool)
-        free_bin[hp[ci]] = False
-        ri = np.flatnonzero(take < 0)
-        rb = np.flatnonzero(free_bin)
-        if node_size > 1 and len(ri):
-            # same band and node first: join on (band, node, rank among equals)
-            ki = _ranked(band[ri] * nb + home[items[ri]] // node_size)
-            kb = _ranked(band[rb] * nb + bo[rb] // node_size)
-            _, a, b = np.intersect1d(ki, kb, assume_unique=True, return_indices=True)
-            take[ri[a]] = rb[b]
-            ri, rb = np.delete(ri, a), np.delete(rb, b)
-        ri = ri[np.argsort(band[ri], kind="stable")]
-        rb = rb[np.argsort(band[rb], kind="stable")]
-        take[ri] = rb
-        out[items] = bo[take]
-        loads[bo[take]] += sizes[items]
-        pos_of_bin[bo] = -1
+    out = np.zeros(len(sizes), dtype=np.int64)
+    K = min(len(loads), round_size or len(loads))
+    _lpt_home(sizes, home, np.argsort(-sizes, kind="stable"), loads, node_size, tol, K, out)
     return out
+
+
+@kernel
+def _lpt_home(sizes, home, order, loads, node_size, tol, K, out):
+    """`lpt_home`'s rounds over the items in `order` (largest first): the round's bins
+    (`_round_bins`), their bands (bin t of the round: (load_t - load_0) // tol, or t with no
+    `tol`), items matched to bins (`_match_in_bands`). `loads` and `out` are updated in place."""
+    nb = loads.shape[0]
+    is_home = np.zeros(nb, np.bool_)
+    pos_of_bin = np.full(nb, -1, np.int64)
+    for start in range(0, order.shape[0], K):
+        items = order[start:start + K]
+        k = items.shape[0]
+        bo = _round_bins(loads, home, items, tol, is_home)
+        band = np.arange(k)
+        if tol > 0:
+            for t in range(k):
+                band[t] = np.int64((loads[bo[t]] - loads[bo[0]]) // tol)
+        for t in range(k):
+            pos_of_bin[bo[t]] = t
+        take = _match_in_bands(home, items, bo, band, pos_of_bin, node_size, nb)
+        for t in range(k):
+            pos_of_bin[bo[t]] = -1
+            out[items[t]] = bo[take[t]]
+            loads[bo[take[t]]] += sizes[items[t]]
+
+
+@kernel
+def _round_bins(loads, home, items, tol, is_home):
+    """The bins of a round of k = len(items) items, by load (stable): all bins if k is their
+    number, else the k least-loaded where, among bins within `tol` of the k-th lowest load,
+    the round's home bins come first, then the others by index (bins further off, if needed,
+    by load then index). `is_home` is all False, and left so."""
+    nb, k = loads.shape[0], items.shape[0]
+    if k >= nb:
+        return np.argsort(loads, kind="mergesort")
+    kth = _kth_smallest(loads, k - 1)
+    for it in items:
+        is_home[home[it]] = True
+    bo = np.empty(k, np.int64)
+    m = 0
+    for want_home in (True, False):
+        for b in range(nb):
+            if m < k and loads[b] <= kth + tol and is_home[b] == want_home:
+                bo[m] = b
+                m += 1
+    for it in items:
+        is_home[home[it]] = False
+    if m < k:  # fewer than k bins near the k-th load (only with tol < 0)
+        far = np.flatnonzero(~(loads <= kth + tol))
+        bo[m:] = far[np.argsort(loads[far], kind="mergesort")][:k - m]
+    return bo[np.argsort(loads[bo], kind="mergesort")]
+
+
+@kernel
+def _kth_smallest(values, k):
+    """The k-th smallest of `values` (k from 0): quickselect (Hoare) on a copy. A value, so
+    the same whichever selection finds it (np.partition's takes ~10x longer to compile)."""
+    a = values.copy()
+    lo, hi = 0, a.shape[0] - 1
+    while lo < hi:
+        pivot, i, j = a[(lo + hi) // 2], lo, hi
+        while i <= j:
+            while a[i] < pivot:
+                i += 1
+            while a[j] > pivot:
+                j -= 1
+            if i <= j:
+                a[i], a[j] = a[j], a[i]
+                i, j = i + 1, j - 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            return a[k]
+    return a[k]
+
+
+@kernel
+def _match_in_bands(home, items, bo, band, pos_of_bin, node_size, nb):
+    """Round position of the bin each item t of the round takes: its home bin if that is in the
+    round (`pos_of_bin`) and in the band of position t, the first such item winning; else, with
+    nodes (`node_size` > 1), the r-th item left of a (band, node) takes the r-th bin left of it;
+    last, items and bins left, each by band (stable), pairwise."""
+    k = items.shape[0]
+    take = np.full(k, -1, np.int64)
+    free = np.ones(k, np.bool_)
+    for t in range(k):
+        hp = pos_of_bin[home[items[t]]]
+        if hp >= 0 and band[hp] == band[t] and free[hp]:
+            take[t] = hp
+            free[hp] = False
+    ri, rb = np.flatnonzero(take < 0), np.flatnonzero(free)
+    if node_size > 1 and ri.shape[0] > 0:
+        ki = band[ri] * nb + home[items[ri]] // node_size
+        kb = band[rb] * nb + bo[rb] // node_size
+        oi, ob = np.argsort(ki, kind="mergesort"), np.argsort(kb, kind="mergesort")
+        p = q = 0
+        while p < oi.shape[0] and q < ob.shape[0]:
+            if ki[oi[p]] != kb[ob[q]]:
+                p, q = (p + 1, q) if ki[oi[p]] < kb[ob[q]] else (p, q + 1)
+                continue
+            take[ri[oi[p]]] = rb[ob[q]]
+            free[rb[ob[q]]] = False
+            p, q = p + 1, q + 1
+        ri, rb = np.flatnonzero(take < 0), np.flatnonzero(free)
+    ri = ri[np.argsort(band[ri], kind="mergesort")]
+    rb = rb[np.argsort(band[rb], kind="mergesort")]
+    take[ri] = rb
+    return take
 
 
 def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_bins: int,
@@ -222,36 +295,38 @@ def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_b
 
     Greedy on (bin, node) affinities, heaviest first, each node taking `node_size` bins; then
     the same inside each node for (bin, rank). Affinities are sparse (one per distinct home of
-    a bin's items), so this is O(n log n) plus a Python pass over the pairs. Returns
+    a bin's items), so this is O(n log n) plus a compiled pass over the pairs. Returns
     new_rank[bin]."""
     N = num_bins // node_size
     node_arr = np.zeros(num_bins, dtype=np.int64)  # one node: every bin is on it
     if N > 1:
-        node_of_bin = [-1] * num_bins
-        room = [node_size] * N
-        b, h = _affinities(bin_of, home // node_size, weight, N)
-        for bb, hh in zip(b.tolist(), h.tolist()):
-            if node_of_bin[bb] < 0 and room[hh]:
-                node_of_bin[bb] = hh
-                room[hh] -= 1
-        node_arr = np.asarray(node_of_bin, dtype=np.int64)
+        node_arr -= 1
+        room = np.full(N, node_size, dtype=np.int64)
+        _greedy_pairs(*_affinities(bin_of, home // node_size, weight, N), room, node_arr)
         left = np.flatnonzero(node_arr < 0)
         node_arr[left] = np.repeat(np.arange(N), room)[:len(left)]
     # inside nodes: bins to ranks by same-rank affinity, only with ranks of the bin's node
-    new_rank = [-1] * num_bins
-    taken = [False] * num_bins
+    out = np.full(num_bins, -1, dtype=np.int64)
+    free = np.ones(num_bins, dtype=np.int64)
     b, r = _affinities(bin_of, home, weight, num_bins)
     ok = node_arr[b] == r // node_size
-    for bb, rr in zip(b[ok].tolist(), r[ok].tolist()):
-        if new_rank[bb] < 0 and not taken[rr]:
-            new_rank[bb] = rr
-            taken[rr] = True
-    out = np.asarray(new_rank, dtype=np.int64)
+    _greedy_pairs(b[ok], r[ok], free, out)
     # every node has as many unplaced bins as free ranks: match them in node order
     bins_left = np.flatnonzero(out < 0)
     bins_left = bins_left[np.argsort(node_arr[bins_left], kind="stable")]
-    out[bins_left] = np.flatnonzero(~np.asarray(taken))  # free ranks, already in node order
+    out[bins_left] = np.flatnonzero(free)  # free ranks, already in node order
     return out
+
+
+@kernel
+def _greedy_pairs(bins, targets, room, out):
+    """In the pairs' order, bin b takes target t where b has none yet (out[b] < 0) and t has
+    room left (room[t] > 0, one less after). `room` and `out` are updated in place."""
+    for x in range(bins.shape[0]):
+        b, t = bins[x], targets[x]
+        if out[b] < 0 and room[t] > 0:
+            out[b] = t
+            room[t] -= 1
 
 
 def _affinities(bin_of, target, weight, num_targets):
@@ -262,16 +337,6 @@ def _affinities(bin_of, target, weight, num_targets):
     order = np.lexsort((uk, -w))
     order = order[w[order] > 0]
     return uk[order] // num_targets, uk[order] % num_targets
-
-
-def _ranked(keys: np.ndarray) -> np.ndarray:
-    """Unique int keys: key * n + rank of the element among equal keys."""
-    n = len(keys)
-    order = np.argsort(keys, kind="stable")
-    k = keys[order]
-    rank = np.empty(n, dtype=np.int64)
-    rank[order] = np.arange(n) - np.searchsorted(k, k)
-    return keys * n + rank
 
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
@@ -303,6 +368,10 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
     if swaps is None:  # a swap search costs about items^2 / (2 bins) cells an iteration
         swaps = (len(cand) <= _SWAP_ITEMS_PER_BIN * nb
                  or len(cand) ** 2 <= 2 * nb * _SWAP_CELLS)
+    if bins_per_group is not None:
+        _refine_in_groups(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
+                          _SWAP_CELLS)
+        return
     # An iteration that moves nothing leaves the state as it was, and the pairs depend only on
     # the state and the rotation: once every rotation has moved nothing, nothing ever will.
     idle = still = 0
@@ -310,16 +379,13 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
         top = loads.max()
         if top <= target * (1 + 1e-12):
             break
-        if bins_per_group is None and all_pairs:
+        if all_pairs:
             moved = _all_pairs_step(sizes, bin_of, loads, cand, target)
             idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
             if idle >= 3 or not moved:
                 break
             continue
-        pairs = _rotating_pairs(loads, bins_per_group, target, it)
-        if pairs is None:
-            break
-        heavy, light, rotations = pairs
+        heavy, light, rotations = _rotating_pairs(loads, target, it)
         if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
             cand = cand[sizes[cand] < top - loads.min()]
         moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, _SWAP_CELLS)
@@ -329,26 +395,60 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
             break
 
 
-def _rotating_pairs(loads: np.ndarray, B: int | None, target: float, it: int):
-    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat),
-    or None when no group is above `target`. Globally: the bins well above the mean against
-    the 4x as many lightest; in groups of B: each busy group's heavier half against its lighter
-    half."""
+@kernel
+def _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, max_cells):
+    """`refine`'s iterations in groups of B consecutive bins, from its candidate items `cand`:
+    each group above `target` pairs its heavier half with its lighter half (`_group_pairs`)
+    for `_pair_step`; stops as `refine` does (at `target`, after `max_iter`, or once every
+    rotation has moved nothing or lowered nothing). `bin_of` and `loads` are updated in
+    place."""
+    idle = still = 0
+    for it in range(max_iter):
+        top = loads.max()
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, light = _group_pairs(loads, B, target, it)
+        if heavy.shape[0] == 0:
+            break
+        if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
+            cand = cand[sizes[cand] < top - loads.min()]
+        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells)
+        idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
+        still = 0 if moved else still + 1
+        if idle >= B // 2 + 2 or still >= B // 2:
+            break
+
+
+@kernel
+def _group_pairs(loads, B, target, it):
+    """(heavy bins, their light partners in iteration `it`) of the groups of B bins whose
+    heaviest is above `target`, group by group: with the group's bins by load (stable) as
+    o_0..o_{B-1} and h = B // 2, heavy o_{B-1-j} pairs with light o_{(j + it) % h}."""
+    G, h = loads.shape[0] // B, B // 2
+    busy = np.zeros(G, np.bool_)
+    for g in range(G):
+        busy[g] = loads[g * B:(g + 1) * B].max() > target * (1 + 1e-12)
+    heavy = np.empty(busy.sum() * h, np.int64)
+    light = np.empty(busy.sum() * h, np.int64)
+    x = 0
+    for g in np.flatnonzero(busy):
+        o = np.argsort(loads[g * B:(g + 1) * B], kind="mergesort") + g * B
+        for j in range(h):
+            heavy[x + j], light[x + j] = o[B - 1 - j], o[(j + it) % h]
+        x += h
+    return heavy, light
+
+
+def _rotating_pairs(loads: np.ndarray, target: float, it: int):
+    """(heavy bins, their light partners in iteration `it`, rotations before partners repeat):
+    the bins well above the mean (and `target`) against the 4x as many lightest."""
     nb = len(loads)
-    if B is None:
-        top, mean = loads.max(), loads.mean()
-        cut = max(target, mean + 0.25 * (top - mean))
-        k = int(min(nb // 2, max(1, (loads > cut).sum())))
-        heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
-        rotations = -(-len(pool) // k)
-        return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
-    grid = loads.reshape(-1, B)
-    busy = np.flatnonzero(grid.max(axis=1) > target * (1 + 1e-12))
-    if len(busy) == 0:
-        return None
-    o = np.argsort(grid[busy], axis=1, kind="stable") + (busy * B)[:, None]
-    h = B // 2
-    return o[:, ::-1][:, :h].ravel(), o[:, (np.arange(h) + it) % h].ravel(), h
+    top, mean = loads.max(), loads.mean()
+    cut = max(target, mean + 0.25 * (top - mean))
+    k = int(min(nb // 2, max(1, (loads > cut).sum())))
+    heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
+    rotations = -(-len(pool) // k)
+    return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
 
 
 def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:
@@ -357,7 +457,7 @@ def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.nda
     nb = len(loads)
     if num_heavy + num_light >= nb // 2:
         order = np.argsort(loads, kind="stable")
-        return order[::-1][:num_heavy], order[:num_light]
+        return np.ascontiguousarray(order[::-1][:num_heavy]), order[:num_light]
     top = np.argpartition(loads, nb - num_heavy)[nb - num_heavy:]
     top = top[np.lexsort((top, -loads[top]))]
     low = np.argpartition(loads, num_light)[:num_light]
@@ -378,70 +478,75 @@ def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
     top, mean = loads.max(), loads.mean()
     cut = max(target, mean + 0.25 * (top - mean))
     kh = int(min(nb // 2, _MAX_HEAVY, max(1, (loads > cut).sum())))
-    kl = int(min(nb - kh, _MAX_LIGHT))
-    heavy, light = _extremes(loads, kh, kl)
-    role = np.full(nb, -1, dtype=np.int64)
-    role[heavy] = np.arange(kh)
-    role[light] = kh + np.arange(kl)
-    sel = cand[role[bin_of[cand]] >= 0]
-    rs = role[bin_of[sel]]
-    hv = rs < kh
-    if not hv.any():
+    heavy, light = _extremes(loads, kh, int(min(nb - kh, _MAX_LIGHT)))
+    return _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, _CELLS)
+
+
+@kernel
+def _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, max_cells):
+    """Each heavy bin's best exchange with any light bin, applied; False if none helps.
+
+    `heavy` and `light` are disjoint bins, heaviest and lightest first. While heavy bins x
+    light bins x the fullest heavy bin x (the fullest light bin + 1) exceeds `max_cells`, only
+    the lighter half of the light bins stays. For heavy bin h and light bin l the candidates
+    are h's items of `cand` i (in `cand` order), each for nothing (a move) then for each of l's
+    items j: the first smallest |d - (lh - ll) / 2| over d = s_i - s_j > 0, leaving the pair's
+    maximum at (lh + ll) / 2 + that; h takes the first light bin with the lowest such maximum,
+    if below lh. A light bin wanted by several goes to the heaviest of them. `bin_of` and
+    `loads` are updated in place."""
+    kh, kl = heavy.shape[0], light.shape[0]
+    role = np.full(loads.shape[0], -1, np.int64)  # k: heavy[k]; kh + k: light[k]
+    for k in range(kh):
+        role[heavy[k]] = k
+    for k in range(kl):
+        role[light[k]] = kh + k
+    ptr, item = _members(cand, bin_of, role, kh + kl)
+    count = ptr[1:] - ptr[:-1]
+    fullest_h = count[:kh].max()
+    if fullest_h == 0:
         return False
-    hs, ls = sel[hv], sel[~hv]
-    C, hpos = _padded(rs[hv], kh)
-    lr = rs[~hv] - kh
-    D, lpos = _padded(lr, kl)
-    while kh * kl * C * (D + 1) > _CELLS and kl > 1:
+    while kl > 1 and kh * kl * fullest_h * (count[kh:kh + kl].max() + 1) > max_cells:
         kl //= 2  # keep the lightest half
-        keep = lr < kl
-        ls, lr, lpos = ls[keep], lr[keep], lpos[keep]
-        D = int(lpos.max()) + 1 if len(lpos) else 0
-        light = light[:kl]
-    Sh = np.full((kh, C), -np.inf)
-    Sh[rs[hv], hpos] = sizes[hs]
-    Ih = np.full((kh, C), -1, dtype=np.int64)
-    Ih[rs[hv], hpos] = hs
-    Sl = np.zeros((kl, D + 1))  # column 0 is "nothing": a plain move
-    Sl[lr, lpos + 1] = sizes[ls]
-    Il = np.full((kl, D + 1), -1, dtype=np.int64)
-    Il[lr, lpos + 1] = ls
-    lh, ll = loads[heavy][:, None], loads[light][None, :]
-    # axes: heavy bin, light bin, heavy item, light item
-    cost = _exchange_cost(Sh[:, None, :, None], Sl[None, :, None, :],
-                          ((lh - ll) / 2)[:, :, None, None]).reshape(kh, kl, -1)
-    best_ij = np.argmin(cost, axis=2)
-    v = (lh + ll) / 2 + np.take_along_axis(cost, best_ij[:, :, None], axis=2)[:, :, 0]
-    best_l = np.argmin(v, axis=1)
-    hk = np.flatnonzero(v[np.arange(kh), best_l] < loads[heavy] * (1 - 1e-12))
-    if len(hk) == 0:
-        return False
-    _, first = np.unique(best_l[hk], return_index=True)  # heaviest bin wins a shared partner
-    hk = hk[np.sort(first)]
-    lk = best_l[hk]
-    i, j = np.divmod(best_ij[hk, lk], D + 1)
-    delta = Sh[hk, i] - Sl[lk, j]
-    mi, mj = Ih[hk, i], Il[lk, j]
-    bin_of[mi] = light[lk]
-    has = mj >= 0
-    bin_of[mj[has]] = heavy[hk][has]
-    loads[heavy[hk]] -= delta
-    loads[light[lk]] += delta
-    return True
+    choice = np.full((kh, 3), -1, np.int64)  # light bin, heavy item, light item (-1: move)
+    for h in range(kh):
+        lh, top = loads[heavy[h]], np.inf
+        for lb in range(kl):
+            ll = loads[light[lb]]
+            half, best, bi, bj = (lh - ll) / 2, np.inf, -1, -1
+            for i in range(ptr[h], ptr[h + 1]):
+                sh = sizes[item[i]]
+                if sh > 0 and abs(sh - half) < best:
+                    best, bi, bj = abs(sh - half), item[i], -1
+                for j in range(ptr[kh + lb], ptr[kh + lb + 1]):
+                    d = sh - sizes[item[j]]
+                    if d > 0 and abs(d - half) < best:
+                        best, bi, bj = abs(d - half), item[i], item[j]
+            if (lh + ll) / 2 + best < top:
+                top, choice[h, 0], choice[h, 1], choice[h, 2] = (lh + ll) / 2 + best, lb, bi, bj
+        if not top < lh * (1 - 1e-12):
+            choice[h, 0] = -1
+    return _apply_choices(sizes, bin_of, loads, heavy, light, choice)
 
 
-def _exchange_cost(Sh: np.ndarray, Sl: np.ndarray, half: np.ndarray) -> np.ndarray:
-    """|d - half| for every exchange d = Sh - Sl that moves work off the heavy bin (d > 0),
-    inf otherwise; shapes broadcast. Moving d from a bin at lh to one at ll leaves
-    max(lh - d, ll + d) = (lh + ll) / 2 + |d - (lh - ll) / 2|, so with half = (lh - ll) / 2
-    the cheapest cost is the best exchange. Computed in place: a few passes over the cells.
-    Padding: -inf in Sh (no item)."""
-    cost = Sh - Sl
-    bad = cost <= 0
-    cost -= half
-    np.abs(cost, out=cost)
-    cost[bad] = np.inf
-    return cost
+@kernel
+def _apply_choices(sizes, bin_of, loads, heavy, light, choice):
+    """Applies heavy bin h's exchange `choice[h]` = (light bin, its item, light item or -1 for
+    a move; light bin -1: none), heaviest first, skipping a light bin already taken; False if
+    none applies."""
+    taken = np.zeros(light.shape[0], np.bool_)
+    moved = False
+    for h in range(heavy.shape[0]):
+        lb, i, j = choice[h, 0], choice[h, 1], choice[h, 2]
+        if lb < 0 or taken[lb]:
+            continue
+        taken[lb] = moved = True
+        delta = sizes[i] - (sizes[j] if j >= 0 else 0.0)
+        bin_of[i] = light[lb]
+        if j >= 0:
+            bin_of[j] = heavy[h]
+        loads[heavy[h]] -= delta
+        loads[light[lb]] += delta
+    return moved
 
 
 @kernel
@@ -456,60 +561,67 @@ def _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells):
     (pairs x the fullest heavy bin x the fullest light bin + 1), moves only. `bin_of` and `loads`
     are updated in place."""
     K = heavy.shape[0]
+    if K == 0:
+        return False
     role = np.full(loads.shape[0], -1, np.int64)  # k: heavy bin of pair k, K + k: its light bin
     for k in range(K):
         role[light[k]] = K + k
     for k in range(K):
         role[heavy[k]] = k
-    hptr = np.zeros(K + 1, np.int64)
-    lptr = np.zeros(K + 1, np.int64)
-    for c in cand:
-        r = role[bin_of[c]]
-        if r >= K:
-            lptr[r - K + 1] += 1
-        elif r >= 0:
-            hptr[r + 1] += 1
-    fullest_h, fullest_l = hptr.max(), lptr.max()
+    ptr, item = _members(cand, bin_of, role, 2 * K)
+    count = ptr[1:] - ptr[:-1]
+    fullest_h, fullest_l = count[:K].max(), count[K:].max()
     if fullest_h == 0:
         return False
     swaps = swaps and K * fullest_h * (fullest_l + 1) <= max_cells
-    hptr, lptr = np.cumsum(hptr), np.cumsum(lptr)
-    hitem, litem = np.empty(hptr[K], np.int64), np.empty(lptr[K], np.int64)
-    hfill, lfill = hptr[:K].copy(), lptr[:K].copy()
-    for c in cand:  # items grouped by pair, each group in cand order
-        r = role[bin_of[c]]
-        if r >= K:
-            litem[lfill[r - K]] = c
-            lfill[r - K] += 1
-        elif r >= 0:
-            hitem[hfill[r]] = c
-            hfill[r] += 1
     moved = False
     for k in range(K):
         lh, ll = loads[heavy[k]], loads[light[k]]
         half = (lh - ll) / 2
         best, bi, bj = np.inf, -1, -1
-        for i in range(hptr[k], hptr[k + 1]):
-            sh = sizes[hitem[i]]
+        for i in range(ptr[k], ptr[k + 1]):
+            sh = sizes[item[i]]
             if sh > 0 and abs(sh - half) < best:
                 best, bi, bj = abs(sh - half), i, -1
             if swaps:
-                for j in range(lptr[k], lptr[k + 1]):
-                    d = sh - sizes[litem[j]]
+                for j in range(ptr[K + k], ptr[K + k + 1]):
+                    d = sh - sizes[item[j]]
                     if d > 0 and abs(d - half) < best:
                         best, bi, bj = abs(d - half), i, j
         if bi < 0:
             continue
-        delta = sizes[hitem[bi]] - (sizes[litem[bj]] if bj >= 0 else 0.0)
+        delta = sizes[item[bi]] - (sizes[item[bj]] if bj >= 0 else 0.0)
         if max(lh - delta, ll + delta) >= lh * (1 - 1e-12):
             continue
-        bin_of[hitem[bi]] = light[k]
+        bin_of[item[bi]] = light[k]
         if bj >= 0:
-            bin_of[litem[bj]] = heavy[k]
+            bin_of[item[bj]] = heavy[k]
         loads[heavy[k]] -= delta
         loads[light[k]] += delta
         moved = True
     return moved
+
+
+@kernel
+def _members(cand, bin_of, role, num_roles):
+    """(ptr, items): the items c of `cand` whose bin has a role r = role[bin_of[c]] >= 0,
+    grouped by role, each group in `cand` order: role r's are items[ptr[r]:ptr[r + 1]]. One
+    pass over `cand`, then a counting sort of the few that have a role."""
+    sel = np.empty(cand.shape[0], np.int64)
+    m = 0
+    for c in cand:
+        if role[bin_of[c]] >= 0:
+            sel[m] = c
+            m += 1
+    ptr = np.zeros(num_roles + 1, np.int64)
+    for x in range(m):
+        ptr[role[bin_of[sel[x]]] + 1] += 1
+    ptr = np.cumsum(ptr)
+    items, fill = np.empty(m, np.int64), ptr[:-1].copy()
+    for x in range(m):
+        items[fill[role[bin_of[sel[x]]]]] = sel[x]
+        fill[role[bin_of[sel[x]]]] += 1
+    return ptr, items
 
 
 def stable_order(keys: np.ndarray, num_keys: int | None = None) -> np.ndarray:
@@ -532,15 +644,3 @@ def order_by_key_then_size(keys: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     orders them largest first once)."""
     first = np.argsort(-sizes, kind="stable")
     return first[stable_order(keys[first])]
-
-
-def _padded(keys: np.ndarray, num_keys: int) -> tuple[int, np.ndarray]:
-    """(max count per key, position of each element among equal keys)."""
-    if len(keys) == 0:
-        return 0, np.zeros(0, dtype=np.int64)
-    order = stable_order(keys, num_keys)
-    counts = np.bincount(keys, minlength=num_keys)
-    starts = np.cumsum(counts) - counts
-    pos = np.empty(len(keys), dtype=np.int64)
-    pos[order] = np.arange(len(keys)) - starts[keys[order]]
-    return int(counts.max()), pos

@@ -88,22 +88,23 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray
     that carry no embeddings, then any: each within a quarter of `tolerance` above the
     bound; last, a refine over all pairs of ranks (coarse bins only) aims at the bound."""
     N = W // g
+    llm = np.ascontiguousarray(c[K_LLM])  # one array layout for the compiled kernels
     if N > 1:
         node = _nodes_by_class(c, N)
-        rank = node * g + lpt_rounds(c[K_LLM], node, np.zeros((N, g)))
+        rank = node * g + lpt_rounds(llm, node, np.zeros((N, g)))
     else:
-        rank = lpt_heap(c[K_LLM], W)
-    loads = np.bincount(rank, weights=c[K_LLM], minlength=W)
+        rank = lpt_heap(llm, W)
+    loads = np.bincount(rank, weights=llm, minlength=W)
     llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
     good = llm_lb * (1 + tolerance / 4)
-    refine(c[K_LLM], rank, loads, bins_per_group=g, target=good, max_iter=4)
+    refine(llm, rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)
     if N > 1:
-        refine(c[K_LLM], rank, loads, movable=no_items, target=good, max_iter=16)
-        refine(c[K_LLM], rank, loads, target=good, max_iter=16)
+        refine(llm, rank, loads, movable=no_items, target=good, max_iter=16)
+        refine(llm, rank, loads, target=good, max_iter=16)
     # last, all pairs (coarse bins only) to the bound itself; across nodes only samples
     # without embeddings
-    refine(c[K_LLM], rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
+    refine(llm, rank, loads, movable=no_items if N > 1 else None, target=llm_lb,
            all_pairs=True, max_iter=8)
     return rank
 
