@@ -30,6 +30,7 @@ from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
+from dispatcher_server.metrics import event
 from dispatcher_server.server import Dispatcher
 from mmdispatch.dataset import load_dataset
 from pipeline.shards import expand_shards
@@ -274,8 +275,10 @@ def run(args: argparse.Namespace) -> int:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])
     collect_on_a_clock()
+    t0 = time.monotonic()  # the planner's kernels loaded (or, first time here, compiled)
     warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
-            config.planner)  # the planner's kernels loaded (or compiled) before READY
+            config.planner)
+    event("planner_ready", seconds=round(time.monotonic() - t0, 1))
     try:
         server = Dispatcher(config, context=zmq.Context(io_threads=values["io_threads"]))
     except HaltedJob as e:

@@ -24,6 +24,16 @@ def test_importing_the_planner_does_not_load_numba():
     assert out.stdout.strip() == "False"
 
 
+def test_warming_everything_reaches_every_kernel():
+    """What `make install` runs: in a fresh process, every kernel must be reached, or the first
+    step that needs the missing one would compile it (seconds) while trainers wait."""
+    code = ("from dispatcher_server.planner.warm import warm_everything; "
+            "print(warm_everything())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_warm_up_compiles_the_kernels_a_plan_uses():
     topo = Topology(world_size=16, ranks_per_node=8)
     warm_up(topo, PlannerConfig(num_microbatches=2))

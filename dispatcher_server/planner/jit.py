@@ -49,7 +49,18 @@ class _Kernel:
         return self.compiled()(*args)
 
 
+_KERNELS: list[_Kernel] = []
+
+
 def kernel(fn: Callable) -> Callable:
     """`fn` as a kernel: compiled in nopython mode on its first call, releasing the GIL, cached
     across processes where numba finds a writable cache location (else compiled per process)."""
-    return _Kernel(fn)
+    k = _Kernel(fn)
+    _KERNELS.append(k)
+    return k
+
+
+def not_run() -> list[str]:
+    """The kernels no call in this process has reached yet, from Python or from another kernel
+    (module.name): `warm_up` leaves none."""
+    return [f"{k.py_func.__module__}.{k.__name__}" for k in _KERNELS if k._compiled is None]
