@@ -15,23 +15,24 @@ from dispatcher_server.planner.warm import synthetic_step, warm_up
 pytestmark = pytest.mark.timeout(120)
 
 
+def _fresh_process(code: str) -> str:
+    """What `code` prints, run in a new interpreter (nothing compiled or imported yet)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_importing_the_planner_does_not_load_numba():
     """Trainers import the planner's types and never plan: no LLVM in their memory."""
-    code = ("import sys, dispatcher_server.planner, dispatcher_server.server; "
-            "print('numba' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False"
+    assert _fresh_process("import sys, dispatcher_server.planner, dispatcher_server.server; "
+                          "print('numba' in sys.modules)") == "False"
 
 
 def test_warming_everything_reaches_every_kernel():
     """What `make install` runs: in a fresh process, every kernel must be reached, or the first
     step that needs the missing one would compile it (seconds) while trainers wait."""
-    code = ("from dispatcher_server.planner.warm import warm_everything; "
-            "print(warm_everything())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _fresh_process("from dispatcher_server.planner.warm import warm_everything; "
+                          "print(warm_everything())") == "[]"
 
 
 def test_warm_up_compiles_the_kernels_a_plan_uses():
