@@ -15,7 +15,8 @@ from .cost import CostModel, phase_costs
 from .types import LLM_PHASE, PHASES, StepInputs, Topology
 
 
-def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
+def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int,
+               order: np.ndarray | None = None) -> np.ndarray:
     """Per group, a lower bound on the heaviest of `bins` bins holding the group's units `c`.
 
     max(total/bins, max over k >= 0 of s_(kB-k+1) + ... + s_(kB+1)) with B = bins and s the
@@ -26,6 +27,7 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     Last, `_count_term`: how many units some bins must hold, at the sizes they can hold.
     When every size is a whole multiple of the smallest positive one q (a padded encoder's
     windows), every bin's load is too, so the bound rounds up to a multiple of q.
+    `order`: `order_by_key_then_size(group, c)`, where the caller has it.
     """
     c = np.asarray(c, dtype=np.float64)
     total = np.bincount(group, weights=c, minlength=num_groups)
@@ -33,7 +35,8 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     n = len(c)
     if n == 0:
         return lb
-    order = order_by_key_then_size(group, c)
+    if order is None:
+        order = order_by_key_then_size(group, c)
     g, s = group[order], c[order]
     start = np.searchsorted(g, np.arange(num_groups))
     count = np.bincount(g, minlength=num_groups)
