@@ -640,9 +640,10 @@ def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig
     sorted that is one counting sort (`balance.order_by_key_then_size`)."""
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
+    mb_of = {p: sample_mb[inputs.items(p).sample[o]] for p, o in by_size.items()}
     for m in range(M):
         samp = np.flatnonzero(regular & (sample_mb == m))
-        items_in = {p: o[sample_mb[inputs.items(p).sample[o]] == m] for p, o in by_size.items()}
+        items_in = {p: o[mb_of[p] == m] for p, o in by_size.items()}
         sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
                                                      topology, config)
         for p in ENCODER_PHASES:
