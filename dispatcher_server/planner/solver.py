@@ -446,11 +446,13 @@ def _best_move(c, b, T, F, share_s, limit, first, who, second, s, m, W):
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
                       items_in: dict[str, np.ndarray], inputs: StepInputs, topology: Topology,
-                      config: PlannerConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                      config: PlannerConfig, samp_by_size: np.ndarray
+                      ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
-    2-3 of the module docstring for one micro-batch."""
+    2-3 of the module docstring for one micro-batch. `samp_by_size`: positions in `samp` by
+    decreasing LLM cost, ties by position."""
     W, g = topology.world_size, topology.ranks_per_node
-    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
+    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance, samp_by_size)
     if config.llm_capacity is not None:
         # held to the capacity before the items are placed, so they follow where samples are
         rank = _repair_units(np.zeros(len(samp), dtype=np.int64), rank,
@@ -538,8 +540,12 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     refused = None
     by_size = {p: _by_decreasing_size(unit_costs[p], inputs.items(p).enc_len) for p in
                ENCODER_PHASES}  # once a step: every split places the same items
-    by_size = {p: o[regular[inputs.items(p).sample[o]]] for p, o in by_size.items()}
-    for split in _splits(cost, big, idx, inputs, config, M, W, rng):
+    by_size[LLM_PHASE] = _by_decreasing_size(unit_costs[LLM_PHASE], inputs.llm_len)
+    by_size = {p: o[regular[inputs.items(p).sample[o] if p != LLM_PHASE else o]]
+               for p, o in by_size.items()}
+    at = np.zeros(S, dtype=np.int64)
+    at[idx] = np.arange(len(idx))
+    for split in _splits(cost, big, idx, inputs, config, M, W, rng, at[by_size[LLM_PHASE]]):
         sample_mb = np.zeros(S, dtype=np.int64)
         sample_mb[idx] = split
         try:
@@ -578,14 +584,15 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
 
 
 def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
-            config: PlannerConfig, M: int, W: int,
-            rng: np.random.Generator) -> Iterator[np.ndarray]:
+            config: PlannerConfig, M: int, W: int, rng: np.random.Generator,
+            llm_order: np.ndarray) -> Iterator[np.ndarray]:
     """Micro-batch of each sample in `idx`, best first: the cost split if it fits the
     capacities (`_split_fits`); else the greedy split held to them (`_split_greedy` with
     shares, filling micro-batches to each of `_HELD_FILLS` in turn; the first and an LPT
     over all rank x micro-batch bins in order of their bound), the split without
     concentrating, and the split by capacity shares alone, each that fits and then, whatever
-    fits, the last. `_plan_with` takes the first its ranks can hold."""
+    fits, the last. `_plan_with` takes the first its ranks can hold. `llm_order`: positions
+    in `idx` by decreasing LLM cost (ties by position)."""
     c, b = cost[:, idx], big[:, idx]
     # the greedy split's order of the samples: split_microbatches' greedy and the held ones
     # below take them in the same order
@@ -616,7 +623,10 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
             # LPT of the LLM cost over all W x M (rank, micro-batch) bins, kept if its bins
             # hold the capacities (a packing comes with it); it and the fullest held split
             # go first in order of their bound, sum_m,p max(total/W, largest).
-            bins = lpt_heap(c[PHASES.index(LLM_PHASE)], W * M)
+            # (its input largest first: LPT takes the samples in the same order, and the
+            # sort it starts with is then O(n))
+            bins = np.empty(len(idx), dtype=np.int64)
+            bins[llm_order] = lpt_heap(c[PHASES.index(LLM_PHASE), llm_order], W * M)
             if all(np.bincount(bins, weights=raw[:, j], minlength=W * M).max() <= 1
                    for j in range(raw.shape[1])):
                 first.append(bins // W)
@@ -635,17 +645,24 @@ def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig
                    ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(LLM rank of every sample, encoder rank of every item per phase) for the `regular`
     samples, micro-batch by micro-batch. Each micro-batch's items go in largest first (the
-    order `by_size` has them in: per phase, the regular samples' items by decreasing cost,
-    ties by index): the placement orders them by size many times, and on sizes that come
-    sorted that is one counting sort (`balance.order_by_key_then_size`)."""
+    order `by_size` has them in: per encoder phase, the regular samples' items by decreasing
+    cost, ties by index): the placement orders them by size many times, and on sizes that
+    come sorted that is one counting sort (`balance.order_by_key_then_size`). by_size[LLM]:
+    the regular samples by decreasing LLM cost, whose sort `place_samples` takes."""
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    mb_of = {p: sample_mb[inputs.items(p).sample[o]] for p, o in by_size.items()}
+    mb_of = {p: sample_mb[inputs.items(p).sample[o]] for p, o in by_size.items()
+             if p != LLM_PHASE}
+    llm_order = by_size[LLM_PHASE]
+    llm_mb = sample_mb[llm_order]
+    at = np.zeros(inputs.num_samples, dtype=np.int64)
     for m in range(M):
         samp = np.flatnonzero(regular & (sample_mb == m))
-        items_in = {p: o[mb_of[p] == m] for p, o in by_size.items()}
+        items_in = {p: by_size[p][mb_of[p] == m] for p in ENCODER_PHASES}
+        at[samp] = np.arange(len(samp))
         sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
-                                                     topology, config)
+                                                     topology, config,
+                                                     at[llm_order[llm_mb == m]])
         for p in ENCODER_PHASES:
             item_rank[p][items_in[p]] = ranks[p]
     return sample_rank, item_rank
