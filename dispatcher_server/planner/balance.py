@@ -659,13 +659,18 @@ def _key_order(keys, sizes, by_size, out):
     size then position. True if done; False (`out` untouched) where a key is negative or not
     below max(4n, 2**16), or with `by_size` where `sizes` are neither non-increasing (then
     positions in order are already by decreasing size) nor non-decreasing (then runs of equal
-    sizes last to first, each in position order). A counting sort: O(n + largest key)."""
+    sizes last to first, each in position order). A counting sort: O(n + largest key); keys
+    that come sorted (items by their sample), with sizes non-increasing or ignored, are already
+    in order."""
     n = keys.shape[0]
     hi = -1
+    grouped = True
     for i in range(n):
         k = keys[i]
         if k < 0:
             return False
+        if k < hi:
+            grouped = False
         if k > hi:
             hi = k
     if hi >= max(4 * n, 1 << 16):
@@ -682,6 +687,10 @@ def _key_order(keys, sizes, by_size, out):
             if not inc:
                 return False
             rising = True
+    if grouped and not rising:
+        for i in range(n):
+            out[i] = i
+        return True
     fill = np.zeros(hi + 2, np.int64)
     for i in range(n):
         fill[keys[i] + 1] += 1

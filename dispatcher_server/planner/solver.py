@@ -541,8 +541,9 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     by_size = {p: _by_decreasing_size(unit_costs[p], inputs.items(p).enc_len) for p in
                ENCODER_PHASES}  # once a step: every split places the same items
     by_size[LLM_PHASE] = _by_decreasing_size(unit_costs[LLM_PHASE], inputs.llm_len)
-    by_size = {p: o[regular[inputs.items(p).sample[o] if p != LLM_PHASE else o]]
-               for p, o in by_size.items()}
+    if len(oversize):
+        by_size = {p: o[regular[inputs.items(p).sample[o] if p != LLM_PHASE else o]]
+                   for p, o in by_size.items()}
     at = np.zeros(S, dtype=np.int64)
     at[idx] = np.arange(len(idx))
     for split in _splits(cost, big, idx, inputs, config, M, W, rng, at[by_size[LLM_PHASE]]):
