@@ -126,8 +126,9 @@ def _unit_bound_by_the_rule(c, group, num_groups, bins):
             best = max(best, sum(s[k * bins - k:k * bins + 1]))
         if n:
             qq = -(-n // bins)
-            best = max(best, min(max(sum(s[n - t * qq:]), sum(s) - sum(s[:min((bins - t) * (qq - 1), n)])) / t
-                                 for t in range(1, min(bins, n // qq) + 1)))
+            best = max(best, min(
+                max(sum(s[n - t * qq:]), sum(s) - sum(s[:min((bins - t) * (qq - 1), n)])) / t
+                for t in range(1, min(bins, n // qq) + 1)))
         out.append(np.ceil(best / q * (1 - 1e-12)) * q if whole_units else best)
     return np.array(out)
 

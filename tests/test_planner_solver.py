@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.solver import (
-    _FILL, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _group_max, _group_sums, _move_smallest_away, _polish_split,
+    _FILL, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _group_max,
+    _group_sums, _move_smallest_away, _polish_split,
     _top2,
 )
 
