@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _greedy_pairs, _kth_smallest, _members, _pair_step, _refine_in_groups,
-    karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
+    _all_pairs_exchange, _greedy_pairs, _key_order, _kth_smallest, _members, _pair_step,
+    _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, order_by_key_then_size,
+    refine, relabel_bins, stable_order,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -472,3 +473,48 @@ def test_kernels_on_few_bins_keep_their_contracts(seed):
         assert np.allclose(got, ld)
         if cap is not None:
             assert ld.max() <= cap * (1 + 1e-12)
+
+
+def _key_order_by_the_rule(keys, sizes, by_size):
+    """Positions sorted by (key, -size, position), or (key, position); None where the kernel
+    must decline: a negative key, one at or above max(4n, 2**16), or with `by_size` sizes
+    neither non-increasing nor non-decreasing (NaN included)."""
+    n = len(keys)
+    if n and (min(keys) < 0 or max(keys) >= max(4 * n, 1 << 16)):
+        return None
+    if by_size:
+        pairs = list(zip(sizes[:-1], sizes[1:]))
+        if not (all(a >= b for a, b in pairs) or all(a <= b for a, b in pairs)):
+            return None
+        return sorted(range(n), key=lambda i: (keys[i], -sizes[i], i))
+    return sorted(range(n), key=lambda i: (keys[i], i))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_key_order_is_a_counting_sort_by_key_then_decreasing_size(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 200))
+    hi = int(rng.choice([1, 5, 1000, 1 << 16, 1 << 20]))
+    keys = rng.integers(0, hi, n) - (rng.random() < 0.1)  # sometimes a -1 key
+    if rng.random() < 0.4:
+        keys = np.sort(keys)  # grouped already, as items by their sample come
+    sizes = rng.integers(0, int(rng.choice([2, 5, 50])), n).astype(np.float64)  # many ties
+    shape = rng.integers(4)
+    if shape == 0:
+        sizes = np.sort(sizes)[::-1].copy()
+    elif shape == 1:
+        sizes = np.sort(sizes)
+    elif shape == 2 and n:
+        sizes = np.sort(sizes)
+        sizes[int(rng.integers(n))] = np.nan
+    by_size = bool(rng.random() < 0.7)
+    want = _key_order_by_the_rule(keys.tolist(), sizes.tolist(), by_size)
+    out = np.full(n, -7, dtype=np.int64)
+    done = _key_order(keys, sizes if by_size else np.zeros(0), by_size, out)
+    if want is None:
+        assert not done and (out == -7).all()
+    else:
+        assert done and out.tolist() == want
+    if (keys >= 0).all() and not np.isnan(sizes).any():  # the wrappers, whichever way they go
+        assert np.array_equal(stable_order(keys), np.argsort(keys, kind="stable"))
+        assert np.array_equal(order_by_key_then_size(keys, sizes), np.lexsort((-sizes, keys)))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench.planner import synthetic_step
+from dispatcher_server.planner.plan import _excl_sums, group_excl_cumsum
 from dispatcher_server.planner import (
     BASELINES, DEFAULT_LLM_CAPACITY_FACTOR, ENCODER_PHASES, EncoderItems, PlanError, PlannerConfig,
     StepInputs, StepPlan,
@@ -400,3 +401,36 @@ def test_a_derived_capacity_grows_where_its_ranks_cannot_hold_the_step():
     assert plan.llm_capacity >= 2 * n
     with pytest.raises(PlanError, match="capacity 1563"):
         plan_step(inp, topo, PlannerConfig(num_microbatches=2, llm_capacity=1563))
+
+
+def _excl_sums_by_the_rule(keys, values, order):
+    """What group_excl_cumsum computed as whole-array numpy: cs = cumsum(v) - v along `order`,
+    less cs at the first position of each run of equal keys."""
+    k, v = keys[order], values[order]
+    cs = np.cumsum(v) - v
+    new = np.r_[True, k[1:] != k[:-1]]
+    out = np.empty_like(values)
+    out[order] = cs - cs[np.flatnonzero(new)][np.cumsum(new) - 1]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_excl_sums_are_numpys_exclusive_sums_within_each_key(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 300))
+    keys = rng.integers(0, int(rng.integers(1, 20)), n)
+    order = np.argsort(keys, kind="stable") if rng.random() < 0.5 else \
+        np.lexsort((rng.random(n), keys))  # grouped by key, any order inside
+    floats = rng.random(n) * 10.0 ** rng.integers(-3, 8, n) * rng.choice([-1.0, 1.0], n)
+    ints = rng.integers(0, 1000, n)
+    for values in (floats, ints):
+        out = np.empty_like(values)
+        _excl_sums(keys, values, order, out)
+        assert np.array_equal(out, _excl_sums_by_the_rule(keys, values, order))
+    # the plain rule, on integers: the sum of the values before it (by position) with its key
+    want, seen = np.empty(n, dtype=np.int64), {}
+    for i in range(n):
+        want[i] = seen.get(keys[i], 0)
+        seen[keys[i]] = want[i] + ints[i]
+    got, used = group_excl_cumsum(keys, ints)
+    assert np.array_equal(got, want) and np.array_equal(used, np.argsort(keys, kind="stable"))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.solver import (
-    _FILL, _best_fit, _greedy_blocks, _group_max, _group_sums, _move_smallest_away, _polish_split,
+    _FILL, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _group_max,
+    _group_sums, _move_smallest_away, _polish_split,
     _top2,
 )
 
@@ -241,3 +242,42 @@ def test_polish_split_moves_a_bound_setting_unit_where_the_bounds_drop_most(seed
     want = _polish_split_by_the_rule(c, b, mb, M, W, share, limit, max_iter)
     _polish_split(c, b, mb, M, W, share, limit, max_iter)
     assert np.array_equal(mb, want)
+
+
+def _by_length_rank_by_the_rule(sizes, lens):
+    """Positions by decreasing size, ties by position; None where the kernel must decline: a
+    negative length, one at or above max(4n, 2**16), two equal lengths with different sizes,
+    or a NaN size."""
+    n = len(lens)
+    if n and (min(lens) < 0 or max(lens) >= max(4 * n, 1 << 16)):
+        return None
+    size_of = {}
+    for s, ln in zip(sizes, lens):
+        if s != s or size_of.setdefault(ln, s) != s:
+            return None
+    return sorted(range(n), key=lambda i: (-sizes[i], i))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_by_length_rank_orders_items_by_decreasing_size_of_their_length(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 300))
+    lens = rng.integers(0, int(rng.choice([3, 40, 1 << 17])), n)
+    # a cost of the length: strictly rising, flat in windows (equal sizes for several
+    # lengths), or not monotone at all
+    table = rng.choice([np.arange(1 << 17) * 1.5, np.ceil(np.arange(1 << 17) / 7) * 2.0,
+                        rng.integers(0, 5, 1 << 17).astype(np.float64)])
+    sizes = table[lens]
+    if n and rng.random() < 0.2:
+        sizes[int(rng.integers(n))] = float(rng.choice([np.nan, 0.25]))  # not the length's
+    if n and rng.random() < 0.1:
+        lens[int(rng.integers(n))] = -1
+    want = _by_length_rank_by_the_rule(sizes.tolist(), lens.tolist())
+    out = np.full(n, -7, dtype=np.int64)
+    done = _by_length_rank(sizes, lens, out)
+    if want is None:
+        assert not done and (out == -7).all()
+    else:
+        assert done and out.tolist() == want
+    if not np.isnan(sizes).any():
+        assert np.array_equal(_by_decreasing_size(sizes, lens), np.argsort(-sizes, kind="stable"))

@@ -625,22 +625,91 @@ def _members(cand, bin_of, role, num_roles):
 
 
 def stable_order(keys: np.ndarray, num_keys: int | None = None) -> np.ndarray:
-    """`np.argsort(keys, kind="stable")` for non-negative int keys (below `num_keys` if
-    given): keys that fit 16 bits sort by numpy's radix sort, O(n) and ~6x faster than the
-    int64 merge sort."""
-    if num_keys is None:
-        small = len(keys) == 0 or (keys.min() >= 0 and keys.max() < 1 << 16)
-    else:
-        small = num_keys <= 1 << 16
-    if small:
-        return np.argsort(keys.astype(np.uint16), kind="stable")
+    """`np.argsort(keys, kind="stable")` for non-negative int keys: a counting sort (`_key_order`,
+    one compiled pass to count, one to place) where the largest key is below max(4n, 2**16),
+    else numpy's sort. `num_keys` (an upper bound on the keys) is accepted for the callers that
+    know it; the kernel finds the range itself."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    out = np.empty(len(keys), dtype=np.int64)
+    if _key_order(keys, _NO_SIZES, False, out):
+        return out
     return np.argsort(keys, kind="stable")
 
 
 def order_by_key_then_size(keys: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """`np.lexsort((-sizes, keys))`: by key, then decreasing size, then position. A stable
-    sort by size, then a stable (radix) sort by key: ~3x faster than lexsort, and O(n) for
-    the sort by size where sizes come sorted, as a micro-batch's items do (the planner
-    orders them largest first once)."""
+    """`np.lexsort((-sizes, keys))`: by key, then decreasing size, then position. Where the
+    sizes come sorted either way (a micro-batch's items do: the planner orders them largest
+    first once, and subsets keep that order) and the keys are small, one compiled counting
+    sort by key (`_key_order`); else a stable sort by size, then that counting sort by key."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    sizes = np.ascontiguousarray(sizes, dtype=np.float64)
+    out = np.empty(len(keys), dtype=np.int64)
+    if _key_order(keys, sizes, True, out):
+        return out
     first = np.argsort(-sizes, kind="stable")
     return first[stable_order(keys[first])]
+
+
+_NO_SIZES = np.zeros(0)
+
+
+@kernel
+def _key_order(keys, sizes, by_size, out):
+    """Into `out`, the positions ordered by key, stably; with `by_size`, by key then decreasing
+    size then position. True if done; False (`out` untouched) where a key is negative or not
+    below max(4n, 2**16), or with `by_size` where `sizes` are neither non-increasing (then
+    positions in order are already by decreasing size) nor non-decreasing (then runs of equal
+    sizes last to first, each in position order). A counting sort: O(n + largest key); keys
+    that come sorted (items by their sample), with sizes non-increasing or ignored, are already
+    in order."""
+    n = keys.shape[0]
+    hi = -1
+    grouped = True
+    for i in range(n):
+        k = keys[i]
+        if k < 0:
+            return False
+        if k < hi:
+            grouped = False
+        if k > hi:
+            hi = k
+    if hi >= max(4 * n, 1 << 16):
+        return False
+    rising = False
+    if by_size:
+        dec, inc = True, True
+        for i in range(n - 1):
+            if not sizes[i] >= sizes[i + 1]:
+                dec = False
+            if not sizes[i] <= sizes[i + 1]:
+                inc = False
+        if not dec:
+            if not inc:
+                return False
+            rising = True
+    if grouped and not rising:
+        for i in range(n):
+            out[i] = i
+        return True
+    fill = np.zeros(hi + 2, np.int64)
+    for i in range(n):
+        fill[keys[i] + 1] += 1
+    for k in range(1, hi + 2):
+        fill[k] += fill[k - 1]
+    if not rising:
+        for i in range(n):
+            k = keys[i]
+            out[fill[k]] = i
+            fill[k] += 1
+        return True
+    end = n
+    while end > 0:
+        start = end - 1
+        while start > 0 and sizes[start - 1] == sizes[end - 1]:
+            start -= 1
+        for i in range(start, end):
+            k = keys[i]
+            out[fill[k]] = i
+            fill[k] += 1
+        end = start
+    return True

@@ -3,7 +3,7 @@
 One bound per group of units sharing `bins` bins (`unit_bound`), used per micro-batch by the
 plan's metrics and over all W*M (rank, micro-batch) slots by the split-free bound, which holds
 for every micro-batch split and so certifies the split itself. Each term is proven in its
-docstring; all are whole-array numpy.
+docstring; `unit_bound`'s terms are one compiled kernel (`_unit_bound`) over sizes sorted once.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import numpy as np
 
 from .balance import order_by_key_then_size
 from .cost import CostModel, phase_costs
+from .jit import kernel
 from .types import LLM_PHASE, PHASES, StepInputs, Topology
 
 
-def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> np.ndarray:
+def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int,
+               order: np.ndarray | None = None) -> np.ndarray:
     """Per group, a lower bound on the heaviest of `bins` bins holding the group's units `c`.
 
     max(total/bins, max over k >= 0 of s_(kB-k+1) + ... + s_(kB+1)) with B = bins and s the
@@ -23,69 +25,89 @@ def unit_bound(c: np.ndarray, group: np.ndarray, num_groups: int, bins: int) -> 
     largest units, some bin holds at least k+1 (pigeonhole); its load is at least the sum of
     the k+1 smallest of those kB+1 units (sizes are non-negative). k = 0 is the largest unit,
     k = 1 the classic s_B + s_(B+1); larger k count how many units must share a bin.
-    Last, `_count_term`: how many units some bins must hold, at the sizes they can hold.
+    Last, a counting term (`_unit_bound`): how many units some bins must hold, at the sizes
+    they can hold.
     When every size is a whole multiple of the smallest positive one q (a padded encoder's
     windows), every bin's load is too, so the bound rounds up to a multiple of q.
+    `order`: `order_by_key_then_size(group, c)`, where the caller has it.
     """
-    c = np.asarray(c, dtype=np.float64)
-    total = np.bincount(group, weights=c, minlength=num_groups)
+    c = np.ascontiguousarray(c, dtype=np.float64)
+    group = np.ascontiguousarray(group, dtype=np.int64)
+    if len(c) == 0:
+        return np.zeros(num_groups)
+    if order is None:
+        order = order_by_key_then_size(group, c)
+    return _unit_bound(c, group, np.ascontiguousarray(order, dtype=np.int64), num_groups, bins)
+
+
+@kernel
+def _unit_bound(c, group, order, num_groups, bins):
+    """`unit_bound` of units `c` (n >= 1) in `order` (by group, then decreasing size), in one
+    compiled pass per term, with numpy's operations in numpy's order (so the same floats):
+    totals added in position order (np.bincount), the prefix sums of the sorted sizes left to
+    right (np.cumsum), max and min as np.maximum and np.minimum (NaN wins, ties keep the first).
+
+    Windows: with s the group's sorted sizes, s_(kB-k+1) + ... + s_(kB+1) for kB + 1 <= count.
+    Counting term, per group with n units and q = ceil(n/B): min over t = 1..min(B, n//q) of
+    max(S_small(tq), total - S_large((B - t)(q - 1))) / t: let t be the number of bins holding
+    q or more units. t >= 1, since B bins of at most q - 1 units hold fewer than n; and
+    tq <= n. Those t bins hold at least tq units, so at least S_small(tq); the other B - t hold
+    at most (B - t)(q - 1) units, so at most S_large((B - t)(q - 1)), and the t bins the rest.
+    The heaviest of the t bins is at least their mean. Where units differ by less than a
+    unit's share of a bin (coarse, near-equal encoder items), this is the count a bin must
+    hold at the smallest sizes, well above total/B, which the windows reach only for one
+    bin's worth of units. Quantum: when every positive size is a whole multiple (within 1e-9)
+    of the smallest, q, every bound rounds up to a multiple of q."""
+    n = c.shape[0]
+    total = np.zeros(num_groups)
+    for i in range(n):
+        total[group[i]] += c[i]
     lb = total / bins
-    n = len(c)
-    if n == 0:
+    prefix = np.empty(n + 1)
+    prefix[0] = 0.0
+    start = np.zeros(num_groups, np.int64)
+    count = np.zeros(num_groups, np.int64)
+    for t in range(n):
+        i = order[t]
+        prefix[t + 1] = c[i] if t == 0 else prefix[t] + c[i]
+        if count[group[i]] == 0:
+            start[group[i]] = t
+        count[group[i]] += 1
+    for g in range(num_groups):  # windows
+        st = start[g]
+        for k in range((count[g] - 1) // bins + 1):
+            hi = st + k * bins + 1
+            w = prefix[hi] - prefix[hi - k - 1]
+            if not (lb[g] >= w or lb[g] != lb[g]):
+                lb[g] = w
+    for g in range(num_groups):  # counting term (0 for an empty group)
+        cnt, st, best = count[g], start[g], 0.0
+        if cnt > 0:
+            q = -(-cnt // bins)
+            best = np.inf
+            whole = prefix[st + cnt] - prefix[st]
+            for t in range(1, min(bins, cnt // q) + 1):
+                small = prefix[st + cnt] - prefix[st + cnt - t * q]  # sorted largest first
+                rest = whole - (prefix[st + min((bins - t) * (q - 1), cnt)] - prefix[st])
+                v = (small if small >= rest or small != small else rest) / t
+                if not (best <= v or best != best):
+                    best = v
+        if not (lb[g] >= best or lb[g] != lb[g]):
+            lb[g] = best
+    quantum = np.inf
+    for i in range(n):
+        if c[i] > 0 and c[i] < quantum:
+            quantum = c[i]
+    if quantum == np.inf:
         return lb
-    order = order_by_key_then_size(group, c)
-    g, s = group[order], c[order]
-    start = np.searchsorted(g, np.arange(num_groups))
-    count = np.bincount(g, minlength=num_groups)
-    prefix = np.concatenate(([0.0], np.cumsum(s)))
-    kmax = (count - 1) // bins  # windows that fit: kB + 1 <= count
-    grp = np.repeat(np.arange(num_groups), kmax + 1)
-    k = np.arange(len(grp)) - np.repeat(np.cumsum(kmax + 1) - (kmax + 1), kmax + 1)
-    hi = start[grp] + k * bins + 1  # exclusive end of the window
-    window = prefix[hi] - prefix[hi - k - 1]
-    np.maximum.at(lb, grp, window)
-    np.maximum(lb, _count_term(prefix, start, count, bins), out=lb)
-    return _round_to_quantum(c, lb)
-
-
-def _count_term(prefix: np.ndarray, start: np.ndarray, count: np.ndarray, bins: int
-                ) -> np.ndarray:
-    """Per group, the counting bound for near-equal units: with n units and q = ceil(n/B),
-    min over t of max(S_small(tq), total - S_large((B - t)(q - 1))) / t, t = 1..min(B, n//q)
-    (S_small(j), S_large(j): sum of the j smallest, largest units; 0 for an empty group).
-
-    Proof: let t be the number of bins holding q or more units. t >= 1, since B bins of at most
-    q - 1 units hold fewer than n; and tq <= n. Those t bins hold at least tq units, so at least
-    S_small(tq); the other B - t hold at most (B - t)(q - 1) units, so at most
-    S_large((B - t)(q - 1)), and the t bins the rest. The heaviest of the t bins is at least
-    their mean. Where units differ by less than a unit's share of a bin (coarse, near-equal
-    encoder items), this is the count a bin must hold at the smallest sizes, well above
-    total/B, which the windows reach only for one bin's worth of units."""
-    out = np.zeros(len(count))
-    has = np.flatnonzero(count)
-    q = -(-count[has] // bins)
-    tmax = np.minimum(bins, count[has] // q)
-    grp = np.repeat(np.arange(len(has)), tmax)
-    t = np.arange(len(grp)) - np.repeat(np.cumsum(tmax) - tmax, tmax) + 1
-    st, n, qg = start[has][grp], count[has][grp], q[grp]
-    total = prefix[st + n] - prefix[st]
-    small = prefix[st + n] - prefix[st + n - t * qg]  # units sorted largest first
-    large = prefix[st + np.minimum((bins - t) * (qg - 1), n)] - prefix[st]
-    best = np.full(len(has), np.inf)
-    np.minimum.at(best, grp, np.maximum(small, total - large) / t)
-    out[has] = best
-    return out
-
-
-def _round_to_quantum(c: np.ndarray, lb: np.ndarray) -> np.ndarray:
-    pos = c[c > 0]
-    if len(pos) == 0:
-        return lb
-    q = pos.min()
-    units = pos / q
-    if np.any(np.abs(units - np.round(units)) > 1e-9 * units):
-        return lb
-    return np.ceil(lb / q * (1 - 1e-12)) * q
+    for i in range(n):
+        if c[i] > 0:
+            u = c[i] / quantum
+            if np.abs(u - np.rint(u)) > 1e-9 * u:
+                return lb
+    for g in range(num_groups):
+        lb[g] = np.ceil(lb[g] / quantum * (1 - 1e-12)) * quantum
+    return lb
 
 
 def split_free_bound(costs: dict[str, np.ndarray], W: int, M: int) -> float:

@@ -80,22 +80,31 @@ def _nodes_by_class(c: np.ndarray, N: int) -> np.ndarray:
     return node
 
 
-def place_samples(c: np.ndarray, W: int, g: int, tolerance: float) -> np.ndarray:
+def place_samples(c: np.ndarray, W: int, g: int, tolerance: float,
+                  by_size: np.ndarray | None = None) -> np.ndarray:
     """LLM rank of each sample of one micro-batch, given its per-phase costs c[P, n]: nodes
     by class, ranks in each node by batched LPT on LLM cost (on one node, sequential LPT:
     no bytes to keep local, and its one Python pass over the samples costs less than
     numpy's rounds of a few bins each), then LLM refine in nodes, across nodes with samples
     that carry no embeddings, then any: each within a quarter of `tolerance` above the
-    bound; last, a refine over all pairs of ranks (coarse bins only) aims at the bound."""
+    bound; last, a refine over all pairs of ranks (coarse bins only) aims at the bound.
+    `by_size`: np.argsort(-c[LLM], kind="stable"), where the caller has it."""
     N = W // g
     llm = np.ascontiguousarray(c[K_LLM])  # one array layout for the compiled kernels
+    if by_size is None:  # once, for the LPT and the bound
+        by_size = np.argsort(-llm, kind="stable")
     if N > 1:
         node = _nodes_by_class(c, N)
-        rank = node * g + lpt_rounds(llm, node, np.zeros((N, g)))
+        # LPT over the samples largest first takes them in the same order (by node, then
+        # decreasing size, then index) with its sort by size an O(n) check
+        rank = np.empty(len(llm), dtype=np.int64)
+        rank[by_size] = node[by_size] * g + lpt_rounds(llm[by_size], node[by_size],
+                                                       np.zeros((N, g)))
     else:
         rank = lpt_heap(llm, W)
     loads = np.bincount(rank, weights=llm, minlength=W)
-    llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W)[0])
+    llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W,
+                              order=by_size)[0])
     good = llm_lb * (1 + tolerance / 4)
     refine(llm, rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)

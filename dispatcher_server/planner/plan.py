@@ -14,6 +14,7 @@ import numpy as np
 from .balance import order_by_key_then_size, stable_order
 from .bounds import split_free_bound, unit_bound
 from .cost import CostModel, phase_costs  # noqa: F401  (phase_costs: part of this module's API)
+from .jit import kernel
 from .types import (
     ENCODER_PHASES, LLM_PHASE, PHASES, EncoderItems, ExchangeTable, PhaseExchange, PlanError,
     RankMicrobatch, StepInputs, Topology,
@@ -27,22 +28,31 @@ def _i64(a) -> np.ndarray:
 def group_excl_cumsum(keys: np.ndarray, values: np.ndarray, by_size: bool = False
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(exclusive cumsum of `values` within equal `keys`, in original order; the order used).
-    Within a key the order is by position, or by decreasing value with `by_size`."""
+    Within a key the order is by position, or by decreasing value with `by_size`. The sums
+    are numpy's: a running sum over the whole order, less the value, less that at the key's
+    first (`_excl_sums`, one compiled pass)."""
     order = order_by_key_then_size(keys, values) if by_size else stable_order(keys)
-    k, v = keys[order], values[order]
-    cs = np.cumsum(v) - v
-    if len(k):
-        new = np.empty(len(k), dtype=bool)
-        new[0] = True
-        np.not_equal(k[1:], k[:-1], out=new[1:])
-        base = cs[np.flatnonzero(new)][np.cumsum(new) - 1]
-    else:
-        base = cs
     out = np.empty_like(values)
-    out[order] = cs - base
+    if len(order):
+        _excl_sums(np.ascontiguousarray(keys, dtype=np.int64), values, order, out)
     return out, order
 
 
+@kernel
+def _excl_sums(keys, values, order, out):
+    """out[i] = cs_t - cs_s for i = order[t], where cs = np.cumsum(values[order]) - values[order]
+    and s is the first t' with the key of order[t] (keys are grouped along `order`):
+    operation for operation what the numpy expression computes, so the same floats."""
+    acc = values[order[0]] - values[order[0]]
+    base = acc
+    for t in range(order.shape[0]):
+        i = order[t]
+        v = values[i]
+        acc = v if t == 0 else acc + v
+        cs = acc - v
+        if t == 0 or keys[i] != keys[order[t - 1]]:
+            base = cs
+        out[i] = cs - base
 def _ptr(sorted_groups: np.ndarray, num_groups: int) -> np.ndarray:
     return np.searchsorted(sorted_groups, np.arange(num_groups + 1)).astype(np.int64)
 

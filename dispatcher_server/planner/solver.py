@@ -23,16 +23,17 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    that raises no rank above the maximum.
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
 strategies move little, and the cluster-wide ones restore balance where they cannot.
-Cost: O(n log n) sorting (one sort of each phase's items; the later sorts by size run on
-sorted data), O(n/B) batched-LPT rounds, refine iterations of O(n + pairs x items^2). The
-loops that go block by block or unit by unit (the split's block greedy and polish, the
-capacity repair's moves and best fit) are compiled (`jit.kernel`), the rest is numpy. What
-`bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all figures in
-docs/planner.md, generated from docs/bench/planner.json; regimes under serve's default
-capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document pages
-(19 ms); W=2560: 32-100 ms for 1.5k-28k encoder items a step, 162 ms for 104k interleaved
-images (a capacity repair repacks a micro-batch) and 183 ms for document pages (37k
-near-equal items, where every placement strategy runs).
+Cost: one sort a step of each phase's items and of the samples by size (a counting sort over
+their lengths: a unit's cost is a function of its length), the later sorts by size run on
+sorted data (a counting sort by key), O(n/B) batched-LPT rounds, refine iterations of O(n +
+pairs x items^2). The loops that go block by block or unit by unit (the split's block greedy
+and polish, the capacity repair's moves and best fit) are compiled (`jit.kernel`), the rest is
+numpy. What `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all
+figures in docs/planner.md, generated from docs/bench/planner.json; regimes under serve's
+default capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document
+pages (19 ms); W=2560: 32-100 ms for 1.5k-28k encoder items a step, 162 ms for 104k interleaved
+images (a capacity repair repacks a micro-batch) and 183 ms for document pages (37k near-equal
+items, where every placement strategy runs).
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
 
 
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
-                       rng: np.random.Generator, slack: float) -> np.ndarray:
+                       rng: np.random.Generator, slack: float,
+                       greedy_order: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Micro-batch of each sample in `idx` (see module docstring, step 1).
 
     A unit counts as a giant above the mean rank load of the step; a second pass lowers that
     to the lowest mean rank load any micro-batch got in the first (concentrating giants can
     leave other micro-batches so light that mid-size units set their bound), and the pass with
-    the smaller sum of bounds wins."""
+    the smaller sum of bounds wins. `greedy_order`: `_greedy_order` of these samples, if the
+    caller has it."""
     if M == 1 or len(idx) == 0:
         return np.zeros(len(idx), dtype=np.int64)
     c, b = cost[:, idx], big[:, idx]
@@ -137,7 +140,7 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
         if bound < best_bound:
             best, best_bound = second, bound
     if slack < 1:
-        third = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W)
+        third = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, order=greedy_order)
         bound = _split_bound(c, b, third, M, W)
         if bound < best_bound * (1 - 1e-9):
             best, best_bound = third, bound
@@ -146,7 +149,8 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
 
 
 def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
-                  W: int, share: np.ndarray | None = None) -> np.ndarray:
+                  W: int, share: np.ndarray | None = None,
+                  order: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Every sample through `_greedy_blocks`, all phases at once: giants first (as in
     `_split_pass`), then the rest largest first, about 64 blocks per micro-batch. Unlike the
     class-by-class pass, a sample counts in every phase it touches, so the room a giant of
@@ -154,26 +158,34 @@ def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
 
     With `share` (samples x capacities: each sample's tokens over each capacity), a block
     only goes where every capacity's micro-batch total stays within `_FILL` x W (see
-    `_greedy_blocks`)."""
+    `_greedy_blocks`). `order`: `_greedy_order(c, b, threshold, M, W)`, if already made."""
     P, n = c.shape
-    csum = c.sum(axis=1)
-    tau = np.where(csum > 0, csum / (W * M), 1.0)
-    score = (b / tau[:, None]).max(axis=0)
-    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
+    giants, rest = _greedy_order(c, b, threshold, M, W) if order is None else order
     Tc, Lc = np.zeros((M, P)), np.zeros((M, P))
     full = None if share is None else np.zeros((M, share.shape[1]))
     out = np.zeros(n, dtype=np.int64)
-    giants = np.flatnonzero(is_giant)
-    giants = giants[np.argsort(-score[giants], kind="stable")]
     if len(giants):
         out[giants] = _greedy_blocks(c, b, giants, max(1, W // 16), Tc, Lc, W, share, full)
-    rest = np.flatnonzero(~is_giant)
-    size = (c[:, rest] / tau[:, None]).sum(axis=0)
-    rest = rest[np.argsort(-size, kind="stable")]
     if len(rest):
         block = max(1, len(rest) // (64 * M))
         out[rest] = _greedy_blocks(c, b, rest, block, Tc, Lc, W, share, full)
     return out
+
+
+def _greedy_order(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(giants, rest): the order in which `_split_greedy` takes the samples, giants by
+    decreasing score, then the rest by decreasing size (all phases, each over its mean rank
+    load). The same for every split of a step, with or without capacities."""
+    csum = c.sum(axis=1)
+    tau = np.where(csum > 0, csum / (W * M), 1.0)
+    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
+    giants = np.flatnonzero(is_giant)
+    score = (b[:, giants] / tau[:, None]).max(axis=0)
+    giants = giants[np.argsort(-score, kind="stable")]
+    rest = np.flatnonzero(~is_giant)
+    size = (c[:, rest] / tau[:, None]).sum(axis=0)
+    return giants, rest[np.argsort(-size, kind="stable")]
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
@@ -435,11 +447,13 @@ def _best_move(c, b, T, F, share_s, limit, first, who, second, s, m, W):
 
 def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, np.ndarray],
                       items_in: dict[str, np.ndarray], inputs: StepInputs, topology: Topology,
-                      config: PlannerConfig) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                      config: PlannerConfig, samp_by_size: np.ndarray
+                      ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(LLM rank of each of `samp`, encoder rank of each item in `items_in` per phase): steps
-    2-3 of the module docstring for one micro-batch."""
+    2-3 of the module docstring for one micro-batch. `samp_by_size`: positions in `samp` by
+    decreasing LLM cost, ties by position."""
     W, g = topology.world_size, topology.ranks_per_node
-    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance)
+    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance, samp_by_size)
     if config.llm_capacity is not None:
         # held to the capacity before the items are placed, so they follow where samples are
         rank = _repair_units(np.zeros(len(samp), dtype=np.int64), rank,
@@ -525,12 +539,20 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
         warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
                       f"in an extra micro-batch ({M} -> {M + extra} micro-batches)", stacklevel=2)
     refused = None
-    for split in _splits(cost, big, idx, inputs, config, M, W, rng):
+    by_size = {p: _by_decreasing_size(unit_costs[p], inputs.items(p).enc_len) for p in
+               ENCODER_PHASES}  # once a step: every split places the same items
+    by_size[LLM_PHASE] = _by_decreasing_size(unit_costs[LLM_PHASE], inputs.llm_len)
+    if len(oversize):
+        by_size = {p: o[regular[inputs.items(p).sample[o] if p != LLM_PHASE else o]]
+                   for p, o in by_size.items()}
+    at = np.zeros(S, dtype=np.int64)
+    at[idx] = np.arange(len(idx))
+    for split in _splits(cost, big, idx, inputs, config, M, W, rng, at[by_size[LLM_PHASE]]):
         sample_mb = np.zeros(S, dtype=np.int64)
         sample_mb[idx] = split
         try:
             plan = _place_split(inputs, topology, config, cost, unit_costs, sample_mb, regular,
-                                oversize, M)
+                                oversize, M, by_size)
         except PlanError as e:  # its ranks cannot hold it: the next split
             refused = e
             continue
@@ -540,11 +562,13 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
 
 def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
                  cost: np.ndarray, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
-                 regular: np.ndarray, oversize: np.ndarray, M: int) -> StepPlan:
+                 regular: np.ndarray, oversize: np.ndarray, M: int,
+                 by_size: dict[str, np.ndarray]) -> StepPlan:
     """The plan of one split: regular samples placed, oversize ones isolated, then capacities
-    repaired (PlanError if some rank cannot be brought under them)."""
+    repaired (PlanError if some rank cannot be brought under them). `by_size`: per phase, the
+    regular samples' items, largest first (`_place_regular`)."""
     sample_rank, item_rank = _place_regular(inputs, topology, config, cost, unit_costs,
-                                            sample_mb, regular, M)
+                                            sample_mb, regular, M, by_size)
     isolated = np.arange(M, M + -(-len(oversize) // topology.world_size), dtype=np.int64)
     if len(oversize):
         _place_isolated(inputs, topology, oversize, M, unit_costs, sample_mb, sample_rank,
@@ -562,15 +586,22 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
 
 
 def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
-            config: PlannerConfig, M: int, W: int,
-            rng: np.random.Generator) -> Iterator[np.ndarray]:
+            config: PlannerConfig, M: int, W: int, rng: np.random.Generator,
+            llm_order: np.ndarray) -> Iterator[np.ndarray]:
     """Micro-batch of each sample in `idx`, best first: the cost split if it fits the
     capacities (`_split_fits`); else the greedy split held to them (`_split_greedy` with
     shares, filling micro-batches to each of `_HELD_FILLS` in turn; the first and an LPT
     over all rank x micro-batch bins in order of their bound), the split without
     concentrating, and the split by capacity shares alone, each that fits and then, whatever
-    fits, the last. `_plan_with` takes the first its ranks can hold."""
-    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack)
+    fits, the last. `_plan_with` takes the first its ranks can hold. `llm_order`: positions
+    in `idx` by decreasing LLM cost (ties by position)."""
+    c, b = cost[:, idx], big[:, idx]
+    # the greedy split's order of the samples: split_microbatches' greedy and the held ones
+    # below take them in the same order
+    greedy = _greedy_order(c, b, c.sum(axis=1) / (W * M), M, W) \
+        if M > 1 and len(idx) and config.room_slack < 1 else None
+    mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack,
+                            greedy_order=greedy)
     share = raw = _capacity_shares(inputs, config, idx)
     if share.shape[1]:
         # Samples over half a capacity cannot share a rank's micro-batch: at most W of them
@@ -581,11 +612,12 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
         yield mb
         if not share.shape[1]:
             return
-    c, b = cost[:, idx], big[:, idx]
     first = []
     for fill in _HELD_FILLS:  # fuller micro-batches are harder to pack on ranks: less, then
         scaled = share * (_FILL / fill)
-        held = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, scaled)
+        if greedy is None:
+            greedy = _greedy_order(c, b, c.sum(axis=1) / (W * M), M, W)
+        held = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, scaled, order=greedy)
         if _split_fits(scaled, held, M, W):
             _polish_split(c, b, held, M, W, scaled, _FILL * W)
             first.append(held)
@@ -593,7 +625,10 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
             # LPT of the LLM cost over all W x M (rank, micro-batch) bins, kept if its bins
             # hold the capacities (a packing comes with it); it and the fullest held split
             # go first in order of their bound, sum_m,p max(total/W, largest).
-            bins = lpt_heap(c[PHASES.index(LLM_PHASE)], W * M)
+            # (its input largest first: LPT takes the samples in the same order, and the
+            # sort it starts with is then O(n))
+            bins = np.empty(len(idx), dtype=np.int64)
+            bins[llm_order] = lpt_heap(c[PHASES.index(LLM_PHASE), llm_order], W * M)
             if all(np.bincount(bins, weights=raw[:, j], minlength=W * M).max() <= 1
                    for j in range(raw.shape[1])):
                 first.append(bins // W)
@@ -608,24 +643,89 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
 
 def _place_regular(inputs: StepInputs, topology: Topology, config: PlannerConfig,
                    cost: np.ndarray, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
-                   regular: np.ndarray, M: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+                   regular: np.ndarray, M: int, by_size: dict[str, np.ndarray]
+                   ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(LLM rank of every sample, encoder rank of every item per phase) for the `regular`
-    samples, micro-batch by micro-batch. Each micro-batch's items go in largest first: the
-    placement sorts them by size many times, and numpy's stable sort of sorted data is O(n)."""
+    samples, micro-batch by micro-batch. Each micro-batch's items go in largest first (the
+    order `by_size` has them in: per encoder phase, the regular samples' items by decreasing
+    cost, ties by index): the placement orders them by size many times, and on sizes that
+    come sorted that is one counting sort (`balance.order_by_key_then_size`). by_size[LLM]:
+    the regular samples by decreasing LLM cost, whose sort `place_samples` takes."""
     sample_rank = np.zeros(inputs.num_samples, dtype=np.int64)
     item_rank = {p: np.zeros(len(inputs.items(p)), dtype=np.int64) for p in ENCODER_PHASES}
-    by_size = {}
-    for p in ENCODER_PHASES:
-        order = np.argsort(-unit_costs[p], kind="stable")
-        by_size[p] = order[regular[inputs.items(p).sample[order]]]
+    mb_of = {p: sample_mb[inputs.items(p).sample[o]] for p, o in by_size.items()
+             if p != LLM_PHASE}
+    llm_order = by_size[LLM_PHASE]
+    llm_mb = sample_mb[llm_order]
+    at = np.zeros(inputs.num_samples, dtype=np.int64)
     for m in range(M):
         samp = np.flatnonzero(regular & (sample_mb == m))
-        items_in = {p: o[sample_mb[inputs.items(p).sample[o]] == m] for p, o in by_size.items()}
+        items_in = {p: by_size[p][mb_of[p] == m] for p in ENCODER_PHASES}
+        at[samp] = np.arange(len(samp))
         sample_rank[samp], ranks = _place_microbatch(cost, samp, unit_costs, items_in, inputs,
-                                                     topology, config)
+                                                     topology, config,
+                                                     at[llm_order[llm_mb == m]])
         for p in ENCODER_PHASES:
             item_rank[p][items_in[p]] = ranks[p]
     return sample_rank, item_rank
+
+
+def _by_decreasing_size(sizes: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """`np.argsort(-sizes, kind="stable")` for an encoder's items, whose cost is a function of
+    their length: a counting sort over their few distinct lengths (`_by_length_rank`), else
+    (a cost that is not, lengths out of its range) numpy's sort."""
+    out = np.empty(len(sizes), dtype=np.int64)
+    if _by_length_rank(np.ascontiguousarray(sizes, dtype=np.float64),
+                       np.ascontiguousarray(lens, dtype=np.int64), out):
+        return out
+    return np.argsort(-sizes, kind="stable")
+
+
+@kernel
+def _by_length_rank(sizes, lens, out):
+    """Into `out`, the positions by decreasing size, ties by position, where sizes[i] depends on
+    lens[i] only (checked: equal lengths, equal sizes) and lengths lie in [0, max(4n, 2**16)):
+    the distinct lengths ranked by decreasing size (equal sizes, one rank), then a counting sort
+    of the positions by their length's rank. True if done; False (`out` untouched) if not."""
+    n = lens.shape[0]
+    hi = -1
+    for i in range(n):
+        if lens[i] < 0:
+            return False
+        hi = max(hi, lens[i])
+    if hi >= max(4 * n, 1 << 16):
+        return False
+    size_of = np.zeros(hi + 1)
+    seen = np.zeros(hi + 1, np.bool_)
+    for i in range(n):
+        ln = lens[i]
+        if not seen[ln]:
+            seen[ln] = True
+            size_of[ln] = sizes[i]
+        elif not size_of[ln] == sizes[i]:  # (a NaN size fails here too)
+            return False
+    lengths = np.flatnonzero(seen)
+    distinct = size_of[lengths]
+    for v in distinct:
+        if v != v:
+            return False
+    by_size = np.argsort(-distinct, kind="mergesort")
+    rank = np.zeros(hi + 1, np.int64)
+    r = -1
+    for t in range(by_size.shape[0]):
+        if t == 0 or distinct[by_size[t]] != distinct[by_size[t - 1]]:
+            r += 1
+        rank[lengths[by_size[t]]] = r
+    fill = np.zeros(r + 2, np.int64)
+    for i in range(n):
+        fill[rank[lens[i]] + 1] += 1
+    for k in range(1, r + 2):
+        fill[k] += fill[k - 1]
+    for i in range(n):
+        k = rank[lens[i]]
+        out[fill[k]] = i
+        fill[k] += 1
+    return True
 
 
 def find_oversize(inputs: StepInputs, config: PlannerConfig) -> np.ndarray:
