@@ -6,12 +6,14 @@ is the same over all bins, bent toward each item's home bin; `refine` repairs wh
 lost with moves and swaps between heavy and light bins, all pairs at once; `relabel_bins`
 permutes finished bins onto ranks to keep embeddings local. `lpt_heap` and `karmarkar_karp` are
 the textbook versions (baselines, and the sequential yardstick). Each kernel exists once: as
-whole-array numpy where that does the work in a few passes (sorts, np.unique, `_extremes`'
-selection), compiled (`jit.kernel`) where numpy would make many passes over arrays it mostly
-does not change, or Python would loop over rounds or pairs: the rounds of `lpt_rounds` and
-`lpt_home`, refine's pair step, all-pairs step and iterations in groups, and `relabel_bins`'
-greedy passes. Refine's global iterations stay Python around numpy: their pairs come from the
-mean (numpy's pairwise sum) and argpartition's selection, which a kernel would not reproduce.
+whole-array numpy where that does the work in a few passes (sorts, np.unique), compiled
+(`jit.kernel`) where numpy would make many passes over arrays it mostly does not change, or
+Python would loop over rounds or pairs: the rounds of `lpt_rounds` and `lpt_home`, every
+iteration of refine (in groups, global, all pairs: the stop tests, the choice of pairs and the
+pair or all-pairs step), and `relabel_bins`' greedy passes. Refine's choice of pairs is defined
+so that a kernel computes it exactly: the mean load is the plain sum in bin order over the
+bins, heavy bins are taken by (load desc, index asc), light ones among the others by (load
+asc, index asc) (`_num_heavy`, `_extremes`).
 """
 
 from __future__ import annotations
@@ -372,26 +374,58 @@ def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
         _refine_in_groups(sizes, bin_of, loads, cand, bins_per_group, target, max_iter, swaps,
                           _SWAP_CELLS)
         return
-    # An iteration that moves nothing leaves the state as it was, and the pairs depend only on
-    # the state and the rotation: once every rotation has moved nothing, nothing ever will.
+    if all_pairs:
+        _refine_all_pairs(sizes, bin_of, loads, cand, float(target), int(max_iter), _MAX_HEAVY,
+                          _MAX_LIGHT, _CELLS)
+    else:
+        _refine_global(sizes, bin_of, loads, cand, float(target), int(max_iter), bool(swaps),
+                       _SWAP_CELLS)
+
+
+@kernel
+def _refine_global(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells):
+    """`refine`'s global iterations from its candidate items `cand`: each pairs the heavy bins
+    with light partners that rotate over iterations (`_rotating_pairs`) for `_pair_step`;
+    without `swaps`, items of at least the top load minus the lowest drop out of `cand` first
+    (a move of d helps only if d < lh - ll <= top - min). Stops at `target` (the top load at
+    most target * (1 + 1e-12)), after `max_iter`, or once `rotations` iterations in a row moved
+    nothing or `rotations` + 2 lowered the top load by no more than 1e-12 of it. An iteration
+    that moves nothing leaves the state as it was, and the pairs depend only on the state and
+    the rotation: once every rotation has moved nothing, nothing ever will. `bin_of` and
+    `loads` are updated in place."""
     idle = still = 0
     for it in range(max_iter):
         top = loads.max()
         if top <= target * (1 + 1e-12):
             break
-        if all_pairs:
-            moved = _all_pairs_step(sizes, bin_of, loads, cand, target)
-            idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
-            if idle >= 3 or not moved:
-                break
-            continue
         heavy, light, rotations = _rotating_pairs(loads, target, it)
-        if not swaps:  # a move of d helps only if d < lh - ll <= top - min: drop larger items
+        if not swaps:
             cand = cand[sizes[cand] < top - loads.min()]
-        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, _SWAP_CELLS)
+        moved = _pair_step(sizes, bin_of, loads, cand, heavy, light, swaps, max_cells)
         idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1
         if idle >= rotations + 2 or still >= rotations:
+            break
+
+
+@kernel
+def _refine_all_pairs(sizes, bin_of, loads, cand, target, max_iter, max_heavy, max_light,
+                      max_cells):
+    """`refine`'s all-pairs iterations: the heavy bins (`_num_heavy`, at most `max_heavy`)
+    against the lightest others (at most `max_light`, `_extremes`), each heavy bin's best
+    exchange (`_all_pairs_exchange`). Stops at `target`, after `max_iter`, at an iteration
+    that moves nothing or after 3 in a row that lowered the top load by no more than 1e-12 of
+    it. `bin_of` and `loads` are updated in place."""
+    nb, idle = loads.shape[0], 0
+    for _ in range(max_iter):
+        top = loads.max()
+        if top <= target * (1 + 1e-12):
+            break
+        kh = _num_heavy(loads, target, min(nb // 2, max_heavy))
+        heavy, light = _extremes(loads, kh, min(nb - kh, max_light))
+        moved = _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, max_cells)
+        idle = 0 if moved and loads.max() < top * (1 - 1e-12) else idle + 1
+        if idle >= 3 or not moved:
             break
 
 
@@ -439,30 +473,89 @@ def _group_pairs(loads, B, target, it):
     return heavy, light
 
 
-def _rotating_pairs(loads: np.ndarray, target: float, it: int):
+@kernel
+def _rotating_pairs(loads, target, it):
     """(heavy bins, their light partners in iteration `it`, rotations before partners repeat):
-    the bins well above the mean (and `target`) against the 4x as many lightest."""
-    nb = len(loads)
-    top, mean = loads.max(), loads.mean()
+    the k = `_num_heavy` (at most half the bins) heaviest by (load desc, index asc), heaviest
+    first, against a pool of the m = min(bins - k, 4k) lightest others by (load asc, index
+    asc): heavy bin j pairs with the pool's ((j + (it % rotations) * k) % m)-th, rotations =
+    ceil(m / k). Only the k pool bins of this rotation are selected and sorted."""
+    nb = loads.shape[0]
+    k = _num_heavy(loads, target, nb // 2)
+    m = min(nb - k, 4 * k)
+    rotations = -(-m // k)
+    heavy = _ranked(-loads, 0, k)
+    rest = loads.copy()  # the loads of the bins not heavy, the heavy ones at +inf
+    rest[heavy] = np.inf
+    start = (it % rotations) * k
+    if start + k <= m:
+        return heavy, _ranked(rest, start, start + k), rotations
+    return heavy, np.concatenate((_ranked(rest, start, m), _ranked(rest, 0, start + k - m))), \
+        rotations
+
+
+@kernel
+def _num_heavy(loads, target, most):
+    """How many bins count as heavy: those above cut = max(target, mean + (top - mean) / 4),
+    at least 1 and at most `most`; the mean is the loads' plain sum in bin order over the
+    number of bins."""
+    top, total = loads[0], 0.0
+    for x in loads:
+        total += x
+        top = max(top, x)
+    mean = total / loads.shape[0]
     cut = max(target, mean + 0.25 * (top - mean))
-    k = int(min(nb // 2, max(1, (loads > cut).sum())))
-    heavy, pool = _extremes(loads, k, min(nb - k, 4 * k))
-    rotations = -(-len(pool) // k)
-    return heavy, pool[(np.arange(k) + (it % rotations) * k) % len(pool)], rotations
+    above = 0
+    for x in loads:
+        if x > cut:
+            above += 1
+    return min(most, max(1, above))
 
 
-def _extremes(loads: np.ndarray, num_heavy: int, num_light: int) -> tuple[np.ndarray, np.ndarray]:
-    """(the num_heavy heaviest bins, heaviest first; the num_light lightest, lightest first):
-    O(nb) selection plus a sort of the few selected, ties broken by bin index."""
-    nb = len(loads)
-    if num_heavy + num_light >= nb // 2:
-        order = np.argsort(loads, kind="stable")
-        return np.ascontiguousarray(order[::-1][:num_heavy]), order[:num_light]
-    top = np.argpartition(loads, nb - num_heavy)[nb - num_heavy:]
-    top = top[np.lexsort((top, -loads[top]))]
-    low = np.argpartition(loads, num_light)[:num_light]
-    low = low[np.lexsort((low, loads[low]))]
-    return top, low
+@kernel
+def _extremes(loads, num_heavy, num_light):
+    """(the num_heavy heaviest bins by (load desc, index asc); the num_light lightest of the
+    other bins by (load asc, index asc)), each in that order, so disjoint; num_heavy >= 1,
+    num_heavy + num_light <= bins."""
+    heavy = _ranked(-loads, 0, num_heavy)
+    rest = loads.copy()
+    rest[heavy] = np.inf
+    return heavy, _ranked(rest, 0, num_light)
+
+
+@kernel
+def _ranked(keys, a, b):
+    """The indices of ranks a .. b - 1 (from 0) of `keys` by (key, index), in that order:
+    quickselect (`_kth_smallest`) of the keys of ranks a and b - 1, one pass collecting the
+    indices with keys between them, and a sort of those few (`_by_key`)."""
+    if b <= a:
+        return np.empty(0, np.int64)
+    lo, hi = _kth_smallest(keys, a), _kth_smallest(keys, b - 1)
+    sel = np.empty(keys.shape[0], np.int64)
+    below = m = 0
+    for x in range(keys.shape[0]):
+        if keys[x] < lo:
+            below += 1
+        elif keys[x] <= hi:
+            sel[m], m = x, m + 1
+    return _by_key(keys, sel[:m])[a - below:b - below]
+
+
+@kernel
+def _by_key(keys, ids):
+    """`ids` sorted by (keys[id], position in ids): numba's quicksort, then each run of equal
+    keys by position (numba's merge sort takes ~2x as long)."""
+    kv = keys[ids]
+    o = np.argsort(kv)
+    s, n = 0, o.shape[0]
+    while s < n:
+        e = s + 1
+        while e < n and kv[o[e]] == kv[o[s]]:
+            e += 1
+        if e - s > 1:
+            o[s:e] = np.sort(o[s:e])
+        s = e
+    return ids[o]
 
 
 _MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 100_000
@@ -470,16 +563,6 @@ _MAX_HEAVY, _MAX_LIGHT, _CELLS = 32, 64, 100_000
 _ALL_PAIRS_ITEMS_PER_BIN = 8
 _SWAP_ITEMS_PER_BIN = 16
 _SWAP_CELLS = 250_000
-
-
-def _all_pairs_step(sizes, bin_of, loads, cand, target) -> bool:
-    """Heaviest bins x lightest bins: best move/swap for each heavy bin; False if none helps."""
-    nb = len(loads)
-    top, mean = loads.max(), loads.mean()
-    cut = max(target, mean + 0.25 * (top - mean))
-    kh = int(min(nb // 2, _MAX_HEAVY, max(1, (loads > cut).sum())))
-    heavy, light = _extremes(loads, kh, int(min(nb - kh, _MAX_LIGHT)))
-    return _all_pairs_exchange(sizes, bin_of, loads, cand, heavy, light, _CELLS)
 
 
 @kernel
