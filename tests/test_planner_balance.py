@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _by_key, _extremes, _greedy_pairs, _kth_smallest, _members, _num_heavy,
-    _pair_step, _ranked, _refine_all_pairs, _refine_global, _refine_in_groups, _rotating_pairs,
+    _all_pairs_exchange, _extremes, _greedy_pairs, _kth_smallest, _load_order, _members,
+    _num_heavy, _pair_step, _refine_all_pairs, _refine_global, _refine_in_groups, _rotating_pairs,
     karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins,
 )
 
@@ -411,17 +411,13 @@ def test_rotating_pairs_and_extremes_choose_bins_by_the_rule(seed):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_ranked_gives_the_ranks_by_key_then_index(seed):
+def test_load_order_sorts_bins_by_load_then_index(seed):
     rng = np.random.default_rng(seed)
     for _ in range(50):
-        n = int(rng.integers(1, 200))
-        keys = _tied_loads(rng, n)
-        a = int(rng.integers(0, n + 1))
-        b = int(rng.integers(a, n + 1))
-        assert _ranked(keys, a, b).tolist() == sorted(range(n), key=lambda x: (keys[x], x))[a:b]
-        ids = rng.permutation(n)[:int(rng.integers(0, n + 1))]
-        assert _by_key(keys, ids).tolist() == [ids[p] for p in sorted(
-            range(len(ids)), key=lambda p: (keys[ids[p]], p))]
+        n = int(rng.integers(1, 300))
+        loads = _tied_loads(rng, n) * float(rng.choice([1, -1, 1e-300, 1e300]))  # ties, signs
+        loads[rng.random(n) < 0.1] = float(rng.choice([0.0, -0.0, np.inf]))
+        assert _load_order(loads).tolist() == sorted(range(n), key=lambda b: (loads[b], b))
 
 
 def _refine_global_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells):
