@@ -460,11 +460,11 @@ def _refine_all_pairs_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, 
     return bin_of, loads
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", range(40))
 def test_refine_global_and_all_pairs_iterate_by_the_rule(seed):
     rng = np.random.default_rng(seed)
     nb, n = int(rng.integers(2, 40)), int(rng.integers(1, 200))
-    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 2)))  # ties when rounded
+    sizes = _tie_heavy_sizes(rng, n)  # tied top loads: moves that do not lower the top
     bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))  # skewed
     loads = _loads(sizes, bin_of, nb)
     cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
@@ -481,6 +481,22 @@ def test_refine_global_and_all_pairs_iterate_by_the_rule(seed):
         _refine_global(sizes, bin_of, loads, cand, *args)
     assert np.array_equal(bin_of, want_bins)
     assert np.array_equal(loads, want_loads)
+
+
+def test_refine_global_runs_to_its_stops_by_the_rule():
+    """Few bins, tied sizes, target 0, many iterations: the runs end at the idle and still
+    stops (moves that leave the top load where it was), not at max_iter."""
+    for seed in range(250):
+        rng = np.random.default_rng(seed)
+        nb, n = int(rng.integers(2, 12)), int(rng.integers(1, 60))
+        sizes = _tie_heavy_sizes(rng, n)
+        bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))
+        loads = _loads(sizes, bin_of, nb)
+        cand = np.flatnonzero((rng.random(n) < 0.7) & (sizes > 0))
+        args = (0.0, 64, bool(rng.random() < 0.5), 10**6)
+        want_bins, want_loads = _refine_global_by_the_rule(sizes, bin_of, loads, cand, *args)
+        _refine_global(sizes, bin_of, loads, cand, *args)
+        assert np.array_equal(bin_of, want_bins) and np.array_equal(loads, want_loads), seed
 
 
 @pytest.mark.parametrize("seed", range(10))
