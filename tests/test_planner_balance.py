@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _greedy_pairs, _key_order, _kth_smallest, _members, _pair_step,
-    _refine_in_groups, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, order_by_key_then_size,
+    _all_pairs_exchange, _extremes, _greedy_pairs, _key_order, _kth_smallest, _load_order,
+    _members, _num_heavy, _pair_step, _refine_all_pairs, _refine_global, _refine_in_groups,
+    _rotating_pairs, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, order_by_key_then_size,
     refine, relabel_bins, stable_order,
 )
 
@@ -367,6 +368,136 @@ def test_refine_in_groups_iterates_pair_steps_by_the_rule(seed):
     _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, cells)
     assert np.array_equal(bin_of, want_bins)
     assert np.array_equal(loads, want_loads)
+
+
+def _heavy_and_pool_by_the_rule(loads, target, most, pool_per_heavy, most_light):
+    """Refine's choice of bins: k heavy ones (above max(target, mean + (top - mean) / 4), the
+    mean a plain sum in bin order / bins; 1 <= k <= most) by (load desc, index), then the m
+    lightest others by (load asc, index)."""
+    total = 0.0
+    for x in loads.tolist():  # not sum(): Python's sum of floats is compensated
+        total += x
+    mean = total / len(loads)
+    cut = max(target, mean + 0.25 * (max(loads) - mean))
+    k = min(most, max(1, sum(1 for x in loads if x > cut)))
+    heavy = sorted(range(len(loads)), key=lambda b: (-loads[b], b))[:k]
+    rest = sorted((b for b in range(len(loads)) if b not in heavy), key=lambda b: (loads[b], b))
+    return heavy, rest[:min(len(loads) - k, pool_per_heavy * k, most_light)]
+
+
+def _tied_loads(rng, nb):
+    return np.round(rng.random(nb) * float(rng.choice([1, 3, 1000])), int(rng.integers(0, 3)))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rotating_pairs_and_extremes_choose_bins_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        nb = int(rng.integers(2, 60))
+        loads = _tied_loads(rng, nb)  # many exact ties
+        target = float(rng.choice([0.0, loads.mean(), 2 * loads.max()]))
+        it = int(rng.integers(0, 10))
+        heavy, pool = _heavy_and_pool_by_the_rule(loads, target, nb // 2, 4, nb)
+        k, m = len(heavy), len(pool)
+        assert _num_heavy(loads, target, nb // 2) == k
+        rotations = -(-m // k)
+        got_h, got_l, got_r = _rotating_pairs(loads, target, it)
+        assert got_h.tolist() == heavy and got_r == rotations
+        assert got_l.tolist() == [pool[(j + (it % rotations) * k) % m] for j in range(k)]
+        kh = min(nb // 2, 3)
+        nl = int(rng.integers(0, nb - kh + 1))
+        heavy = sorted(range(nb), key=lambda b: (-loads[b], b))[:kh]
+        light = sorted((b for b in range(nb) if b not in heavy), key=lambda b: (loads[b], b))[:nl]
+        assert [x.tolist() for x in _extremes(loads, kh, nl)] == [heavy, light]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_load_order_sorts_bins_by_load_then_index(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n = int(rng.integers(1, 300))
+        loads = _tied_loads(rng, n) * float(rng.choice([1, -1, 1e-300, 1e300]))  # ties, signs
+        loads[rng.random(n) < 0.1] = float(rng.choice([0.0, -0.0, np.inf]))
+        assert _load_order(loads).tolist() == sorted(range(n), key=lambda b: (loads[b], b))
+
+
+def _refine_global_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells):
+    """Refine's global rule, one iteration at a time: the heavy bins against partners that
+    rotate through a pool of 4x as many light ones."""
+    idle = still = 0
+    for it in range(max_iter):
+        top = max(loads)
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, pool = _heavy_and_pool_by_the_rule(loads, target, len(loads) // 2, 4, len(loads))
+        k, m = len(heavy), len(pool)
+        rotations = -(-m // k)
+        light = [pool[(j + (it % rotations) * k) % m] for j in range(k)]
+        if not swaps:
+            cand = np.array([c for c in cand if sizes[c] < top - min(loads)], dtype=np.int64)
+        moved, bin_of, loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light,
+                                                      swaps, max_cells)
+        idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
+        still = 0 if moved else still + 1
+        if idle >= rotations + 2 or still >= rotations:
+            break
+    return bin_of, loads
+
+
+def _refine_all_pairs_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, max_heavy,
+                                  max_light, max_cells):
+    idle = 0
+    for _ in range(max_iter):
+        top = max(loads)
+        if top <= target * (1 + 1e-12):
+            break
+        heavy, light = _heavy_and_pool_by_the_rule(loads, target, min(len(loads) // 2, max_heavy),
+                                                   len(loads), max_light)
+        moved, bin_of, loads = _all_pairs_by_the_rule(sizes, bin_of, loads, cand,
+                                                      np.array(heavy), np.array(light), max_cells)
+        idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
+        if idle >= 3 or not moved:
+            break
+    return bin_of, loads
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_refine_global_and_all_pairs_iterate_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    nb, n = int(rng.integers(2, 40)), int(rng.integers(1, 200))
+    sizes = _tie_heavy_sizes(rng, n)  # tied top loads: moves that do not lower the top
+    bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))  # skewed
+    loads = _loads(sizes, bin_of, nb)
+    cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
+    target = float(rng.choice([0.0, sizes.sum() / nb]))
+    max_iter, swaps = int(rng.choice([1, 4, 16, 64])), bool(rng.random() < 0.6)
+    cells = int(rng.choice([10, 10**6]))
+    if seed % 3 == 0:
+        args = (target, max_iter, int(rng.integers(1, 5)), int(rng.integers(1, 8)), cells)
+        want_bins, want_loads = _refine_all_pairs_by_the_rule(sizes, bin_of, loads, cand, *args)
+        _refine_all_pairs(sizes, bin_of, loads, cand, *args)
+    else:
+        args = (target, max_iter, swaps, cells)
+        want_bins, want_loads = _refine_global_by_the_rule(sizes, bin_of, loads, cand, *args)
+        _refine_global(sizes, bin_of, loads, cand, *args)
+    assert np.array_equal(bin_of, want_bins)
+    assert np.array_equal(loads, want_loads)
+
+
+def test_refine_global_runs_to_its_stops_by_the_rule():
+    """Few bins, tied sizes, target 0, many iterations: the runs end at the idle and still
+    stops (moves that leave the top load where it was), not at max_iter."""
+    for seed in range(250):
+        rng = np.random.default_rng(seed)
+        nb, n = int(rng.integers(2, 12)), int(rng.integers(1, 60))
+        sizes = _tie_heavy_sizes(rng, n)
+        bin_of = np.minimum(rng.integers(0, nb, n), rng.integers(0, nb, n))
+        loads = _loads(sizes, bin_of, nb)
+        cand = np.flatnonzero((rng.random(n) < 0.7) & (sizes > 0))
+        args = (0.0, 64, bool(rng.random() < 0.5), 10**6)
+        want_bins, want_loads = _refine_global_by_the_rule(sizes, bin_of, loads, cand, *args)
+        _refine_global(sizes, bin_of, loads, cand, *args)
+        assert np.array_equal(bin_of, want_bins) and np.array_equal(loads, want_loads), seed
 
 
 @pytest.mark.parametrize("seed", range(10))
