@@ -26,14 +26,14 @@ strategies move little, and the cluster-wide ones restore balance where they can
 Cost: one sort a step of each phase's items and of the samples by size (a counting sort over
 their lengths: a unit's cost is a function of its length), the later sorts by size run on
 sorted data (a counting sort by key), O(n/B) batched-LPT rounds, refine iterations of O(n +
-pairs x items^2). The loops that go block by block or unit by unit (the split's block greedy
-and polish, the capacity repair's moves and best fit) are compiled (`jit.kernel`), the rest is
-numpy. What `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core machine; all
-figures in docs/planner.md, generated from docs/bench/planner.json; regimes under serve's
-default capacity): W=4, 512 samples: 3.4 ms; W=64: 6.2-12.2 ms in every regime but document
-pages (19 ms); W=2560: 32-100 ms for 1.5k-28k encoder items a step, 162 ms for 104k interleaved
-images (a capacity repair repacks a micro-batch) and 183 ms for document pages (37k near-equal
-items, where every placement strategy runs).
+pairs x items^2). The loops that go element by element (refine, the LPT rounds, the split's
+block greedy and polish, the capacity repair, unit bounds, counting sorts) are compiled
+(`jit.kernel`), the rest is numpy. What `bench.planner` measured (CPU ms per plan, p50, on a
+shared 2-core VM whose reference loop takes 89 ms; all figures in docs/planner.md, generated
+from docs/bench/planner.json; regimes under serve's default capacity): W=4, 512 samples:
+4.4 ms; W=64: 4.4-7.6 ms in every regime; W=2560: 44-83 ms for 1.5k-28k encoder items a step,
+125 ms for 104k interleaved images and 127 ms for document pages (37k near-equal items, where
+every placement strategy runs).
 """
 
 from __future__ import annotations
