@@ -145,14 +145,19 @@ def _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light, swaps, max_
     return moved, bin_of, loads
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_pair_step_applies_the_best_exchange_of_every_pair(seed):
+def _random_bins(seed: int, min_bins: int):
+    """(rng, sizes, bin_of, loads, bins in random order) of a random instance with tied sizes."""
     rng = np.random.default_rng(seed)
-    nb, n = int(rng.integers(4, 40)), int(rng.integers(1, 300))
+    nb, n = int(rng.integers(min_bins, 40)), int(rng.integers(1, 300))
     sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 3)))  # ties when rounded
     bin_of = rng.integers(0, nb, n)
-    loads = _loads(sizes, bin_of, nb)
-    order = rng.permutation(nb)
+    return rng, sizes, bin_of, _loads(sizes, bin_of, nb), rng.permutation(nb)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_pair_step_applies_the_best_exchange_of_every_pair(seed):
+    rng, sizes, bin_of, loads, order = _random_bins(seed, 4)
+    nb, n = len(loads), len(sizes)
     K = int(rng.integers(1, nb // 2 + 1))
     heavy, light = order[:K], order[K:2 * K]
     cand = np.flatnonzero(rng.random(n) < 0.9)
@@ -204,12 +209,8 @@ def _all_pairs_by_the_rule(sizes, bin_of, loads, cand, heavy, light, max_cells):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_all_pairs_exchange_gives_each_heavy_bin_its_best_exchange(seed):
-    rng = np.random.default_rng(seed)
-    nb, n = int(rng.integers(2, 40)), int(rng.integers(1, 300))
-    sizes = np.round(rng.lognormal(0, 1, n), int(rng.integers(0, 3)))  # ties when rounded
-    bin_of = rng.integers(0, nb, n)
-    loads = _loads(sizes, bin_of, nb)
-    order = rng.permutation(nb)
+    rng, sizes, bin_of, loads, order = _random_bins(seed, 2)
+    nb, n = len(loads), len(sizes)
     kh = int(rng.integers(1, nb // 2 + 1))
     heavy, light = order[:kh], order[kh:kh + int(rng.integers(1, nb - kh + 1))]
     cand = np.flatnonzero((rng.random(n) < 0.9) & (sizes > 0))
