@@ -41,8 +41,10 @@ RANKS_PER_NODE = 8
 MICROBATCHES = 2
 SHARD_SAMPLES = 4096
 #: RSS bound: the dispatcher's RSS once it is READY (interpreter, libraries, the planner's compiled
-#: kernels) plus what each sample it may hold costs in Python objects (header record, key, item
-#: records, reference views) and each retained rank message.
+#: kernels), plus a fixed margin for one step's working set and the heap's slack (plan arrays,
+#: encoded messages in flight, allocator arenas), plus what each sample it may hold costs in
+#: Python objects (header record, key, item records, reference views) and retained messages.
+RSS_STEP_MB = 32.0
 RSS_PER_BUFFERED_SAMPLE_KB = 2.0
 
 
@@ -256,7 +258,8 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         "breakdown_ms": breakdown,
         "dispatcher_peak_rss_mb": round(peak, 1),
         "idle_rss_mb": round(idle_rss, 1),
-        "rss_bound_mb": round(idle_rss + RSS_PER_BUFFERED_SAMPLE_KB * buffered / 1024, 1),
+        "rss_bound_mb": round(idle_rss + RSS_STEP_MB + RSS_PER_BUFFERED_SAMPLE_KB * buffered / 1024,
+                              1),
         "messages_per_step": round(sum(per(f"mmdispatch_messages_total{{{d_},{r}}}")
                                        for d_ in ("in", "out") for r in ("reader", "trainer")), 1),
         "bytes_per_step": int(sum(per(f"mmdispatch_bytes_{d_}_total{{{r}}}")

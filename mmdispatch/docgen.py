@@ -302,8 +302,8 @@ def _scale(d: dict) -> list[str]:
     if idle:
         out += ["", f"The RSS bound is the dispatcher's RSS once READY ({min(idle):.0f}-"
                 f"{max(idle):.0f} MB: interpreter, libraries, the planner's compiled kernels) "
-                "plus 2 KB per sample it may hold (retained steps, the step being filled, the "
-                "shuffle buffer)."]
+                "plus 32 MB for a step's working set and the heap's slack, plus 2 KB per sample "
+                "it may hold (retained steps, the step being filled, the shuffle buffer)."]
     return out
 
 
