@@ -324,32 +324,46 @@ def test_greedy_pairs_gives_each_bin_its_first_target_with_room(seed):
     assert out.tolist() == want_out and room.tolist() == want_room
 
 
-def _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target, max_iter, swaps,
-                                  max_cells):
-    """Refine's rule in groups of B bins, one iteration and group at a time."""
+def _refine_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells, pairs):
+    """Refine's rule, one iteration at a time: `pairs(loads, it)` gives the iteration's heavy
+    bins, their light partners and the rotations before partners repeat (None: stop)."""
     idle = still = 0
-    h = B // 2
     for it in range(max_iter):
         top = max(loads)
         if top <= target * (1 + 1e-12):
             break
-        heavy, light = [], []
-        for g in range(len(loads) // B):  # each busy group: heavier half x lighter half
-            if max(loads[g * B:(g + 1) * B]) > target * (1 + 1e-12):
-                o = sorted(range(g * B, (g + 1) * B), key=lambda b: loads[b])  # ties: by bin
-                heavy += [o[B - 1 - j] for j in range(h)]
-                light += [o[(j + it) % h] for j in range(h)]  # the partner rotates
-        if not heavy:
+        chosen = pairs(loads, it)
+        if chosen is None:
             break
+        heavy, light, rotations = chosen
         if not swaps:
             cand = np.array([c for c in cand if sizes[c] < top - min(loads)], dtype=np.int64)
         moved, bin_of, loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light,
                                                       swaps, max_cells)
         idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
         still = 0 if moved else still + 1
-        if idle >= h + 2 or still >= h:
+        if idle >= rotations + 2 or still >= rotations:
             break
     return bin_of, loads
+
+
+def _refine_in_groups_by_the_rule(sizes, bin_of, loads, cand, B, target, max_iter, swaps,
+                                  max_cells):
+    """Refine's rule in groups of B bins: each busy group's heavier half against its lighter
+    half, the partner rotating."""
+    h = B // 2
+
+    def pairs(loads, it):
+        heavy, light = [], []
+        for g in range(len(loads) // B):
+            if max(loads[g * B:(g + 1) * B]) > target * (1 + 1e-12):
+                o = sorted(range(g * B, (g + 1) * B), key=lambda b: loads[b])  # ties: by bin
+                heavy += [o[B - 1 - j] for j in range(h)]
+                light += [o[(j + it) % h] for j in range(h)]
+        return (heavy, light, h) if heavy else None
+
+    return _refine_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells,
+                               pairs)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -423,26 +437,16 @@ def test_load_order_sorts_bins_by_load_then_index(seed):
 
 
 def _refine_global_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells):
-    """Refine's global rule, one iteration at a time: the heavy bins against partners that
-    rotate through a pool of 4x as many light ones."""
-    idle = still = 0
-    for it in range(max_iter):
-        top = max(loads)
-        if top <= target * (1 + 1e-12):
-            break
+    """Refine's global rule: the heavy bins against partners that rotate through a pool of 4x
+    as many light ones."""
+    def pairs(loads, it):
         heavy, pool = _heavy_and_pool_by_the_rule(loads, target, len(loads) // 2, 4, len(loads))
         k, m = len(heavy), len(pool)
         rotations = -(-m // k)
-        light = [pool[(j + (it % rotations) * k) % m] for j in range(k)]
-        if not swaps:
-            cand = np.array([c for c in cand if sizes[c] < top - min(loads)], dtype=np.int64)
-        moved, bin_of, loads = _pair_step_by_the_rule(sizes, bin_of, loads, cand, heavy, light,
-                                                      swaps, max_cells)
-        idle = 0 if moved and max(loads) < top * (1 - 1e-12) else idle + 1
-        still = 0 if moved else still + 1
-        if idle >= rotations + 2 or still >= rotations:
-            break
-    return bin_of, loads
+        return heavy, [pool[(j + (it % rotations) * k) % m] for j in range(k)], rotations
+
+    return _refine_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, swaps, max_cells,
+                               pairs)
 
 
 def _refine_all_pairs_by_the_rule(sizes, bin_of, loads, cand, target, max_iter, max_heavy,
