@@ -103,8 +103,7 @@ def place_samples(c: np.ndarray, W: int, g: int, tolerance: float,
     else:
         rank = lpt_heap(llm, W)
     loads = np.bincount(rank, weights=llm, minlength=W)
-    llm_lb = float(unit_bound(c[K_LLM], np.zeros(c.shape[1], dtype=np.int64), 1, W,
-                              order=by_size)[0])
+    llm_lb = float(unit_bound(llm, np.zeros(len(llm), dtype=np.int64), 1, W, order=by_size)[0])
     good = llm_lb * (1 + tolerance / 4)
     refine(llm, rank, loads, bins_per_group=g, target=good, max_iter=4)
     no_items = (c[K_VIS] == 0) & (c[K_AUD] == 0)

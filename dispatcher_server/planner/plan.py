@@ -53,6 +53,8 @@ def _excl_sums(keys, values, order, out):
         if t == 0 or keys[i] != keys[order[t - 1]]:
             base = cs
         out[i] = cs - base
+
+
 def _ptr(sorted_groups: np.ndarray, num_groups: int) -> np.ndarray:
     return np.searchsorted(sorted_groups, np.arange(num_groups + 1)).astype(np.int64)
 
