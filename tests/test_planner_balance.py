@@ -9,7 +9,7 @@ from dispatcher_server.planner.balance import (
     _all_pairs_exchange, _extremes, _greedy_pairs, _key_order, _kth_smallest, _load_order,
     _members, _num_heavy, _pair_step, _refine_all_pairs, _refine_global, _refine_in_groups,
     _rotating_pairs, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, order_by_key_then_size,
-    refine, relabel_bins, stable_order,
+    refine, relabel_bins, stable_order, swap_home,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -654,3 +654,66 @@ def test_key_order_is_a_counting_sort_by_key_then_decreasing_size(seed):
     if (keys >= 0).all() and not np.isnan(sizes).any():  # the wrappers, whichever way they go
         assert np.array_equal(stable_order(keys), np.argsort(keys, kind="stable"))
         assert np.array_equal(order_by_key_then_size(keys, sizes), np.lexsort((-sizes, keys)))
+
+
+def _swap_home_by_the_rule(size, home_node, nbytes, rank, loads, g, cap, passes):
+    """`swap_home`'s rule on lists: passes over the items away from their home node, by
+    decreasing bytes then index; each still away takes, among the items away from home that
+    sit on its home node (by index), the one saving the most bytes, then changing the loads
+    least, then first, that keeps both ranks at or under cap; none if nothing is saved."""
+    rank, loads, total = list(rank), list(loads), 0
+    for _ in range(passes):
+        away = [i for i in range(len(size)) if rank[i] // g != home_node[i]]
+        gone, swaps = set(), 0
+        for x in sorted(away, key=lambda i: (-nbytes[i], i)):
+            if x in gone or rank[x] // g == home_node[x]:
+                continue
+            b, best = rank[x] // g, None
+            for y in sorted(i for i in away if i not in gone and rank[i] // g == home_node[x]
+                            and rank[i] // g != home_node[i]):
+                d = size[x] - size[y]
+                if loads[rank[y]] + d > cap or loads[rank[x]] - d > cap:
+                    continue
+                key = (nbytes[x] + (nbytes[y] if home_node[y] == b else 0.0), -abs(d))
+                if key[0] > 0 and (best is None or key > best[0]):
+                    best = (key, y)
+            if best is None:
+                continue
+            y = best[1]
+            d = size[x] - size[y]
+            loads[rank[y]] += d
+            loads[rank[x]] -= d
+            rank[x], rank[y] = rank[y], rank[x]
+            gone.add(x)
+            swaps += 1
+        total += swaps
+        if not swaps:
+            break
+    return rank, loads, total
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_swap_home_swaps_items_home_by_the_rule(seed):
+    rng = np.random.default_rng(seed)
+    g = int(rng.choice([1, 2, 4]))
+    W = g * int(rng.integers(2, 6))
+    n = int(rng.integers(0, 60))
+    size = rng.integers(1, int(rng.choice([2, 4, 20])), n).astype(np.float64)  # ties
+    home = rng.integers(0, W, n)
+    nbytes = rng.integers(0, 4, n).astype(np.float64)  # ties, and items of no bytes
+    rank = rng.integers(0, W, n)
+    loads = np.bincount(rank, weights=size, minlength=W)
+    cap = float(loads.max() + rng.choice([0.0, 1.0, 3.0]))
+    passes = int(rng.integers(1, 4))
+    want_rank, want_loads, want = _swap_home_by_the_rule(
+        size.tolist(), (home // g).tolist(), nbytes.tolist(), rank.tolist(), loads.tolist(), g,
+        cap, passes)
+    before = nbytes[rank // g != home // g].sum()
+    got = swap_home(size, home, nbytes, rank, loads, g, cap, passes)
+    if W > g:
+        assert (got, rank.tolist(), loads.tolist()) == (want, want_rank, want_loads)
+    else:
+        assert got == 0
+    assert np.allclose(loads, np.bincount(rank, weights=size, minlength=W))
+    assert loads.max() <= max(cap, np.bincount(rank, weights=size, minlength=W).max())
+    assert nbytes[rank // g != home // g].sum() <= before

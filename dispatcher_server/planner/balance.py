@@ -320,6 +320,85 @@ def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_b
     return out
 
 
+def swap_home(size: np.ndarray, home: np.ndarray, nbytes: np.ndarray, rank: np.ndarray,
+              loads: np.ndarray, node_size: int, cap: float, passes: int = 4) -> int:
+    """Swap pairs of items so that more `nbytes` stay on their home node, no rank going above
+    `cap`: an item x away from its home node trades places with an item y that sits on x's
+    home node away from its own (y's bytes cross either way, unless y lands home too), if both
+    ranks stay at or under `cap`. Ranks of a node are interchangeable for bytes, so a
+    balanced placement whose ranks mostly mix homes keeps its loads' spread and loses most of
+    its crossing bytes. `rank` and `loads` are updated in place; returns the swaps made."""
+    if len(size) == 0 or len(loads) <= node_size:
+        return 0
+    return int(_swap_home(np.ascontiguousarray(size, dtype=np.float64),
+                          np.ascontiguousarray(home // node_size, dtype=np.int64),
+                          np.ascontiguousarray(nbytes, dtype=np.float64), rank, loads,
+                          node_size, float(cap), passes))
+
+
+@kernel
+def _swap_home(size, home_node, nbytes, rank, loads, g, cap, passes):
+    """`swap_home`'s passes, until one swaps nothing or after `passes`. Each pass takes the
+    items away from their home node by decreasing bytes (ties by index); x still away pairs
+    with the y, among the items away from home on x's home node, that saves the most bytes
+    (x's, plus y's if y's home is x's node), then changes the loads least (|size x - size
+    y|), then has the lowest index, of those keeping both ranks at or under `cap` (none if it
+    saves no bytes)."""
+    n, N = size.shape[0], loads.shape[0] // g
+    total = 0
+    for _ in range(passes):
+        off = np.flatnonzero(rank // g != home_node)
+        start = np.zeros(N + 1, np.int64)  # off items by their node, in index order
+        for i in off:
+            start[rank[i] // g + 1] += 1
+        for k in range(N):
+            start[k + 1] += start[k]
+        fill = start[:N].copy()
+        slots = np.empty(off.shape[0], np.int64)
+        pos = np.full(n, -1, np.int64)
+        for i in off:
+            b = rank[i] // g
+            slots[fill[b]], pos[i] = i, fill[b]
+            fill[b] += 1
+        swaps = 0
+        for x in off[np.argsort(-nbytes[off], kind="mergesort")]:
+            if pos[x] < 0:
+                continue
+            rx = rank[x]
+            b = rx // g
+            best, gain_best, d_best = -1, 0.0, 0.0
+            for s in range(start[home_node[x]], start[home_node[x] + 1]):
+                y = slots[s]
+                if y < 0:
+                    continue
+                d = size[x] - size[y]
+                if loads[rank[y]] + d > cap or loads[rx] - d > cap:
+                    continue
+                gain = nbytes[x] + (nbytes[y] if home_node[y] == b else 0.0)
+                if gain > gain_best or (best >= 0 and gain == gain_best and (
+                        abs(d) < d_best or (abs(d) == d_best and y < best))):
+                    best, gain_best, d_best = y, gain, abs(d)
+            if best < 0:
+                continue
+            y = best
+            ry = rank[y]
+            d = size[x] - size[y]
+            loads[ry] += d
+            loads[rx] -= d
+            rank[x], rank[y] = ry, rx
+            slots[pos[y]] = -1  # x is home now; y takes x's place on node b
+            if home_node[y] == b:
+                slots[pos[x]], pos[y] = -1, -1
+            else:
+                slots[pos[x]], pos[y] = y, pos[x]
+            pos[x] = -1
+            swaps += 1
+        total += swaps
+        if swaps == 0:
+            break
+    return total
+
+
 @kernel
 def _greedy_pairs(bins, targets, room, out):
     """In the pairs' order, bin b takes target t where b has none yet (out[b] < 0) and t has

@@ -55,9 +55,9 @@ class PlannerConfig:
     # Home-biased LPT treats rank loads within this fraction of the bound (spread over a
     # rank's items) as equal, so an item may take its home rank.
     home_band: float = 0.02
-    # Encoder placement with at most this many items a rank counts as coarse: the bound is
-    # often out of reach there, so sequential LPT runs early as the yardstick and a node
-    # strategy within balance_tolerance of the best placement so far is kept.
+    # Encoder placement with at most this many items a rank counts as coarse: local moves
+    # seldom bring a node strategy to the bound there, so where node-first misses it,
+    # home-biased LPT (balanced over the cluster, then swapped home) is the one alternative.
     coarse_items_per_rank: float = 8.0
 
     def __post_init__(self) -> None:

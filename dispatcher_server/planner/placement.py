@@ -3,9 +3,9 @@
 Samples go to nodes, then ranks (`place_samples`). Encoder items then have a home, their
 sample's LLM rank, and four named strategies place them: `node_first` keeps items home and
 moves only the excess, same node first (fewest bytes); `node_lpt` sends the same excess to
-other nodes but packs each node's items afresh (coarse items); `home_biased_lpt` and
-`sequential_lpt` balance over the whole cluster and are relabelled so each rank's items mostly
-go to its own node. The node strategies cross nodes by single moves, each followed by a refine
+other nodes but packs each node's items afresh; `home_biased_lpt` and `sequential_lpt` balance
+over the whole cluster, are relabelled so each rank's items mostly go to its own node, and
+then swap items home where loads allow. The node strategies cross nodes by single moves, each followed by a refine
 inside nodes, before they swap across nodes. `choose_placement` is the one scoring rule:
 balance first, then bytes crossing nodes. Every strategy returns new arrays; none writes into
 its arguments.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins
+from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins, swap_home
 from .bounds import unit_bound
 from .plan import group_excl_cumsum
 from .types import LLM_PHASE, PHASES
@@ -212,8 +212,8 @@ def node_first(items: Items, good: float) -> Placement:
 def node_lpt(items: Items, good: float) -> Placement:
     """Items to nodes as node-first does (home node; a node over its ranks' bound exports
     items, largest first, to the lightest nodes), then LPT of each node's items over its
-    ranks from scratch, refine in nodes, `_across_nodes`: for coarse items, where keeping
-    each rank's largest items home leaves too little to pack with."""
+    ranks from scratch, refine in nodes, `_across_nodes`: where keeping each rank's largest
+    items home leaves too little to pack with."""
     sz, home, W, g = items.size, items.home, items.world_size, items.ranks_per_node
     node_load = np.bincount(home // g, weights=sz, minlength=W // g)
     node = _export_excess(items, np.arange(len(sz)), node_load, g * items.bound)
@@ -251,14 +251,17 @@ def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good
 def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
                 target: float) -> Placement:
     """Refine a whole-cluster placement down to `target`, then hand each bin to the rank
-    (node first) where most of its embeddings go anyway: ranks are interchangeable for
-    balance."""
+    (node first) where most of its embeddings go anyway (ranks are interchangeable for
+    balance), then swap items that are still away from home with items that sit on their
+    home node away from their own, no rank above the slowest (`swap_home`)."""
     W, g = items.world_size, items.ranks_per_node
     refine(items.size, r, loads, target=target, max_iter=8)
     new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
     moved = np.empty(W)
     moved[new_rank] = loads
-    return Placement(name, new_rank[r], moved)
+    rank = new_rank[r]
+    swap_home(items.size, items.home, items.nbytes, rank, moved, g, moved.max() * (1 + 1e-12))
+    return Placement(name, rank, moved)
 
 
 def home_biased_lpt(items: Items, band: float, target: float) -> Placement:
@@ -321,24 +324,20 @@ def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement
 
 def place_items(items: Items, *, tolerance: float, band: float,
                 coarse_per_rank: float) -> np.ndarray:
-    """Rank of each encoder item: node-first, and while no placement so far is balanced
-    enough, node LPT, home-biased LPT and sequential LPT in turn; `choose_placement` picks;
-    `pull_home` last. Balanced enough: within `tolerance` of the bound; with at most
-    `coarse_per_rank` items a rank, where the bound is often out of reach, sequential LPT
-    (cheap there) goes first and a node strategy within `tolerance` of the best so far
-    suffices: the node strategies aim at that, not at the bound."""
+    """Rank of each encoder item: node-first, and while no placement so far is within
+    `tolerance` of the bound, node LPT, home-biased LPT and sequential LPT in turn;
+    `choose_placement` picks; `pull_home` last. With at most `coarse_per_rank` items a rank,
+    single moves and swaps seldom bring a node strategy to the bound (a rank's load is a
+    handful of items: it must hold the right count of them, not just the right total), so
+    home-biased LPT alone follows node-first there: balanced over the whole cluster, then
+    swapped home (`_relabelled`)."""
     good = items.bound * (1 + tolerance)  # within it, no strategy is better balanced
     coarse = len(items.size) <= coarse_per_rank * items.world_size
     cands = [node_first(items, good)]
-    order = ("home_biased", "node", "sequential") if coarse else ("node", "home_biased",
-                                                                   "sequential")
-    for k, name in enumerate(order):
-        best = min(c.loads.max() for c in cands)
-        target = max(good, best * (1 + tolerance)) if coarse and k else good
-        if (best <= good and not coarse) or any(c.name.startswith("node")
-                                                and c.loads.max() <= target for c in cands):
+    for name in ("home_biased",) if coarse else ("node", "home_biased", "sequential"):
+        if min(c.loads.max() for c in cands) <= good:
             break
-        cands.append(node_lpt(items, target) if name == "node" else
-                     home_biased_lpt(items, band, target) if name == "home_biased" else
-                     sequential_lpt(items, target))
+        cands.append(node_lpt(items, good) if name == "node" else
+                     home_biased_lpt(items, band, good) if name == "home_biased" else
+                     sequential_lpt(items, good))
     return pull_home(items, choose_placement(cands, items, tolerance)).rank
