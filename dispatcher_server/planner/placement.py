@@ -19,6 +19,7 @@ import numpy as np
 
 from .balance import lpt_heap, lpt_home, lpt_rounds, refine, relabel_bins, swap_home
 from .bounds import unit_bound
+from .jit import kernel
 from .plan import group_excl_cumsum
 from .types import LLM_PHASE, PHASES
 
@@ -142,30 +143,51 @@ def _shed_excess(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, good: float
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(ranks, loads) after every rank above `good` sheds its smallest items until it is at or
     under `good`, and the shed items, largest first, fill the room under `good` of the
-    roomiest ranks in turn (an item lands where the middle of its cumulative size falls; one
-    that finds no room stays). One pass, whole arrays."""
-    over = loads - good
-    on_heavy = np.flatnonzero(over[r] > 0)
+    roomiest ranks in turn (an item lands where its stretch of the cumulative room lies within
+    one rank's room, so no rank goes above `good`; one that straddles two ranks, or finds no
+    room, stays). One pass (`_shed_and_fill`)."""
+    on_heavy = np.flatnonzero(loads[r] - good > 0)
     if len(on_heavy) == 0:
         return r, loads
     before, _ = group_excl_cumsum(r[on_heavy], -sz[on_heavy], by_size=True)  # smallest first
-    shed = on_heavy[-before < over[r[on_heavy]]]
-    shed = shed[np.argsort(-sz[shed], kind="stable")]
     r, loads = r.copy(), loads.copy()
-    np.subtract.at(loads, r[shed], sz[shed])
-    room = np.maximum(0.0, good - loads)
-    room[np.unique(r[shed])] = 0.0  # a rank that sheds takes nothing back
-    by_room = np.argsort(-room, kind="stable")
-    cum_room, end = np.cumsum(room[by_room]), np.cumsum(sz[shed])
-    pos = np.searchsorted(cum_room, end)
-    # an item lands only where its whole stretch of the cumulative room lies in one rank's
-    # room, so no rank goes above `good`; one that straddles two ranks stays
-    fits = (pos == np.searchsorted(cum_room, end - sz[shed], side="right")) \
-        & (pos < np.count_nonzero(room))
-    dest = np.where(fits, by_room[np.minimum(pos, len(room) - 1)], r[shed])
-    np.add.at(loads, dest, sz[shed])
-    r[shed] = dest
+    _shed_and_fill(sz, r, loads, float(good), on_heavy, before)
     return r, loads
+
+
+@kernel
+def _shed_and_fill(sz, r, loads, good, on_heavy, before):
+    """`_shed_excess` after its sums: item on_heavy[t] is shed if the items of its rank smaller
+    than it (ties: earlier) sum to less than the rank's excess, -before[t] < loads - good. The
+    shed items leave largest first (ties: lowest index); the ranks by room under `good`
+    (largest first, ties: lowest rank; a rank that sheds has none) lay out their rooms end to
+    end, the shed items theirs likewise, and an item lands on the rank whose room holds its
+    whole stretch. `r` and `loads` are updated in place."""
+    W = loads.shape[0]
+    keep = np.empty(on_heavy.shape[0], np.bool_)
+    for t in range(on_heavy.shape[0]):
+        keep[t] = -before[t] < loads[r[on_heavy[t]]] - good
+    shed = on_heavy[keep]
+    shed = shed[np.argsort(-sz[shed], kind="mergesort")]
+    sheds = np.zeros(W, np.bool_)
+    for i in shed:
+        loads[r[i]] -= sz[i]
+        sheds[r[i]] = True
+    room = np.maximum(0.0, good - loads)
+    room[sheds] = 0.0
+    by_room = np.argsort(-room, kind="mergesort")
+    cum_room = np.cumsum(room[by_room])
+    rooms = np.count_nonzero(room)
+    end = np.cumsum(sz[shed])
+    dest = np.empty(shed.shape[0], np.int64)
+    for j in range(shed.shape[0]):
+        i = shed[j]
+        pos = np.searchsorted(cum_room, end[j])
+        fits = pos == np.searchsorted(cum_room, end[j] - sz[i], side="right") and pos < rooms
+        dest[j] = by_room[min(pos, W - 1)] if fits else r[i]
+    for j in range(shed.shape[0]):
+        loads[dest[j]] += sz[shed[j]]
+        r[shed[j]] = dest[j]
 
 
 def _capped_lpt(sz: np.ndarray, group: np.ndarray, grid: np.ndarray, cap: float) -> np.ndarray:
@@ -293,33 +315,50 @@ def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> 
 def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement:
     """Items off their home node go back to it (home rank, else the node's least-loaded rank),
     then off-home items to their home rank, wherever that keeps every rank at or under the
-    current maximum: bytes drop, the slowest rank does not get slower."""
-    sz, home, g = items.size, items.home, items.ranks_per_node
+    current maximum: bytes drop, the slowest rank does not get slower (`_pull_home`)."""
     r, loads = placed.rank.copy(), placed.loads.copy()
-    cap = loads.max() * (1 + 1e-12)
-    W = len(loads)
+    if len(r):
+        _pull_home(items.size, items.home, r, loads, items.ranks_per_node,
+                   loads.max() * (1 + 1e-12), max_rounds)
+    return Placement(placed.name, r, loads)
+
+
+@kernel
+def _pull_home(sz, home, r, loads, g, cap, max_rounds):
+    """`pull_home`'s rounds, first for items off their home node, then for items off their home
+    rank, at most `max_rounds` each and until a round moves nothing. In a round every such item
+    has a destination: its home rank, or (off its node) its node's least-loaded rank (the first
+    on ties) where the home rank has no room; it qualifies if the destination stays at or under
+    `cap` with it, on the loads as the round found them. Each destination takes the largest
+    qualifying item (ties: the lowest index); the moves leave their ranks in order of
+    destination, then arrive. `r` and `loads` are updated in place."""
+    n, W = sz.shape[0], loads.shape[0]
+    pick = np.empty(W, np.int64)
+    lightest = np.empty(W // g, np.int64)
     for same_node in (False, True):
         for _ in range(max_rounds):
-            off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
-            if len(off) == 0:
-                break
-            h = home[off]
-            dest = h
             if not same_node:
-                lightest = loads.reshape(W // g, g).argmin(axis=1) + np.arange(0, W, g)
-                dest = np.where(loads[h] + sz[off] <= cap, h, lightest[h // g])
-            ok = loads[dest] + sz[off] <= cap
-            off, dest = off[ok], dest[ok]
-            if len(off) == 0:
+                for k in range(W // g):
+                    lightest[k] = k * g + np.argmin(loads[k * g:(k + 1) * g])
+            pick[:] = -1
+            found = False
+            for i in range(n):
+                h = home[i]
+                if (r[i] == h) if same_node else (r[i] // g == h // g):
+                    continue
+                found = True
+                d = h if same_node or loads[h] + sz[i] <= cap else lightest[h // g]
+                if loads[d] + sz[i] <= cap and (pick[d] < 0 or sz[i] > sz[pick[d]]):
+                    pick[d] = i
+            if not found or pick.max() < 0:
                 break
-            order = np.argsort(-sz[off], kind="stable")  # largest (most bytes) first
-            _, first = np.unique(dest[order], return_index=True)  # one arrival per rank a round
-            pick = order[first]
-            off, dest = off[pick], dest[pick]
-            np.subtract.at(loads, r[off], sz[off])
-            loads[dest] += sz[off]
-            r[off] = dest
-    return Placement(placed.name, r, loads)
+            for d in range(W):
+                if pick[d] >= 0:
+                    loads[r[pick[d]]] -= sz[pick[d]]
+            for d in range(W):
+                if pick[d] >= 0:
+                    loads[d] += sz[pick[d]]
+                    r[pick[d]] = d
 
 
 def place_items(items: Items, *, tolerance: float, band: float,
