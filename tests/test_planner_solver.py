@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.solver import (
-    _FILL, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _group_max,
-    _group_sums, _move_smallest_away, _polish_split,
-    _top2,
+    _FILL, _add_members, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _greedy_order,
+    _group_max, _group_sums, _move_smallest_away, _polish_split, _top2,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -281,3 +280,43 @@ def test_by_length_rank_orders_items_by_decreasing_size_of_their_length(seed):
         assert done and out.tolist() == want
     if not np.isnan(sizes).any():
         assert np.array_equal(_by_decreasing_size(sizes, lens), np.argsort(-sizes, kind="stable"))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_greedy_order_takes_giants_by_score_then_the_rest_by_size(seed):
+    """The rule in numpy: giants (a unit above the threshold in a phase with work) by
+    decreasing max_p b / tau, then the rest by decreasing sum_p c / tau, ties by index."""
+    rng = np.random.default_rng(seed)
+    P, n, M, W = 3, int(rng.integers(0, 80)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+    c = rng.integers(0, int(rng.choice([2, 5, 50])), (P, n)).astype(np.float64)  # ties
+    c[int(rng.integers(P))] *= rng.random() < 0.3  # sometimes a phase without work
+    b = np.minimum(c, rng.integers(0, 30, (P, n)))
+    threshold = rng.uniform(0, 40, P) if rng.random() < 0.5 else rng.integers(0, 30, P) * 1.0
+    csum = c.sum(axis=1)
+    tau = np.where(csum > 0, csum / (W * M), 1.0)
+    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
+    giants, rest = np.flatnonzero(is_giant), np.flatnonzero(~is_giant)
+    score = (b[:, giants] / tau[:, None]).max(axis=0)
+    size = (c[:, rest] / tau[:, None]).sum(axis=0)
+    got_giants, got_rest = _greedy_order(c, b, threshold, M, W)
+    assert got_giants.tolist() == giants[np.argsort(-score, kind="stable")].tolist()
+    assert got_rest.tolist() == rest[np.argsort(-size, kind="stable")].tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_add_members_adds_each_micro_batchs_sums_and_maxima(seed):
+    """The rule in numpy: one bincount per (phase, micro-batch) in member order, added to T;
+    L raised to the largest unit of each."""
+    rng = np.random.default_rng(seed)
+    P, M, n = 3, int(rng.integers(1, 5)), int(rng.integers(0, 60))
+    c = rng.lognormal(0.0, 2.0, (P, n)) * (rng.random((P, n)) < 0.7)
+    b = c * rng.random((P, n))
+    members = rng.permutation(n)[:int(rng.integers(0, n + 1))]
+    mb = rng.integers(0, M, len(members))
+    T, L = rng.lognormal(3.0, 1.0, (P, M)), rng.lognormal(1.0, 1.0, (P, M))
+    key = (np.arange(P)[:, None] * M + mb).ravel()
+    want_T = T + np.bincount(key, weights=c[:, members].ravel(), minlength=P * M).reshape(P, M)
+    want_L = L.copy()
+    np.maximum.at(want_L.reshape(-1), key, b[:, members].ravel())
+    _add_members(c, b, members, mb, T, L)
+    assert T.tolist() == want_T.tolist() and L.tolist() == want_L.tolist()

@@ -332,17 +332,18 @@ def _pull_home(sz, home, r, loads, g, cap, max_rounds):
     `cap` with it, on the loads as the round found them. Each destination takes the largest
     qualifying item (ties: the lowest index); the moves leave their ranks in order of
     destination, then arrive. `r` and `loads` are updated in place."""
-    n, W = sz.shape[0], loads.shape[0]
+    W = loads.shape[0]
     pick = np.empty(W, np.int64)
     lightest = np.empty(W // g, np.int64)
     for same_node in (False, True):
+        off = np.flatnonzero(r != home) if same_node else np.flatnonzero(r // g != home // g)
         for _ in range(max_rounds):
             if not same_node:
                 for k in range(W // g):
                     lightest[k] = k * g + np.argmin(loads[k * g:(k + 1) * g])
             pick[:] = -1
             found = False
-            for i in range(n):
+            for i in off:  # in index order; the items a round brings home drop out below
                 h = home[i]
                 if (r[i] == h) if same_node else (r[i] // g == h // g):
                     continue
@@ -359,6 +360,7 @@ def _pull_home(sz, home, r, loads, g, cap, max_rounds):
                 if pick[d] >= 0:
                     loads[d] += sz[pick[d]]
                     r[pick[d]] = d
+            off = off[(r[off] != home[off]) if same_node else (r[off] // g != home[off] // g)]
 
 
 def place_items(items: Items, *, tolerance: float, band: float,

@@ -44,7 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .balance import lpt_heap, lpt_rounds
+from .balance import _load_order, lpt_heap, lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
 from .jit import kernel
@@ -178,14 +178,33 @@ def _greedy_order(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W
     decreasing score, then the rest by decreasing size (all phases, each over its mean rank
     load). The same for every split of a step, with or without capacities."""
     csum = c.sum(axis=1)
-    tau = np.where(csum > 0, csum / (W * M), 1.0)
-    is_giant = ((b > threshold[:, None]) & (csum > 0)[:, None]).any(axis=0)
-    giants = np.flatnonzero(is_giant)
-    score = (b[:, giants] / tau[:, None]).max(axis=0)
-    giants = giants[np.argsort(-score, kind="stable")]
-    rest = np.flatnonzero(~is_giant)
-    size = (c[:, rest] / tau[:, None]).sum(axis=0)
-    return giants, rest[np.argsort(-size, kind="stable")]
+    return _giants_then_rest(c, b, threshold, np.where(csum > 0, csum / (W * M), 1.0))
+
+
+@kernel
+def _giants_then_rest(c, b, threshold, tau):
+    """`_greedy_order` once its phases' mean rank loads `tau` (1 for a phase without work) are
+    known: a giant has a unit above its phase's `threshold` (>= 0: a phase without work has no
+    unit above it, as units cost at most their sample's phase cost, >= 0); giants
+    by decreasing max_p b[p] / tau[p], the rest by decreasing sum_p c[p] / tau[p] (summed in
+    phase order), ties by index (stable radix sorts, `_load_order`)."""
+    P, n = c.shape
+    giant = np.zeros(n, np.bool_)
+    for i in range(n):
+        for k in range(P):
+            if b[k, i] > threshold[k]:
+                giant[i] = True
+    giants, rest = np.flatnonzero(giant), np.flatnonzero(~giant)
+    score, size = np.empty(giants.shape[0]), np.empty(rest.shape[0])
+    for j in range(giants.shape[0]):
+        score[j] = b[0, giants[j]] / tau[0]
+        for k in range(1, P):
+            score[j] = max(score[j], b[k, giants[j]] / tau[k])
+    for j in range(rest.shape[0]):
+        size[j] = c[0, rest[j]] / tau[0]
+        for k in range(1, P):
+            size[j] += c[k, rest[j]] / tau[k]
+    return giants[_load_order(-score)], rest[_load_order(-size)]
 
 
 def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
@@ -342,7 +361,6 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
     has_a = rest & (c[k_aud] > 0)
     has_v = rest & ~has_a & (c[k_vis] > 0)
     text = rest & ~has_a & ~has_v
-    rows = np.arange(P)[:, None] * M
     for mask, k in ((has_a, k_aud), (has_v, k_vis), (text, k_llm)):
         members = np.flatnonzero(mask)
         if len(members) == 0:
@@ -364,11 +382,20 @@ def _split_pass(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int, W: 
         pos = np.searchsorted(np.cumsum(x[mb_order])[:-1], np.cumsum(ck) - ck / 2)
         m = mb_order[np.minimum(pos, M - 1)]
         out[members] = m
-        # per (phase, micro-batch) sums in member order, as one bincount per phase would give
-        key = (rows + m).ravel()
-        T += np.bincount(key, weights=c[:, members].ravel(), minlength=P * M).reshape(P, M)
-        np.maximum.at(L.reshape(-1), key, b[:, members].ravel())
+        _add_members(c, b, members, m, T, L)
     return out
+
+
+@kernel
+def _add_members(c, b, members, mb, T, L):
+    """T[p, m] += the sum of c[p] over the members going to micro-batch m (summed apart, in
+    member order, then added), L[p, m] = max(L[p, m], their largest b[p]); in place."""
+    acc = np.zeros(T.shape)
+    for j in range(members.shape[0]):
+        for k in range(T.shape[0]):
+            acc[k, mb[j]] += c[k, members[j]]
+            L[k, mb[j]] = max(L[k, mb[j]], b[k, members[j]])
+    T += acc
 
 
 @kernel
