@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.balance import (
-    _all_pairs_exchange, _extremes, _greedy_pairs, _key_order, _kth_smallest, _load_order,
+    _affinities, _all_pairs_exchange, _extremes, _greedy_pairs, _key_order, _kth_smallest, _load_order,
     _members, _num_heavy, _pair_step, _refine_all_pairs, _refine_global, _refine_in_groups,
     _rotating_pairs, karmarkar_karp, lpt_heap, lpt_home, lpt_rounds, order_by_key_then_size,
     refine, relabel_bins, stable_order, swap_home,
@@ -717,3 +717,20 @@ def test_swap_home_swaps_items_home_by_the_rule(seed):
     assert np.allclose(loads, np.bincount(rank, weights=size, minlength=W))
     assert loads.max() <= max(cap, np.bincount(rank, weights=size, minlength=W).max())
     assert nbytes[rank // g != home // g].sum() <= before
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_affinities_are_pairs_by_decreasing_summed_weight(seed):
+    """The rule in numpy: sum each (bin, target) pair's weight (np.unique, np.bincount), keep
+    the positive sums, order by decreasing sum, ties by (bin, target)."""
+    rng = np.random.default_rng(seed)
+    n, nb, nt = int(rng.integers(0, 200)), int(rng.integers(1, 12)), int(rng.integers(1, 12))
+    bin_of, target = rng.integers(0, nb, n), rng.integers(0, nt, n)
+    weight = rng.integers(0, 4, n) * float(rng.choice([1.0, 0.1]))  # ties and zero weights
+    key = bin_of * nt + target
+    uk, inv = np.unique(key, return_inverse=True)
+    w = np.bincount(inv, weights=weight)
+    order = np.lexsort((uk, -w))
+    order = order[w[order] > 0]
+    b, t = _affinities(bin_of, target, weight, nt)
+    assert b.tolist() == (uk[order] // nt).tolist() and t.tolist() == (uk[order] % nt).tolist()

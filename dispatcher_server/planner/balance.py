@@ -321,7 +321,7 @@ def relabel_bins(bin_of: np.ndarray, home: np.ndarray, weight: np.ndarray, num_b
 
 
 def swap_home(size: np.ndarray, home: np.ndarray, nbytes: np.ndarray, rank: np.ndarray,
-              loads: np.ndarray, node_size: int, cap: float, passes: int = 4) -> int:
+              loads: np.ndarray, node_size: int, cap: float, passes: int = 2) -> int:
     """Swap pairs of items so that more `nbytes` stay on their home node, no rank going above
     `cap`: an item x away from its home node trades places with an item y that sits on x's
     home node away from its own (y's bytes cross either way, unless y lands home too), if both
@@ -412,12 +412,47 @@ def _greedy_pairs(bins, targets, room, out):
 
 def _affinities(bin_of, target, weight, num_targets):
     """(bin, target) pairs with positive summed weight, heaviest first (ties: bin, target)."""
-    key = bin_of * num_targets + target
-    uk, inv = np.unique(key, return_inverse=True)
-    w = np.bincount(inv, weights=weight)
-    order = np.lexsort((uk, -w))
-    order = order[w[order] > 0]
-    return uk[order] // num_targets, uk[order] % num_targets
+    b, t, w = _pair_weights(np.ascontiguousarray(bin_of, dtype=np.int64),
+                            np.ascontiguousarray(target, dtype=np.int64),
+                            np.ascontiguousarray(weight, dtype=np.float64), num_targets)
+    return b, t
+
+
+@kernel
+def _pair_weights(bin_of, target, weight, num_targets):
+    """`_affinities` with the summed weights: each (bin, target) pair's weight summed over its
+    items in index order; the pairs with a positive sum by decreasing sum, ties by (bin,
+    target). One counting sort of the items by bin, a pass per bin over its items, a stable
+    radix sort of the sums (`_load_order`)."""
+    n = bin_of.shape[0]
+    nb = bin_of.max() + 1 if n else 0
+    ptr = np.zeros(nb + 1, np.int64)
+    for i in range(n):
+        ptr[bin_of[i] + 1] += 1
+    for k in range(nb):
+        ptr[k + 1] += ptr[k]
+    by_bin, fill = np.empty(n, np.int64), ptr[:nb].copy()
+    for i in range(n):
+        by_bin[fill[bin_of[i]]] = i
+        fill[bin_of[i]] += 1
+    acc, seen = np.zeros(num_targets), np.full(num_targets, -1, np.int64)
+    pb, pt, pw = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n)
+    m = 0
+    for k in range(nb):
+        first = m
+        for x in range(ptr[k], ptr[k + 1]):
+            t = target[by_bin[x]]
+            if seen[t] != k:
+                seen[t], acc[t] = k, 0.0
+                pt[m] = t
+                m += 1
+            acc[t] += weight[by_bin[x]]
+        pt[first:m] = np.sort(pt[first:m])
+        for x in range(first, m):
+            pb[x], pw[x] = k, acc[pt[x]]
+    keep = np.flatnonzero(pw[:m] > 0)
+    order = keep[_load_order(-pw[keep])]
+    return pb[order], pt[order], pw[order]
 
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
@@ -773,20 +808,20 @@ def _members(cand, bin_of, role, num_roles):
     """(ptr, items): the items c of `cand` whose bin has a role r = role[bin_of[c]] >= 0,
     grouped by role, each group in `cand` order: role r's are items[ptr[r]:ptr[r + 1]]. One
     pass over `cand`, then a counting sort of the few that have a role."""
-    sel = np.empty(cand.shape[0], np.int64)
+    sel, sel_role = np.empty(cand.shape[0], np.int64), np.empty(cand.shape[0], np.int64)
+    ptr = np.zeros(num_roles + 1, np.int64)
     m = 0
     for c in cand:
-        if role[bin_of[c]] >= 0:
-            sel[m] = c
+        r = role[bin_of[c]]
+        if r >= 0:
+            sel[m], sel_role[m] = c, r
+            ptr[r + 1] += 1
             m += 1
-    ptr = np.zeros(num_roles + 1, np.int64)
-    for x in range(m):
-        ptr[role[bin_of[sel[x]]] + 1] += 1
     ptr = np.cumsum(ptr)
     items, fill = np.empty(m, np.int64), ptr[:-1].copy()
     for x in range(m):
-        items[fill[role[bin_of[sel[x]]]]] = sel[x]
-        fill[role[bin_of[sel[x]]]] += 1
+        items[fill[sel_role[x]]] = sel[x]
+        fill[sel_role[x]] += 1
     return ptr, items
 
 
