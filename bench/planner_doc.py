@@ -19,15 +19,16 @@ INTRO = """# The planner
 
 `dispatcher_server/planner/` turns one step's token counts into a plan: each sample's
 micro-batch and LLM rank, each image/audio item's encoder rank, the packed layouts and the
-encoder-to-LLM exchange. It is pure numpy (no sockets, files or clocks).
+encoder-to-LLM exchange. It is numpy and compiled loops (numba kernels; no sockets, files or
+clocks).
 
 Objective, in order: the slowest rank of every phase of every micro-batch (predicted step time
 = sum over micro-batches and phases of the slowest rank's cost), then bytes crossing nodes, then
 bytes crossing ranks. `solver.py` splits the step into micro-batches (three candidate splits,
 the lowest sum of per-micro-batch bounds wins); `placement.py` places samples on nodes and
-ranks, then encoder items by named strategies (node-first, node LPT, home-biased LPT,
-sequential LPT) chosen by one rule: fewest inter-node bytes among the placements within
-`balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
+ranks, then encoder items by named strategies (node-first, node LPT; home-biased and
+sequential LPT, relabelled onto ranks and then swapped home) chosen by one rule: fewest
+inter-node bytes among the placements within `balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
 solves small steps exactly (MILP, HiGHS) to measure the heuristic's gap.
 
 ## Micro-batches and memory

@@ -4,11 +4,11 @@ Samples go to nodes, then ranks (`place_samples`). Encoder items then have a hom
 sample's LLM rank, and four named strategies place them: `node_first` keeps items home and
 moves only the excess, same node first (fewest bytes); `node_lpt` sends the same excess to
 other nodes but packs each node's items afresh; `home_biased_lpt` and `sequential_lpt` balance
-over the whole cluster, are relabelled so each rank's items mostly go to its own node, and
-then swap items home where loads allow. The node strategies cross nodes by single moves, each followed by a refine
-inside nodes, before they swap across nodes. `choose_placement` is the one scoring rule:
-balance first, then bytes crossing nodes. Every strategy returns new arrays; none writes into
-its arguments.
+over the whole cluster, are relabelled so each rank's items mostly go to its own node, then
+swap items home where loads allow. The node strategies cross nodes by single moves, each
+followed by a refine inside nodes, before they swap across nodes. `choose_placement` is the
+one scoring rule: balance first, then bytes crossing nodes. Every strategy returns new
+arrays; none writes into its arguments.
 """
 
 from __future__ import annotations
@@ -271,37 +271,42 @@ def _across_nodes(sz: np.ndarray, r: np.ndarray, loads: np.ndarray, g: int, good
 
 
 def _relabelled(name: str, items: Items, r: np.ndarray, loads: np.ndarray,
-                target: float) -> Placement:
+                target: float, tolerance: float) -> Placement:
     """Refine a whole-cluster placement down to `target`, then hand each bin to the rank
     (node first) where most of its embeddings go anyway (ranks are interchangeable for
     balance), then swap items that are still away from home with items that sit on their
-    home node away from their own, no rank above the slowest (`swap_home`)."""
+    home node away from their own (`swap_home`), no rank above the slowest x (1 +
+    `tolerance`): placements that close count as equally balanced (`choose_placement`)."""
     W, g = items.world_size, items.ranks_per_node
     refine(items.size, r, loads, target=target, max_iter=8)
     new_rank = relabel_bins(r, items.home, items.nbytes, W, g)
     moved = np.empty(W)
     moved[new_rank] = loads
     rank = new_rank[r]
-    swap_home(items.size, items.home, items.nbytes, rank, moved, g, moved.max() * (1 + 1e-12))
+    swap_home(items.size, items.home, items.nbytes, rank, moved, g,
+              moved.max() * (1 + max(tolerance, 1e-12)))
     return Placement(name, rank, moved)
 
 
-def home_biased_lpt(items: Items, band: float, target: float) -> Placement:
+def home_biased_lpt(items: Items, band: float, target: float,
+                    tolerance: float = 0.0) -> Placement:
     """LPT over all ranks in rounds of W/4 items, bent toward home ranks: loads within
-    `band` x the bound / items-per-rank of each other count as equal (`balance.lpt_home`)."""
+    `band` x the bound / items-per-rank of each other count as equal (`balance.lpt_home`);
+    relabelled and swapped home within `tolerance` (`_relabelled`)."""
     W = items.world_size
     per_rank = -(-len(items.size) // W)
     loads = np.zeros(W)
     r = lpt_home(items.size, items.home, loads, node_size=items.ranks_per_node,
                  tol=band * items.bound / per_rank, round_size=max(1, W // 4))
-    return _relabelled("home_biased_lpt", items, r, loads, target)
+    return _relabelled("home_biased_lpt", items, r, loads, target, tolerance)
 
 
-def sequential_lpt(items: Items, target: float) -> Placement:
-    """Textbook LPT over all ranks (the yardstick; O(n log W) in Python), relabelled."""
+def sequential_lpt(items: Items, target: float, tolerance: float = 0.0) -> Placement:
+    """Textbook LPT over all ranks (the yardstick; O(n log W) in Python), relabelled and
+    swapped home within `tolerance` (`_relabelled`)."""
     r = lpt_heap(items.size, items.world_size)
     loads = np.bincount(r, weights=items.size, minlength=items.world_size)
-    return _relabelled("sequential_lpt", items, r, loads, target)
+    return _relabelled("sequential_lpt", items, r, loads, target, tolerance)
 
 
 def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> Placement:
@@ -379,6 +384,6 @@ def place_items(items: Items, *, tolerance: float, band: float,
         if min(c.loads.max() for c in cands) <= good:
             break
         cands.append(node_lpt(items, good) if name == "node" else
-                     home_biased_lpt(items, band, good) if name == "home_biased" else
-                     sequential_lpt(items, good))
+                     home_biased_lpt(items, band, good, tolerance) if name == "home_biased"
+                     else sequential_lpt(items, good, tolerance))
     return pull_home(items, choose_placement(cands, items, tolerance)).rank

@@ -16,13 +16,15 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
    then single moves across nodes each followed by a refine inside nodes), and while no
    placement is within `balance_tolerance` of the bound, node LPT (the same nodes, each
-   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks
-   (with a few items a rank, where the bound is often out of reach, home-biased LPT first,
-   and a node strategy within tolerance of the best so far ends the search); the fewest
-   inter-node bytes among the best-balanced wins; off-node items then return home wherever
-   that raises no rank above the maximum.
+   node's items packed afresh), then whole-cluster LPT strategies relabelled onto ranks and
+   swapped home (an item away from its node trades places with one of like size that sits
+   on that node away from its own); with a few items a rank, where local moves seldom
+   reach the bound, home-biased LPT alone follows node-first. The fewest inter-node bytes
+   among the best-balanced wins; off-node items then return home wherever that raises no
+   rank above the maximum.
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
-strategies move little, and the cluster-wide ones restore balance where they cannot.
+strategies move little, and the cluster-wide ones restore balance where they cannot, then
+win most of the bytes back by swaps.
 Cost: one sort a step of each phase's items and of the samples by size (a counting sort over
 their lengths: a unit's cost is a function of its length), the later sorts by size run on
 sorted data (a counting sort by key), O(n/B) batched-LPT rounds, refine iterations of O(n +
