@@ -26,51 +26,43 @@ from .jit import kernel
 
 
 def lpt_heap(sizes: np.ndarray, num_bins: int, loads: np.ndarray | None = None) -> np.ndarray:
-    """Textbook LPT: largest item first onto the least-loaded bin (ties: lowest bin), from
-    empty bins or from `loads` (float64[num_bins], updated in place). O(n log n).
-
-    Exactly the heap algorithm's result, mostly in whole-array rounds: with the bins sorted by
-    (load, index) as l_1 <= l_2 <= ... and the next items s_1 >= s_2 >= ..., items 1..k go to
-    bins 1..k in that order whenever l_k < l_1 + s_k (every bin that took an item is then
-    heavier than every bin not yet reached). Where rounds would be short (equal or tiny
-    items), a stretch of items goes through the heap instead."""
-    sz = np.asarray(sizes, dtype=np.float64)
-    n, B = len(sz), num_bins
-    load = np.zeros(B) if loads is None else np.asarray(loads, dtype=np.float64).copy()
-    order = np.argsort(-sz, kind="stable")
-    out = np.empty(n, dtype=np.int64)
-    bins = np.arange(B)
-    min_round = max(16, B // 64)
-    i, szl = 0, None
-    while i < n:
-        ranked = np.lexsort((bins, load))
-        lr = load[ranked]
-        ids = order[i:i + B]
-        s = sz[ids]
-        fits = lr[1:len(s)] < lr[0] + s[1:]
-        k = 1 + (len(fits) if fits.all() else int(np.argmin(fits)))
-        if k >= min(min_round, n - i):
-            out[ids[:k]] = ranked[:k]
-            load[ranked[:k]] += s[:k]
-            i += k
-            continue
-        # a sorted list of (load, bin) is a valid heap: a stretch of items the textbook way
-        if szl is None:
-            szl = sz.tolist()
-        heap = list(zip(lr.tolist(), ranked.tolist()))
-        stretch = order[i:i + 2 * B].tolist()
-        got = []
-        for j in stretch:
-            w, bn = heap[0]
-            got.append(bn)
-            heapq.heapreplace(heap, (w + szl[j], bn))
-        out[stretch] = got
-        ws, bs = zip(*heap)
-        load[list(bs)] = ws
-        i += len(stretch)
+    """Textbook LPT: largest item first (ties: lowest index) onto the least-loaded bin (ties:
+    lowest bin), from empty bins or from `loads` (float64[num_bins], updated in place).
+    O(n log n): a compiled binary heap of (load, bin) (`_lpt_heap`)."""
+    sz = np.ascontiguousarray(sizes, dtype=np.float64)
+    load = np.zeros(num_bins) if loads is None else np.array(loads, dtype=np.float64)
+    out = np.empty(len(sz), dtype=np.int64)
+    if len(sz):
+        _lpt_heap(sz, _load_order(-sz), load, out)
     if loads is not None:
         loads[:] = load
     return out
+
+
+@kernel
+def _lpt_heap(sz, order, load, out):
+    """Items in `order` each onto the bin of least (load, bin), through a binary min-heap of
+    the bins keyed by (load, bin); `load` and `out` are filled in place."""
+    heap = _load_order(load)  # the bins by (load, bin): a valid heap
+    B = heap.shape[0]
+    for i in order:
+        b = heap[0]
+        out[i] = b
+        load[b] += sz[i]
+        p = 0  # sift the root down
+        while True:
+            c = 2 * p + 1
+            if c >= B:
+                break
+            if c + 1 < B and (load[heap[c + 1]] < load[heap[c]] or (
+                    load[heap[c + 1]] == load[heap[c]] and heap[c + 1] < heap[c])):
+                c += 1
+            if load[heap[c]] < load[b] or (load[heap[c]] == load[b] and heap[c] < b):
+                heap[p] = heap[c]
+                p = c
+            else:
+                break
+        heap[p] = b
 
 
 def karmarkar_karp(sizes: np.ndarray, num_bins: int) -> np.ndarray:
