@@ -137,13 +137,19 @@ def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
     Groups do not share bins, so each goes through its rounds on its own. `loads` and `out`
     are updated in place."""
     n, B = order.shape[0], loads.shape[1]
+    by_load = np.empty(B, np.int64)
     start = 0
     while start < n:
         g, end = groups[order[start]], start
         while end < n and groups[order[end]] == g:
             end += 1
         for lo in range(start, end, B):
-            by_load = np.argsort(loads[g], kind="mergesort")
+            for k in range(B):  # the bins by (load, bin): a stable insertion sort
+                j = k
+                while j > 0 and loads[g, by_load[j - 1]] > loads[g, k]:
+                    by_load[j] = by_load[j - 1]
+                    j -= 1
+                by_load[j] = k
             for t in range(lo, min(lo + B, end)):
                 item, b = order[t], by_load[t - lo]
                 if capped and not loads[g, b] + sizes[item] <= cap:
@@ -204,7 +210,7 @@ def _round_bins(loads, home, items, tol, is_home):
     by load then index). `is_home` is all False, and left so."""
     nb, k = loads.shape[0], items.shape[0]
     if k >= nb:
-        return np.argsort(loads, kind="mergesort")
+        return _load_order(loads)
     kth = _kth_smallest(loads, k - 1)
     for it in items:
         is_home[home[it]] = True
@@ -219,8 +225,8 @@ def _round_bins(loads, home, items, tol, is_home):
         is_home[home[it]] = False
     if m < k:  # fewer than k bins near the k-th load (only with tol < 0)
         far = np.flatnonzero(~(loads <= kth + tol))
-        bo[m:] = far[np.argsort(loads[far], kind="mergesort")][:k - m]
-    return bo[np.argsort(loads[bo], kind="mergesort")]
+        bo[m:] = far[_load_order(loads[far])][:k - m]
+    return bo[_load_order(loads[bo])]
 
 
 @kernel
@@ -571,8 +577,14 @@ def _group_pairs(loads, B, target, it):
     heavy = np.empty(busy.sum() * h, np.int64)
     light = np.empty(busy.sum() * h, np.int64)
     x = 0
+    o = np.empty(B, np.int64)
     for g in np.flatnonzero(busy):
-        o = np.argsort(loads[g * B:(g + 1) * B], kind="mergesort") + g * B
+        for k in range(g * B, (g + 1) * B):  # the group's bins by (load, bin): insertion sort
+            j = k - g * B
+            while j > 0 and loads[o[j - 1]] > loads[k]:
+                o[j] = o[j - 1]
+                j -= 1
+            o[j] = k
         for j in range(h):
             heavy[x + j], light[x + j] = o[B - 1 - j], o[(j + it) % h]
         x += h

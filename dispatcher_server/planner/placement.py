@@ -314,7 +314,7 @@ def choose_placement(cands: list[Placement], items: Items, tolerance: float) -> 
     of the lowest, the one moving the fewest bytes across nodes (then the earliest)."""
     best = min(c.loads.max() for c in cands)
     ok = [c for c in cands if c.loads.max() <= best * (1 + tolerance) + 1e-300]
-    return min(ok, key=lambda c: items.inter_node_bytes(c.rank))
+    return ok[0] if len(ok) == 1 else min(ok, key=lambda c: items.inter_node_bytes(c.rank))
 
 
 def pull_home(items: Items, placed: Placement, max_rounds: int = 4) -> Placement:
