@@ -919,15 +919,21 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     if not over:
         return rank
     rank = rank.copy()
-    for grp in over:
+    # a move only lands where it fits, so no unit enters a group still over: each group's
+    # units are those it started with, until a repack reshuffles the micro-batch
+    groups = np.array(over, dtype=np.int64)
+    ptr, units = _units_of(mb * W + rank, groups, W * M)
+    for k, grp in enumerate(over):
         m, r = divmod(grp, W)
-        _move_smallest_away(mb, rank, tok, load, float(cap), m, r, W, topo.ranks_per_node)
+        _move_smallest_away(rank, tok, load, float(cap), units[ptr[k]:ptr[k + 1]], m, r, W,
+                            topo.ranks_per_node)
         if load[grp] > cap:
             in_mb = np.flatnonzero(mb == m)
             packed = _repack(tok[in_mb], W, cap)
             if packed is not None:
                 rank[in_mb] = packed
                 load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
+                ptr, units = _units_of(mb * W + rank, groups, W * M)
         if load[grp] > cap:
             raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
                             f"{int(load[grp])} under capacity {cap}")
@@ -935,20 +941,34 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
 
 
 @kernel
-def _move_smallest_away(mb, rank, tok, load, cap, m, r, W, g):
-    """Units of (rank r, micro-batch m), smallest first (ties: lowest index), while r holds
-    more than `cap`: each to the rank d != r of m with the most room cap - load that fits it
-    (room >= its size), of r's node (d // g == r // g) if one fits there (ties: lowest d);
-    a unit that fits nowhere stays. Updates the repair's own `rank` and `load` (W per
-    micro-batch) in place."""
+def _units_of(group, groups, num_groups):
+    """(ptr, units): the units u with group[u] = groups[k], in index order, as
+    units[ptr[k]:ptr[k + 1]]."""
+    role = np.full(num_groups, -1, np.int64)
+    for k in range(groups.shape[0]):
+        role[groups[k]] = k
+    ptr = np.zeros(groups.shape[0] + 1, np.int64)
+    for u in range(group.shape[0]):
+        if role[group[u]] >= 0:
+            ptr[role[group[u]] + 1] += 1
+    ptr = np.cumsum(ptr)
+    units, fill = np.empty(ptr[-1], np.int64), ptr[:-1].copy()
+    for u in range(group.shape[0]):
+        k = role[group[u]]
+        if k >= 0:
+            units[fill[k]] = u
+            fill[k] += 1
+    return ptr, units
+
+
+@kernel
+def _move_smallest_away(rank, tok, load, cap, members, m, r, W, g):
+    """`members`, the units of (rank r, micro-batch m) in index order, smallest first (ties:
+    lowest index), while r holds more than `cap`: each to the rank d != r of m with the most
+    room cap - load that fits it (room >= its size), of r's node (d // g == r // g) if one
+    fits there (ties: lowest d); a unit that fits nowhere stays. Updates the repair's own
+    `rank` and `load` (W per micro-batch) in place."""
     grp, first = m * W + r, r // g * g
-    members = np.empty(len(mb), np.int64)
-    n = 0
-    for u in range(len(mb)):
-        if mb[u] == m and rank[u] == r:
-            members[n] = u
-            n += 1
-    members = members[:n]
     for u in members[np.argsort(tok[members], kind="mergesort")]:
         if load[grp] <= cap:
             break
