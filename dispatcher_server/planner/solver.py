@@ -28,14 +28,14 @@ win most of the bytes back by swaps.
 Cost: one sort a step of each phase's items and of the samples by size (a counting sort over
 their lengths: a unit's cost is a function of its length), the later sorts by size run on
 sorted data (a counting sort by key), O(n/B) batched-LPT rounds, refine iterations of O(n +
-pairs x items^2). The loops that go element by element (refine, the LPT rounds, the split's
-block greedy and polish, the capacity repair, unit bounds, counting sorts) are compiled
-(`jit.kernel`), the rest is numpy. What `bench.planner` measured (CPU ms per plan, p50, on a
-shared 2-core VM whose reference loop takes 89 ms; all figures in docs/planner.md, generated
-from docs/bench/planner.json; regimes under serve's default capacity): W=4, 512 samples:
-4.4 ms; W=64: 4.4-7.6 ms in every regime; W=2560: 44-83 ms for 1.5k-28k encoder items a step,
-125 ms for 104k interleaved images and 127 ms for document pages (37k near-equal items, where
-every placement strategy runs).
+pairs x items^2). The loops that go element by element (refine, the LPT rounds and heap,
+the split's block greedy and polish, the capacity repair, the swaps home, unit bounds,
+counting and radix sorts) are compiled (`jit.kernel`), the rest is numpy. What
+`bench.planner` measured (CPU ms per plan, p50, on a shared 2-core VM whose reference loop
+took 106 ms; all figures in docs/planner.md, generated from docs/bench/planner.json; regimes
+under serve's default capacity): W=4, 512 samples: 3.2 ms; W=64: 3.7-5.4 ms in every regime;
+W=2560: 35-66 ms for 1.5k-28k encoder items a step, 97 ms for document pages (37k near-equal
+items) and 107 ms for 104k interleaved images.
 """
 
 from __future__ import annotations
