@@ -28,8 +28,9 @@ bytes crossing ranks. `solver.py` splits the step into micro-batches (three cand
 the lowest sum of per-micro-batch bounds wins); `placement.py` places samples on nodes and
 ranks, then encoder items by named strategies (node-first, node LPT; home-biased and
 sequential LPT, relabelled onto ranks and then swapped home) chosen by one rule: fewest
-inter-node bytes among the placements within `balance_tolerance` of the best slowest rank. `bounds.py` proves the lower bounds; `exact.py`
-solves small steps exactly (MILP, HiGHS) to measure the heuristic's gap.
+inter-node bytes among the placements within `balance_tolerance` of the best slowest rank.
+`bounds.py` proves the lower bounds; `exact.py` solves small steps exactly (MILP, HiGHS) to
+measure the heuristic's gap.
 
 ## Micro-batches and memory
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from dispatcher_server.planner.solver import (
-    _FILL, _add_members, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks, _greedy_order,
-    _group_max, _group_sums, _move_smallest_away, _polish_split, _top2, _units_of,
+    _FILL, _add_members, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks,
+    _greedy_order, _group_max, _group_sums, _move_smallest_away, _polish_split, _top2,
+    _units_of,
 )
 
 pytestmark = pytest.mark.timeout(60)

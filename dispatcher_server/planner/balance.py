@@ -144,12 +144,15 @@ def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
         while end < n and groups[order[end]] == g:
             end += 1
         for lo in range(start, end, B):
-            for k in range(B):  # the bins by (load, bin): a stable insertion sort
-                j = k
-                while j > 0 and loads[g, by_load[j - 1]] > loads[g, k]:
-                    by_load[j] = by_load[j - 1]
-                    j -= 1
-                by_load[j] = k
+            if B > 16:  # the bins by (load, bin): a radix sort, or for a node's few
+                by_load[:] = _load_order(loads[g])
+            else:  # an insertion sort in place
+                for k in range(B):
+                    j = k
+                    while j > 0 and loads[g, by_load[j - 1]] > loads[g, k]:
+                        by_load[j] = by_load[j - 1]
+                        j -= 1
+                    by_load[j] = k
             for t in range(lo, min(lo + B, end)):
                 item, b = order[t], by_load[t - lo]
                 if capped and not loads[g, b] + sizes[item] <= cap:
@@ -352,43 +355,51 @@ def _swap_home(size, home_node, nbytes, rank, loads, g, cap, passes):
         for k in range(N):
             start[k + 1] += start[k]
         fill = start[:N].copy()
+        # each slot's item, with its size, bytes, home node and rank beside it: a scan reads
+        # one node's slots in a row
         slots = np.empty(off.shape[0], np.int64)
+        s_size, s_bytes = np.empty(off.shape[0]), np.empty(off.shape[0])
+        s_home, s_rank = np.empty(off.shape[0], np.int64), np.empty(off.shape[0], np.int64)
         pos = np.full(n, -1, np.int64)
         for i in off:
             b = rank[i] // g
             slots[fill[b]], pos[i] = i, fill[b]
+            s_size[fill[b]], s_bytes[fill[b]] = size[i], nbytes[i]
+            s_home[fill[b]], s_rank[fill[b]] = home_node[i], rank[i]
             fill[b] += 1
         swaps = 0
         for x in off[np.argsort(-nbytes[off], kind="mergesort")]:
             if pos[x] < 0:
                 continue
-            rx = rank[x]
+            rx, sx = rank[x], size[x]
             b = rx // g
-            best, gain_best, d_best = -1, 0.0, 0.0
+            best, at, gain_best, d_best = -1, -1, 0.0, 0.0
             for s in range(start[home_node[x]], start[home_node[x] + 1]):
                 y = slots[s]
                 if y < 0:
                     continue
-                d = size[x] - size[y]
-                if loads[rank[y]] + d > cap or loads[rx] - d > cap:
+                d = sx - s_size[s]
+                if loads[s_rank[s]] + d > cap or loads[rx] - d > cap:
                     continue
-                gain = nbytes[x] + (nbytes[y] if home_node[y] == b else 0.0)
+                gain = nbytes[x] + (s_bytes[s] if s_home[s] == b else 0.0)
                 if gain > gain_best or (best >= 0 and gain == gain_best and (
                         abs(d) < d_best or (abs(d) == d_best and y < best))):
-                    best, gain_best, d_best = y, gain, abs(d)
+                    best, at, gain_best, d_best = y, s, gain, abs(d)
             if best < 0:
                 continue
             y = best
             ry = rank[y]
-            d = size[x] - size[y]
+            d = sx - size[y]
             loads[ry] += d
             loads[rx] -= d
             rank[x], rank[y] = ry, rx
-            slots[pos[y]] = -1  # x is home now; y takes x's place on node b
+            slots[at] = -1  # x is home now; y takes x's place on node b
             if home_node[y] == b:
                 slots[pos[x]], pos[y] = -1, -1
             else:
-                slots[pos[x]], pos[y] = y, pos[x]
+                p = pos[x]
+                slots[p], pos[y] = y, p
+                s_size[p], s_bytes[p], s_home[p], s_rank[p] = size[y], nbytes[y], home_node[y], rx
             pos[x] = -1
             swaps += 1
         total += swaps
@@ -579,12 +590,15 @@ def _group_pairs(loads, B, target, it):
     x = 0
     o = np.empty(B, np.int64)
     for g in np.flatnonzero(busy):
-        for k in range(g * B, (g + 1) * B):  # the group's bins by (load, bin): insertion sort
-            j = k - g * B
-            while j > 0 and loads[o[j - 1]] > loads[k]:
-                o[j] = o[j - 1]
-                j -= 1
-            o[j] = k
+        if B > 16:  # the group's bins by (load, bin): a radix sort, or for a few
+            o[:] = _load_order(loads[g * B:(g + 1) * B]) + g * B
+        else:  # an insertion sort in place
+            for k in range(g * B, (g + 1) * B):
+                j = k - g * B
+                while j > 0 and loads[o[j - 1]] > loads[k]:
+                    o[j] = o[j - 1]
+                    j -= 1
+                o[j] = k
         for j in range(h):
             heavy[x + j], light[x + j] = o[B - 1 - j], o[(j + it) % h]
         x += h
