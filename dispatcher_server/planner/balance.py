@@ -33,19 +33,20 @@ def lpt_heap(sizes: np.ndarray, num_bins: int, loads: np.ndarray | None = None) 
     load = np.zeros(num_bins) if loads is None else np.array(loads, dtype=np.float64)
     out = np.empty(len(sz), dtype=np.int64)
     if len(sz):
-        _lpt_heap(sz, _load_order(-sz), load, out)
+        _lpt_heap(sz, load, out)
     if loads is not None:
         loads[:] = load
     return out
 
 
 @kernel
-def _lpt_heap(sz, order, load, out):
-    """Items in `order` each onto the bin of least (load, bin), through a binary min-heap of
-    the bins keyed by (load, bin); `load` and `out` are filled in place."""
+def _lpt_heap(sz, load, out):
+    """Items by decreasing size (ties: lowest index; a stable radix sort, `_load_order`) each
+    onto the bin of least (load, bin), through a binary min-heap of the bins keyed by (load,
+    bin); `load` and `out` are filled in place."""
     heap = _load_order(load)  # the bins by (load, bin): a valid heap
     B = heap.shape[0]
-    for i in order:
+    for i in _load_order(-sz):
         b = heap[0]
         out[i] = b
         load[b] += sz[i]
@@ -144,8 +145,8 @@ def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
         while end < n and groups[order[end]] == g:
             end += 1
         for lo in range(start, end, B):
-            if B > 16:  # the bins by (load, bin): a radix sort, or for a node's few
-                by_load[:] = _load_order(loads[g])
+            if B > 16:  # the bins by (load, bin): a merge sort, or for a node's few
+                by_load[:] = np.argsort(loads[g], kind="mergesort")
             else:  # an insertion sort in place
                 for k in range(B):
                     j = k
@@ -590,8 +591,8 @@ def _group_pairs(loads, B, target, it):
     x = 0
     o = np.empty(B, np.int64)
     for g in np.flatnonzero(busy):
-        if B > 16:  # the group's bins by (load, bin): a radix sort, or for a few
-            o[:] = _load_order(loads[g * B:(g + 1) * B]) + g * B
+        if B > 16:  # the group's bins by (load, bin): a merge sort, or for a few
+            o[:] = np.argsort(loads[g * B:(g + 1) * B], kind="mergesort") + g * B
         else:  # an insertion sort in place
             for k in range(g * B, (g + 1) * B):
                 j = k - g * B
