@@ -11,7 +11,6 @@ import pytest
 from dispatcher_server.planner.solver import (
     _FILL, _add_members, _best_fit, _by_decreasing_size, _by_length_rank, _greedy_blocks,
     _greedy_order, _group_max, _group_sums, _move_smallest_away, _polish_split, _top2,
-    _units_of,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -322,15 +321,3 @@ def test_add_members_adds_each_micro_batchs_sums_and_maxima(seed):
     np.maximum.at(want_L.reshape(-1), key, b[:, members].ravel())
     _add_members(c, b, members, mb, T, L)
     assert T.tolist() == want_T.tolist() and L.tolist() == want_L.tolist()
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_units_of_lists_each_groups_units_in_index_order(seed):
-    rng = np.random.default_rng(seed)
-    n, G = int(rng.integers(0, 200)), int(rng.integers(1, 30))
-    group = rng.integers(0, G, n)
-    groups = rng.permutation(G)[:int(rng.integers(0, G + 1))]
-    ptr, units = _units_of(group, groups, G)
-    assert ptr[0] == 0 and ptr[-1] == len(units)
-    for k, grp in enumerate(groups.tolist()):
-        assert units[ptr[k]:ptr[k + 1]].tolist() == np.flatnonzero(group == grp).tolist()

@@ -145,15 +145,7 @@ def _lpt_rounds(sizes, groups, order, loads, cap, capped, out):
         while end < n and groups[order[end]] == g:
             end += 1
         for lo in range(start, end, B):
-            if B > 16:  # the bins by (load, bin): a merge sort, or for a node's few
-                by_load[:] = np.argsort(loads[g], kind="mergesort")
-            else:  # an insertion sort in place
-                for k in range(B):
-                    j = k
-                    while j > 0 and loads[g, by_load[j - 1]] > loads[g, k]:
-                        by_load[j] = by_load[j - 1]
-                        j -= 1
-                    by_load[j] = k
+            _bins_by_load(loads[g], by_load)
             for t in range(lo, min(lo + B, end)):
                 item, b = order[t], by_load[t - lo]
                 if capped and not loads[g, b] + sizes[item] <= cap:
@@ -422,15 +414,14 @@ def _greedy_pairs(bins, targets, room, out):
 
 def _affinities(bin_of, target, weight, num_targets):
     """(bin, target) pairs with positive summed weight, heaviest first (ties: bin, target)."""
-    b, t, w = _pair_weights(np.ascontiguousarray(bin_of, dtype=np.int64),
-                            np.ascontiguousarray(target, dtype=np.int64),
-                            np.ascontiguousarray(weight, dtype=np.float64), num_targets)
-    return b, t
+    return _pair_weights(np.ascontiguousarray(bin_of, dtype=np.int64),
+                         np.ascontiguousarray(target, dtype=np.int64),
+                         np.ascontiguousarray(weight, dtype=np.float64), num_targets)
 
 
 @kernel
 def _pair_weights(bin_of, target, weight, num_targets):
-    """`_affinities` with the summed weights: each (bin, target) pair's weight summed over its
+    """`_affinities`' pairs: each (bin, target) pair's weight summed over its
     items in index order; the pairs with a positive sum by decreasing sum, ties by (bin,
     target). One counting sort of the items by bin, a pass per bin over its items, a stable
     radix sort of the sums (`_load_order`)."""
@@ -462,7 +453,7 @@ def _pair_weights(bin_of, target, weight, num_targets):
             pb[x], pw[x] = k, acc[pt[x]]
     keep = np.flatnonzero(pw[:m] > 0)
     order = keep[_load_order(-pw[keep])]
-    return pb[order], pt[order], pw[order]
+    return pb[order], pt[order]
 
 
 def refine(sizes: np.ndarray, bin_of: np.ndarray, loads: np.ndarray, *,
@@ -578,6 +569,21 @@ def _refine_in_groups(sizes, bin_of, loads, cand, B, target, max_iter, swaps, ma
 
 
 @kernel
+def _bins_by_load(loads, out):
+    """Into `out`, the positions of `loads` by (load, position): a stable insertion sort in
+    place for a node's few bins, a merge sort above 16."""
+    if loads.shape[0] > 16:
+        out[:] = np.argsort(loads, kind="mergesort")
+        return
+    for k in range(loads.shape[0]):
+        j = k
+        while j > 0 and loads[out[j - 1]] > loads[k]:
+            out[j] = out[j - 1]
+            j -= 1
+        out[j] = k
+
+
+@kernel
 def _group_pairs(loads, B, target, it):
     """(heavy bins, their light partners in iteration `it`) of the groups of B bins whose
     heaviest is above `target`, group by group: with the group's bins by load (stable) as
@@ -591,15 +597,8 @@ def _group_pairs(loads, B, target, it):
     x = 0
     o = np.empty(B, np.int64)
     for g in np.flatnonzero(busy):
-        if B > 16:  # the group's bins by (load, bin): a merge sort, or for a few
-            o[:] = np.argsort(loads[g * B:(g + 1) * B], kind="mergesort") + g * B
-        else:  # an insertion sort in place
-            for k in range(g * B, (g + 1) * B):
-                j = k - g * B
-                while j > 0 and loads[o[j - 1]] > loads[k]:
-                    o[j] = o[j - 1]
-                    j -= 1
-                o[j] = k
+        _bins_by_load(loads[g * B:(g + 1) * B], o)
+        o += g * B
         for j in range(h):
             heavy[x + j], light[x + j] = o[B - 1 - j], o[(j + it) % h]
         x += h

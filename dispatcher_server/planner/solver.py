@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .balance import _load_order, lpt_heap, lpt_rounds
+from .balance import _load_order, _members, lpt_heap, lpt_rounds
 from .config import PlannerConfig
 from .cost import phase_costs
 from .jit import kernel
@@ -922,8 +922,10 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
     rank = rank.copy()
     # a move only lands where it fits, so no unit enters a group still over: each group's
     # units are those it started with, until a repack reshuffles the micro-batch
-    groups = np.array(over, dtype=np.int64)
-    ptr, units = _units_of(mb * W + rank, groups, W * M)
+    role = np.full(W * M, -1, dtype=np.int64)
+    role[over] = np.arange(len(over))
+    every = np.arange(len(rank))
+    ptr, units = _members(every, mb * W + rank, role, len(over))
     for k, grp in enumerate(over):
         m, r = divmod(grp, W)
         _move_smallest_away(rank, tok, load, float(cap), units[ptr[k]:ptr[k + 1]], m, r, W,
@@ -934,32 +936,11 @@ def _repair_units(mb: np.ndarray, rank: np.ndarray, tok: np.ndarray, cap: float,
             if packed is not None:
                 rank[in_mb] = packed
                 load[m * W:(m + 1) * W] = np.bincount(packed, weights=tok[in_mb], minlength=W)
-                ptr, units = _units_of(mb * W + rank, groups, W * M)
+                ptr, units = _members(every, mb * W + rank, role, len(over))
         if load[grp] > cap:
             raise PlanError(f"rank {r} micro-batch {m}: cannot bring {what} tokens "
                             f"{int(load[grp])} under capacity {cap}")
     return rank
-
-
-@kernel
-def _units_of(group, groups, num_groups):
-    """(ptr, units): the units u with group[u] = groups[k], in index order, as
-    units[ptr[k]:ptr[k + 1]]."""
-    role = np.full(num_groups, -1, np.int64)
-    for k in range(groups.shape[0]):
-        role[groups[k]] = k
-    ptr = np.zeros(groups.shape[0] + 1, np.int64)
-    for u in range(group.shape[0]):
-        if role[group[u]] >= 0:
-            ptr[role[group[u]] + 1] += 1
-    ptr = np.cumsum(ptr)
-    units, fill = np.empty(ptr[-1], np.int64), ptr[:-1].copy()
-    for u in range(group.shape[0]):
-        k = role[group[u]]
-        if k >= 0:
-            units[fill[k]] = u
-            fill[k] += 1
-    return ptr, units
 
 
 @kernel
