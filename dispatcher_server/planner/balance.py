@@ -333,56 +333,28 @@ def swap_home(size: np.ndarray, home: np.ndarray, nbytes: np.ndarray, rank: np.n
 @kernel
 def _swap_home(size, home_node, nbytes, rank, loads, g, cap, passes):
     """`swap_home`'s passes, until one swaps nothing or after `passes`. Each pass takes the
-    items away from their home node by decreasing bytes (ties by index); x still away pairs
-    with the y, among the items away from home on x's home node, that saves the most bytes
-    (x's, plus y's if y's home is x's node), then changes the loads least (|size x - size
-    y|), then has the lowest index, of those keeping both ranks at or under `cap` (none if it
-    saves no bytes)."""
-    n, N = size.shape[0], loads.shape[0] // g
+    items away from their home node by decreasing bytes (ties by index); x still away swaps
+    with its `_best_partner` on its home node, if it has one."""
+    N = loads.shape[0] // g
     total = 0
     for _ in range(passes):
         off = np.flatnonzero(rank // g != home_node)
-        start = np.zeros(N + 1, np.int64)  # off items by their node, in index order
-        for i in off:
-            start[rank[i] // g + 1] += 1
-        for k in range(N):
-            start[k + 1] += start[k]
-        fill = start[:N].copy()
-        # each slot's item, with its size, bytes, home node and rank beside it: a scan reads
-        # one node's slots in a row
-        slots = np.empty(off.shape[0], np.int64)
-        s_size, s_bytes = np.empty(off.shape[0]), np.empty(off.shape[0])
-        s_home, s_rank = np.empty(off.shape[0], np.int64), np.empty(off.shape[0], np.int64)
-        pos = np.full(n, -1, np.int64)
-        for i in off:
-            b = rank[i] // g
-            slots[fill[b]], pos[i] = i, fill[b]
-            s_size[fill[b]], s_bytes[fill[b]] = size[i], nbytes[i]
-            s_home[fill[b]], s_rank[fill[b]] = home_node[i], rank[i]
-            fill[b] += 1
+        start, slots, s_size, s_bytes, s_home, s_rank, pos = _off_home_slots(
+            off, rank, size, nbytes, home_node, g, N)
         swaps = 0
         for x in off[np.argsort(-nbytes[off], kind="mergesort")]:
             if pos[x] < 0:
                 continue
-            rx, sx = rank[x], size[x]
+            rx = rank[x]
             b = rx // g
-            best, at, gain_best, d_best = -1, -1, 0.0, 0.0
-            for s in range(start[home_node[x]], start[home_node[x] + 1]):
-                y = slots[s]
-                if y < 0:
-                    continue
-                d = sx - s_size[s]
-                if loads[s_rank[s]] + d > cap or loads[rx] - d > cap:
-                    continue
-                gain = nbytes[x] + (s_bytes[s] if s_home[s] == b else 0.0)
-                if gain > gain_best or (best >= 0 and gain == gain_best and (
-                        abs(d) < d_best or (abs(d) == d_best and y < best))):
-                    best, at, gain_best, d_best = y, s, gain, abs(d)
-            if best < 0:
+            at = _best_partner(rx, b, size[x], nbytes[x], loads, cap,
+                               start[home_node[x]], start[home_node[x] + 1], slots, s_size,
+                               s_bytes, s_home, s_rank)
+            if at < 0:
                 continue
-            y = best
+            y = slots[at]
             ry = rank[y]
-            d = sx - size[y]
+            d = size[x] - size[y]
             loads[ry] += d
             loads[rx] -= d
             rank[x], rank[y] = ry, rx
@@ -399,6 +371,54 @@ def _swap_home(size, home_node, nbytes, rank, loads, g, cap, passes):
         if swaps == 0:
             break
     return total
+
+
+@kernel
+def _off_home_slots(off, rank, size, nbytes, home_node, g, N):
+    """The items `off` (away from their home node) as slots grouped by the node they sit on,
+    in index order: (start, slots, and each slot's size, bytes, home node and rank beside it,
+    so that a scan reads one node's slots in a row; pos, each item's slot or -1). Node k's
+    slots are start[k]:start[k + 1]."""
+    start = np.zeros(N + 1, np.int64)
+    for i in off:
+        start[rank[i] // g + 1] += 1
+    for k in range(N):
+        start[k + 1] += start[k]
+    fill = start[:N].copy()
+    m = off.shape[0]
+    slots = np.empty(m, np.int64)
+    s_size, s_bytes = np.empty(m), np.empty(m)
+    s_home, s_rank = np.empty(m, np.int64), np.empty(m, np.int64)
+    pos = np.full(rank.shape[0], -1, np.int64)
+    for i in off:
+        b = rank[i] // g
+        slots[fill[b]], pos[i] = i, fill[b]
+        s_size[fill[b]], s_bytes[fill[b]] = size[i], nbytes[i]
+        s_home[fill[b]], s_rank[fill[b]] = home_node[i], rank[i]
+        fill[b] += 1
+    return start, slots, s_size, s_bytes, s_home, s_rank, pos
+
+
+@kernel
+def _best_partner(rx, b, sx, bx, loads, cap, lo, hi, slots, s_size, s_bytes, s_home, s_rank):
+    """The slot in lo..hi-1 (item x's home node) whose item y, still away from home, x should
+    swap with, or -1: the one that saves the most bytes (x's `bx`, plus y's if y's home is
+    x's node `b`), then changes the loads least (|sx - size y|), then has the lowest index, of
+    those keeping both ranks at or under `cap` (none if it saves no bytes). x sits on rank
+    `rx` with size `sx`."""
+    best, at, gain_best, d_best = -1, -1, 0.0, 0.0
+    for s in range(lo, hi):
+        y = slots[s]
+        if y < 0:
+            continue
+        d = sx - s_size[s]
+        if loads[s_rank[s]] + d > cap or loads[rx] - d > cap:
+            continue
+        gain = bx + (s_bytes[s] if s_home[s] == b else 0.0)
+        if gain > gain_best or (best >= 0 and gain == gain_best and (
+                abs(d) < d_best or (abs(d) == d_best and y < best))):
+            best, at, gain_best, d_best = y, s, gain, abs(d)
+    return at
 
 
 @kernel

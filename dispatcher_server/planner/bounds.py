@@ -73,41 +73,66 @@ def _unit_bound(c, group, order, num_groups, bins):
         if count[group[i]] == 0:
             start[group[i]] = t
         count[group[i]] += 1
-    for g in range(num_groups):  # windows
-        st = start[g]
-        for k in range((count[g] - 1) // bins + 1):
-            hi = st + k * bins + 1
-            w = prefix[hi] - prefix[hi - k - 1]
-            if not (lb[g] >= w or lb[g] != lb[g]):
-                lb[g] = w
-    for g in range(num_groups):  # counting term (0 for an empty group)
-        cnt, st, best = count[g], start[g], 0.0
-        if cnt > 0:
-            q = -(-cnt // bins)
-            best = np.inf
-            whole = prefix[st + cnt] - prefix[st]
-            for t in range(1, min(bins, cnt // q) + 1):
-                small = prefix[st + cnt] - prefix[st + cnt - t * q]  # sorted largest first
-                rest = whole - (prefix[st + min((bins - t) * (q - 1), cnt)] - prefix[st])
-                v = (small if small >= rest or small != small else rest) / t
-                if not (best <= v or best != best):
-                    best = v
+    for g in range(num_groups):
+        w = _windows(prefix, start[g], count[g], bins)
+        if not (lb[g] >= w or lb[g] != lb[g]):
+            lb[g] = w
+        best = _counting_term(prefix, start[g], count[g], bins)
         if not (lb[g] >= best or lb[g] != lb[g]):
             lb[g] = best
+    _round_to_quantum(c, lb)
+    return lb
+
+
+@kernel
+def _windows(prefix, st, cnt, bins):
+    """The largest window term of one group (its sorted sizes' prefix sums from `prefix[st]`,
+    `cnt` of them; -inf for none): max over k of s_(kB-k+1) + ... + s_(kB+1), NaN winning
+    as np.maximum's does."""
+    best = -np.inf
+    for k in range((cnt - 1) // bins + 1):
+        hi = st + k * bins + 1
+        w = prefix[hi] - prefix[hi - k - 1]
+        if not (best >= w or best != best):
+            best = w
+    return best
+
+
+@kernel
+def _counting_term(prefix, st, cnt, bins):
+    """The counting term of one group (0 for an empty one): min over t of max(S_small(tq),
+    total - S_large((B - t)(q - 1))) / t, see `_unit_bound`."""
+    if cnt == 0:
+        return 0.0
+    q = -(-cnt // bins)
+    best = np.inf
+    whole = prefix[st + cnt] - prefix[st]
+    for t in range(1, min(bins, cnt // q) + 1):
+        small = prefix[st + cnt] - prefix[st + cnt - t * q]  # sorted largest first
+        rest = whole - (prefix[st + min((bins - t) * (q - 1), cnt)] - prefix[st])
+        v = (small if small >= rest or small != small else rest) / t
+        if not (best <= v or best != best):
+            best = v
+    return best
+
+
+@kernel
+def _round_to_quantum(c, lb):
+    """When every positive size in `c` is a whole multiple (within 1e-9) of the smallest, q,
+    round each bound in `lb` up to a multiple of q, in place."""
     quantum = np.inf
-    for i in range(n):
+    for i in range(c.shape[0]):
         if c[i] > 0 and c[i] < quantum:
             quantum = c[i]
     if quantum == np.inf:
-        return lb
-    for i in range(n):
+        return
+    for i in range(c.shape[0]):
         if c[i] > 0:
             u = c[i] / quantum
             if np.abs(u - np.rint(u)) > 1e-9 * u:
-                return lb
-    for g in range(num_groups):
+                return
+    for g in range(lb.shape[0]):
         lb[g] = np.ceil(lb[g] / quantum * (1 - 1e-12)) * quantum
-    return lb
 
 
 def split_free_bound(costs: dict[str, np.ndarray], W: int, M: int) -> float:
