@@ -901,35 +901,56 @@ def _key_order(keys, sizes, by_size, out):
     sizes last to first, each in position order). A counting sort: O(n + largest key); keys
     that come sorted (items by their sample), with sizes non-increasing or ignored, are already
     in order."""
-    n = keys.shape[0]
-    hi = -1
-    grouped = True
-    for i in range(n):
+    hi, grouped = _key_range(keys)
+    if hi < -1 or hi >= max(4 * keys.shape[0], 1 << 16):
+        return False
+    rising = False
+    if by_size:
+        trend = _size_trend(sizes)
+        if trend == 0:
+            return False
+        rising = trend < 0
+    if grouped and not rising:
+        for i in range(keys.shape[0]):
+            out[i] = i
+        return True
+    _counting_sort(keys, sizes, hi, rising, out)
+    return True
+
+
+@kernel
+def _key_range(keys):
+    """(largest key, or -2 if some key is negative; whether the keys are non-decreasing)."""
+    hi, grouped = -1, True
+    for i in range(keys.shape[0]):
         k = keys[i]
         if k < 0:
-            return False
+            return -2, False
         if k < hi:
             grouped = False
         if k > hi:
             hi = k
-    if hi >= max(4 * n, 1 << 16):
-        return False
-    rising = False
-    if by_size:
-        dec, inc = True, True
-        for i in range(n - 1):
-            if not sizes[i] >= sizes[i + 1]:
-                dec = False
-            if not sizes[i] <= sizes[i + 1]:
-                inc = False
-        if not dec:
-            if not inc:
-                return False
-            rising = True
-    if grouped and not rising:
-        for i in range(n):
-            out[i] = i
-        return True
+    return hi, grouped
+
+
+@kernel
+def _size_trend(sizes):
+    """1 if `sizes` are non-increasing, else -1 if non-decreasing, else 0."""
+    dec, inc = True, True
+    for i in range(sizes.shape[0] - 1):
+        if not sizes[i] >= sizes[i + 1]:
+            dec = False
+        if not sizes[i] <= sizes[i + 1]:
+            inc = False
+    return 1 if dec else (-1 if inc else 0)
+
+
+@kernel
+def _counting_sort(keys, sizes, hi, rising, out):
+    """Into `out`, the positions by key (0..hi), stably; with `rising` (sizes non-decreasing)
+    each key's positions by decreasing size: runs of equal sizes last to first, each in
+    position order."""
+    n = keys.shape[0]
     fill = np.zeros(hi + 2, np.int64)
     for i in range(n):
         fill[keys[i] + 1] += 1
@@ -940,7 +961,7 @@ def _key_order(keys, sizes, by_size, out):
             k = keys[i]
             out[fill[k]] = i
             fill[k] += 1
-        return True
+        return
     end = n
     while end > 0:
         start = end - 1
@@ -951,4 +972,3 @@ def _key_order(keys, sizes, by_size, out):
             out[fill[k]] = i
             fill[k] += 1
         end = start
-    return True

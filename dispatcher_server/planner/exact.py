@@ -54,6 +54,31 @@ def solve_exact(inputs: StepInputs, world_size: int, num_microbatches: int, cost
     nx = U * M * W  # unit u on (m, r): column (u * M + m) * W + r; then t[p, m]
     col = np.arange(nx).reshape(U, M, W)
     t_col = nx + np.arange(P * M).reshape(P, M)
+    A, lo, hi = _constraints(phase, owner, c, col, t_col, W, M)
+    llm = np.flatnonzero(phase == PHASES.index("llm"))
+    sample_unit = llm[np.argsort(owner[llm])]
+    upper = np.r_[np.ones(nx), np.full(P * M, np.inf)]
+    lower = np.zeros(nx + P * M)
+    if len(llm):
+        lower[col[sample_unit[int(np.argmax(c[sample_unit]))], 0, 0]] = 1.0
+    res = milp(np.r_[np.zeros(nx), np.ones(P * M)],
+               integrality=np.r_[np.ones(nx), np.zeros(P * M)],
+               bounds=Bounds(lower, upper),
+               constraints=LinearConstraint(A, lo, hi),
+               options={"time_limit": time_limit, "disp": False})
+    if res.x is None:
+        raise RuntimeError(f"MILP found no plan: {res.message}")
+    best = float(res.fun) * scale
+    bound = float(getattr(res, "mip_dual_bound", res.fun)) * scale
+    return ExactResult(step_time=best, lower=min(bound, best), optimal=res.status == 0)
+
+
+def _constraints(phase: np.ndarray, owner: np.ndarray, c: np.ndarray, col: np.ndarray,
+                 t_col: np.ndarray, W: int, M: int) -> tuple[coo_array, list, list]:
+    """(A, lower, upper) of the MILP's rows: every unit placed once, every item in its
+    sample's micro-batch, every rank's phase load under t[p, m] (with the cuts t >= any unit
+    in m, and sum_m t[p, m] >= the phase's split-free bound)."""
+    P, nx = len(PHASES), col.size
     rows, cols, vals, lo, hi = [], [], [], [], []
 
     def add(row_cols, row_vals, lower, upper):
@@ -63,7 +88,7 @@ def solve_exact(inputs: StepInputs, world_size: int, num_microbatches: int, cost
         lo.append(lower)
         hi.append(upper)
 
-    for u in range(U):  # every unit placed once
+    for u in range(len(c)):  # every unit placed once
         add(col[u].ravel(), np.ones(M * W), 1.0, 1.0)
     llm = np.flatnonzero(phase == PHASES.index("llm"))
     sample_unit = llm[np.argsort(owner[llm])]
@@ -87,17 +112,4 @@ def solve_exact(inputs: StepInputs, world_size: int, num_microbatches: int, cost
         add(t_col[p], np.ones(M), bound, np.inf)
     A = coo_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
                   shape=(len(lo), nx + P * M))
-    upper = np.r_[np.ones(nx), np.full(P * M, np.inf)]
-    lower = np.zeros(nx + P * M)
-    if len(llm):
-        lower[col[sample_unit[int(np.argmax(c[sample_unit]))], 0, 0]] = 1.0
-    res = milp(np.r_[np.zeros(nx), np.ones(P * M)],
-               integrality=np.r_[np.ones(nx), np.zeros(P * M)],
-               bounds=Bounds(lower, upper),
-               constraints=LinearConstraint(A, lo, hi),
-               options={"time_limit": time_limit, "disp": False})
-    if res.x is None:
-        raise RuntimeError(f"MILP found no plan: {res.message}")
-    best = float(res.fun) * scale
-    bound = float(getattr(res, "mip_dual_bound", res.fun)) * scale
-    return ExactResult(step_time=best, lower=min(bound, best), optimal=res.status == 0)
+    return A, lo, hi
