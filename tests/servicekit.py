@@ -237,8 +237,10 @@ class Stack:
 class Trainers:
     """One DispatcherClient per rank, each iterating in its own thread and recording every step.
 
-    `pause` (per rank) stalls consumption while the client keeps heartbeating: a slow trainer.
-    `join()` re-raises the first trainer error; clients are closed whatever happens.
+    `pause` (per rank) stalls consumption while the client keeps heartbeating: a slow trainer;
+    `hold()` pauses every rank and returns once none can record or commit a step, `release()`
+    lets them go on. `join()` re-raises the first trainer error; clients are closed whatever
+    happens.
     """
 
     def __init__(self, endpoint: str, world_size: int, *, commit_every: int = 0, prefetch: int = 2,
@@ -253,6 +255,7 @@ class Trainers:
         self.commits: list[int] = []
         self.errors: list[BaseException] = []
         self.pause = {r: threading.Event() for r in ranks}
+        self.held = {r: threading.Event() for r in ranks}  # set while rank r sits paused
         self.stop = threading.Event()
         cfg = dict(heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=step_timeout_s,
                    backoff_max_s=0.5, prefetch=prefetch, **FETCH)
@@ -275,13 +278,28 @@ class Trainers:
                     if rank == min(self.steps):
                         self.commits.append(step.step)
                 while self.pause[rank].is_set() and not self.stop.is_set():
+                    self.held[rank].set()
                     time.sleep(0.01)
+                self.held[rank].clear()
                 if self.stop.is_set():
                     return
         except BaseException as e:  # noqa: BLE001 - re-raised by join()
             self.errors.append(e)
         finally:
             client.close()
+
+    def hold(self, timeout: float = 30.0) -> None:
+        """Pause every rank and wait until each sits paused (after the step it was on)."""
+        for e in self.pause.values():
+            e.set()
+        deadline = time.monotonic() + timeout
+        for r, e in self.held.items():
+            if not e.wait(max(0.0, deadline - time.monotonic())):
+                raise AssertionError(f"rank {r} did not pause within {timeout} s")
+
+    def release(self) -> None:
+        for e in self.pause.values():
+            e.clear()
 
     def progress(self) -> int:
         """Steps every rank has received."""

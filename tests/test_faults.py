@@ -80,18 +80,28 @@ def test_dispatcher_sigkill_mid_step_restarts_from_journal(corpus, keys, referen
     with Stack(corpus, str(tmp_path), num_readers=2, fixed_ports=True, journal=True) as st:
         trainers = K.Trainers(st.ready["trainers"], WORLD, commit_every=5)
 
-        def mid_step() -> bool:  # well into the epoch, with steps received past the last commit
+        def past_a_commit() -> bool:  # steps received past the last commit
             c = trainers.commits
-            return trainers.progress() >= 60 and c and max(map(len, trainers.steps.values())) > c[-1] + 2
+            return bool(c) and max(map(len, trainers.steps.values())) - 1 > c[-1]
 
         try:
-            K.wait_for(mid_step, 30, "streaming past a commit")
+            # Held still (clients heartbeating) once well into the epoch and past a commit, so
+            # no commit lands between that check and the kill; a commit that raced the hold
+            # lets them go on to the next chance.
+            for _ in range(20):
+                K.wait_for(lambda: trainers.progress() >= 60 and past_a_commit(), 30,
+                           "streaming past a commit")
+                trainers.hold()
+                if past_a_commit():
+                    break
+                trainers.release()
             K.kill(st.server)  # no shutdown: the journal is all that survives
             at_kill = {r: len(s) for r, s in trainers.steps.items()}
             committed = trainers.commits[-1]
             # Steps past the last commit were in flight: the restart must replay them verbatim.
             assert max(at_kill.values()) - 1 > committed
             ready = st.start_server()  # same endpoints: trainers and readers reconnect by themselves
+            trainers.release()
             assert committed + 1 <= ready["next_step"] <= max(at_kill.values())
             got = trainers.join(60)
         finally:
