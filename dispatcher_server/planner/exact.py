@@ -54,9 +54,9 @@ def solve_exact(inputs: StepInputs, world_size: int, num_microbatches: int, cost
     nx = U * M * W  # unit u on (m, r): column (u * M + m) * W + r; then t[p, m]
     col = np.arange(nx).reshape(U, M, W)
     t_col = nx + np.arange(P * M).reshape(P, M)
-    A, lo, hi = _constraints(phase, owner, c, col, t_col, W, M)
     llm = np.flatnonzero(phase == PHASES.index("llm"))
-    sample_unit = llm[np.argsort(owner[llm])]
+    sample_unit = llm[np.argsort(owner[llm])]  # each sample's LLM unit
+    A, lo, hi = _constraints(phase, owner, c, sample_unit, col, t_col, W, M)
     upper = np.r_[np.ones(nx), np.full(P * M, np.inf)]
     lower = np.zeros(nx + P * M)
     if len(llm):
@@ -73,8 +73,9 @@ def solve_exact(inputs: StepInputs, world_size: int, num_microbatches: int, cost
     return ExactResult(step_time=best, lower=min(bound, best), optimal=res.status == 0)
 
 
-def _constraints(phase: np.ndarray, owner: np.ndarray, c: np.ndarray, col: np.ndarray,
-                 t_col: np.ndarray, W: int, M: int) -> tuple[coo_array, list, list]:
+def _constraints(phase: np.ndarray, owner: np.ndarray, c: np.ndarray, sample_unit: np.ndarray,
+                 col: np.ndarray, t_col: np.ndarray, W: int, M: int
+                 ) -> tuple[coo_array, list, list]:
     """(A, lower, upper) of the MILP's rows: every unit placed once, every item in its
     sample's micro-batch, every rank's phase load under t[p, m] (with the cuts t >= any unit
     in m, and sum_m t[p, m] >= the phase's split-free bound)."""
@@ -90,8 +91,6 @@ def _constraints(phase: np.ndarray, owner: np.ndarray, c: np.ndarray, col: np.nd
 
     for u in range(len(c)):  # every unit placed once
         add(col[u].ravel(), np.ones(M * W), 1.0, 1.0)
-    llm = np.flatnonzero(phase == PHASES.index("llm"))
-    sample_unit = llm[np.argsort(owner[llm])]
     for u in np.flatnonzero(phase != PHASES.index("llm")):  # an item runs in its sample's m
         s = sample_unit[owner[u]]
         for m in range(M):
