@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import HOLDERS, STEP, StepItemHeader, encode
+from dispatcher_server.protocol import HOLDERS, STEP, encode
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
+_PHASE_CODE = {m: ENCODER_PHASES.index(p) for m, p in _PHASE_OF.items()}
+# ItemHeader's fields (modality, member, enc_len, llm_len, meta), by position
+_MODALITY, _MEMBER, _ENC_LEN, _LLM_LEN, _META = (itemgetter(k) for k in range(5))
 
 
 @dataclass(slots=True)
@@ -55,25 +60,39 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
 
 @dataclass(slots=True)
 class StepBatch:
-    """The samples of one step, the planner inputs built from them, and item -> sample refs.
+    """The samples of one step, the planner inputs built from them, and each item's STEP
+    header, payload, size and holder, gathered once here so that a rank's message only selects
+    the ids it encodes.
 
-    Also, by item id per phase, each item's STEP header, payload and size, gathered once here
-    so that a rank's message only selects the ids it encodes.
+    Item columns run over all items in sample order (`flat`); `phase_items[phase]` are the
+    flat positions of that phase's items, in item id order.
     """
 
     samples: list[Sample]
     inputs: StepInputs
-    item_refs: dict[str, list[tuple[int, int]]]  # phase -> (sample id, item index) per item id
     keys: list[str]  # per sample id
     tokens: list[bytes]  # per sample id
-    item_headers: dict[str, list[StepItemHeader]]  # phase -> header per item id
-    item_payloads: dict[str, list]  # phase -> payload buffer per item id
-    item_sizes: dict[str, list[int]]  # phase -> payload bytes per item id
-    item_holders: dict[str, list[int]]  # phase -> holder per item id (direct mode; else -1)
+    phase_items: dict[str, np.ndarray]  # phase -> flat position of each item id
+    item_owner: np.ndarray  # flat -> sample id
+    item_within: np.ndarray  # flat -> index among its sample's items
+    item_headers: list[tuple]  # flat -> STEP item header (StepItemHeader's fields)
+    item_payloads: list  # flat -> payload buffer
+    item_sizes: list[int]  # flat -> payload bytes
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.samples)
+
+    @property
+    def item_holders(self) -> list[int]:
+        """flat -> the reader holding the item's payload (direct mode; else -1)."""
+        return take([s.holder for s in self.samples], self.item_owner.tolist())
+
+    @property
+    def item_refs(self) -> dict[str, list[tuple[int, int]]]:
+        """phase -> (sample id, index among its items) of each item id."""
+        return {p: list(zip(self.item_owner[f].tolist(), self.item_within[f].tolist()))
+                for p, f in self.phase_items.items()}
 
     def digest(self) -> str:
         """Hash of the keys, each followed by a NUL byte (one update: the same bytes hashed)."""
@@ -82,43 +101,48 @@ class StepBatch:
         return h.hexdigest()
 
 
+def take(col: list, idx: list[int]) -> list:
+    """[col[i] for i in idx] at C speed (one itemgetter over all of them)."""
+    if len(idx) > 1:
+        return list(itemgetter(*idx)(col))
+    return [col[i] for i in idx]
+
+
 def build_batch(samples: list[Sample]) -> StepBatch:
-    """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order."""
-    # Per phase: refs, enc_len, llm_len, owner, header, payload, size of each item.
-    cols = {p: ([], [], [], [], [], [], [], []) for p in ENCODER_PHASES}
-    by_modality = {m: cols[p] for m, p in _PHASE_OF.items()}
-    for si, s in enumerate(samples):
-        if not s.items:
-            continue
-        key, payloads = s.key, s.payloads
-        for ii, it in enumerate(s.items):
-            c = by_modality.get(it.modality)
-            if c is None:
-                raise ValueError(f"unknown item modality {it.modality!r}")
-            c[0].append((si, ii))
-            c[1].append(it.enc_len)
-            c[2].append(it.llm_len)
-            c[3].append(si)
-            c[4].append(StepItemHeader(it.modality, key, it.member, it.meta))
-            p = payloads[ii]
-            c[5].append(p)
-            c[6].append(memoryview(p).nbytes)
-            c[7].append(s.holder)
-    encoders = {p: EncoderItems(enc_len=np.asarray(c[1], dtype=np.int64),
-                                llm_len=np.asarray(c[2], dtype=np.int64),
-                                sample=np.asarray(c[3], dtype=np.int64))
-                for p, c in cols.items() if c[0]}
+    """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order.
+
+    Whole-step columns, no per-item Python loop: the items' fields come out of their headers
+    through itemgetters and zips (a step at 2,560 ranks holds tens of thousands of items).
+    """
+    keys = [s.key for s in samples]
+    counts = [len(s.items) for s in samples]
+    flat = list(chain.from_iterable([s.items for s in samples]))
+    n = len(flat)
+    modality = list(map(_MODALITY, flat))
+    try:
+        phase = np.fromiter(map(_PHASE_CODE.__getitem__, modality), dtype=np.int8, count=n)
+    except KeyError as e:
+        raise ValueError(f"unknown item modality {e.args[0]!r}") from None
+    owner = np.repeat(np.arange(len(samples), dtype=np.int64), counts)
+    starts = np.cumsum(counts) - counts
+    enc_len = np.fromiter(map(_ENC_LEN, flat), dtype=np.int64, count=n)
+    llm_len = np.fromiter(map(_LLM_LEN, flat), dtype=np.int64, count=n)
+    payloads = list(chain.from_iterable([s.payloads for s in samples]))
+    phase_items = {p: np.flatnonzero(phase == k) for k, p in enumerate(ENCODER_PHASES)}
+    encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=llm_len[f], sample=owner[f])
+                for p, f in phase_items.items() if len(f)}
     inputs = StepInputs(
-        text_len=np.asarray([s.text_len for s in samples], dtype=np.int64),
-        llm_len=np.asarray([s.llm_len for s in samples], dtype=np.int64),
+        text_len=np.fromiter([s.text_len for s in samples], dtype=np.int64, count=len(samples)),
+        llm_len=np.fromiter([s.llm_len for s in samples], dtype=np.int64, count=len(samples)),
         encoders=encoders,
     )
-    return StepBatch(samples=samples, inputs=inputs, item_refs={p: c[0] for p, c in cols.items()},
-                     keys=[s.key for s in samples], tokens=[s.tokens for s in samples],
-                     item_headers={p: c[4] for p, c in cols.items()},
-                     item_payloads={p: c[5] for p, c in cols.items()},
-                     item_sizes={p: c[6] for p, c in cols.items()},
-                     item_holders={p: c[7] for p, c in cols.items()})
+    return StepBatch(
+        samples=samples, inputs=inputs, keys=keys, tokens=[s.tokens for s in samples],
+        phase_items=phase_items, item_owner=owner,
+        item_within=np.arange(n, dtype=np.int64) - np.repeat(starts, counts),
+        item_headers=list(zip(modality, take(keys, owner.tolist()), map(_MEMBER, flat),
+                              map(_META, flat))),
+        item_payloads=payloads, item_sizes=[memoryview(p).nbytes for p in payloads])
 
 
 def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
@@ -136,10 +160,10 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     W, M = plan.topology.world_size, plan.num_microbatches
     packed = pack_step(plan)
     order = plan.sample_order.tolist()
-    keys = [batch.keys[i] for i in order]
-    tokens = [batch.tokens[i] for i in order]
+    keys, tokens = take(batch.keys, order), take(batch.tokens, order)
     sample_ptr = plan.sample_ptr.tolist()
-    heads, buffers, nbytes, holders, item_ptr = _items_by_group(batch, plan, W * M)
+    heads, buffers, nbytes, holders, item_ptr = _items_by_group(batch, plan, W * M,
+                                                                holders=endpoints is not None)
     out = []
     for rank in range(W):
         mbs, frames, table = [], [], {}
@@ -160,27 +184,25 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     return out
 
 
-def _items_by_group(batch: StepBatch, plan, num_groups: int) -> tuple[list, list, list, list,
-                                                                       list[int]]:
+def _items_by_group(batch: StepBatch, plan, num_groups: int, *, holders: bool
+                    ) -> tuple[list, list, list, list | None, list[int]]:
     """(header, payload, size, holder) of every item in the order the STEP messages list them:
     by group g = mb * W + rank, then phase, then the phase's send order; and the CSR pointer
-    over groups. The phases' columns are concatenated and gathered once in that order, so a
-    group's items are one slice each."""
-    columns, groups, ids, base = ([], [], [], []), [], [], 0
+    over groups. Each column is gathered once in that order, so a group's items are one slice
+    each; holders only if asked (direct mode), else None."""
+    groups, ids = [], []
     for phase in ENCODER_PHASES:
         ex = plan._exchange(phase)
         groups.append(np.repeat(np.arange(num_groups), np.diff(ex.send_ptr)))
-        ids.append(ex.send_order + base)
-        for out, col in zip(columns, (batch.item_headers[phase], batch.item_payloads[phase],
-                                      batch.item_sizes[phase], batch.item_holders[phase])):
-            out.extend(col)
-        base += len(batch.item_headers[phase])
+        ids.append(batch.phase_items[phase][ex.send_order])
     group = np.concatenate(groups)
     # stable: phases stay in order, each in its send order
     order = np.concatenate(ids)[np.argsort(group, kind="stable")].tolist()
     ptr = np.zeros(num_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(group, minlength=num_groups), out=ptr[1:])
-    return (*([col[i] for i in order] for col in columns), ptr.tolist())
+    return (take(batch.item_headers, order), take(batch.item_payloads, order),
+            take(batch.item_sizes, order), take(batch.item_holders, order) if holders else None,
+            ptr.tolist())
 
 
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:
