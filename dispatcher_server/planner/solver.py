@@ -131,7 +131,7 @@ def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: in
     caller has it."""
     if M == 1 or len(idx) == 0:
         return np.zeros(len(idx), dtype=np.int64)
-    c, b = cost[:, idx], big[:, idx]
+    c, b = cost.take(idx, axis=1), big.take(idx, axis=1)  # C order: row sums 10x faster
     seed = rng.integers(2**63)
     first = _split_pass(c, b, c.sum(axis=1) / (W * M), M, W, np.random.default_rng(seed), slack)
     best, best_bound = first, _split_bound(c, b, first, M, W)
@@ -254,8 +254,8 @@ def _greedy_blocks(c: np.ndarray, b: np.ndarray, members: np.ndarray, block: int
     csum = c.sum(axis=1)
     shr = np.where(csum > 0, 1.0 / np.maximum(csum, 1e-300), 0.0)
     starts = np.arange(0, len(members), block)
-    bsum = np.ascontiguousarray(np.add.reduceat(c[:, members], starts, axis=1).T)
-    bmax = np.ascontiguousarray(np.maximum.reduceat(b[:, members], starts, axis=1).T)
+    bsum = np.ascontiguousarray(np.add.reduceat(c.take(members, axis=1), starts, axis=1).T)
+    bmax = np.ascontiguousarray(np.maximum.reduceat(b.take(members, axis=1), starts, axis=1).T)
     if share is not None and share.shape[1]:
         bshare = np.add.reduceat(share[members], starts, axis=0)
         chosen = _place_blocks(bsum, bmax, bshare, shr, Tc, Lc, full, W, _FILL * W)
@@ -483,7 +483,7 @@ def _place_microbatch(cost: np.ndarray, samp: np.ndarray, unit_costs: dict[str, 
     2-3 of the module docstring for one micro-batch. `samp_by_size`: positions in `samp` by
     decreasing LLM cost, ties by position."""
     W, g = topology.world_size, topology.ranks_per_node
-    rank = place_samples(cost[:, samp], W, g, config.balance_tolerance, samp_by_size)
+    rank = place_samples(cost.take(samp, axis=1), W, g, config.balance_tolerance, samp_by_size)
     if config.llm_capacity is not None:
         # held to the capacity before the items are placed, so they follow where samples are
         rank = _repair_units(np.zeros(len(samp), dtype=np.int64), rank,
@@ -625,7 +625,7 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
     concentrating, and the split by capacity shares alone, each that fits and then, whatever
     fits, the last. `_plan_with` takes the first its ranks can hold. `llm_order`: positions
     in `idx` by decreasing LLM cost (ties by position)."""
-    c, b = cost[:, idx], big[:, idx]
+    c, b = cost.take(idx, axis=1), big.take(idx, axis=1)  # C order: row sums 10x faster
     # the greedy split's order of the samples: split_microbatches' greedy and the held ones
     # below take them in the same order
     greedy = _greedy_order(c, b, c.sum(axis=1) / (W * M), M, W) \
