@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from dispatcher_server.planner import PlannerConfig, Topology, balance, plan_step
+from dispatcher_server.planner import PlannerConfig, Topology, balance, jit, plan_step
 from dispatcher_server.planner.jit import _Kernel
+from dispatcher_server.planner.types import StepInputs
 from dispatcher_server.planner.warm import synthetic_step, warm_up
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,6 +40,24 @@ def test_warm_up_compiles_the_kernels_a_plan_uses():
     topo = Topology(world_size=16, ranks_per_node=8)
     warm_up(topo, PlannerConfig(num_microbatches=2))
     assert not isinstance(balance._pair_step, _Kernel)  # the module now calls compiled code
+
+
+def _signatures() -> dict[str, int]:
+    return {k.__name__: len(k._compiled.signatures) for k in jit._KERNELS
+            if k._compiled is not None}
+
+
+@pytest.mark.parametrize("lens", [[3000], [3000, 50], [50, 60, 70]])
+def test_after_warm_up_a_step_of_a_few_samples_compiles_nothing(lens):
+    """A step of one sample (a token budget cut it short, an epoch's last) once handed the
+    kernels arrays of another memory layout than the warm-up's: numba compiled new variants
+    (seconds) inside the dispatcher loop, while readers timed out."""
+    topo, cfg = Topology(world_size=4, ranks_per_node=2), PlannerConfig(num_microbatches=2)
+    warm_up(topo, cfg)
+    before = _signatures()
+    step = StepInputs(text_len=np.array(lens), llm_len=np.array(lens), encoders={})
+    plan_step(step, topo, cfg)
+    assert _signatures() == before
 
 
 def test_a_synthetic_step_is_a_valid_multimodal_step():
