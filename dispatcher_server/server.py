@@ -115,6 +115,7 @@ class Dispatcher:
         self._auth = None
         self._seq = 0
         self._readers_ended = False
+        self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         start = self.replay.committed + 1
         try:
             self._reset(start)
@@ -749,6 +750,15 @@ class Dispatcher:
         self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
+        local, g = msg.get("local_world_size"), self.topology.ranks_per_node
+        if local is not None and local != g and not self._topology_warned:
+            # The exchange follows the trainers' own topology and stays correct; what was
+            # planned node-local may cross nodes, and the step log's byte figures mislead.
+            # Said once: at thousands of ranks every HELLO would say it again.
+            self._topology_warned = True
+            event("topology_mismatch", logging.WARNING, rank=rank, local_world_size=local,
+                  ranks_per_node=g, fix=f"restart the dispatcher with --ranks-per-node {local} "
+                                        "(or launch the trainers with that many per node)")
         self._send(self.trainer_sock, ident, P.WELCOME, role="trainer", ack=msg.seq,
                    heartbeat_s=float(self.config.liveness.heartbeat_s),
                    world_size=self.config.world_size, next_step=want,

@@ -8,6 +8,7 @@ DEALER on loopback) where the behaviour is what a peer sees.
 from __future__ import annotations
 
 import errno
+import logging
 import time
 
 import msgpack
@@ -340,6 +341,41 @@ def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_differenc
         _hello(peer, dataset=dict(d.dataset))
         welcome = peer.expect(P.WELCOME)
         assert welcome["dataset"] == d.dataset
+    finally:
+        peer.close()
+        d.stop()
+
+
+def test_a_trainer_on_nodes_of_another_size_is_welcomed_with_a_warning_naming_the_fix(caplog):
+    d = Dispatcher(_config(world_size=2)).start()  # planned as 2 nodes of 1 rank
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            peer.send(P.HELLO, role="trainer", rank=0, world_size=2, local_world_size=2,
+                      next_step=None, prefetch=2)
+            peer.expect(P.WELCOME)
+        warned = [r.getMessage() for r in caplog.records if "topology_mismatch" in r.getMessage()]
+        assert len(warned) == 1 and "--ranks-per-node 2" in warned[0]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):  # said once, not per rank
+            peer.send(P.HELLO, role="trainer", rank=1, world_size=2, local_world_size=2,
+                      next_step=None, prefetch=2)
+            peer.expect(P.WELCOME)
+        assert not any("topology_mismatch" in r.getMessage() for r in caplog.records)
+    finally:
+        peer.close()
+        d.stop()
+
+
+def test_trainers_on_nodes_of_the_planned_size_are_not_warned(caplog):
+    d = Dispatcher(_config(world_size=2, ranks_per_node=2)).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            peer.send(P.HELLO, role="trainer", rank=0, world_size=2, local_world_size=2,
+                      next_step=None, prefetch=2)
+            peer.expect(P.WELCOME)
+        assert not any("topology_mismatch" in r.getMessage() for r in caplog.records)
     finally:
         peer.close()
         d.stop()
