@@ -332,8 +332,9 @@ def test_capacity_factor_keeps_microbatches_from_gathering_the_giants():
     tokens = np.zeros((4, 8))
     np.add.at(tokens, (capped.sample_mb, capped.sample_rank), inp.llm_len)
     assert capped.metrics["peak_tokens"]["llm"] == tokens.max() <= cap
-    with pytest.raises(ValueError, match="llm_capacity_factor"):
-        PlannerConfig(num_microbatches=1, llm_capacity_factor=0.5)
+    for bad in (0.5, float("inf"), float("nan")):  # nan and inf would size nothing
+        with pytest.raises(ValueError, match="llm_capacity_factor"):
+            PlannerConfig(num_microbatches=1, llm_capacity_factor=bad)
 
 
 @pytest.mark.parametrize("regime", ["video", "long_context"])

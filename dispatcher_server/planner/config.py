@@ -71,8 +71,9 @@ class PlannerConfig:
         if self.microbatch_token_budget is not None and self.microbatch_token_budget < 1:
             raise ValueError(f"microbatch_token_budget must be >= 1, "
                              f"got {self.microbatch_token_budget}")
-        if self.llm_capacity_factor is not None and self.llm_capacity_factor < 1:
-            raise ValueError(f"llm_capacity_factor must be >= 1, got {self.llm_capacity_factor}")
+        if self.llm_capacity_factor is not None and not 1 <= self.llm_capacity_factor < math.inf:
+            raise ValueError(f"llm_capacity_factor must be a finite number >= 1, got "
+                             f"{self.llm_capacity_factor}")
         if self.llm_capacity is not None and self.llm_capacity < 1:
             raise ValueError(f"llm_capacity must be >= 1, got {self.llm_capacity}")
         for phase, cap in self.encoder_capacity.items():
