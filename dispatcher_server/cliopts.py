@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import re
 import sys
 import time
@@ -108,6 +109,18 @@ def user_message(error: BaseException) -> str:
     if isinstance(error, UnicodeDecodeError):
         return f"{text} (the file is binary, not text)"
     return text
+
+
+def finite_float(text: str) -> float:
+    """argparse type of every float option: a number, not nan or inf (rates, seconds and factors
+    become integers and deadlines, where either fails far from the flag that set it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def check_endpoint(flag: str, address: str) -> str:

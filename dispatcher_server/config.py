@@ -8,6 +8,7 @@ outstanding never exceed `max_buffered_samples`, and new credits stop at `max_bu
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 from dispatcher_server.measure import RefitConfig
@@ -82,8 +83,8 @@ class Source:
     def __post_init__(self) -> None:
         if not self.shards:
             raise ValueError(f"source {self.name!r} has no shards")
-        if not self.weight > 0:
-            raise ValueError(f"source {self.name!r}: weight must be > 0, got {self.weight}")
+        if not 0 < self.weight < math.inf:  # an infinite weight normalizes the blend to nan
+            raise ValueError(f"source {self.name!r}: weight must be a finite number > 0, got {self.weight}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -52,7 +52,7 @@ class SourceModel(BaseModel):
 
     name: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
     shards: str | list[str]
-    weight: Annotated[float, Field(gt=0)] = 1.0
+    weight: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     fields: FieldsModel | None = None
 
 

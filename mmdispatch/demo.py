@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dispatcher_server.cliopts import finite_float
 from mmdispatch import report
 from mmdispatch.serve import read_ready
 
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--readers", type=int, default=2, help="reader processes")
     parser.add_argument("--reports", default="reports", help="parent folder of the run's report folder")
     parser.add_argument("--seed", type=int, default=0, help="dataset and shard-order seed")
-    parser.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds")
+    parser.add_argument("--timeout", type=finite_float, default=900.0, help="give up after this many seconds")
 
 
 class Children:

@@ -18,7 +18,7 @@ import time
 
 import zmq
 
-from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, setup_logging
+from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, check_endpoint, finite_float, setup_logging
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
 )
@@ -55,7 +55,7 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch"),
     "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
-    "llm_capacity_factor": (float, DEFAULT_LLM_CAPACITY_FACTOR,
+    "llm_capacity_factor": (finite_float, DEFAULT_LLM_CAPACITY_FACTOR,
                             "without --llm-capacity, each rank's micro-batch holds at most this "
                             "many times the step's mean LLM tokens per rank and micro-batch (at "
                             "least its longest sample), so M micro-batches need about the memory "
@@ -68,8 +68,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank"),
     "inflight_shards": (int, 8, "shards read at once (deterministic reorder window)"),
     "credit_batch": (int, 32, "samples per reader credit grant"),
-    "heartbeat": (float, 1.0, "heartbeat interval, seconds"),
-    "timeout": (float, 5.0, "peer silence before it is considered gone, seconds"),
+    "heartbeat": (finite_float, 1.0, "heartbeat interval, seconds"),
+    "timeout": (finite_float, 5.0, "peer silence before it is considered gone, seconds"),
     "max_shard_losses": (int, 3, "readers lost in a row while reading one shard at the same "
                                  "sample before that sample is skipped (readers_lost, logged by "
                                  "shard and index) rather than take down every reader in turn"),
@@ -90,7 +90,7 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "probe_samples": (int, 64, "at start, read up to this many samples of the first shards and "
                                "refuse a dataset in which none has a member the field map uses "
                                "(0 = no probe)"),
-    "probe_timeout_s": (float, 30.0, "seconds the start-up probe may take; past them (a shard "
+    "probe_timeout_s": (finite_float, 30.0, "seconds the start-up probe may take; past them (a shard "
                                      "command or server that does not answer) serving starts "
                                      "unprobed, with a warning"),
     "curve_secret": (str, None, "require CurveZMQ: the dispatcher's NAME.key_secret"),

@@ -17,9 +17,9 @@ import importlib
 import tomllib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, FiniteFloat, ValidationError, create_model
 
-from dispatcher_server.cliopts import add_logging_arguments
+from dispatcher_server.cliopts import add_logging_arguments, finite_float
 
 #: table -> (module whose `add_arguments(parser)` defines the options, commands that use it)
 TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -56,6 +56,8 @@ def _field_type(action: argparse.Action) -> Any:
     if action.nargs == 0:  # store_true / store_false
         return bool
     base: Any = action.type if action.type in (int, float) else str
+    if action.type is finite_float:
+        base = FiniteFloat
     if action.choices:
         base = Literal[tuple(action.choices)]
     if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction):

@@ -23,6 +23,8 @@ import numpy as np
 import soundfile
 from PIL import Image
 
+from dispatcher_server.cliopts import finite_float
+
 #: Sample kinds and their shares of the mix.
 MIX: dict[str, float] = {
     "text": 0.45,
@@ -375,7 +377,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
     parser.add_argument("--shards", type=int, default=8, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")
-    parser.add_argument("--video-share", type=float, default=0.0,
+    parser.add_argument("--video-share", type=finite_float, default=0.0,
                         help="share of samples that also get a 1-3 s MP4 clip (needs the [video] extra)")
     parser.add_argument("--blend", action="store_true",
                         help="write three sources instead (captions, speech, chat with images and "

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from dispatcher_server.cliopts import finite_float
 from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -66,11 +67,11 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
     add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
     add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
-    add("--video-fps", type=float, default=video.fps, help="video frames sampled per second")
+    add("--video-fps", type=finite_float, default=video.fps, help="video frames sampled per second")
     add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
-    add("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
-    add("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
-    add("--audio-pad-window", type=float, default=None, help="cost the audio encoder padded to windows of this many seconds")
+    add("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
+    add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
+    add("--audio-pad-window", type=finite_float, default=None, help="cost the audio encoder padded to windows of this many seconds")
     add("--tokenizer", default=None,
         help="HF tokenizers JSON file (a model's tokenizer.json) that turns text into the ids "
              "trainers receive (unset: byte-level ids, the 256 UTF-8 byte values)")

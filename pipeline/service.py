@@ -25,7 +25,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
-from dispatcher_server.cliopts import check_endpoint, setup_logging
+from dispatcher_server.cliopts import check_endpoint, finite_float, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
@@ -383,12 +383,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-shards", type=int, default=_DEFAULTS.prefetch_shards,
                         help="shards held assigned beyond the one being read, so the next starts "
                              f"without a round trip to the dispatcher (0 to {P.MAX_READER_SHARDS - 1})")
-    parser.add_argument("--timeout", type=float, default=_DEFAULTS.timeout_s,
+    parser.add_argument("--timeout", type=finite_float, default=_DEFAULTS.timeout_s,
                         help="seconds of dispatcher silence before reconnecting")
-    parser.add_argument("--connect-timeout", type=float, default=_DEFAULTS.connect_timeout_s,
+    parser.add_argument("--connect-timeout", type=finite_float, default=_DEFAULTS.connect_timeout_s,
                         help="seconds to keep trying to reach the dispatcher (at start and after "
                              "losing it) before exiting with an error; 0 = keep trying forever")
-    parser.add_argument("--stall-timeout", type=float, default=_DEFAULTS.stall_s,
+    parser.add_argument("--stall-timeout", type=finite_float, default=_DEFAULTS.stall_s,
                         help="seconds a shard may read no byte (a pipe: command or server that "
                              "hangs) before the reader gives up on it and reports the rest of it "
                              "as skipped (shard_stalled); the reader stays up meanwhile")

@@ -64,6 +64,8 @@ shards = ["speech.tar"]
      r"sources\[0\]\.weight: expected .*number.*got 'heavy' \(a string\)"),
     ('[[sources]]\nname = "a"\nshards = "x.tar"\nweight = 0\n',
      r"sources\[0\]\.weight: expected greater than 0"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nweight = inf\n',
+     r"sources\[0\]\.weight: expected a finite number, got inf"),
     ('[[sources]]\nname = "a"\n', r"sources\[0\]\.shards: missing"),
     ('[[sources]]\nname = "a"\nshards = "x.tar"\n[sources.fields]\npictures = ["jpg"]\n',
      r"sources\[0\]\.fields\.pictures: unknown key \(allowed here: image, audio, video, text, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from dispatcher_server.cliopts import add_config_argument, add_logging_arguments
+from dispatcher_server.cliopts import add_config_argument, add_logging_arguments, finite_float
 from pipeline.counting import AudioConfig, ImageConfig
 from pipeline.preprocess import PreprocessConfig
 from pipeline.video import VideoConfig, video_config
@@ -25,11 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add_config_argument(parser)
     add("--dispatcher", required=True, help="trainer endpoint of the dispatcher, tcp://HOST:PORT")
-    add("--connect-timeout", type=float, default=None,
+    add("--connect-timeout", type=finite_float, default=None,
         help="seconds to keep trying to reach the dispatcher before failing with its address "
              "(unset: the client's default)")
     add("--steps", type=int, default=0, help="stop after this many steps (0: until the dispatcher ends)")
-    add("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    add("--lr", type=finite_float, default=3e-3, help="AdamW learning rate")
     add("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
     add("--exchange", choices=("single", "two_stage"), default="single",
         help="one world all-to-all, or intra-node then inter-node stages")
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="workers preparing model inputs off the training loop (0: inside the loop)")
     add("--preprocess-pool", choices=POOL_KINDS, default="thread",
         help="worker kind; threads measured faster on 2 cores (bench.feed)")
-    add("--progress-every", type=float, default=10.0,
+    add("--progress-every", type=finite_float, default=10.0,
         help="seconds between rank 0's progress lines when stderr is not a terminal (0: none)")
     counting = parser.add_argument_group("counting (the [counting] table; match the data nodes)")
     counting.add_argument("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
@@ -61,13 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                "is its size (unset: the byte-level ids, 256)")
     counting.add_argument("--min-pixels", type=int, default=image.min_pixels, help="image resize lower pixel budget")
     counting.add_argument("--max-pixels", type=int, default=image.max_pixels, help="image resize upper pixel budget")
-    counting.add_argument("--audio-frames-per-s", type=float, default=audio.encoder_frames_per_s,
+    counting.add_argument("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s,
                           help="audio encoder frames per second (100/k: mel frames are 10 ms)")
-    counting.add_argument("--audio-tokens-per-s", type=float, default=audio.llm_tokens_per_s,
+    counting.add_argument("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s,
                           help="audio LLM tokens per second")
-    counting.add_argument("--audio-pad-window", type=float, default=None,
+    counting.add_argument("--audio-pad-window", type=finite_float, default=None,
                           help="audio encoder padded to windows of this many seconds")
-    counting.add_argument("--video-fps", type=float, default=video.fps,
+    counting.add_argument("--video-fps", type=finite_float, default=video.fps,
                           help="video frames sampled per second")
     counting.add_argument("--video-max-pixels", type=int, default=video.max_pixels,
                           help="video resize upper pixel budget per frame")
