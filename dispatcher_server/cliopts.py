@@ -129,6 +129,11 @@ def check_endpoint(flag: str, address: str) -> str:
     if "://" not in address:
         raise ValueError(f"{flag} {address!r}: an endpoint looks like tcp://HOST:PORT "
                          "(e.g. tcp://10.0.0.5:5555)")
+    port = address.rsplit(":", 1)[-1]
+    # ZeroMQ takes a port past 65535 modulo 65536: tcp://host:99999 would bind or reach 34463.
+    if address.startswith("tcp://") and port.lstrip("-").isdigit() and not 0 <= int(port) <= 65535:
+        raise ValueError(f"{flag} {address!r}: port {port} is out of range (0 to 65535; 0 lets "
+                         "the OS pick when binding)")
     return address
 
 

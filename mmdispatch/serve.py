@@ -171,6 +171,14 @@ def _check_flags(v: dict) -> None:
         if path and not os.path.exists(path):
             raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
                              f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
+    journal = v["journal_dir"]
+    if journal and os.path.exists(journal) and not os.path.isdir(journal):
+        raise ValueError(f"--journal-dir {journal!r} is not a directory: give the directory the "
+                         f"journal lives in (created if missing)")
+    check_endpoint("--reader-bind", v["reader_bind"])
+    check_endpoint("--trainer-bind", v["trainer_bind"])
+    if not 0 <= v["metrics_port"] <= 65535:
+        raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
     if v["max_shard_losses"] < 1:
         raise ValueError(f"--max-shard-losses must be >= 1, got {v['max_shard_losses']}")
     if not 0 < v["heartbeat"] < v["timeout"]:

@@ -60,6 +60,8 @@ class ImageConfig:
             raise ValueError(f"patch_size={self.patch_size} and merge_size={self.merge_size} must be >= 1")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < min_pixels={self.min_pixels} <= max_pixels={self.max_pixels}")
+        if self.max_header_pixels < 1:  # every image would be skipped as image_too_large
+            raise ValueError(f"max_header_pixels={self.max_header_pixels} must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)

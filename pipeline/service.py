@@ -66,6 +66,10 @@ class ReaderServiceConfig:
     payload_cache_mb: int = DEFAULT_CACHE_MB
     allowed_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.batch < 1:  # 0 would send no sample ever: the job would wait forever
+            raise ValueError(f"batch must be >= 1, got {self.batch}")
+
     def session(self) -> SessionConfig:
         return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,
                              connect_timeout_s=self.connect_timeout_s, poll_ms=self.poll_ms,
@@ -425,6 +429,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     check_endpoint("--dispatcher", args.dispatcher)
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1 (most samples per message), got {args.batch}")
     if not 0 <= args.prefetch_shards < P.MAX_READER_SHARDS:
         raise ValueError(f"--prefetch-shards must be 0 to {P.MAX_READER_SHARDS - 1}, "
                          f"got {args.prefetch_shards}")

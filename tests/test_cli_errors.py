@@ -42,6 +42,10 @@ def files(small_shards, tmp_path_factory):
     (d / "bad_syntax.toml").write_text("[serve\n")
     (d / "train_type.toml").write_text("[train]\nsteps = 2.5\n")
     (d / "counting_type.toml").write_text('[counting]\npatch_size = "14"\n')
+    (d / "counting_inf.toml").write_text("[counting]\nvideo_fps = inf\n")
+    (d / "weight_inf.toml").write_text(f'[[sources]]\nname = "a"\nshards = "{small_shards[0]}"\n'
+                                       "weight = inf\n")
+    (d / "journal_file").write_text("not a directory")
     keys = d / "keys"
     keys.mkdir()
     (keys / "reader.key").write_text("existing")
@@ -116,6 +120,30 @@ CASES = {
                                     ["reader.key", "--force"]),
     "gen-data without samples": (lambda f, p: [*MMD, "gen-data", f"{f['dir']}/gen", "--samples", "0"],
                                  ["--samples 0"]),
+    "read batch 0": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9", "--batch", "0"],
+                     ["--batch", "got 0"]),
+    "bind port out of range": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                             "--reader-bind", "tcp://127.0.0.1:99999"],
+                               ["--reader-bind", "99999", "65535"]),
+    "dispatcher port out of range": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:70000"],
+                                     ["--dispatcher", "70000", "65535"]),
+    "metrics port out of range": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                "--metrics-port", "70000"], ["--metrics-port", "70000"]),
+    "blend weight inf": (lambda f, p: [*MMD, "inspect", "--dataset", f"{f['dir']}/weight_inf.toml"],
+                         ["weight_inf.toml", "sources[0].weight", "inf"]),
+    "capacity factor nan": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                          "--llm-capacity-factor", "nan"], ["--llm-capacity-factor", "'nan'"]),
+    "probe timeout inf": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                        "--probe-timeout-s", "inf"], ["--probe-timeout-s", "'inf'"]),
+    "audio rate inf": (lambda f, p: [*MMD, "inspect", f["shard"], "--audio-frames-per-s", "inf"],
+                       ["--audio-frames-per-s", "'inf'"]),
+    "counting config inf": (lambda f, p: [*MMD, "inspect", "--config", f"{f['dir']}/counting_inf.toml",
+                                          f["shard"]], ["counting_inf.toml", "[counting] video_fps", "inf"]),
+    "max header pixels 0": (lambda f, p: [*MMD, "inspect", f["shard"], "--max-header-pixels", "0"],
+                            ["max_header_pixels=0"]),
+    "journal dir is a file": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                            "--journal-dir", f"{f['dir']}/journal_file"],
+                              ["--journal-dir", "journal_file", "not a directory"]),
     "train config wrong type": (lambda f, p: [*TRAIN, "--config", f"{f['dir']}/train_type.toml",
                                               "--dispatcher", "tcp://127.0.0.1:9"],
                                 ["train_type.toml", "[train] steps", "2.5"]),
