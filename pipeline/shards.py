@@ -96,11 +96,15 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                     raise FileNotFoundError(f"shard {path!r} does not exist (from spec {spec!r})")
                 _check_suffix(path, spec)
                 urls.append(expanded)
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # the file a local URL names (however spelled), else the URL
     for url in urls:
-        if url in seen:
-            raise ValueError(f"shard {url!r} is listed more than once; its samples would be read twice")
-        seen.add(url)
+        path = None if remote.scheme(url) else _local_path(url)
+        name = os.path.realpath(path) if path is not None else url
+        if name in seen:
+            also = "" if seen[name] == url else f" (also as {seen[name]!r})"
+            raise ValueError(f"shard {url!r} is listed more than once{also}; its samples would be "
+                             f"read twice")
+        seen[name] = url
     return urls
 
 

@@ -45,6 +45,12 @@ def test_expand_errors_name_the_offender(tmp_path):
     dup = _touch(tmp_path / "a.tar")
     with pytest.raises(ValueError, match="more than once"):
         expand_shards([dup, dup])
+    # The same file spelled two ways (relative and absolute, a directory and a file in it, a
+    # file: URL, a symlink) would be read twice an epoch: each of its samples served twice.
+    os.symlink(dup, tmp_path / "link.tar")
+    for spelling in (f"{tmp_path}/./a.tar", str(tmp_path), f"file:{dup}", str(tmp_path / "link.tar")):
+        with pytest.raises(ValueError, match=r"tar.* is listed more than once"):
+            expand_shards([dup, spelling])
     with pytest.raises(ValueError, match="ftp://host/a.tar.*s3://, gs:// or http"):
         expand_shards(["ftp://host/a.tar"])  # a scheme nothing reads
 
