@@ -47,12 +47,37 @@ def plan_record(step: int, plan: StepPlan, *, config: PlannerConfig, plan_ms: fl
     }
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a record a killed writer left unfinished), so that
+    the records appended next start a line of their own."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return
+    with f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        start = max(0, size - (1 << 20))
+        while True:  # back to the last newline, a MiB at a time
+            f.seek(start)
+            end = f.read(size - start).rfind(b"\n")
+            if end >= 0 or start == 0:
+                f.truncate(start + end + 1)
+                return
+            size, start = start, max(0, start - (1 << 20))
+
+
 class StepLog:
     """Appends JSON lines to a file, flushed per record so `mmdispatch report` can read it live."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict) -> None:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 from pathlib import Path
 from typing import NamedTuple
 
 PHASE_ORDER = ("vision", "audio", "llm")
 LOCALITY_ORDER = ("same_rank", "intra_node", "inter_node")
+
+log = logging.getLogger("mmdispatch.report")
 
 
 class StepRecords(NamedTuple):
@@ -47,12 +50,16 @@ def load_step_log(paths: str | Path | list) -> StepRecords:
                                  f"dispatcher's --step-log file (and optionally the trainer's "
                                  f"--train-log)") from None
             for num, line in lines:
+                torn = num == len(lines) and not line.endswith("\n")
                 line = line.strip()
                 if not line:
                     continue
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
+                    if torn:  # the record being written now, or one cut short by a kill
+                        log.warning("%s:%d: left out an unfinished last record", path, num)
+                        continue
                     raise ValueError(f"{path}:{num}: not a JSON line ({e.msg}); is this an mmdispatch "
                                      f"step log?") from None
                 if not isinstance(rec, dict):

@@ -92,3 +92,22 @@ def test_the_report_shows_a_blend_s_realized_mixture(tmp_path, capsys):
     report.print_table(s)
     out = capsys.readouterr().out
     assert "source img" in out and "56.2%" in out
+
+
+def test_a_record_being_written_or_torn_by_a_kill_is_left_out_not_fatal(step_logs):
+    # `report` reads the log live, and a killed dispatcher leaves its last record cut short:
+    # that line ends without a newline; every complete record before it still counts.
+    steps, _ = step_logs
+    whole = steps.read_text()
+    steps.write_text(whole[: whole.rindex("{") + 40])
+    plans, _, measures = report.load_step_log(steps)
+    assert [p["step"] for p in plans] == [0, 1, 2] and [m["step"] for m in measures] == [0, 1]
+    # A dispatcher resumed on the same --step-log drops the torn piece before it appends: the
+    # next record starts its own line instead of gluing onto the torn one.
+    config = PlannerConfig(num_microbatches=2)
+    plan = plan_step(synthetic_step(np.random.default_rng(1), 16), Topology(world_size=2, ranks_per_node=1), config)
+    log = StepLog(steps)
+    log.write(plan_record(3, plan, config=config, plan_ms=1.0))
+    log.close()
+    plans, _, _ = report.load_step_log(steps)
+    assert [p["step"] for p in plans] == [0, 1, 2, 3]
