@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from dispatcher_server.config import Source
 from mmdispatch.settings import TOML_TYPES, read_toml
 from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
-from pipeline.shards import expand_shards
+from pipeline.shards import expand_shards, shard_identity
 
 _Ext = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
 
@@ -101,6 +101,7 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
     if dup:
         raise DatasetError(f"{path}: source name {dup[0]!r} is used twice; names must be unique")
     sources = []
+    owner: dict[str, str] = {}  # shard identity -> the source that lists it
     for i, src in enumerate(model.sources):
         fields = None
         if src.fields is not None:
@@ -119,5 +120,10 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
             shards = expand_shards(specs)
         except (ValueError, OSError) as e:
             raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: {e}") from None
+        for url in shards:  # a copied block would serve each of the shard's samples twice
+            other = owner.setdefault(shard_identity(url), src.name)
+            if other != src.name:
+                raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: shard {url!r} is "
+                                   f"also in source {other!r}; list each shard in one source")
         sources.append(Source(name=src.name, shards=shards, weight=src.weight, fields=fields))
     return sources, model.shuffle_buffer

@@ -96,16 +96,22 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                     raise FileNotFoundError(f"shard {path!r} does not exist (from spec {spec!r})")
                 _check_suffix(path, spec)
                 urls.append(expanded)
-    seen: dict[str, str] = {}  # the file a local URL names (however spelled), else the URL
+    seen: dict[str, str] = {}
     for url in urls:
-        path = None if remote.scheme(url) else _local_path(url)
-        name = os.path.realpath(path) if path is not None else url
+        name = shard_identity(url)
         if name in seen:
             also = "" if seen[name] == url else f" (also as {seen[name]!r})"
             raise ValueError(f"shard {url!r} is listed more than once{also}; its samples would be "
                              f"read twice")
         seen[name] = url
     return urls
+
+
+def shard_identity(url: str) -> str:
+    """What a shard URL names, to tell one shard listed twice: a local file's real path (however
+    the URL spells it: relative, file:, through a symlink), else the URL itself."""
+    path = None if remote.scheme(url) else _local_path(url)
+    return os.path.realpath(path) if path is not None else url
 
 
 def split_shards(

@@ -75,6 +75,9 @@ shards = ["speech.tar"]
     ('[[sources]]\nname = "a"\nshards = "x.tar"\n[[sources]]\nname = "a"\nshards = "x.tar"\n',
      r"source name 'a' is used twice"),
     ('[[sources]]\nname = "a"\nshards = "missing-*.tar"\n', r"sources\[0\] \('a'\)\.shards: "),
+    # one shard in two sources (a copied block): each of its samples would be served twice
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\n[[sources]]\nname = "b"\nshards = "./x.tar"\n',
+     r"sources\[1\] \('b'\)\.shards: shard .*x\.tar' is also in source 'a'"),
     ('sources = []\n', r"sources: expected .*at least 1"),
     ('shufle_buffer = 3\n[[sources]]\nname = "a"\nshards = "x.tar"\n', r"shufle_buffer: unknown key"),
     ('[[sources]\n', r"not valid TOML"),
