@@ -139,3 +139,31 @@ def test_client_survives_a_dispatcher_restart_on_the_same_address(shards, tmp_pa
             srv.stop()
     assert got == reference
     assert sorted(k for _, mbs in got for keys in mbs for k in keys) == sorted(all_keys(shards))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reason", ["halted", "max_epochs"])
+def test_a_halted_dispatcher_fails_the_trainer_loop_instead_of_ending_it(reason):
+    # A dispatcher that stops on an error (a step it cannot plan, a journal write that failed)
+    # sends END with reason "halted": a training loop that took that for the end of the data
+    # would exit as if the job were complete, with the rest of the epoch never trained.
+    from tests.servicekit import ScriptedRouter
+    from trainer_client.client import ClientConfig, DispatcherError
+
+    with ScriptedRouter() as router:
+        client = DispatcherClient(router.endpoint, rank=0, world_size=1, local_world_size=1,
+                                  config=ClientConfig(heartbeat_s=0.2, timeout_s=5.0,
+                                                      step_timeout_s=10.0))
+        try:
+            it = iter(client.start())
+            hello = router.expect(P.HELLO)
+            router.welcome(hello, heartbeat_s=0.2, world_size=1, next_step=0, num_microbatches=1)
+            router.send(P.END, next_step=0, reason=reason)
+            if reason == "halted":
+                with pytest.raises(DispatcherError, match="halted"):
+                    next(it)
+            else:
+                with pytest.raises(StopIteration):
+                    next(it)
+        finally:
+            client.close()

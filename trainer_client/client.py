@@ -407,7 +407,12 @@ class _TrainerPeer:
                 self.next_expected += 1
         elif (msg.type == P.END and session.welcomed
               and msg.get("next_step", self.next_expected) == self.next_expected):
-            self._deliver(_END)
+            # Stopped on an error, not at the end of the data: the training loop must fail,
+            # not finish as if the job were complete.
+            self._deliver(_END if msg["reason"] != "halted" else DispatcherError(
+                "halted", f"the dispatcher stopped the job on an error before step "
+                          f"{self.next_expected} (its log says why: event=fatal); fix it and "
+                          f"restart the dispatcher, then resume from the last commit"))
         elif msg.type == P.READERS and self.fetcher is not None:
             self.fetcher.readers = msg["readers"]
         elif msg.type == P.COMMIT:
