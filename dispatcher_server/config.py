@@ -28,8 +28,9 @@ class BatchConfig:
     def __post_init__(self) -> None:
         if self.global_batch < 1:
             raise ValueError(f"global_batch must be >= 1, got {self.global_batch}")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        # The budget travels in the dataset fingerprint of every WELCOME, as a 64-bit integer.
+        if self.token_budget is not None and not 1 <= self.token_budget < 2**63:
+            raise ValueError(f"token_budget must be from 1 to 2**63 - 1, got {self.token_budget}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,6 +146,8 @@ class ServerConfig:
                 reference_path(url, self.payloads)  # ValueError naming the first unfit shard
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if not -2**63 <= self.seed < 2**63:  # in the fingerprint every WELCOME carries
+            raise ValueError(f"seed must fit in 64 bits (-2**63 to 2**63 - 1), got {self.seed}")
         if self.max_epochs is not None and self.max_epochs < 1:
             raise ValueError(f"max_epochs must be >= 1 or None, got {self.max_epochs}")
         if self.max_steps is not None and self.max_steps < 1:
