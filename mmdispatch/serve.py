@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import selectors
 import signal
@@ -164,6 +165,16 @@ def _check_flags(v: dict) -> None:
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
     if v["global_batch"] < 1:
         raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
+    m = v["num_microbatches"]
+    if m is not None and m > v["global_batch"]:
+        # Every rank would run empty micro-batches every step, and planning time grows with M
+        # (100000 takes seconds a step: peers time out while the loop plans).
+        raise ValueError(f"--num-microbatches {m} is more than --global-batch {v['global_batch']}: "
+                         f"every rank would get empty micro-batches every step; lower it")
+    if m is not None and m * v["world_size"] > v["global_batch"]:
+        event("empty_microbatches", logging.WARNING, num_microbatches=m,
+              world_size=v["world_size"], global_batch=v["global_batch"],
+              why="more micro-batches than samples: some ranks run empty ones every step")
     if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
         raise ValueError("--curve-secret and --curve-allowed-dir go together: the dispatcher's "
                          "NAME.key_secret and the directory of the peers' allowed NAME.key files")
