@@ -21,7 +21,7 @@ from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
-from pipeline.tario import TarError, TooLarge, open_decompressed, tar_members
+from pipeline.tario import Link, TarError, TooLarge, open_decompressed, tar_members
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
 
@@ -143,7 +143,7 @@ def printable_key(key: str) -> str:
 
 
 def group_samples(
-    members: Iterable[tuple[str, bytes | TooLarge]],
+    members: Iterable[tuple[str, bytes | TooLarge | Link]],
     on_ignored: Callable[[str], None],
     max_sample_bytes: int | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes], tuple[str, str] | None]]:
@@ -170,7 +170,11 @@ def group_samples(
                 key, group, problem, held = k, {}, None, 0
             if problem is not None:
                 continue  # the first problem explains the skip; the sample's bytes are not kept
-            if isinstance(data, TooLarge):
+            if isinstance(data, Link):
+                problem = ("link_member", f"member {printable_key(name)!r} is a tar link to "
+                           f"{printable_key(data.target)!r}, not a file: the archive holds no bytes "
+                           "for it (write shards with tar --hard-dereference, or -h for symlinks)")
+            elif isinstance(data, TooLarge):
                 problem = ("member_too_large", f"member {printable_key(name)!r} holds {data.size} bytes, "
                            "over max_member_bytes")
             elif not _utf8_name(name):

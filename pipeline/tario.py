@@ -20,13 +20,21 @@ _SKIP_CHUNK = 1 << 20
 _REGULAR = (b"0", b"\0", b"7")
 _META = (b"L", b"x")  # GNU long name, pax extended header: they name the next member
 _MAX_META = 1 << 20
-_SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6", b"g", b"D", b"V")  # links, dirs, devices, globals
+_LINKS = (b"1", b"2")  # hard and symbolic links: named members whose bytes are elsewhere
+_SKIPPED = (b"3", b"4", b"5", b"6", b"g", b"D", b"V")  # dirs, devices, globals
 
 
 class TooLarge(NamedTuple):
     """Stands in for the bytes of a member over `max_member_bytes`: read through, not kept."""
 
     size: int
+
+
+class Link(NamedTuple):
+    """Stands in for the bytes of a hard or symbolic link member: the name of what it links to
+    (tar stores a file linked twice as a link to its first copy)."""
+
+    target: str
 
 
 class TarError(ValueError):
@@ -108,8 +116,9 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
 
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None
-) -> Iterator[tuple[str, bytes | TooLarge]]:
-    """Yield (member name, member bytes) for each regular file, in archive order.
+) -> Iterator[tuple[str, bytes | TooLarge | Link]]:
+    """Yield (member name, member bytes) for each regular file, in archive order, and
+    (name, `Link(target)`) for each hard or symbolic link (which holds no bytes).
 
     A regular member over `max_member_bytes` is read through in 1 MiB chunks and yielded as
     `TooLarge(size)` instead of its bytes, so one huge member cannot exhaust memory.
@@ -140,7 +149,7 @@ def tar_members(
                 raise TarError("bad_tar", f"header checksum mismatch at byte {offset}: not a tar, or corrupt")
             size = _number(header[124:136], offset)
             kind = header[156:157]
-            if kind in _REGULAR:
+            if kind in _REGULAR or kind in _LINKS:
                 if long_name is not None:
                     name, long_name = long_name, None
                 else:
@@ -153,9 +162,13 @@ def tar_members(
             pad = -size % _BLOCK
             padded = None  # padding bytes present, when read together with the member
             # Members nobody keeps (directories, links, oversized files) are read through, not held.
-            if kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
+            if kind in _LINKS:
                 present = _skip_member(read, size)
-                data: bytes | TooLarge | memoryview = TooLarge(size)
+                data: bytes | TooLarge | Link | memoryview = Link(
+                    header[157:257].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"))
+            elif kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
+                present = _skip_member(read, size)
+                data = TooLarge(size)
             elif take is not None:
                 data, padded = take(size, pad)
                 present = len(data)

@@ -39,10 +39,12 @@ class CorpusShard:
 
 
 # -- building blocks -------------------------------------------------------------------------
-def tar_header(name: bytes, size: int, kind: bytes = b"0", *, size_field: bytes | None = None) -> bytes:
+def tar_header(name: bytes, size: int, kind: bytes = b"0", *, size_field: bytes | None = None,
+               link: bytes = b"") -> bytes:
     """A ustar header block with a correct checksum (so only the damage a case adds is wrong)."""
     h = bytearray(_BLOCK)
     h[: len(name)] = name
+    h[157 : 157 + len(link)] = link
     h[100:108] = b"0000644\0"
     h[108:116] = h[116:124] = b"0000000\0"
     h[124:136] = size_field if size_field is not None else b"%011o\0" % size
@@ -402,6 +404,23 @@ def _(p):
 def _(p):
     body = [*_text(f"{p}_g0"), (f"{p}_caf\xe9.txt".encode("latin-1"), b"text"), *_text(f"{p}_g1")]
     return tar_bytes(body), (f"{p}_g0", f"{p}_g1"), f"{p}_caf\\xe9", 1
+
+
+# Links: tar stores a file linked twice as a hard link to its first copy (GNU tar's default), a
+# symbolic link as its target's name; neither member holds the bytes.
+@_case("hard_link_member", "link_member", "a .jpg stored as a hard link to another sample's image")
+def _(p):
+    first = [(f"{p}_g0.jpg", jpeg(8, 8)), (f"{p}_g0.txt", b"caption")]
+    link = tar_header(f"{p}_bad.jpg".encode(), 0, b"1", link=f"{p}_g0.jpg".encode())
+    body = tar_bytes(first, end=False) + link + tar_bytes([(f"{p}_bad.txt", b"caption"), *_text(f"{p}_g1")])
+    return body, (f"{p}_g0", f"{p}_g1"), f"{p}_bad", 1
+
+
+@_case("symlink_member", "link_member", "a sample whose only member is a symbolic link")
+def _(p):
+    link = tar_header(f"{p}_bad.txt".encode(), 0, b"2", link=f"{p}_g0.txt".encode())
+    return (tar_bytes(_text(f"{p}_g0"), end=False) + link + tar_bytes(_text(f"{p}_g1")),
+            (f"{p}_g0", f"{p}_g1"), f"{p}_bad", 1)
 
 
 CASE_NAMES: tuple[str, ...] = tuple(_CASES)
