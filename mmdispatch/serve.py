@@ -19,7 +19,9 @@ import time
 
 import zmq
 
-from dispatcher_server.cliopts import LOG_LEVELS, add_config_argument, check_endpoint, finite_float, setup_logging
+from dispatcher_server.cliopts import (
+    LOG_LEVELS, add_config_argument, check_endpoint, finite_float, setup_logging,
+)
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
 )
