@@ -75,6 +75,13 @@ class SourceStream:
     emitted in a seeded permutation that depends on the block's first sample only. Its position
     for a resume is the cursor where the block began plus how many it emitted: a restart re-reads
     the block, derives the same permutation and skips what was emitted, whatever the timing.
+
+    Arrival mode has no order to derive, so it is recorded: the samples pulled out of the shard
+    buffers form one sequence of [pos, count] runs, which each journaled step extends (`took`:
+    the runs from the previous journaled step's end to its own) and its position ends in
+    (`runs`: from where its block began). A resume takes the samples in exactly the recorded
+    order, waiting for them, and goes on in arrival order after it; so a rewind or a restart
+    re-plans the journaled steps from the same samples, in the same blocks.
     """
 
     def __init__(self, index: int, num_sources: int, name: str, order: ShardOrder, *, mode: str,
@@ -83,7 +90,11 @@ class SourceStream:
         self.mode, self.window, self.block_size, self.seed = mode, window, block_size, seed
         self.reset(Cursor(), 0)
 
-    def reset(self, cursor: Cursor, emitted: int) -> None:
+    def reset(self, cursor: Cursor, emitted: int, pulled: list[list[int]] = (),
+              replay: list[list[int]] = ()) -> None:
+        """Resume at `cursor` with `emitted` samples of its block out; arrival mode: `pulled`
+        are the runs that block (and the next) were pulled in, `replay` the runs of the steps
+        to replay, taken first in that order."""
         self.cursor = cursor  # live: what has left the shard buffers
         self.start = cursor.copy()  # where the current block began
         self.block: list[Sample] = []
@@ -96,6 +107,23 @@ class SourceStream:
         self.block_bytes = 0  # of both blocks' samples not emitted yet
         self._skip = emitted  # of the first block after a reset: emitted before the restart
         self.arrival: deque[list[int]] = deque()  # [global pos, count] runs, in arrival order
+        # Arrival mode after a resume: the recorded runs to take first, in this order, and per
+        # position how many of their samples have not arrived yet (those never enter `arrival`).
+        self.replay: deque[list[int]] = deque([int(p), int(n)] for p, n in [*pulled, *replay]
+                                              if n > 0)
+        self.replay_left = sum(n for _, n in self.replay)
+        self.owed: dict[int, int] = {}
+        for p, n in self.replay:
+            self.owed[p] = self.owed.get(p, 0) + n
+        # The pull sequence, numbered from the first run of `pulled` (where the resumed block
+        # began): `pulled_count` pulled so far, the runs from `log_at` on kept in `log`, and
+        # `mark`, the end of the sequence the journal holds (the position resumed from).
+        self.pulled_count = 0
+        self.log: list[list[int]] = []
+        self.log_at = 0
+        self.mark = sum(int(n) for _, n in pulled)
+        self.block_runs: list[list[int]] = []  # runs pulled into `block`, then `next_block`
+        self.next_runs: list[list[int]] = []
         # Epochs read whole from here on, and the samples each yielded: one that yields none
         # (every shard empty, every sample skipped) ends the job instead of looping over epochs.
         self.kept_by_epoch: dict[int, int] = {}
@@ -113,15 +141,77 @@ class SourceStream:
         return self.order.epoch_of(sample.pos // self.S)
 
     def position(self) -> dict:
-        """This source's part of the cursor a resume starts from."""
+        """This source's part of the cursor a resume starts from; in arrival mode with `runs`,
+        the recorded order a resume takes first: the runs its blocks were pulled in, then those
+        of a replay not taken yet."""
         if self.block_size <= 1:
-            return self.cursor.to_wire()
-        return {**self.start.to_wire(), "emitted": self.emitted}
+            if self.mode == "deterministic" or not self.replay:
+                return self.cursor.to_wire()
+            return {**self.cursor.to_wire(), "runs": [list(r) for r in self.replay]}
+        runs = ({"runs": self.block_runs + self.next_runs + [list(r) for r in self.replay]}
+                if self.mode != "deterministic" else {})
+        return {**self.start.to_wire(), "emitted": self.emitted, **runs}
+
+    def took(self) -> list[list[int]]:
+        """Arrival mode: the runs of the pull sequence from the end of the last journaled step to
+        the end of this one (pulled, then recorded but not pulled yet); the journal has them now."""
+        end = self.pulled_count + self.replay_left
+        out: list[list[int]] = []
+        at = self.log_at
+        for p, n in [*self.log, *self.replay]:
+            lo, hi = max(at, self.mark), min(at + n, end)
+            if hi > lo:
+                _add_run(out, p, hi - lo)
+            at += n
+        self.mark = max(self.mark, end)
+        self._trim()
+        return out
+
+    def journaled(self, runs: list[list[int]]) -> None:
+        """Arrival mode: a step was replayed as journaled, its `took` being `runs`."""
+        self.mark += sum(n for _, n in runs)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Forget the pulls the journal holds."""
+        upto = min(self.mark, self.pulled_count)
+        while self.log and self.log_at + self.log[0][1] <= upto:
+            self.log_at += self.log.pop(0)[1]
+        if self.log and self.log_at < upto:
+            self.log[0][1] -= upto - self.log_at
+            self.log_at = upto
 
     @property
-    def head(self) -> int:
-        """The global position the source's order waits on."""
-        return self.gpos(self.cursor.base)
+    def heads(self) -> set[int]:
+        """The global positions the source's order waits on."""
+        heads = {self.gpos(self.cursor.base)}
+        if self.replay:
+            heads.add(self.replay[0][0])
+        return heads
+
+    def arrived(self, pos: int, count: int) -> None:
+        """Arrival mode: `count` samples of `pos` entered its buffer; those a replayed run waits
+        for are taken by that run, the rest in arrival order."""
+        owed = self.owed.get(pos, 0)
+        if owed:
+            n = min(owed, count)
+            self.owed[pos] = owed - n
+            count -= n
+        if count:
+            runs = self.arrival
+            if runs and runs[-1][0] == pos:
+                runs[-1][1] += count
+            else:
+                runs.append([pos, count])
+
+    def _drop_replay(self) -> None:
+        """The order to replay cannot be followed (a sample of it will never come: skipped by
+        readers lost, or its shard changed): what of it arrived goes first, in arrival order."""
+        got = [[p, n - self.owed.get(p, 0)] for p, n in _merged(self.replay)]
+        self.arrival.extendleft(reversed([r for r in got if r[1] > 0]))
+        self.replay.clear()
+        self.replay_left = 0
+        self.owed.clear()
 
     # -- the window --------------------------------------------------------------------
     def window_end(self) -> int:
@@ -211,6 +301,7 @@ class SourceStream:
     def _next(self) -> None:
         """The current block is emitted: the next one (perhaps partly filled) takes its place."""
         self.block, self.next_block = self.next_block, []
+        self.block_runs, self.next_runs = self.next_runs, []
         self.start = self.next_start if self.next_start is not None else self.cursor.copy()
         self.perm, self.next_start, self.emitted = None, None, 0
 
@@ -218,10 +309,13 @@ class SourceStream:
         """Move samples in order into a block, up to its size, never across an epoch."""
         epoch = (self.epoch_of_sample(into[0]) if into
                  else self.order.epoch_of(self.cursor.base))
+        runs = self.block_runs if into is self.block else self.next_runs
         while len(into) < self.block_size:
             got, _ = self._take_in_order(progress, self.block_size - len(into), epoch, 0, None, True)
             if not got:
                 break
+            if self.mode != "deterministic":
+                _add_run(runs, got[0].pos, len(got))
             into.extend(got)
             self.block_bytes += sum(s.nbytes for s in got)
             self.finish_drained(progress)
@@ -262,18 +356,32 @@ class SourceStream:
         `epoch`; the token budget is checked sample by sample and cuts where the next sample
         would exceed it, exactly as taking one sample at a time would.
         """
-        run = None
+        run = runs = None
         if self.mode == "deterministic":
             prog = progress.get(self.gpos(self.cursor.base))
             if prog is None or not prog.buffer:
                 return [], False
             n = min(limit, len(prog.buffer))
         else:
-            if not self.arrival:
-                return [], False
-            run = self.arrival[0]  # [pos, count]: that many of pos's buffer, in order
+            if self.replay:
+                runs = self.replay
+                prog = progress.get(runs[0][0])
+                if prog is None and not self.cursor.is_open(runs[0][0] // self.S):
+                    self._drop_replay()  # its shard is finished: the rest never comes
+                elif prog is None or not prog.buffer:
+                    if prog is not None and prog.reader_done:
+                        self._drop_replay()
+                    else:
+                        return [], False  # waits for the sample the replayed order names
+                if self.replay:
+                    runs = self.replay
+            if not self.replay:
+                runs = self.arrival
+                if not runs:
+                    return [], False
+            run = runs[0]  # [pos, count]: that many of pos's buffer, in order
             prog = progress[run[0]]
-            n = min(limit, run[1])
+            n = min(limit, run[1], len(prog.buffer))
         buf = prog.buffer
         head = buf[0]
         if epoch is not None and self.epoch_of_sample(head) != epoch:
@@ -293,7 +401,11 @@ class SourceStream:
         if run is not None:
             run[1] -= n
             if not run[1]:
-                self.arrival.popleft()
+                runs.popleft()
+            if runs is self.replay:
+                self.replay_left -= n
+            self.pulled_count += n
+            _add_run(self.log, head.pos, n)
         return taken, cut
 
 
@@ -323,9 +435,10 @@ class StepAssembler:
         self.bytes_seen = self.samples_seen = 0
         self.reset(None)
 
-    def reset(self, position: dict | Cursor | None) -> None:
+    def reset(self, position: dict | Cursor | None, replay: list | None = None) -> None:
         """Start again at `position` (a cursor's wire form, as `position()` gives): every buffer
-        and the step being filled are dropped."""
+        and the step being filled are dropped. Arrival mode: `replay` (per source, the `took`
+        runs of the journaled steps after `position`) is taken first, after the position's own."""
         if isinstance(position, Cursor):
             position = position.to_wire()
         parts: list = [None] * len(self.streams)
@@ -337,9 +450,12 @@ class StepAssembler:
         if len(parts) != len(self.streams):
             raise ValueError(f"a cursor of {len(parts)} sources cannot resume a dataset of "
                              f"{len(self.streams)}: the dataset file changed since the journal")
-        for stream, part in zip(self.streams, parts):
+        replay = replay or [[] for _ in self.streams]
+        for stream, part, runs in zip(self.streams, parts, replay):
+            arrival = stream.mode != "deterministic"
             stream.reset(Cursor.from_wire(part) if part else Cursor(),
-                         int(part.get("emitted", 0)) if part else 0)
+                         int(part.get("emitted", 0)) if part else 0,
+                         part.get("runs", ()) if part and arrival else (), runs if arrival else ())
         self.blend = Blend(self.weights, self.seed, drawn)
         self.progress: dict[int, ShardProgress] = {}
         self.acc: list[Sample] = []
@@ -380,7 +496,8 @@ class StepAssembler:
         """The positions the order waits on: credit control lets these have samples even past
         the memory bounds, or the stream would stall. A source emitting a complete shuffle block
         waits on nothing: the next block it prefills takes credits within the bounds."""
-        return {st.head for st in self.streams if st.block_size <= 1 or st.perm is None}
+        return {h for st in self.streams if st.block_size <= 1 or st.perm is None
+                for h in st.heads}
 
     # -- the window --------------------------------------------------------------------
     @property
@@ -454,11 +571,7 @@ class StepAssembler:
             epoch = st.order.epoch_of(pos // st.S)
             st.kept_by_epoch[epoch] = st.kept_by_epoch.get(epoch, 0) + out.kept
             if self.mode == "arrival":
-                runs = st.arrival
-                if runs and runs[-1][0] == pos:
-                    runs[-1][1] += out.kept
-                else:
-                    runs.append([pos, out.kept])
+                st.arrived(pos, out.kept)
         self.bytes_seen += nbytes
         self.samples_seen += out.kept
         return out
@@ -518,6 +631,16 @@ class StepAssembler:
         self.acc, self.acc_tokens, self.acc_bytes, self.acc_cut = [], 0, 0, False
         return step
 
+    def took(self) -> list[list[list[int]]]:
+        """Arrival mode, for the journal: per source, the runs the step being journaled extends
+        the recorded pull sequence by (`SourceStream.took`)."""
+        return [st.took() for st in self.streams]
+
+    def journaled(self, took: list[list[list[int]]] | None) -> None:
+        """Arrival mode: a step was replayed as journaled, extending the sequence by `took`."""
+        for st, runs in zip(self.streams, took or [[] for _ in self.streams]):
+            st.journaled(runs)
+
     # -- accounting --------------------------------------------------------------------
     def held(self) -> tuple[int, int]:
         """Samples and payload bytes buffered here (shard buffers, shuffle blocks and the step
@@ -545,6 +668,22 @@ def _fitting(buf: deque[Sample], n: int, tokens: int, budget: int, first: bool) 
         tokens += s.llm_len
         fits += 1
     return fits, False
+
+
+def _add_run(runs: list[list[int]], pos: int, n: int) -> None:
+    if runs and runs[-1][0] == pos:
+        runs[-1][1] += n
+    else:
+        runs.append([pos, n])
+
+
+def _merged(runs) -> list[list[int]]:
+    """Counts per position, in order of first appearance."""
+    out: dict[int, int] = {}
+    for p, n in runs:
+        out[p] = out.get(p, 0) + n
+    return [[p, n] for p, n in out.items()]
+
 
 def _gap(lo: int, hi: int, accounted: set[int], out: Received) -> None:
     """Record [lo, hi) as a gap unless skips account for every index in it (bounded work: a

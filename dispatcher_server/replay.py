@@ -22,6 +22,7 @@ class ReplaySource:
         self.cursors: dict[int, bytes] = {}
         self.committed = journal.last_committed if journal is not None else -1
         self.replay: dict[int, StepEntry] = {}
+        self.took: dict[int, list] = {}  # arrival mode: step -> its journaled `took` runs
 
     @property
     def last_step(self) -> int:
@@ -42,6 +43,35 @@ class ReplaySource:
                                f"({min(self.cursors, default=0)}..{max(self.cursors, default=-1)}); "
                                "run it with --journal-dir to resume further back")
         return unpack_cursor(self.cursors[step - 1])
+
+    def took_from(self, step: int) -> list | None:
+        """Arrival mode: per source, the pull sequence the recorded steps from `step` on extended
+        (their `took` runs, in order); None when there are none (deterministic mode, or nothing
+        recorded past `step`). A rewind takes the same samples in that order, so the steps it
+        re-plans are the ones trainers saw. Also kept per step for `took_of`."""
+        out, self.took = None, {}
+        while True:
+            if self.journal is not None:
+                entry = self.journal.pending.get(step)
+                packed = None if entry is None else entry.cursor_after
+            else:
+                packed = self.cursors.get(step)
+            took = None if packed is None else unpack_cursor(packed).get("took")
+            if took is None:
+                return out
+            self.took[step] = took
+            out = [[] for _ in took] if out is None else out
+            for runs, more in zip(out, took):
+                runs.extend(more)
+            step += 1
+
+    def took_of(self, step: int) -> list | None:
+        """The `took` runs of a step replayed as journaled (see `took_from`)."""
+        return self.took.pop(step, None)
+
+    def records(self, step: int, *, verbatim: bool) -> bool:
+        """Whether `record` writes `step` (a verbatim replay of a journaled step is not)."""
+        return self.journal is None or not verbatim or step > self.journal.last_step
 
     def reset(self, step: int) -> None:
         """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim."""
@@ -66,7 +96,7 @@ class ReplaySource:
         """Remember a planned step before it is sent (OSError if the journal cannot)."""
         if self.journal is None:
             self.cursors[entry.step] = pack_cursor(entry.cursor_after)
-        elif not verbatim or entry.step > self.journal.last_step:
+        elif self.records(entry.step, verbatim=verbatim):
             # A verbatim replay is journaled already: recording it again would supersede the
             # journaled steps after it, which ranks ahead of the others may be committing. Unless
             # an earlier step planned anew superseded it: then it is journaled again, or the

@@ -175,7 +175,8 @@ class Dispatcher:
         for reader in self.pool.readers.values():
             for a in list(reader.assignments):
                 self._take_back(reader, a)
-        self.assembler.reset(cursor)
+        # Arrival mode: the recorded steps are taken again in the order they took their samples.
+        self.assembler.reset(cursor, self.replay.took_from(step))
         self.delivery.reset(step)
         self.replay.reset(step)
 
@@ -365,8 +366,14 @@ class Dispatcher:
         plan_ms = (time.perf_counter() - t0) * 1e3
         c2 = thread_time()
         self._cpu["plan"] += c2 - c1
+        cursor = self.assembler.position()
+        if self.config.mode != "deterministic":  # the order to take its samples in again
+            if self.replay.records(step, verbatim=journaled is not None):
+                cursor["took"] = self.assembler.took()
+            else:
+                self.assembler.journaled(self.replay.took_of(step))
         entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
-                          cursor_after=self.assembler.position(),
+                          cursor_after=cursor,
                           num_samples=len(batch.samples), digest=digest)
         try:
             self.replay.record(entry, plan, verbatim=journaled is not None)

@@ -436,3 +436,88 @@ def test_an_epoch_resumed_midway_is_not_called_empty():
         assert d.assembler.empty_epoch is None and d.fatal is None
     finally:
         d._close()
+
+
+# -- arrival mode: a restart re-plans the journaled steps from the samples they took -----------
+_ARRIVAL_SHARDS = [f"/data/arrival-{i}.tar" for i in range(3)]
+
+
+def _arrival_config(tmp_path, shuffle: int) -> ServerConfig:
+    return ServerConfig(
+        shards=_ARRIVAL_SHARDS, mode="arrival", shuffle_buffer=shuffle, world_size=1,
+        batch=BatchConfig(global_batch=4), planner=PlannerConfig(num_microbatches=1),
+        journal_dir=str(tmp_path), journal_fsync=False,
+        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=3, credit_batch=8,
+                        max_retained_steps=16),
+        liveness=LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=10))
+
+
+def _arrival_life(d: Dispatcher, order: list[tuple[int, int]]) -> list[list[str]]:
+    """Read the three 6-sample shards in `order` ((shard, samples) chunks, each shard from where
+    the dispatcher resumes it) and return the keys of every step it plans."""
+    reader = d.pool.join(b"r", "r", 0.0)
+    d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=3)), 0.0)
+    d._pump()
+    by_shard = {d.progress[a.pos].url: a for a in reader.assignments}
+    for shard, n in order:
+        a = by_shard.get(_ARRIVAL_SHARDS[shard])
+        if a is None:
+            continue  # read whole before the restart
+        start = d.progress[a.pos].next_index
+        stem = _ARRIVAL_SHARDS[shard].rsplit("/", 1)[1]
+        todo = range(start, min(start + n, 6))
+        d._on_samples(reader, _samples_msg(a.id, [_header(f"{stem}-{i}", i) for i in todo]))
+        if todo.stop == 6:
+            d._on_shard_done(reader, P.decode(P.encode(P.SHARD_DONE, assign_id=a.id,
+                                                       count=a.received, skipped=[])))
+        d._pump()
+    return [list(rs.batch.keys) for rs in d.retained]
+
+
+@pytest.mark.parametrize("shuffle", [0, 6])
+@pytest.mark.parametrize("committed", [None, 1])
+def test_arrival_mode_restart_replays_the_journaled_steps_whatever_the_new_arrival_order(
+        tmp_path, shuffle, committed):
+    """Arrival mode plans in the order samples came in, which a restart cannot reproduce from
+    a cursor: the steps trainers already received must still come back with the same samples
+    (a re-plan from other samples delivers some twice and loses others)."""
+    first = [(0, 2), (1, 3), (2, 1), (0, 2), (2, 5), (1, 3), (0, 2)]
+    d = Dispatcher(_arrival_config(tmp_path, shuffle))
+    try:
+        before = _arrival_life(d, first)
+        if committed is not None:
+            assert d.replay.commit(committed)
+    finally:
+        d._close()  # killed: the journal is all that survives
+    assert len(before) == 5 and sorted(k for s in before for k in s) == sorted(
+        f"{p.rsplit('/', 1)[1]}-{i}" for p in _ARRIVAL_SHARDS for i in range(6))
+    d = Dispatcher(_arrival_config(tmp_path, shuffle))
+    try:
+        resumed = 0 if committed is None else committed + 1
+        assert d.next_plan == resumed
+        # Samples come back in another order: shard 2 first, then 1, then 0.
+        after = _arrival_life(d, [(2, 6), (1, 6), (0, 6)])
+    finally:
+        d._close()
+    assert after == before[resumed:]
+
+
+def test_arrival_mode_steps_planned_after_a_restart_replay_after_the_next_one(tmp_path):
+    """A restart inside a shuffle block pulls the block again; the steps planned after that
+    (new ones, journaled by the second life) must replay verbatim in a third life as well."""
+    d = Dispatcher(_arrival_config(tmp_path, 6))
+    try:
+        first = _arrival_life(d, [(0, 2), (1, 3), (2, 1), (0, 2)])  # 8 of 18 samples
+    finally:
+        d._close()
+    d = Dispatcher(_arrival_config(tmp_path, 6))
+    try:
+        second = _arrival_life(d, [(1, 6), (2, 6), (0, 6)])
+        assert second[:len(first)] == first and len(second) == 5
+    finally:
+        d._close()
+    d = Dispatcher(_arrival_config(tmp_path, 6))
+    try:
+        assert _arrival_life(d, [(2, 6), (0, 6), (1, 6)]) == second
+    finally:
+        d._close()
