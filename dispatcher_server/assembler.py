@@ -520,6 +520,11 @@ class StepAssembler:
         for st in self.streams:
             st.open_window(self.progress)
 
+    def replay_heads(self) -> set[int]:
+        """Arrival mode: the positions the replayed orders wait on (their shards are read before
+        any other, or a reader full of other shards stalls the replay)."""
+        return {st.replay[0][0] for st in self.streams if st.replay}
+
     def unassigned(self) -> list[int]:
         """Open positions no reader holds, lowest first."""
         return sorted(p for p, pr in self.progress.items()

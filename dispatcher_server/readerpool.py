@@ -97,14 +97,20 @@ class ReaderPool:
     def has_free_slot(self) -> bool:
         return any(len(r.assignments) < r.slots for r in self.readers.values())
 
-    def victim(self, todo: list[int]) -> tuple[Reader, Assignment] | None:
-        """The assignment to cancel so that the lowest waiting position gets read: the highest
-        held one, if it lies above it and every reader is full."""
+    def victim(self, todo: list[int], needed: set[int] = frozenset()
+               ) -> tuple[Reader, Assignment] | None:
+        """The assignment to cancel so that the first waiting position gets read when every
+        reader is full: the highest held one, if it lies above it or the order needs that
+        position first (`needed`: arrival mode replaying its recorded order); a needed
+        position is never the one cancelled."""
         if not todo or not self.assignments or self.has_free_slot():
             return None
-        a = max(self.assignments.values(), key=lambda a: a.pos)
+        held = [a for a in self.assignments.values() if a.pos not in needed]
+        if not held:
+            return None
+        a = max(held, key=lambda a: a.pos)
         reader = self.readers.get(a.reader)
-        if a.pos < todo[0] or reader is None:
+        if (a.pos < todo[0] and todo[0] not in needed) or reader is None:
             return None
         return reader, a
 

@@ -325,7 +325,9 @@ class Dispatcher:
                 "options (field map, --errors): serving would only loop over empty epochs")
 
     def _assign(self) -> None:
-        todo = self.assembler.unassigned()
+        needed = self.assembler.replay_heads()
+        # Lowest first, but a position a replayed order waits on before all.
+        todo = sorted(self.assembler.unassigned(), key=lambda p: p not in needed)
         made = self.pool.assign(todo)
         for reader, a in made:
             prog = self.assembler.progress[a.pos]
@@ -337,7 +339,7 @@ class Dispatcher:
                   reader=reader.name)
         if made:
             return
-        victim = self.pool.victim(todo)
+        victim = self.pool.victim(todo, needed)
         if victim is not None:
             reader, a = victim
             self._take_back(reader, a)

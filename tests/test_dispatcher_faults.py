@@ -521,3 +521,52 @@ def test_arrival_mode_steps_planned_after_a_restart_replay_after_the_next_one(tm
         assert _arrival_life(d, [(2, 6), (0, 6), (1, 6)]) == second
     finally:
         d._close()
+
+
+def test_arrival_mode_replay_is_not_stalled_by_a_reader_full_of_other_shards(tmp_path):
+    """The replayed order waits on one shard; a reader whose slots hold other shards, each
+    filled to its cap and waiting for credit, gives one of them up for it instead of stalling."""
+    shards = [f"/data/big-{i}.tar" for i in range(4)]
+
+    def config() -> ServerConfig:
+        # shard cap: (40 - (1 + 1) * 4) // 4 = 8 samples buffered or credited per shard
+        return ServerConfig(
+            shards=shards, mode="arrival", shuffle_buffer=0, world_size=1,
+            batch=BatchConfig(global_batch=4), planner=PlannerConfig(num_microbatches=1),
+            journal_dir=str(tmp_path), journal_fsync=False,
+            flow=FlowConfig(max_buffered_samples=40, num_inflight_shards=4, credit_batch=4,
+                            max_retained_steps=1),
+            liveness=LivenessConfig(heartbeat_s=0.2, timeout_s=1.5, poll_ms=10))
+
+    def feed(d: Dispatcher, reader: Reader, a, n: int) -> None:
+        prog = d.progress[a.pos]
+        stem = prog.url.rsplit("/", 1)[1]
+        start = prog.next_index
+        d._on_samples(reader, _samples_msg(a.id, [_header(f"{stem}-{i}", i)
+                                                 for i in range(start, start + n)]))
+        d._pump()
+
+    d = Dispatcher(config())
+    try:
+        reader = d.pool.join(b"r", "r", 0.0)
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=4)), 0.0)
+        d._pump()
+        last = max(reader.assignments, key=lambda a: a.pos)
+        feed(d, reader, last, 4)  # the highest position arrives first: step 0 is all of it
+        (first,) = [list(rs.batch.keys) for rs in d.retained]
+    finally:
+        d._close()
+    d = Dispatcher(config())
+    try:
+        reader = d.pool.join(b"r", "r", 0.0)
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=2)), 0.0)
+        for _ in range(6):  # the reader sends all its credits allow, the replay waits
+            d._pump()
+            for a in list(reader.assignments):
+                if a.credits:
+                    feed(d, reader, a, a.credits)
+            if d.retained:
+                break
+        assert [list(rs.batch.keys) for rs in d.retained] == [first]
+    finally:
+        d._close()
