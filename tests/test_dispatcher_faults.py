@@ -346,39 +346,30 @@ def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_differenc
         d.stop()
 
 
-def test_a_trainer_on_nodes_of_another_size_is_welcomed_with_a_warning_naming_the_fix(caplog):
-    d = Dispatcher(_config(world_size=2)).start()  # planned as 2 nodes of 1 rank
+def _topology_warnings(caplog, ranks_per_node: int, hellos: list[tuple[int, int]]) -> list[str]:
+    """The topology_mismatch lines a dispatcher for 2 ranks, `ranks_per_node` a node, logs
+    while welcoming each (rank, local_world_size) of `hellos` in turn."""
+    d = Dispatcher(_config(world_size=2, ranks_per_node=ranks_per_node)).start()
     peer = _Peer(d.trainer_endpoint)
     try:
         with caplog.at_level(logging.WARNING, logger="mmdispatch"):
-            peer.send(P.HELLO, role="trainer", rank=0, world_size=2, local_world_size=2,
-                      next_step=None, prefetch=2)
-            peer.expect(P.WELCOME)
-        warned = [r.getMessage() for r in caplog.records if "topology_mismatch" in r.getMessage()]
-        assert len(warned) == 1 and "--ranks-per-node 2" in warned[0]
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="mmdispatch"):  # said once, not per rank
-            peer.send(P.HELLO, role="trainer", rank=1, world_size=2, local_world_size=2,
-                      next_step=None, prefetch=2)
-            peer.expect(P.WELCOME)
-        assert not any("topology_mismatch" in r.getMessage() for r in caplog.records)
+            for rank, local in hellos:
+                peer.send(P.HELLO, role="trainer", rank=rank, world_size=2,
+                          local_world_size=local, next_step=None, prefetch=2)
+                peer.expect(P.WELCOME)
+        return [r.getMessage() for r in caplog.records if "topology_mismatch" in r.getMessage()]
     finally:
         peer.close()
         d.stop()
+
+
+def test_a_trainer_on_nodes_of_another_size_is_welcomed_with_one_warning_naming_the_fix(caplog):
+    warned = _topology_warnings(caplog, 1, [(0, 2), (1, 2)])  # said once, not per rank
+    assert len(warned) == 1 and "--ranks-per-node 2" in warned[0]
 
 
 def test_trainers_on_nodes_of_the_planned_size_are_not_warned(caplog):
-    d = Dispatcher(_config(world_size=2, ranks_per_node=2)).start()
-    peer = _Peer(d.trainer_endpoint)
-    try:
-        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
-            peer.send(P.HELLO, role="trainer", rank=0, world_size=2, local_world_size=2,
-                      next_step=None, prefetch=2)
-            peer.expect(P.WELCOME)
-        assert not any("topology_mismatch" in r.getMessage() for r in caplog.records)
-    finally:
-        peer.close()
-        d.stop()
+    assert _topology_warnings(caplog, 2, [(0, 2), (1, 2)]) == []
 
 
 def test_the_dataset_fingerprint_names_what_a_resume_depends_on():
