@@ -74,7 +74,6 @@ class StepBatch:
     tokens: list[bytes]  # per sample id
     phase_items: dict[str, np.ndarray]  # phase -> flat position of each item id
     item_owner: np.ndarray  # flat -> sample id
-    item_within: np.ndarray  # flat -> index among its sample's items
     item_headers: list[tuple]  # flat -> STEP item header (StepItemHeader's fields)
     item_payloads: list  # flat -> payload buffer
     item_sizes: list[int]  # flat -> payload bytes
@@ -91,7 +90,9 @@ class StepBatch:
     @property
     def item_refs(self) -> dict[str, list[tuple[int, int]]]:
         """phase -> (sample id, index among its items) of each item id."""
-        return {p: list(zip(self.item_owner[f].tolist(), self.item_within[f].tolist()))
+        owner = self.item_owner  # non-decreasing: a sample's items sit together
+        within = np.arange(len(owner)) - np.searchsorted(owner, owner)
+        return {p: list(zip(owner[f].tolist(), within[f].tolist()))
                 for p, f in self.phase_items.items()}
 
     def digest(self) -> str:
@@ -124,7 +125,6 @@ def build_batch(samples: list[Sample]) -> StepBatch:
     except KeyError as e:
         raise ValueError(f"unknown item modality {e.args[0]!r}") from None
     owner = np.repeat(np.arange(len(samples), dtype=np.int64), counts)
-    starts = np.cumsum(counts) - counts
     enc_len = np.fromiter(map(_ENC_LEN, flat), dtype=np.int64, count=n)
     llm_len = np.fromiter(map(_LLM_LEN, flat), dtype=np.int64, count=n)
     payloads = list(chain.from_iterable([s.payloads for s in samples]))
@@ -139,7 +139,6 @@ def build_batch(samples: list[Sample]) -> StepBatch:
     return StepBatch(
         samples=samples, inputs=inputs, keys=keys, tokens=[s.tokens for s in samples],
         phase_items=phase_items, item_owner=owner,
-        item_within=np.arange(n, dtype=np.int64) - np.repeat(starts, counts),
         item_headers=list(zip(modality, take(keys, owner.tolist()), map(_MEMBER, flat),
                               map(_META, flat))),
         item_payloads=payloads, item_sizes=[memoryview(p).nbytes for p in payloads])
