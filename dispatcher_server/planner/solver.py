@@ -849,40 +849,116 @@ def _repack(tok: np.ndarray, W: int, cap: float) -> np.ndarray | None:
 @kernel
 def _best_fit(tok, order, W, cap, out):
     """Units in `order`, each onto the fullest of W ranks it fits (`out[u]` its rank); False
-    at the first unit that fits none. The ranks are a list of (load, -rank) kept in bisect
-    order, starting as [(0, 0), (0, -1), ..., (0, -(W - 1))]: each unit pops the entry left
-    of bisect_right(list, (cap - size, 1)), which goes back in at bisect_right of its new
-    (load, -rank), Python's tuple order (the list's first order, descending in -rank among
-    the equal loads, is kept as the packing's rule). Only the entries between the two
-    places move."""
-    load, neg = np.zeros(W), -np.arange(W)
+    at the first unit that fits none: Python's bisect on a list of (load, -rank) that starts
+    as [(0.0, 0), (0.0, -1), ..., (0.0, -(W - 1))], each unit popping the entry left of
+    bisect_right(list, (cap - size, 1)) and insort-ing it back with its new load. So among
+    equal loads above 0 the lowest rank; where no loaded rank fits, the highest rank never
+    used; where none is left, the rank a unit of size 0 last left at load 0 (those go to the
+    front of the list, each after the previous). The loaded ranks are kept sorted in blocks
+    (`_fullest_fitting`, `_insert_sorted`): a unit costs a scan of ~sqrt(W) blocks and a shift
+    inside one, not a shift of up to W entries in one list."""
+    B = max(4, int(np.sqrt(W)))  # entries a block holds after a rebalance; at most 2B
+    blocks = -(-W // B)
+    bl, bn = np.empty((blocks, 2 * B)), np.empty((blocks, 2 * B), np.int64)
+    cnt = np.zeros(blocks, np.int64)
+    unused, parked, top = W, np.empty(W, np.int64), 0  # ranks unused - 1 .. 0: never used
     for u in order:
-        lo, hi = 0, W  # bisect_right for (cap - size, 1): -rank <= 0 < 1 on equal loads
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if cap - tok[u] < load[mid]:
-                hi = mid
-            else:
-                lo = mid + 1
-        k = lo - 1
-        if k < 0:
+        if tok[u] > cap:
             return False
-        filled, r = load[k] + tok[u], neg[k]
-        out[u] = -r
-        lo, hi = 0, W - 1  # bisect_right for (filled, r) in the list without entry k
-        while lo < hi:
-            mid = (lo + hi) // 2
-            at = mid + (mid >= k)
-            if filled < load[at] or (filled == load[at] and r < neg[at]):
-                hi = mid
+        load, neg = _fullest_fitting(bl, bn, cnt, cap - tok[u])
+        if neg > 0:  # no loaded rank fits: one at load 0
+            if unused:
+                unused -= 1
+                neg = -unused
+            elif top:
+                top -= 1
+                neg = -parked[top]
             else:
-                lo = mid + 1
-        for i in range(k, lo):  # entries k+1..lo one left
-            load[i], neg[i] = load[i + 1], neg[i + 1]
-        for i in range(k, lo, -1):  # entries lo..k-1 one right
-            load[i], neg[i] = load[i - 1], neg[i - 1]
-        load[lo], neg[lo] = filled, r
+                return False
+            if tok[u] == 0:
+                parked[top] = -neg
+                top += 1
+                out[u] = -neg
+                continue
+        out[u] = -neg
+        _insert_sorted(bl, bn, cnt, B, load + tok[u], neg)
     return True
+
+
+@kernel
+def _fullest_fitting(bl, bn, cnt, room):
+    """Remove and return the largest (load, -rank) entry with load <= `room` from the blocks
+    (in block order, each sorted; empty blocks skipped); (0.0, 1) if there is none."""
+    jb = -1
+    for b in range(cnt.shape[0]):
+        if cnt[b]:
+            if bl[b, 0] > room:
+                break
+            jb = b
+    if jb < 0:
+        return 0.0, 1
+    lo, hi = 0, cnt[jb]
+    while lo < hi:  # bisect_right on the loads
+        mid = (lo + hi) // 2
+        if room < bl[jb, mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    k, n = lo - 1, cnt[jb] - 1
+    load, neg = bl[jb, k], bn[jb, k]
+    for i in range(k, n):
+        bl[jb, i], bn[jb, i] = bl[jb, i + 1], bn[jb, i + 1]
+    cnt[jb] = n
+    return load, neg
+
+
+@kernel
+def _insert_sorted(bl, bn, cnt, B, load, neg):
+    """Insert (load, neg) into the first block whose last entry is larger (else the last
+    non-empty block), in order; a full block (2B entries) first spreads every entry over the
+    blocks again, B a block."""
+    while True:
+        jb, last = -1, 0
+        for b in range(cnt.shape[0]):
+            if cnt[b]:
+                last, x = b, cnt[b] - 1
+                if bl[b, x] > load or (bl[b, x] == load and bn[b, x] > neg):
+                    jb = b
+                    break
+        jb = last if jb < 0 else jb
+        if cnt[jb] < bl.shape[1]:
+            break
+        _rebalance(bl, bn, cnt, B)
+    n = cnt[jb]
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if load < bl[jb, mid] or (load == bl[jb, mid] and neg < bn[jb, mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    for i in range(n, lo, -1):
+        bl[jb, i], bn[jb, i] = bl[jb, i - 1], bn[jb, i - 1]
+    bl[jb, lo], bn[jb, lo] = load, neg
+    cnt[jb] = n + 1
+
+
+@kernel
+def _rebalance(bl, bn, cnt, B):
+    """Every entry of the blocks, in order, spread again B a block from the first (the blocks
+    hold at most W <= B x blocks entries)."""
+    total = cnt.sum()
+    fl, fn = np.empty(total), np.empty(total, np.int64)
+    x = 0
+    for b in range(cnt.shape[0]):
+        for i in range(cnt[b]):
+            fl[x], fn[x] = bl[b, i], bn[b, i]
+            x += 1
+    cnt[:] = 0
+    for x in range(total):
+        b = x // B
+        bl[b, cnt[b]], bn[b, cnt[b]] = fl[x], fn[x]
+        cnt[b] += 1
 
 
 def repair_capacity(plan: StepPlan) -> StepPlan:
