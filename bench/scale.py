@@ -8,10 +8,13 @@ counted sample headers with reference payloads drawn from a demo-like mixture (i
 clips, text with a long tail), 8 samples per rank per step, M=2, 8 ranks per node. Nothing
 here reads a shard: the figures are the control plane's alone.
 
-Per W it reports sustained steps/s, the dispatcher process's CPU ms per step (zmq I/O threads
-included) with a breakdown of its loop thread (`mmdispatch_loop_cpu_seconds_total`: intake,
-acks, assemble, plan, journal, encode, send), peak RSS against a stated bound, and messages and
-bytes per step; then a least-squares line through the non-planning CPU per step against W.
+Per W it reports sustained steps/s, the dispatcher process's CPU ms per step, split by thread
+(its loop thread, the zmq I/O threads, the rest: garbage collection on a clock, the metrics
+endpoint) from /proc, with a breakdown of the loop thread (`mmdispatch_loop_cpu_seconds_total`:
+intake, acks, assemble, plan, journal, encode, send, and loop: polling, liveness, the window,
+eviction, reader credits, bookkeeping), which adds up to that thread's CPU; peak RSS against a
+stated bound, and messages and bytes per step; then a least-squares line through the
+non-planning CPU per step against W.
 On a small machine the simulators share the cores with the dispatcher, which lowers steps/s
 but not the dispatcher's CPU per step.
 
@@ -35,6 +38,7 @@ import numpy as np
 from bench.machine import cpu_reference_ms
 from bench.soak import _free_port
 from bench.stream import _cpu_s, _rss_mb, _start_serve
+from dispatcher_server.metrics import LOOP_PARTS
 
 SAMPLES_PER_RANK = 8
 RANKS_PER_NODE = 8
@@ -184,6 +188,25 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of process `pid`'s threads so far, by group: `loop` (the main thread, which
+    runs serve's loop), `zmq_io` (threads named ZMQbg*: I/O and reaper) and `other`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"loop": 0.0, "zmq_io": 0.0, "other": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:  # the thread ended since the listing
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        group = ("loop" if int(tid) == pid else "zmq_io" if comm.startswith("ZMQbg")
+                 else "other")
+        out[group] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _peak_rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -231,8 +254,10 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
                 raise RuntimeError(f"W={world}: the dispatcher served no {a.warmup_steps} steps")
             time.sleep(0.2)
         m0, c0, t0 = _scrape(metrics_port), _cpu_s(proc.pid), time.monotonic()
+        th0 = _thread_cpu_s(proc.pid)
         time.sleep(a.seconds)
         m1, c1, t1 = _scrape(metrics_port), _cpu_s(proc.pid), time.monotonic()
+        th1 = _thread_cpu_s(proc.pid)
         peak = _peak_rss_mb(proc.pid)
         dead = [p.name for p in procs if p.exitcode not in (None, 0)]
         if dead:
@@ -250,11 +275,17 @@ def run_world(world: int, a: argparse.Namespace, tmp: str) -> dict:
         raise RuntimeError(f"W={world}: no step served in the timed window")
     per = lambda k: d.get(k, 0.0) / steps  # noqa: E731
     breakdown = {part: round(1e3 * per(f"mmdispatch_loop_cpu_seconds_total{{{part}}}"), 3)
-                 for part in ("intake", "acks", "assemble", "plan", "journal", "encode", "send")}
+                 for part in LOOP_PARTS}
+    threads = {g: round(1e3 * (th1[g] - th0[g]) / steps, 2) for g in th1}
     return {
         "world_size": world, "samples_per_step": G, "steps": int(steps),
         "steps_per_s": round(steps / (t1 - t0), 3),
         "dispatcher_cpu_ms_per_step": round(1e3 * (c1 - c0) / steps, 2),
+        # dispatcher_cpu_ms_per_step by thread (/proc, 10 ms ticks): the loop thread is what
+        # breakdown_ms splits; the zmq I/O threads move the bytes
+        "loop_thread_ms_per_step": threads["loop"],
+        "zmq_io_ms_per_step": threads["zmq_io"],
+        "other_threads_ms_per_step": threads["other"],
         "breakdown_ms": breakdown,
         "dispatcher_peak_rss_mb": round(peak, 1),
         "idle_rss_mb": round(idle_rss, 1),
@@ -303,13 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"{'W':>6} {'steps/s':>8} {'cpu ms/step':>12} {'plan':>8} {'encode':>8} "
-              f"{'send':>8} {'intake':>8} {'rss MB':>8} {'bound':>8}")
+        print(f"{'W':>6} {'steps/s':>8} {'cpu ms/step':>12} {'loop thr':>9} {'zmq io':>8} "
+              f"{'plan':>8} {'encode':>8} {'send':>8} {'intake':>8} {'loop':>8} {'rss MB':>8} "
+              f"{'bound':>8}")
         for w, r in worlds.items():
             b = r["breakdown_ms"]
             print(f"{w:>6} {r['steps_per_s']:>8.2f} {r['dispatcher_cpu_ms_per_step']:>12.1f} "
+                  f"{r['loop_thread_ms_per_step']:>9.1f} {r['zmq_io_ms_per_step']:>8.1f} "
                   f"{b['plan']:>8.1f} {b['encode']:>8.1f} {b['send']:>8.1f} {b['intake']:>8.1f} "
-                  f"{r['dispatcher_peak_rss_mb']:>8.1f} {r['rss_bound_mb']:>8.1f}")
+                  f"{b['loop']:>8.1f} {r['dispatcher_peak_rss_mb']:>8.1f} "
+                  f"{r['rss_bound_mb']:>8.1f}")
         print("non-planning CPU per step vs W:", out["non_plan_cpu_fit"])
     return 0
 

@@ -27,8 +27,10 @@ def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
 
 #: What the loop thread's CPU time is split into (`mmdispatch_loop_cpu_seconds_total{part}`):
 #: reader messages taken in, trainer messages (credits, acknowledgements, commits), filling and
-#: building steps, planning, journaling, encoding rank messages, sending them.
-LOOP_PARTS = ("intake", "acks", "assemble", "plan", "journal", "encode", "send")
+#: building steps, planning, journaling, encoding rank messages, sending them, and `loop`: the
+#: rest (polling, liveness and heartbeats, the window, eviction, reader credits, metrics and
+#: bookkeeping), so that the parts add up to the thread's CPU.
+LOOP_PARTS = ("intake", "acks", "assemble", "plan", "journal", "encode", "send", "loop")
 
 
 class Metrics:

@@ -110,6 +110,7 @@ class Dispatcher:
         self.measurements = StepMeasurements(config.world_size, config.refit)
         # Loop CPU by part, in plain floats on the hot path; exported once a poll interval.
         self._cpu = dict.fromkeys(self.metrics.cpu_of, 0.0)
+        self._cpu_mark = thread_time()  # the loop thread's CPU when the parts were last exported
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._auth = None
@@ -215,6 +216,7 @@ class Dispatcher:
         poller.register(self.reader_sock, zmq.POLLIN)
         poller.register(self.trainer_sock, zmq.POLLIN)
         self._checked = self._halted_at = 0.0
+        self._cpu_mark = thread_time()  # this thread's: run() may not be on the constructor's
         linger = None
         try:
             while not self._stop.is_set() and linger is None:
@@ -223,6 +225,7 @@ class Dispatcher:
         finally:
             self.skip_log.flush(None)
             self._log_measured(self.measurements.drain(self.config.planner.cost))
+            self._export_cpu()
             self._close(linger_ms=linger or 0)
 
     def _iterate(self, poller: zmq.Poller) -> None:
@@ -250,6 +253,11 @@ class Dispatcher:
             self._checked = now
 
     def _export_cpu(self) -> None:
+        now = thread_time()
+        # `loop` is what no other part counted since the last export: one clock read per poll
+        # interval, instead of one around each small piece, and the parts add up to the thread.
+        self._cpu["loop"] += max(0.0, now - self._cpu_mark - sum(self._cpu.values()))
+        self._cpu_mark = now
         for part, seconds in self._cpu.items():
             if seconds:
                 self.metrics.cpu_of[part].inc(seconds)

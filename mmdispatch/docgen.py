@@ -282,18 +282,30 @@ def _training(d: dict) -> list[str]:
 
 
 def _scale(d: dict) -> list[str]:
+    # Runs recorded before the breakdown had its `loop` part and the per-thread split show
+    # neither column.
+    threads = all("zmq_io_ms_per_step" in r and "loop" in r["breakdown_ms"]
+                  for r in d["worlds"].values())
+    split = (" The zmq I/O threads' share is its own column; the other columns are the loop "
+             "thread's, `loop` being what no named part counts (polling, liveness and heartbeats, "
+             "the window, eviction, reader credits, bookkeeping), so they add up to that thread."
+             if threads else "")
     out = [f"{d['samples_per_rank']} samples per rank per step, M = {d['num_microbatches']}, "
            f"{d['ranks_per_node']} ranks per node, {d['payloads']} payloads, {d['cpus']} CPUs shared "
            "with the simulators. CPU is the dispatcher process's (zmq I/O threads included); the "
-           "breakdown is its loop thread's." + machine_note(d.get("cpu_reference_ms")), "",
-           "| W | steps/s | CPU ms per step (target <= 300 at 2560) | intake | acks | assemble | plan | "
-           "encode | send | peak RSS MB (bound) | messages / step | bytes / step |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "breakdown is its loop thread's." + split + machine_note(d.get("cpu_reference_ms")), "",
+           "| W | steps/s | CPU ms per step (target <= 300 at 2560) | "
+           + ("zmq I/O | " if threads else "") + "intake | acks | assemble | plan | encode | send | "
+           + ("loop | " if threads else "") + "peak RSS MB (bound) | messages / step | bytes / step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if threads else "")]
     for w, r in d["worlds"].items():
         b = r["breakdown_ms"]
         out.append(f"| {w} | {r['steps_per_s']:.2f} | {r['dispatcher_cpu_ms_per_step']:.0f} | "
-                   f"{b['intake']:.0f} | {b['acks']:.0f} | {b['assemble']:.0f} | {b['plan']:.0f} | "
-                   f"{b['encode']:.0f} | {b['send']:.0f} | {r['dispatcher_peak_rss_mb']:.0f} "
+                   + (f"{r['zmq_io_ms_per_step']:.0f} | " if threads else "")
+                   + f"{b['intake']:.0f} | {b['acks']:.0f} | {b['assemble']:.0f} | {b['plan']:.0f} | "
+                   f"{b['encode']:.0f} | {b['send']:.0f} | "
+                   + (f"{b['loop']:.0f} | " if threads else "")
+                   + f"{r['dispatcher_peak_rss_mb']:.0f} "
                    f"({r['rss_bound_mb']:.0f}) | {r['messages_per_step']:,.0f} | {r['bytes_per_step']:,} |")
     f = d["non_plan_cpu_fit"]
     out += ["", f"Non-planning CPU per step = {f['intercept_ms']:.1f} ms + {f['per_rank_ms']:.4f} ms x W "
