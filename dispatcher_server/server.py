@@ -13,6 +13,7 @@ restart resumes from it); so does a step the planner refuses, once, with the sam
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -117,6 +118,7 @@ class Dispatcher:
         self._seq = 0
         self._readers_ended = False
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
+        self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
         try:
             self._reset(start)
@@ -566,6 +568,7 @@ class Dispatcher:
         if reader is not None:
             self._drop_reader(reader, "re-hello")
         reader = self.pool.join(ident, msg.get("name", ""), now)
+        self._live_due = 0.0  # it was sent nothing yet: its heartbeat is due at the next check
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_joined", name=reader.name)
         # direct mode: the shard files whose bytes a reader may serve to trainers
@@ -764,6 +767,7 @@ class Dispatcher:
             event("rewind", step=target, requested_by=rank)
         self.delivery.connect(slot, ident)
         slot.last_seen = now
+        self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check
         self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
@@ -820,32 +824,48 @@ class Dispatcher:
 
     # -- liveness and sending -------------------------------------------------------
     def _liveness(self, now: float) -> None:
+        """Expire silent peers, heartbeat idle ones. The scan is O(W), so it is skipped until the
+        first moment the last scan saw that any peer could be due: a peer's times only move
+        forward and a HELLO clears that moment, so skipping changes nothing the scan would do."""
+        if now < self._live_due:
+            return
         live = self.config.liveness
+        timeout, beat = live.timeout_s, live.heartbeat_s
         for reader in list(self.pool.readers.values()):
-            if now - reader.last_seen > live.timeout_s:
+            if now - reader.last_seen > timeout:
                 self._drop_reader(reader, "timeout")
-            elif now - reader.last_sent > live.heartbeat_s:
+            elif now - reader.last_sent > beat:
                 self._send_reader(reader, P.HEARTBEAT)
+        readers = self.pool.readers.values()
+        seen = min((r.last_seen for r in readers), default=math.inf)
+        sent_at = min((r.last_sent for r in readers), default=math.inf)
         # One HEARTBEAT for every idle rank of this round (receivers read no seq from it): at
         # thousands of ranks, encoding and counting each one cost more than sending it.
         heartbeat, sent = None, 0
         for slot in self.delivery.slots:
             if slot.ident is None:
                 continue
-            if now - slot.last_seen > live.timeout_s:
+            if now - slot.last_seen > timeout:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
                 self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())
-            elif now - slot.last_sent > live.heartbeat_s:
+                continue
+            if now - slot.last_sent > beat:
                 if heartbeat is None:
                     self._seq += 1
                     heartbeat = P.encode(P.HEARTBEAT, seq=self._seq)
                 P.send_frames(self.trainer_sock, [slot.ident, *heartbeat])
                 slot.last_sent = now
                 sent += 1
+            if slot.last_seen < seen:
+                seen = slot.last_seen
+            if slot.last_sent < sent_at:
+                sent_at = slot.last_sent
         if sent:
             self.metrics.bytes_out_of["trainer"].inc(sent * len(heartbeat[0]))
             self.metrics.messages_of["trainer", "out"].inc(sent)
+        # A microsecond early: the checks above subtract and this adds, which may round apart.
+        self._live_due = min(seen + timeout, sent_at + beat) - 1e-6
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
         if why == "timeout" and reader.assignments:
