@@ -458,6 +458,7 @@ class StepAssembler:
                          part.get("runs", ()) if part and arrival else (), runs if arrival else ())
         self.blend = Blend(self.weights, self.seed, drawn)
         self.progress: dict[int, ShardProgress] = {}
+        self._opened: list[int] | None = None  # each source's cursor base when its window opened
         self.acc: list[Sample] = []
         self.acc_tokens = self.acc_bytes = 0
         self.acc_cut = False
@@ -517,8 +518,15 @@ class StepAssembler:
         return None
 
     def open_window(self) -> None:
+        """Open every position of each source's window that is not open yet. Called on every
+        pump, it works only when a window moved: nothing but this opens a position, and one
+        closed inside the window (finished, or consumed past) stays closed until a reset."""
+        bases = [st.cursor.base for st in self.streams]
+        if bases == self._opened:
+            return
         for st in self.streams:
             st.open_window(self.progress)
+        self._opened = bases
 
     def replay_heads(self) -> set[int]:
         """Arrival mode: the positions the replayed orders wait on (their shards are read before

@@ -1,0 +1,69 @@
+"""The assembler's window opens positions only when it moved: on every other pump it does no
+work, and it never leaves a position of its window unopened (checked against opening it whole
+after every call, through blends, shuffle blocks, arrival order, epochs and resumes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dispatcher_server import protocol as P
+from dispatcher_server.assembler import SourceStream
+
+from tests.test_blend import _assembler, _corpus
+
+
+@pytest.mark.parametrize("mode,shuffle", [("deterministic", 0), ("deterministic", 6),
+                                          ("arrival", 0), ("arrival", 6)])
+def test_the_window_opens_what_a_whole_open_would_and_works_only_when_it_moved(
+        monkeypatch, mode, shuffle):
+    sizes = random.Random(3)
+    sources = {"img": _corpus("img", 7, sizes), "asr": _corpus("asr", 4, sizes)}
+    shards = {url: keys for src in sources.values() for url, keys in src.items()}
+    a = _assembler(sources, [0.7, 0.3], shuffle=shuffle, mode=mode)
+    walks = 0
+    whole = SourceStream.open_window
+
+    def counted(self, progress):
+        nonlocal walks
+        walks += 1
+        whole(self, progress)
+
+    monkeypatch.setattr(SourceStream, "open_window", counted)
+    rng = random.Random(11)
+    calls, steps, resumed = 0, 0, False
+    for _ in range(100_000):
+        a.open_window()
+        calls += 1
+        opened = set(a.progress)
+        for st in a.streams:  # what opening every window whole would add: nothing
+            whole(st, a.progress)
+        assert set(a.progress) == opened
+        a.fill()
+        while a.step_ready():
+            a.take_step()
+            steps += 1
+            if steps == 3 and not resumed:  # a rewind to the position journaled now
+                a.reset(a.position())
+                resumed = True
+            a.fill()
+        if a.exhausted:
+            break
+        open_ = [p for p, pr in a.progress.items() if not pr.reader_done]
+        if not open_:
+            continue
+        pos = rng.choice(open_)
+        prog = a.progress[pos]
+        keys = shards[prog.url]
+        start = prog.next_index
+        chunk = keys[start:start + rng.randint(1, 6)]
+        a.receive(pos, [P.SampleHeader(k, start + i, 5, 5, b"t", []) for i, k in enumerate(chunk)],
+                  [], [])
+        if start + len(chunk) >= len(keys):
+            a.reader_done(pos)
+    else:
+        pytest.fail("the stream did not finish")
+    assert resumed and steps > 3
+    # each source's window is walked when its base moved, not on each of the calls
+    assert 0 < walks < calls / 2, (walks, calls)
