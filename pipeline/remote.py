@@ -2,9 +2,10 @@
 
 A remote shard is read front to back like a local one, with bounded memory: fsspec's read-ahead
 cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Transient failures
-(a dropped connection, a timeout, a 5xx) are retried with exponential backoff: the file is
-reopened and read on from the byte offset reached, so a shard cut mid-way loses and repeats
-nothing. Missing objects and refused credentials are not retried. Every error names the URL.
+(a dropped or refused connection, a timeout, an HTTP 5xx, 408 or 429) are retried with
+exponential backoff: the file is reopened and read on from the byte offset reached, so a shard
+cut mid-way loses and repeats nothing. Missing objects, refused or missing credentials and other
+4xx answers fail at once, saying which. Every error names the URL.
 
 Credentials and endpoints come from the environment each library reads: for S3 the usual
 `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_PROFILE`, and `AWS_ENDPOINT_URL` for an
@@ -25,6 +26,10 @@ BLOCK_BYTES = 4 << 20
 #: Tries of one read (the first and the retries), and the first backoff, doubled each retry.
 TRIES = 5
 BACKOFF_S = 0.5
+#: HTTP answers that say "not now": retried. Other 4xx answers are the request's fault: not retried.
+_RETRY_STATUS = frozenset({408, 425, 429})
+#: Exceptions (by class name: the libraries are optional) meaning no credentials were found.
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"})
 
 _GLOB_CHARS = frozenset("*?[")
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError)
@@ -66,6 +71,42 @@ def expand(url: str, spec: str) -> list[str]:
     return [prefix + p for p in found]
 
 
+def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
+    """What a failed open or read means: (the OSError to raise at once, or None when a retry may
+    help; what went wrong, in words).
+
+    fsspec's HTTP filesystem reports any failure to open a URL (a 404, a 503, a refused
+    connection) as FileNotFoundError; the aiohttp error it chains says which it was.
+    """
+    cause = error
+    chained = error.__cause__
+    if isinstance(error, FileNotFoundError) and (
+            isinstance(chained, TimeoutError) or type(chained).__module__.startswith("aiohttp.")):
+        cause = chained
+    names = {c.__name__ for c in type(cause).__mro__}
+    status = getattr(cause, "status", None)
+    if "ClientResponseError" in names and isinstance(status, int):
+        said = f"HTTP {status} {getattr(cause, 'message', '') or ''}".strip()
+        if status >= 500 or status in _RETRY_STATUS:
+            return None, said
+        if status in (401, 403):
+            return PermissionError, f"access denied ({said}): check the credentials or the URL's signature"
+        if status in (404, 410):
+            return FileNotFoundError, f"not found ({said})"
+        return OSError, said
+    if names & _NO_CREDENTIALS:
+        return PermissionError, (f"{cause} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                                 f"AWS_PROFILE, for s3://; GOOGLE_APPLICATION_CREDENTIALS for gs://)")
+    if isinstance(cause, FileNotFoundError):
+        return FileNotFoundError, f"not found ({cause})"
+    if isinstance(cause, PermissionError):
+        return PermissionError, f"access denied ({cause}): check the credentials"
+    if isinstance(cause, _PERMANENT):
+        return type(cause), str(cause)
+    said = str(cause) or ("timed out" if isinstance(cause, TimeoutError) else "")
+    return None, f"{type(cause).__name__}: {said}" if said else type(cause).__name__
+
+
 class RemoteShard:
     """A remote shard opened for sequential reading, resumed at the offset reached after a
     transient failure (up to `tries` tries per read, backoff from `backoff_s`, doubling)."""
@@ -102,19 +143,18 @@ class RemoteShard:
         return data
 
     def _with_retries(self, call):
-        last: BaseException | None = None
+        last = ""
         for attempt in range(self.tries):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 return call()
-            except _PERMANENT as e:
-                raise type(e)(f"shard {self.url!r}: {e}") from None
             except Exception as e:  # noqa: BLE001 - network libraries raise many kinds
-                last = e
                 self._drop()
-        raise OSError(f"shard {self.url!r}: failed {self.tries} times at byte {self.pos} "
-                      f"(last: {type(last).__name__}: {last})")
+                permanent, last = diagnose(e)
+                if permanent is not None:
+                    raise permanent(f"shard {self.url!r}: {last}") from None
+        raise OSError(f"shard {self.url!r}: failed {self.tries} times at byte {self.pos} (last: {last})")
 
     def _drop(self) -> None:
         f, self._file = self._file, None

@@ -1,0 +1,186 @@
+"""Remote shards against servers that misbehave as real ones do: answers 5xx for a while, refuses
+access; and S3 without credentials.
+Every server runs here on 127.0.0.1 at a random port; no real cloud."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import re
+import threading
+from contextlib import contextmanager
+
+import pytest
+
+from pipeline import remote
+from pipeline.errors import ErrorStats
+from pipeline.reader import ReaderConfig, iter_shard
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Faulty(http.server.BaseHTTPRequestHandler):
+    """Files of `root` with Range support. `answers[name]`: statuses given (one per request,
+    HEAD or GET) before the file is served; `stall`: once set, a GET past the first byte sends
+    100 bytes and then nothing until `release` is set. `requests` counts requests per name."""
+
+    protocol_version = "HTTP/1.1"
+    root = ""
+    answers: dict[str, list[int]] = {}
+    requests: dict[str, int] = {}
+    stall = threading.Event()
+    release = threading.Event()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def _answer(self, head: bool) -> None:
+        name = os.path.basename(self.path)
+        self.requests[name] = self.requests.get(name, 0) + 1
+        pending = self.answers.get(name)
+        if pending:
+            self.send_response(pending.pop(0))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        with open(os.path.join(self.root, name), "rb") as f:
+            data = f.read()
+        lo, hi = 0, len(data) - 1
+        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if m:
+            lo, hi = int(m.group(1)), min(hi, int(m.group(2) or hi))
+        body = data[lo:hi + 1]
+        self.send_response(206 if m else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(data)}")
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        if head:
+            return
+        if self.stall.is_set() and lo > 0:
+            self.wfile.write(body[:100])
+            self.wfile.flush()
+            self.release.wait(60)
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+@contextmanager
+def _serving(handler):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture()
+def faulty(small_shards):
+    handler = type("Handler", (_Faulty,), {"root": os.path.dirname(small_shards[0]), "answers": {},
+                                           "requests": {}, "stall": threading.Event(),
+                                           "release": threading.Event()})
+    with _serving(handler) as base:
+        try:
+            yield base, handler
+        finally:
+            handler.release.set()
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Several range requests per shard, quick retries."""
+    monkeypatch.setattr(remote, "BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+
+
+def _read(url: str) -> tuple[list[str], ErrorStats]:
+    stats = ErrorStats()
+    keys = [r.key for r in iter_shard(url, ReaderConfig(keep_members=False), stats=stats)]
+    return keys, stats
+
+
+def _local_keys(path: str) -> list[str]:
+    return _read(path)[0]
+
+
+def test_a_server_busy_at_open_is_retried(small_shards, faulty):
+    base, handler = faulty
+    name = os.path.basename(small_shards[0])
+    handler.answers[name] = [503, 503, 500]  # the first HEAD, its GET fallback, the retry's HEAD
+    keys, stats = _read(f"{base}/{name}")
+    assert keys == _local_keys(small_shards[0]) and stats.num_errors == 0
+    assert handler.answers[name] == []
+
+
+def test_a_refused_connection_at_open_is_retried_and_named(small_shards, faulty):
+    base, _ = faulty
+    with _serving(_Faulty) as closed:
+        pass  # a port nobody listens on any more
+    url = f"{closed}/{os.path.basename(small_shards[0])}"
+    keys, stats = _read(url)
+    assert keys == [] and stats.by_reason == {"open_failed": 1}
+    assert f"shard {url!r}: failed {remote.TRIES} times" in stats.recent[-1][3]
+
+
+@pytest.mark.parametrize(("status", "says"), [(404, "not found (HTTP 404 Not Found)"),
+                                              (403, "access denied (HTTP 403 Forbidden)"),
+                                              (401, "access denied (HTTP 401 Unauthorized)")])
+def test_a_missing_or_forbidden_object_fails_at_once_saying_why(small_shards, faulty, status, says):
+    base, handler = faulty
+    name = os.path.basename(small_shards[0])
+    handler.answers[name] = [status] * 10
+    url = f"{base}/{name}"
+    keys, stats = _read(url)
+    assert keys == [] and stats.by_reason == {"open_failed": 1}
+    assert f"shard {url!r}: {says}" in stats.recent[-1][3]
+    assert handler.requests[name] == 2  # fsspec's HEAD and its GET fallback, no retry
+
+
+@pytest.mark.timeout(120)
+def test_s3_without_credentials_fails_at_once_naming_the_fix(small_shards, monkeypatch):
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                              aws_secret_access_key="testing", region_name="us-east-1")
+        client.create_bucket(Bucket="data")
+        client.upload_file(small_shards[0], "data", "a.tar")
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                  "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                  "AWS_WEB_IDENTITY_TOKEN_FILE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_DEFAULT_REGION": "us-east-1",
+                     "AWS_EC2_METADATA_DISABLED": "true",  # never ask a metadata server
+                     "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "AWS_CONFIG_FILE": os.devnull}.items():
+            monkeypatch.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
+        keys, stats = _read("s3://data/a.tar")
+        assert keys == [] and stats.by_reason == {"open_failed": 1}
+        detail = stats.recent[-1][3]
+        assert "shard 's3://data/a.tar': Unable to locate credentials (set AWS_ACCESS_KEY_ID" in detail
+        assert "failed" not in detail  # not retried: no backoff can find credentials
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
