@@ -5,7 +5,8 @@ cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Tran
 (a dropped or refused connection, a timeout, an HTTP 5xx, 408 or 429) are retried with
 exponential backoff: the file is reopened and read on from the byte offset reached, so a shard
 cut mid-way loses and repeats nothing. Missing objects, refused or missing credentials and other
-4xx answers fail at once, saying which. Every error names the URL.
+4xx answers fail at once, saying which. Every error names the URL. An HTTP server that ignores
+Range requests (`python -m http.server`) is read as one stream instead of block by block.
 
 Credentials and endpoints come from the environment each library reads: for S3 the usual
 `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_PROFILE`, and `AWS_ENDPOINT_URL` for an
@@ -107,6 +108,11 @@ def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
     return None, f"{type(cause).__name__}: {said}" if said else type(cause).__name__
 
 
+def _ignores_ranges(error: BaseException) -> bool:
+    """fsspec's HTTP file says the server answered a Range request with the whole object."""
+    return isinstance(error, ValueError) and "support range requests" in str(error)
+
+
 class RemoteShard:
     """A remote shard opened for sequential reading, resumed at the offset reached after a
     transient failure (up to `tries` tries per read, backoff from `backoff_s`, doubling)."""
@@ -120,10 +126,20 @@ class RemoteShard:
         self.fs, self.path = filesystem(url)
         self.pos = 0
         self.size: int | None = None
+        self.streaming = False  # the server ignores Range requests: read as one stream
         self._file: Any = None
         self._with_retries(self._open)
 
     def _open(self) -> None:
+        if self.streaming:
+            self._file = self.fs.open(self.path, "rb", block_size=0)
+            done = 0
+            while done < self.pos:  # no seeking in a stream: read up to the byte reached
+                chunk = self._file.read(min(1 << 20, self.pos - done))
+                if not chunk:
+                    raise ConnectionError(f"stream ended at byte {done} on the way to {self.pos}")
+                done += len(chunk)
+            return
         self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type="readahead")
         self.size = getattr(self._file, "size", None)
         if self.pos:
@@ -136,6 +152,11 @@ class RemoteShard:
         if self._file is None:
             self._open()
         data = self._file.read(size)
+        if self.streaming and 0 < len(data) < size:  # a stream hands out what has arrived
+            parts = [data]
+            while (got := sum(map(len, parts))) < size and (chunk := self._file.read(size - got)):
+                parts.append(chunk)
+            data = b"".join(parts)
         short = size > 0 and len(data) < size and self.size is not None and self.pos + len(data) < self.size
         if short:  # the object is longer: the connection ended early
             raise ConnectionError(f"read {len(data)} of {size} bytes at {self.pos} of {self.size}")
@@ -144,16 +165,21 @@ class RemoteShard:
 
     def _with_retries(self, call):
         last = ""
-        for attempt in range(self.tries):
+        attempt = 0
+        while attempt < self.tries:
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 return call()
             except Exception as e:  # noqa: BLE001 - network libraries raise many kinds
                 self._drop()
+                if _ignores_ranges(e) and not self.streaming:
+                    self.streaming = True  # not a failure: the same try, read another way
+                    continue
                 permanent, last = diagnose(e)
                 if permanent is not None:
                     raise permanent(f"shard {self.url!r}: {last}") from None
+                attempt += 1
         raise OSError(f"shard {self.url!r}: failed {self.tries} times at byte {self.pos} (last: {last})")
 
     def _drop(self) -> None:

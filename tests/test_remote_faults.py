@@ -1,5 +1,5 @@
 """Remote shards against servers that misbehave as real ones do: answers 5xx for a while, refuses
-access; and S3 without credentials.
+access, ignores Range requests (`python -m http.server`); and S3 without credentials.
 Every server runs here on 127.0.0.1 at a random port; no real cloud."""
 
 from __future__ import annotations
@@ -149,6 +149,37 @@ def test_a_missing_or_forbidden_object_fails_at_once_saying_why(small_shards, fa
     assert keys == [] and stats.by_reason == {"open_failed": 1}
     assert f"shard {url!r}: {says}" in stats.recent[-1][3]
     assert handler.requests[name] == 2  # fsspec's HEAD and its GET fallback, no retry
+
+
+class _NoRanges(http.server.SimpleHTTPRequestHandler):
+    """`python -m http.server`: a Range request gets the whole file with status 200. GET number
+    `drop_at` of a file sends only its first half and closes the connection."""
+
+    drop_at = 0
+    gets = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def copyfile(self, source, outputfile) -> None:
+        type(self).gets += 1
+        if self.gets == self.drop_at:
+            outputfile.write(source.read(os.fstat(source.fileno()).st_size // 2))
+            outputfile.flush()
+            self.close_connection = True
+            return
+        super().copyfile(source, outputfile)
+
+
+@pytest.mark.parametrize("drop_at", [0, 3])
+def test_a_server_that_ignores_range_requests_is_read_as_a_stream(small_shards, drop_at):
+    handler = type("Handler", (_NoRanges,), {"drop_at": drop_at, "gets": 0})
+    with _serving(functools.partial(handler, directory=os.path.dirname(small_shards[0]))) as base:
+        path = small_shards[0]
+        keys, stats = _read(f"{base}/{os.path.basename(path)}")
+        assert stats.num_errors == 0, stats.recent
+        assert keys == _local_keys(path)  # after a drop too: read again up to the byte reached
+        assert handler.gets >= drop_at
 
 
 @pytest.mark.timeout(120)
