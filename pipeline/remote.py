@@ -2,9 +2,9 @@
 
 A remote shard is read front to back like a local one, with bounded memory: fsspec's read-ahead
 cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Transient failures
-(a dropped or refused connection, a timeout, an HTTP 5xx, 408 or 429) are retried with
-exponential backoff: the file is reopened and read on from the byte offset reached, so a shard
-cut mid-way loses and repeats nothing. Missing objects, refused or missing credentials and other
+(a dropped or refused connection, no byte for `READ_TIMEOUT_S`, an HTTP 5xx, 408 or 429) are
+retried with exponential backoff: the file is reopened and read on from the byte offset reached,
+so a shard cut mid-way loses and repeats nothing. Missing objects, refused or missing credentials and other
 4xx answers fail at once, saying which. Every error names the URL. An HTTP server that ignores
 Range requests (`python -m http.server`) is read as one stream instead of block by block.
 
@@ -27,6 +27,9 @@ BLOCK_BYTES = 4 << 20
 #: Tries of one read (the first and the retries), and the first backoff, doubled each retry.
 TRIES = 5
 BACKOFF_S = 0.5
+#: An HTTP read (or connect) that gets no byte for this long fails and is retried, as botocore's
+#: own read timeout does for S3; aiohttp alone would wait 5 minutes a try on a server that stalls.
+READ_TIMEOUT_S = 60.0
 #: HTTP answers that say "not now": retried. Other 4xx answers are the request's fault: not retried.
 _RETRY_STATUS = frozenset({408, 425, 429})
 #: Exceptions (by class name: the libraries are optional) meaning no credentials were found.
@@ -47,6 +50,11 @@ def filesystem(url: str) -> tuple[Any, str]:
     try:
         import fsspec
 
+        if scheme(url) in ("http", "https"):
+            import aiohttp
+
+            limits = aiohttp.ClientTimeout(total=None, sock_connect=READ_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
+            return fsspec.core.url_to_fs(url, client_kwargs={"timeout": limits})
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
         package = REMOTE_SCHEMES.get(scheme(url) or "", "fsspec")

@@ -1,5 +1,5 @@
 """Remote shards against servers that misbehave as real ones do: answers 5xx for a while, refuses
-access, ignores Range requests (`python -m http.server`); and S3 without credentials.
+access, ignores Range requests (`python -m http.server`), stalls; and S3 without credentials.
 Every server runs here on 127.0.0.1 at a random port; no real cloud."""
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ pytestmark = pytest.mark.timeout(120)
 
 class _Faulty(http.server.BaseHTTPRequestHandler):
     """Files of `root` with Range support. `answers[name]`: statuses given (one per request,
-    HEAD or GET) before the file is served; `stall`: once set, a GET past the first byte sends
+    HEAD or GET) before the file is served; `stalls`: that many GETs past the first byte send
     100 bytes and then nothing until `release` is set. `requests` counts requests per name."""
 
     protocol_version = "HTTP/1.1"
     root = ""
     answers: dict[str, list[int]] = {}
     requests: dict[str, int] = {}
-    stall = threading.Event()
+    stalls = 0
     release = threading.Event()
 
     def log_message(self, *args) -> None:
@@ -67,7 +67,8 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        if self.stall.is_set() and lo > 0:
+        if self.stalls > 0 and lo > 0:
+            type(self).stalls -= 1
             self.wfile.write(body[:100])
             self.wfile.flush()
             self.release.wait(60)
@@ -92,7 +93,7 @@ def _serving(handler):
 @pytest.fixture()
 def faulty(small_shards):
     handler = type("Handler", (_Faulty,), {"root": os.path.dirname(small_shards[0]), "answers": {},
-                                           "requests": {}, "stall": threading.Event(),
+                                           "requests": {}, "stalls": 0,
                                            "release": threading.Event()})
     with _serving(handler) as base:
         try:
@@ -180,6 +181,27 @@ def test_a_server_that_ignores_range_requests_is_read_as_a_stream(small_shards, 
         assert stats.num_errors == 0, stats.recent
         assert keys == _local_keys(path)  # after a drop too: read again up to the byte reached
         assert handler.gets >= drop_at
+
+
+def test_a_server_that_stalls_once_is_read_on_after_the_read_timeout(small_shards, faulty, monkeypatch):
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
+    base, handler = faulty
+    handler.stalls = 1
+    keys, stats = _read(f"{base}/{os.path.basename(small_shards[1])}")
+    assert stats.num_errors == 0 and handler.stalls == 0
+    assert keys == _local_keys(small_shards[1])  # resumed at the byte reached: none lost, none twice
+
+
+def test_a_server_that_stalls_for_good_is_given_up_naming_the_url(small_shards, faulty, monkeypatch):
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(remote, "TRIES", 2)
+    base, handler = faulty
+    handler.stalls = 10**6
+    url = f"{base}/{os.path.basename(small_shards[0])}"
+    keys, stats = _read(url)  # aiohttp's own limit would wait 5 minutes a try
+    assert stats.by_reason == {"shard_failed": 1}
+    assert f"shard {url!r}: failed 2 times" in stats.recent[-1][3] and "timed out" in stats.recent[-1][3]
+    assert len(keys) < len(_local_keys(small_shards[0]))
 
 
 @pytest.mark.timeout(120)
