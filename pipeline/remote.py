@@ -58,7 +58,8 @@ def filesystem(url: str) -> tuple[Any, str]:
         return fsspec.core.url_to_fs(url)
     except ImportError as e:
         package = REMOTE_SCHEMES.get(scheme(url) or "", "fsspec")
-        raise ValueError(f"shard {url!r} needs {package} ({e.name or e} is not installed): "
+        # fsspec's own ImportError for a missing backend has no `name`, only a sentence
+        raise ValueError(f"shard {url!r} needs {package} ({e.name or package} is not installed): "
                          f"pip install 'mmdispatch[cloud]'") from None
 
 

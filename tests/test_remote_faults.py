@@ -237,3 +237,16 @@ def test_s3_without_credentials_fails_at_once_naming_the_fix(small_shards, monke
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+def test_a_missing_backend_is_one_line_naming_the_package(monkeypatch):
+    import fsspec
+
+    def no_gcsfs(url, **kw):
+        raise ImportError("Install gcsfs to access Google Storage")  # as fsspec words it
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_gcsfs)
+    with pytest.raises(ValueError) as e:
+        remote.filesystem("gs://bucket/a.tar")
+    assert str(e.value) == ("shard 'gs://bucket/a.tar' needs gcsfs (gcsfs is not installed): "
+                            "pip install 'mmdispatch[cloud]'")
