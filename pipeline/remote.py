@@ -4,7 +4,8 @@ A remote shard is read front to back like a local one, with bounded memory: fssp
 cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Transient failures
 (a dropped or refused connection, no byte for `READ_TIMEOUT_S`, an HTTP 5xx, 408 or 429) are
 retried with exponential backoff: the file is reopened and read on from the byte offset reached,
-so a shard cut mid-way loses and repeats nothing. Missing objects, refused or missing credentials and other
+so a shard cut mid-way loses and repeats nothing (an object replaced meanwhile, seen by its size,
+is reported as `shard_changed`). Missing objects, refused or missing credentials and other
 4xx answers fail at once, saying which. Every error names the URL. An HTTP server that ignores
 Range requests (`python -m http.server`) is read as one stream instead of block by block.
 
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
+from pipeline.tario import TarError
 
 #: URL schemes read through fsspec, and the package each one needs.
 REMOTE_SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}
@@ -150,7 +153,12 @@ class RemoteShard:
                 done += len(chunk)
             return
         self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type="readahead")
-        self.size = getattr(self._file, "size", None)
+        size = getattr(self._file, "size", None)
+        if self.size is not None and size is not None and size != self.size:
+            # Reading on at the byte reached would splice two objects into one archive.
+            raise TarError("shard_changed", f"the object is {size} bytes now, {self.size} when it "
+                           f"was opened: it was replaced while being read")
+        self.size = size
         if self.pos:
             self._file.seek(self.pos)
 
@@ -180,6 +188,9 @@ class RemoteShard:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             try:
                 return call()
+            except TarError:  # the object changed: reopening again would not mend it
+                self._drop()
+                raise
             except Exception as e:  # noqa: BLE001 - network libraries raise many kinds
                 self._drop()
                 if _ignores_ranges(e) and not self.streaming:

@@ -8,6 +8,7 @@ import functools
 import http.server
 import os
 import re
+import shutil
 import threading
 from contextlib import contextmanager
 
@@ -26,13 +27,15 @@ pytestmark = pytest.mark.timeout(120)
 class _Faulty(http.server.BaseHTTPRequestHandler):
     """Files of `root` with Range support. `answers[name]`: statuses given (one per request,
     HEAD or GET) before the file is served; `stalls`: that many GETs past the first byte send
-    100 bytes and then nothing until `release` is set. `requests` counts requests per name."""
+    100 bytes and then nothing until `release` is set (and the first of them moves the file
+    `replace_with`, if set, over the one being read). `requests` counts requests per name."""
 
     protocol_version = "HTTP/1.1"
     root = ""
     answers: dict[str, list[int]] = {}
     requests: dict[str, int] = {}
     stalls = 0
+    replace_with = ""
     release = threading.Event()
 
     def log_message(self, *args) -> None:
@@ -69,6 +72,8 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
             return
         if self.stalls > 0 and lo > 0:
             type(self).stalls -= 1
+            if self.replace_with:  # the object is rewritten while this read waits
+                os.replace(self.replace_with, os.path.join(self.root, name))
             self.wfile.write(body[:100])
             self.wfile.flush()
             self.release.wait(60)
@@ -202,6 +207,23 @@ def test_a_server_that_stalls_for_good_is_given_up_naming_the_url(small_shards, 
     assert stats.by_reason == {"shard_failed": 1}
     assert f"shard {url!r}: failed 2 times" in stats.recent[-1][3] and "timed out" in stats.recent[-1][3]
     assert len(keys) < len(_local_keys(small_shards[0]))
+
+
+def test_an_object_replaced_while_read_is_reported_not_spliced(small_shards, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
+    shutil.copy(small_shards[2], tmp_path / "a.tar")
+    shutil.copy(small_shards[1], tmp_path / "b.tar")  # another size
+    handler = type("Handler", (_Faulty,), {"root": str(tmp_path), "answers": {}, "requests": {},
+                                           "stalls": 1, "replace_with": str(tmp_path / "b.tar"),
+                                           "release": threading.Event()})
+    with _serving(handler) as base:
+        try:
+            keys, stats = _read(f"{base}/a.tar")
+        finally:
+            handler.release.set()
+    assert stats.by_reason == {"shard_changed": 1}, stats.recent
+    assert "it was replaced while being read" in stats.recent[-1][3]
+    assert keys == _local_keys(small_shards[2])[:len(keys)]  # what came before the change, only
 
 
 @pytest.mark.timeout(120)
