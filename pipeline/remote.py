@@ -79,7 +79,7 @@ def expand(url: str, spec: str) -> list[str]:
     try:
         found = sorted(fs.glob(pattern))
     except Exception as e:  # noqa: BLE001 - any listing failure is one line naming the spec
-        raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: {type(e).__name__}: {e}") from None
+        raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: {diagnose(e)[1]}") from None
     prefix = url.split("://", 1)[0] + "://"
     return [prefix + p for p in found]
 

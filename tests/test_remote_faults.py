@@ -17,6 +17,7 @@ import pytest
 from pipeline import remote
 from pipeline.errors import ErrorStats
 from pipeline.reader import ReaderConfig, iter_shard
+from pipeline.shards import expand_shards
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -256,6 +257,9 @@ def test_s3_without_credentials_fails_at_once_naming_the_fix(small_shards, monke
         detail = stats.recent[-1][3]
         assert "shard 's3://data/a.tar': Unable to locate credentials (set AWS_ACCESS_KEY_ID" in detail
         assert "failed" not in detail  # not retried: no backoff can find credentials
+        with pytest.raises(ValueError, match=r"^shard spec 's3://data/\*\.tar': listing 's3://data/\*\.tar' "
+                                             r"failed: Unable to locate credentials \(set AWS_ACCESS_KEY_ID"):
+            expand_shards("s3://data/*.tar")
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
