@@ -139,6 +139,7 @@ class RemoteShard:
         self.pos = 0
         self.size: int | None = None
         self.streaming = False  # the server ignores Range requests: read as one stream
+        self._killed = False
         self._file: Any = None
         self._with_retries(self._open)
 
@@ -186,6 +187,8 @@ class RemoteShard:
         while attempt < self.tries:
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            if self._killed:
+                raise OSError(f"shard {self.url!r}: given up at byte {self.pos} (last: {last})")
             try:
                 return call()
             except TarError:  # the object changed: reopening again would not mend it
@@ -209,6 +212,12 @@ class RemoteShard:
                 f.close()
             except Exception:  # noqa: BLE001 - the connection is being discarded anyway
                 pass
+
+    def kill(self) -> None:
+        """Try no more: a reader that gave up on this shard (`ReadAhead.close`, after its
+        --stall-timeout) would otherwise leave a thread retrying it for minutes. A read under
+        way ends at its own timeout and raises."""
+        self._killed = True
 
     def close(self) -> None:
         self._drop()

@@ -210,6 +210,30 @@ def test_a_server_that_stalls_for_good_is_given_up_naming_the_url(small_shards, 
     assert len(keys) < len(_local_keys(small_shards[0]))
 
 
+def test_a_shard_given_up_by_its_reader_is_tried_no_more(small_shards, faulty, monkeypatch):
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
+    base, handler = faulty
+    handler.stalls = 10**6
+    shard = remote.RemoteShard(f"{base}/{os.path.basename(small_shards[0])}", tries=10**6)
+    failed: list[BaseException] = []
+
+    def read_all() -> None:
+        try:
+            while shard.read(4096):
+                pass
+        except OSError as e:
+            failed.append(e)
+
+    reading = threading.Thread(target=read_all, daemon=True)
+    reading.start()
+    reading.join(1.5)  # a few timed-out tries
+    assert reading.is_alive() and not failed
+    shard.kill()  # what ReadAhead.close does to a stalled shard's stream
+    reading.join(30)
+    assert not reading.is_alive(), "the shard was retried after the reader gave up on it"
+    assert "given up at byte" in str(failed[0])
+
+
 def test_an_object_replaced_while_read_is_reported_not_spliced(small_shards, tmp_path, monkeypatch):
     monkeypatch.setattr(remote, "READ_TIMEOUT_S", 0.5)
     shutil.copy(small_shards[2], tmp_path / "a.tar")
