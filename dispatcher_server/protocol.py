@@ -387,7 +387,9 @@ def reference_path(url: str, mode: str = "reference") -> str:
     Only plain (uncompressed) tar files on a filesystem qualify: a `pipe:` or remote stream
     has no offsets anyone could read at, and a gzip shard's offsets are not file offsets.
     """
-    path = url[len("file://"):] if url.startswith("file://") else url
+    # file:///data/a.tar and file:/data/a.tar (what the readers accept) name /data/a.tar
+    path = (url[len("file://"):] if url.startswith("file://")
+            else url[len("file:"):] if url.startswith("file:") else url)
     who = ("a filesystem the trainers mount" if mode == "reference"
            else "a local filesystem the readers can read at an offset")
     if url.startswith("pipe:") or "://" in path:

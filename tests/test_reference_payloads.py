@@ -67,6 +67,8 @@ def test_reference_path_and_ref_round_trip():
     assert not P.refs_point_into([memoryview(ref)], b"/data/b.tar")
     assert not P.refs_point_into([memoryview(ref[:-1])], b"/data/a.tar")
     assert P.reference_path("file:///data/a.tar") == "/data/a.tar"
+    assert P.reference_path("file:/data/a.tar") == "/data/a.tar"  # trainers cannot open file:
+    assert P.reference_path("file:rel/a.tar") == "rel/a.tar"
     for url in ("pipe:curl -s http://x/a.tar", "s3://bucket/a.tar", "/data/a.tar.gz"):
         with pytest.raises(ValueError, match="payloads='inline'"):
             P.reference_path(url)
