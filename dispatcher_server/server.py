@@ -218,6 +218,7 @@ class Dispatcher:
         poller.register(self.reader_sock, zmq.POLLIN)
         poller.register(self.trainer_sock, zmq.POLLIN)
         self._checked = self._halted_at = 0.0
+        self._heard = dict.fromkeys(("reader", "trainer"), time.monotonic())
         self._cpu_mark = thread_time()  # this thread's: run() may not be on the constructor's
         linger = None
         try:
@@ -234,22 +235,32 @@ class Dispatcher:
         """One poll: take what arrived, pump, and (once a poll interval) check every peer."""
         live = self.config.liveness
         ready = dict(poller.poll(live.poll_ms))
+        polled = time.monotonic()
         try:
+            # A socket found empty, or drained empty, holds nothing its peers sent before the
+            # poll: their silence is measured up to then (`_liveness`), not up to a moment
+            # after a long pump whose messages still wait to be read.
             if self.reader_sock in ready:
                 t0 = thread_time()
-                self._drain(self.reader_sock, self._on_reader)
+                if self._drain(self.reader_sock, self._on_reader):
+                    self._heard["reader"] = polled
                 self._cpu["intake"] += thread_time() - t0
+            else:
+                self._heard["reader"] = polled
             if self.trainer_sock in ready:
                 t0 = thread_time()
-                self._drain(self.trainer_sock, self._on_trainer)
+                if self._drain(self.trainer_sock, self._on_trainer):
+                    self._heard["trainer"] = polled
                 self._cpu["acks"] += thread_time() - t0
+            else:
+                self._heard["trainer"] = polled
             self._pump()
         except Fatal as e:
             self._halt_now(str(e))
         now = time.monotonic()
         if now - self._checked >= live.poll_ms / 1000:
             # Not after every message burst: that is O(W) each time at thousands of ranks.
-            self._liveness(now)
+            self._liveness(now, self._heard["reader"], self._heard["trainer"])
             self.skip_log.flush(now)
             self._export_cpu()
             self._checked = now
@@ -497,7 +508,8 @@ class Dispatcher:
         return held
 
     # -- receiving --------------------------------------------------------------------
-    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> None:
+    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> bool:
+        """Take up to `budget` waiting messages; whether the socket was left empty."""
         role = "reader" if sock is self.reader_sock else "trainer"
         count = nbytes = 0
         try:
@@ -508,6 +520,7 @@ class Dispatcher:
         finally:  # counted once per drain: two metric updates a message cost ~1 us each
             self.metrics.bytes_in_of[role].inc(nbytes)
             self.metrics.messages_of[role, "in"].inc(count)
+        return count < budget
 
     def _take(self, sock: zmq.Socket, role: str, ident: bytes, body: list, handler) -> None:
         """Decode one message and hand it to `handler`; a bad one is answered, never fatal."""
@@ -823,16 +836,23 @@ class Dispatcher:
         self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
 
     # -- liveness and sending -------------------------------------------------------
-    def _liveness(self, now: float) -> None:
-        """Expire silent peers, heartbeat idle ones. The scan is O(W), so it is skipped until the
-        first moment the last scan saw that any peer could be due: a peer's times only move
-        forward and a HELLO clears that moment, so skipping changes nothing the scan would do."""
+    def _liveness(self, now: float, readers_heard: float | None = None,
+                  trainers_heard: float | None = None) -> None:
+        """Expire silent peers, heartbeat idle ones. A peer is silent when nothing came from it
+        for the timeout up to `*_heard` (default `now`): the last moment its socket was found
+        empty, so a dispatcher that was busy itself (a long plan) does not expire peers whose
+        messages are waiting to be read. The scan is O(W), so it is skipped until the first
+        moment the last scan saw that any peer could be due (`*_heard` <= `now`): a peer's times
+        only move forward and a HELLO clears that moment, so skipping changes nothing the scan
+        would do."""
         if now < self._live_due:
             return
         live = self.config.liveness
         timeout, beat = live.timeout_s, live.heartbeat_s
+        r_heard = now if readers_heard is None else readers_heard
+        t_heard = now if trainers_heard is None else trainers_heard
         for reader in list(self.pool.readers.values()):
-            if now - reader.last_seen > timeout:
+            if r_heard - reader.last_seen > timeout:
                 self._drop_reader(reader, "timeout")
             elif now - reader.last_sent > beat:
                 self._send_reader(reader, P.HEARTBEAT)
@@ -845,7 +865,7 @@ class Dispatcher:
         for slot in self.delivery.slots:
             if slot.ident is None:
                 continue
-            if now - slot.last_seen > timeout:
+            if t_heard - slot.last_seen > timeout:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
                 self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
 
 import msgpack
@@ -170,6 +171,44 @@ def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_ser
         assert err["code"] == "commit" and err["ack"] == seq and "never planned" in err["message"]
         peer.send(P.HEARTBEAT)
         peer.expect(P.HEARTBEAT, timeout=3)  # still serving
+    finally:
+        peer.close()
+        d.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_dispatcher_busy_past_the_timeout_keeps_the_peers_whose_messages_wait():
+    """A pump longer than the liveness timeout (a slow plan, a long pause) must not expire the
+    peers that kept talking meanwhile: their messages wait in the socket, unread."""
+    d = Dispatcher(_config())  # timeout 1.5 s
+    stall, stalled = threading.Event(), threading.Event()
+    open_window = d.assembler.open_window
+
+    def slow_window():  # one pump of 2.5 s, in the dispatcher's thread
+        if stall.is_set():
+            stall.clear()
+            time.sleep(2.5)
+            stalled.set()
+        open_window()
+
+    d.assembler.open_window = slow_window
+    d.start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        _hello(peer)
+        peer.expect(P.WELCOME)
+        stall.set()
+        deadline = time.monotonic() + 10
+        while not stalled.is_set() and time.monotonic() < deadline:
+            peer.send(P.HEARTBEAT)  # what a trainer's session sends while it waits
+            time.sleep(0.2)
+        assert stalled.is_set()
+        for _ in range(5):  # after the pause, still a known peer
+            peer.send(P.HEARTBEAT)
+            time.sleep(0.2)
+        assert d.delivery.connected() == 1
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
+                                                   {"kind": "unknown_peer"}) is None
     finally:
         peer.close()
         d.stop()
