@@ -83,6 +83,11 @@ def _describe(error: dict, path: str) -> str:
         return f"{path}: {where}: unknown key (allowed here: {keys})"
     if error["type"] == "missing":
         return f"{path}: {where}: missing (required)"
+    if error["type"] == "string_pattern_mismatch":
+        # The names go into metric labels and log lines; the extensions are matched to members.
+        what = "a source name" if loc and loc[-1] == "name" else "an extension such as 'jpg'"
+        return (f"{path}: {where}: expected {what} (ASCII letters, digits, '_', '.', '-'; not "
+                f"starting with '.' or '-'), got {error['input']!r}")
     expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
     got = TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
     return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
@@ -112,6 +117,11 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
             except ValueError as e:
                 raise DatasetError(f"{path}: sources[{i}].fields: {e}") from None
         specs = [src.shards] if isinstance(src.shards, str) else src.shards
+        if not specs or not all(s.strip() for s in specs):
+            # An empty spec joined to this file's folder would serve every shard beside it.
+            got = "an empty list" if not specs else "an empty path"
+            raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: {got}; give shard "
+                               "paths, a directory, a glob or a {000..009} range")
         # Relative paths are the file's neighbours, wherever the command runs from.
         base = os.path.dirname(os.path.abspath(path))
         specs = [os.path.join(base, s) if ":" not in s and not os.path.isabs(s) else s

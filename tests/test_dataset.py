@@ -79,6 +79,14 @@ shards = ["speech.tar"]
     ('[[sources]]\nname = "a"\nshards = "x.tar"\n[[sources]]\nname = "b"\nshards = "./x.tar"\n',
      r"sources\[1\] \('b'\)\.shards: shard .*x\.tar' is also in source 'a'"),
     ('sources = []\n', r"sources: expected .*at least 1"),
+    # an empty spec would be this file's folder: every shard beside the file, served silently
+    ('[[sources]]\nname = "a"\nshards = ""\n', r"sources\[0\] \('a'\)\.shards: an empty path; give"),
+    ('[[sources]]\nname = "a"\nshards = ["x.tar", " "]\n', r"sources\[0\] \('a'\)\.shards: an empty path"),
+    ('[[sources]]\nname = "a"\nshards = []\n', r"sources\[0\] \('a'\)\.shards: an empty list"),
+    ('[[sources]]\nname = "données"\nshards = "x.tar"\n',
+     r"sources\[0\]\.name: expected a source name \(ASCII letters, .*got 'données'"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\n[sources.fields]\nimage = [".jpg"]\n',
+     r"sources\[0\]\.fields\.image\[0\]: expected an extension such as 'jpg' .*got '\.jpg'"),
     ('shufle_buffer = 3\n[[sources]]\nname = "a"\nshards = "x.tar"\n', r"shufle_buffer: unknown key"),
     ('[[sources]\n', r"not valid TOML"),
 ])
