@@ -20,14 +20,22 @@ def _unit(*parts: object) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
+def normalized(weights: list[float]) -> list[float]:
+    """`weights` scaled to sum to 1. Divided by the largest first: finite weights whose sum
+    overflows (1e308 + 1e308) would otherwise all normalize to 0, and the blend ignore them."""
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
+
+
 class Blend:
     """Weighted, seeded, deterministic source schedule; `drawn` is its state."""
 
     def __init__(self, weights: list[float], seed: int, drawn: list[int] | None = None) -> None:
-        total = float(sum(weights))
-        if not weights or total <= 0 or min(weights) <= 0:
-            raise ValueError(f"blend weights must be positive, got {weights}")
-        self.weights = [w / total for w in weights]
+        if not weights or not all(0 < w < float("inf") for w in weights):
+            raise ValueError(f"blend weights must be finite and positive, got {weights}")
+        self.weights = normalized(weights)
         self.phases = [_unit("blend", seed, s) for s in range(len(weights))]
         self.drawn = list(drawn) if drawn is not None else [0] * len(weights)
         if len(self.drawn) != len(weights):

@@ -11,6 +11,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+from dispatcher_server.blend import normalized
 from dispatcher_server.measure import RefitConfig
 from dispatcher_server.planner.config import PlannerConfig
 from dispatcher_server.protocol import DEFAULT_LIMITS, PAYLOAD_MODES, Limits, reference_path
@@ -166,8 +167,7 @@ class ServerConfig:
     @property
     def weights(self) -> list[float]:
         """Blend weights, normalized to sum to 1."""
-        total = sum(src.weight for src in self.sources)
-        return [src.weight / total for src in self.sources]
+        return normalized([src.weight for src in self.sources])
 
     @property
     def windows(self) -> list[int]:

@@ -110,6 +110,24 @@ def test_the_blend_schedule_follows_the_weights_in_every_window():
     assert [again.run(1)[0] for _ in range(1)] == seq[:1]
 
 
+def test_huge_weights_whose_sum_overflows_keep_their_ratio():
+    """1.5e308 + 0.5e308 is inf: normalizing by the sum made every weight 0 and the blend even."""
+    b = Blend([1.5e308, 0.5e308], seed=1)
+    seq = []
+    while len(seq) < 4000:
+        s, n = b.run(1)
+        b.draw(s, n)
+        seq.append(s)
+    assert Counter(seq) == {0: 3000, 1: 1000}
+    config = ServerConfig(sources=[Source(name="a", shards=["/a.tar"], weight=1.5e308),
+                                   Source(name="b", shards=["/b.tar"], weight=0.5e308)],
+                          world_size=1, batch=BatchConfig(global_batch=4),
+                          planner=PlannerConfig(num_microbatches=1))
+    assert config.weights == [0.75, 0.25] and config.block_sizes == [750, 250]
+    with pytest.raises(ValueError, match="finite and positive"):
+        Blend([1.0, float("inf")], seed=1)
+
+
 def test_a_block_permutation_depends_on_the_block_not_on_when_it_is_asked():
     p = block_permutation(7, "src", 12, 3, 100)
     assert sorted(p) == list(range(100)) and p != list(range(100))
