@@ -105,6 +105,32 @@ def test_torchrun_environment_gives_the_defaults(monkeypatch):
         DispatcherClient("tcp://127.0.0.1:1", rank=5, world_size=4)
 
 
+@pytest.mark.parametrize("args,message", [
+    ((0, 0), r"world_size=0 must be >= 1"),
+    ((-1, 2), r"rank=-1 must be in \[0, world_size=2\)"),
+    ((2, 2), r"rank=2 must be in \[0, world_size=2\)"),
+    ((0, 2, 0), r"local_world_size=0 must divide world_size=2"),
+    ((0, 4, 3), r"local_world_size=3 must divide world_size=4"),
+    (("0", 2), r"rank='0' must be an int"),
+])
+def test_an_impossible_topology_is_one_line_naming_the_value(args, message):
+    with pytest.raises(ValueError, match=message):
+        DispatcherClient("tcp://127.0.0.1:1", *args)
+
+
+def test_load_state_dict_refuses_what_state_dict_did_not_return():
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    for garbage, message in ((None, "got NoneType"), ([], "got list"),
+                             ({"weight": 1, "bias": 2}, "got keys bias, weight: not a Dispatcher"),
+                             ({"next_step": True}, "next_step must be a non-negative int")):
+        with pytest.raises(ValueError, match=message):
+            c.load_state_dict(garbage)
+        assert c.state_dict()["next_step"] is None  # nothing half-applied
+    c.load_state_dict({})  # no checkpoint yet: start where the dispatcher is
+    c.load_state_dict({"next_step": 7, "rank": 3, "world_size": 8, "dataset": None})
+    assert c.state_dict()["next_step"] == 7
+
+
 def test_dataloader_adapter_yields_steps(shards):
     with dispatcher(make_config(shards, world_size=1, max_steps=4)) as srv, \
             readers(srv.reader_endpoint, 1):

@@ -346,6 +346,9 @@ class _Commit:
     error: list
 
 
+#: The keys of `DispatcherClient.state_dict()`.
+_STATE_KEYS = frozenset({"next_step", "rank", "world_size", "dataset"})
+
 #: Measured steps a client holds while it cannot send them.
 MAX_PENDING_TIMINGS = 16
 
@@ -541,8 +544,17 @@ class DispatcherClient:
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         self.local_world_size = (_env_int("LOCAL_WORLD_SIZE", self.world_size)
                                  if local_world_size is None else local_world_size)
+        for name in ("rank", "world_size", "local_world_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be an int")
+        if self.world_size < 1:
+            raise ValueError(f"world_size={self.world_size} must be >= 1 (the number of trainer ranks)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} must be in [0, world_size={self.world_size})")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(f"local_world_size={self.local_world_size} must divide "
+                             f"world_size={self.world_size} (ranks per node, the same on every node)")
         self.config = config or ClientConfig()
         if self.config.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.config.prefetch}")
@@ -625,12 +637,20 @@ class DispatcherClient:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state['next_step']` (replayed exactly as the first run delivered it);
-        a state of another dataset is refused with DispatcherError naming the difference."""
+        a state of another dataset is refused with DispatcherError naming the difference.
+        `{}` (no checkpoint yet) starts where the dispatcher is."""
+        if not isinstance(state, dict):
+            raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
+                             f"{type(state).__name__}")
+        unknown = sorted(map(str, set(state) - _STATE_KEYS))
+        if unknown:  # another component's state (the model's?) would silently restart the data
+            raise ValueError(f"load_state_dict got keys {', '.join(unknown[:5])}: not a "
+                             f"DispatcherClient.state_dict() (its keys: {', '.join(sorted(_STATE_KEYS))})")
         if state.get("world_size") not in (None, self.world_size):
             log.warning("mmdispatch event=resume_world_size_changed saved=%s now=%s: the dispatcher "
                         "re-plans from the same sample position", state["world_size"], self.world_size)
         step = state.get("next_step")
-        if step is not None and (not isinstance(step, int) or step < 0):
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
         dataset = state.get("dataset")
         if dataset is not None and not isinstance(dataset, dict):
