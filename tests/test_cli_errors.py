@@ -155,6 +155,10 @@ CASES = {
                                 ["train_type.toml", "[train] steps", "2.5"]),
     "train curve key alone": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--curve-secret", "x"],
                               ["--curve-server-key"]),
+    "train steps negative": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--steps", "-1"],
+                             ["--steps", "got -1"]),
+    "train prefetch 0": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--prefetch", "0"],
+                         ["--prefetch", "got 0"]),
     "train unknown exchange": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--exchange", "ring"],
                                ["'ring'", "two_stage"]),
 }

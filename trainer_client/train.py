@@ -127,6 +127,12 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"key file {path!r} does not exist (create keys with: mmdispatch keygen NAME)")
     if args.connect_timeout is not None and args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
+    for flag, value, least, meaning in (("--steps", args.steps, 0, "0: until the dispatcher ends"),
+                                        ("--commit-every", args.commit_every, 0, "0: never"),
+                                        ("--prefetch", args.prefetch, 1, "steps of credit"),
+                                        ("--hidden", args.hidden, 1, "the model's hidden size")):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
     vocab_size = load_tokenizer(args.tokenizer).vocab_size  # the ids readers send
     # checked before joining the process group: a bad value is one line, not a hung world
     preprocess = preprocess_config_from_args(args)
