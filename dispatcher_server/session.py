@@ -39,10 +39,19 @@ class SessionConfig:
     curve: PeerCurve | None = None
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0:
+        if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} must be > 0")
-        if self.connect_timeout_s is not None and self.connect_timeout_s <= 0:
+        if self.connect_timeout_s is not None and not self.connect_timeout_s > 0:
             raise ValueError(f"connect_timeout_s={self.connect_timeout_s} must be > 0 (or None)")
+        if self.heartbeat_s is not None and not 0 < self.heartbeat_s < float("inf"):
+            raise ValueError(f"heartbeat_s={self.heartbeat_s} must be a finite number > 0 (or None: "
+                             f"the dispatcher's)")
+        # zmq polls forever at -1: the session could then miss every timeout; 0 spins a core.
+        if not isinstance(self.poll_ms, int) or self.poll_ms < 1:
+            raise ValueError(f"poll_ms={self.poll_ms!r} must be an int >= 1")
+        if not 0 <= self.backoff_min_s <= self.backoff_max_s:
+            raise ValueError(f"need 0 <= backoff_min_s ({self.backoff_min_s}) <= backoff_max_s "
+                             f"({self.backoff_max_s})")
 
 
 class Disconnected(Exception):

@@ -14,7 +14,7 @@ from tests.servicekit import free_port
 from tests.test_service import (
     all_keys, client_config, consume, dispatcher, make_config, readers, shards,  # noqa: F401
 )
-from trainer_client.client import DispatcherClient, DispatcherDataset, decode_step
+from trainer_client.client import ClientConfig, DispatcherClient, DispatcherDataset, decode_step
 
 
 def _tokens(i: int, n: int) -> bytes:
@@ -116,6 +116,22 @@ def test_torchrun_environment_gives_the_defaults(monkeypatch):
 def test_an_impossible_topology_is_one_line_naming_the_value(args, message):
     with pytest.raises(ValueError, match=message):
         DispatcherClient("tcp://127.0.0.1:1", *args)
+
+
+@pytest.mark.parametrize("setting,message", [
+    # zmq polls forever at -1: the client thread missed its connect timeout and the loop waited
+    # out step_timeout_s (600 s) before hearing anything
+    ({"poll_ms": -1}, r"poll_ms=-1 must be an int >= 1"),
+    ({"poll_ms": 0}, r"poll_ms=0 must be an int >= 1"),
+    ({"heartbeat_s": float("nan")}, r"heartbeat_s=nan must be a finite number > 0"),
+    ({"step_timeout_s": 0}, r"step_timeout_s=0 must be > 0 seconds"),
+    ({"fetch_attempts": 0}, r"fetch_attempts >= 1"),
+    ({"backoff_min_s": 2.0, "backoff_max_s": 1.0}, r"backoff_min_s \(2.0\) <= backoff_max_s \(1.0\)"),
+    ({"prefetch": 0}, r"prefetch must be >= 1, got 0"),
+])
+def test_a_client_setting_that_would_hang_or_spin_is_refused_at_once(setting, message):
+    with pytest.raises(ValueError, match=message):
+        ClientConfig(**setting)
 
 
 def test_load_state_dict_refuses_what_state_dict_did_not_return():

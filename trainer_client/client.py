@@ -299,6 +299,16 @@ class ClientConfig:
     fetch_timeout_s: float = 5.0
     fetch_attempts: int = 4
 
+    def __post_init__(self) -> None:
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s={self.step_timeout_s} must be > 0 seconds (or None)")
+        if not self.fetch_timeout_s > 0 or self.fetch_attempts < 1:
+            raise ValueError(f"need fetch_timeout_s > 0 and fetch_attempts >= 1, got "
+                             f"{self.fetch_timeout_s} and {self.fetch_attempts}")
+        self.session("tcp://127.0.0.1:1")  # the session's own checks, now rather than at start()
+
     def session(self, address: str) -> SessionConfig:
         return SessionConfig(address=address, heartbeat_s=self.heartbeat_s,
                              timeout_s=self.timeout_s, connect_timeout_s=self.connect_timeout_s,
@@ -556,8 +566,6 @@ class DispatcherClient:
             raise ValueError(f"local_world_size={self.local_world_size} must divide "
                              f"world_size={self.world_size} (ranks per node, the same on every node)")
         self.config = config or ClientConfig()
-        if self.config.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.config.prefetch}")
         self.ctx = context or zmq.Context.instance()
         self._steps: queue.Queue = queue.Queue()
         self._commands: queue.Queue = queue.Queue()
