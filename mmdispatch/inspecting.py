@@ -17,6 +17,7 @@ from dataclasses import replace
 from rich.console import Console
 from rich.table import Table
 
+from dispatcher_server.blend import normalized
 from pipeline import inspect as shards
 from pipeline.fieldmap import FieldMap
 from pipeline.reader import reader_config_from_args
@@ -35,18 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def mixture(sources: list, reports: dict[str, dict]) -> dict[str, dict]:
     """Per source: its weight, and the share of a step's samples and LLM tokens (per modality
     too) that its weight gives, from the tokens per sample its shards hold."""
-    total_weight = sum(s.weight for s in sources)
+    share = dict(zip([s.name for s in sources], normalized([s.weight for s in sources])))
     per_sample = {}
     for s in sources:
         r = reports[s.name]
         n = max(1, r["num_samples"])
         per_sample[s.name] = {m: r["modalities"][m]["llm_len"].get("sum", 0.0) / n for m in MODALITIES}
-    expected = {s.name: {m: s.weight / total_weight * v for m, v in per_sample[s.name].items()}
+    expected = {s.name: {m: share[s.name] * v for m, v in per_sample[s.name].items()}
                 for s in sources}
     all_tokens = sum(sum(e.values()) for e in expected.values()) or 1.0
     return {s.name: {
         "weight": s.weight,
-        "sample_share": round(s.weight / total_weight, 4),
+        "sample_share": round(share[s.name], 4),
         "llm_tokens_per_sample": round(sum(per_sample[s.name].values()), 1),
         "token_share": round(sum(expected[s.name].values()) / all_tokens, 4),
         "token_share_by_modality": {m: round(v / all_tokens, 4) for m, v in expected[s.name].items()},

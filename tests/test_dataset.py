@@ -306,3 +306,15 @@ def test_inspect_a_dataset_reports_each_source_and_the_mixture_of_its_weights(tm
     assert "drop the shard specs and --map, or drop --dataset" in capsys.readouterr().err
     assert main(["inspect"]) == 2
     assert "give shard specs" in capsys.readouterr().err
+
+
+def test_the_mixture_keeps_the_ratio_of_weights_whose_sum_overflows():
+    from dispatcher_server.config import Source
+    from mmdispatch.inspecting import MODALITIES, mixture
+
+    sources = [Source(name="a", shards=["/a.tar"], weight=1.5e308),
+               Source(name="b", shards=["/b.tar"], weight=0.5e308)]
+    report = {"num_samples": 10, "modalities": {m: {"llm_len": {"sum": 100.0}} for m in MODALITIES}}
+    mix = mixture(sources, {"a": report, "b": report})
+    assert [mix[n]["sample_share"] for n in "ab"] == [0.75, 0.25]
+    assert [mix[n]["token_share"] for n in "ab"] == [0.75, 0.25]
