@@ -147,6 +147,21 @@ def test_load_state_dict_refuses_what_state_dict_did_not_return():
     assert c.state_dict()["next_step"] == 7
 
 
+def test_commit_refuses_what_is_not_a_step_number_at_once():
+    """A float or string waited out the whole commit timeout (the dispatcher's 'malformed' went
+    to a log), and a tensor killed the client thread, which could not send it."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    try:
+        for bad in (3.0, "3", True, -1, torch.tensor(0.5), torch.tensor([1, 2])):
+            with pytest.raises(ValueError, match=r"commit\(step\) takes a step number >= 0"):
+                c.commit(bad, timeout=0.5)
+        assert c._thread is None  # refused before the client started
+        with pytest.raises(TimeoutError, match=r"commit\(3\) not acknowledged"):
+            c.commit(torch.tensor(3), timeout=0.5)  # an integer tensor is a step number
+    finally:
+        c.close()
+
+
 def test_dataloader_adapter_yields_steps(shards):
     with dispatcher(make_config(shards, world_size=1, max_steps=4)) as srv, \
             readers(srv.reader_endpoint, 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import operator
 import os
 import queue
 import threading
@@ -672,6 +673,15 @@ class DispatcherClient:
     def commit(self, step: int, timeout: float = 30.0) -> None:
         """Tell the dispatcher `step` is checkpointed; returns once it is journaled, raises
         DispatcherError with the dispatcher's reason when it could not be."""
+        try:
+            number = -1 if isinstance(step, bool) else operator.index(step)
+        except TypeError:
+            number = -1
+        if number < 0:
+            # A float or string came back as a malformed-message warning after the whole timeout,
+            # and a tensor could not be sent at all: the client thread died with it.
+            raise ValueError(f"commit(step) takes a step number >= 0 (a Step's .step), got {step!r}")
+        step = number
         done, error = threading.Event(), []
         self.start()
         self._commands.put(("commit", step, done, error))
