@@ -162,6 +162,19 @@ def test_commit_refuses_what_is_not_a_step_number_at_once():
         c.close()
 
 
+def test_report_timings_refuses_a_record_the_dispatcher_would_refuse():
+    """The dispatcher drops a whole CREDIT whose timings are malformed: the rank then got no
+    further step until its step timeout, and an unpackable value killed the client thread."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    for bad in ("garbage", [{"vision": "x"}], [{"llm": [0.1, [np.int64(3)]]}], None):
+        with pytest.raises(ValueError, match=r"report_timings\(4\): .*\{phase: \[seconds"):
+            c.report_timings(4, bad)
+    assert c._commands.empty()
+    c.report_timings(np.int64(4), [{"llm": [0.1, [3]], "exchange": 0.0}])
+    assert c._commands.get_nowait() == ("timings", {"step": 4, "mb": [{"llm": [0.1, [3]],
+                                                                        "exchange": 0.0}]})
+
+
 def test_dataloader_adapter_yields_steps(shards):
     with dispatcher(make_config(shards, world_size=1, max_steps=4)) as srv, \
             readers(srv.reader_endpoint, 1):

@@ -636,7 +636,18 @@ class DispatcherClient:
         """Send this rank's measured phase times of `step` with the next acknowledgement: per
         micro-batch {phase: [seconds, [sequence lengths run]], ..., "exchange": seconds}
         (phases "vision", "audio", "llm"; see `trainer_client.calibrate.PhaseTimer`)."""
-        self._commands.put(("timings", {"step": int(step), "mb": microbatches}))
+        if not isinstance(step, bool) and hasattr(step, "__index__"):
+            step = operator.index(step)  # a numpy or tensor integer: msgpack packs only int
+        record = {"step": step, "mb": microbatches}
+        # Checked here as the dispatcher will: it refuses the whole CREDIT carrying a malformed
+        # record, so the rank got no further step, and an unpackable one killed the client thread.
+        try:
+            P.decode(P.encode(P.CREDIT, upto=0, received=0, timings=[record]))
+        except (P.ProtocolError, TypeError, ValueError) as e:
+            raise ValueError(f"report_timings({step!r}): {str(e).removeprefix('credit: ')}: give "
+                             f"per micro-batch {{phase: [seconds, [sequence lengths]], ..., "
+                             f"'exchange': seconds}} (trainer_client.model.microbatch_timings)") from None
+        self._commands.put(("timings", record))
 
     def state_dict(self) -> dict:
         """Where to resume, and the dataset (fingerprint) this position belongs to."""
