@@ -556,22 +556,32 @@ MAX_TIMED_MICROBATCHES = 1024
 
 
 def _check_credit(fields: dict, payloads: list) -> None:
+    """A CREDIT's `upto` and `received` are what keep a rank served; its `timings` are
+    telemetry. Malformed timings are dropped (`timings` empty, the reason in `timings_error`),
+    never the credit with them: that rank would get no further step."""
     _no_payload(fields, payloads)
-    for rec in fields.get("timings", ()):
+    problem = _timings_problem(fields.get("timings", ()))
+    if problem is not None:
+        fields["timings"], fields["timings_error"] = [], problem
+
+
+def _timings_problem(timings: list) -> str | None:
+    for rec in timings:
         if (type(rec) is not dict or set(rec) != {"step", "mb"} or not _is_int(rec["step"])
                 or type(rec["mb"]) is not list or len(rec["mb"]) > MAX_TIMED_MICROBATCHES):
-            raise ProtocolError("credit: malformed timings record")
+            return "malformed timings record"
         for mb in rec["mb"]:
             if type(mb) is not dict or not set(mb) <= {*TIMING_PHASES, "exchange"}:
-                raise ProtocolError("credit: malformed micro-batch timings")
+                return "malformed micro-batch timings"
             if not _is(mb.get("exchange", 0.0), float) or mb.get("exchange", 0.0) < 0:
-                raise ProtocolError("credit: malformed exchange time")
+                return "malformed exchange time"
             for phase in TIMING_PHASES:
                 t = mb.get(phase)
                 if t is not None and (type(t) is not list or len(t) != 2 or not _is(t[0], float)
                                       or t[0] < 0 or type(t[1]) is not list
                                       or not all(_is_int(n) and n >= 0 for n in t[1])):
-                    raise ProtocolError(f"credit: malformed {phase} timing")
+                    return f"malformed {phase} timing"
+    return None
 
 
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,

@@ -721,6 +721,9 @@ class Dispatcher:
                                  msg.get("received", slot.received))
             for record in msg.get("timings", ()):
                 self._measured(slot.rank, record)
+            if "timings_error" in msg.header:  # the credit counts; the timings could not
+                self.metrics.error("malformed", role="trainer", type=msg.type,
+                                   detail=f"rank {slot.rank}: {msg['timings_error']}, dropped")
         elif msg.type == P.COMMIT:
             self._commit(slot, msg)
         elif msg.type == P.BYE:

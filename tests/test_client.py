@@ -163,8 +163,8 @@ def test_commit_refuses_what_is_not_a_step_number_at_once():
 
 
 def test_report_timings_refuses_a_record_the_dispatcher_would_refuse():
-    """The dispatcher drops a whole CREDIT whose timings are malformed: the rank then got no
-    further step until its step timeout, and an unpackable value killed the client thread."""
+    """The dispatcher drops malformed timings (keeping the credit they ride on): the caller
+    hears why at once, and an unpackable value, which killed the client thread, never leaves."""
     c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
     for bad in ("garbage", [{"vision": "x"}], [{"llm": [0.1, [np.int64(3)]]}], None):
         with pytest.raises(ValueError, match=r"report_timings\(4\): .*\{phase: \[seconds"):

@@ -106,9 +106,24 @@ def test_timings_on_credit_reach_the_step_log_and_the_metrics(tmp_path):
     [{"step": 1, "mb": [{"video": [0.1, [3]]}]}],
     [{"step": "1", "mb": []}],
 ])
-def test_malformed_timings_are_protocol_errors(timings):
-    with pytest.raises(P.ProtocolError):
-        P.decode(P.encode(P.CREDIT, upto=1, timings=timings))
+def test_malformed_timings_are_dropped_and_the_credit_kept(timings):
+    msg = P.decode(P.encode(P.CREDIT, upto=1, received=0, timings=timings))
+    assert msg["upto"] == 1 and msg["received"] == 0
+    assert msg["timings"] == [] and "malformed" in msg["timings_error"]
+
+
+def test_a_credit_with_malformed_timings_still_moves_the_rank_on(tmp_path):
+    """Timings are telemetry: a CREDIT refused whole for them left its rank without a step."""
+    d = _dispatcher(tmp_path)
+    try:
+        d.delivery.connect(d.slots[0], b"t0")
+        bad = [{"step": 0, "mb": [{"vision": [0.1, [-3]]}]}]
+        d._on_trainer(b"t0", P.decode(P.encode(P.CREDIT, upto=3, received=1, timings=bad)), 0.0)
+        assert (d.slots[0].upto, d.slots[0].received) == (3, 1)
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
+                                                   {"kind": "malformed"}) == 1
+    finally:
+        d._close()
 
 
 def test_a_trainers_reported_timings_reach_the_step_log(tmp_path, shards):

@@ -639,14 +639,17 @@ class DispatcherClient:
         if not isinstance(step, bool) and hasattr(step, "__index__"):
             step = operator.index(step)  # a numpy or tensor integer: msgpack packs only int
         record = {"step": step, "mb": microbatches}
-        # Checked here as the dispatcher will: it refuses the whole CREDIT carrying a malformed
-        # record, so the rank got no further step, and an unpackable one killed the client thread.
+        # Checked here as the dispatcher will: it drops a malformed record (the caller would
+        # never learn why its timings are missing), and an unpackable one killed the client thread.
         try:
-            P.decode(P.encode(P.CREDIT, upto=0, received=0, timings=[record]))
+            problem = P.decode(P.encode(P.CREDIT, upto=0, received=0, timings=[record])).get(
+                "timings_error")
         except (P.ProtocolError, TypeError, ValueError) as e:
-            raise ValueError(f"report_timings({step!r}): {str(e).removeprefix('credit: ')}: give "
-                             f"per micro-batch {{phase: [seconds, [sequence lengths]], ..., "
-                             f"'exchange': seconds}} (trainer_client.model.microbatch_timings)") from None
+            problem = str(e).removeprefix("credit: ")
+        if problem is not None:
+            raise ValueError(f"report_timings({step!r}): {problem}: give per micro-batch "
+                             f"{{phase: [seconds, [sequence lengths]], ..., 'exchange': seconds}} "
+                             f"(trainer_client.model.microbatch_timings)")
         self._commands.put(("timings", record))
 
     def state_dict(self) -> dict:
