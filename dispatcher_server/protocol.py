@@ -28,7 +28,8 @@ import msgpack
 #: v5: text travels as token ids plus loss mask (`tokens`, see TOKEN_WIDTHS), not raw text.
 #:     The `direct` payload mode added optional fields and the READERS/FETCH/PAYLOADS types
 #:     without a bump: none of them is sent unless the dispatcher runs --payloads direct.
-VERSION = 5
+#: v6: END of a halted job says why (`message`), so the trainer's error names the cause.
+VERSION = 6
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -92,7 +93,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
              "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
            "world_size": (_INT, True), "microbatches": (list, True), "readers": (list, False)},
-    END: {"next_step": (_INT, False), "reason": (str, True)},
+    END: {"next_step": (_INT, False), "reason": (str, True), "message": (str, False)},
     COMMIT: {"step": (_INT, True)},
     BYE: {},
     READERS: {"readers": (list, True)},

@@ -474,9 +474,10 @@ class Dispatcher:
         reason = ("halted" if self.fatal is not None
                   else "max_steps" if max_steps is not None and self.next_plan >= max_steps
                   else "max_epochs")
+        why = {} if self.fatal is None else {"message": self.fatal[:4000]}
         for slot in self.delivery.ends_due():
             self._send(self.trainer_sock, slot.ident, P.END, next_step=self.next_plan,
-                       reason=reason)
+                       reason=reason, **why)
             slot.end_sent = True
 
     def _end_readers(self) -> None:

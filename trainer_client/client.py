@@ -423,10 +423,11 @@ class _TrainerPeer:
               and msg.get("next_step", self.next_expected) == self.next_expected):
             # Stopped on an error, not at the end of the data: the training loop must fail,
             # not finish as if the job were complete.
+            why = msg.get("message") or "its log says why: event=fatal"
             self._deliver(_END if msg["reason"] != "halted" else DispatcherError(
                 "halted", f"the dispatcher stopped the job on an error before step "
-                          f"{self.next_expected} (its log says why: event=fatal); fix it and "
-                          f"restart the dispatcher, then resume from the last commit"))
+                          f"{self.next_expected}: {why}. Fix it and restart the dispatcher, "
+                          f"then resume from the last commit"))
         elif msg.type == P.READERS and self.fetcher is not None:
             self.fetcher.readers = msg["readers"]
         elif msg.type == P.COMMIT:
