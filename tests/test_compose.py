@@ -82,6 +82,20 @@ def _silent_to_plaintext(endpoint: str) -> bool:
         sock.close(linger=0)
 
 
+def _small_media_settings(tmp_path: Path) -> Path:
+    """deploy/mmdispatch.toml with the demo's media budgets in [counting] (448x448 images,
+    5 audio frames a second): the deployed file's model-card budgets (megapixel images, 1,280
+    merged patches each) cost the CPU trainers ~20 s a step, and every service reads the same
+    file, so counting and training still agree."""
+    text = (ROOT / "deploy" / "mmdispatch.toml").read_text()
+    assert text.count("[counting]\n") == 1, "deploy/mmdispatch.toml has no [counting] table"
+    small = ("[counting]\nmax_pixels = 200704\nvideo_max_pixels = 50176\n"
+             "audio_frames_per_s = 5.0\naudio_tokens_per_s = 2.5\n")
+    path = tmp_path / "mmdispatch.toml"
+    path.write_text(text.replace("[counting]\n", small))
+    return path
+
+
 def test_compose_file_is_valid_and_wires_services_together():
     cfg = _resolved({**os.environ})
     services = cfg["services"]
@@ -104,7 +118,7 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     env = {**os.environ, "MMD_SAMPLES": "192", "MMD_SHARDS": "4", "MMD_STEPS": str(steps),
            "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
            **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
-    mounts = {"/config/mmdispatch.toml": ROOT / "deploy" / "mmdispatch.toml",
+    mounts = {"/config/mmdispatch.toml": _small_media_settings(tmp_path),
               "/data": tmp_path / "data", "/journal": tmp_path / "journal"}
     overrides: tuple[str, ...] = ()
     if curve:  # deploy/compose.curve.yml: keys made as its header says, secrets mapped to files
