@@ -8,10 +8,9 @@ import random
 
 import pytest
 
-from dispatcher_server import protocol as P
 from dispatcher_server.assembler import SourceStream
 
-from tests.test_blend import _assembler, _corpus
+from tests.test_blend import _assembler, _corpus, deliver_some
 
 
 @pytest.mark.parametrize("mode,shuffle", [("deterministic", 0), ("deterministic", 6),
@@ -50,18 +49,7 @@ def test_the_window_opens_what_a_whole_open_would_and_works_only_when_it_moved(
             a.fill()
         if a.exhausted:
             break
-        open_ = [p for p, pr in a.progress.items() if not pr.reader_done]
-        if not open_:
-            continue
-        pos = rng.choice(open_)
-        prog = a.progress[pos]
-        keys = shards[prog.url]
-        start = prog.next_index
-        chunk = keys[start:start + rng.randint(1, 6)]
-        a.receive(pos, [P.SampleHeader(k, start + i, 5, 5, b"t", []) for i, k in enumerate(chunk)],
-                  [], [])
-        if start + len(chunk) >= len(keys):
-            a.reader_done(pos)
+        deliver_some(a, shards, rng)
     else:
         pytest.fail("the stream did not finish")
     assert resumed and steps > 3

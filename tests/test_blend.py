@@ -59,19 +59,25 @@ def _run(a: StepAssembler, shards: dict[str, list[str]], rng: random.Random, *,
             a.fill()
         if len(steps) >= max_steps or a.exhausted:
             return steps
-        open_ = [p for p, pr in a.progress.items() if not pr.reader_done]
-        if not open_:
-            continue
-        pos = rng.choice(open_)
-        prog = a.progress[pos]
-        keys = shards[prog.url]
-        start = prog.next_index
-        chunk = keys[start:start + rng.randint(1, 6)]
-        headers = [P.SampleHeader(k, start + i, 5, 5, b"t", []) for i, k in enumerate(chunk)]
-        a.receive(pos, headers, [], [])
-        if start + len(chunk) >= len(keys):
-            a.reader_done(pos)
+        deliver_some(a, shards, rng)
     raise AssertionError("the stream did not finish")
+
+
+def deliver_some(a: StepAssembler, shards: dict[str, list[str]], rng: random.Random) -> None:
+    """What a reader sends next: 1-6 samples of a random open shard from its resume point
+    (and that the shard is done, after its last)."""
+    open_ = [p for p, pr in a.progress.items() if not pr.reader_done]
+    if not open_:
+        return
+    pos = rng.choice(open_)
+    prog = a.progress[pos]
+    keys = shards[prog.url]
+    start = prog.next_index
+    chunk = keys[start:start + rng.randint(1, 6)]
+    headers = [P.SampleHeader(k, start + i, 5, 5, b"t", []) for i, k in enumerate(chunk)]
+    a.receive(pos, headers, [], [])
+    if start + len(chunk) >= len(keys):
+        a.reader_done(pos)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,22 @@ pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
 
+def send_range(handler: http.server.BaseHTTPRequestHandler, data: bytes) -> tuple[int, bytes]:
+    """Answer `handler`'s request for `data`, honouring its Range header: status and headers
+    sent; (the offset of the first byte, the body still to write)."""
+    lo, hi = 0, len(data) - 1
+    m = re.match(r"bytes=(\d+)-(\d*)", handler.headers.get("Range", ""))
+    if m:
+        lo, hi = int(m.group(1)), min(hi, int(m.group(2) or hi))
+    body = data[lo:hi + 1]
+    handler.send_response(206 if m else 200)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Content-Range", f"bytes {lo}-{hi}/{len(data)}")
+    handler.send_header("Accept-Ranges", "bytes")
+    handler.end_headers()
+    return lo, body
+
+
 class _Shards(http.server.BaseHTTPRequestHandler):
     """Files of `root` with Range support; `drops[name]` GETs of a file end after `cut` bytes."""
 
@@ -54,16 +70,7 @@ class _Shards(http.server.BaseHTTPRequestHandler):
             return
         name = os.path.basename(self.path)
         self.gets.append(name)
-        lo, hi = 0, len(data) - 1
-        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if m:
-            lo, hi = int(m.group(1)), min(hi, int(m.group(2) or hi))
-        body = data[lo:hi + 1]
-        self.send_response(206 if m else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(data)}")
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
+        lo, body = send_range(self, data)
         if self.drops.get(name, 0) > 0 and lo > 0:  # a drop mid-shard, after the first block
             self.drops[name] -= 1
             self.wfile.write(body[:self.cut])

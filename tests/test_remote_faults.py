@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import http.server
 import os
-import re
 import shutil
 import threading
 from contextlib import contextmanager
@@ -21,6 +20,8 @@ from pipeline.shards import expand_shards
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
+
+from tests.test_object_storage import send_range  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,16 +60,7 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
             return
         with open(os.path.join(self.root, name), "rb") as f:
             data = f.read()
-        lo, hi = 0, len(data) - 1
-        m = re.match(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if m:
-            lo, hi = int(m.group(1)), min(hi, int(m.group(2) or hi))
-        body = data[lo:hi + 1]
-        self.send_response(206 if m else 200)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Content-Range", f"bytes {lo}-{hi}/{len(data)}")
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
+        lo, body = send_range(self, data)
         if head:
             return
         if self.stalls > 0 and lo > 0:
