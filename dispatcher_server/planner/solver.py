@@ -32,11 +32,12 @@ pairs x items^2). The loops that go element by element (refine, the LPT rounds a
 the split's block greedy and polish, the capacity repair, the swaps home, unit bounds,
 counting and radix sorts) are compiled (`jit.kernel`), the rest is numpy. What
 `bench.planner` measured (CPU ms per plan, p50, on a shared 2-core VM whose reference loop
-took 107 ms; all figures in docs/planner.md, generated from docs/bench/planner.json; regimes
-under serve's default capacity): W=4, 512 samples: 2.8 ms; W=64: 4.0-5.8 ms in every regime;
-W=2560: 28-53 ms for 1.5k-28k encoder items a step, 74 ms for document pages (37k near-equal
-items) and 103 ms for 104k interleaved images. The VM's speed varies by a third from run to
-run: another run of the same plans took 82 ms for the interleaved images.
+took 71 ms; all figures in docs/planner.md, generated from docs/bench/planner.json; regimes
+under serve's default capacity): W=4, 512 samples: 3.2 ms; W=64: 3.5-5.8 ms in every regime;
+W=2560: 24-53 ms for 1.5k-28k encoder items a step, 78 ms for document pages (37k near-equal
+items) and 90 ms for 104k interleaved images. The VM's speed varies from run to run: two more
+runs of the same interleaved plans, with the reference loop at 106 and 128 ms, took 95 and
+92 ms.
 """
 
 from __future__ import annotations
