@@ -219,6 +219,9 @@ class Dispatcher:
         poller.register(self.trainer_sock, zmq.POLLIN)
         self._checked = self._halted_at = 0.0
         self._heard = dict.fromkeys(("reader", "trainer"), time.monotonic())
+        # (role, socket, handler, loop CPU part) of each socket the loop drains
+        self._inputs = (("reader", self.reader_sock, self._on_reader, "intake"),
+                        ("trainer", self.trainer_sock, self._on_trainer, "acks"))
         self._cpu_mark = thread_time()  # this thread's: run() may not be on the constructor's
         linger = None
         try:
@@ -237,23 +240,17 @@ class Dispatcher:
         ready = dict(poller.poll(live.poll_ms))
         polled = time.monotonic()
         try:
-            # A socket found empty, or drained empty, holds nothing its peers sent before the
-            # poll: their silence is measured up to then (`_liveness`), not up to a moment
-            # after a long pump whose messages still wait to be read.
-            if self.reader_sock in ready:
-                t0 = thread_time()
-                if self._drain(self.reader_sock, self._on_reader):
-                    self._heard["reader"] = polled
-                self._cpu["intake"] += thread_time() - t0
-            else:
-                self._heard["reader"] = polled
-            if self.trainer_sock in ready:
-                t0 = thread_time()
-                if self._drain(self.trainer_sock, self._on_trainer):
-                    self._heard["trainer"] = polled
-                self._cpu["acks"] += thread_time() - t0
-            else:
-                self._heard["trainer"] = polled
+            for role, sock, handler, part in self._inputs:
+                emptied = True
+                if sock in ready:
+                    t0 = thread_time()
+                    emptied = self._drain(sock, handler)
+                    self._cpu[part] += thread_time() - t0
+                # A socket found empty, or drained empty, holds nothing its peers sent before
+                # the poll: their silence is measured up to then (`_liveness`), not up to a
+                # moment after a long pump whose messages still wait to be read.
+                if emptied:
+                    self._heard[role] = polled
             self._pump()
         except Fatal as e:
             self._halt_now(str(e))

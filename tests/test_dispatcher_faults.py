@@ -11,6 +11,8 @@ import errno
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import msgpack
 import pytest
@@ -160,20 +162,27 @@ def _hello(peer: _Peer, **extra) -> int:
                      **extra)
 
 
-def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_serving():
-    d = Dispatcher(_config()).start()
+@contextmanager
+def _welcomed_trainer(d: Dispatcher) -> Iterator[_Peer]:
+    """`d` started, and rank 0 of its trainers welcomed; both stopped after."""
+    d.start()
     peer = _Peer(d.trainer_endpoint)
     try:
         _hello(peer)
         peer.expect(P.WELCOME)
+        yield peer
+    finally:
+        peer.close()
+        d.stop()
+
+
+def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_serving():
+    with _welcomed_trainer(Dispatcher(_config())) as peer:
         seq = peer.send(P.COMMIT, step=2**62)
         err = peer.expect(P.ERROR, timeout=3)
         assert err["code"] == "commit" and err["ack"] == seq and "never planned" in err["message"]
         peer.send(P.HEARTBEAT)
         peer.expect(P.HEARTBEAT, timeout=3)  # still serving
-    finally:
-        peer.close()
-        d.stop()
 
 
 @pytest.mark.timeout(60)
@@ -192,11 +201,7 @@ def test_a_dispatcher_busy_past_the_timeout_keeps_the_peers_whose_messages_wait(
         open_window()
 
     d.assembler.open_window = slow_window
-    d.start()
-    peer = _Peer(d.trainer_endpoint)
-    try:
-        _hello(peer)
-        peer.expect(P.WELCOME)
+    with _welcomed_trainer(d) as peer:
         stall.set()
         deadline = time.monotonic() + 10
         while not stalled.is_set() and time.monotonic() < deadline:
@@ -209,9 +214,6 @@ def test_a_dispatcher_busy_past_the_timeout_keeps_the_peers_whose_messages_wait(
         assert d.delivery.connected() == 1
         assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
                                                    {"kind": "unknown_peer"}) is None
-    finally:
-        peer.close()
-        d.stop()
 
 
 def test_idle_trainers_each_get_heartbeats_and_the_metrics_count_them():
@@ -245,11 +247,7 @@ def test_a_commit_whose_journal_write_fails_names_the_reason_and_stops_cleanly(t
         raise OSError(errno.ENOSPC, "No space left on device")
 
     d.journal.commit = full
-    d.start()
-    peer = _Peer(d.trainer_endpoint)
-    try:
-        _hello(peer)
-        peer.expect(P.WELCOME)
+    with _welcomed_trainer(d) as peer:
         seq = peer.send(P.COMMIT, step=0)
         err = peer.expect(P.ERROR)
         assert err["code"] == "commit" and err["ack"] == seq
@@ -258,9 +256,6 @@ def test_a_commit_whose_journal_write_fails_names_the_reason_and_stops_cleanly(t
         while d._thread is not None and d._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert d.fatal is not None and "No space left" in d.fatal
-    finally:
-        peer.close()
-        d.stop()
 
 
 def _fill_and_plan(d: Dispatcher, n: int) -> tuple[Reader, object]:
