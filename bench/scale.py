@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.machine import cpu_reference_ms
 from bench.soak import _free_port
-from bench.stream import _cpu_s, _rss_mb, _start_serve
+from bench.stream import RSS_PER_BUFFERED_SAMPLE_KB, _cpu_s, _rss_mb, _start_serve
 from dispatcher_server.metrics import LOOP_PARTS
 
 SAMPLES_PER_RANK = 8
@@ -46,10 +46,9 @@ MICROBATCHES = 2
 SHARD_SAMPLES = 4096
 #: RSS bound: the dispatcher's RSS once it is READY (interpreter, libraries, the planner's compiled
 #: kernels), plus a fixed margin for one step's working set and the heap's slack (plan arrays,
-#: encoded messages in flight, allocator arenas), plus what each sample it may hold costs in
-#: Python objects (header record, key, item records, reference views) and retained messages.
+#: encoded messages in flight, allocator arenas), plus RSS_PER_BUFFERED_SAMPLE_KB for each sample
+#: it may hold.
 RSS_STEP_MB = 32.0
-RSS_PER_BUFFERED_SAMPLE_KB = 2.0
 
 
 def _headers(rng: random.Random, n: int) -> list[tuple[int, int, list]]:

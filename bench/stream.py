@@ -51,6 +51,9 @@ import time
 from dispatcher_server.protocol import PAYLOAD_MODES
 
 MiB = 1 << 20
+#: What each sample the dispatcher may hold costs beside its payload bytes: Python objects
+#: (header record, key, item records, payload views) and its share of retained messages.
+RSS_PER_BUFFERED_SAMPLE_KB = 2.0
 
 
 def _rss_mb(pid: int) -> float:
@@ -381,8 +384,10 @@ def main(argv: list[str] | None = None) -> int:
         }
     slow = run_e2e(shards, a, a.slow_ms, "inline")  # inline: where payloads fill its memory
     # The bound the configuration promises: the idle process plus the buffered payload, twice
-    # (received frames and the send queues referencing them can briefly coexist).
-    rss_bound = slow["idle_rss_mb"] + 2 * a.max_buffered_mb
+    # (received frames and the send queues referencing them can briefly coexist), plus the
+    # objects of the most samples it may hold (max_buffered_samples).
+    rss_bound = (slow["idle_rss_mb"] + 2 * a.max_buffered_mb
+                 + RSS_PER_BUFFERED_SAMPLE_KB * a.max_buffered_samples / 1024)
     head = per_mode[modes[-1]]
     out = {
         "readers": a.readers, "trainers": a.trainers, "cpus": os.cpu_count(),

@@ -233,7 +233,9 @@ def _stream(d: dict) -> list[str]:
                        f"{d['raw_cpu_ms_per_sample']:.3f} |")
     out += ["", f"One trainer {d['slow_trainer_ms_per_step']} ms per step slow: dispatcher peak RSS "
             f"{d['slow_dispatcher_peak_rss_mb']:.0f} MB against a bound of {d['rss_bound_mb']:.0f} MB "
-            f"({'within' if d['rss_within_bound'] else 'over'})."]
+            f"({'within' if d['rss_within_bound'] else 'over'}): the idle process, twice the "
+            f"{d['max_buffered_mb']} MB of payload it may buffer, and 2 KB for each sample it may "
+            "hold."]
     return out
 
 
