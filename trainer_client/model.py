@@ -11,7 +11,6 @@ Users replace it with anything satisfying `MultimodalModel`.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,11 +133,9 @@ class Block(nn.Module):
             if b == a:
                 continue
             qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, d]
-            scores = qs @ ks.transpose(1, 2) / math.sqrt(h // H)
-            if causal:
-                mask = torch.ones(b - a, b - a, dtype=torch.bool, device=x.device).triu(1)
-                scores = scores.masked_fill(mask, float("-inf"))
-            outs.append((scores.softmax(-1) @ vs).transpose(0, 1).reshape(b - a, h))
+            # softmax(q k^T / sqrt(d)) v, causal for the LLM, in torch's fused kernel
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+            outs.append(out.transpose(0, 1).reshape(b - a, h))
         att = torch.cat(outs) if outs else x.new_zeros(0, h)
         x = x + self.proj(att)
         return x + self.mlp(self.norm2(x))
