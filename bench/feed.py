@@ -52,7 +52,7 @@ TARGETS = {"data_wait_fraction": 0.05, "mixture_max_abs_err": 0.02}
 def bench_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.feed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--quick", action="store_true", help="a small run for tests (a few seconds of training)")
+    ap.add_argument("--quick", action="store_true", help="a small run for tests: a few steps, its four runs side by side (checks the plumbing, not the figures)")
     ap.add_argument("--samples", type=int, default=192, help="samples generated")
     ap.add_argument("--steps", type=int, default=10, help="training steps per run")
     ap.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the fraction")
@@ -230,13 +230,21 @@ def run(args: argparse.Namespace, progress=None) -> dict:
     items = _items(shards)
     rates = pool_rates(items[:96], args.workers, args.repeats)
     say(f"items/s {rates}")
-    runs = {}
     # datanode in the loop is left out: with tensors shipped, the pool only wraps them
-    for where, workers, kind in (("trainer", args.workers, "thread"), ("trainer", 0, "thread"),
-                                 ("trainer", args.workers, "process"), ("datanode", args.workers, "thread")):
+    configs = (("trainer", args.workers, "thread"), ("trainer", 0, "thread"),
+               ("trainer", args.workers, "process"), ("datanode", args.workers, "thread"))
+
+    def one(config: tuple[str, int, str]) -> tuple[str, dict]:
+        where, workers, kind = config
         key = f"{where}/{kind if workers else 'inloop'}"
-        runs[key] = run_trainer(data, args, where=where, workers=workers, tmp=tmp, kind=kind)
-        say(f"{key}: {runs[key]}")
+        got = run_trainer(data, args, where=where, workers=workers, tmp=tmp, kind=kind)
+        say(f"{key}: {got}")
+        return key, got
+
+    # --quick checks the plumbing, not the figures: its runs go side by side (each is mostly
+    # process start-up), sharing the cores; a full run times each alone.
+    with ThreadPoolExecutor(len(configs) if args.quick else 1) as pool:
+        runs = dict(pool.map(one, configs))
     res = {
         "data_wait_fraction": runs["trainer/thread"]["data_wait_fraction"],
         "data_wait_fraction_inloop": runs["trainer/inloop"]["data_wait_fraction"],

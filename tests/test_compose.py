@@ -82,15 +82,21 @@ def _silent_to_plaintext(endpoint: str) -> bool:
         sock.close(linger=0)
 
 
+SMALL_GLOBAL_BATCH = 32
+
+
 def _small_media_settings(tmp_path: Path) -> Path:
     """deploy/mmdispatch.toml with the demo's media budgets in [counting] (448x448 images,
-    5 audio frames a second): the deployed file's model-card budgets (megapixel images, 1,280
-    merged patches each) cost the CPU trainers ~20 s a step, and every service reads the same
-    file, so counting and training still agree."""
+    5 audio frames a second) and a global batch of SMALL_GLOBAL_BATCH: the deployed file's
+    model-card budgets (megapixel images, 1,280 merged patches each) cost the CPU trainers ~20 s
+    a step, and every service reads the same file, so counting and training still agree."""
     text = (ROOT / "deploy" / "mmdispatch.toml").read_text()
     assert text.count("[counting]\n") == 1, "deploy/mmdispatch.toml has no [counting] table"
     small = ("[counting]\nmax_pixels = 200704\nvideo_max_pixels = 50176\n"
              "audio_frames_per_s = 5.0\naudio_tokens_per_s = 2.5\n")
+    text, n = re.subn(r"^global_batch\s*=\s*\d+", f"global_batch = {SMALL_GLOBAL_BATCH}", text,
+                      flags=re.M)
+    assert n == 1, "deploy/mmdispatch.toml sets no global_batch in [serve]"
     path = tmp_path / "mmdispatch.toml"
     path.write_text(text.replace("[counting]\n", small))
     return path
@@ -115,7 +121,8 @@ def test_compose_file_is_valid_and_wires_services_together():
 def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     ports = {name: _free_port() for name in ("READER", "TRAINER", "METRICS")}
     steps, ranks = 3, 2
-    env = {**os.environ, "MMD_SAMPLES": "192", "MMD_SHARDS": "4", "MMD_STEPS": str(steps),
+    env = {**os.environ, "MMD_SAMPLES": str(steps * SMALL_GLOBAL_BATCH), "MMD_SHARDS": "4",
+           "MMD_STEPS": str(steps),
            "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
            **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
     mounts = {"/config/mmdispatch.toml": _small_media_settings(tmp_path),
@@ -179,12 +186,11 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
 
     train = [json.loads(line) for line in (tmp_path / "journal" / "train.jsonl").read_text().splitlines()]
     plans, _, measures = report.load_step_log(tmp_path / "journal" / "steps.jsonl")
-    global_batch = int(re.search(r"^global_batch\s*=\s*(\d+)", (ROOT / "deploy" / "mmdispatch.toml").read_text(), re.M)[1])
     assert [t["step"] for t in train] == list(range(steps))
     assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
-    # 192 samples = 3 full global batches: every step delivered all of its planned samples.
+    # steps full global batches of samples: every step delivered all of its planned samples.
     planned = {p["step"]: p for p in plans}
-    assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [global_batch] * steps
+    assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [SMALL_GLOBAL_BATCH] * steps
     assert all(planned[s]["world_size"] == ranks for s in range(steps))
     # Every rank measured its phases and the dispatcher logged them beside the prediction.
     assert {m["step"] for m in measures} == set(range(steps))
