@@ -42,8 +42,9 @@ class ShardProgress:
 
     @property
     def ref_path(self) -> bytes:
-        """The file that `reference` payloads of this shard must name (see protocol.pack_ref)."""
-        return reference_path(self.url).encode("utf-8", "surrogateescape")
+        """The file or object that `reference` or `direct` payloads of this shard must name (see
+        protocol.pack_ref); the configuration refused at start what its mode cannot name."""
+        return reference_path(self.url, "direct").encode("utf-8", "surrogateescape")
 
 
 @dataclass(slots=True)

@@ -382,21 +382,25 @@ _REF = struct.Struct("<QQ")  # member data offset in the shard file, member size
 
 
 def reference_path(url: str, mode: str = "reference") -> str:
-    """The file whose bytes `reference` (or `direct`) payloads of shard `url` point into;
-    ValueError naming the shard and the fix if none.
+    """The file (or, in `direct` mode, the remote object) whose bytes `reference` or `direct`
+    payloads of shard `url` point into; ValueError naming the shard and the fix if none.
 
-    Only plain (uncompressed) tar files on a filesystem qualify: a `pipe:` or remote stream
-    has no offsets anyone could read at, and a gzip shard's offsets are not file offsets.
+    Only plain (uncompressed) tars qualify: a gzip shard's offsets are not file offsets, and a
+    `pipe:` stream has none anyone could read at. `reference` needs a file the trainers mount;
+    `direct` also takes a remote URL (`s3://`, `http(s)://`, ...), which the readers read at an
+    offset with a ranged request. A path is the same in both modes, so the direct rule serves
+    to read back what either mode sent.
     """
     # file:///data/a.tar and file:/data/a.tar (what the readers accept) name /data/a.tar
     path = (url[len("file://"):] if url.startswith("file://")
             else url[len("file:"):] if url.startswith("file:") else url)
-    who = ("a filesystem the trainers mount" if mode == "reference"
-           else "a local filesystem the readers can read at an offset")
-    if url.startswith("pipe:") or "://" in path:
-        what = "a command's stream" if url.startswith("pipe:") else "remote storage"
-        raise ValueError(f"payloads={mode!r} needs shards on {who}; {url!r} is {what} "
-                         f"(use payloads='inline')")
+    if url.startswith("pipe:"):
+        raise ValueError(f"payloads={mode!r} needs shards that can be read at an offset; {url!r} "
+                         f"is a command's stream (use payloads='inline')")
+    if "://" in path and mode != "direct":
+        raise ValueError(f"payloads={mode!r} needs shards on a filesystem the trainers mount; "
+                         f"{url!r} is remote storage (use payloads='direct', where the readers "
+                         f"serve its bytes, or payloads='inline')")
     if path.endswith((".gz", ".tgz")):
         raise ValueError(f"payloads={mode!r} needs uncompressed tars; {url!r} is gzip "
                          f"(its member offsets are not file offsets; use payloads='inline')")

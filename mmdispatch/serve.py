@@ -89,7 +89,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                 "reference: only their offsets do, and trainers read the bytes "
                                 "from the shard files (same paths on every host, plain tars); "
                                 "direct: only their offsets do, and trainers fetch the bytes from "
-                                "the readers (plain local tars, see read --payload-bind)"),
+                                "the readers (plain tars, local or on s3://, gs://, http(s)://; "
+                                "see read --payload-bind)"),
     "probe_samples": (int, 64, "at start, read up to this many samples of the first shards and "
                                "refuse a dataset in which none has a member the field map uses "
                                "(0 = no probe)"),

@@ -8,6 +8,7 @@ so a shard cut mid-way loses and repeats nothing (an object replaced meanwhile, 
 is reported as `shard_changed`). Missing objects, refused or missing credentials and other
 4xx answers fail at once, saying which. Every error names the URL. An HTTP server that ignores
 Range requests (`python -m http.server`) is read as one stream instead of block by block.
+`read_range` reads one member back by offset (direct payloads, on a reader's cache miss).
 
 Credentials and endpoints come from the environment each library reads: for S3 the usual
 `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_PROFILE`, and `AWS_ENDPOINT_URL` for an
@@ -130,13 +131,13 @@ class RemoteShard:
     transient failure (up to `tries` tries per read, backoff from `backoff_s`, doubling)."""
 
     def __init__(self, url: str, *, tries: int | None = None, backoff_s: float | None = None,
-                 block_bytes: int | None = None) -> None:
+                 block_bytes: int | None = None, start: int = 0) -> None:
         self.url = url
         self.tries = TRIES if tries is None else tries
         self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
         self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
         self.fs, self.path = filesystem(url)
-        self.pos = 0
+        self.pos = start
         self.size: int | None = None
         self.streaming = False  # the server ignores Range requests: read as one stream
         self._killed = False
@@ -227,3 +228,15 @@ class RemoteShard:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def read_range(url: str, offset: int, size: int) -> bytes:
+    """`size` bytes at `offset` of the remote shard `url`, with RemoteShard's retries: one ranged
+    request (a server that ignores ranges is read as a stream up to `offset`). OSError naming
+    the URL if the object holds fewer."""
+    with RemoteShard(url, start=offset, block_bytes=max(1, size)) as shard:
+        data = shard.read(size)
+        if len(data) != size:
+            raise OSError(f"shard {url!r} holds {len(data)} of the {size} bytes at offset {offset}: "
+                          f"changed since it was read?")
+        return data

@@ -418,7 +418,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--payload-cache-mb", type=int, default=_DEFAULTS.payload_cache_mb,
                         help="--payloads direct: MiB of sent members held for trainers to fetch "
                              "(each dropped once fetched, oldest first past this cap; a miss is "
-                             "read again from the shard file)")
+                             "read again from the shard)")
     parser.add_argument("--payload-allowed-dir", default=None,
                         help="CurveZMQ with --payloads direct: directory of the trainers' allowed "
                              "public NAME.key files (the payload socket refuses other clients)")

@@ -256,9 +256,11 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
 
 
 def read_range(url: str, offset: int, size: int) -> bytes:
-    """`size` bytes at `offset` of the shard `url` (a local uncompressed tar; see
-    protocol.reference_path). The one place payloads are read by offset (`direct` mode), so
-    other storage can be routed here later. OSError naming the shard if it holds fewer."""
+    """`size` bytes at `offset` of the shard `url`: a local uncompressed tar, or a remote one by a
+    ranged request (see protocol.reference_path). The one place payloads are read by offset
+    (`direct` mode). OSError naming the shard if it holds fewer."""
+    if remote.scheme(url):
+        return remote.read_range(url, offset, size)
     path = _local_path(url)
     if path is None:
         raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")

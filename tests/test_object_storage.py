@@ -15,7 +15,8 @@ from pipeline import remote
 from pipeline.errors import ErrorPolicy, ErrorStats
 from pipeline.reader import ReaderConfig, iter_shard
 from pipeline.shards import expand_shards
-from tests.test_service import all_keys, consume, dispatcher, flat_keys, make_config, readers, shards  # noqa: F401
+from tests.test_reference_payloads import _contents
+from tests.test_service import all_keys, consume, dispatcher, make_config, readers, shards  # noqa: F401
 
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
@@ -140,16 +141,36 @@ def test_http_specs_that_cannot_work_are_one_line(http_server):
         expand_shards(base + "/notes.txt")
 
 
-def test_a_dispatcher_serves_http_shards_inline_and_refuses_them_by_reference(shards, http_server):
-    base, _ = http_server
+def test_http_shards_are_served_inline_and_direct_and_refused_by_reference(shards, http_server):
+    """Direct payloads of remote shards: trainers get byte for byte what inline delivers, from
+    the readers' caches, or with no cache from a ranged read of the object per item; two GETs
+    of one object are cut mid-way there and retried."""
+    base, handler = http_server
     urls = [f"{base}/{os.path.basename(s)}" for s in shards]
     with dispatcher(make_config(urls, world_size=2)) as srv, readers(srv.reader_endpoint, 2):
-        got = consume(srv.trainer_endpoint, 2)
-    assert sorted(flat_keys(got)) == sorted(all_keys(shards))
-    for mode in ("reference", "direct"):
-        with pytest.raises(ValueError, match=rf"payloads='{mode}' needs shards on .*{re.escape(urls[0])}"
-                                             r".* is remote storage \(use payloads='inline'\)"):
-            make_config(urls, world_size=1, payloads=mode)
+        inline = consume(srv.trainer_endpoint, 2, record=_contents)
+    assert sorted(k for got in inline.values() for step in got for _, keys, *_ in step
+                  for k in keys) == sorted(all_keys(shards))
+    for cache_mb in (None, 0):
+        kw = {} if cache_mb is None else {"payload_cache_mb": cache_mb}
+        handler.gets.clear()
+        if cache_mb == 0:
+            handler.drops[os.path.basename(shards[0])] = 2
+        with dispatcher(make_config(urls, world_size=2, payloads="direct")) as srv, \
+                readers(srv.reader_endpoint, 2, **kw) as workers:
+            direct = consume(srv.trainer_endpoint, 2, record=_contents)
+            missed = sum(w.payload_server.num_missed for w in workers)
+        assert direct == inline, f"payload cache {cache_mb} MB"
+        items = sum(len(items) for got in inline.values() for step in got for *_, enc in step
+                    for items in enc.values())
+        assert missed == (items if cache_mb == 0 else 0)
+        if cache_mb == 0:  # every item one ranged GET, plus the readers' shard reads
+            assert len(handler.gets) >= items + len(urls)
+            assert handler.drops[os.path.basename(shards[0])] == 0  # both cuts came and went
+    with pytest.raises(ValueError, match=rf"payloads='reference' needs shards on a filesystem the "
+                                         rf"trainers mount; {re.escape(repr(urls[0]))} is remote "
+                                         r"storage \(use payloads='direct'"):
+        make_config(urls, world_size=1, payloads="reference")
 
 
 @pytest.fixture()
@@ -190,3 +211,17 @@ def test_s3_globs_list_the_bucket_and_read_as_the_local_files_do(shards, s3):
     stats = ErrorStats()
     assert _keys([s3 + "/missing.tar"], stats=stats) == []
     assert stats.by_reason["open_failed"] == 1 and "s3://data/train/missing.tar" in stats.recent[-1][3]
+
+
+@pytest.mark.timeout(120)
+def test_s3_shards_serve_direct_payloads_read_back_by_range(shards, s3):
+    """Direct mode on S3 with no reader cache: every item a ranged GET of its object, and the
+    trainers get what an inline run of the local files delivers."""
+    with dispatcher(make_config(shards, world_size=2)) as srv, readers(srv.reader_endpoint, 2):
+        inline = consume(srv.trainer_endpoint, 2, record=_contents)
+    urls = [f"{s3}/{os.path.basename(s)}" for s in shards]
+    with dispatcher(make_config(urls, world_size=2, payloads="direct")) as srv, \
+            readers(srv.reader_endpoint, 2, payload_cache_mb=0) as workers:
+        direct = consume(srv.trainer_endpoint, 2, record=_contents)
+        missed = sum(w.payload_server.num_missed for w in workers)
+    assert direct == inline and missed > 0
