@@ -131,11 +131,12 @@ class RemoteShard:
     transient failure (up to `tries` tries per read, backoff from `backoff_s`, doubling)."""
 
     def __init__(self, url: str, *, tries: int | None = None, backoff_s: float | None = None,
-                 block_bytes: int | None = None, start: int = 0) -> None:
+                 block_bytes: int | None = None, start: int = 0, read_ahead: bool = True) -> None:
         self.url = url
         self.tries = TRIES if tries is None else tries
         self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
         self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+        self.cache_type = "readahead" if read_ahead else "none"  # none: each read one request
         self.fs, self.path = filesystem(url)
         self.pos = start
         self.size: int | None = None
@@ -154,7 +155,7 @@ class RemoteShard:
                     raise ConnectionError(f"stream ended at byte {done} on the way to {self.pos}")
                 done += len(chunk)
             return
-        self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type="readahead")
+        self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type=self.cache_type)
         size = getattr(self._file, "size", None)
         if self.size is not None and size is not None and size != self.size:
             # Reading on at the byte reached would splice two objects into one archive.
@@ -232,9 +233,9 @@ class RemoteShard:
 
 def read_range(url: str, offset: int, size: int) -> bytes:
     """`size` bytes at `offset` of the remote shard `url`, with RemoteShard's retries: one ranged
-    request (a server that ignores ranges is read as a stream up to `offset`). OSError naming
-    the URL if the object holds fewer."""
-    with RemoteShard(url, start=offset, block_bytes=max(1, size)) as shard:
+    request for exactly those bytes (a server that ignores ranges is read as a stream up to
+    `offset`). OSError naming the URL if the object holds fewer."""
+    with RemoteShard(url, start=offset, block_bytes=max(1, size), read_ahead=False) as shard:
         data = shard.read(size)
         if len(data) != size:
             raise OSError(f"shard {url!r} holds {len(data)} of the {size} bytes at offset {offset}: "

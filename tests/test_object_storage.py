@@ -8,6 +8,7 @@ import http.server
 import os
 import re
 import threading
+from collections import Counter
 
 import pytest
 
@@ -39,7 +40,8 @@ def send_range(handler: http.server.BaseHTTPRequestHandler, data: bytes) -> tupl
 
 
 class _Shards(http.server.BaseHTTPRequestHandler):
-    """Files of `root` with Range support; `drops[name]` GETs of a file end after `cut` bytes."""
+    """Files of `root` with Range support; `drops[name]` GETs of a file end after `cut` bytes;
+    `gets` lists (name, bytes asked for) of every GET."""
 
     root = ""
     drops: dict[str, int] = {}
@@ -70,8 +72,8 @@ class _Shards(http.server.BaseHTTPRequestHandler):
         if data is None:
             return
         name = os.path.basename(self.path)
-        self.gets.append(name)
         lo, body = send_range(self, data)
+        self.gets.append((name, len(body)))
         if self.drops.get(name, 0) > 0 and lo > 0:  # a drop mid-shard, after the first block
             self.drops[name] -= 1
             self.wfile.write(body[:self.cut])
@@ -164,8 +166,10 @@ def test_http_shards_are_served_inline_and_direct_and_refused_by_reference(shard
         items = sum(len(items) for got in inline.values() for step in got for *_, enc in step
                     for items in enc.values())
         assert missed == (items if cache_mb == 0 else 0)
-        if cache_mb == 0:  # every item one ranged GET, plus the readers' shard reads
-            assert len(handler.gets) >= items + len(urls)
+        if cache_mb == 0:  # every item one ranged GET of exactly its bytes
+            sizes = Counter(len(b) for got in inline.values() for step in got for *_, enc in step
+                            for items_ in enc.values() for _, _, b in items_)
+            assert not sizes - Counter(n for _, n in handler.gets)
             assert handler.drops[os.path.basename(shards[0])] == 0  # both cuts came and went
     with pytest.raises(ValueError, match=rf"payloads='reference' needs shards on a filesystem the "
                                          rf"trainers mount; {re.escape(repr(urls[0]))} is remote "
