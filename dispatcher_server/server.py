@@ -244,7 +244,7 @@ class Dispatcher:
                 emptied = True
                 if sock in ready:
                     t0 = thread_time()
-                    emptied = self._drain(sock, handler)
+                    emptied = self._drain(sock, role, handler)
                     self._cpu[part] += thread_time() - t0
                 # A socket found empty, or drained empty, holds nothing its peers sent before
                 # the poll: their silence is measured up to then (`_liveness`), not up to a
@@ -506,9 +506,8 @@ class Dispatcher:
         return held
 
     # -- receiving --------------------------------------------------------------------
-    def _drain(self, sock: zmq.Socket, handler, budget: int = 256) -> bool:
-        """Take up to `budget` waiting messages; whether the socket was left empty."""
-        role = "reader" if sock is self.reader_sock else "trainer"
+    def _drain(self, sock: zmq.Socket, role: str, handler, budget: int = 256) -> bool:
+        """Take up to `budget` waiting messages of `role`'s socket; whether it was left empty."""
         count = nbytes = 0
         try:
             for frames in P.pending(sock, budget):

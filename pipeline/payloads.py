@@ -8,7 +8,8 @@ nothing of trainer liveness, and a restarted trainer simply asks again.
 A reader keeps the members it sent headers for in a bounded cache (evicted once fetched, and
 oldest first past a byte cap); a miss, e.g. a replay after a trainer restarts or a reference
 whose reader died, is read from the shard at its offset (a local file, or a ranged request to
-a remote object), so any live reader serves any reference of a shard of the job (the dispatcher's WELCOME lists them; no other file is read).
+a remote object), so any live reader serves any reference of a shard of the job (the
+dispatcher's WELCOME lists them; no other shard is read).
 With CurveZMQ the socket is a CURVE server with the reader's key pair and admits only clients
 whose public key is in the allowed directory (the same ZAP handler as the dispatcher's).
 """

@@ -260,16 +260,17 @@ def read_range(url: str, offset: int, size: int) -> bytes:
     ranged request (see protocol.reference_path). The one place payloads are read by offset
     (`direct` mode). OSError naming the shard if it holds fewer."""
     if remote.scheme(url):
-        return remote.read_range(url, offset, size)
-    path = _local_path(url)
-    if path is None:
-        raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        data = os.pread(fd, size, offset)
-    finally:
-        os.close(fd)
+        data = remote.read_range(url, offset, size)
+    else:
+        path = _local_path(url)
+        if path is None:
+            raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            data = os.pread(fd, size, offset)
+        finally:
+            os.close(fd)
     if len(data) != size:
         raise OSError(f"shard {url!r} holds {len(data)} of the {size} bytes at offset {offset}: "
-                      f"changed on disk?")
+                      f"changed on disk or in storage since it was read?")
     return data
