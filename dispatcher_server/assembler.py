@@ -556,6 +556,7 @@ class StepAssembler:
         skip_at = {s.index for s in out.skipped}
         next_index = prog.next_index
         append, at, nbytes = prog.buffer.append, 0, 0
+        record = tuple.__new__  # a Sample without the Python-level __new__ of a NamedTuple
         for key, index, text_len, llm_len, text, items in headers:
             start, at = at, at + len(items)
             if index < next_index:
@@ -570,8 +571,8 @@ class StepAssembler:
                 out.skipped.append(SkipRecord(key, problem, index))
                 continue
             size = len(text) + sum(item_bytes[start:at])
-            append(Sample(key, pos, index, text_len, llm_len, text, items, views[start:at], size,
-                          holder))
+            append(record(Sample, (key, pos, index, text_len, llm_len, text, items,
+                                   views[start:at], size, holder)))
             nbytes += size
             out.kept += 1
         last_skip = max(skip_at, default=-1)

@@ -13,6 +13,7 @@ import hashlib
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,13 +23,12 @@ from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
 _PHASE_CODE = {m: ENCODER_PHASES.index(p) for m, p in _PHASE_OF.items()}
-# ItemHeader's fields (modality, member, enc_len, llm_len, meta), by position
-_MODALITY, _MEMBER, _ENC_LEN, _LLM_LEN, _META = (itemgetter(k) for k in range(5))
 
 
-@dataclass(slots=True)
-class Sample:
-    """A sample held by the dispatcher: header fields plus its items' payload frames."""
+class Sample(NamedTuple):
+    """A sample held by the dispatcher: header fields plus its items' payload frames. A tuple:
+    tens of thousands are made and dropped a step, and a step's columns come out of them in one
+    C-level transpose (`build_batch`)."""
 
     key: str
     pos: int  # global shard position it came from
@@ -112,35 +112,33 @@ def take(col: list, idx: list[int]) -> list:
 def build_batch(samples: list[Sample]) -> StepBatch:
     """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order.
 
-    Whole-step columns, no per-item Python loop: the items' fields come out of their headers
-    through itemgetters and zips (a step at 2,560 ranks holds tens of thousands of items).
+    Whole-step columns, no per-sample or per-item Python step: the fields come out of the
+    sample and item records in one transpose each (a step at 2,560 ranks holds tens of thousands
+    of samples and items).
     """
-    keys = [s.key for s in samples]
-    counts = [len(s.items) for s in samples]
-    flat = list(chain.from_iterable([s.items for s in samples]))
+    keys, _, _, text_len, llm_len, tokens, items, payloads, _, _ = (
+        zip(*samples) if samples else ((),) * len(Sample._fields))
+    keys, tokens = list(keys), list(tokens)
+    flat = list(chain.from_iterable(items))
     n = len(flat)
-    modality = list(map(_MODALITY, flat))
+    modality, member, enc_len, item_llm_len, meta = zip(*flat) if n else ((),) * 5
     try:
         phase = np.fromiter(map(_PHASE_CODE.__getitem__, modality), dtype=np.int8, count=n)
     except KeyError as e:
         raise ValueError(f"unknown item modality {e.args[0]!r}") from None
-    owner = np.repeat(np.arange(len(samples), dtype=np.int64), counts)
-    enc_len = np.fromiter(map(_ENC_LEN, flat), dtype=np.int64, count=n)
-    llm_len = np.fromiter(map(_LLM_LEN, flat), dtype=np.int64, count=n)
-    payloads = list(chain.from_iterable([s.payloads for s in samples]))
+    owner = np.repeat(np.arange(len(samples), dtype=np.int64), list(map(len, items)))
+    enc_len = np.array(enc_len, dtype=np.int64)
+    item_llm_len = np.array(item_llm_len, dtype=np.int64)
+    payloads = list(chain.from_iterable(payloads))
     phase_items = {p: np.flatnonzero(phase == k) for k, p in enumerate(ENCODER_PHASES)}
-    encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=llm_len[f], sample=owner[f])
+    encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=item_llm_len[f], sample=owner[f])
                 for p, f in phase_items.items() if len(f)}
-    inputs = StepInputs(
-        text_len=np.fromiter([s.text_len for s in samples], dtype=np.int64, count=len(samples)),
-        llm_len=np.fromiter([s.llm_len for s in samples], dtype=np.int64, count=len(samples)),
-        encoders=encoders,
-    )
+    inputs = StepInputs(text_len=np.array(text_len, dtype=np.int64),
+                        llm_len=np.array(llm_len, dtype=np.int64), encoders=encoders)
     return StepBatch(
-        samples=samples, inputs=inputs, keys=keys, tokens=[s.tokens for s in samples],
+        samples=samples, inputs=inputs, keys=keys, tokens=tokens,
         phase_items=phase_items, item_owner=owner,
-        item_headers=list(zip(modality, take(keys, owner.tolist()), map(_MEMBER, flat),
-                              map(_META, flat))),
+        item_headers=list(zip(modality, take(keys, owner.tolist()), member, meta)),
         item_payloads=payloads, item_sizes=[memoryview(p).nbytes for p in payloads])
 
 
