@@ -21,18 +21,17 @@ ratio is bounded by the total CPU the chain spends per sample against the bare r
 (`e2e_vs_raw_cpu_bound`): with R = cores, the bare read owns every core while the chain's
 7 processes share them.
 
-What limits the ratio (2-core machine, 37 KB/sample, G=512, W=4, M=2; CPU ms per sample):
-the bare read spends ~0.07-0.08. The chain spends ~0.04 in the readers (tar
-reading and header counting from mapped shards, then building and sending SAMPLES messages),
-~0.02 in the dispatcher in reference mode (~0.045 inline: every payload byte crosses a second
-TCP hop) and ~0.015 in the trainers with mapped reference payloads (~0.03 when they copy them,
-`--trainer-reads copy`, or receive them inline). Direct payloads cost the dispatcher what
-reference mode does, and readers and trainers the bytes' one TCP hop (~0.04 more in readers,
-serving fetches, and ~0.025 in trainers, receiving them; a short run: e2e_vs_raw ~0.46). Beyond CPU, the ratio needs the chain never to
-wait on itself: readers hold their next shard queued (no round trip per shard) and the
-dispatcher keeps serve's window of 8 shards and 4 retained steps. Neither side decodes: the bare read collects each member as a bytes object (a copy),
-the trainers take their payloads (mapped views by default, copies with `--trainer-reads copy`)
-and count their bytes.
+Per party (`e2e_cpu_ms_per_sample`, beside `raw_cpu_ms_per_sample`; docs/benchmarks.md has the
+stored figures), readers spend about what the bare read does (tar reading and header counting from mapped shards, then
+building and sending SAMPLES messages), plus, with direct payloads, serving the trainers'
+fetches; the dispatcher's cost does not depend on the payload bytes except inline, where every
+payload byte crosses a second TCP hop; trainers spend least with mapped reference payloads and
+more when they copy them (`--trainer-reads copy`), receive them inline or fetch them from the
+readers. Beyond CPU, the ratio needs the chain never to wait on itself: readers hold their next
+shard queued (no round trip per shard) and the dispatcher keeps serve's window of 8 shards and
+4 retained steps. Neither side decodes: the bare read collects each member as a bytes object (a
+copy), the trainers take their payloads (mapped views by default, copies with
+`--trainer-reads copy`) and count their bytes.
 """
 
 from __future__ import annotations
