@@ -48,7 +48,6 @@ def relax_gc(young_threshold: int = 50_000) -> None:
     gc.set_threshold(young_threshold, second, third)
 
 
-
 def collect_on_a_clock(every_s: float = 30.0) -> threading.Thread:
     """The dispatcher's garbage collection: a full collection every `every_s` seconds (default
     30) from a daemon thread, none triggered by allocation counts.

@@ -67,7 +67,6 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used; the message is one line naming file, key and fix."""
 
 
-
 def _describe(error: dict, path: str) -> str:
     loc = []
     for part in error["loc"]:

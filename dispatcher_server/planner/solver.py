@@ -57,7 +57,6 @@ from .plan import StepPlan
 from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
 
 
-
 def check_inputs(inputs: StepInputs) -> None:
     """ValueError naming the first inconsistency in a step's arrays."""
     S = inputs.num_samples
