@@ -140,6 +140,41 @@ def test_a_dead_holder_is_replaced_by_another_reader(shards):
         server.close()
 
 
+def test_a_silent_holder_is_waited_on_once_then_asked_last(shards):
+    """A reader killed before the dispatcher noticed is still in the live table and still the
+    holder the steps name: the first request to it waits out the timeout, the steps after go
+    straight to another reader. Once the table drops it, a new fetcher never waits on it."""
+    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
+    it = rec.items[0]
+    ref = P.pack_ref(shards[0].encode(), *rec.spans[it.member])
+    dead = P.ReaderEndpoint("tcp://127.0.0.1:9", "")
+    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
+    server.servable = frozenset({shards[0].encode()})
+    live = P.ReaderEndpoint(server.endpoint, "")
+    msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+                            readers=[list(dead)], microbatches=[
+                                {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
+                                 "items": [[it.modality, rec.key, it.member, {}]],
+                                 "sizes": [len(ref)], P.HOLDERS: [0]}]))
+    config = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05)
+    fetchers = [PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=config)
+                for _ in range(2)]
+    try:
+        first, second = fetchers
+        first.readers = [dead, live]  # the dispatcher has not noticed the death yet
+        for step in range(4):
+            (views,) = first.fetch(msg)
+            assert bytes(views[0]) == bytes(rec.members[it.member])
+            assert first.num_retries == 1, f"step {step} waited on the silent holder again"
+        second.readers = [live]  # it has: the dead holder is not asked at all
+        second.fetch(msg)
+        assert second.num_retries == 0
+    finally:
+        for f in fetchers:
+            f.close()
+        server.close()
+
+
 def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
     """Requests for other files, impossible ranges or garbage get an ERROR; serving goes on."""
     other = tmp_path / "secret.tar"

@@ -9,7 +9,8 @@ stays bounded by the steps the client was granted. The thread owns the reader so
 A reader that answers with an error, or not within `timeout_s`, is replaced by another live
 reader from the dispatcher's table (any reader serves any reference from the shard file),
 after a backoff; after `attempts` tries the step fails with one error naming the shards and
-the readers tried. Pull keeps the readers stateless toward trainers: a restarted trainer
+the readers tried. A reader that left a request unanswered, or that the table no longer lists,
+is not asked first again: after a reader dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a restarted trainer
 simply asks again.
 """
 
@@ -68,6 +69,9 @@ class PayloadFetcher:
         self.decode, self.out, self.curve = decode, out, curve
         self.config = config or FetchConfig()
         self.readers: list[P.ReaderEndpoint] = []  # the live table, replaced whole
+        # Endpoints that left a request unanswered, until one answers again: asked only when no
+        # other live reader is left (set and read by the fetch thread alone).
+        self._silent: set[str] = set()
         self.num_retries = 0
         self._inbox: queue.Queue = queue.Queue()
         self._ctx = zmq.Context()
@@ -122,12 +126,27 @@ class PayloadFetcher:
                 places, grouped = groups.setdefault(h, ([], []))
                 places.append((m, k))
                 grouped.append(ref)
-        requests = [_Request(places, refs, readers[h]) for h, (places, refs) in groups.items()]
+        requests = [_Request(places, refs, self._first_choice(readers[h], h))
+                    for h, (places, refs) in groups.items()]
         self._complete(requests)
         for req in requests:
             for (m, k), view in zip(req.places, req.views):
                 out[m][k] = view
         return out
+
+    def _first_choice(self, holder: P.ReaderEndpoint, spread: int) -> P.ReaderEndpoint:
+        """The reader to ask first for what `holder` holds: the holder itself, unless the
+        dispatcher's live table no longer lists it or it left a request unanswered; then
+        another live reader (chosen by `spread`), which reads the bytes from the shard file.
+
+        Without this, every step planned from a dead reader's samples would wait `timeout_s`
+        on it before asking another: the dispatcher holds thousands of such samples, and learns
+        of the death only at its own timeout (and retained steps name the holder for good)."""
+        live = self.readers
+        if not live or (holder in live and holder.endpoint not in self._silent):
+            return holder
+        others = [r for r in live if r.endpoint not in self._silent]
+        return others[spread % len(others)] if others else holder
 
     def _complete(self, requests: list[_Request]) -> None:
         pending: dict[int, _Request] = {}
@@ -154,6 +173,7 @@ class PayloadFetcher:
             for req in [r for r in pending.values() if r.deadline <= now]:
                 del pending[req.id]
                 self._drop_socket(req.endpoint)
+                self._silent.add(req.endpoint.endpoint)
                 self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
 
     def _send(self, req: _Request, now: float) -> None:
@@ -172,6 +192,7 @@ class PayloadFetcher:
             return  # the answer to a request already given up on
         if msg.type == P.PAYLOADS and msg["sizes"] == [P.unpack_ref(r)[2] for r in req.refs]:
             req.views = P.item_views(msg.frames, msg["sizes"])
+            self._silent.discard(req.endpoint.endpoint)
         else:
             why = msg["message"] if msg.type == P.ERROR else f"a {msg.type} that does not match"
             self._failed(req, why, waiting)
@@ -194,7 +215,8 @@ class PayloadFetcher:
         """A live reader not yet asked for `req`; once all were, the live ones in turn; with no
         live reader known (all gone, replacements not yet reported), the last one asked."""
         asked = {e for e, _ in req.tried}
-        candidates = [r for r in self.readers if r.endpoint not in asked] or self.readers
+        candidates = ([r for r in self.readers if r.endpoint not in asked | self._silent]
+                      or [r for r in self.readers if r.endpoint not in asked] or self.readers)
         return candidates[len(req.tried) % len(candidates)] if candidates else req.endpoint
 
     def _socket(self, reader: P.ReaderEndpoint) -> zmq.Socket:
