@@ -27,6 +27,7 @@ from tests import test_faults as F
 from tests.test_faults import corpus, keys, reference  # noqa: F401 - fixtures
 from tests.test_reference_payloads import _contents, _deliver, _wait_for
 from tests.test_service import consume, dispatcher, make_config, readers, shards  # noqa: F401
+from trainer_client import fetch
 from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
 
 
@@ -140,10 +141,11 @@ def test_a_dead_holder_is_replaced_by_another_reader(shards):
         server.close()
 
 
-def test_a_silent_holder_is_waited_on_once_then_asked_last(shards):
+def test_a_silent_holder_is_waited_on_once_then_asked_last(shards, monkeypatch):
     """A reader killed before the dispatcher noticed is still in the live table and still the
     holder the steps name: the first request to it waits out the timeout, the steps after go
-    straight to another reader. Once the table drops it, a new fetcher never waits on it."""
+    straight to another reader, until the mark expires (a reader restarted at the same endpoint
+    is its own holders' first choice again). Once the table drops it, no fetcher waits on it."""
     rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
     it = rec.items[0]
     ref = P.pack_ref(shards[0].encode(), *rec.spans[it.member])
@@ -166,6 +168,9 @@ def test_a_silent_holder_is_waited_on_once_then_asked_last(shards):
             (views,) = first.fetch(msg)
             assert bytes(views[0]) == bytes(rec.members[it.member])
             assert first.num_retries == 1, f"step {step} waited on the silent holder again"
+        monkeypatch.setattr(fetch, "SILENT_TIMEOUTS", 0)  # the mark has expired
+        first.fetch(msg)
+        assert first.num_retries == 2
         second.readers = [live]  # it has: the dead holder is not asked at all
         second.fetch(msg)
         assert second.num_retries == 0

@@ -10,8 +10,9 @@ A reader that answers with an error, or not within `timeout_s`, is replaced by a
 reader from the dispatcher's table (any reader serves any reference from the shard file),
 after a backoff; after `attempts` tries the step fails with one error naming the shards and
 the readers tried. A reader that left a request unanswered, or that the table no longer lists,
-is not asked first again: after a reader dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a restarted trainer
-simply asks again.
+is not asked first again (until it answers, or for SILENT_TIMEOUTS timeouts): after a reader
+dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a
+restarted trainer simply asks again.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
+
+
+#: How long (in timeouts) a reader that left a request unanswered is asked only as a last resort.
+SILENT_TIMEOUTS = 6
 
 
 class FetchError(RuntimeError):
@@ -69,9 +74,10 @@ class PayloadFetcher:
         self.decode, self.out, self.curve = decode, out, curve
         self.config = config or FetchConfig()
         self.readers: list[P.ReaderEndpoint] = []  # the live table, replaced whole
-        # Endpoints that left a request unanswered, until one answers again: asked only when no
-        # other live reader is left (set and read by the fetch thread alone).
-        self._silent: set[str] = set()
+        # Endpoint -> when it left a request unanswered: asked only when no other live reader is
+        # left, until it answers or SILENT_TIMEOUTS timeouts passed (a reader restarted at the
+        # same endpoint is asked first again); set and read by the fetch thread alone.
+        self._silent: dict[str, float] = {}
         self.num_retries = 0
         self._inbox: queue.Queue = queue.Queue()
         self._ctx = zmq.Context()
@@ -142,11 +148,17 @@ class PayloadFetcher:
         Without this, every step planned from a dead reader's samples would wait `timeout_s`
         on it before asking another: the dispatcher holds thousands of such samples, and learns
         of the death only at its own timeout (and retained steps name the holder for good)."""
-        live = self.readers
-        if not live or (holder in live and holder.endpoint not in self._silent):
+        live, silent = self.readers, self._silent_now()
+        if not live or (holder in live and holder.endpoint not in silent):
             return holder
-        others = [r for r in live if r.endpoint not in self._silent]
+        others = [r for r in live if r.endpoint not in silent]
         return others[spread % len(others)] if others else holder
+
+    def _silent_now(self) -> set[str]:
+        since = time.monotonic() - SILENT_TIMEOUTS * self.config.timeout_s
+        for endpoint in [e for e, at in self._silent.items() if at < since]:
+            del self._silent[endpoint]
+        return set(self._silent)
 
     def _complete(self, requests: list[_Request]) -> None:
         pending: dict[int, _Request] = {}
@@ -173,7 +185,7 @@ class PayloadFetcher:
             for req in [r for r in pending.values() if r.deadline <= now]:
                 del pending[req.id]
                 self._drop_socket(req.endpoint)
-                self._silent.add(req.endpoint.endpoint)
+                self._silent[req.endpoint.endpoint] = now
                 self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
 
     def _send(self, req: _Request, now: float) -> None:
@@ -192,7 +204,7 @@ class PayloadFetcher:
             return  # the answer to a request already given up on
         if msg.type == P.PAYLOADS and msg["sizes"] == [P.unpack_ref(r)[2] for r in req.refs]:
             req.views = P.item_views(msg.frames, msg["sizes"])
-            self._silent.discard(req.endpoint.endpoint)
+            self._silent.pop(req.endpoint.endpoint, None)
         else:
             why = msg["message"] if msg.type == P.ERROR else f"a {msg.type} that does not match"
             self._failed(req, why, waiting)
@@ -215,7 +227,7 @@ class PayloadFetcher:
         """A live reader not yet asked for `req`; once all were, the live ones in turn; with no
         live reader known (all gone, replacements not yet reported), the last one asked."""
         asked = {e for e, _ in req.tried}
-        candidates = ([r for r in self.readers if r.endpoint not in asked | self._silent]
+        candidates = ([r for r in self.readers if r.endpoint not in asked | self._silent_now()]
                       or [r for r in self.readers if r.endpoint not in asked] or self.readers)
         return candidates[len(req.tried) % len(candidates)] if candidates else req.endpoint
 
