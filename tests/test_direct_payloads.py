@@ -114,27 +114,42 @@ def test_cache_misses_and_replays_read_the_shard_and_give_the_same_bytes(shards,
         assert second[r] == inline[r][2:]  # steps 2 and 3 replayed, fetched again
 
 
-def test_a_dead_holder_is_replaced_by_another_reader(shards):
-    """A reference fetched from a reader that does not answer is served by another one from its
-    shard file; with no reader left the step fails with one error naming shard and readers."""
-    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
+#: A payload endpoint nothing listens on: a reader that died.
+DEAD = P.ReaderEndpoint("tcp://127.0.0.1:9", "")
+QUICK_FETCH = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05)
+
+
+def _step_held_by_the_dead(shard: str) -> tuple[bytes, P.Message]:
+    """(a member's bytes, a one-item STEP whose holder of that member is DEAD)."""
+    rec = next(r for r in iter_shard(shard, spans=True) if r.items)
     it = rec.items[0]
-    ref = P.pack_ref(shards[0].encode(), *rec.spans[it.member])
+    ref = P.pack_ref(shard.encode(), *rec.spans[it.member])
     msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
-                            readers=[["tcp://127.0.0.1:9", ""]], microbatches=[
+                            readers=[list(DEAD)], microbatches=[
                                 {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                  "items": [[it.modality, rec.key, it.member, {}]],
                                  "sizes": [len(ref)], P.HOLDERS: [0]}]))
+    return bytes(rec.members[it.member]), msg
+
+
+def _payload_server(shard: str) -> PayloadServer:
     server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
-    server.servable = frozenset({shards[0].encode()})
-    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=FetchConfig(
-        timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05))
+    server.servable = frozenset({shard.encode()})
+    return server
+
+
+def test_a_dead_holder_is_replaced_by_another_reader(shards):
+    """A reference fetched from a reader that does not answer is served by another one from its
+    shard file; with no reader left the step fails with one error naming shard and readers."""
+    member, msg = _step_held_by_the_dead(shards[0])
+    server = _payload_server(shards[0])
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=QUICK_FETCH)
     try:
         fetcher.readers = [P.ReaderEndpoint(server.endpoint, "")]
         (views,) = fetcher.fetch(msg)
-        assert bytes(views[0]) == bytes(rec.members[it.member]) and server.num_missed == 1
+        assert bytes(views[0]) == member and server.num_missed == 1
         fetcher.readers = []
-        with pytest.raises(FetchError, match=f"{shards[0]}.*tcp://127.0.0.1:9"):
+        with pytest.raises(FetchError, match=f"{shards[0]}.*{DEAD.endpoint}"):
             fetcher.fetch(msg)
     finally:
         fetcher.close()
@@ -146,27 +161,17 @@ def test_a_silent_holder_is_waited_on_once_then_asked_last(shards, monkeypatch):
     holder the steps name: the first request to it waits out the timeout, the steps after go
     straight to another reader, until the mark expires (a reader restarted at the same endpoint
     is its own holders' first choice again). Once the table drops it, no fetcher waits on it."""
-    rec = next(r for r in iter_shard(shards[0], spans=True) if r.items)
-    it = rec.items[0]
-    ref = P.pack_ref(shards[0].encode(), *rec.spans[it.member])
-    dead = P.ReaderEndpoint("tcp://127.0.0.1:9", "")
-    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(1 << 20))
-    server.servable = frozenset({shards[0].encode()})
+    member, msg = _step_held_by_the_dead(shards[0])
+    server = _payload_server(shards[0])
     live = P.ReaderEndpoint(server.endpoint, "")
-    msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
-                            readers=[list(dead)], microbatches=[
-                                {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
-                                 "items": [[it.modality, rec.key, it.member, {}]],
-                                 "sizes": [len(ref)], P.HOLDERS: [0]}]))
-    config = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05)
-    fetchers = [PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=config)
+    fetchers = [PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=QUICK_FETCH)
                 for _ in range(2)]
     try:
         first, second = fetchers
-        first.readers = [dead, live]  # the dispatcher has not noticed the death yet
+        first.readers = [DEAD, live]  # the dispatcher has not noticed the death yet
         for step in range(4):
             (views,) = first.fetch(msg)
-            assert bytes(views[0]) == bytes(rec.members[it.member])
+            assert bytes(views[0]) == member
             assert first.num_retries == 1, f"step {step} waited on the silent holder again"
         monkeypatch.setattr(fetch, "SILENT_TIMEOUTS", 0)  # the mark has expired
         first.fetch(msg)

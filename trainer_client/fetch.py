@@ -144,21 +144,20 @@ class PayloadFetcher:
         """The reader to ask first for what `holder` holds: the holder itself, unless the
         dispatcher's live table no longer lists it or it left a request unanswered; then
         another live reader (chosen by `spread`), which reads the bytes from the shard file.
-
-        Without this, every step planned from a dead reader's samples would wait `timeout_s`
-        on it before asking another: the dispatcher holds thousands of such samples, and learns
-        of the death only at its own timeout (and retained steps name the holder for good)."""
+        A dead reader stays the named holder of every buffered sample it sent and of every
+        retained step: asking it first would cost each of those steps `timeout_s`."""
         live, silent = self.readers, self._silent_now()
         if not live or (holder in live and holder.endpoint not in silent):
             return holder
         others = [r for r in live if r.endpoint not in silent]
         return others[spread % len(others)] if others else holder
 
-    def _silent_now(self) -> set[str]:
+    def _silent_now(self):
+        """The endpoints marked silent, less the marks older than SILENT_TIMEOUTS timeouts."""
         since = time.monotonic() - SILENT_TIMEOUTS * self.config.timeout_s
         for endpoint in [e for e, at in self._silent.items() if at < since]:
             del self._silent[endpoint]
-        return set(self._silent)
+        return self._silent.keys()
 
     def _complete(self, requests: list[_Request]) -> None:
         pending: dict[int, _Request] = {}
@@ -224,10 +223,12 @@ class PayloadFetcher:
         waiting.append(req)
 
     def _next_reader(self, req: _Request) -> P.ReaderEndpoint:
-        """A live reader not yet asked for `req`; once all were, the live ones in turn; with no
-        live reader known (all gone, replacements not yet reported), the last one asked."""
+        """A live reader not yet asked for `req` (silent ones last); once all were, the live
+        ones in turn; with no live reader known (all gone, replacements not yet reported), the
+        last one asked."""
         asked = {e for e, _ in req.tried}
-        candidates = ([r for r in self.readers if r.endpoint not in asked | self._silent_now()]
+        avoid = asked | self._silent_now()
+        candidates = ([r for r in self.readers if r.endpoint not in avoid]
                       or [r for r in self.readers if r.endpoint not in asked] or self.readers)
         return candidates[len(req.tried) % len(candidates)] if candidates else req.endpoint
 
