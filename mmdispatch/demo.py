@@ -120,7 +120,10 @@ def _inspect(shards: list[Path], reader_args: tuple[str, ...]) -> None:
 
 
 def _mixture_line(summary: dict, sources: list) -> str:
-    """The realized share of each source beside its weight."""
+    """The realized share of each source beside its weight (a step log counts sources only for
+    a blend: one source has every sample)."""
+    if len(sources) == 1:
+        return f"one source: {sources[0].name}, every sample"
     total = sum(s.weight for s in sources)
     got = summary.get("sources", {})
     return "realized mixture: " + ", ".join(

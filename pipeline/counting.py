@@ -13,6 +13,7 @@ import io
 import json
 import math
 import os
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,6 +36,15 @@ _BODY_CHECKS = {"PNG": png_problem, "JPEG": jpeg_problem, "GIF": gif_problem}
 
 class CountError(HeaderError):
     """A member cannot be counted; `reason` is a short stable name for error counters."""
+
+
+_BUFFER_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+
+
+def library_message(e: Exception) -> str:
+    """A decoding library's error text, with the in-memory buffer it was handed (a repr with an
+    address: Pillow's and libsndfile's messages name it) said as "the member"."""
+    return _BUFFER_REPR.sub("the member", str(e))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -280,7 +290,7 @@ class Counter:
         except Image.DecompressionBombError as e:
             raise CountError("image_too_large", str(e)) from None
         except Exception as e:  # Pillow raises many types on garbage: all mean "not an image"
-            raise CountError("bad_image", f"unreadable image header: {e}") from None
+            raise CountError("bad_image", f"unreadable image header: {library_message(e)}") from None
 
     # -- audio ----------------------------------------------------------------------------
     def audio(self, data: bytes | memoryview) -> tuple[int, int, dict]:
@@ -294,7 +304,7 @@ class Counter:
             try:
                 info = soundfile.info(io.BytesIO(data))
             except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
-                raise CountError("bad_audio", f"unreadable audio header: {e}") from None
+                raise CountError("bad_audio", f"unreadable audio header: {library_message(e)}") from None
             rate, channels, duration = info.samplerate, info.channels, info.duration
             if rate <= 0 or not math.isfinite(duration) or duration < 0:
                 raise CountError("bad_audio", f"audio header declares rate={rate} duration={duration}")
@@ -355,6 +365,9 @@ class Counter:
             obj = json.loads(text)
         except ValueError as e:
             raise CountError("bad_json", f"{what} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise CountError("bad_json", f"{what} nests arrays or objects deeper than the JSON "
+                                         "parser allows (about 1000 levels)") from None
         if isinstance(obj, list):  # a conversation: the list of turns itself
             return [_turn(turn, what) for turn in obj]
         if not isinstance(obj, dict):

@@ -37,6 +37,7 @@ REASONS: dict[str, str] = {
     "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",
     "link_member": "a member stored as a hard or symbolic link (tar's way to store a file linked "
                    "twice): the archive holds no bytes for it",
+    "special_member": "a member stored as a device or FIFO: the archive holds no bytes for it",
     "member_too_large": "a member over ReaderConfig.max_member_bytes",
     "sample_too_large": "a sample whose members together exceed ReaderConfig.max_sample_bytes",
     "empty_sample": "no countable text, image, video or audio among the sample's members",
@@ -53,6 +54,8 @@ REASONS: dict[str, str] = {
     "chat_template": "a conversation the chat template refuses, or renders so that its assistant "
                      "tokens cannot be located exactly",
     "bad_gzip": "a .gz member that is corrupt or truncated",
+    "count_failed": "counting the sample raised an unexpected error (a defect: please report it "
+                    "with the sample; the reader logs its traceback once)",
 }
 
 

@@ -9,6 +9,7 @@ position in the shard counting failed samples too, so `start_index` resumes are 
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
@@ -21,9 +22,11 @@ from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
-from pipeline.tario import Link, TarError, TooLarge, open_decompressed, tar_members
+from pipeline.tario import Link, Special, TarError, TooLarge, open_decompressed, tar_members
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
+
+log = logging.getLogger("mmdispatch.pipeline")
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -143,7 +146,7 @@ def printable_key(key: str) -> str:
 
 
 def group_samples(
-    members: Iterable[tuple[str, bytes | TooLarge | Link]],
+    members: Iterable[tuple[str, bytes | TooLarge | Link | Special]],
     on_ignored: Callable[[str], None],
     max_sample_bytes: int | None = None,
 ) -> Iterator[tuple[str, dict[str, bytes], tuple[str, str] | None]]:
@@ -174,9 +177,12 @@ def group_samples(
                 problem = ("link_member", f"member {printable_key(name)!r} is a tar link to "
                            f"{printable_key(data.target)!r}, not a file: the archive holds no bytes "
                            "for it (write shards with tar --hard-dereference, or -h for symlinks)")
+            elif isinstance(data, Special):
+                problem = ("special_member", f"member {printable_key(name)!r} is a {data.kind} in the "
+                           "tar, not a file: the archive holds no bytes for it")
             elif isinstance(data, TooLarge):
                 problem = ("member_too_large", f"member {printable_key(name)!r} holds {data.size} bytes, "
-                           "over max_member_bytes")
+                           f"over max_member_bytes={data.limit} (see --max-member-bytes)")
             elif not _utf8_name(name):
                 problem = ("bad_key", f"member name {printable_key(name)!r} is not UTF-8")
             elif suffix in group:
@@ -302,6 +308,18 @@ class SampleBuilder:
 
 
 _BUILDERS: dict[str, SampleBuilder] = {}
+_DEFECTS_LOGGED: set[str] = set()
+
+
+def _log_defect_once(e: Exception, url: str, key: str) -> None:
+    """The traceback of an unexpected counting error, once per error type in this process: the
+    sample is skipped as `count_failed`, and the traceback is what a bug report needs."""
+    kind = type(e).__name__
+    if kind not in _DEFECTS_LOGGED:
+        _DEFECTS_LOGGED.add(kind)
+        log.error("mmdispatch.pipeline: counting shard %r key %r raised %s (a defect: please report "
+                  "it with this sample); skipped as count_failed", url, printable_key(key), kind,
+                  exc_info=e)
 
 
 def _builder(config: ReaderConfig) -> SampleBuilder:
@@ -390,7 +408,9 @@ def iter_shard(
             last_key = key
             builder.count_ignored(members, shard_ignored)
             if key in seen and problem is None:
-                problem = ("duplicate_key", f"key {key!r} appears again at sample {index} (must be unique in a shard)")
+                problem = ("duplicate_key", f"key {key!r} appears again at sample {index}: keys must be "
+                           "unique in a shard and a sample's members adjacent (write shards sorted by "
+                           "name, e.g. tar --sort=name)")
             seen.add(key)
             if index < start_index:
                 continue
@@ -404,6 +424,11 @@ def iter_shard(
                                     for it in record.items}
             except CountError as e:
                 skip(SampleError(e.reason, url, key, str(e)), index)
+                continue
+            except Exception as e:  # noqa: BLE001 - a defect on one sample must not stop the reader
+                _log_defect_once(e, url, key)
+                skip(SampleError("count_failed", url, printable_key(key),
+                                 f"counting raised {type(e).__name__}: {e}"[:500]), index)
                 continue
             stats.ok()
             yield record

@@ -79,10 +79,11 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 urls.append(expanded)
                 continue
             prefix = expanded[: len(expanded) - len(path)]
-            if _GLOB_CHARS.intersection(path):
+            if _GLOB_CHARS.intersection(path) and not os.path.isfile(path):  # `a[1].tar` exists: itself
                 matches = sorted(p for p in glob.glob(path) if p.endswith(SHARD_SUFFIXES))
                 if not matches:
-                    raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r})")
+                    raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r}); a "
+                                            "file whose name holds * ? or [ is named by its exact path")
                 urls.extend(prefix + m for m in matches)
             elif os.path.isdir(path):
                 matches = sorted(

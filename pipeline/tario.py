@@ -21,13 +21,17 @@ _REGULAR = (b"0", b"\0", b"7")
 _META = (b"L", b"x")  # GNU long name, pax extended header: they name the next member
 _MAX_META = 1 << 20
 _LINKS = (b"1", b"2")  # hard and symbolic links: named members whose bytes are elsewhere
-_SKIPPED = (b"3", b"4", b"5", b"6", b"g", b"D", b"V")  # dirs, devices, globals
+#: devices and FIFOs: named members that hold no bytes at all
+_SPECIAL = {b"3": "character device", b"4": "block device", b"6": "FIFO"}
+_SKIPPED = (b"5", b"g", b"D", b"V")  # directories, pax globals, GNU dumpdir and volume headers
+_GZIP_MAGIC = b"\x1f\x8b"
 
 
 class TooLarge(NamedTuple):
     """Stands in for the bytes of a member over `max_member_bytes`: read through, not kept."""
 
     size: int
+    limit: int | None  # max_member_bytes (None for members read through unnamed)
 
 
 class Link(NamedTuple):
@@ -35,6 +39,12 @@ class Link(NamedTuple):
     (tar stores a file linked twice as a link to its first copy)."""
 
     target: str
+
+
+class Special(NamedTuple):
+    """Stands in for a device or FIFO member: tar records its name and kind, and no bytes."""
+
+    kind: str  # "character device", "block device" or "FIFO"
 
 
 class TarError(ValueError):
@@ -116,12 +126,13 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
 
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None
-) -> Iterator[tuple[str, bytes | TooLarge | Link]]:
+) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
-    (name, `Link(target)`) for each hard or symbolic link (which holds no bytes).
+    (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each
+    device or FIFO (which hold no bytes).
 
     A regular member over `max_member_bytes` is read through in 1 MiB chunks and yielded as
-    `TooLarge(size)` instead of its bytes, so one huge member cannot exhaust memory.
+    `TooLarge(size, max_member_bytes)` instead of its bytes, so one huge member cannot exhaust memory.
     `on_member(name, data_offset)`, if given, learns where each member's bytes start in the
     (uncompressed) archive just before the member is yielded.
     """
@@ -135,6 +146,9 @@ def tar_members(
         while True:
             name = None
             header = read(_BLOCK)
+            if offset == 0 and header.startswith(_GZIP_MAGIC):
+                raise TarError("bad_tar", "gzip-compressed bytes where a tar header belongs: name a "
+                               "gzip-compressed tar .tar.gz or .tgz, or decompress it")
             if len(header) < _BLOCK:
                 if offset == 0 and not header:
                     return  # a zero-byte file: an empty shard, reported as such by the reader
@@ -149,7 +163,7 @@ def tar_members(
                 raise TarError("bad_tar", f"header checksum mismatch at byte {offset}: not a tar, or corrupt")
             size = _number(header[124:136], offset)
             kind = header[156:157]
-            if kind in _REGULAR or kind in _LINKS:
+            if kind in _REGULAR or kind in _LINKS or kind in _SPECIAL:
                 if long_name is not None:
                     name, long_name = long_name, None
                 else:
@@ -164,11 +178,14 @@ def tar_members(
             # Members nobody keeps (directories, links, oversized files) are read through, not held.
             if kind in _LINKS:
                 present = _skip_member(read, size)
-                data: bytes | TooLarge | Link | memoryview = Link(
+                data: bytes | TooLarge | Link | Special | memoryview = Link(
                     header[157:257].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"))
+            elif kind in _SPECIAL:
+                present = _skip_member(read, size)
+                data = Special(_SPECIAL[kind])
             elif kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
                 present = _skip_member(read, size)
-                data = TooLarge(size)
+                data = TooLarge(size, max_member_bytes)
             elif take is not None:
                 data, padded = take(size, pad)
                 present = len(data)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.counting import CountError, ImageConfig, smart_resize
+from pipeline.counting import CountError, ImageConfig, library_message, smart_resize
 
 #: CLIP's normalization, which Qwen2-VL's image and video processors use.
 _MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
@@ -287,7 +287,7 @@ def _pyav_header(data: bytes | memoryview) -> VideoHeader:
     except CountError:
         raise
     except Exception as e:  # FFmpeg reports every malformed input as some av.error.* / ValueError
-        raise _bad(f"unreadable video container: {e}") from None
+        raise _bad(f"unreadable video container: {library_message(e)}") from None
 
 
 def read_header(data: bytes | memoryview) -> VideoHeader:

@@ -284,6 +284,11 @@ def _(p):
     return b"\x1f\x8b\x08\x00" + bytes(np.random.default_rng(3).integers(0, 256, 4000, dtype=np.uint8)), ()
 
 
+@_case("tar_gzip_named_tar", "bad_tar", "a gzip-compressed tar whose name ends in .tar, not .tar.gz")
+def _(p):
+    return gzip.compress(tar_bytes(_four(p)), mtime=0), ()
+
+
 @_case("tar_gz_truncated", "truncated_tar", "a .tar.gz cut inside its last member's data", suffix=".tar.gz")
 def _(p):
     noise = np.random.default_rng(4).integers(0, 256, 64 << 10, dtype=np.uint8).tobytes()  # incompressible
@@ -301,6 +306,9 @@ _sample_case("zero_png", "bad_image", "a zero-byte .png", lambda: {"png": b"", "
 _sample_case("zero_wav", "bad_audio", "a zero-byte .wav", lambda: {"txt": b"caption", "wav": b""})
 _sample_case("zero_flac", "bad_audio", "a zero-byte .flac", lambda: {"flac": b"", "txt": b"caption"})
 _sample_case("zero_json", "bad_json", "a zero-byte .json", lambda: {"json": b""})
+_sample_case("json_nested_too_deep", "bad_json", "a .json caption whose metadata nests 5,000 objects deep",
+             lambda: {"jpg": jpeg(16, 16),
+                      "json": b'{"caption": "a cat", "meta": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001})
 _sample_case("zero_txt_gz", "bad_gzip", "a zero-byte .txt.gz", lambda: {"txt.gz": b""})
 
 # Compressed text members.
@@ -420,6 +428,23 @@ def _(p):
 def _(p):
     link = tar_header(f"{p}_bad.txt".encode(), 0, b"2", link=f"{p}_g0.txt".encode())
     return (tar_bytes(_text(f"{p}_g0"), end=False) + link + tar_bytes(_text(f"{p}_g1")),
+            (f"{p}_g0", f"{p}_g1"), f"{p}_bad", 1)
+
+
+# Devices and FIFOs: tar records a name and a kind, and no bytes (a `tar -c` of a directory
+# holding a named pipe writes one).
+@_case("fifo_member", "special_member", "a .jpg stored as a FIFO (tar member type 6)")
+def _(p):
+    fifo = tar_header(f"{p}_bad.jpg".encode(), 0, b"6")
+    return (tar_bytes(_text(f"{p}_g0"), end=False) + fifo + tar_bytes([(f"{p}_bad.txt", b"caption"),
+                                                                        *_text(f"{p}_g1")]),
+            (f"{p}_g0", f"{p}_g1"), f"{p}_bad", 1)
+
+
+@_case("device_member", "special_member", "a sample whose only member is a character device")
+def _(p):
+    dev = tar_header(f"{p}_bad.txt".encode(), 0, b"3")
+    return (tar_bytes(_text(f"{p}_g0"), end=False) + dev + tar_bytes(_text(f"{p}_g1")),
             (f"{p}_g0", f"{p}_g1"), f"{p}_bad", 1)
 
 

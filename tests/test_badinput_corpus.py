@@ -58,8 +58,8 @@ def test_corpus_covers_the_issue_and_documents_its_reasons(corpus):
     } <= reasons
     assert os.path.getsize(corpus["txt_huge"].path) > HUGE_TEXT_BYTES
     for c in corpus.values():
-        # Bad samples sit among good ones, except in the two shards unreadable from byte 0.
-        assert c.good_keys or c.case in ("tar_gz_not_gzip", "tar_gz_garbage"), c.case
+        # Bad samples sit among good ones, except in the shards unreadable from byte 0.
+        assert c.good_keys or c.case in ("tar_gz_not_gzip", "tar_gz_garbage", "tar_gzip_named_tar"), c.case
         assert (c.bad_key is None) == (c.reason == "ok" or c.reason in ("truncated_tar", "bad_tar")), c.case
 
 
@@ -92,6 +92,21 @@ def test_case_yields_good_samples_counts_the_bad_one_and_reads_on(corpus, clean,
         assert case.bad_key is None or repr(case.bad_key) in warnings[0]
     else:
         assert warnings == []
+
+
+def test_the_fix_is_named_for_a_gzip_shard_named_tar_and_for_nonadjacent_members(corpus, tmp_path):
+    stats = ErrorStats()
+    assert list(iter_shard(corpus["tar_gzip_named_tar"].path, _config("skip"), stats=stats)) == []
+    ((_, _, _, message),) = stats.recent
+    assert "gzip-compressed" in message and ".tar.gz" in message
+    # A plain `tar -c` of a directory may split a key's members: the later ones say why.
+    path = str(tmp_path / "unsorted.tar")
+    with open(path, "wb") as f:
+        f.write(badcorpus.tar_bytes([("s0.txt", b"zero"), ("s1.txt", b"one"), ("s0.jpg", badcorpus.jpeg(8, 8))]))
+    stats = ErrorStats()
+    assert [r.key for r in iter_shard(path, _config("skip"), stats=stats)] == ["s0", "s1"]
+    ((reason, _, key, message),) = stats.recent
+    assert (reason, key) == ("duplicate_key", "s0") and "adjacent" in message and "--sort=name" in message
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

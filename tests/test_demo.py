@@ -32,3 +32,15 @@ def test_demo_trains_reports_and_stops_everything(tmp_path):
     # Every child was stopped: no process still runs from this run's folder.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps
+
+
+def test_the_mixture_line_of_one_source_says_it_has_every_sample():
+    from types import SimpleNamespace
+
+    from mmdispatch.demo import _mixture_line
+
+    one = [SimpleNamespace(name="only", weight=1.0)]
+    assert _mixture_line({}, one) == "one source: only, every sample"
+    two = [SimpleNamespace(name="a", weight=1.0), SimpleNamespace(name="b", weight=3.0)]
+    line = _mixture_line({"sources": {"a": {"share": 0.25}, "b": {"share": 0.75}}}, two)
+    assert line == "realized mixture: a 25.0% (weight 25.0%), b 75.0% (weight 75.0%)"

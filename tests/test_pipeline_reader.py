@@ -185,6 +185,47 @@ def test_missing_shard_path_named_by_expand(tmp_path):
         expand_shards([missing])
 
 
+def test_a_shard_file_whose_name_holds_glob_characters_is_named_by_its_path(tmp_path):
+    shard = write_tar(tmp_path / "shard[1].tar", good("a"))
+    assert expand_shards([shard]) == [shard]
+    with pytest.raises(FileNotFoundError, match=r"named by its exact path"):
+        expand_shards([str(tmp_path / "shard[2].tar")])
+
+
+def test_an_unexpected_counting_error_skips_that_sample_and_logs_its_traceback_once(
+        tmp_path, monkeypatch, caplog):
+    from pipeline.reader import SampleBuilder
+
+    shard = write_tar(tmp_path / "s.tar", [*good("a"), *good("b"), *good("c"), *good("d")])
+    build = SampleBuilder.build
+
+    def defective(self, key, members, shard, index):  # a bug that only some samples reach
+        if key in ("b", "c"):
+            raise ZeroDivisionError("a defect")
+        return build(self, key, members, shard, index)
+
+    monkeypatch.setattr(SampleBuilder, "build", defective)
+    stats = ErrorStats()
+    with caplog.at_level(logging.ERROR, logger="mmdispatch.pipeline"):
+        keys = [r.key for r in iter_shard(shard, config("skip"), stats=stats)]
+    assert keys == ["a", "d"] and stats.by_reason == {"count_failed": 2}
+    assert [(r, k) for r, _, k, _ in stats.recent] == [("count_failed", "b"), ("count_failed", "c")]
+    assert "ZeroDivisionError: a defect" in stats.recent[0][3]
+    logged = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(logged) <= 1 and all(r.exc_info for r in logged)  # once per process and error type
+    with pytest.raises(SampleError, match="count_failed"):
+        list(iter_shard(shard, config("raise")))
+
+
+def test_library_messages_name_the_member_not_a_buffer_address(tmp_path):
+    shard = write_tar(tmp_path / "s.tar", [("a.jpg", b"junk"), *good("a"), ("b.mp3", b"\x00junk" * 9),
+                                           *good("b")])
+    stats = ErrorStats()
+    list(iter_shard(shard, config("skip"), stats=stats))
+    messages = [m for _, _, _, m in stats.recent]
+    assert len(messages) == 2 and not any("BytesIO" in m or "0x" in m for m in messages), messages
+
+
 def test_consecutive_failure_limit(tmp_path):
     members = [(f"k{i}.jpg", b"garbage") for i in range(5)]
     shard = write_tar(tmp_path / "bad.tar", members)
