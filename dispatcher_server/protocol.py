@@ -48,6 +48,10 @@ BYE = "bye"  # peer -> dispatcher: leaving on purpose
 READERS = "readers"  # dispatcher -> trainer (direct mode): the live readers' payload endpoints
 FETCH = "fetch"  # trainer -> reader's payload socket (direct mode): references, coalesced
 PAYLOADS = "payloads"  # reader -> trainer (direct mode): the bytes of one FETCH
+#: ERROR code a reader sends before it exits because its error policy stopped it on its data
+#: (`--errors raise`, or more consecutive bad samples than `--max-consecutive-errors`): the
+#: dispatcher stops the job with its message instead of handing the shard to the next reader.
+READER_STOPPED = "reader_stopped"
 
 ROLES = ("reader", "trainer")
 #: Most shards a reader holds at once (SHARD_REQUEST `shards`, default 1): it reads one and

@@ -560,10 +560,22 @@ class Dispatcher:
             self._on_shard_done(reader, msg)
         elif msg.type == P.BYE:
             self._drop_reader(reader, "bye")
+        elif msg.type == P.ERROR:
+            self._reader_error(reader, msg)
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="reader", type=msg.type)
             self._send(self.reader_sock, ident, P.ERROR, code="unexpected",
                        message=f"{msg.type} is not a reader message")
+
+    def _reader_error(self, reader: Reader, msg: P.Message) -> None:
+        """A reader's ERROR: one its error policy stopped on its data ends the job with the
+        reader's line (the next reader of that shard would stop the same way, and the job would
+        wait on readers that are gone); any other is counted and logged, never answered."""
+        if msg["code"] == P.READER_STOPPED:
+            raise Fatal(f"reader {reader.name!r} stopped {msg['message']}; fix it and start the "
+                        "job again (a dispatcher with --journal-dir resumes where it stopped)")
+        self.metrics.error("reader_error", role="reader", name=reader.name, code=msg["code"],
+                           detail=msg["message"][:500])
 
     def _reader_hello(self, ident: bytes, reader: Reader | None, msg: P.Message, now: float) -> None:
         if msg["role"] != "reader":

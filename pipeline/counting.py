@@ -38,13 +38,13 @@ class CountError(HeaderError):
     """A member cannot be counted; `reason` is a short stable name for error counters."""
 
 
-_BUFFER_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
+_BUFFER_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 
 def library_message(e: Exception) -> str:
-    """A decoding library's error text, with the in-memory buffer it was handed (a repr with an
-    address: Pillow's and libsndfile's messages name it) said as "the member"."""
-    return _BUFFER_REPR.sub("the member", str(e))
+    """A decoding library's error text without the in-memory buffer it was handed (a repr with
+    an address, which Pillow's and libsndfile's messages name): the caller names the member."""
+    return _BUFFER_REPR.sub("", str(e))
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,7 +24,7 @@ import zmq
 
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
-from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
+from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import check_endpoint, finite_float, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
@@ -213,8 +213,26 @@ class ReaderWorker:
         work = next((a for a in self.assignments if a.credits > 0), None)
         if work is None:
             return False
-        self._stream(work)
+        try:
+            self._stream(work)
+        except (SampleError, TooManyErrors) as e:
+            self._stopped_by(e)
+            raise
         return any(a.credits > 0 for a in self.assignments)
+
+    def _stopped_by(self, e: SampleError | TooManyErrors) -> None:
+        """Tell the dispatcher that this reader's error policy stops it on its data (it
+        stops the job with this line; otherwise the next reader of the shard would stop the
+        same way, and the job would wait on readers that are gone)."""
+        fix = ("mmdispatch read --errors skip (or warn) counts bad samples and reads on"
+               if isinstance(e, SampleError) else
+               "so many failures in a row usually mean wrong counting settings or field map; "
+               "raise --max-consecutive-errors if the data is that bad")
+        message = f"on its data: {e} ({fix})"  # `e` names the shard (and key)
+        try:
+            self.session.send(P.ERROR, code=P.READER_STOPPED, message=message[:3000])
+        except Disconnected:
+            pass  # the dispatcher is gone: the worker's own line still says it
 
     # -- assignments ---------------------------------------------------------------------
     def _assign(self, msg: P.Message) -> None:

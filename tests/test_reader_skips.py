@@ -123,7 +123,12 @@ def test_under_errors_raise_a_changed_shard_stops_the_reader_naming_shard_and_re
         with _reader(router, mode="raise") as (worker, errors):
             router.send(P.SHARD_ASSIGN, assign_id=1, shard=shard, pos=0, epoch=0, start_index=77)
             router.send(P.CREDIT, assign_id=1, samples=10)
-            router.expect(P.BYE)  # it leaves on purpose: the dispatcher hears it at once
+            # Why first, naming the shard and the way on; then it leaves, so the dispatcher
+            # hears both at once.
+            why = router.expect(P.ERROR)
+            assert why["code"] == P.READER_STOPPED and shard in why["message"]
+            assert "shard_changed" in why["message"] and "--errors skip" in why["message"]
+            router.expect(P.BYE)
         assert len(errors) == 1 and isinstance(errors[0], SampleError)
         assert "shard_changed" in str(errors[0]) and shard in str(errors[0])
         # `mmdispatch read` says the same in one line and exits non-zero.
@@ -212,3 +217,23 @@ def test_a_stopped_reader_leaves_the_dispatcher_at_once_not_by_timeout(tmp_path)
             stop.set()
             thread.join(10)
         K.wait_for(lambda: len(srv.readers) == 0, 3, "the dispatcher dropping the reader (BYE)")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_a_reader_its_error_policy_stops_stops_the_job_with_its_line(tmp_path, mode):
+    """Under --errors raise (a bad sample), or past --max-consecutive-errors (a run of them),
+    a reader stops; the dispatcher stops the job with that reader's line, instead of handing
+    the shard to the next reader (which stops the same way) and waiting on readers that are gone."""
+    from tests import servicekit as K
+    from tests.test_service import dispatcher, make_config, readers
+
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 30), ("bad", 3), ("good", 30)]))
+    policy = ErrorPolicy(mode=mode, max_consecutive=2)
+    with dispatcher(make_config([shard], world_size=1)) as srv:
+        with readers(srv.reader_endpoint, 2, reader=ReaderConfig(errors=policy)):
+            K.wait_for(lambda: srv.fatal is not None, 30, "the dispatcher stopping the job")
+            K.wait_for(lambda: not srv._thread.is_alive(), 10, "the dispatcher's loop ending")
+    assert "reader 'r" in srv.fatal and shard in srv.fatal and "bad_image" in srv.fatal
+    fix = "--errors skip" if mode == "raise" else "--max-consecutive-errors"
+    assert fix in srv.fatal and "--journal-dir" in srv.fatal
