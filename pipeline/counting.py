@@ -328,7 +328,10 @@ class Counter:
         """Token ids and loss mask of a text or JSON member; JSON without a text field gives none."""
         if self.encoder is None:
             raise ValueError("TextConfig.estimate counts text without ids: use estimate_text")
-        value = self._member_text(data, ext, what, as_json)
+        return self.text_of(self.member_text(data, ext, what, as_json), what)
+
+    def text_of(self, value: str | list[dict] | None, what: str) -> TextTokens:
+        """Token ids and loss mask of a `member_text` value (None: metadata JSON, no text)."""
         if value is None:
             return TextTokens.empty()  # metadata JSON: carried as payload, not text
         if isinstance(value, str):
@@ -341,7 +344,10 @@ class Counter:
     def estimate_text(self, data: bytes | memoryview, ext: str, what: str, *,
                       as_json: bool | None = None) -> int:
         """Approximate tokens of a text or JSON member by the estimator (no tokenizer run)."""
-        value = self._member_text(data, ext, what, as_json)
+        return self.estimate_of(self.member_text(data, ext, what, as_json))
+
+    def estimate_of(self, value: str | list[dict] | None) -> int:
+        """Approximate tokens of a `member_text` value by the estimator."""
         if value is None:
             return 0
         if isinstance(value, str):
@@ -349,9 +355,10 @@ class Counter:
         return (sum(estimate_tokens(t["content"], self.config.text) for t in value)
                 + self.config.text.chat_turn_overhead * len(value))
 
-    def _member_text(self, data: bytes | memoryview, ext: str, what: str,
+    def member_text(self, data: bytes | memoryview, ext: str, what: str,
                      as_json: bool | None = None) -> str | list[dict] | None:
-        """A member's plain text, its conversation turns ({"role", "content"} strings), or None.
+        """A member's plain text, its conversation turns ({"role", "content"} strings), or None
+        for JSON that holds none of `json_fields` (metadata: carried as payload, not text).
         `as_json`: the member is JSON (a conversation-kind member); None: when `ext` is "json"."""
         cfg = self.config.text
         if len(data) > cfg.max_text_bytes:

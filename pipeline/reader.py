@@ -27,6 +27,9 @@ from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
 
 log = logging.getLogger("mmdispatch.pipeline")
+#: Tallied with the ignored members, after its extension: a JSON member holding none of the
+#: text fields (metadata), carried as payload but counted as no text.
+NO_TEXT_FIELD = "(no text field)"
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -244,8 +247,11 @@ class SampleBuilder:
     def _video(self, data: bytes | memoryview) -> tuple[int, int, dict]:
         return count_video(data, self.config.counting.video)
 
-    def build(self, key: str, members: dict[str, bytes], shard: str, index: int) -> SampleRecord:
-        """Count a sample; raises `CountError` when a member cannot be counted."""
+    def build(self, key: str, members: dict[str, bytes], shard: str, index: int,
+              unused: Tally | None = None) -> SampleRecord:
+        """Count a sample; raises `CountError` when a member cannot be counted. JSON members
+        that hold no text field (metadata) travel as payload uncounted, and are tallied in
+        `unused` as "<ext> (no text field)"."""
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
         videos: list[tuple[str, bytes]] = []
@@ -282,19 +288,30 @@ class SampleBuilder:
                 items_llm += llm
         text_len = 0
         tokens = TextTokens.empty()
+        no_text: list[str] = []  # JSON members holding none of the text fields
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
+            values = []
+            for sfx, d, ext, js in texts:
+                value = self.counter.member_text(d, ext, f"member {sfx!r}", js)
+                if value is None:
+                    no_text.append(sfx)
+                values.append((value, f"member {sfx!r}"))
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
-                text_len = sum(self.counter.estimate_text(d, ext, f"member {sfx!r}", as_json=js)
-                               for sfx, d, ext, js in texts)
+                text_len = sum(self.counter.estimate_of(v) for v, _ in values)
             else:
-                tokens = TextTokens.concat([self.counter.text(d, ext, f"member {sfx!r}", as_json=js)
-                                            for sfx, d, ext, js in texts])
+                tokens = TextTokens.concat([self.counter.text_of(v, what) for v, what in values])
                 text_len = len(tokens)
+        if unused is not None:
+            for sfx in no_text:
+                unused[f"{ignored_label(sfx)} {NO_TEXT_FIELD}"] += 1
         if not items and not text_len:
+            fields = self.config.counting.text.json_fields
+            why = (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "
+                   f"{', '.join(fields)} (see --json-field)") if no_text else ""
             raise CountError("empty_sample",
-                             f"no countable text, image, video or audio among members {sorted(members)}")
+                             f"no countable text, image, video or audio among members {sorted(members)}{why}")
         return SampleRecord(
             key=key,
             shard=shard,
@@ -418,7 +435,7 @@ def iter_shard(
                 skip(SampleError(problem[0], url, printable_key(key), problem[1]), index)
                 continue
             try:
-                record = builder.build(key, members, url, index)
+                record = builder.build(key, members, url, index, shard_ignored)
                 if offsets is not None:
                     record.spans = {it.member: (where[it.member], len(members[it.member]))
                                     for it in record.items}

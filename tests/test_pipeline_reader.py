@@ -14,6 +14,7 @@ import pytest
 import soundfile
 from PIL import Image
 
+from pipeline.counting import CountingConfig, TextConfig
 from pipeline.errors import ErrorPolicy, ErrorStats, SampleError, TooManyErrors
 from pipeline.reader import ReaderConfig, iter_samples, iter_shard
 from pipeline.shards import expand_shards
@@ -199,10 +200,10 @@ def test_an_unexpected_counting_error_skips_that_sample_and_logs_its_traceback_o
     shard = write_tar(tmp_path / "s.tar", [*good("a"), *good("b"), *good("c"), *good("d")])
     build = SampleBuilder.build
 
-    def defective(self, key, members, shard, index):  # a bug that only some samples reach
+    def defective(self, key, members, shard, index, unused=None):  # a bug some samples reach
         if key in ("b", "c"):
             raise ZeroDivisionError("a defect")
-        return build(self, key, members, shard, index)
+        return build(self, key, members, shard, index, unused)
 
     monkeypatch.setattr(SampleBuilder, "build", defective)
     stats = ErrorStats()
@@ -215,6 +216,27 @@ def test_an_unexpected_counting_error_skips_that_sample_and_logs_its_traceback_o
     assert len(logged) <= 1 and all(r.exc_info for r in logged)  # once per process and error type
     with pytest.raises(SampleError, match="count_failed"):
         list(iter_shard(shard, config("raise")))
+
+
+def test_json_without_a_text_field_is_tallied_beside_the_ignored_members(tmp_path):
+    from collections import Counter
+
+    shard = write_tar(tmp_path / "s.tar", [
+        ("a.jpg", jpeg(32, 32)), ("a.json", b'{"prompt": "describe", "response": "red"}'),
+        ("b.json", b'{"url": "http://x"}'), ("b.txt", b"a caption"),
+        ("c.json", b'{"prompt": "only metadata here"}'),
+        ("d.json", b'{"caption": "counted"}')])
+    stats, ignored = ErrorStats(), Counter()
+    records = list(iter_shard(shard, config("skip"), stats=stats, ignored=ignored))
+    assert [r.key for r in records] == ["a", "b", "d"]
+    assert records[0].text_len == 0 and records[1].text_len > 0 and records[2].text_len > 0
+    assert ignored == {"json (no text field)": 3} and stats.ignored_members == ignored
+    ((reason, _, key, message),) = stats.recent
+    assert (reason, key) == ("empty_sample", "c") and "--json-field" in message
+    # With the field named, the same JSON is text.
+    named = ReaderConfig(counting=CountingConfig(text=TextConfig(json_fields=("prompt",))))
+    texts = {r.key: r.text_len for r in iter_shard(shard, named)}
+    assert list(texts) == ["a", "b", "c"] and all(texts.values())
 
 
 def test_library_messages_name_the_member_not_a_buffer_address(tmp_path):
