@@ -790,6 +790,15 @@ class Dispatcher:
                            ack=msg.seq)
                 return
             event("rewind", step=target, requested_by=rank)
+        if slot.ident is not None and slot.ident != ident:
+            # The newer claim wins (a restarted process must not wait out the old one's
+            # timeout); the older connection is told, so two processes of one rank stop
+            # instead of taking turns, each re-introduced by the other's unknown_peer.
+            event("rank_replaced", logging.WARNING, rank=rank)
+            self._send(self.trainer_sock, slot.ident, P.ERROR, code="replaced", message=(
+                f"rank {rank} was claimed by another connection, so this one stops: a restarted "
+                f"trainer of rank {rank} is fine; otherwise two processes have rank {rank} "
+                "(check each one's RANK)"))
         self.delivery.connect(slot, ident)
         slot.last_seen = now
         self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check

@@ -380,6 +380,34 @@ def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_differenc
         d.stop()
 
 
+def test_a_second_claim_of_a_rank_wins_and_the_first_is_told_to_stop(caplog):
+    """Two processes of one rank used to take turns: each claim made the other unknown, whose
+    next message drew unknown_peer and a new HELLO, and both got every step of the rank."""
+    from trainer_client.client import _FATAL_CODES
+
+    d = Dispatcher(_config()).start()
+    first, second = _Peer(d.trainer_endpoint), _Peer(d.trainer_endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            _hello(first)
+            first.expect(P.WELCOME)
+            _hello(second)
+            second.expect(P.WELCOME)
+            told = first.expect(P.ERROR)
+        assert told["code"] == "replaced" and "rank 0" in told["message"]
+        assert told["code"] in _FATAL_CODES  # the client stops on it, no HELLO again
+        assert d.slots[0].ident is not None and d.delivery.connected() == 1
+        assert sum("rank_replaced" in r.getMessage() for r in caplog.records) == 1
+        _hello(second)  # the same connection saying HELLO again replaces nothing
+        second.expect(P.WELCOME)
+        with pytest.raises(AssertionError, match="no error"):
+            second.expect(P.ERROR, timeout=0.5)
+    finally:
+        first.close()
+        second.close()
+        d.stop()
+
+
 def _topology_warnings(caplog, ranks_per_node: int, hellos: list[tuple[int, int]]) -> list[str]:
     """The topology_mismatch lines a dispatcher for 2 ranks, `ranks_per_node` a node, logs
     while welcoming each (rank, local_world_size) of `hellos` in turn."""

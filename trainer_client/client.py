@@ -339,7 +339,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 #: ERROR codes a reconnect cannot fix: the training loop sees them as DispatcherError.
-_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "inputs")
+_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "inputs", "replaced")
 
 
 def dataset_difference(saved: dict, served: dict) -> str:
