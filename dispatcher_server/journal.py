@@ -25,6 +25,8 @@ steps' plans. Journals in the layout before the magic are read and rewritten in 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -45,6 +47,7 @@ log = logging.getLogger("mmdispatch.journal")
 JOURNAL_FILE = "journal.mmd"
 PLAN_FILES = ("plans-0.mmd", "plans-1.mmd")
 SKIPPED_FILE = "skipped.mmd"
+LOCK_FILE = "lock"  # held (flock) by the dispatcher whose journal it is; holds its pid
 #: Fingerprint fields a restore must match; world size is deliberately absent (elastic resume).
 FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
 #: Compared the same way when present (`sources` is absent for one default source).
@@ -101,6 +104,8 @@ class Journal:
             if value < 1:
                 raise ValueError(f"{name} must be positive, not {value}")
         os.makedirs(directory, exist_ok=True)
+        self._lock_fd = _lock(directory)
+        self._dir_id = _identity(directory)
         self.directory = directory
         self.path = os.path.join(directory, JOURNAL_FILE)
         self.fsync = fsync
@@ -286,6 +291,10 @@ class Journal:
     def _check_known(self, step: int, what: str) -> None:
         if self._first <= step <= self.last_step:
             return
+        if self.last_step < 0:
+            raise JournalError(f"{what}: the journal in {self.directory!r} holds no step yet (a new "
+                               "or emptied journal directory: start the trainers from step 0, or "
+                               "give the dispatcher the journal directory of this job)")
         text = f"{what}: the journal knows steps {self._first}..{self.last_step}"
         if self._first:
             text += (f" (older ones were checkpointed away: resume at step 0 or at steps "
@@ -336,9 +345,22 @@ class Journal:
                  self._plans[g].size, PLAN_FILES[other])
         return other
 
+    def _check_directory(self) -> None:
+        """Records go to files opened at start: had the directory been removed or replaced
+        since, they would land nowhere a restart looks, and commits trainers count on would not
+        be durable. Checked before each step, commit and skip record (a stat)."""
+        try:
+            same = _identity(self.directory) == self._dir_id
+        except OSError:
+            same = False
+        if not same:
+            raise JournalWriteError(errno.ENOENT, "the journal directory was removed or replaced "
+                                    "while the dispatcher ran", self.directory)
+
     def record_step(self, entry: StepEntry) -> None:
         """Persist a step's plan, then its cursor; called before any rank receives the step.
         Raises JournalWriteError (nothing recorded) if either write fails."""
+        self._check_directory()
         g = self._plan_file_for_next()
         plans = self._plans[g]
         at = plans.append(frame({"step": entry.step, "plan": entry.plan}))
@@ -361,6 +383,7 @@ class Journal:
         if step > self.last_step:
             raise JournalError(f"cannot commit step {step}: it was never planned "
                                f"(journal has steps up to {self.last_step})")
+        self._check_directory()
         rec = {"kind": "commit", "step": step}
         self._apply(rec, self._append(rec))
         self._maybe_checkpoint()
@@ -373,6 +396,7 @@ class Journal:
         if not skipped:
             return
         keys = [_skip_entry(s) for s in skipped]
+        self._check_directory()
         at = self._skipped.append(frame({"shard": shard, "keys": keys}))
         rec = {"kind": "skipped", "total": self.num_skipped + len(keys), "end": self._skipped.size}
         try:
@@ -476,6 +500,33 @@ class Journal:
         for f in (self._file, *self._plans, self._skipped):
             if f is not None:
                 f.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the lock goes with it
+            self._lock_fd = None
+
+
+def _lock(directory: str) -> int:
+    """An exclusive lock on `directory`'s LOCK_FILE, held while the journal is open (two
+    dispatchers appending to one journal would interleave their steps); its fd."""
+    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise JournalError(f"journal directory {directory!r} is in use by another dispatcher (pid "
+                           f"{holder}); one journal serves one dispatcher: stop that one, or give "
+                           "this one its own --journal-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _identity(directory: str) -> tuple[int, int]:
+    st = os.stat(directory)
+    return st.st_dev, st.st_ino
 
 
 def _entry(rec: dict) -> StepEntry:

@@ -624,3 +624,26 @@ def test_a_rewind_behind_a_verbatim_replay_keeps_the_journal_contiguous(tmp_path
     reopened = Journal(str(tmp_path), _fp())  # and the file reads back whole
     assert reopened.last_step == 11 and set(range(7, 12)) <= set(reopened.pending)
     reopened.close()
+
+
+def test_one_journal_serves_one_dispatcher_and_a_removed_directory_stops_every_write(tmp_path):
+    import shutil
+
+    where = tmp_path / "j"
+    j = Journal(str(where), _fp())
+    with pytest.raises(JournalError, match=rf"in use by another dispatcher \(pid {os.getpid()}\)"):
+        Journal(str(where), _fp())
+    j.record_step(_entry(0))
+    shutil.rmtree(where)  # records would go to unlinked files: commits nobody could resume from
+    for write in (lambda: j.record_step(_entry(1)), lambda: j.commit(0),
+                  lambda: j.record_skipped("a.tar", [("k", "bad_image", 3)])):
+        with pytest.raises(JournalWriteError, match="removed or replaced"):
+            write()
+    where.mkdir()  # another directory at the same path is not the journal either
+    with pytest.raises(JournalWriteError, match="removed or replaced"):
+        j.record_step(_entry(1))
+    j.close()
+    again = Journal(str(where), _fp())  # the lock left with the closed journal
+    with pytest.raises(JournalError, match="holds no step yet"):
+        again.cursor_after(5)  # a trainer resuming at step 6 is told the journal is new
+    again.close()
