@@ -512,10 +512,12 @@ def _lock(directory: str) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without locks
+            log.warning("journal: cannot lock %s (%s): nothing keeps a second dispatcher off "
+                        "this journal directory", directory, e.strerror or e)
+            return fd
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise
         raise JournalError(f"journal directory {directory!r} is in use by another dispatcher (pid "
                            f"{holder}); one journal serves one dispatcher: stop that one, or give "
                            "this one its own --journal-dir") from None
