@@ -8,10 +8,13 @@ only up to `max_ranks_with_loads` ranks, so the log stays small at thousands of 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 
 from dispatcher_server.planner import PlannerConfig, StepPlan, plan_random
+
+log = logging.getLogger("mmdispatch.server")
 
 
 def _method(plan: StepPlan, with_loads: bool) -> dict:
@@ -72,17 +75,36 @@ def _drop_torn_tail(path: Path) -> None:
 
 
 class StepLog:
-    """Appends JSON lines to a file, flushed per record so `mmdispatch report` can read it live."""
+    """Appends JSON lines to a file, flushed per record so `mmdispatch report` can read it live.
+
+    A diagnostic, not the job's state: a write that fails (disk full, a file size limit) is
+    logged once, naming the file, and the log stops there while the job goes on (a torn last
+    line is cut at the next open)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _drop_torn_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
+        self.failed: str | None = None  # why the log stopped, if it did
 
     def write(self, record: dict) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
+        if self._f is None:
+            return
+        try:
+            self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._f.flush()
+        except OSError as e:
+            self.failed = e.strerror or str(e)
+            log.warning("mmdispatch event=step_log_failed path=%s step=%s error=%r: the step log "
+                        "stops here and the job goes on (free the space, or point --step-log "
+                        "elsewhere, for the next run)", self.path, record.get("step"), self.failed)
+            self.close()
 
     def close(self) -> None:
-        self._f.close()
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError:
+                pass  # its buffer could not be written: the failure is logged

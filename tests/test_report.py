@@ -111,3 +111,16 @@ def test_a_record_being_written_or_torn_by_a_kill_is_left_out_not_fatal(step_log
     log.close()
     plans, _, _ = report.load_step_log(steps)
     assert [p["step"] for p in plans] == [0, 1, 2, 3]
+
+
+def test_a_step_log_that_cannot_be_written_stops_logging_and_lets_the_job_go_on(caplog):
+    import logging
+
+    log = StepLog("/dev/full")  # every write fails with ENOSPC
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        log.write({"kind": "plan", "step": 0})
+        log.write({"kind": "plan", "step": 1})
+    log.close()
+    warned = [r.getMessage() for r in caplog.records if "step_log_failed" in r.getMessage()]
+    assert len(warned) == 1 and "/dev/full" in warned[0] and "step=0" in warned[0]
+    assert log.failed is not None
