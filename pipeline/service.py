@@ -69,6 +69,13 @@ class ReaderServiceConfig:
     def __post_init__(self) -> None:
         if self.batch < 1:  # 0 would send no sample ever: the job would wait forever
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.allowed_dir is not None:  # a security option must never be dropped in silence
+            if not self.secret_file:
+                raise ValueError("--payload-allowed-dir needs --curve-secret and --curve-server-key: "
+                                 "without CurveZMQ the payload socket checks no key")
+            if not os.path.isdir(self.allowed_dir):
+                raise ValueError(f"--payload-allowed-dir {self.allowed_dir!r} is not a directory "
+                                 "(it holds the trainers' allowed public NAME.key files)")
 
     def session(self) -> SessionConfig:
         return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,

@@ -343,3 +343,18 @@ def test_datanode_preprocessing_is_refused_with_direct_payloads(shards):
         with pytest.raises(FatalReaderError, match="--payloads direct.*--preprocess-on datanode"):
             worker.run()
         assert worker.payload_server is None  # refused before opening a port
+
+
+def test_a_payload_allowed_dir_that_cannot_take_effect_is_refused_not_dropped(tmp_path):
+    """A security option is never ignored in silence: without CurveZMQ the payload socket
+    checks no key, and a directory that is not there allows nobody it names."""
+    with pytest.raises(ValueError, match="needs --curve-secret"):
+        ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9", allowed_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="is not a directory"):
+        ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9", secret_file="r.key_secret",
+                            allowed_dir=str(tmp_path / "missing"))
+    out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                          "tcp://127.0.0.1:9", "--payload-allowed-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("mmdispatch read: error: --payload-allowed-dir")
