@@ -11,12 +11,15 @@ worker keeps no state worth saving; it stops when the dispatcher says the job is
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -499,6 +502,7 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    faulthandler.enable()  # a worker the kernel kills (SIGBUS, SIGSEGV) leaves its Python stack
     keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
     relax_gc()
     try:
@@ -515,6 +519,17 @@ def _process_main(args: argparse.Namespace, worker: int) -> None:
     sys.exit(_worker_main(args, worker))
 
 
+#: A worker the kernel kills (SIGBUS from a mapped shard truncated in place, SIGSEGV in a
+#: decoder, the OOM killer) is started again, at most this many times in a row; a run of
+#: RESTART_RESET_S without dying starts the count over. Its shards have moved to other readers
+#: already (the dispatcher drops a silent reader), and one sample that kills every reader that
+#: reads it is skipped after --max-shard-losses of them.
+MAX_RESTARTS = 5
+RESTART_RESET_S = 60.0
+_HINTS = {signal.SIGBUS: " (a mapped shard truncated while read? --no-map-shards reads shards "
+                          "that change in place)"}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config_from_args(args).session()  # validate before forking
@@ -523,17 +538,57 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.workers == 1:
         return _worker_main(args, 0)
-    mp = multiprocessing.get_context("spawn")
-    procs = [mp.Process(target=_process_main, args=(args, w), name=f"reader-{w}")
-             for w in range(args.workers)]
-    for p in procs:
+    return _supervise(args, multiprocessing.get_context("spawn"))
+
+
+def _supervise(args: argparse.Namespace, mp) -> int:
+    """Run `args.workers` worker processes until each has ended; start again one the kernel
+    killed. SIGTERM or SIGINT stops them all (each says BYE). The exit code is the worst."""
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
+
+    def start(w: int) -> multiprocessing.Process:
+        p = mp.Process(target=_process_main, args=(args, w), name=f"reader-{w}")
         p.start()
+        started[w] = time.monotonic()
+        return p
+
+    started: dict[int, float] = {}
+    restarts: Counter = Counter()
+    procs = {w: start(w) for w in range(args.workers)}
+    codes: list[int] = []
     try:
-        for p in procs:
-            p.join()
+        while procs and not stopping.is_set():
+            multiprocessing.connection.wait([p.sentinel for p in procs.values()], timeout=0.5)
+            for w, p in list(procs.items()):
+                if p.exitcode is None:
+                    continue
+                del procs[w]
+                if p.exitcode >= 0 or stopping.is_set():
+                    codes.append(p.exitcode)
+                    continue
+                if time.monotonic() - started[w] >= RESTART_RESET_S:
+                    restarts[w] = 0
+                sig = signal.Signals(-p.exitcode)
+                killed = f"mmdispatch read: worker {w} was killed by {sig.name}{_HINTS.get(sig, '')}"
+                if restarts[w] >= MAX_RESTARTS:
+                    print(f"{killed}; {MAX_RESTARTS} times in a row, not started again",
+                          file=sys.stderr, flush=True)
+                    codes.append(1)
+                    continue
+                restarts[w] += 1
+                print(f"{killed}; starting it again ({restarts[w]}/{MAX_RESTARTS})",
+                      file=sys.stderr, flush=True)
+                procs[w] = start(w)
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.is_alive():
-                p.terminate()
+                p.terminate()  # SIGTERM: the worker says BYE and leaves
+        for p in procs.values():
+            p.join(10)
+            if p.is_alive():
+                p.kill()
                 p.join(5)
-    return max((p.exitcode or 0) for p in procs)
+            codes.append(max(p.exitcode or 0, 0))
+    return max(codes, default=0)

@@ -6,6 +6,9 @@ Every receive has a timeout; processes are killed whatever happens.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +20,7 @@ import pytest
 from dispatcher_server import protocol as P
 from dispatcher_server.session import PeerSession, SessionConfig, Unreachable
 from pipeline.service import ReaderServiceConfig, ReaderWorker
-from tests.servicekit import ScriptedRouter, free_port
+from tests.servicekit import ScriptedRouter, free_port, wait_for
 from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
 
 UNRESOLVABLE = "tcp://mmdispatch-no-such-host.invalid:5555"
@@ -386,3 +389,57 @@ def test_a_bad_read_setting_is_one_line_naming_the_flag(capsys, flags, named):
     assert service.run(parser.parse_args(["--dispatcher", "tcp://127.0.0.1:1", *flags])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and named in err[0]
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The worker processes of `mmdispatch read` process `pid` (not multiprocessing's helpers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    out = []
+    for c in children:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            out.append(c)
+    return out
+
+
+def _welcome_hellos(router: ScriptedRouter, n: int) -> None:
+    """Welcome the next `n` HELLOs, passing over the other messages of welcomed workers."""
+    while n:
+        msg = router.recv(60.0)
+        assert msg is not None, "no HELLO within 60 s"
+        if msg.type == P.HELLO:
+            router.welcome(msg)
+            n -= 1
+
+
+@pytest.mark.timeout(180)
+def test_mmdispatch_read_starts_again_a_worker_the_kernel_killed_and_sigterm_stops_them_all():
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        try:
+            _welcome_hellos(router, 2)
+            wait_for(lambda: len(_workers_of(proc.pid)) == 2, 30, "two workers")
+            first = _workers_of(proc.pid)
+            os.kill(first[0], signal.SIGBUS)  # as a mapped shard truncated in place does
+            _welcome_hellos(router, 1)  # the worker started again
+            wait_for(lambda: len(_workers_of(proc.pid)) == 2, 30, "the worker started again")
+            workers = first + _workers_of(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert re.search(r"worker \d was killed by SIGBUS \(.*--no-map-shards.*\); starting it again "
+                     r"\(1/5\)", err), err
+    assert "Bus error" in err  # the killed worker's own Python stack (faulthandler)
+    for pid in workers:  # none left behind
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
