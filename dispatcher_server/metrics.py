@@ -134,6 +134,7 @@ class SkipLog:
         self.keys.extend((s[0], s[1]) for s in skipped)
         self.metrics.skipped.inc(len(skipped))
         for key, reason, *_ in skipped:
+            key = key or "(the rest of the shard)"  # a shard-level failure names no sample
             what = (shard, reason)
             if what in self._logged:
                 self._pending.setdefault(what, []).append(key)

@@ -179,9 +179,11 @@ def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplo
         assert len(caplog.records) == 2
         skips.flush(6.0)
         assert "shard=a.tar reason=bad_image count=2 keys=k2,k3" in caplog.records[-1].getMessage()
+        skips.add("c.tar", [("", "truncated_tar", -1)])  # shard level: no key to name
+        assert "reason=truncated_tar count=1 keys='(the rest of the shard)'" in caplog.records[-1].getMessage()
     assert skips.keys == [("k1", "bad_image"), ("k2", "bad_image"), ("k3", "bad_image"),
-                          ("k9", "bad_audio")]
-    assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 4
+                          ("k9", "bad_audio"), ("", "truncated_tar")]
+    assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 5
 
 
 def test_delivery_counts_connected_ranks_through_reconnects():
