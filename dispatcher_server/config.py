@@ -154,7 +154,8 @@ class ServerConfig:
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
         f = self.flow
-        if f.max_retained_steps < 1 or f.num_inflight_shards < 1 or f.credit_batch < 1:
+        if (f.max_retained_steps < 1 or f.num_inflight_shards < 1 or f.credit_batch < 1
+                or f.max_buffered_bytes < 1):  # below 1 byte, only starving shards get credits
             raise ValueError(f"flow counts must be >= 1: {f}")
         if self.shard_cap < 1:
             raise ValueError(
@@ -209,6 +210,9 @@ class ServerConfig:
                 **self._sources_digest()}
 
     def fingerprint(self) -> dict:
+        """What the journal must have been written for: the sample sequence's inputs, and each
+        source's field map (it decides what is counted, so which samples are skipped)."""
         return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,
                 "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget,
-                "shuffle_buffer": self.shuffle_buffer, **self._sources_digest()}
+                "shuffle_buffer": self.shuffle_buffer, **self._sources_digest(),
+                "field_maps": {s.name: s.fields for s in self.sources if s.fields is not None}}

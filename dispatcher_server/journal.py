@@ -52,6 +52,10 @@ LOCK_FILE = "lock"  # held (flock) by the dispatcher whose journal it is; holds 
 FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
 #: Compared the same way when present (`sources` is absent for one default source).
 OPTIONAL_FINGERPRINT_FIELDS = ("shuffle_buffer", "sources")
+#: Recorded by journals since they were added, and compared only with a journal that has them
+#: (one written before resumes as it did): `field_maps`, each source's field map, which decides
+#: what is counted and so which samples are skipped.
+RECORDED_FINGERPRINT_FIELDS = ("field_maps",)
 
 
 class SkippedKey(NamedTuple):
@@ -112,6 +116,8 @@ class Journal:
         self.plan_file_bytes = plan_file_bytes
         self.journal_file_bytes = journal_file_bytes
         self.fingerprint = {f: fingerprint.get(f) for f in FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS}
+        self.fingerprint.update({f: fingerprint[f] for f in RECORDED_FINGERPRINT_FIELDS
+                                 if f in fingerprint})
         self.last_committed = -1
         #: step -> entry (plan included), for the steps not covered by a commit
         self.pending: dict[int, StepEntry] = {}
@@ -211,12 +217,13 @@ class Journal:
                 self.num_skipped, self._skipped_end = int(rec["total"]), int(rec["end"])
 
     def _check_config(self, rec: dict) -> None:
-        fields = FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS
+        fields = FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS + tuple(
+            f for f in RECORDED_FINGERPRINT_FIELDS if f in rec)
         theirs = {f: rec.get(f) for f in fields}
-        diff = [f for f in fields if theirs[f] != self.fingerprint[f]]
+        diff = [f for f in fields if theirs[f] != self.fingerprint.get(f)]
         if diff:
             details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
-                                f"{_short(self.fingerprint[f])}" for f in diff)
+                                f"{_short(self.fingerprint.get(f))}" for f in diff)
             raise JournalError(
                 f"cannot resume from journal {self.path!r}: it was written for a different "
                 f"configuration ({details}). Restore the original settings or use a new "

@@ -647,3 +647,15 @@ def test_one_journal_serves_one_dispatcher_and_a_removed_directory_stops_every_w
     with pytest.raises(JournalError, match="holds no step yet"):
         again.cursor_after(5)  # a trainer resuming at step 6 is told the journal is new
     again.close()
+
+
+def test_a_changed_field_map_is_refused_and_a_journal_from_before_field_maps_resumes(tmp_path):
+    audio = {"news": {"audio": ["wav", "flac"]}}
+    Journal(str(tmp_path / "new"), _fp(field_maps=audio)).close()
+    with pytest.raises(JournalError, match=r"field_maps: journal has .*flac.*, config has"):
+        Journal(str(tmp_path / "new"), _fp(field_maps={"news": {"audio": ["wav"]}}))
+    with pytest.raises(JournalError, match="field_maps"):
+        Journal(str(tmp_path / "new"), _fp(field_maps={}))  # the readers' default map now
+    Journal(str(tmp_path / "new"), _fp(field_maps={"news": {"audio": ["wav", "flac"]}})).close()
+    Journal(str(tmp_path / "old"), _fp()).close()  # written before journals recorded field maps
+    Journal(str(tmp_path / "old"), _fp(field_maps=audio)).close()
