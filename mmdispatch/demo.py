@@ -7,7 +7,7 @@ trainers' vocabulary is its size), start the dispatcher on the dataset file, R r
 torchrun "nodes" of G ranks each training the reference model on real token ids, image and
 video patches and log-mel frames with the in-model exchange, print one line per step, and
 finish with the realized mixture, a summary table, a JSON report and a PNG figure. Every child
-runs in its own process group, so Ctrl-C stops them all.
+runs in its own process group, so Ctrl-C, SIGTERM or SIGHUP stops them all.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ from mmdispatch.serve import read_ready
 #: the trainers take the same rules (their model inputs must have exactly the counted lengths).
 DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--video-max-pixels", str(64 * 28 * 28),
                     "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
+
+
+#: signals that stop the demo and every process it started (Ctrl-C, `kill`, a closed terminal)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +73,16 @@ class Children:
                 for n, p in self.procs if n.startswith(prefixes) and p.poll() not in (None, 0)]
 
     def stop(self, grace_s: float = 5.0) -> None:
+        # A second Ctrl-C or SIGTERM (a supervisor repeating itself) must not cut the cleanup
+        # short: the children live in their own sessions and would be orphaned.
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+        try:
+            self._stop(grace_s)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _stop(self, grace_s: float) -> None:
         for _, p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -79,6 +93,47 @@ class Children:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal arrived; a KeyboardInterrupt so that it unwinds as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, _frame) -> None:
+    raise Stopped(signum)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """ValueError naming the first option out of range, before any data is generated: past
+    that point a bad value shows only as a child that failed or a wait that never ends."""
+    for flag, value, least, meaning in (
+            ("--samples", args.samples, 1, "samples to generate"),
+            ("--shards", args.shards, 1, "shards to generate"),
+            ("--steps", args.steps, 1, "training steps"),
+            ("--global-batch", args.global_batch, 1, "samples per step"),
+            ("--microbatches", args.microbatches, 1, "micro-batches per step per rank"),
+            ("--nodes", args.nodes, 1, "torchrun agents"),
+            ("--ranks-per-node", args.ranks_per_node, 1, "trainer processes per node"),
+            ("--readers", args.readers, 1, "reader processes; with none, no step is ever planned")):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
+    if args.shards > args.samples:
+        raise ValueError(f"--shards {args.shards} is more than --samples {args.samples}: every shard "
+                         f"needs at least one sample")
+    if args.microbatches > args.global_batch:
+        raise ValueError(f"--microbatches {args.microbatches} is more than --global-batch "
+                         f"{args.global_batch}: every rank would get empty micro-batches; lower it")
+    if not 0 <= args.seed < 2**63:  # the generator's seed, and 64 bits in the dispatcher's fingerprint
+        raise ValueError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    for flag, path in (("--data", args.data), ("--reports", args.reports)):
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a file: give a directory (created if missing)")
 
 
 def _free_port() -> int:
@@ -135,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
     from mmdispatch.dataset import load_dataset
     from pipeline.gendata import generate_blend, write_tokenizer
 
+    check_options(args)
     data = Path(args.data)
     dataset = data / "dataset.toml"
     if not dataset.exists():
@@ -153,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
     steps_log, train_log = out / "steps.jsonl", out / "train.jsonl"
     world = args.nodes * args.ranks_per_node
     kids = Children(out / "logs")
+    # SIGINT raises KeyboardInterrupt already; the others would end this process and leave
+    # the children (in their own sessions) running
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS[1:]}
     try:
         dispatcher = kids.start("dispatcher", [
             sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", str(dataset),
@@ -164,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             endpoints = read_ready(dispatcher.stdout, timeout=60)
         except RuntimeError as e:
-            raise RuntimeError(f"{e}: {kids.failed()}") from None
+            raise ChildProcessError(f"{e}: {kids.failed()}") from None
         print(f"dispatcher: readers {endpoints['readers']}, trainers {endpoints['trainers']}", flush=True)
         for r in range(args.readers):
             kids.start(f"reader{r}", [sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
@@ -182,11 +241,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"training {args.steps} steps on {args.nodes} nodes x {args.ranks_per_node} ranks "
               f"(logs in {out / 'logs'})", flush=True)
         _follow(kids, steps_log, train_log, args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process the demo started", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(f"\n{what}: stopping every process the demo started", file=sys.stderr)
+        return 128 + signum
     finally:
         kids.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     records = report.load_step_log([p for p in (steps_log, train_log) if p.exists()])
     summary = report.summarize(records)
     summary["figure"] = str(report.render_figure(records, out / "demo.png"))
@@ -216,7 +279,7 @@ def _follow(kids: Children, steps_log: Path, train_log: Path, args: argparse.Nam
                     print(_step_line(plans[rec["step"]], rec), flush=True)
                     printed += 1
         if kids.failed():
-            raise RuntimeError("a demo process failed: " + "; ".join(kids.failed()))
+            raise ChildProcessError("a demo process failed: " + "; ".join(kids.failed()))
         if time.monotonic() > deadline:
             raise TimeoutError(f"demo did not finish within {args.timeout} s ({printed} steps done)")
         time.sleep(0.2)

@@ -44,3 +44,83 @@ def test_the_mixture_line_of_one_source_says_it_has_every_sample():
     two = [SimpleNamespace(name="a", weight=1.0), SimpleNamespace(name="b", weight=3.0)]
     line = _mixture_line({"sources": {"a": {"share": 0.25}, "b": {"share": 0.75}}}, two)
     assert line == "realized mixture: a 25.0% (weight 25.0%), b 75.0% (weight 75.0%)"
+
+
+def _running_from(folder) -> dict[int, str]:
+    """pid -> command line of every process whose arguments name `folder`."""
+    ps = subprocess.run(["ps", "-eww", "-o", "pid=,args="], capture_output=True, text=True).stdout
+    return {int(pid): args for pid, _, args in (line.strip().partition(" ") for line in ps.splitlines())
+            if str(folder) in args}
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_every_process_the_demo_started(tmp_path):
+    import os
+    import signal
+    import time
+
+    out, err = open(tmp_path / "out.txt", "w"), open(tmp_path / "err.txt", "w")
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "mmdispatch.cli", "demo", "--data", str(tmp_path / "data"), "--samples", "24",
+         "--shards", "3", "--steps", "1000", "--global-batch", "8", "--reports", str(tmp_path / "reports"),
+         "--timeout", "100"], stdout=out, stderr=err)
+    try:
+        # Dispatcher, 2 readers, 2 torchrun agents and their 4 trainers: the trainers are the
+        # agents' children, the deepest processes the demo owns.
+        deadline = time.monotonic() + 80
+        while sum("trainer_client.train" in a for a in _running_from(tmp_path).values()) < 6:
+            assert demo.poll() is None, (tmp_path / "err.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, _running_from(tmp_path)
+            time.sleep(0.2)
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(timeout=30)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        out.close()
+        err.close()
+        deadline = time.monotonic() + 5
+        while (left := _running_from(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:  # a failing test leaves nothing running either
+            os.kill(pid, signal.SIGKILL)
+    assert not left, left
+    assert code == 128 + signal.SIGTERM
+    assert "stopping every process the demo started" in (tmp_path / "err.txt").read_text()
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("readers", 0, ["--readers", ">= 1", "got 0"]),
+    ("nodes", 0, ["--nodes", ">= 1", "got 0"]),
+    ("steps", 0, ["--steps", ">= 1", "got 0"]),
+    ("microbatches", 0, ["--microbatches", ">= 1", "got 0"]),
+    ("ranks_per_node", 0, ["--ranks-per-node", ">= 1", "got 0"]),
+    ("global_batch", -1, ["--global-batch", ">= 1", "got -1"]),
+    ("samples", 0, ["--samples", ">= 1", "got 0"]),
+    ("shards", 0, ["--shards", ">= 1", "got 0"]),
+    ("shards", 1000, ["--shards 1000", "--samples 512"]),
+    ("microbatches", 33, ["--microbatches 33", "--global-batch 32"]),
+    ("seed", -1, ["--seed", "2**63 - 1", "got -1"]),
+    ("timeout", 0.0, ["--timeout", "> 0", "got 0.0"]),
+])
+def test_demo_refuses_an_option_out_of_range_before_generating_data(tmp_path, monkeypatch, option, value,
+                                                                   words):
+    import argparse
+
+    from mmdispatch import demo
+    from pipeline import gendata
+
+    def generate_blend(*args, **kwargs):
+        raise AssertionError("the demo generated data before checking its options")
+
+    monkeypatch.setattr(gendata, "generate_blend", generate_blend)
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--data", str(tmp_path / "data"), "--reports", str(tmp_path / "reports")])
+    demo.check_options(args)  # the defaults are fine
+    setattr(args, option, value)
+    with pytest.raises(ValueError) as refused:
+        demo.run(args)
+    assert all(word in str(refused.value) for word in words), str(refused.value)
+    assert not (tmp_path / "data").exists() and not (tmp_path / "reports").exists()
