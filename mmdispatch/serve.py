@@ -159,8 +159,34 @@ def resolve(args: argparse.Namespace) -> dict:
     return values
 
 
+#: dest -> (least value, what the option counts): integers checked by their flags, since the
+#: config classes check them too but by field name (right from Python, not on a command line);
+#: an unset option (None) keeps its meaning
+AT_LEAST: dict[str, tuple[int, str]] = {
+    "shuffle_buffer": (0, "samples per shuffle block; 0 = shard order"),
+    "token_budget": (1, "LLM tokens per step"),
+    "num_microbatches": (1, "micro-batches per step per rank"),
+    "microbatch_token_budget": (1, "LLM tokens per rank per micro-batch"),
+    "llm_capacity": (1, "LLM tokens per rank per micro-batch"),
+    "max_buffered_bytes": (1, "payload bytes held before reader credits stop"),
+    "max_retained_steps": (1, "steps sent but not yet acknowledged"),
+    "inflight_shards": (1, "shards read at once"),
+    "credit_batch": (1, "samples per reader credit grant"),
+    "max_shard_losses": (1, "readers lost on one sample before it is skipped"),
+    "journal_plan_file_mb": (1, "MB per journal plan file"),
+    "max_epochs": (0, "0 = unbounded"),
+    "max_steps": (1, "unset = no step limit"),
+    "io_threads": (1, "ZeroMQ I/O threads"),
+    "malloc_keep_mb": (0, "0 = off"),
+    "probe_samples": (0, "0 = no probe"),
+}
+
+
 def _check_flags(v: dict) -> None:
     """Mistakes worth naming by their flags (the config classes name their own fields)."""
+    for dest, (least, meaning) in AT_LEAST.items():
+        if v[dest] is not None and v[dest] < least:
+            raise ValueError(f"--{dest.replace('_', '-')} must be >= {least} ({meaning}), got {v[dest]}")
     if v["world_size"] < 1:
         raise ValueError(f"--world-size must be >= 1 (the number of trainer ranks), got {v['world_size']}")
     if v["ranks_per_node"] < 1 or v["world_size"] % v["ranks_per_node"]:
@@ -185,6 +211,9 @@ def _check_flags(v: dict) -> None:
         if path and not os.path.exists(path):
             raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
                              f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
+    if v["step_log"] and os.path.isdir(v["step_log"]):
+        raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
+                         f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")
     journal = v["journal_dir"]
     if journal and os.path.exists(journal) and not os.path.isdir(journal):
         raise ValueError(f"--journal-dir {journal!r} is not a directory: give the directory the "
@@ -193,8 +222,6 @@ def _check_flags(v: dict) -> None:
     check_endpoint("--trainer-bind", v["trainer_bind"])
     if not 0 <= v["metrics_port"] <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
-    if v["max_shard_losses"] < 1:
-        raise ValueError(f"--max-shard-losses must be >= 1, got {v['max_shard_losses']}")
     if not 0 < v["heartbeat"] < v["timeout"]:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
@@ -286,11 +313,7 @@ def _probe(sources: list, max_samples: int, timeout_s: float) -> None:
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
-    if values["io_threads"] < 1:
-        raise ValueError(f"--io-threads must be >= 1, got {values['io_threads']}")
     config = build_config(values)
-    if values["probe_samples"] < 0:
-        raise ValueError(f"--probe-samples must be >= 0 (0 = no probe), got {values['probe_samples']}")
     if values["probe_timeout_s"] <= 0:
         raise ValueError(f"--probe-timeout-s must be > 0 seconds, got {values['probe_timeout_s']}")
     if values["probe_samples"]:

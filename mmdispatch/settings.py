@@ -110,7 +110,7 @@ def _describe(error: dict, path: str) -> str:
 
 def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
     """The contents of the TOML file `path` (a `what` file: "config", "dataset"); `error`, one
-    line naming the file, when it is missing, unreadable or not TOML."""
+    line naming the file, when it is missing, unreadable, not UTF-8 or not TOML."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -120,6 +120,9 @@ def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
         raise error(f"{what} file {path!r} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise error(f"{path}: not valid TOML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{what} file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
+                    f"offset {e.start}): give a TOML file saved as UTF-8") from None
 
 
 def load(path: str) -> dict[str, dict]:

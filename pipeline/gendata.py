@@ -389,6 +389,11 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.shards <= args.samples:
         raise ValueError(f"--shards {args.shards} and --samples {args.samples}: need at least one "
                          f"shard and at least one sample per shard")
+    if args.seed < 0:  # numpy's seeding refuses it later without naming the flag
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"output directory {args.out!r} is a file, not a directory: give a "
+                         f"directory (created if missing)")
     if args.blend:
         try:
             import av  # noqa: F401

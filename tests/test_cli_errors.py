@@ -45,6 +45,7 @@ def files(small_shards, tmp_path_factory):
     (d / "weight_inf.toml").write_text(f'[[sources]]\nname = "a"\nshards = "{small_shards[0]}"\n'
                                        "weight = inf\n")
     (d / "journal_file").write_text("not a directory")
+    (d / "binary.toml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     keys = d / "keys"
     keys.mkdir()
     (keys / "reader.key").write_text("existing")
@@ -161,6 +162,49 @@ CASES = {
                          ["--prefetch", "got 0"]),
     "train unknown exchange": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--exchange", "ring"],
                                ["'ring'", "two_stage"]),
+    "train unknown backend": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "pigeon"],
+                              ["--backend 'pigeon'", "gloo"]),
+    "train learning rate negative": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--lr", "-1"],
+                                     ["--lr", "> 0", "got -1.0"]),
+    "train progress every negative": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9",
+                                                    "--progress-every", "-1"], ["--progress-every", "got -1.0"]),
+    "train outside torchrun": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9"],
+                               ["RANK", "torchrun", "MASTER_PORT"]),
+    "config not UTF-8 (serve)": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/binary.toml"],
+                                 ["binary.toml", "not UTF-8"]),
+    "config not UTF-8 (read)": (lambda f, p: [*MMD, "read", "--config", f"{f['dir']}/binary.toml"],
+                                ["binary.toml", "not UTF-8"]),
+    "config not UTF-8 (inspect)": (lambda f, p: [*MMD, "inspect", "--config", f"{f['dir']}/binary.toml",
+                                                 f["shard"]], ["binary.toml", "not UTF-8"]),
+    "dataset not UTF-8": (lambda f, p: [*MMD, "inspect", "--dataset", f"{f['dir']}/binary.toml"],
+                          ["binary.toml", "not UTF-8"]),
+    "max retained steps 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--max-retained-steps", "0"], ["--max-retained-steps", ">= 1", "got 0"]),
+    "inflight shards 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--inflight-shards", "0"],
+                          ["--inflight-shards", ">= 1", "got 0"]),
+    "credit batch 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--credit-batch", "0"],
+                       ["--credit-batch", ">= 1", "got 0"]),
+    "journal plan file 0 MB": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                             "--journal-plan-file-mb", "0"], ["--journal-plan-file-mb", "got 0"]),
+    "max steps 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--max-steps", "0"],
+                    ["--max-steps", ">= 1", "got 0"]),
+    "max epochs negative": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK, "--max-epochs", "-1"],
+                            ["--max-epochs", ">= 0", "got -1"]),
+    "max buffered bytes 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--max-buffered-bytes", "0"], ["--max-buffered-bytes", ">= 1", "got 0"]),
+    "malloc keep negative": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--malloc-keep-mb", "-1"], ["--malloc-keep-mb", ">= 0", "got -1"]),
+    "step log is a directory": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                              "--step-log", str(f["dir"])], ["--step-log", "is a directory"]),
+    "gen-data seed negative": (lambda f, p: [*MMD, "gen-data", f"{f['dir']}/gen", "--seed", "-1"],
+                               ["--seed", "got -1"]),
+    "gen-data into a file": (lambda f, p: [*MMD, "gen-data", f"{f['dir']}/journal_file"],
+                             ["journal_file", "not a directory"]),
+    # --timeout 5 and a small dataset: without the check, the demo still ends (and stops its
+    # children) before the test's own timeout
+    "demo without readers": (lambda f, p: [*MMD, "demo", "--data", f"{f['dir']}/demo", "--reports",
+                                           f"{f['dir']}/reports", "--samples", "24", "--shards", "3",
+                                           "--timeout", "5", "--readers", "0"], ["--readers", "got 0"]),
 }
 
 
@@ -182,6 +226,17 @@ def test_mistake_ends_in_one_line_naming_the_value(case, files, held_port):
     assert len(message) == 1, out.stderr
     for word in words:
         assert word.replace("{port}", str(held_port)) in message[0], message[0]
+
+
+@pytest.mark.timeout(60)
+def test_train_backend_this_torch_lacks_is_named_with_the_fix():
+    import torch.distributed as dist
+
+    if dist.is_backend_available("nccl"):
+        pytest.skip("this torch has NCCL")
+    out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "nccl"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--backend 'nccl'" in out.stderr and "--backend gloo" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(60)

@@ -118,6 +118,31 @@ class ItemInputs:
         return self.mb.loss_mask[self.sample_pos[sample_id]]
 
 
+def _check_backend(backend: str) -> None:
+    """ValueError naming --backend when this torch lacks it: init_process_group would fail with
+    an assertion or a build error that names neither the flag nor the way out."""
+    # "cpu:gloo,cuda:nccl" gives a backend per device
+    names = [part.rpartition(":")[2].strip() for part in backend.split(",")]
+    missing = [n for n in names if not n or not dist.is_backend_available(n)]
+    if missing:
+        here = [b for b in dist.Backend.backend_list
+                if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+        raise ValueError(f"--backend {backend!r}: this torch has no {missing[0]!r} backend (it has "
+                         f"{', '.join(here) or 'none'}); use --backend gloo on CPU, nccl on NVIDIA GPUs")
+
+
+#: what torchrun sets for every rank; env:// initialisation needs the first four
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _check_launched_by_torchrun() -> None:
+    missing = [v for v in TORCHRUN_VARIABLES[:4] if v not in os.environ]
+    if missing:
+        raise ValueError(f"environment variable {missing[0]} is not set: launch the trainer under "
+                         f"torchrun (torchrun --nproc-per-node N -m trainer_client.train ...) or set "
+                         f"{', '.join(TORCHRUN_VARIABLES)}")
+
+
 def train(args: argparse.Namespace) -> int:
     check_endpoint("--dispatcher", args.dispatcher)
     if bool(args.curve_secret) != bool(args.curve_server_key):
@@ -130,9 +155,16 @@ def train(args: argparse.Namespace) -> int:
     for flag, value, least, meaning in (("--steps", args.steps, 0, "0: until the dispatcher ends"),
                                         ("--commit-every", args.commit_every, 0, "0: never"),
                                         ("--prefetch", args.prefetch, 1, "steps of credit"),
-                                        ("--hidden", args.hidden, 1, "the model's hidden size")):
+                                        ("--hidden", args.hidden, 1, "the model's hidden size"),
+                                        ("--preprocess-ahead", args.preprocess_ahead, 1, "micro-batches"),
+                                        ("--preprocess-workers", args.preprocess_workers, 0,
+                                         "0: inside the loop"),
+                                        ("--progress-every", args.progress_every, 0, "seconds; 0: none")):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be > 0 (the AdamW learning rate, e.g. 3e-3), got {args.lr}")
+    _check_backend(args.backend)
     vocab_size = load_tokenizer(args.tokenizer).vocab_size  # the ids readers send
     # checked before joining the process group: a bad value is one line, not a hung world
     preprocess = preprocess_config_from_args(args)
@@ -140,6 +172,7 @@ def train(args: argparse.Namespace) -> int:
     prefetch = PrefetchConfig(ahead=args.preprocess_ahead, workers=args.preprocess_workers,
                               kind=args.preprocess_pool, preprocess=preprocess)
     torch.set_num_threads(1)
+    _check_launched_by_torchrun()
     dist.init_process_group(args.backend)
     ctx = RankContext.from_process_group()
     torch.manual_seed(args.seed)
