@@ -30,7 +30,7 @@ def test_demo_trains_reports_and_stops_everything(tmp_path):
     assert "realized mixture: captions" in out.stdout and "(weight 50.0%)" in out.stdout
     assert (run_dir / "demo.png").stat().st_size > 20_000
     # Every child was stopped: no process still runs from this run's folder.
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    ps = subprocess.run(["ps", "-eww", "-o", "args="], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps
 
 
