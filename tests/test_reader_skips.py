@@ -220,6 +220,7 @@ def test_a_stopped_reader_leaves_the_dispatcher_at_once_not_by_timeout(tmp_path)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # its stop
 @pytest.mark.parametrize("mode", ["raise", "skip"])
 def test_a_reader_its_error_policy_stops_stops_the_job_with_its_line(tmp_path, mode):
     """Under --errors raise (a bad sample), or past --max-consecutive-errors (a run of them),
