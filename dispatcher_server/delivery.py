@@ -27,6 +27,10 @@ class TrainerSlot:
     received: int = 0  # steps below this were received (acknowledged)
     upto: int = 0  # credit: steps below this may be sent
     end_sent: bool = False
+    # The step its trainer resumed at from a checkpoint, until its credit shows it trained
+    # that step (`upto` past `resumed_until`): ranks of one restart must resume at one step.
+    resumed: int | None = None
+    resumed_until: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -59,6 +63,7 @@ class Delivery:
         # last rank at the old lowest moves up: once per step, not once per acknowledgement.
         self._floor = 0
         self._at_floor = world_size
+        self._resumed: dict[int, set[int]] = {}  # resume step -> ranks still at it
 
     def reset(self, step: int) -> None:
         """Deliver from `step` on: retained steps go (they are planned again)."""
@@ -91,7 +96,39 @@ class Delivery:
         slot.upto = upto
         if received > slot.received:
             self._set_received(slot, received)
+        if slot.resumed is not None and upto > slot.resumed_until:
+            self._forget_resume(slot)
         self._due.add(slot.rank)
+
+    def resumed_elsewhere(self, slot: TrainerSlot, step: int, heard_since: float) -> TrainerSlot | None:
+        """A connected rank, heard from since `heard_since`, that resumed from a checkpoint at
+        another step than `step` and has not trained past it: `slot`'s checkpoint and its are
+        not of one moment. O(1) while every rank resumes at one step."""
+        for at, ranks in self._resumed.items():
+            if at == step:
+                continue
+            for rank in ranks:
+                other = self.slots[rank]
+                if other is not slot and other.ident is not None and other.last_seen >= heard_since:
+                    return other
+        return None
+
+    def mark_resumed(self, slot: TrainerSlot, step: int | None, prefetch: int) -> None:
+        """`slot`'s trainer resumed at `step` from a checkpoint (None: it did not)."""
+        self._forget_resume(slot)
+        if step is not None:
+            # Its credit reaches past this once it takes the step after `step`: trained it.
+            slot.resumed, slot.resumed_until = step, step + 1 + max(1, prefetch)
+            self._resumed.setdefault(step, set()).add(slot.rank)
+
+    def _forget_resume(self, slot: TrainerSlot) -> None:
+        if slot.resumed is not None:
+            ranks = self._resumed.get(slot.resumed)
+            if ranks is not None:
+                ranks.discard(slot.rank)
+                if not ranks:
+                    del self._resumed[slot.resumed]
+            slot.resumed = None
 
     def rewind_slot(self, slot: TrainerSlot, step: int, prefetch: int) -> None:
         """A (re)connected rank starts at `step` with `prefetch` steps of credit."""
@@ -176,6 +213,7 @@ class Delivery:
             self._by_ident.pop(slot.ident, None)
             self._connected -= 1
         slot.ident = None
+        self._forget_resume(slot)
 
     def held(self) -> tuple[int, int]:
         return (sum(rs.num_samples for rs in self.retained),

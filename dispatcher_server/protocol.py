@@ -29,6 +29,8 @@ import msgpack
 #:     The `direct` payload mode added optional fields and the READERS/FETCH/PAYLOADS types
 #:     without a bump: none of them is sent unless the dispatcher runs --payloads direct.
 #: v6: END of a halted job says why (`message`), so the trainer's error names the cause.
+#:     A trainer's HELLO says `resume` when its next_step came from a checkpoint (optional,
+#:     no bump: an older dispatcher ignores it and checks nothing).
 VERSION = 6
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -73,7 +75,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
-            "dataset": (dict, False), "inputs": (dict, False)},
+            "dataset": (dict, False), "inputs": (dict, False), "resume": (bool, False)},
     # direct mode: `readers` (trainers) is the live reader table, `shards` (readers) the files
     # whose bytes a reader may serve.
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),

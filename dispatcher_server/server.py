@@ -775,6 +775,9 @@ class Dispatcher:
         rank = msg["rank"]
         slot = self.delivery.slots[rank]
         want = msg.get("next_step")
+        resumed = want if msg.get("resume") else None
+        if resumed is not None and self._resumed_elsewhere(ident, msg, slot, resumed, now):
+            return
         want = slot.received if want is None else want
         target = want
         if want > self.next_plan:
@@ -803,6 +806,7 @@ class Dispatcher:
         slot.last_seen = now
         self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check
         self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
+        self.delivery.mark_resumed(slot, resumed, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
@@ -820,6 +824,29 @@ class Dispatcher:
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
+
+    def _resumed_elsewhere(self, ident: bytes, msg: P.Message, slot: TrainerSlot, step: int,
+                           now: float) -> bool:
+        """Refuse a rank resuming at `step` from a checkpoint while a live peer resumed at
+        another step and has not trained past it: their collectives would pair different steps
+        (each rank's share of one step is planned with the others'). Both are told, so neither
+        trains on; a peer silent for two heartbeats is a process that is gone, not a peer."""
+        other = self.delivery.resumed_elsewhere(
+            slot, step, now - 2 * self.config.liveness.heartbeat_s)
+        if other is None:
+            return False
+        why = (f"rank {slot.rank} resumes at step {step} but rank {other.rank} resumed at step "
+               f"{other.resumed}: they were restored from different checkpoints and would train "
+               "different steps together. Restore every rank from one checkpoint (each rank's "
+               "saved state_dict()['next_step'] must be the same)")
+        event("resume_mismatch", logging.WARNING, rank=slot.rank, step=step, peer=other.rank,
+              peer_step=other.resumed)
+        self.metrics.error("resume", role="trainer", detail=why)
+        self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+        self._send(self.trainer_sock, other.ident, P.ERROR, code="resume", message=why)
+        self.delivery.disconnect(other)
+        self.metrics.peers.labels("trainer").set(self.delivery.connected())
+        return True
 
     def _measured(self, rank: int, record: dict) -> None:
         """A rank's timings of one step: log every step now complete, refit when due."""

@@ -14,7 +14,9 @@ from tests.servicekit import free_port
 from tests.test_service import (
     all_keys, client_config, consume, dispatcher, make_config, readers, shards,  # noqa: F401
 )
-from trainer_client.client import ClientConfig, DispatcherClient, DispatcherDataset, decode_step
+from trainer_client.client import (
+    ClientConfig, DispatcherClient, DispatcherDataset, DispatcherError, decode_step,
+)
 
 
 def _tokens(i: int, n: int) -> bytes:
@@ -156,10 +158,48 @@ def test_commit_refuses_what_is_not_a_step_number_at_once():
             with pytest.raises(ValueError, match=r"commit\(step\) takes a step number >= 0"):
                 c.commit(bad, timeout=0.5)
         assert c._thread is None  # refused before the client started
+        c.load_state_dict({"next_step": 4})
         with pytest.raises(TimeoutError, match=r"commit\(3\) not acknowledged"):
             c.commit(torch.tensor(3), timeout=0.5)  # an integer tensor is a step number
     finally:
         c.close()
+
+
+def test_commit_refuses_a_step_this_client_did_not_hand_out():
+    """Journaled, a commit ahead of the steps taken resumed every rank after steps never
+    trained; one past 2**64 killed the client thread inside msgpack."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    try:
+        with pytest.raises(ValueError, match=r"commit\(0\): this client has handed out no step yet"):
+            c.commit(0, timeout=0.5)
+        c.load_state_dict({"next_step": 4})
+        for ahead in (4, 2**64):
+            with pytest.raises(ValueError, match=rf"commit\({ahead}\): this client has handed "
+                                                 r"out steps up to 3"):
+                c.commit(ahead, timeout=0.5)
+        assert c._thread is None
+    finally:
+        c.close()
+
+
+@pytest.mark.timeout(30)
+def test_commit_on_a_closed_or_failed_client_says_so_instead_of_waiting(shards):
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    c.load_state_dict({"next_step": 4})
+    c.start()
+    c.close()
+    with pytest.raises(RuntimeError, match=r"commit\(3\): the dispatcher client is closed"):
+        c.commit(3, timeout=20)
+    with dispatcher(make_config(shards, world_size=2)) as srv:
+        c = DispatcherClient(srv.trainer_endpoint, 0, 3, 3, config=client_config())
+        c.load_state_dict({"next_step": 4})
+        try:
+            with pytest.raises(DispatcherError, match="world_size"):
+                c.commit(3, timeout=20)  # refused while it waited: the refusal, at once
+            with pytest.raises(DispatcherError, match="world_size"):
+                c.commit(3, timeout=20)
+        finally:
+            c.close()
 
 
 def test_report_timings_refuses_a_record_the_dispatcher_would_refuse():

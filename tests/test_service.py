@@ -22,7 +22,7 @@ from dispatcher_server.server import Dispatcher
 from pipeline.gendata import generate
 from pipeline.reader import iter_samples
 from pipeline.service import ReaderServiceConfig, ReaderWorker
-from trainer_client.client import ClientConfig, DispatcherClient
+from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
 
 NUM_SAMPLES, NUM_SHARDS = 90, 6
 
@@ -176,6 +176,34 @@ def test_client_restart_resumes_where_its_state_says(shards):
         second = consume(srv.trainer_endpoint, 2, states=states)
     for r in range(2):
         assert first[r] + second[r] == reference[r]
+
+
+@pytest.mark.timeout(60)
+def test_ranks_restored_from_different_checkpoints_are_both_stopped_naming_the_steps(shards):
+    """Rank 1 from a checkpoint at step 2, rank 0 from one at step 4: each got its own steps,
+    so their collectives paired step 4's plan with step 2's and nobody was told."""
+    cfg = make_config(shards, world_size=2)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        consume(srv.trainer_endpoint, 2, max_steps=5)
+        late = DispatcherClient(srv.trainer_endpoint, 1, 2, 2, config=client_config())
+        early = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config())
+        try:
+            late.load_state_dict({"next_step": 2, "rank": 1, "world_size": 2})
+            assert next(late).step == 2
+            early.load_state_dict({"next_step": 4, "rank": 0, "world_size": 2})
+            with pytest.raises(DispatcherError, match=r"rank 0 resumes at step 4 but rank 1 "
+                               r"resumed at step 2: .*Restore every rank from one checkpoint"):
+                next(early)
+            with pytest.raises(DispatcherError, match="restored from different checkpoints"):
+                for _ in range(10):  # the steps it held already, then the refusal
+                    next(late)
+        finally:
+            late.close()
+            early.close()
+        # One checkpoint for both, as a restart of the whole job brings: served as usual.
+        states = {r: {"next_step": 3, "rank": r, "world_size": 2} for r in range(2)}
+        again = consume(srv.trainer_endpoint, 2, states=states, max_steps=2)
+    assert [s for s, _ in again[0]] == [s for s, _ in again[1]] == [3, 4]
 
 
 def test_version_mismatch_gets_an_error_naming_both_versions(shards):

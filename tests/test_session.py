@@ -323,7 +323,9 @@ def test_a_restored_state_of_another_dataset_is_refused_by_the_client_too():
 
 def test_a_commit_the_dispatcher_could_not_journal_fails_at_once_with_its_reason():
     with ScriptedRouter() as router:
-        client = _client(router.endpoint).start()
+        client = _client(router.endpoint)
+        client.load_state_dict({"next_step": 4})  # steps 1 and 3 were handed out before
+        client.start()
         results: dict[int, object] = {}
 
         def commit(step: int) -> None:
@@ -334,7 +336,7 @@ def test_a_commit_the_dispatcher_could_not_journal_fails_at_once_with_its_reason
                 results[step] = e
 
         try:
-            _welcome_trainer(router, router.expect(P.HELLO))
+            _welcome_trainer(router, router.expect(P.HELLO), next_step=4)
             router.expect(P.CREDIT)
             committers = []
             for step in (1, 3):

@@ -378,6 +378,9 @@ class _TrainerPeer:
         self.prefetch = prefetch
         self.map_shards = map_shards
         self.next_expected = next_step  # next step to receive
+        # next_step came from a checkpoint, until a WELCOME took it: the dispatcher checks that
+        # every rank of a restart resumes at one step (a reconnect says where it is, not this).
+        self.resuming = next_step is not None
         self.consumed = next_step  # next step the training loop takes
         self.restored = dataset  # the fingerprint of the job a restored state came from
         self.dataset: dict | None = None  # the dispatcher's, from WELCOME
@@ -393,6 +396,8 @@ class _TrainerPeer:
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
         fields = dict(self.hello, next_step=self.next_expected, prefetch=self.prefetch)
+        if self.resuming:
+            fields["resume"] = True
         if self.restored is not None:
             fields["dataset"] = self.restored
         return fields
@@ -406,6 +411,7 @@ class _TrainerPeer:
         if self.fetcher is not None:
             self.fetcher.readers = msg.get("readers", [])
         self.next_expected = msg["next_step"]
+        self.resuming = False
         if self.consumed is None:
             self.consumed = msg["next_step"]
         for c in self.commits:
@@ -499,6 +505,7 @@ class _TrainerPeer:
                 while not self.steps.empty():
                     self.steps.get_nowait()
                 self.next_expected = self.consumed = cmd[1]
+                self.resuming = cmd[1] is not None
                 self.restored = cmd[2]
                 session.hello()
 
@@ -686,7 +693,8 @@ class DispatcherClient:
             self._commands.put(("resync", step, dataset))
 
     def commit(self, step: int, timeout: float = 30.0) -> None:
-        """Tell the dispatcher `step` is checkpointed; returns once it is journaled, raises
+        """Tell the dispatcher `step` is checkpointed (a step this client handed out: the
+        checkpoint's state_dict() resumes after it); returns once it is journaled, raises
         DispatcherError with the dispatcher's reason when it could not be."""
         try:
             number = -1 if isinstance(step, bool) else operator.index(step)
@@ -696,12 +704,29 @@ class DispatcherClient:
             # A float or string came back as a malformed-message warning after the whole timeout,
             # and a tensor could not be sent at all: the client thread died with it.
             raise ValueError(f"commit(step) takes a step number >= 0 (a Step's .step), got {step!r}")
-        step = number
+        if self._consumed is None or number >= self._consumed:
+            # Journaled, it would resume every rank after steps this one never trained.
+            handed = ("no step yet" if self._consumed is None
+                      else f"steps up to {self._consumed - 1}")
+            raise ValueError(f"commit({number}): this client has handed out {handed}; commit "
+                             "the .step of a step the checkpoint holds the training of")
+        if self._fatal is not None:
+            raise self._fatal
+        if self._closing.is_set():
+            raise RuntimeError(f"commit({number}): the dispatcher client is closed")
         done, error = threading.Event(), []
-        self.start()
-        self._commands.put(("commit", step, done, error))
-        if not done.wait(timeout):
-            raise TimeoutError(f"commit({step}) not acknowledged by {self.address} within {timeout} s")
+        thread = self.start()._thread
+        self._commands.put(("commit", number, done, error))
+        deadline = time.monotonic() + timeout
+        while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._fatal is not None:
+                raise self._fatal
+            if thread is None or not thread.is_alive():
+                raise RuntimeError(f"commit({number}): the dispatcher client "
+                                   f"{'is closed' if self._closing.is_set() else 'thread stopped'}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"commit({number}) not acknowledged by {self.address} "
+                                   f"within {timeout} s")
         if error:
             raise error[0]
 
