@@ -58,6 +58,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+#: Loggers of libraries the services use, quiet below WARNING unless --log-level DEBUG.
+LIBRARY_LOGGERS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "fsspec", "urllib3", "google")
+
+
 def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
     """Send log records to stderr in `log_format`; replaces the handler an earlier call set up."""
     if log_format not in LOG_FORMATS:
@@ -72,6 +76,11 @@ def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # Object-storage libraries log routine events at INFO ("Found credentials in environment
+    # variables."): ours say what matters, theirs show from WARNING on, and all of it at DEBUG.
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if root.level <= logging.DEBUG
+                                         else max(root.level, logging.WARNING))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

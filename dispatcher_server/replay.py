@@ -37,6 +37,10 @@ class ReplaySource:
             return None
         if self.journal is not None:
             return self.journal.cursor_after(step - 1)
+        if step - 1 not in self.cursors and not self.cursors:
+            raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
+                               "knows no step before its first one (it restarted, or planned none "
+                               "yet); run it with --journal-dir to resume trainers' checkpoints")
         if step - 1 not in self.cursors:
             raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
                                f"knows the steps from the last commit on "

@@ -24,7 +24,9 @@ from PIL import Image
 from pipeline.headers import (
     HeaderError, flac_header, gif_problem, jpeg_problem, jpeg_size, png_problem, png_size, wav_header,
 )
-from pipeline.tokenize import BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, normalize_turn
+from pipeline.tokenize import (
+    BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
+)
 
 if TYPE_CHECKING:
     from pipeline.video import VideoConfig
@@ -152,7 +154,8 @@ class TextConfig:
             raise ValueError(f"max_text_bytes={self.max_text_bytes} must be >= 1")
         # Checked here, not at first use: a reader would otherwise fail only once a shard arrives.
         if self.tokenizer_path is not None and not os.path.isfile(self.tokenizer_path):
-            raise ValueError(f"tokenizer file {self.tokenizer_path!r} does not exist: pass an HF "
+            raise ValueError(f"tokenizer file {self.tokenizer_path!r} "
+                             f"{missing_file(self.tokenizer_path)}: pass an HF "
                              f"tokenizers JSON file (a model's tokenizer.json), or leave --tokenizer "
                              f"unset for the byte-level tokenizer")
         if (self.chat_template is not None and self.chat_template not in BUILTIN_TEMPLATES

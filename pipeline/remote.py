@@ -99,6 +99,8 @@ def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
         cause = chained
     names = {c.__name__ for c in type(cause).__mro__}
     status = getattr(cause, "status", None)
+    if "TooManyRedirects" in names:  # a ClientResponseError with no status (HTTP 0)
+        return OSError, "too many redirects (the server redirects in a loop): check the URL"
     if "ClientResponseError" in names and isinstance(status, int):
         said = f"HTTP {status} {getattr(cause, 'message', '') or ''}".strip()
         if status >= 500 or status in _RETRY_STATUS:

@@ -68,6 +68,15 @@ class ByteTokenizer:
         return bytes(np.asarray(ids, dtype=np.uint8)).decode("utf-8")
 
 
+def missing_file(path: str) -> str:
+    """Why `path`, which is not a file, cannot be read as one: for "tokenizer file X <this>"."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, "tokenizer.json")
+        return "is a directory" + (f" (pass {inside!r}, the file in it)"
+                                   if os.path.isfile(inside) else "")
+    return "does not exist"
+
+
 class HFTokenizer:
     """An HF `tokenizers` JSON file (a model's tokenizer.json). No special tokens are added:
     BOS/EOS come from the chat template, as the model's own chat format puts them."""
@@ -76,8 +85,8 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF  # optional dependency, only when configured
 
         if not os.path.isfile(path):
-            raise ValueError(f"tokenizer file {path!r} does not exist: pass an HF tokenizers JSON "
-                             f"file (a model's tokenizer.json)")
+            raise ValueError(f"tokenizer file {path!r} {missing_file(path)}: pass an HF tokenizers "
+                             f"JSON file (a model's tokenizer.json)")
         try:
             self.tokenizer = _HF.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception

@@ -160,6 +160,10 @@ def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on()
     with pytest.raises(JournalError, match="--journal-dir"):
         r.cursor_before(2)
     assert r.cursor_before(4)["partial"] == [[0, 4]]
+    restarted = ReplaySource(None, world_size=2)  # a restart without a journal knows nothing
+    with pytest.raises(JournalError, match=r"cannot resume at step 3: without a journal the "
+                                           r"dispatcher knows no step before its first one"):
+        restarted.cursor_before(3)
 
 
 def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplog):

@@ -5,6 +5,7 @@ started here on 127.0.0.1 (a Range-serving HTTP server, moto's S3 server); no re
 from __future__ import annotations
 
 import http.server
+import logging
 import os
 import re
 import threading
@@ -52,7 +53,14 @@ class _Shards(http.server.BaseHTTPRequestHandler):
         pass
 
     def _file(self) -> bytes | None:
-        path = os.path.join(self.root, os.path.basename(self.path.split("?")[0]))
+        name = os.path.basename(self.path.split("?")[0])
+        if name.startswith("loop"):  # redirects to itself, for ever
+            self.send_response(302)
+            self.send_header("Location", self.path)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        path = os.path.join(self.root, name)
         if not os.path.isfile(path):
             self.send_error(404)
             return None
@@ -133,6 +141,15 @@ def test_a_server_that_always_drops_gives_one_error_naming_the_url(shards, http_
     assert shard == url and f"shard {url!r}: failed {remote.TRIES} times" in detail
     with pytest.raises(Exception, match=re.escape(url)):  # --errors raise: the same line, raised
         list(iter_shard(url, ReaderConfig(keep_members=False, errors=ErrorPolicy(mode="raise"))))
+
+
+def test_a_redirect_loop_is_named_as_one_not_as_http_0(http_server):
+    base, _ = http_server
+    url = f"{base}/loop-000.tar"
+    stats = ErrorStats()
+    assert _keys([url], stats=stats) == []
+    (reason, shard, _, detail) = stats.recent[-1]
+    assert shard == url and "too many redirects" in detail and "HTTP 0" not in detail, detail
 
 
 def test_http_specs_that_cannot_work_are_one_line(http_server):
@@ -229,3 +246,25 @@ def test_s3_shards_serve_direct_payloads_read_back_by_range(shards, s3):
         direct = consume(srv.trainer_endpoint, 2, record=_contents)
         missed = sum(w.payload_server.num_missed for w in workers)
     assert direct == inline and missed > 0
+
+
+def test_object_storage_libraries_log_only_warnings_unless_debug(capsys):
+    """botocore said 'Found credentials in environment variables.' on every reader's start."""
+    from dispatcher_server.cliopts import setup_logging
+
+    root = logging.getLogger()
+    level = root.level
+    try:
+        setup_logging("text", "INFO")
+        logging.getLogger("botocore.credentials").info("Found credentials in environment variables.")
+        logging.getLogger("botocore.credentials").warning("credentials expire soon")
+        logging.getLogger("mmdispatch.reader").info("mmdispatch event=ours")
+        setup_logging("text", "DEBUG")
+        logging.getLogger("s3fs").debug("s3fs at debug")
+    finally:
+        for handler in [h for h in root.handlers if getattr(h, "mmdispatch", False)]:
+            root.removeHandler(handler)
+        root.setLevel(level)
+    err = capsys.readouterr().err
+    assert "Found credentials" not in err
+    assert "credentials expire soon" in err and "event=ours" in err and "s3fs at debug" in err

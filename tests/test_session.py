@@ -321,6 +321,20 @@ def test_a_restored_state_of_another_dataset_is_refused_by_the_client_too():
             client.close()
 
 
+@pytest.mark.timeout(30)
+def test_no_step_within_the_step_timeout_says_what_holds_the_steps():
+    """A rank whose peer died timed out with 'no step within N s' and no word of why."""
+    with ScriptedRouter() as router:
+        client = _client(router.endpoint, step_timeout_s=0.5).start()
+        try:
+            _welcome_trainer(router, router.expect(P.HELLO))
+            with pytest.raises(TimeoutError, match=r"within 0.5 s: .*a rank that stopped "
+                                                   r"\(its log: event=trainer_lost\)"):
+                next(client)
+        finally:
+            client.close()
+
+
 def test_a_commit_the_dispatcher_could_not_journal_fails_at_once_with_its_reason():
     with ScriptedRouter() as router:
         client = _client(router.endpoint)

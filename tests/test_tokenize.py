@@ -127,6 +127,13 @@ def test_bad_template_settings_are_one_line_errors(tmp_path):
         resolve_chat_template(str(no_template), None)
     with pytest.raises(ValueError, match="does not exist"):
         load_tokenizer(str(tmp_path / "missing.json"))
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ValueError, match="is a directory: pass"):
+        load_tokenizer(str(model))
+    (model / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is a directory \(pass '.*/model/tokenizer.json', the file"):
+        load_tokenizer(str(model))
 
 
 def test_wire_form_round_trips():

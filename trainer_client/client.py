@@ -627,7 +627,11 @@ class DispatcherClient:
                     raise RuntimeError("dispatcher client closed" if self._closing.is_set()
                                        else "dispatcher client thread stopped")
                 if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no step from {self.address} within {limit} s")
+                    raise TimeoutError(
+                        f"no step from {self.address} within {limit} s: the dispatcher plans "
+                        "ahead only as far as every rank has taken its steps, so a rank that "
+                        "stopped (its log: event=trainer_lost) or readers that deliver nothing "
+                        "hold the others")
                 continue
             if item is _END:
                 self._ended = True
