@@ -250,6 +250,20 @@ def gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
         raise CountError("bad_gzip", f"gzip member is corrupt: {e}") from None
 
 
+def _flac_unreadable(data: bytes | memoryview) -> str | None:
+    """Why libsndfile cannot read a FLAC stream to its last sample (None: it can). Seeking there
+    decodes the frames it lands on (a fraction of a millisecond); a cut stream fails it."""
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            if f.frames > 0:
+                f.seek(f.frames - 1)
+                if len(f.read(1)) == 1:
+                    return None
+    except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
+        return f"cannot be read to its last sample: {library_message(e)} (truncated or corrupt)"
+    return "cannot be read to its last sample (truncated or corrupt)"
+
+
 class Counter:
     """Counts members under one `CountingConfig`; holds the loaded tokenizer and chat template."""
 
@@ -300,9 +314,16 @@ class Counter:
         """(encoder length, LLM length, meta) from the audio header."""
         cfg = self.config.audio
         try:
-            header = wav_header(data) or flac_header(data)
+            header = wav_header(data)
+            flac = header is None and (header := flac_header(data)) is not None
         except HeaderError as e:
             raise CountError(e.reason, str(e)) from None
+        if flac:
+            # WAV's data chunk size is checked against the bytes present; a FLAC's frames have no
+            # such total, and one cut short would fail the trainer's decoder after planning.
+            problem = _flac_unreadable(data)
+            if problem is not None:
+                raise CountError("bad_audio", f"FLAC {problem}")
         if header is None:
             try:
                 info = soundfile.info(io.BytesIO(data))

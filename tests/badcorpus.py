@@ -130,6 +130,14 @@ def flac_with(*, rate: int | None = None, total: int | None = None) -> bytes:
     return bytes(data)
 
 
+def flac_noise(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    """A FLAC of white noise: its frames hold real data, so cutting it cuts frames."""
+    out = io.BytesIO()
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, int(seconds * rate)).astype(np.float32)
+    soundfile.write(out, noise, rate, format="FLAC")
+    return out.getvalue()
+
+
 def clip(fmt: str = "mp4") -> bytes:
     """A real 2 s, 10 fps, 64x48 clip (PyAV, the `[video]` extra; imported only when a case is built)."""
     from pipeline.gendata import video_clip
@@ -361,6 +369,8 @@ _sample_case("flac_rate_zero", "bad_audio", "FLAC STREAMINFO declaring 0 Hz",
              lambda: {"flac": flac_with(rate=0), "txt": b"c"})
 _sample_case("flac_rate_1e6", "bad_audio", "FLAC STREAMINFO declaring 1,000,000 Hz",
              lambda: {"flac": flac_with(rate=1_000_000), "txt": b"c"})
+_sample_case("flac_truncated", "bad_audio", "a FLAC of noise cut in half (its frames end early)",
+             lambda: {"flac": _half(flac_noise()), "txt": b"c"})
 _sample_case("flac_length_lies", "bad_audio", "FLAC claiming one hour (28.8M samples) in ~100 bytes",
              lambda: {"flac": flac_with(total=8000 * 3600), "txt": b"c"})
 _sample_case("audio_garbage", "bad_audio", "an .mp3 that is random bytes",
