@@ -40,6 +40,11 @@ class CountError(HeaderError):
     """A member cannot be counted; `reason` is a short stable name for error counters."""
 
 
+class UndecodableError(ValueError):
+    """A member whose header counted but whose body does not decode: only the decoder finds it,
+    after the sample was planned (a trainer then stands a blank input in for it)."""
+
+
 _BUFFER_REPR = re.compile(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>")
 
 

@@ -49,7 +49,7 @@ import soundfile
 from PIL import Image
 from scipy.signal import get_window, resample_poly
 
-from pipeline.counting import AudioConfig, ImageConfig, audio_lengths, smart_resize
+from pipeline.counting import AudioConfig, ImageConfig, UndecodableError, audio_lengths, smart_resize
 from pipeline.video import VideoConfig, video_patches
 
 #: OpenAI CLIP normalization, which Qwen2-VL's image processor uses (`OPENAI_CLIP_MEAN/STD`).
@@ -72,9 +72,11 @@ PREPROCESS_DTYPE = np.dtype("float16")
 class PreprocessError(ValueError):
     """An item that cannot become its model input; the message names sample key and member."""
 
-    def __init__(self, message: str, modality: str) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, modality: str | None = None, *,
+                 undecodable: bool = False) -> None:
+        super().__init__(message)  # args: (message,); the rest pickles in __dict__
         self.modality = modality
+        self.undecodable = undecodable  # the payload does not decode (not a rules mismatch)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,7 +143,7 @@ def decode_image(data: bytes | memoryview) -> Image.Image:
                 return im.convert("RGB")  # loads the pixels before the file closes
             rgba = im.convert("RGBA")
     except Exception as e:  # Pillow raises many types on bad input: all mean "not decodable"
-        raise ValueError(f"image cannot be decoded: {e}") from None
+        raise UndecodableError(f"image cannot be decoded: {e}") from None
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
@@ -243,7 +245,7 @@ def decode_audio(data: bytes | memoryview) -> tuple[np.ndarray, int]:
     try:
         wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
-        raise ValueError(f"audio cannot be decoded: {e}") from None
+        raise UndecodableError(f"audio cannot be decoded: {e}") from None
     return wave.mean(axis=1), int(rate)
 
 
@@ -261,7 +263,7 @@ def audio_features(data: bytes | memoryview, config: PreprocessConfig) -> np.nda
     stride = mel_stride(cfg)
     wave, rate = decode_audio(data)
     if wave.size == 0:
-        raise ValueError("audio clip is empty")
+        raise UndecodableError("audio clip is empty")
     enc_len, _ = audio_lengths(wave.size / rate, cfg)
     mel = log_mel(resample(wave, rate), stride * enc_len)
     return mel.reshape(enc_len, stride * N_MELS).astype(PREPROCESS_DTYPE)
@@ -315,7 +317,8 @@ def preprocess_item(modality: str, data: bytes | memoryview, config: PreprocessC
         raise
     except ValueError as e:
         raise PreprocessError(str(e) if str(e).startswith("sample ")
-                              else f"sample {key!r} member {member!r}: {e}", modality) from None
+                              else f"sample {key!r} member {member!r}: {e}", modality,
+                              undecodable=isinstance(e, UndecodableError)) from None
     return out
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.counting import CountError, ImageConfig, library_message, smart_resize
+from pipeline.counting import CountError, ImageConfig, UndecodableError, library_message, smart_resize
 
 #: CLIP's normalization, which Qwen2-VL's image and video processors use.
 _MEAN = np.array([0.48145466, 0.4578275, 0.40821073], dtype=np.float32)
@@ -350,7 +350,7 @@ def _sample_frames(data: bytes | memoryview, n_real: int, duration_s: float, row
             if len(picked) == n_real:
                 break
     if not picked:
-        raise ValueError("video decodes to no frames")
+        raise UndecodableError("video decodes to no frames")
     picked.extend([picked[-1]] * (n_real - len(picked)))  # a header longer than its frames
     return picked
 
@@ -389,7 +389,7 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     except ValueError:
         raise
     except Exception as e:  # av.error.* on a corrupt stream
-        raise ValueError(f"video does not decode: {e}") from None
+        raise UndecodableError(f"video does not decode: {e}") from None
     picked.extend([picked[-1]] * (frames - len(picked)))  # whole temporal patches
     x = (np.stack(picked).astype(np.float32) / 255.0 - _MEAN) / _STD  # (T, H, W, C)
     x = x.transpose(0, 3, 1, 2)  # (T, C, H, W)

@@ -321,19 +321,53 @@ def test_pool_prepares_only_so_far_ahead_and_reports_waits(records):
     assert [s.step for s in rest] == list(range(1, 8)) and pool.wait_s > 0
 
 
-def test_pool_raises_a_bad_item_naming_its_key():
-    pytest.importorskip("torch")
+def test_an_item_that_does_not_decode_gets_a_blank_input_or_raises_naming_its_key(caplog):
+    """A header that counted over a body that does not decode is found only by the decoder,
+    after the sample was planned into every rank's step: the loop died on it."""
+    torch = pytest.importorskip("torch")
     from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 
     records = _records(12)
+    reference = _inputs_by_item(PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)))
     bad = [r for r in records if any(it.modality == "image" for it in r.items)][0]
-    member = next(it.member for it in bad.items if it.modality == "image")
-    bad.members[member] = b"\x89PNG\r\n\x1a\n" + bytes(40)  # counted fine earlier, cannot decode
-    for workers in (0, 2):
-        pool = PrefetchPool(_steps(records), PrefetchConfig(workers=workers, preprocess=PRE))
-        with pytest.raises(ValueError, match=f"sample '{bad.key}' member '{member}'"):
+    item = next(it for it in bad.items if it.modality == "image")
+    bad.members[item.member] = b"\x89PNG\r\n\x1a\n" + bytes(40)  # counted fine earlier, cannot decode
+    for kind, workers in (("thread", 0), ("thread", 2), ("process", 2)):
+        config = dict(workers=workers, kind=kind, preprocess=PRE)
+        with PrefetchPool(_steps(records), PrefetchConfig(errors="raise", **config)) as pool:
+            with pytest.raises(ValueError, match=f"sample '{bad.key}' member '{item.member}'"):
+                list(pool)
+        caplog.clear()
+        with PrefetchPool(_steps(records), PrefetchConfig(**config)) as pool:
+            got = _inputs_by_item(pool)
+        assert pool.undecodable.count == 1, kind
+        blank = got.pop((bad.key, item.member))
+        assert blank.shape == (item.enc_len, reference[bad.key, item.member].shape[1])
+        assert blank.dtype == torch.float16 and not blank.any()
+        assert got.keys() == reference.keys() - {(bad.key, item.member)}
+        assert all(torch.equal(t, reference[k]) for k, t in got.items()), kind
+        assert any("event=undecodable_item" in r.message and bad.key in r.message
+                   for r in caplog.records)
+    for r in records:  # every image broken: a setup problem, not bad data
+        for it in r.items:
+            if it.modality == "image":
+                r.members[it.member] = bad.members[item.member]
+    with PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE,
+                                                      max_consecutive_errors=2)) as pool:
+        with pytest.raises(ValueError, match="3 items in a row did not decode"):
             list(pool)
-        pool.close()
+
+
+def test_items_counted_by_other_rules_stop_the_loop_whatever_the_error_mode(records):
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    other = PreprocessConfig(image=ImageConfig(max_pixels=56 * 56), audio=PRE.audio)
+    with PrefetchPool(_steps(records), PrefetchConfig(workers=2, preprocess=other)) as pool:
+        with pytest.raises(ValueError, match="disagree on the counting rules"):
+            list(pool)
+    with pytest.raises(ValueError, match="errors='skip' must be one of warn, raise"):
+        PrefetchConfig(errors="skip")
 
 
 def test_datanode_preprocessing_ships_the_same_tensors(records):

@@ -16,8 +16,10 @@ from pipeline.counting import AudioConfig, ImageConfig
 from pipeline.preprocess import PreprocessConfig
 from pipeline.video import VideoConfig, video_config
 
-#: Preprocessing pool kinds (`trainer_client.prefetch.POOL_KINDS`, kept here free of torch).
+#: Preprocessing pool kinds and error modes of `trainer_client.prefetch.PrefetchConfig` (kept
+#: here, free of torch, for the CLI).
 POOL_KINDS = ("thread", "process")
+ERROR_MODES = ("warn", "raise")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="workers preparing model inputs off the training loop (0: inside the loop)")
     add("--preprocess-pool", choices=POOL_KINDS, default="thread",
         help="worker kind; threads measured faster on 2 cores (bench.feed)")
+    add("--preprocess-errors", choices=ERROR_MODES, default="warn",
+        help="an item whose payload does not decode: warn (log it and train on a blank input of "
+             "its planned rows, as every rank's shapes need) or raise (stop the loop)")
     add("--progress-every", type=finite_float, default=10.0,
         help="seconds between rank 0's progress lines when stderr is not a terminal (0: none)")
     counting = parser.add_argument_group("counting (the [counting] table; match the data nodes)")

@@ -7,6 +7,14 @@ audio log-mels with exactly the planned number of rows, or, for items a data nod
 preprocessed (`--preprocess-on datanode`), a wrap of the shipped array). The training loop
 iterates the pool and receives steps whose micro-batches carry `inputs` (`MicrobatchInputs`).
 
+An item whose payload does not decode (a header that counted over a corrupt body: only the
+decoder finds it, after the sample was planned into every rank's step) gets a blank input of
+exactly its planned rows under `errors="warn"` (the default, as readers do with bad samples),
+logged with its key as `event=undecodable_item`: every rank keeps the shapes the plan and the
+exchange expect, and the sample trains with a blank item. More than `max_consecutive_errors`
+in a row, or any item under `errors="raise"`, stops the loop with the error. An item whose rows
+disagree with the plan (data nodes and trainer count by other rules) always stops it.
+
 At most `ahead` micro-batches are prepared or being prepared beyond the step the loop holds
 (a step with more micro-batches is still prepared whole), which bounds memory. `workers=0`
 preprocesses inside the loop, in `__next__` (the baseline `bench.feed` compares against).
@@ -35,13 +43,14 @@ import numpy as np
 import torch
 
 from pipeline.preprocess import (
-    TENSOR_META, PreprocessConfig, array_from_payload, check_rows, preprocess_item,
+    PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
+    check_rows, preprocess_item, row_dim,
 )
 from trainer_client.client import Microbatch, Step
+from trainer_client.options import ERROR_MODES, POOL_KINDS
 
 log = logging.getLogger("mmdispatch.prefetch")
 
-POOL_KINDS = ("thread", "process")
 _END = object()
 
 
@@ -53,12 +62,17 @@ class PrefetchConfig:
     workers: preprocessing workers (default 2; 0 preprocesses inside the loop).
     kind: "thread" (default, measured faster on 2 cores) or "process".
     preprocess: the counting rules the inputs must match (the data nodes').
+    errors: "warn" (default: an undecodable item gets a blank input, logged) or "raise".
+    max_consecutive_errors: undecodable items in a row that stop the loop under "warn" (a
+        wrong setup, not bad data, makes every item fail).
     """
 
     ahead: int = 4
     workers: int = 2
     kind: str = "thread"
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    errors: str = "warn"
+    max_consecutive_errors: int = 100
 
     def __post_init__(self) -> None:
         if self.ahead < 1:
@@ -67,6 +81,43 @@ class PrefetchConfig:
             raise ValueError(f"preprocess workers={self.workers} must be >= 0 (0: in the loop)")
         if self.kind not in POOL_KINDS:
             raise ValueError(f"preprocess pool kind {self.kind!r} must be one of {', '.join(POOL_KINDS)}")
+        if self.errors not in ERROR_MODES:
+            raise ValueError(f"preprocess errors={self.errors!r} must be one of {', '.join(ERROR_MODES)}")
+        if self.max_consecutive_errors < 1:
+            raise ValueError(f"preprocess max_consecutive_errors={self.max_consecutive_errors} "
+                             "must be >= 1")
+
+
+class Undecodable:
+    """Blank inputs for items whose payload does not decode, under a `PrefetchConfig`'s policy;
+    `count` says how many were stood in for. Shared by the pool's workers (thread-safe)."""
+
+    def __init__(self, config: PrefetchConfig) -> None:
+        self.config = config
+        self.count = 0
+        self._in_a_row = 0
+        self._lock = threading.Lock()
+
+    def decoded(self) -> None:
+        self._in_a_row = 0
+
+    def blank(self, error: BaseException, modality: str, enc_len: int) -> torch.Tensor:
+        """The stand-in for an item that failed with `error`, or `error` raised (a rules
+        mismatch, errors="raise", or too many in a row)."""
+        if not (isinstance(error, PreprocessError) and error.undecodable) or self.config.errors == "raise":
+            raise error
+        with self._lock:
+            self.count += 1
+            self._in_a_row += 1
+            in_a_row = self._in_a_row
+        if in_a_row > self.config.max_consecutive_errors:
+            raise PreprocessError(f"{in_a_row} items in a row did not decode, the last: {error}. "
+                                  "A setup problem, not bad data? (raise "
+                                  "max_consecutive_errors if the shards are this bad)",
+                                  modality, undecodable=True) from error
+        log.warning("mmdispatch event=undecodable_item %s; it trains on a blank input of its "
+                    "%d planned rows", error, enc_len)
+        return _tensor(np.zeros((enc_len, row_dim(modality, self.config.preprocess)), PREPROCESS_DTYPE))
 
 
 def prepare_item(modality: str, payload, meta: dict, config: PreprocessConfig, *, enc_len: int,
@@ -122,13 +173,27 @@ def _item_jobs(mb: Microbatch):
                 enc_len=int(enc_len[k]), key=eb.sample_keys[k], member=eb.members[k])
 
 
-def prepare_microbatch(mb: Microbatch, config: PreprocessConfig) -> Microbatch:
-    """`mb` with its `inputs` prepared here and now (what the pool does with `workers=0`)."""
+def prepare_microbatch(mb: Microbatch, config: PreprocessConfig,
+                       undecodable: Undecodable | None = None) -> Microbatch:
+    """`mb` with its `inputs` prepared here and now (what the pool does with `workers=0`);
+    with `undecodable`, items that do not decode get its blank inputs."""
     tensors: dict[str, list[torch.Tensor]] = {ph: [] for ph in mb.encoders}
     for phase, args, kw in _item_jobs(mb):
-        tensors[phase].append(_prepare_tensor(*args, config, **kw))
+        tensors[phase].append(_prepare_or_blank(args, config, kw, undecodable))
     mb.inputs = MicrobatchInputs(mb, tensors)
     return mb
+
+
+def _prepare_or_blank(args, config: PreprocessConfig, kw, undecodable: Undecodable | None):
+    try:
+        out = _prepare_tensor(*args, config, **kw)
+    except PreprocessError as e:
+        if undecodable is None:
+            raise
+        return undecodable.blank(e, args[0], kw["enc_len"])
+    if undecodable is not None:
+        undecodable.decoded()
+    return out
 
 
 class PrefetchPool:
@@ -141,6 +206,7 @@ class PrefetchPool:
 
     def __init__(self, steps: Iterable[Step], config: PrefetchConfig | None = None) -> None:
         self.config = config or PrefetchConfig()
+        self.undecodable = Undecodable(self.config)  # .count: items given a blank input
         self.source: Iterator[Step] = iter(steps)
         self.wait_s = 0.0
         self.next_step: int | None = None  # after the last step handed to the loop
@@ -166,7 +232,7 @@ class PrefetchPool:
                     self._ended = True
                     raise StopIteration
                 for mb in step.microbatches:
-                    prepare_microbatch(mb, self.config.preprocess)
+                    prepare_microbatch(mb, self.config.preprocess, self.undecodable)
             else:
                 step = self._next_prepared()
         finally:
@@ -222,12 +288,17 @@ class PrefetchPool:
                 if f.cancelled():
                     out.cancel()
                 elif f.exception() is not None:
-                    out.set_exception(f.exception())
+                    try:
+                        out.set_result(self.undecodable.blank(f.exception(), modality, kw["enc_len"]))
+                    except BaseException as e:  # noqa: BLE001 - the loop raises it
+                        out.set_exception(e)
                 else:
+                    self.undecodable.decoded()
                     out.set_result(_tensor(f.result()))
             fut.add_done_callback(done)
             return out
-        return self._executor.submit(_prepare_tensor, *args, self.config.preprocess, **kw)
+        return self._executor.submit(_prepare_or_blank, args, self.config.preprocess, kw,
+                                     self.undecodable)
 
     def _feed(self) -> None:
         try:

@@ -170,7 +170,8 @@ def train(args: argparse.Namespace) -> int:
     preprocess = preprocess_config_from_args(args)
     frame_dim = audio_row_dim(preprocess.audio)
     prefetch = PrefetchConfig(ahead=args.preprocess_ahead, workers=args.preprocess_workers,
-                              kind=args.preprocess_pool, preprocess=preprocess)
+                              kind=args.preprocess_pool, preprocess=preprocess,
+                              errors=args.preprocess_errors)
     torch.set_num_threads(1)
     _check_launched_by_torchrun()
     dist.init_process_group(args.backend)
