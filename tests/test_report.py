@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
@@ -124,3 +127,144 @@ def test_a_step_log_that_cannot_be_written_stops_logging_and_lets_the_job_go_on(
     warned = [r.getMessage() for r in caplog.records if "step_log_failed" in r.getMessage()]
     assert len(warned) == 1 and "/dev/full" in warned[0] and "step=0" in warned[0]
     assert log.failed is not None
+
+
+def _write_plans(path, world_size: int, steps, *, seed: int = 0, **record_options) -> None:
+    """Append real plan records of `steps` at `world_size` to the step log at `path`."""
+    rng = np.random.default_rng(seed)
+    config = PlannerConfig(num_microbatches=2)
+    topo = Topology(world_size=world_size, ranks_per_node=min(4, world_size))
+    log = StepLog(path)
+    for step in steps:
+        plan = plan_step(synthetic_step(rng, 8 * world_size), topo, config)
+        log.write(plan_record(step, plan, config=config, plan_ms=1.0, **record_options))
+    log.close()
+
+
+def _num_artists(fig) -> int:
+    return sum(len(ax.patches) + len(ax.lines) + len(ax.collections) for ax in fig.axes)
+
+
+def test_without_matplotlib_the_numbers_still_come_and_one_line_names_the_extra(
+        step_logs, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails, as uninstalled
+    out = tmp_path / "fig.png"
+    assert cli.main(["report", *map(str, step_logs), "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert summary["num_steps"] == 3 and summary["figure"] is None and not out.exists()
+    assert captured.err.count("\n") == 1 and "pip install 'mmdispatch[report]'" in captured.err
+    assert cli.main(["report", *map(str, step_logs), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "predicted step time" in captured.out and "figure:" not in captured.out
+    assert captured.err.count("\n") == 1 and "matplotlib is not installed" in captured.err
+
+
+def test_a_record_missing_a_field_is_skipped_counted_and_named_by_line(step_logs, caplog, capsys):
+    steps, train = step_logs
+    lines = [json.loads(line) for line in steps.read_text().splitlines()]  # plan, measure per step
+    del lines[0]["balanced"]
+    lines[2]["plan_ms"] = None
+    lines[3]["measured_step_s"] = None
+    del lines[5]["phases"]["vision"]["measured_max"]
+    steps.write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    trains = [json.loads(line) for line in train.read_text().splitlines()]
+    trains[1]["loss"] = None
+    train.write_text("".join(json.dumps(rec) + "\n" for rec in trains))
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.report"):
+        records = report.load_step_log([steps, train])
+    assert records.skipped == 5 and [p["step"] for p in records.plans] == [2]
+    assert [m["step"] for m in records.measures] == [0] and [t["step"] for t in records.trains] == [0, 2]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{steps}:1: skipped a plan record without 'balanced'",
+        f"{steps}:3: skipped a plan record with 'plan_ms' null",
+        f"{steps}:4: skipped a measure record with 'measured_step_s' null",
+        f"{steps}:6: skipped a measure record without 'phases.vision.measured_max'",
+        f"{train}:2: skipped a train record with 'loss' null"]
+    assert cli.main(["report", str(steps), str(train), "--out", str(steps.with_suffix(".png")), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_steps"] == 1 and summary["skipped_records"] == 5
+
+
+def test_a_log_of_malformed_records_names_ten_and_counts_the_rest(tmp_path, caplog):
+    steps = tmp_path / "steps.jsonl"
+    _write_plans(steps, 2, range(1))
+    good = steps.read_text()
+    steps.write_text(good + '{"kind": "plan", "step": 1}\n' * 25)
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.report"):
+        records = report.load_step_log(steps)
+    assert records.skipped == 25 and len(records.plans) == 1
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 11 and warned[-1] == f"{steps}: skipped 15 more malformed records"
+    steps.write_text('{"kind": "plan", "step": 1}\n')
+    with pytest.raises(ValueError, match="skipped 1 malformed record: see the warnings"):
+        report.load_step_log(steps)
+
+
+def test_thousands_of_ranks_draw_as_many_artists_as_eight(step_logs, tmp_path):
+    # A bar per (micro-batch, rank) slot made W=4096 take minutes and GBs; above 64 ranks each
+    # micro-batch's loads are drawn as percentiles over ranks, so the figure's size is flat in W.
+    steps, _ = step_logs
+    small = report.load_step_log(steps)
+    rng = np.random.default_rng(2)
+    wide = tmp_path / "wide.jsonl"
+    with open(wide, "w") as f:
+        for p in small.plans:
+            p = json.loads(json.dumps(p))
+            for m in ("balanced", "random"):
+                p[m]["loads"] = {ph: rng.random((2, 4096)).tolist() for ph in p[m]["loads"]}
+            f.write(json.dumps({**p, "world_size": 4096}) + "\n")
+    large = report.load_step_log(wide)
+    counts = []
+    for records in (small, large):
+        fig = report.draw_figure(records)
+        counts.append(_num_artists(fig))
+        plt.close(fig)
+    assert counts[1] <= counts[0]
+    assert report.render_figure(large, tmp_path / "wide.png").stat().st_size > 20_000
+
+
+def test_a_log_without_per_rank_loads_renders_the_rest(tmp_path):
+    # the dispatcher logs per-rank loads only up to 64 ranks
+    steps = tmp_path / "steps.jsonl"
+    _write_plans(steps, 8, range(2), max_ranks_with_loads=4)
+    records = report.load_step_log(steps)
+    assert "loads" not in records.plans[0]["balanced"]
+    assert report.render_figure(records, tmp_path / "fig.png").stat().st_size > 20_000
+
+
+def test_logs_of_different_runs_are_refused_naming_both(step_logs, tmp_path):
+    steps, train = step_logs
+    other = tmp_path / "other.jsonl"
+    _write_plans(other, 4, range(2))
+    with pytest.raises(ValueError, match=r"steps.jsonl and .*other.jsonl are step logs of different "
+                                         r"runs \(step 0 planned with world_size 8 vs 4"):
+        report.load_step_log([steps, train, other])
+
+
+def test_a_run_resumed_at_another_world_size_is_summarized_per_size(tmp_path, capsys):
+    steps = tmp_path / "steps.jsonl"
+    _write_plans(steps, 8, range(4))
+    _write_plans(steps, 4, range(2, 6), seed=1)  # resumed at step 2 on 4 ranks: 2 and 3 replayed
+    s = report.summarize(report.load_step_log(steps))
+    assert (s["num_steps"], s["world_size"]) == (6, 4)
+    assert [(g["world_size"], g["first_step"], g["last_step"], g["num_steps"]) for g in s["segments"]] == [
+        (8, 0, 1, 2), (4, 2, 5, 4)]
+    plans = report.load_step_log(steps).plans
+    for seg, group in zip(s["segments"], (plans[:2], plans[2:])):
+        expected = (sum(p["random"]["step_time"] for p in group)
+                    / sum(p["balanced"]["step_time"] for p in group))
+        assert seg["predicted_speedup_vs_random"] == pytest.approx(expected)
+    report.print_table(s)
+    out = capsys.readouterr().out
+    assert "W=8 (steps 0-1), W=4 (steps 2-5)" in " ".join(out.split())
+    assert "W=8, steps 0-1" in out and "W=4, steps 2-5" in out
+
+
+def test_a_directory_is_named_as_one_with_the_log_in_it(step_logs, tmp_path):
+    with pytest.raises(ValueError, match=r"is a directory: pass the step log in it \(.*steps.jsonl"):
+        report.load_step_log(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="is a directory: pass the file the dispatcher's --step-log wrote"):
+        report.load_step_log(empty)
