@@ -12,6 +12,8 @@ restart resumes from it); so does a step the planner refuses, once, with the sam
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import threading
@@ -72,6 +74,9 @@ class Dispatcher:
         self.ctx = context or zmq.Context.instance()
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
         self.dataset = config.dataset_fingerprint()
+        # In every step log plan record: `mmdispatch report` refuses to merge logs of two jobs.
+        self._dataset_id = hashlib.blake2b(json.dumps(self.dataset, sort_keys=True).encode(),
+                                           digest_size=6).hexdigest()
         self.inputs = InputRules()  # the rules model inputs follow, as the first peers state them
         self.fatal: str | None = None
         self._halt = Halt(config.journal_dir, config.planner) if config.journal_dir else None
@@ -420,6 +425,7 @@ class Dispatcher:
         if self.step_log is not None:
             record = plan_record(step, plan, config=self.config.planner, plan_ms=plan_ms,
                                  epoch=epoch, sources=sources)
+            record["dataset"] = self._dataset_id
             if self.ignored_members:  # so far in this run, by source and suffix
                 record["ignored_members"] = {src: dict(sorted(c.items()))
                                              for src, c in sorted(self.ignored_members.items())}

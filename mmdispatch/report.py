@@ -164,6 +164,7 @@ def load_step_log(paths: str | Path | list) -> StepRecords:
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     by_kind: dict[str, dict[int, dict]] = {kind: {} for kind in REQUIRED}
     plan_file: dict[int, str | Path] = {}  # step -> the log its plan record came from
+    first_dataset: tuple[str, str] | None = None  # the job's dataset id, and where it was read
     skipped = 0
     for path in paths:
         skipped_here = 0
@@ -180,6 +181,15 @@ def load_step_log(paths: str | Path | list) -> StepRecords:
             step = rec["step"]
             if kind == "plan":
                 _check_same_run(by_kind["plan"].get(step), plan_file.get(step), rec, path)
+                dataset = rec.get("dataset")
+                if dataset is not None:
+                    if first_dataset is None:
+                        first_dataset = (dataset, f"{path}:{num}")
+                    elif dataset != first_dataset[0]:
+                        raise ValueError(
+                            f"{first_dataset[1]} and {path}:{num} are plans of two jobs (dataset "
+                            f"{first_dataset[0]} vs {dataset}; a dispatcher appends to its "
+                            "--step-log): report each job's log on its own")
                 plan_file[step] = path
             by_kind[kind][step] = rec
         if skipped_here > MAX_WARNINGS_PER_FILE:

@@ -242,6 +242,23 @@ def test_logs_of_different_runs_are_refused_naming_both(step_logs, tmp_path):
         report.load_step_log([steps, train, other])
 
 
+def test_plans_of_two_jobs_appended_to_one_log_are_refused_naming_both_lines(tmp_path):
+    """A dispatcher appends to its --step-log: a second job's steps replaced the first's."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write_plans(first, 4, range(3))
+    _write_plans(second, 4, range(3), seed=1)
+    records = [dict(json.loads(line), dataset=job)
+               for job, path in (("aaaa", first), ("bbbb", second))
+               for line in path.read_text().splitlines()]
+    steps = tmp_path / "steps.jsonl"
+    steps.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match=r"steps.jsonl:1 and .*steps.jsonl:4 are plans of two jobs "
+                                         r"\(dataset aaaa vs bbbb; a dispatcher appends"):
+        report.load_step_log(steps)
+    steps.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    assert len(report.load_step_log(steps).plans) == 3
+
+
 def test_a_run_resumed_at_another_world_size_is_summarized_per_size(tmp_path, capsys):
     steps = tmp_path / "steps.jsonl"
     _write_plans(steps, 8, range(4))

@@ -373,6 +373,12 @@ def test_step_log_records_every_planned_step(shards, tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     assert all(r["num_samples"] == 8 and r["world_size"] == 2 for r in records)
+    assert len({r["dataset"] for r in records}) == 1  # the job's id: report merges no two jobs
+    with dispatcher(make_config(shards, world_size=2, max_steps=1, step_log=str(path), seed=9)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 4 and records[-1]["dataset"] != records[0]["dataset"]
 
 
 def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards):
