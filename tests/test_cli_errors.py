@@ -45,6 +45,8 @@ def files(small_shards, tmp_path_factory):
     (d / "weight_inf.toml").write_text(f'[[sources]]\nname = "a"\nshards = "{small_shards[0]}"\n'
                                        "weight = inf\n")
     (d / "journal_file").write_text("not a directory")
+    (d / "torn_checkpoint").mkdir()
+    (d / "torn_checkpoint" / "checkpoint.pt").write_bytes(b"PK\x03\x04 cut short")
     (d / "binary.toml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     keys = d / "keys"
     keys.mkdir()
@@ -170,6 +172,12 @@ CASES = {
                                                     "--progress-every", "-1"], ["--progress-every", "got -1.0"]),
     "train outside torchrun": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9"],
                                ["RANK", "torchrun", "MASTER_PORT"]),
+    "train checkpoint dir a file": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9",
+                                                  "--checkpoint-dir", f"{f['dir']}/journal_file"],
+                                    ["--checkpoint-dir", "journal_file", "is a file"]),
+    "train checkpoint torn": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9",
+                                            "--checkpoint-dir", f"{f['dir']}/torn_checkpoint"],
+                              ["checkpoint.pt", "cannot be loaded", "remove it"]),
     "config not UTF-8 (serve)": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/binary.toml"],
                                  ["binary.toml", "not UTF-8"]),
     "config not UTF-8 (read)": (lambda f, p: [*MMD, "read", "--config", f"{f['dir']}/binary.toml"],

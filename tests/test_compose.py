@@ -120,9 +120,9 @@ def test_compose_file_is_valid_and_wires_services_together():
 @pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
 def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     ports = {name: _free_port() for name in ("READER", "TRAINER", "METRICS")}
-    steps, ranks = 3, 2
-    env = {**os.environ, "MMD_SAMPLES": str(steps * SMALL_GLOBAL_BATCH), "MMD_SHARDS": "4",
-           "MMD_STEPS": str(steps),
+    steps, ranks = 3, 2  # per trainer run; the second resumes from the first's checkpoint
+    env = {**os.environ, "MMD_SAMPLES": str(2 * steps * SMALL_GLOBAL_BATCH), "MMD_SHARDS": "4",
+           "MMD_STEPS": str(steps), "MMD_COMMIT_EVERY": str(steps),
            "MMD_WORLD_SIZE": str(ranks), "MMD_RANKS_PER_NODE": str(ranks), "MMD_READER_WORKERS": "1",
            **{f"MMD_{k}_PORT": str(v) for k, v in ports.items()}}
     mounts = {"/config/mmdispatch.toml": _small_media_settings(tmp_path),
@@ -169,9 +169,10 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
             assert time.monotonic() < deadline, "dispatcher never became healthy"
             time.sleep(0.5)
         procs.append(start("reader"))
-        trainer = start("trainer")
-        procs.append(trainer)
-        assert trainer.wait(180) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+        for _ in range(2):  # the compose trainer restarted: it resumes from its checkpoint
+            trainer = start("trainer")
+            procs.append(trainer)
+            assert trainer.wait(180) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
         if curve:  # while it serves the keyed trainers, a peer without keys hears nothing
             refused_plaintext = _silent_to_plaintext(f"tcp://127.0.0.1:{ports['TRAINER']}")
     finally:
@@ -186,14 +187,16 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
 
     train = [json.loads(line) for line in (tmp_path / "journal" / "train.jsonl").read_text().splitlines()]
     plans, _, measures = report.load_step_log(tmp_path / "journal" / "steps.jsonl")
-    assert [t["step"] for t in train] == list(range(steps))
+    assert [t["step"] for t in train] == list(range(2 * steps))
+    assert "event=train_resumed step=3" in (tmp_path / "trainer.log").read_text()
     assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
     # steps full global batches of samples: every step delivered all of its planned samples.
     planned = {p["step"]: p for p in plans}
-    assert [t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(steps)] == [SMALL_GLOBAL_BATCH] * steps
-    assert all(planned[s]["world_size"] == ranks for s in range(steps))
+    assert ([t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(2 * steps)]
+            == [SMALL_GLOBAL_BATCH] * 2 * steps)
+    assert all(planned[s]["world_size"] == ranks for s in range(2 * steps))
     # Every rank measured its phases and the dispatcher logged them beside the prediction.
-    assert {m["step"] for m in measures} == set(range(steps))
+    assert {m["step"] for m in measures} == set(range(2 * steps))
     assert all(m["phases"]["llm"]["measured_max"] > 0 for m in measures)
     assert sum(m["ranks_reported"] == ranks for m in measures) >= steps - 1
     if curve:

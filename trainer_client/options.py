@@ -35,7 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
     add("--exchange", choices=("single", "two_stage"), default="single",
         help="one world all-to-all, or intra-node then inter-node stages")
-    add("--commit-every", type=int, default=10, help="commit(step) to the dispatcher every N steps (0: never)")
+    add("--commit-every", type=int, default=10,
+        help="every N steps: rank 0 writes the checkpoint (with --checkpoint-dir), then commit(step) "
+             "to the dispatcher (0: never)")
+    add("--checkpoint-dir", default=None,
+        help="the model, optimizer and data position are saved here (checkpoint.pt, by rank 0 "
+             "before each commit) and every rank resumes from it at start when present: a "
+             "directory every rank can read")
     add("--train-log", default=None, help="rank 0 appends one JSON line per step here (train records)")
     add("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
     add("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")

@@ -36,6 +36,37 @@ from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 
 log = logging.getLogger("mmdispatch.train")
 
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def load_checkpoint(directory: str) -> dict | None:
+    """The checkpoint `save_checkpoint` left in `directory`, or None when there is none yet."""
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a torn or foreign file: torch raises many types
+        raise ValueError(f"checkpoint {path!r} cannot be loaded ({e}): remove it to start "
+                         "afresh, or pass another --checkpoint-dir") from None
+
+
+def save_checkpoint(directory: str, state: dict) -> None:
+    """`state` as `directory`/checkpoint.pt, durable when this returns: written beside it,
+    synced, then renamed over the old one, so a crash leaves the old or the new, never half."""
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -164,6 +195,13 @@ def train(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0 (the AdamW learning rate, e.g. 3e-3), got {args.lr}")
+    if args.checkpoint_dir is not None:
+        if os.path.exists(args.checkpoint_dir) and not os.path.isdir(args.checkpoint_dir):
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file: pass a directory")
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        checkpoint = load_checkpoint(args.checkpoint_dir)
+    else:
+        checkpoint = None
     _check_backend(args.backend)
     vocab_size = load_tokenizer(args.tokenizer).vocab_size  # the ids readers send
     # checked before joining the process group: a bad value is one line, not a hung world
@@ -191,6 +229,13 @@ def train(args: argparse.Namespace) -> int:
                                                   server_public_file=args.curve_server_key,
                                                   map_shards=args.map_shards, **timeouts),
                               inputs={**preprocess.identity(), **tokenizer_identity(args.tokenizer)})
+    if checkpoint is not None:  # every rank loads the one file: all resume at one step
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        client.load_state_dict(checkpoint["data"])
+        if ctx.rank == 0:
+            log.info("mmdispatch event=train_resumed step=%d checkpoint=%s",
+                     checkpoint["data"]["next_step"], args.checkpoint_dir)
     pool = PrefetchPool(client, prefetch)
     logf = open(args.train_log, "a", encoding="utf-8") if args.train_log and ctx.rank == 0 else None
     progress = Progress(args.progress_every, enabled=ctx.rank == 0)
@@ -237,7 +282,15 @@ def train(args: argparse.Namespace) -> int:
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
             if args.commit_every and (step.step + 1) % args.commit_every == 0:
-                client.commit(step.step)
+                # The commit lets the dispatcher forget the steps before: it follows the
+                # checkpoint that resumes after them, once that is durable.
+                if args.checkpoint_dir is None:
+                    client.commit(step.step)
+                elif ctx.rank == 0:
+                    save_checkpoint(args.checkpoint_dir, {
+                        "model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "data": pool.state_dict()})
+                    client.commit(step.step)
             if args.steps and done >= args.steps:
                 break
     finally:
