@@ -188,12 +188,19 @@ def _mixture_line(summary: dict, sources: list) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from mmdispatch.dataset import load_dataset
-    from pipeline.gendata import generate_blend, write_tokenizer
+    from pipeline.gendata import ForeignFiles, clear_previous_output, generate_blend, name_some, write_tokenizer
 
     check_options(args)
     data = Path(args.data)
     dataset = data / "dataset.toml"
     if not dataset.exists():
+        try:
+            clear_previous_output(str(data))  # an earlier demo's or gen-data's shards
+        except ForeignFiles as e:  # the user's shards: never generate beside them
+            raise ValueError(f"--data {str(data)!r} holds shards but no dataset.toml "
+                             f"({name_some(e.files)}): write a dataset.toml naming them to train "
+                             "on them (docs/datasets.md), or pass a new directory for the demo "
+                             "to generate its own") from None
         print(f"generating {args.samples} samples of 3 sources in {args.shards} shards into {data}/",
               flush=True)
         generate_blend(str(data), num_samples=args.samples, num_shards=args.shards, seed=args.seed)

@@ -16,6 +16,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 import tarfile
 
@@ -220,9 +221,63 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+#: What gen-data writes, so what a later run may replace: shards `shard-NNNNNN.tar`, per blend
+#: source `SOURCE/NNNNNN.tar`, and a dataset.toml beginning with BLEND_HEADER.
+_OWN_SHARD = re.compile(r"shard-\d{6}\.tar")
+_OWN_SOURCE_SHARD = re.compile(r"\d{6}\.tar")
+BLEND_HEADER = "# Written by `mmdispatch gen-data --blend`"
+_SHARD_ENDINGS = (".tar", ".tar.gz", ".tgz")
+
+
+class ForeignFiles(ValueError):
+    """An output directory holds shards or a dataset.toml gen-data did not write (`files`)."""
+
+    def __init__(self, message: str, files: list[str]) -> None:
+        super().__init__(message)
+        self.files = files
+
+
+def name_some(paths: list[str], limit: int = 3) -> str:
+    """The first `limit` paths, and how many more."""
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(paths[:limit]) + more
+
+
+def clear_previous_output(out_dir: str) -> list[str]:
+    """Remove what an earlier gen-data wrote into `out_dir` (returned), so old shards never mix
+    with new ones; ValueError, removing nothing, if it holds shards or a dataset.toml gen-data
+    did not write (ForeignFiles)."""
+    if not os.path.isdir(out_dir):
+        return []
+    own, foreign = [], []
+
+    def sort(directory: str, pattern: re.Pattern) -> None:
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if name.endswith(_SHARD_ENDINGS) and os.path.isfile(path):
+                (own if pattern.fullmatch(name) else foreign).append(path)
+
+    sort(out_dir, _OWN_SHARD)
+    for source in BLEND_SOURCES:
+        if os.path.isdir(os.path.join(out_dir, source)):
+            sort(os.path.join(out_dir, source), _OWN_SOURCE_SHARD)
+    dataset = os.path.join(out_dir, "dataset.toml")
+    if os.path.isfile(dataset):
+        with open(dataset, encoding="utf-8", errors="replace") as f:
+            (own if f.read(len(BLEND_HEADER)) == BLEND_HEADER else foreign).append(dataset)
+    if foreign:
+        raise ForeignFiles(f"output directory {out_dir!r} holds files gen-data did not write "
+                           f"({name_some(foreign)}): generate into a new or empty directory, so "
+                           "your data and the synthetic shards never mix", foreign)
+    for path in own:
+        os.remove(path)
+    return own
+
+
 def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, video_share: float = 0.0) -> list[str]:
     """Write `num_shards` shards `shard-000000.tar`... holding `num_samples` samples in total;
-    `video_share` of them (default none) with an MP4 clip (needs PyAV, the `[video]` extra)."""
+    `video_share` of them (default none) with an MP4 clip (needs PyAV, the `[video]` extra).
+    What an earlier run wrote there is replaced (`clear_previous_output`)."""
     if num_shards < 1 or num_samples < num_shards:
         raise ValueError(f"need 1 <= num_shards={num_shards} <= num_samples={num_samples}")
     if not 0.0 <= video_share <= 1.0:
@@ -232,6 +287,7 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, vide
             import av  # noqa: F401
         except ImportError:
             raise ValueError("--video-share needs PyAV to encode clips: pip install 'mmdispatch[video]'") from None
+    clear_previous_output(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     bounds = np.linspace(0, num_samples, num_shards + 1).round().astype(int)
     paths = []
@@ -292,9 +348,10 @@ def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int
     """Write one directory of shards per BLEND_SOURCES source, `num_samples` and `num_shards`
     shared by weight (at least one shard of one sample each), and `dataset.toml` naming them
     with their weights and field maps; returns (dataset file, every shard). Needs PyAV for the
-    chat source's clips."""
+    chat source's clips. What an earlier run wrote there is replaced (`clear_previous_output`)."""
+    clear_previous_output(out_dir)
     total = sum(w for w, _ in BLEND_SOURCES.values())
-    lines = ["# Written by `mmdispatch gen-data --blend`: three sources blended by weight.\n"]
+    lines = [f"{BLEND_HEADER}: three sources blended by weight.\n"]
     paths: list[str] = []
     for name, (weight, fields) in BLEND_SOURCES.items():
         n = max(1, round(num_samples * weight / total))
@@ -373,7 +430,8 @@ def write_tokenizer(out_dir: str, paths: list[str], *, vocab_size: int = TOKENIZ
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out", help="output directory (created if missing)")
+    parser.add_argument("out", help="output directory (created if missing); what an earlier gen-data "
+                                    "wrote there is replaced, other shards are refused")
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
     parser.add_argument("--shards", type=int, default=8, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")

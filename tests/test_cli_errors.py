@@ -46,6 +46,8 @@ def files(small_shards, tmp_path_factory):
                                        "weight = inf\n")
     (d / "journal_file").write_text("not a directory")
     (d / "torn_checkpoint").mkdir()
+    (d / "mine").mkdir()
+    (d / "mine" / "mine.tar").write_bytes(Path(small_shards[0]).read_bytes())
     (d / "torn_checkpoint" / "checkpoint.pt").write_bytes(b"PK\x03\x04 cut short")
     (d / "binary.toml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     keys = d / "keys"
@@ -210,6 +212,12 @@ CASES = {
                              ["journal_file", "not a directory"]),
     # --timeout 5 and a small dataset: without the check, the demo still ends (and stops its
     # children) before the test's own timeout
+    "demo on shards without dataset.toml": (lambda f, p: [*MMD, "demo", "--data", f"{f['dir']}/mine",
+                                                          "--reports", f"{f['dir']}/reports"],
+                                            ["--data", "mine", "holds shards but no dataset.toml",
+                                             "mine.tar", "new directory"]),
+    "gen-data beside other shards": (lambda f, p: [*MMD, "gen-data", f"{f['dir']}/mine"],
+                                     ["mine.tar", "did not write", "new or empty directory"]),
     "demo without readers": (lambda f, p: [*MMD, "demo", "--data", f"{f['dir']}/demo", "--reports",
                                            f"{f['dir']}/reports", "--samples", "24", "--shards", "3",
                                            "--timeout", "5", "--readers", "0"], ["--readers", "got 0"]),

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from mmdispatch.cli import main
-from pipeline.gendata import generate, make_sample
+from pipeline.gendata import generate, generate_blend, make_sample
 from pipeline.counting import CountingConfig, TextConfig
 from pipeline.reader import ReaderConfig, iter_samples
 
@@ -32,6 +32,26 @@ def test_cli_writes_shards(tmp_path):
     assert names == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar", "tokenizer.json",
                      "tokenizer_config.json"]
     assert sum(1 for _ in iter_samples([str(out / n) for n in names[:3]])) == 10
+
+
+def test_a_second_run_replaces_its_own_output_and_never_writes_beside_other_shards(tmp_path):
+    """Regenerating with fewer shards left the old ones, and `serve --shards DIR` mixed them."""
+    out = tmp_path / "out"
+    generate(str(out), num_samples=12, num_shards=4, seed=0)
+    (out / "notes.txt").write_text("mine")
+    assert sorted(p.name for p in out.glob("*.tar")) == [f"shard-00000{i}.tar" for i in range(4)]
+    generate(str(out), num_samples=12, num_shards=2, seed=1)
+    assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]
+    pytest.importorskip("av")
+    generate_blend(str(out), num_samples=20, num_shards=3, seed=0)
+    assert not list(out.glob("*.tar")) and (out / "dataset.toml").exists()
+    generate(str(out), num_samples=12, num_shards=2, seed=1)  # the blend's files go too
+    assert not (out / "dataset.toml").exists() and not list(out.glob("*/*.tar"))
+    assert (out / "notes.txt").read_text() == "mine"  # files not shards are left alone
+    (out / "mine.tar").write_bytes((out / "shard-000000.tar").read_bytes())
+    with pytest.raises(ValueError, match=r"holds files gen-data did not write \(.*mine.tar\)"):
+        generate(str(out), num_samples=12, num_shards=3, seed=1)
+    assert sorted(p.name for p in out.glob("*.tar")) == ["mine.tar", "shard-000000.tar", "shard-000001.tar"]
 
 
 def test_mixture_is_long_tailed_and_complete():
