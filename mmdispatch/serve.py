@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import re
 import selectors
 import signal
 import sys
@@ -194,6 +195,11 @@ def _check_flags(v: dict) -> None:
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
     if v["global_batch"] < 1:
         raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
+    factor = v["llm_capacity_factor"]
+    if factor is not None and factor != 0 and not 1 <= factor < float("inf"):
+        raise ValueError(f"--llm-capacity-factor must be 0 (no limit) or a number >= 1, got {factor}")
+    if not -2**63 <= v["seed"] < 2**63:
+        raise ValueError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {v['seed']}")
     m = v["num_microbatches"]
     if m is not None and m > v["global_batch"]:
         # Every rank would run empty micro-batches every step, and planning time grows with M
@@ -228,7 +234,22 @@ def _check_flags(v: dict) -> None:
                          f"--timeout 5)")
 
 
+def _as_flags(message: str) -> str:
+    """A config class's message with its multi-word field names (`max_buffered_samples=0`,
+    `(max_retained_steps + 1)`) written as the serve flags that set them."""
+    fields = sorted((d for d in OPTIONS if "_" in d), key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(fields) + r")\b(=?)",
+                  lambda m: f"--{m[1].replace('_', '-')}{' ' if m[2] else ''}", message)
+
+
 def build_config(v: dict) -> ServerConfig:
+    try:
+        return _build_config(v)
+    except ValueError as e:
+        raise ValueError(_as_flags(str(e))) from None
+
+
+def _build_config(v: dict) -> ServerConfig:
     _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
         v["num_microbatches"] = 1
