@@ -83,6 +83,13 @@ def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
                                          else max(root.level, logging.WARNING))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose mistakes end in one line naming them, not its usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows `(default: X)` only where it tells something: not for unset options or switches."""
 

@@ -12,7 +12,8 @@ import importlib
 import sys
 
 from dispatcher_server.cliopts import (
-    HelpFormatter, add_config_argument, add_logging_arguments, run_reporting_errors, setup_logging,
+    HelpFormatter, OneLineParser, add_config_argument, add_logging_arguments, run_reporting_errors,
+    setup_logging,
 )
 from mmdispatch import __version__
 from mmdispatch.settings import ConfigError, apply_file
@@ -44,8 +45,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     module_name, help_ = COMMANDS[command]
     module = importlib.import_module(module_name)
     doc = (module.__doc__ or help_).strip().split("\n\n")[0]
-    parser = argparse.ArgumentParser(prog=f"mmdispatch {command}", description=doc,
-                                     formatter_class=HelpFormatter)
+    parser = OneLineParser(prog=f"mmdispatch {command}", description=doc,
+                           formatter_class=HelpFormatter)
     module.add_arguments(parser)
     flags = {s for a in parser._actions for s in a.option_strings}
     if command in CONFIGURABLE and "--config" not in flags:
@@ -56,7 +57,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    top = argparse.ArgumentParser(
+    top = OneLineParser(
         prog="mmdispatch",
         description="Streaming data service that feeds multimodal LLM trainers with balanced work.",
         epilog=_overview(),

@@ -20,7 +20,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from dispatcher_server.cliopts import HelpFormatter, check_endpoint, run_reporting_errors, setup_logging
+from dispatcher_server.cliopts import (
+    HelpFormatter, OneLineParser, check_endpoint, run_reporting_errors, setup_logging,
+)
 from mmdispatch.settings import ConfigError, apply_file
 from pipeline.tokenize import load_tokenizer, tokenizer_identity
 from trainer_client.calibrate import PhaseTimer
@@ -69,7 +71,7 @@ def save_checkpoint(directory: str, state: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m trainer_client.train",
         description="Train the reference multimodal model on micro-batches from an mmdispatch dispatcher "
                     "(run under torchrun; rank and topology come from its environment).",
