@@ -256,14 +256,16 @@ def test_mistake_ends_in_one_line_naming_the_value(case, files, held_port):
 
 
 @pytest.mark.timeout(60)
-def test_train_backend_this_torch_lacks_is_named_with_the_fix():
-    import torch.distributed as dist
-
-    if dist.is_backend_available("nccl"):
-        pytest.skip("this torch has NCCL")
-    out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "nccl"])
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "--backend 'nccl'" in out.stderr and "--backend gloo" in out.stderr, out.stderr
+def test_train_backend_that_cannot_carry_the_cpu_model_is_named_with_the_fix():
+    """The reference model and its gradients live on CPU: under NCCL its first collective
+    failed, or, where torch had no NCCL, init_process_group did."""
+    for backend in ("nccl", "cuda:nccl"):
+        out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", backend])
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"--backend '{backend}'" in out.stderr and "runs its model on CPU" in out.stderr
+        assert "--backend gloo" in out.stderr, out.stderr
+    out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "cpu:pigeon"])
+    assert "this torch has no 'pigeon' backend" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(60)

@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "directory every rank can read")
     add("--train-log", default=None, help="rank 0 appends one JSON line per step here (train records)")
     add("--prefetch", type=int, default=2, help="steps of credit granted to the dispatcher")
-    add("--backend", default="gloo", help="torch.distributed backend (gloo on CPU, nccl on GPUs)")
+    add("--backend", default="gloo",
+        help="torch.distributed backend for the reference model, which runs on CPU: gloo (or a "
+             "per-device spec with cpu:gloo)")
     add("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
     add("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
     add("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")

@@ -155,13 +155,20 @@ def _check_backend(backend: str) -> None:
     """ValueError naming --backend when this torch lacks it: init_process_group would fail with
     an assertion or a build error that names neither the flag nor the way out."""
     # "cpu:gloo,cuda:nccl" gives a backend per device
-    names = [part.rpartition(":")[2].strip() for part in backend.split(",")]
+    parts = [part.partition(":") if ":" in part else ("", "", part) for part in backend.split(",")]
+    names = [name.strip() for _, _, name in parts]
+    cpu = next((name.strip() for device, _, name in parts if device.strip() in ("", "cpu")), None)
+    if cpu in (None, "nccl"):
+        # Its collectives carry the CPU model's gradients and loss totals: NCCL fails on them.
+        raise ValueError(f"--backend {backend!r}: the reference trainer runs its model on CPU, and "
+                         "NCCL carries GPU tensors only; use --backend gloo (the default). On GPUs, "
+                         "train your model in your own loop with the client (README, Trainer API)")
     missing = [n for n in names if not n or not dist.is_backend_available(n)]
     if missing:
         here = [b for b in dist.Backend.backend_list
                 if b not in ("undefined", "fake") and dist.is_backend_available(b)]
         raise ValueError(f"--backend {backend!r}: this torch has no {missing[0]!r} backend (it has "
-                         f"{', '.join(here) or 'none'}); use --backend gloo on CPU, nccl on NVIDIA GPUs")
+                         f"{', '.join(here) or 'none'}); use --backend gloo")
 
 
 #: what torchrun sets for every rank; env:// initialisation needs the first four
