@@ -401,15 +401,15 @@ def reference_path(url: str, mode: str = "reference") -> str:
     path = (url[len("file://"):] if url.startswith("file://")
             else url[len("file:"):] if url.startswith("file:") else url)
     if url.startswith("pipe:"):
-        raise ValueError(f"payloads={mode!r} needs shards that can be read at an offset; {url!r} "
-                         f"is a command's stream (use payloads='inline')")
+        raise ValueError(f"--payloads {mode} needs shards that can be read at an offset; {url!r} "
+                         f"is a command's stream (use --payloads inline)")
     if "://" in path and mode != "direct":
-        raise ValueError(f"payloads={mode!r} needs shards on a filesystem the trainers mount; "
-                         f"{url!r} is remote storage (use payloads='direct', where the readers "
-                         f"serve its bytes, or payloads='inline')")
+        raise ValueError(f"--payloads {mode} needs shards on a filesystem the trainers mount; "
+                         f"{url!r} is remote storage (use --payloads direct, where the readers "
+                         f"serve its bytes, or --payloads inline)")
     if path.endswith((".gz", ".tgz")):
-        raise ValueError(f"payloads={mode!r} needs uncompressed tars; {url!r} is gzip "
-                         f"(its member offsets are not file offsets; use payloads='inline')")
+        raise ValueError(f"--payloads {mode} needs uncompressed tars; {url!r} is gzip "
+                         f"(its member offsets are not file offsets; use --payloads inline)")
     return path
 
 

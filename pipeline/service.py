@@ -172,6 +172,9 @@ class ReaderWorker:
                                    f"but --preprocess-on datanode ships tensors inline: serve with "
                                    f"--payloads inline or read with --preprocess-on trainer")
         self.payloads = mode
+        # A reader that reads says so once per session: otherwise it is silent until the end.
+        log.info("mmdispatch event=reader_connected dispatcher=%s name=%s payloads=%s",
+                 self.config.dispatcher, self.hello_fields()["name"], mode)
         if mode == "direct":
             self._serve_payloads(msg.get("shards", []))
         self._request_shards()

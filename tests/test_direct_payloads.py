@@ -333,7 +333,7 @@ def test_serve_refuses_shards_direct_mode_cannot_read_by_offset(shards, tmp_path
                           capture_output=True, text=True, timeout=60)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert "payloads='direct'" in lines[0] and bad in lines[0] and "payloads='inline'" in lines[0]
+    assert "--payloads direct" in lines[0] and bad in lines[0] and "--payloads inline" in lines[0]
 
 
 def test_datanode_preprocessing_is_refused_with_direct_payloads(shards):

@@ -188,9 +188,9 @@ def test_http_shards_are_served_inline_and_direct_and_refused_by_reference(shard
                             for items_ in enc.values() for _, _, b in items_)
             assert not sizes - Counter(n for _, n in handler.gets)
             assert handler.drops[os.path.basename(shards[0])] == 0  # both cuts came and went
-    with pytest.raises(ValueError, match=rf"payloads='reference' needs shards on a filesystem the "
+    with pytest.raises(ValueError, match=rf"--payloads reference needs shards on a filesystem the "
                                          rf"trainers mount; {re.escape(repr(urls[0]))} is remote "
-                                         r"storage \(use payloads='direct'"):
+                                         r"storage \(use --payloads direct"):
         make_config(urls, world_size=1, payloads="reference")
 
 

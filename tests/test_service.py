@@ -6,6 +6,7 @@ dispatcher restarts) live in test_service_process.py. Helpers below are shared w
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -204,6 +205,16 @@ def test_ranks_restored_from_different_checkpoints_are_both_stopped_naming_the_s
         states = {r: {"next_step": 3, "rank": r, "world_size": 2} for r in range(2)}
         again = consume(srv.trainer_endpoint, 2, states=states, max_steps=2)
     assert [s for s, _ in again[0]] == [s for s, _ in again[1]] == [3, 4]
+
+
+def test_a_reader_says_once_that_it_connected(shards, caplog):
+    """It was silent from start to end: an operator could not tell it had reached anyone."""
+    caplog.set_level(logging.INFO, logger="mmdispatch")
+    with dispatcher(make_config(shards, world_size=1, max_steps=1)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 1)
+    said = [r.message for r in caplog.records if "event=reader_connected" in r.message]
+    assert len(said) == 1 and srv.reader_endpoint in said[0] and "name=r0" in said[0], said
 
 
 def test_version_mismatch_gets_an_error_naming_both_versions(shards):
