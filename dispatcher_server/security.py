@@ -1,4 +1,4 @@
-"""Create CurveZMQ key pairs, and apply CurveZMQ to dispatcher, reader and trainer sockets.
+"""Create CurveZMQ key pairs (`mmdispatch keygen`), and apply CurveZMQ to the sockets.
 
 The dispatcher authenticates peers against a directory of allowed public keys (pyzmq's
 ThreadAuthenticator, ZAP): a reader or trainer whose key is not listed never completes the

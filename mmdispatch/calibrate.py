@@ -72,14 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for phase, (lo, hi) in DEFAULT_LENGTHS.items():
         unit = {"vision": "patches", "audio": "frames", "llm": "tokens"}[phase]
         g.add_argument(f"--{phase}-lengths", type=_length_range, default=(lo, hi), metavar="MIN:MAX",
-                       help=f"{phase} item lengths to measure, in {unit}")
+                       help=f"{phase} item lengths to measure, in {unit} (default: {lo}:{hi})")
     g.add_argument("--runs", type=int, default=32, help="runs per phase")
     g.add_argument("--max-items", type=int, default=8, help="most items in one run")
     g.add_argument("--repeats", type=int, default=3, help="timed repeats per run (the fastest counts)")
     g.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed one")
     g.add_argument("--window", type=_window, action="append", default=[], metavar="PHASE=auto|none|N",
-                   help="padded-window rule per phase: auto keeps the default model's window (audio: "
-                        "1500) only if the timings fit it better; none; or N items per window")
+                   help="padded-window rule per phase, repeatable (default: audio=auto): auto keeps "
+                        "the default model's window (audio: 1500 frames) only if the timings fit it "
+                        "better; none; or N frames (audio) or patches (vision) per window")
     g.add_argument("--seed", type=int, default=0, help="seed of the grid and the inputs")
     o = parser.add_argument_group("output")
     o.add_argument("--out", default="cost-model.json", help="cost file to write (for serve --cost-model)")

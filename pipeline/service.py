@@ -413,7 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", required=True,
                         help="the dispatcher's reader endpoint, tcp://HOST:PORT")
     parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
-    parser.add_argument("--name", default="", help="name shown in the dispatcher's logs")
+    parser.add_argument("--name", default="",
+                        help="name shown in the dispatcher's logs, with /WORKER added (default: "
+                             "this host's name)")
     parser.add_argument("--batch", type=int, default=_DEFAULTS.batch, help="most samples per message")
     parser.add_argument("--prefetch-shards", type=int, default=_DEFAULTS.prefetch_shards,
                         help="shards held assigned beyond the one being read, so the next starts "

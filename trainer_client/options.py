@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dispatcher", required=True, help="trainer endpoint of the dispatcher, tcp://HOST:PORT")
     add("--connect-timeout", type=finite_float, default=None,
         help="seconds to keep trying to reach the dispatcher before failing with its address "
-             "(unset: the client's default)")
-    add("--steps", type=int, default=0, help="stop after this many steps (0: until the dispatcher ends)")
+             "(default: 60)")
+    add("--steps", type=int, default=0,
+        help="stop after this many steps of this run, a resumed one too (0: until the dispatcher ends)")
     add("--lr", type=finite_float, default=3e-3, help="AdamW learning rate")
     add("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
     add("--exchange", choices=("single", "two_stage"), default="single",
