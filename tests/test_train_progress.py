@@ -21,6 +21,9 @@ def test_progress_lines_report_rates_and_data_wait(caplog):
     assert "step 2" in lines[-1] and "steps/s" in lines[-1] and "samples/s" in lines[-1]
     assert "data wait" in lines[-1]
     assert (progress.steps, progress.samples) == (2, 64)
+    with caplog.at_level(logging.INFO, logger="mmdispatch.train"):
+        progress.update(32, wait_s=0.0, step=41)  # a resumed run: the dispatcher's step number
+    assert "step 41 (3 this run)" in caplog.records[-1].getMessage()
 
 
 def test_only_rank_zero_reports(caplog):

@@ -92,6 +92,7 @@ class Progress:
         self.every_s, self.enabled = every_s, enabled
         self.start = self.last = time.perf_counter()
         self.steps = self.samples = 0
+        self.step: int | None = None  # the dispatcher's number of the last step trained
         self.wait_s = 0.0
         self.live = None
         if enabled and sys.stderr.isatty():
@@ -105,13 +106,15 @@ class Progress:
 
     def line(self) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        return (f"step {self.steps} | {self.steps / elapsed:.2f} steps/s | "
+        where = f"step {self.step} ({self.steps} this run)" if self.step is not None else f"step {self.steps}"
+        return (f"{where} | {self.steps / elapsed:.2f} steps/s | "
                 f"{self.samples / elapsed:.1f} samples/s | data wait {100 * self.wait_s / elapsed:.0f}%")
 
-    def update(self, samples: int, wait_s: float) -> None:
+    def update(self, samples: int, wait_s: float, step: int | None = None) -> None:
         if not self.enabled:
             return
         self.steps += 1
+        self.step = step
         self.samples += samples
         self.wait_s += wait_s
         now = time.perf_counter()
@@ -281,7 +284,7 @@ def train(args: argparse.Namespace) -> int:
             client.report_timings(step.step, measured)  # predicted vs measured, per phase
             done += 1
             seconds = time.perf_counter() - t0
-            progress.update(int(totals[2].item()), t0 - t_wait)
+            progress.update(int(totals[2].item()), t0 - t_wait, step.step)
             if logf is not None:
                 rec = {"kind": "train", "step": step.step, "epoch": step.epoch, "time": time.time(),
                        "loss": totals[0].item() / max(totals[1].item(), 1.0),
