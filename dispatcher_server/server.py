@@ -123,6 +123,7 @@ class Dispatcher:
         self._seq = 0
         self._readers_ended = False
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
+        self._slots_warned = False  # a blend has more sources than reader slots
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
         try:
@@ -349,8 +350,10 @@ class Dispatcher:
 
     def _assign(self) -> None:
         needed = self.assembler.replay_heads()
-        # Lowest first, but a position a replayed order waits on before all.
-        todo = sorted(self.assembler.unassigned(), key=lambda p: p not in needed)
+        starving = self._starving_heads()
+        # Lowest first, but a position a replayed order waits on before all, then a blend
+        # source's head with nothing buffered (the step waits on it).
+        todo = sorted(self.assembler.unassigned(), key=lambda p: (p not in needed, p not in starving))
         made = self.pool.assign(todo)
         for reader, a in made:
             prog = self.assembler.progress[a.pos]
@@ -362,11 +365,52 @@ class Dispatcher:
                   reader=reader.name)
         if made:
             return
-        victim = self.pool.victim(todo, needed)
+        # One source drains its positions in order, so a lower one waiting may take a higher
+        # one's slot; a blend's sources drain side by side, so there a starving head may.
+        in_order = len(self.assembler.streams) == 1 or (todo and todo[0] in needed)
+        victim = (self.pool.victim(todo, needed) if in_order
+                  else self._starved_head_victim(starving, needed))
         if victim is not None:
             reader, a = victim
             self._take_back(reader, a)
             event("shard_preempted", shard=self.assembler.url(a.pos), pos=a.pos, reader=reader.name)
+
+    def _starving_heads(self) -> set[int]:
+        """A blend's source heads that no reader holds and that have nothing buffered."""
+        if len(self.assembler.streams) < 2:
+            return set()
+        progress = self.assembler.progress
+        return {p for p in self.assembler.heads() if p in progress and progress[p].assignment is None
+                and not progress[p].buffer and not progress[p].reader_done}
+
+    def _starved_head_victim(self, starving: set[int], needed: set[int]):
+        """(reader, assignment) to take back so that a blend's starving source gets read.
+
+        Positions of one source drain in order, but a blend needs every source's head at once:
+        with more sources than reader slots, readers full of other sources' shards (stopped at
+        their buffer caps) and a head nobody holds planned no step, ever. When a head waits
+        with nothing buffered, the held shard with the most samples buffered is taken back (the
+        starving head gets its slot first): its source reads on from its buffer, and the shard
+        resumes where it stopped once its own buffer runs dry."""
+        if not starving:
+            return None
+        progress = self.assembler.progress
+        held = [a for a in self.pool.assignments.values() if a.pos not in needed]
+        a = max(held, key=lambda a: len(progress[a.pos].buffer) if a.pos in progress else 0,
+                default=None)
+        if a is None or a.pos not in progress or len(progress[a.pos].buffer) < self.config.flow.credit_batch:
+            return None  # too little buffered to live on: taking it back only moves the wait
+        reader = self.pool.readers.get(a.reader)
+        if reader is None:
+            return None
+        if not self._slots_warned:  # said once: it holds for as long as the readers stay few
+            self._slots_warned = True
+            slots = sum(r.slots for r in self.pool.readers.values())
+            event("blend_short_of_reader_slots", logging.WARNING,
+                  sources=len(self.assembler.streams), reader_slots=slots,
+                  fix="start more readers, or more --workers or --prefetch-shards per reader: "
+                      "each source's shard needs a slot, or shards are taken back and resumed")
+        return reader, a
 
     def _plan(self) -> None:
         c0 = thread_time()
