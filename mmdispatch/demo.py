@@ -3,7 +3,8 @@
 One command for a new user: generate a small synthetic dataset of three weighted sources
 (captions, speech with transcripts, conversations with images and short clips; a dataset file
 with their weights and field maps) and its BPE tokenizer (once; readers tokenize with it, the
-trainers' vocabulary is its size), start the dispatcher on the dataset file, R readers and two
+trainers' vocabulary is its size), or take the dataset file or the shards `--data` holds
+(never writing shards beside them), start the dispatcher on it, R readers and two
 torchrun "nodes" of G ranks each training the reference model on real token ids, image and
 video patches and log-mel frames with the in-model exchange, print one line per step, and
 finish with the realized mixture, a summary table, a JSON report and a PNG figure. Every child
@@ -33,15 +34,19 @@ DEMO_READER_ARGS = ("--max-pixels", str(448 * 448), "--video-max-pixels", str(64
                     "--audio-frames-per-s", "5", "--audio-tokens-per-s", "2.5")
 
 
+#: what `--samples` and `--shards` generate where `--data` holds no dataset yet
+DEFAULT_SAMPLES, DEFAULT_SHARDS = 512, 8
+
 #: signals that stop the demo and every process it started (Ctrl-C, `kill`, a closed terminal)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default="demo-data",
-                        help="dataset directory (generated if it has no dataset.toml)")
-    parser.add_argument("--samples", type=int, default=512, help="samples to generate")
-    parser.add_argument("--shards", type=int, default=8, help="shards to generate")
+                        help="dataset directory: its dataset.toml, else the shards in it (one "
+                             "source), else (missing or empty) a blend generated into it")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="samples to generate")
+    parser.add_argument("--shards", type=int, default=DEFAULT_SHARDS, help="shards to generate")
     parser.add_argument("--steps", type=int, default=24, help="training steps")
     parser.add_argument("--global-batch", type=int, default=32, help="samples per step")
     parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step per rank")
@@ -186,33 +191,66 @@ def _mixture_line(summary: dict, sources: list) -> str:
         for s in sources)
 
 
-def run(args: argparse.Namespace) -> int:
-    from mmdispatch.dataset import load_dataset
-    from pipeline.gendata import ForeignFiles, clear_previous_output, generate_blend, name_some, write_tokenizer
+def _sizing_ignored(args: argparse.Namespace) -> str:
+    """A note that --samples and --shards, set, are ignored: the demo generates no data."""
+    if (args.samples, args.shards) == (DEFAULT_SAMPLES, DEFAULT_SHARDS):
+        return ""
+    return " (--samples and --shards size only data the demo generates)"
 
-    check_options(args)
+
+def choose_data(args: argparse.Namespace) -> tuple[list, list[str], bool]:
+    """(sources, the dispatcher's flags naming them, whether --data is gen-data's directory):
+    DATA/dataset.toml; else the shards in DATA, as one source (as `serve --shards DATA` reads
+    them); else a blend generated into DATA, only where it is missing, empty or gen-data's own
+    (ValueError otherwise): the demo never writes shards into a directory of the user's."""
+    from dispatcher_server.config import Source
+    from mmdispatch.dataset import load_dataset
+    from pipeline.gendata import ForeignFiles, generate_blend, name_some, read_manifest
+    from pipeline.shards import SHARD_SUFFIXES
+
     data = Path(args.data)
     dataset = data / "dataset.toml"
-    if not dataset.exists():
-        try:
-            clear_previous_output(str(data))  # an earlier demo's or gen-data's shards
-        except ForeignFiles as e:  # the user's shards: never generate beside them
-            raise ValueError(f"--data {str(data)!r} holds shards but no dataset.toml "
-                             f"({name_some(e.files)}): write a dataset.toml naming them to train "
-                             "on them (docs/datasets.md), or pass a new directory for the demo "
-                             "to generate its own") from None
-        print(f"generating {args.samples} samples of 3 sources in {args.shards} shards into {data}/",
-              flush=True)
+    ours = data.is_dir() and bool(read_manifest(str(data)))
+    if dataset.exists():
+        sources, _ = load_dataset(str(dataset))
+        print(f"training on {dataset}: {len(sources)} sources{_sizing_ignored(args)}", flush=True)
+        return sources, ["--dataset", str(dataset)], ours
+    entries = sorted(data.iterdir()) if data.is_dir() else []
+    shards = [str(p) for p in entries if p.name.endswith(SHARD_SUFFIXES) and p.is_file()]
+    others = [p.name + "/" * p.is_dir() for p in entries if not p.name.startswith(".")]  # not .DS_Store
+    if shards:
+        print(f"training on the {len(shards)} shards in {data}/ as one source (no dataset.toml "
+              f"there){_sizing_ignored(args)}", flush=True)
+        return [Source(name=data.resolve().name, shards=shards)], ["--shards", str(data)], ours
+    if others and not ours:
+        raise ValueError(f"--data {str(data)!r} holds no dataset.toml and no shards, but other "
+                         f"files ({name_some(others)}): pass a directory of shards, one with a "
+                         "dataset.toml (docs/datasets.md), or a new or empty directory for the "
+                         "demo to generate its data into")
+    print(f"generating {args.samples} samples of 3 sources in {args.shards} shards into {data}/",
+          flush=True)
+    try:
         generate_blend(str(data), num_samples=args.samples, num_shards=args.shards, seed=args.seed)
-    sources, _ = load_dataset(str(dataset))
+    except ForeignFiles as e:  # gen-data's directory, with files of the user's added since
+        raise ValueError(f"--data: {e}") from None
+    return load_dataset(str(dataset))[0], ["--dataset", str(dataset)], True
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.gendata import write_tokenizer
+
+    check_options(args)
+    sources, data_flags, ours = choose_data(args)
     shards = [Path(u) for src in sources for u in src.shards]
-    tokenizer = data / "tokenizer.json"
-    if not tokenizer.exists():
-        write_tokenizer(str(data), [str(s) for s in shards])
-    reader_args = (*DEMO_READER_ARGS, "--tokenizer", str(tokenizer))
-    _inspect(shards, reader_args)
     out = Path(args.reports) / time.strftime("demo-%Y%m%d-%H%M%S")
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    tokenizer = Path(args.data) / "tokenizer.json"
+    if not tokenizer.exists():
+        # Beside the demo's own data it is kept for the next run; a user's directory is not
+        # written to, so the run's folder gets it.
+        tokenizer = Path(write_tokenizer(str(Path(args.data) if ours else out), [str(s) for s in shards]))
+    reader_args = (*DEMO_READER_ARGS, "--tokenizer", str(tokenizer))
+    _inspect(shards, reader_args)
     steps_log, train_log = out / "steps.jsonl", out / "train.jsonl"
     world = args.nodes * args.ranks_per_node
     kids = Children(out / "logs")
@@ -221,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS[1:]}
     try:
         dispatcher = kids.start("dispatcher", [
-            sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", str(dataset),
+            sys.executable, "-m", "mmdispatch.cli", "serve", *data_flags,
             "--world-size", str(world), "--ranks-per-node", str(args.ranks_per_node),
             "--global-batch", str(args.global_batch), "--num-microbatches", str(args.microbatches),
             "--seed", str(args.seed), "--max-epochs", "0", "--max-steps", str(args.steps), "--exit-when-done",

@@ -16,6 +16,7 @@ import re
 import selectors
 import signal
 import sys
+import threading
 import time
 
 import zmq
@@ -160,11 +161,17 @@ def resolve(args: argparse.Namespace) -> dict:
     return values
 
 
+#: The most any integer option may be: counts travel as 64-bit integers (msgpack on the wire
+#: and in the journal, numpy in the planner), where a larger one fails far from its flag.
+INT_MAX = 2**63 - 1
+
 #: dest -> (least value, what the option counts): integers checked by their flags, since the
 #: config classes check them too but by field name (right from Python, not on a command line);
 #: an unset option (None) keeps its meaning
 AT_LEAST: dict[str, tuple[int, str]] = {
     "shuffle_buffer": (0, "samples per shuffle block; 0 = shard order"),
+    "world_size": (1, "the number of trainer ranks"),
+    "global_batch": (1, "samples per step"),
     "token_budget": (1, "LLM tokens per step"),
     "num_microbatches": (1, "micro-batches per step per rank"),
     "microbatch_token_budget": (1, "LLM tokens per rank per micro-batch"),
@@ -182,22 +189,46 @@ AT_LEAST: dict[str, tuple[int, str]] = {
     "probe_samples": (0, "0 = no probe"),
 }
 
+#: dest -> (most value, why) of the integer options that may not reach INT_MAX: past these
+#: they fail in C code (ZeroMQ aborts the process, glibc's mallopt takes a C int of bytes).
+AT_MOST: dict[str, tuple[int, str]] = {
+    "io_threads": (64, "ZeroMQ's guide: one I/O thread per GB/s of traffic"),
+    "malloc_keep_mb": (1023, "glibc takes the threshold as a C int of bytes"),
+}
+#: integer options with a range of their own, checked (and named) by _check_flags
+_OWN_RANGE = ("seed", "metrics_port")
+#: Past this factor a micro-batch's capacity is a whole step's tokens many times over (0 says
+#: no limit), and capacities past 64 bits fail in the journal.
+MAX_LLM_CAPACITY_FACTOR = 1_000_000
+
+
+def _too_large(v: dict) -> str | None:
+    """The message for the first integer option past its most (AT_MOST, else INT_MAX)."""
+    for dest, (type_, _, _) in OPTIONS.items():
+        if type_ is not int or dest in _OWN_RANGE or v[dest] is None:
+            continue
+        most, why = AT_MOST.get(dest, (INT_MAX, "a 64-bit integer"))
+        if v[dest] > most:
+            shown = "2**63 - 1" if most == INT_MAX else str(most)
+            accepted = f"from {AT_LEAST[dest][0]} to {shown}" if dest in AT_LEAST else f"at most {shown}"
+            return f"--{dest.replace('_', '-')} must be {accepted} ({why}), got {v[dest]}"
+    return None
+
 
 def _check_flags(v: dict) -> None:
     """Mistakes worth naming by their flags (the config classes name their own fields)."""
     for dest, (least, meaning) in AT_LEAST.items():
         if v[dest] is not None and v[dest] < least:
             raise ValueError(f"--{dest.replace('_', '-')} must be >= {least} ({meaning}), got {v[dest]}")
-    if v["world_size"] < 1:
-        raise ValueError(f"--world-size must be >= 1 (the number of trainer ranks), got {v['world_size']}")
+    if (problem := _too_large(v)) is not None:
+        raise ValueError(problem)
     if v["ranks_per_node"] < 1 or v["world_size"] % v["ranks_per_node"]:
         raise ValueError(f"--ranks-per-node {v['ranks_per_node']} must divide --world-size "
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
-    if v["global_batch"] < 1:
-        raise ValueError(f"--global-batch must be >= 1 (samples per step), got {v['global_batch']}")
     factor = v["llm_capacity_factor"]
-    if factor is not None and factor != 0 and not 1 <= factor < float("inf"):
-        raise ValueError(f"--llm-capacity-factor must be 0 (no limit) or a number >= 1, got {factor}")
+    if factor is not None and factor != 0 and not 1 <= factor <= MAX_LLM_CAPACITY_FACTOR:
+        raise ValueError(f"--llm-capacity-factor must be 0 (no limit) or a number from 1 to "
+                         f"{MAX_LLM_CAPACITY_FACTOR}, got {factor}")
     if not -2**63 <= v["seed"] < 2**63:
         raise ValueError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {v['seed']}")
     m = v["num_microbatches"]
@@ -228,6 +259,9 @@ def _check_flags(v: dict) -> None:
     check_endpoint("--trainer-bind", v["trainer_bind"])
     if not 0 <= v["metrics_port"] <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
+    if not 0 < v["probe_timeout_s"] <= threading.TIMEOUT_MAX:  # the probe thread's join
+        raise ValueError(f"--probe-timeout-s must be > 0 and at most {int(threading.TIMEOUT_MAX)} "
+                         f"seconds, got {v['probe_timeout_s']}")
     if not 0 < v["heartbeat"] < v["timeout"]:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
@@ -335,8 +369,6 @@ def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
     config = build_config(values)
-    if values["probe_timeout_s"] <= 0:
-        raise ValueError(f"--probe-timeout-s must be > 0 seconds, got {values['probe_timeout_s']}")
     if values["probe_samples"]:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])

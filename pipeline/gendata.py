@@ -16,7 +16,6 @@ import gzip
 import io
 import json
 import os
-import re
 import sys
 import tarfile
 
@@ -25,6 +24,7 @@ import soundfile
 from PIL import Image
 
 from dispatcher_server.cliopts import finite_float
+from pipeline.shards import SHARD_SUFFIXES
 
 #: Sample kinds and their shares of the mix.
 MIX: dict[str, float] = {
@@ -221,16 +221,19 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-#: What gen-data writes, so what a later run may replace: shards `shard-NNNNNN.tar`, per blend
-#: source `SOURCE/NNNNNN.tar`, and a dataset.toml beginning with BLEND_HEADER.
-_OWN_SHARD = re.compile(r"shard-\d{6}\.tar")
-_OWN_SOURCE_SHARD = re.compile(r"\d{6}\.tar")
+#: The record gen-data keeps of what it wrote into a directory: {"written_by": WRITTEN_BY,
+#: "files": {relative path: size in bytes, or null while being written}}. A later run replaces
+#: exactly the files listed at their recorded size and nothing else: a name cannot tell,
+#: shard-000000.tar is also the commonest name of a user's own shards.
+MANIFEST = "gen-data.json"
+WRITTEN_BY = "mmdispatch gen-data"
+#: Files beside the shards that gen-data may write, so may not write over unless it wrote them.
+_OTHER_OUTPUTS = ("dataset.toml", "tokenizer.json", "tokenizer_config.json")
 BLEND_HEADER = "# Written by `mmdispatch gen-data --blend`"
-_SHARD_ENDINGS = (".tar", ".tar.gz", ".tgz")
 
 
 class ForeignFiles(ValueError):
-    """An output directory holds shards or a dataset.toml gen-data did not write (`files`)."""
+    """An output directory holds shards or other outputs gen-data did not write (`files`)."""
 
     def __init__(self, message: str, files: list[str]) -> None:
         super().__init__(message)
@@ -243,34 +246,69 @@ def name_some(paths: list[str], limit: int = 3) -> str:
     return ", ".join(paths[:limit]) + more
 
 
+def read_manifest(out_dir: str) -> dict[str, int | None] | None:
+    """The files gen-data recorded writing into `out_dir` ({} if it recorded none); None if
+    a MANIFEST is there that gen-data did not write."""
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    files = doc.get("files") if isinstance(doc, dict) and doc.get("written_by") == WRITTEN_BY else None
+    if not isinstance(files, dict):
+        return None
+    return files
+
+
+def record_output(out_dir: str, paths: list[str], *, written: bool = True) -> None:
+    """Add `paths` (in `out_dir`) to its MANIFEST, with their sizes once `written`; the
+    manifest is replaced whole, so an interrupted run leaves the old one or the new one."""
+    files = read_manifest(out_dir) or {}
+    files.update({os.path.relpath(p, out_dir): os.path.getsize(p) if written else None for p in paths})
+    path = os.path.join(out_dir, MANIFEST)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"written_by": WRITTEN_BY, "files": files}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _outputs_present(out_dir: str) -> list[str]:
+    """Files in `out_dir` a gen-data run could write over or mix with its own: shards (at the
+    top and in the blend's source directories) and the other outputs."""
+    found = []
+    for directory in (out_dir, *(os.path.join(out_dir, s) for s in BLEND_SOURCES)):
+        if os.path.isdir(directory):
+            found += [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+                      if name.endswith(SHARD_SUFFIXES) and os.path.isfile(os.path.join(directory, name))]
+    return found + [p for p in (os.path.join(out_dir, n) for n in _OTHER_OUTPUTS) if os.path.exists(p)]
+
+
 def clear_previous_output(out_dir: str) -> list[str]:
-    """Remove what an earlier gen-data wrote into `out_dir` (returned), so old shards never mix
-    with new ones; ValueError, removing nothing, if it holds shards or a dataset.toml gen-data
-    did not write (ForeignFiles)."""
+    """Remove what an earlier gen-data wrote into `out_dir` (its MANIFEST's files, returned), so
+    old shards never mix with new ones; ForeignFiles (a ValueError), removing nothing, if it
+    holds shards or other outputs gen-data did not write, or changed since."""
     if not os.path.isdir(out_dir):
         return []
-    own, foreign = [], []
-
-    def sort(directory: str, pattern: re.Pattern) -> None:
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
-            if name.endswith(_SHARD_ENDINGS) and os.path.isfile(path):
-                (own if pattern.fullmatch(name) else foreign).append(path)
-
-    sort(out_dir, _OWN_SHARD)
-    for source in BLEND_SOURCES:
-        if os.path.isdir(os.path.join(out_dir, source)):
-            sort(os.path.join(out_dir, source), _OWN_SOURCE_SHARD)
-    dataset = os.path.join(out_dir, "dataset.toml")
-    if os.path.isfile(dataset):
-        with open(dataset, encoding="utf-8", errors="replace") as f:
-            (own if f.read(len(BLEND_HEADER)) == BLEND_HEADER else foreign).append(dataset)
+    recorded = read_manifest(out_dir)
+    own: list[str] = []
+    foreign = [os.path.join(out_dir, MANIFEST)] if recorded is None else []
+    for path in _outputs_present(out_dir):
+        size = (recorded or {}).get(os.path.relpath(path, out_dir), -1)  # -1: not recorded
+        (own if size is None or size == os.path.getsize(path) else foreign).append(path)
     if foreign:
         raise ForeignFiles(f"output directory {out_dir!r} holds files gen-data did not write "
-                           f"({name_some(foreign)}): generate into a new or empty directory, so "
-                           "your data and the synthetic shards never mix", foreign)
+                           f"({name_some(foreign)}; it replaces only those its {MANIFEST} lists): "
+                           "move them away, or generate into a new or empty directory, so your "
+                           "data and the synthetic shards never mix", foreign)
     for path in own:
         os.remove(path)
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):
+        os.remove(os.path.join(out_dir, MANIFEST))
+    for directory in {os.path.dirname(p) for p in own} - {out_dir}:
+        if not os.listdir(directory):  # a blend's source directory it emptied
+            os.rmdir(directory)
     return own
 
 
@@ -290,14 +328,14 @@ def generate(out_dir: str, *, num_samples: int, num_shards: int, seed: int, vide
     clear_previous_output(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     bounds = np.linspace(0, num_samples, num_shards + 1).round().astype(int)
-    paths = []
-    for shard in range(num_shards):
-        path = os.path.join(out_dir, f"shard-{shard:06d}.tar")
+    paths = [os.path.join(out_dir, f"shard-{shard:06d}.tar") for shard in range(num_shards)]
+    record_output(out_dir, paths, written=False)  # first, so an interrupted run's are its own
+    for shard, path in enumerate(paths):
         with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
             for index in range(bounds[shard], bounds[shard + 1]):
                 for suffix, data in make_sample(seed, index, video_share=video_share).items():
                     _add(tar, f"{index:08d}.{suffix}", data)
-        paths.append(path)
+    record_output(out_dir, paths)
     return paths
 
 
@@ -350,28 +388,32 @@ def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int
     with their weights and field maps; returns (dataset file, every shard). Needs PyAV for the
     chat source's clips. What an earlier run wrote there is replaced (`clear_previous_output`)."""
     clear_previous_output(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
     total = sum(w for w, _ in BLEND_SOURCES.values())
     lines = [f"{BLEND_HEADER}: three sources blended by weight.\n"]
     paths: list[str] = []
+    dataset = os.path.join(out_dir, "dataset.toml")
     for name, (weight, fields) in BLEND_SOURCES.items():
         n = max(1, round(num_samples * weight / total))
         k = max(1, min(n, round(num_shards * weight / total)))
         src_dir = os.path.join(out_dir, name)
         os.makedirs(src_dir, exist_ok=True)
         bounds = np.linspace(0, n, k + 1).round().astype(int)
-        for shard in range(k):
-            path = os.path.join(src_dir, f"{shard:06d}.tar")
+        shards = [os.path.join(src_dir, f"{shard:06d}.tar") for shard in range(k)]
+        record_output(out_dir, shards, written=False)  # first, so an interrupted run's are its own
+        for shard, path in enumerate(shards):
             with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
                 for index in range(bounds[shard], bounds[shard + 1]):
                     for suffix, data in make_source_sample(name, seed, index).items():
                         _add(tar, f"{name}{index:08d}.{suffix}", data)
-            paths.append(path)
+        paths += shards
         field_lines = "".join(f"{kind} = {json.dumps(exts)}\n" for kind, exts in fields.items())
         lines.append(f'\n[[sources]]\nname = "{name}"\nshards = "{name}/{{000000..{k - 1:06d}}}.tar"\n'
                      f"weight = {weight}\n[sources.fields]\n{field_lines}")
-    dataset = os.path.join(out_dir, "dataset.toml")
+    record_output(out_dir, [dataset], written=False)
     with open(dataset, "w", encoding="utf-8") as f:
         f.write("".join(lines))
+    record_output(out_dir, [*paths, dataset])
     return dataset, paths
 
 
@@ -406,6 +448,7 @@ def _shard_texts(paths: list[str]):
 def write_tokenizer(out_dir: str, paths: list[str], *, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
     """Train a byte-level BPE tokenizer on the shards' texts and write tokenizer.json and
     tokenizer_config.json (ChatML chat template) into `out_dir`; returns tokenizer.json's path.
+    Beside gen-data's shards (a MANIFEST in `out_dir`), both are recorded there as its output.
 
     Deterministic: a fixed corpus order, and the `tokenizers` BPE trainer breaks ties between
     equally frequent pairs by the pair itself, so the same shards give the same file.
@@ -424,14 +467,18 @@ def write_tokenizer(out_dir: str, paths: list[str], *, vocab_size: int = TOKENIZ
     tok.save(path)
     config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None,
               "model_max_length": 32768, "tokenizer_class": "PreTrainedTokenizerFast"}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
+    if read_manifest(out_dir):  # beside gen-data's shards: a later run replaces these too
+        record_output(out_dir, [path, config_path])
     return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output directory (created if missing); what an earlier gen-data "
-                                    "wrote there is replaced, other shards are refused")
+                                    "wrote there (listed in its gen-data.json) is replaced, other "
+                                    "shards are refused")
     parser.add_argument("--samples", type=int, default=512, help="number of samples in total")
     parser.add_argument("--shards", type=int, default=8, help="number of shard files")
     parser.add_argument("--seed", type=int, default=0, help="random seed; same seed, same bytes")

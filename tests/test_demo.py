@@ -124,3 +124,87 @@ def test_demo_refuses_an_option_out_of_range_before_generating_data(tmp_path, mo
         demo.run(args)
     assert all(word in str(refused.value) for word in words), str(refused.value)
     assert not (tmp_path / "data").exists() and not (tmp_path / "reports").exists()
+
+
+class _Reached(Exception):
+    """Raised where a test has seen what it came for, before the demo starts processes."""
+
+
+def _run_until_inspect(tmp_path, monkeypatch, data) -> dict:
+    """demo.run on `data` up to the data node's inspect report: the shards it was given and
+    the tokenizer the readers would get. Generating a blend fails the test."""
+    import argparse
+
+    from mmdispatch import demo
+    from pipeline import gendata
+
+    def generate_blend(*args, **kwargs):
+        raise AssertionError("the demo generated a blend into a directory of shards")
+
+    seen = {}
+
+    def inspect(shards, reader_args):
+        seen.update(shards=sorted(map(str, shards)), tokenizer=reader_args[-1])
+        raise _Reached
+
+    monkeypatch.setattr(gendata, "generate_blend", generate_blend)
+    monkeypatch.setattr(demo, "_inspect", inspect)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--reports", str(tmp_path / "reports")])
+    with pytest.raises(_Reached):
+        demo.run(args)
+    seen["flags"] = demo.choose_data(args)[1]
+    return seen
+
+
+def test_demo_trains_on_the_shards_in_data_and_writes_nothing_beside_them(tmp_path, monkeypatch,
+                                                                          small_shards):
+    """--data DIR holding shards and no dataset.toml (gen-data's, or the user's own): the demo
+    generated a blend into DIR, beside or over them; it trains on them as one source."""
+    import shutil
+
+    from mmdispatch.cli import main
+
+    generated, theirs = tmp_path / "generated", tmp_path / "theirs"
+    assert main(["gen-data", str(generated), "--samples", "8", "--shards", "2"]) == 0
+    theirs.mkdir()
+    for i, shard in enumerate(small_shards[:2]):
+        shutil.copy(shard, theirs / f"part-{i}.tar")
+    for data in (generated, theirs):
+        before = {p.name: p.read_bytes() for p in data.iterdir()}
+        seen = _run_until_inspect(tmp_path, monkeypatch, data)
+        assert seen["shards"] == sorted(str(p) for p in data.glob("*.tar"))
+        assert seen["flags"] == ["--shards", str(data)]
+        assert {p.name: p.read_bytes() for p in data.iterdir()} == before
+    # gen-data's tokenizer is used; the user's directory gets none: it is trained into the run's folder
+    assert seen["tokenizer"].startswith(str(tmp_path / "reports"))
+    assert _run_until_inspect(tmp_path, monkeypatch, generated)["tokenizer"] == str(generated / "tokenizer.json")
+
+
+def test_demo_refuses_data_holding_other_files_and_leaves_them_alone(tmp_path, monkeypatch, small_shards):
+    """No dataset.toml, no shards, but files: not a directory to generate a blend into."""
+    import argparse
+    import shutil
+
+    from mmdispatch import demo
+    from pipeline import gendata
+
+    def generate_blend(*args, **kwargs):
+        raise AssertionError("the demo generated a blend beside the user's files")
+
+    monkeypatch.setattr(gendata, "generate_blend", generate_blend)
+    data = tmp_path / "data"
+    (data / "nested").mkdir(parents=True)
+    shutil.copy(small_shards[0], data / "nested" / "mine.tar")
+    (data / "notes.txt").write_text("mine")
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--data", str(data), "--reports", str(tmp_path / "reports")])
+    with pytest.raises(ValueError) as refused:
+        demo.run(args)
+    words = ["--data", "no dataset.toml", "nested/", "notes.txt", "dataset.toml (docs/datasets.md)",
+             "new or empty directory"]
+    assert all(word in str(refused.value) for word in words), str(refused.value)
+    assert sorted(str(p.relative_to(data)) for p in data.rglob("*")) == ["nested", "nested/mine.tar", "notes.txt"]
+    assert not (tmp_path / "reports").exists()

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 
 from mmdispatch.cli import main
-from pipeline.gendata import generate, generate_blend, make_sample
+from pipeline.gendata import generate, generate_blend, make_sample, read_manifest
 from pipeline.counting import CountingConfig, TextConfig
 from pipeline.reader import ReaderConfig, iter_samples
 
@@ -29,9 +29,10 @@ def test_cli_writes_shards(tmp_path):
     out = tmp_path / "cli"
     assert main(["gen-data", str(out), "--samples", "10", "--shards", "3", "--seed", "0"]) == 0
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar", "tokenizer.json",
-                     "tokenizer_config.json"]
-    assert sum(1 for _ in iter_samples([str(out / n) for n in names[:3]])) == 10
+    assert names == ["gen-data.json", "shard-000000.tar", "shard-000001.tar", "shard-000002.tar",
+                     "tokenizer.json", "tokenizer_config.json"]
+    assert sum(1 for _ in iter_samples([str(out / n) for n in names[1:4]])) == 10
+    assert sorted(read_manifest(str(out))) == names[1:]  # every file it wrote, for the next run
 
 
 def test_a_second_run_replaces_its_own_output_and_never_writes_beside_other_shards(tmp_path):
@@ -49,9 +50,67 @@ def test_a_second_run_replaces_its_own_output_and_never_writes_beside_other_shar
     assert not (out / "dataset.toml").exists() and not list(out.glob("*/*.tar"))
     assert (out / "notes.txt").read_text() == "mine"  # files not shards are left alone
     (out / "mine.tar").write_bytes((out / "shard-000000.tar").read_bytes())
-    with pytest.raises(ValueError, match=r"holds files gen-data did not write \(.*mine.tar\)"):
+    with pytest.raises(ValueError, match=r"holds files gen-data did not write \(.*mine.tar;"):
         generate(str(out), num_samples=12, num_shards=3, seed=1)
     assert sorted(p.name for p in out.glob("*.tar")) == ["mine.tar", "shard-000000.tar", "shard-000001.tar"]
+
+
+def _user_shard(path, text: str) -> bytes:
+    """A shard of the user's own at `path` (one text sample); returns its bytes."""
+    import io
+    import tarfile
+
+    data = text.encode()
+    with tarfile.open(path, "w") as tar:
+        info = tarfile.TarInfo("user0.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return path.read_bytes()
+
+
+def test_shards_of_the_users_named_as_gen_data_names_its_own_are_never_deleted(tmp_path):
+    """shard-000000.tar is gen-data's name and the commonest name of a user's shards: only
+    what gen-data recorded writing (its gen-data.json, at the size it wrote) is replaced."""
+    out = tmp_path / "data"
+    out.mkdir()
+    theirs = {f"shard-00000{i}.tar": _user_shard(out / f"shard-00000{i}.tar", f"mine {i}") for i in range(3)}
+    with pytest.raises(ValueError, match=r"did not write \(.*shard-000000.tar.*new or empty directory"):
+        generate(str(out), num_samples=4, num_shards=1, seed=0)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == theirs
+    # gen-data's own output with one shard swapped for the user's (another size) since
+    generate(str(tmp_path / "gen"), num_samples=8, num_shards=2, seed=0)
+    swapped = _user_shard(tmp_path / "gen" / "shard-000001.tar", "mine")
+    with pytest.raises(ValueError, match="shard-000001.tar"):
+        generate(str(tmp_path / "gen"), num_samples=8, num_shards=2, seed=1)
+    assert (tmp_path / "gen" / "shard-000001.tar").read_bytes() == swapped
+    assert (tmp_path / "gen" / "shard-000000.tar").exists()  # nothing removed on a refusal
+
+
+def test_a_users_tokenizer_is_never_written_over(tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "tokenizer.json").write_text("{}")
+    assert main(["gen-data", str(out), "--samples", "4", "--shards", "1"]) == 2
+    assert [p.name for p in out.iterdir()] == ["tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == "{}"
+
+
+def test_an_interrupted_run_is_replaced_by_the_next(tmp_path, monkeypatch):
+    """Its shards are recorded before they are written, so the half-written ones are its own."""
+    from pipeline import gendata
+
+    def make_sample(seed, index, **kw):
+        if index == 6:
+            raise KeyboardInterrupt
+        return real(seed, index, **kw)
+
+    real = gendata.make_sample
+    monkeypatch.setattr(gendata, "make_sample", make_sample)
+    with pytest.raises(KeyboardInterrupt):
+        generate(str(tmp_path), num_samples=8, num_shards=2, seed=0)
+    monkeypatch.setattr(gendata, "make_sample", real)
+    paths = generate(str(tmp_path), num_samples=8, num_shards=2, seed=0)
+    assert sum(1 for _ in iter_samples(paths)) == 8
 
 
 def test_mixture_is_long_tailed_and_complete():
