@@ -84,10 +84,22 @@ def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose mistakes end in one line naming them, not its usage block."""
+    """An argument parser whose mistakes end in one line naming them, not its usage block, and
+    whose integer options fit in 64 bits: every count travels as one (msgpack, the journal,
+    numpy), where a larger one failed far from its flag with an OverflowError."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            value = getattr(ns, action.dest, None)
+            if action.type is int and isinstance(value, int) and not -2**63 <= value < 2**63:
+                bound = "at most 2**63 - 1" if value > 0 else "at least -2**63"
+                self.error(f"argument {'/'.join(action.option_strings) or action.dest}: must be "
+                           f"{bound} (64 bits), got {value}")
+        return ns, extra
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
