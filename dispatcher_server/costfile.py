@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
+from dispatcher_server.files import replace_file
 from dispatcher_server.planner.cost import CostModel
 from dispatcher_server.planner.types import PHASES
 
@@ -32,11 +32,8 @@ def cost_file_dict(cost: CostModel, calibration: dict | None = None) -> dict:
 def save_cost_file(path: str, cost: CostModel, calibration: dict | None = None) -> None:
     """Write `cost` (and what measured it) to `path`, atomically: a reader sees the old file or
     the new one, never half of it."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(cost_file_dict(cost, calibration), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    replace_file(path, (json.dumps(cost_file_dict(cost, calibration), indent=2) + "\n").encode(),
+                 durable=False)
 
 
 def parse_cost_file(data: dict, where: str) -> CostModel:

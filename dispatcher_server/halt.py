@@ -14,6 +14,7 @@ import json
 import os
 
 from dispatcher_server.batching import StepBatch
+from dispatcher_server.files import replace_file
 from dispatcher_server.planner import PlannerConfig
 
 HALT_FILE = "halted.json"
@@ -50,12 +51,8 @@ class Halt:
         os.unlink(self.path)
 
     def record(self, step: int, why: str) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"step": step, "why": why, "settings": self.settings}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        replace_file(self.path, json.dumps({"step": step, "why": why,
+                                            "settings": self.settings}).encode())
 
 
 def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: Exception) -> str:

@@ -24,6 +24,7 @@ import soundfile
 from PIL import Image
 
 from dispatcher_server.cliopts import finite_float
+from dispatcher_server.files import replace_file
 from pipeline.shards import SHARD_SUFFIXES
 
 #: Sample kinds and their shares of the mix.
@@ -268,10 +269,9 @@ def record_output(out_dir: str, paths: list[str], *, written: bool = True) -> No
     manifest is replaced whole, so an interrupted run leaves the old one or the new one."""
     files = read_manifest(out_dir) or {}
     files.update({os.path.relpath(p, out_dir): os.path.getsize(p) if written else None for p in paths})
-    path = os.path.join(out_dir, MANIFEST)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"written_by": WRITTEN_BY, "files": files}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    replace_file(os.path.join(out_dir, MANIFEST),
+                 json.dumps({"written_by": WRITTEN_BY, "files": files}, indent=1).encode(),
+                 durable=False)
 
 
 def _outputs_present(out_dir: str) -> list[str]:

@@ -11,6 +11,7 @@ dispatcher balanced it (balancing only rearranges samples inside a step).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from dispatcher_server.cliopts import (
     HelpFormatter, OneLineParser, check_endpoint, run_reporting_errors, setup_logging,
 )
+from dispatcher_server.files import replace_file
 from mmdispatch.settings import ConfigError, apply_file
 from pipeline.tokenize import load_tokenizer, tokenizer_identity
 from trainer_client.calibrate import PhaseTimer
@@ -54,20 +56,10 @@ def load_checkpoint(directory: str) -> dict | None:
 
 
 def save_checkpoint(directory: str, state: dict) -> None:
-    """`state` as `directory`/checkpoint.pt, durable when this returns: written beside it,
-    synced, then renamed over the old one, so a crash leaves the old or the new, never half."""
-    path = os.path.join(directory, CHECKPOINT_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """`state` as `directory`/checkpoint.pt, durable when this returns (a commit follows)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    replace_file(os.path.join(directory, CHECKPOINT_FILE), buf.getbuffer())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,24 @@
+"""Whole-file writes that a crash cannot tear: the old file or the new one, never half."""
+
+from __future__ import annotations
+
+import os
+
+
+def replace_file(path: str, data: bytes, *, durable: bool = True) -> None:
+    """Write `data` as `path`: into a temporary file beside it, renamed over `path`. `durable`
+    syncs the file before the rename and its directory after, so the new one survives a
+    power loss once this returns."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
