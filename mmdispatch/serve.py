@@ -161,10 +161,6 @@ def resolve(args: argparse.Namespace) -> dict:
     return values
 
 
-#: The most any integer option may be: counts travel as 64-bit integers (msgpack on the wire
-#: and in the journal, numpy in the planner), where a larger one fails far from its flag.
-INT_MAX = 2**63 - 1
-
 #: dest -> (least value, what the option counts): integers checked by their flags, since the
 #: config classes check them too but by field name (right from Python, not on a command line);
 #: an unset option (None) keeps its meaning
@@ -189,29 +185,24 @@ AT_LEAST: dict[str, tuple[int, str]] = {
     "probe_samples": (0, "0 = no probe"),
 }
 
-#: dest -> (most value, why) of the integer options that may not reach INT_MAX: past these
-#: they fail in C code (ZeroMQ aborts the process, glibc's mallopt takes a C int of bytes).
+#: dest -> (most value, why) of the integer options with a bound below 64 bits (the parser
+#: refuses any past 64 bits): past these they fail in C code (ZeroMQ aborts the process,
+#: glibc's mallopt takes a C int of bytes).
 AT_MOST: dict[str, tuple[int, str]] = {
     "io_threads": (64, "ZeroMQ's guide: one I/O thread per GB/s of traffic"),
     "malloc_keep_mb": (1023, "glibc takes the threshold as a C int of bytes"),
 }
-#: integer options with a range of their own, checked (and named) by _check_flags
-_OWN_RANGE = ("seed", "metrics_port")
 #: Past this factor a micro-batch's capacity is a whole step's tokens many times over (0 says
 #: no limit), and capacities past 64 bits fail in the journal.
 MAX_LLM_CAPACITY_FACTOR = 1_000_000
 
 
 def _too_large(v: dict) -> str | None:
-    """The message for the first integer option past its most (AT_MOST, else INT_MAX)."""
-    for dest, (type_, _, _) in OPTIONS.items():
-        if type_ is not int or dest in _OWN_RANGE or v[dest] is None:
-            continue
-        most, why = AT_MOST.get(dest, (INT_MAX, "a 64-bit integer"))
-        if v[dest] > most:
-            shown = "2**63 - 1" if most == INT_MAX else str(most)
-            accepted = f"from {AT_LEAST[dest][0]} to {shown}" if dest in AT_LEAST else f"at most {shown}"
-            return f"--{dest.replace('_', '-')} must be {accepted} ({why}), got {v[dest]}"
+    """The message for the first integer option past its AT_MOST bound."""
+    for dest, (most, why) in AT_MOST.items():
+        if v[dest] is not None and v[dest] > most:
+            return (f"--{dest.replace('_', '-')} must be from {AT_LEAST[dest][0]} to {most} "
+                    f"({why}), got {v[dest]}")
     return None
 
 
@@ -229,8 +220,6 @@ def _check_flags(v: dict) -> None:
     if factor is not None and factor != 0 and not 1 <= factor <= MAX_LLM_CAPACITY_FACTOR:
         raise ValueError(f"--llm-capacity-factor must be 0 (no limit) or a number from 1 to "
                          f"{MAX_LLM_CAPACITY_FACTOR}, got {factor}")
-    if not -2**63 <= v["seed"] < 2**63:
-        raise ValueError(f"--seed must fit in 64 bits (-2**63 to 2**63 - 1), got {v['seed']}")
     m = v["num_microbatches"]
     if m is not None and m > v["global_batch"]:
         # Every rank would run empty micro-batches every step, and planning time grows with M
