@@ -95,6 +95,12 @@ class StepBatch:
         return {p: list(zip(owner[f].tolist(), within[f].tolist()))
                 for p, f in self.phase_items.items()}
 
+    def release_payloads(self) -> None:
+        """Drop the samples and their payload buffers once the step's messages are encoded:
+        inline messages hold a coalesced copy of every payload, so keeping both held each
+        payload twice (and the received frames they are views of) until every rank had it."""
+        self.samples, self.item_payloads = [], []
+
     def digest(self) -> str:
         """Hash of the keys, each followed by a NUL byte (one update: the same bytes hashed)."""
         h = hashlib.blake2b(digest_size=16)

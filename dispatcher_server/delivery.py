@@ -43,7 +43,7 @@ class RetainedStep:
     plan: object
     messages: list | None  # per rank, all encoded on the first send
     num_samples: int
-    nbytes: int  # bytes held: its samples' payloads, plus each rank message once encoded
+    nbytes: int  # bytes held: its samples' payloads, then its rank messages once encoded
 
 
 class Delivery:
@@ -151,9 +151,10 @@ class Delivery:
                 rs = self.retained[slot.next_send - first]
                 if rs.messages is None:
                     rs.messages = encode(rs)
-                    # Kept until the step is evicted: they count against max_buffered_bytes
-                    # like the samples they came from, so credits shrink while they are held.
-                    rs.nbytes += _nbytes(rs.messages)
+                    # The messages stand for the samples now (`encode` lets their payloads
+                    # go): kept until the step is evicted, they count against
+                    # max_buffered_bytes in the samples' place.
+                    rs.nbytes = _nbytes(rs.messages)
                 yield slot, rs.messages[slot.rank]
                 slot.next_send += 1
 

@@ -495,6 +495,7 @@ class Dispatcher:
             e0 = thread_time()
             msgs = step_messages(rs.batch, rs.plan, step=rs.step, epoch=rs.epoch, seq=self._seq + 1,
                                  endpoints=self.pool.endpoints if direct else None)
+            rs.batch.release_payloads()  # the messages hold (or name) every payload now
             self._seq += len(msgs)
             encoding += thread_time() - e0
             return msgs

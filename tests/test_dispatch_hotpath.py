@@ -182,7 +182,8 @@ def _feed_everything(d: Dispatcher, corpus: dict[int, list[dict]]) -> None:
 
 def test_retained_step_messages_count_against_the_byte_bound():
     """A rank's STEP message copies its items' payloads and is kept until every rank acked the
-    step: those bytes are held too, so they count against max_buffered_bytes until eviction."""
+    step: it holds the step's bytes in the samples' place (their payloads are let go, so no
+    byte is held twice) and counts against max_buffered_bytes until eviction."""
     config = ServerConfig(
         shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1,
@@ -208,7 +209,9 @@ def test_retained_step_messages_count_against_the_byte_bound():
         (rs,) = d.retained
         message_bytes = sum(memoryview(f).nbytes for f in rs.messages[0])
         assert message_bytes > 4 * 1000  # the coalesced payload copy
-        assert rs.nbytes == samples_bytes + message_bytes == d._gauges().nbytes
+        # The message stands for the samples: their payloads are let go, so each byte counts once.
+        assert rs.nbytes == message_bytes == d._gauges().nbytes
+        assert not rs.batch.samples and not rs.batch.item_payloads
         d.delivery.credit(slot, slot.upto, received=1)  # acknowledged: evicted, nothing held
         d._pump()
         assert not d.retained and d._gauges().nbytes == 0
@@ -387,7 +390,7 @@ def test_a_sample_that_takes_down_every_reader_is_skipped_after_max_shard_losses
                                                skipped=[])))
         for _ in range(5):
             d._pump()
-        planned = [s.key for rs in d.retained for s in rs.batch.samples]
+        planned = [k for rs in d.retained for k in rs.batch.keys]
         assert planned == ["k0", "k1", "k2", "k4", "k5"]  # k3 alone is skipped; none is lost
     finally:
         d._close()
