@@ -18,6 +18,11 @@ import time
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: --help section of the logging options
+LOGGING_GROUP = "logging and errors"
+#: Most MiB `--malloc-keep-mb` (serve, read) takes: glibc's mallopt takes its thresholds as a C
+#: int of bytes, and the trim threshold is twice this one, so 1024 wraps around.
+MAX_MALLOC_KEEP_MB = 1023
 _FIELD = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
 
 
@@ -32,7 +37,10 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
     flags = {s for a in parser._actions for s in a.option_strings}
     if {"--log-level", "--log-format", "--debug"} <= flags:
         return
-    group = parser.add_argument_group("logging and errors")
+    # A parser that grouped its own --log-level there gets the other two beside it.
+    group = next((g for g in parser._action_groups if g.title == LOGGING_GROUP), None)
+    if group is None:
+        group = parser.add_argument_group(LOGGING_GROUP)
     if "--log-level" not in flags:
         group.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                            help="logging level")
@@ -137,6 +145,17 @@ def user_message(error: BaseException) -> str:
     if isinstance(error, UnicodeDecodeError):
         return f"{text} (the file is binary, not text)"
     return text
+
+
+def as_flags(message: str, flags: dict[str, str]) -> str:
+    """A config class's message with the field names `flags` maps (`min_pixels=0`,
+    `(max_retained_steps + 1)`) written as the flags that set them (`--min-pixels 0`): the
+    classes name their fields, right from Python, not on a command line."""
+    if not flags:
+        return message
+    names = sorted(flags, key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b(=?)",
+                  lambda m: f"{flags[m[1]]}{' ' if m[2] else ''}", message)
 
 
 def finite_float(text: str) -> float:

@@ -12,7 +12,6 @@ import errno
 import json
 import logging
 import os
-import re
 import selectors
 import signal
 import sys
@@ -22,7 +21,8 @@ import time
 import zmq
 
 from dispatcher_server.cliopts import (
-    LOG_LEVELS, add_config_argument, check_endpoint, finite_float, setup_logging,
+    LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, as_flags, check_endpoint,
+    finite_float, setup_logging,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -119,18 +119,46 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: --help section -> the OPTIONS shown in it, in order; every option in exactly one
+GROUPS: dict[str, tuple[str, ...]] = {
+    "data and dataset": ("shards", "dataset", "shuffle_buffer", "seed", "mode", "payloads",
+                         "probe_samples", "probe_timeout_s"),
+    "batch and planning": ("world_size", "ranks_per_node", "global_batch", "token_budget",
+                           "num_microbatches", "microbatch_token_budget", "llm_capacity",
+                           "llm_capacity_factor", "oversize", "cost_model", "refit"),
+    "readers and buffering": ("max_buffered_samples", "max_buffered_bytes", "max_retained_steps",
+                              "inflight_shards", "credit_batch", "malloc_keep_mb"),
+    "network and security": ("reader_bind", "trainer_bind", "heartbeat", "timeout", "io_threads",
+                             "curve_secret", "curve_allowed_dir"),
+    "journal and fault tolerance": ("journal_dir", "no_fsync", "journal_plan_file_mb",
+                                    "max_shard_losses"),
+    "run length": ("max_epochs", "max_steps", "exit_when_done"),
+    "observability": ("metrics_port", "metrics_host", "step_log"),
+    LOGGING_GROUP: ("log_level",),  # beside --log-format and --debug
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    grouped = [dest for dests in GROUPS.values() for dest in dests]
+    assert sorted(grouped) == sorted(OPTIONS), "each serve option belongs to one --help section"
     add_config_argument(parser)
-    for dest, (type_, default, help_) in OPTIONS.items():
-        flag = "--" + dest.replace("_", "-")
-        text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
-        if type_ is bool:
-            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
-        elif dest == "shards":
-            parser.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
-        else:
-            parser.add_argument(flag, type=str.upper if dest == "log_level" else type_,
-                                choices=CHOICES.get(dest), default=argparse.SUPPRESS, help=text)
+    for title, dests in GROUPS.items():
+        group = parser.add_argument_group(title)
+        for dest in dests:
+            _add_option(group, dest)
+
+
+def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
+    type_, default, help_ = OPTIONS[dest]
+    flag = "--" + dest.replace("_", "-")
+    text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
+    if type_ is bool:
+        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+    elif dest == "shards":
+        group.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
+    else:
+        group.add_argument(flag, type=str.upper if dest == "log_level" else type_,
+                           choices=CHOICES.get(dest), default=argparse.SUPPRESS, help=text)
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -187,11 +215,19 @@ AT_LEAST: dict[str, tuple[int, str]] = {
 
 #: dest -> (most value, why) of the integer options with a bound below 64 bits (the parser
 #: refuses any past 64 bits): past these they fail in C code (ZeroMQ aborts the process,
-#: glibc's mallopt takes a C int of bytes).
+#: glibc's mallopt takes a C int of bytes) or the planner's warm-up runs out of memory (its
+#: arrays grow with ranks and micro-batches: about 3 KB a rank, so 10**8 ranks asked
+#: for hundreds of GB).
 AT_MOST: dict[str, tuple[int, str]] = {
+    "world_size": (65536, "the planner is built for thousands of ranks; its memory and time "
+                          "per step grow with them"),
+    "num_microbatches": (65536, "the planner's memory and time per step grow with them"),
     "io_threads": (64, "ZeroMQ's guide: one I/O thread per GB/s of traffic"),
-    "malloc_keep_mb": (1023, "glibc takes the threshold as a C int of bytes"),
+    "malloc_keep_mb": (MAX_MALLOC_KEEP_MB, "glibc takes the threshold as a C int of bytes"),
 }
+#: Most (rank, micro-batch) slots a step may plan, world size x micro-batches: the planner
+#: holds arrays over them, about 20 bytes a slot (1.4 GB at 65536 ranks x 1024).
+MAX_PLAN_SLOTS = 1 << 26
 #: Past this factor a micro-batch's capacity is a whole step's tokens many times over (0 says
 #: no limit), and capacities past 64 bits fail in the journal.
 MAX_LLM_CAPACITY_FACTOR = 1_000_000
@@ -226,6 +262,11 @@ def _check_flags(v: dict) -> None:
         # (100000 takes seconds a step: peers time out while the loop plans).
         raise ValueError(f"--num-microbatches {m} is more than --global-batch {v['global_batch']}: "
                          f"every rank would get empty micro-batches every step; lower it")
+    if m is not None and m * v["world_size"] > MAX_PLAN_SLOTS:
+        raise ValueError(f"--world-size {v['world_size']} x --num-microbatches {m} is "
+                         f"{m * v['world_size']} (rank, micro-batch) slots a step plans, more than "
+                         f"{MAX_PLAN_SLOTS} (the planner's memory grows with them); lower "
+                         f"--num-microbatches")
     if m is not None and m * v["world_size"] > v["global_batch"]:
         event("empty_microbatches", logging.WARNING, num_microbatches=m,
               world_size=v["world_size"], global_batch=v["global_batch"],
@@ -257,19 +298,16 @@ def _check_flags(v: dict) -> None:
                          f"--timeout 5)")
 
 
-def _as_flags(message: str) -> str:
-    """A config class's message with its multi-word field names (`max_buffered_samples=0`,
-    `(max_retained_steps + 1)`) written as the serve flags that set them."""
-    fields = sorted((d for d in OPTIONS if "_" in d), key=len, reverse=True)
-    return re.sub(r"\b(" + "|".join(fields) + r")\b(=?)",
-                  lambda m: f"--{m[1].replace('_', '-')}{' ' if m[2] else ''}", message)
+#: field -> flag of the multi-word option names, which the config classes' messages use
+#: (single words such as `mode` and `seed` are also plain English there)
+_FLAGS = {dest: "--" + dest.replace("_", "-") for dest in OPTIONS if "_" in dest}
 
 
 def build_config(v: dict) -> ServerConfig:
     try:
         return _build_config(v)
     except ValueError as e:
-        raise ValueError(_as_flags(str(e))) from None
+        raise ValueError(as_flags(str(e), _FLAGS)) from None
 
 
 def _build_config(v: dict) -> ServerConfig:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from dispatcher_server.cliopts import finite_float
+from dispatcher_server.cliopts import as_flags, finite_float
 from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -96,8 +96,34 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-consecutive-errors", type=int, default=errors.max_consecutive, help="stop after this many failures in a row")
 
 
+#: field -> flag of the counting options, whose config classes name their fields in messages
+#: (VideoConfig says `video fps`; its other fields share the image options' names, and its
+#: pixel budget is checked by flag before it is built)
+_FLAGS = {
+    "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "patch_size": "--patch-size",
+    "merge_size": "--merge-size", "max_header_pixels": "--max-header-pixels",
+    "video fps": "--video-fps", "encoder_frames_per_s": "--audio-frames-per-s",
+    "llm_tokens_per_s": "--audio-tokens-per-s", "pad_window_s": "--audio-pad-window",
+    "max_text_bytes": "--max-text-bytes", "max_member_bytes": "--max-member-bytes",
+    "max_consecutive": "--max-consecutive-errors",
+}
+
+
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
-    """The `ReaderConfig` described by options added with `add_reader_arguments`."""
+    """The `ReaderConfig` described by options added with `add_reader_arguments`; a value out
+    of range is a ValueError naming its flag."""
+    # The video minimum follows this budget down (`video_config`), so VideoConfig would name
+    # a minimum no flag sets.
+    if args.video_max_pixels < 1:
+        raise ValueError(f"--video-max-pixels must be >= 1 (pixels per sampled frame), "
+                         f"got {args.video_max_pixels}")
+    try:
+        return _reader_config(args, keep_members)
+    except ValueError as e:
+        raise ValueError(as_flags(str(e), _FLAGS)) from None
+
+
+def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig:
     text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes,
                          "chat_template": getattr(args, "chat_template", None),
                          "estimate": getattr(args, "estimate_text", False)}

@@ -28,7 +28,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
-from dispatcher_server.cliopts import check_endpoint, finite_float, setup_logging
+from dispatcher_server.cliopts import MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, setup_logging
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
@@ -471,6 +471,9 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
         raise ValueError("--curve-secret and --curve-server-key go together")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 <= args.malloc_keep_mb <= MAX_MALLOC_KEEP_MB:  # glibc would wrap it around
+        raise ValueError(f"--malloc-keep-mb must be from 0 to {MAX_MALLOC_KEEP_MB} (glibc takes "
+                         f"the threshold as a C int of bytes; 0 = off), got {args.malloc_keep_mb}")
     if args.payload_cache_mb < 0:
         raise ValueError(f"--payload-cache-mb must be >= 0, got {args.payload_cache_mb}")
     for flag, value in (("--payload-bind", args.payload_bind),

@@ -7,6 +7,8 @@ way out) named in the message. `--debug` is the one way to get the traceback bac
 
 from __future__ import annotations
 
+import argparse
+import re
 import socket
 import subprocess
 import sys
@@ -144,10 +146,30 @@ CASES = {
     "counting config inf": (lambda f, p: [*MMD, "inspect", "--config", f"{f['dir']}/counting_inf.toml",
                                           f["shard"]], ["counting_inf.toml", "[counting] video_fps", "inf"]),
     "max header pixels 0": (lambda f, p: [*MMD, "inspect", f["shard"], "--max-header-pixels", "0"],
-                            ["max_header_pixels=0"]),
+                            ["--max-header-pixels 0"]),
+    "read pixel budget below 1": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                                "--min-pixels", "0"], ["--min-pixels 0", "--max-pixels"]),
+    "video pixel budget below 1": (lambda f, p: [*MMD, "inspect", f["shard"], "--video-max-pixels", "0"],
+                                   ["--video-max-pixels", ">= 1", "got 0"]),
+    "read malloc keep past a C int": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                                    "--malloc-keep-mb", "1024"],
+                                      ["--malloc-keep-mb", "0 to 1023", "got 1024"]),
+    "world size past the planner's": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--global-batch", "4",
+                                                    "--world-size", str(10**8)],
+                                      ["--world-size", "1 to 65536", f"got {10**8}"]),
+    "micro-batches past the planner's": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], "--world-size", "1",
+                                                       "--global-batch", str(10**8), "--max-buffered-samples",
+                                                       str(10**9), "--num-microbatches", str(10**8)],
+                                         ["--num-microbatches", "1 to 65536", f"got {10**8}"]),
+    "ranks x micro-batches past the planner's": (lambda f, p: [*MMD, "serve", "--shards", f["shard"],
+                                                               "--world-size", "65536", "--global-batch", "65536",
+                                                               "--max-buffered-samples", str(10**6),
+                                                               "--num-microbatches", "2048"],
+                                                 ["--world-size 65536 x --num-microbatches 2048",
+                                                  "lower --num-microbatches"]),
     "more micro-batches than samples": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
-                                                      "--num-microbatches", "100000"],
-                                        ["--num-microbatches 100000", "--global-batch 4"]),
+                                                      "--num-microbatches", "1000"],
+                                        ["--num-microbatches 1000", "--global-batch 4"]),
     "journal dir is a file": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                             "--journal-dir", f"{f['dir']}/journal_file"],
                               ["--journal-dir", "journal_file", "not a directory"]),
@@ -309,3 +331,62 @@ def test_help_shows_choices_and_no_meaningless_defaults():
         assert "(default: text, caption, conversations, messages) (default" not in text
     report = _help("report")
     assert "--train-log" in report and "trainer's --log" not in report
+
+
+#: --help sections of `mmdispatch serve`, each holding some of its ~50 options
+SERVE_SECTIONS = ("data and dataset", "batch and planning", "readers and buffering", "network and security",
+                  "journal and fault tolerance", "run length", "observability", "logging and errors")
+
+
+def test_serve_help_groups_its_options_and_drops_none():
+    from mmdispatch.cli import build_parser
+    from mmdispatch.serve import OPTIONS
+
+    section, shown = None, {}
+    for line in build_parser("serve").format_help().splitlines():
+        if re.fullmatch(r"\S.*:", line):
+            section = line[:-1]
+        elif m := re.match(r"  (-[-\w]+)", line):
+            assert m[1] not in shown, f"{m[1]} listed twice"
+            shown[m[1]] = section
+    flags = {"--" + dest.replace("_", "-") for dest in OPTIONS}
+    assert set(shown) == flags | {"-h", "--config", "--log-format", "--debug"}
+    assert {f for f, s in shown.items() if s == "options"} == {"-h", "--config"}
+    assert set(shown.values()) == {"options", *SERVE_SECTIONS}
+    assert shown["--world-size"] == "batch and planning" and shown["--journal-dir"] == "journal and fault tolerance"
+    assert shown["--log-level"] == shown["--log-format"] == "logging and errors"
+
+
+#: every numeric counting option of `read` and `inspect` -> a value out of its range
+COUNTING_MISTAKES = {
+    "--min-pixels": "0", "--max-pixels": "0", "--patch-size": "0", "--merge-size": "0",
+    "--max-header-pixels": "0", "--video-fps": "0", "--video-max-pixels": "0",
+    "--audio-frames-per-s": "0", "--audio-tokens-per-s": "-1", "--audio-pad-window": "0",
+    "--max-text-bytes": "0", "--max-member-bytes": "0", "--max-consecutive-errors": "0",
+}
+
+
+def _counting_parser() -> argparse.ArgumentParser:
+    from pipeline.reader import add_reader_arguments
+
+    parser = argparse.ArgumentParser()
+    add_reader_arguments(parser)
+    return parser
+
+
+def test_every_numeric_counting_option_has_a_mistake_case():
+    from dispatcher_server.cliopts import finite_float
+
+    numeric = {a.option_strings[0] for a in _counting_parser()._actions if a.type in (int, finite_float)}
+    assert numeric == set(COUNTING_MISTAKES)
+
+
+@pytest.mark.parametrize("flag", list(COUNTING_MISTAKES))
+def test_counting_option_out_of_range_is_named_by_its_flag(flag):
+    """The config classes name their fields (`min_pixels=0`); read and inspect say the flag."""
+    from pipeline.reader import reader_config_from_args
+
+    with pytest.raises(ValueError) as e:
+        reader_config_from_args(_counting_parser().parse_args([flag, COUNTING_MISTAKES[flag]]))
+    message = str(e.value)
+    assert flag in message and not re.search(r"[a-z]=", message), message

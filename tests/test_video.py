@@ -146,7 +146,7 @@ def test_video_options_change_counts(tmp_path, capsys):
     # 4 s: 8 frames -> 4 frames; 640x480 within 64 merged tokens per frame
     assert small == _expected_at(4.0, 1.0, 640, 480, 28 * 28 * 64) < default
     assert main(["inspect", "--video-fps", "0", str(shard)]) != 0
-    assert "fps=0" in capsys.readouterr().err
+    assert "--video-fps 0.0" in capsys.readouterr().err
 
 
 def _expected_at(duration: float, fps: float, width: int, height: int, max_pixels: int) -> int:
