@@ -58,7 +58,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "token_budget": (int, None, "also cut a step at this many LLM tokens"),
     "num_microbatches": (int, None, "micro-batches per step per rank (default 1 unless "
                                     "--microbatch-token-budget is set)"),
-    "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch"),
+    "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch "
+                                           "(M stops at samples per rank)"),
     "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
     "llm_capacity_factor": (finite_float, DEFAULT_LLM_CAPACITY_FACTOR,
                             "without --llm-capacity, each rank's micro-batch holds at most this "

@@ -208,6 +208,21 @@ def test_token_budget_gives_one_m_for_every_rank():
     assert plan.sample_ptr.shape == (4 * plan.num_microbatches + 1,)
 
 
+def test_a_token_budget_below_the_samples_gives_at_most_one_sample_per_slot():
+    """A budget of a few tokens asked for thousands of micro-batches a step, nearly all empty,
+    and every rank runs every one of them."""
+    inp = synthetic_step(np.random.default_rng(3), 100)
+    topo = Topology(world_size=4, ranks_per_node=2)
+    plan = plan_step(inp, topo, PlannerConfig(microbatch_token_budget=1))
+    assert plan.num_microbatches == 25  # 100 samples over 4 ranks
+    validate(plan, inp)
+    # Ten times the micro-batches would plan no slot lighter: only empty ones are saved.
+    more = plan_step(inp, topo, PlannerConfig(num_microbatches=250))
+    heaviest = [np.bincount(p.sample_mb * 4 + p.sample_rank, weights=inp.llm_len).max()
+                for p in (plan, more)]
+    assert heaviest[0] == heaviest[1]
+
+
 def test_oversize_error_names_the_sample():
     inp = make_inputs([10, 20, 5000, 30], images=[(1, 64, 16)])
     with pytest.raises(PlanError, match="sample 2"):

@@ -108,5 +108,9 @@ class PlannerConfig:
         """M for this step, the same for every rank."""
         if self.num_microbatches is not None:
             return self.num_microbatches
-        total = int(inputs.llm_len.sum())
-        return max(1, math.ceil(total / (topology.world_size * self.microbatch_token_budget)))
+        total, W = int(inputs.llm_len.sum()), topology.world_size
+        # Past one sample per (rank, micro-batch) slot a smaller budget only adds empty
+        # micro-batches (a budget under a sample's tokens is met by no M): every rank would run
+        # them all, thousands a step at a budget of a few tokens.
+        return max(1, min(math.ceil(total / (W * self.microbatch_token_budget)),
+                          math.ceil(inputs.num_samples / W)))
