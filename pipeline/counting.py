@@ -107,7 +107,7 @@ class AudioConfig:
                 f"llm_tokens_per_s={self.llm_tokens_per_s} must be > 0"
             )
         if self.pad_window_s is not None and self.pad_window_s <= 0:
-            raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 or None")
+            raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 seconds (unset: no padding)")
         if not 0 < self.min_sample_rate <= self.max_sample_rate:
             raise ValueError(
                 f"need 0 < min_sample_rate={self.min_sample_rate} <= max_sample_rate={self.max_sample_rate}"

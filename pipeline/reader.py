@@ -13,6 +13,7 @@ import logging
 import re
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -97,9 +98,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: field -> flag of the counting options, whose config classes name their fields in messages
-#: (VideoConfig says `video fps`; its other fields share the image options' names, and its
-#: pixel budget is checked by flag before it is built)
-_FLAGS = {
+#: (VideoConfig says `video fps`; its other fields share the image options' names, and
+#: `video_config` checks its pixel budget by flag)
+COUNTING_FLAGS = {
     "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "patch_size": "--patch-size",
     "merge_size": "--merge-size", "max_header_pixels": "--max-header-pixels",
     "video fps": "--video-fps", "encoder_frames_per_s": "--audio-frames-per-s",
@@ -109,18 +110,21 @@ _FLAGS = {
 }
 
 
+@contextmanager
+def counting_flag_errors() -> Iterator[None]:
+    """A counting config class's ValueError, raised again naming the flags of its fields: the
+    readers, `inspect` and the trainer take the same counting options."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(as_flags(str(e), COUNTING_FLAGS)) from None
+
+
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
     """The `ReaderConfig` described by options added with `add_reader_arguments`; a value out
     of range is a ValueError naming its flag."""
-    # The video minimum follows this budget down (`video_config`), so VideoConfig would name
-    # a minimum no flag sets.
-    if args.video_max_pixels < 1:
-        raise ValueError(f"--video-max-pixels must be >= 1 (pixels per sampled frame), "
-                         f"got {args.video_max_pixels}")
-    try:
+    with counting_flag_errors():
         return _reader_config(args, keep_members)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e), _FLAGS)) from None
 
 
 def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig:

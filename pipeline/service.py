@@ -28,14 +28,18 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
-from dispatcher_server.cliopts import MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, setup_logging
+from dispatcher_server.cliopts import (
+    MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, setup_logging,
+)
 from dispatcher_server.tuning import keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead
-from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
+from pipeline.reader import (
+    ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, reader_config_from_args,
+)
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait
 from pipeline.tokenize import tokenizer_identity
@@ -488,7 +492,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     if args.preprocess_on == "datanode":
         from pipeline.preprocess import mel_stride
 
-        mel_stride(reader.counting.audio)  # ValueError now, not at the first audio clip
+        with counting_flag_errors():
+            mel_stride(reader.counting.audio)  # ValueError now, not at the first audio clip
     name = f"{args.name or os.uname().nodename}/{worker}"
     return ReaderServiceConfig(dispatcher=args.dispatcher, name=name, batch=args.batch,
                                prefetch_shards=args.prefetch_shards,

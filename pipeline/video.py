@@ -86,7 +86,9 @@ class VideoHeader:
 def video_config(*, fps: float, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
     """The video rules the `--video-fps`/`--video-max-pixels` and patch options describe (data
     nodes and trainers build them here, so they cannot disagree): a budget under the default
-    minimum lowers the minimum with it."""
+    minimum lowers the minimum with it, so a budget under 1 is refused here, by its flag."""
+    if max_pixels < 1:
+        raise ValueError(f"--video-max-pixels must be >= 1 (pixels per sampled frame), got {max_pixels}")
     return VideoConfig(fps=fps, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
                        min_pixels=min(VideoConfig().min_pixels, max_pixels))
 

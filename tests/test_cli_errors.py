@@ -390,3 +390,27 @@ def test_counting_option_out_of_range_is_named_by_its_flag(flag):
         reader_config_from_args(_counting_parser().parse_args([flag, COUNTING_MISTAKES[flag]]))
     message = str(e.value)
     assert flag in message and not re.search(r"[a-z]=", message), message
+
+
+def _trainer_counting_flags() -> list[str]:
+    from trainer_client.options import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return [a.option_strings[0] for a in parser._actions if a.option_strings
+            and a.option_strings[0] in COUNTING_MISTAKES]
+
+
+@pytest.mark.parametrize("flag,value", [*((f, COUNTING_MISTAKES[f]) for f in _trainer_counting_flags()),
+                                        ("--audio-frames-per-s", "30")])
+def test_a_trainer_counting_option_out_of_range_is_named_by_its_flag(flag, value):
+    """The trainer takes the readers' counting options and says them the same way, including
+    an audio rate its mel frames cannot be pooled to (30/s: not 100/k)."""
+    from trainer_client.options import add_arguments, preprocess_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(ValueError) as e:
+        preprocess_config_from_args(parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", flag, value]))
+    message = str(e.value)
+    assert f"{flag} " in message and not re.search(r"[a-z]=", message), message

@@ -471,5 +471,5 @@ def test_datanode_readers_refuse_reference_payloads_and_bad_rates(tmp_path):
     add_arguments(parser)
     args = parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", "--preprocess-on", "datanode",
                               "--audio-frames-per-s", "30"])
-    with pytest.raises(ValueError, match="encoder_frames_per_s=30"):
+    with pytest.raises(ValueError, match="--audio-frames-per-s 30 does not divide"):
         config_from_args(args)

@@ -13,7 +13,8 @@ import argparse
 
 from dispatcher_server.cliopts import add_config_argument, add_logging_arguments, finite_float
 from pipeline.counting import AudioConfig, ImageConfig
-from pipeline.preprocess import PreprocessConfig
+from pipeline.preprocess import PreprocessConfig, mel_stride
+from pipeline.reader import counting_flag_errors
 from pipeline.video import VideoConfig, video_config
 
 #: Preprocessing pool kinds and error modes of `trainer_client.prefetch.PrefetchConfig` (kept
@@ -89,7 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def preprocess_config_from_args(args: argparse.Namespace) -> PreprocessConfig:
-    """The counting rules the trainer's model inputs must match, from the counting options."""
+    """The counting rules the trainer's model inputs must match, from the counting options; a
+    value out of range is a ValueError naming its flag."""
+    with counting_flag_errors():
+        config = _preprocess_config(args)
+        mel_stride(config.audio)  # the trainer always builds audio rows: refused now, by flag
+    return config
+
+
+def _preprocess_config(args: argparse.Namespace) -> PreprocessConfig:
     return PreprocessConfig(
         image=ImageConfig(patch_size=args.patch_size, merge_size=args.merge_size,
                           min_pixels=args.min_pixels, max_pixels=args.max_pixels),
