@@ -57,14 +57,24 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def _by_section(parser: argparse.ArgumentParser):
+    """(section title at its first option else None, action) in --help's order: the untitled
+    positionals and options first, then each argument group (serve's sections, logging...)."""
+    for g in parser._action_groups:
+        actions = [a for a in g._group_actions if a.dest != "help"]
+        titled = g is not parser._positionals and g is not parser._optionals
+        for i, action in enumerate(actions):
+            yield (g.title if titled and i == 0 else None), action
+
+
 def _table(command: str) -> list[str]:
     parser = _parser(command)
     keys = {dest: table for table in COMMAND_TABLES.get(command, [])
             for dest in settings.settings_of(table)}
     rows = ["| option | file key | default | meaning |", "|---|---|---|---|"]
-    for action in parser._actions:
-        if action.dest == "help":
-            continue
+    for group, action in _by_section(parser):
+        if group is not None:
+            rows.append(f"| **{group}** | | | |")
         name = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.dest.upper()}`"
         default = _default(command, action)
         meaning = action.help or ""
