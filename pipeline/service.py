@@ -11,6 +11,7 @@ worker keeps no state worth saving; it stops when the dispatcher says the job is
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import logging
 import multiprocessing
@@ -528,8 +529,23 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     return 0
 
 
-def _process_main(args: argparse.Namespace, worker: int) -> None:
+def _process_main(args: argparse.Namespace, worker: int, supervisor: int) -> None:
+    _end_with(supervisor)
     sys.exit(_worker_main(args, worker))
+
+
+def _end_with(supervisor: int) -> None:
+    """SIGTERM this worker (it says BYE and leaves) when its supervisor dies, SIGKILL included:
+    orphaned workers would go on reading beside those of a restarted `mmdispatch read`. Linux
+    only (prctl PR_SET_PDEATHSIG); elsewhere workers end at the dispatcher's END or timeout."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor:  # it died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 #: A worker the kernel kills (SIGBUS from a mapped shard truncated in place, SIGSEGV in a
@@ -538,6 +554,7 @@ def _process_main(args: argparse.Namespace, worker: int) -> None:
 #: already (the dispatcher drops a silent reader), and one sample that kills every reader that
 #: reads it is skipped after --max-shard-losses of them.
 MAX_RESTARTS = 5
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_RESET_S = 60.0
 _HINTS = {signal.SIGBUS: " (a mapped shard truncated while read? --no-map-shards reads shards "
                           "that change in place)"}
@@ -562,7 +579,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
         signal.signal(sig, lambda *_: stopping.set())
 
     def start(w: int) -> multiprocessing.Process:
-        p = mp.Process(target=_process_main, args=(args, w), name=f"reader-{w}")
+        p = mp.Process(target=_process_main, args=(args, w, os.getpid()), name=f"reader-{w}")
         p.start()
         started[w] = time.monotonic()
         return p

@@ -160,6 +160,48 @@ def test_end_finishes_the_session_with_a_bye():
     assert not errors
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_workers_of_a_killed_mmdispatch_read_end_with_it():
+    """SIGKILL of `mmdispatch read --workers 2` left both workers reading on, orphaned, until
+    the dispatcher went away; a restarted reader then ran beside them."""
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        workers: list[int] = []
+        try:
+            hellos = 0
+            while hellos < 2:  # both workers are up and serving
+                msg = router.recv(60.0)
+                assert msg is not None, "a worker never said HELLO"
+                if msg.type == P.HELLO:
+                    router.welcome(msg)
+                    hellos += 1
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                workers = [int(pid) for pid in f.read().split()]
+            assert workers
+            proc.kill()
+            proc.wait(10)
+            deadline = time.monotonic() + 30
+            alive = workers
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.1)
+                alive = [pid for pid in alive if _pid_alive(pid)]
+            assert not alive, f"workers {alive} outlived their supervisor"
+        finally:
+            proc.kill()
+            proc.wait(10)
+            for pid in workers:  # what a failure left behind
+                if _pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("address", ["closed port", UNRESOLVABLE])
 def test_no_welcome_within_the_connect_timeout_is_an_error_naming_the_address(address):
     if address == "closed port":
