@@ -119,7 +119,7 @@ class Journal:
         self.fingerprint.update({f: fingerprint[f] for f in RECORDED_FINGERPRINT_FIELDS
                                  if f in fingerprint})
         self.last_committed = -1
-        #: step -> entry (plan included), for the steps not covered by a commit
+        #: step -> entry (its plan on disk: `plan_of`), for the steps not covered by a commit
         self.pending: dict[int, StepEntry] = {}
         self._first = 0  # the oldest step whose record journal.mmd keeps
         self._offsets = array("q")  # step - _first -> offset of its record in journal.mmd
@@ -271,10 +271,11 @@ class Journal:
         self._skipped_end = end
 
     def _read_pending_plans(self) -> None:
+        """Check that every uncommitted step's plan reads back (a replay needs it); they stay
+        on disk, read again when replayed (`plan_of`)."""
         for entry in self.pending.values():
             if entry.plan is None and entry.plan_at is not None:
-                entry.plan = self._read_plan(entry.step, entry.plan_at)
-                if entry.plan is None:
+                if self._read_plan(entry.step, entry.plan_at) is None:
                     g, at = entry.plan_at
                     raise JournalError(f"journal {self._plans[g].path!r} is corrupted at byte "
                                        f"{at}: the plan of uncommitted step {entry.step} does not "
@@ -287,6 +288,13 @@ class Journal:
             raise JournalError(f"journal {self.path!r}: the record of step {step} at byte "
                                f"{offset} no longer reads back intact")
         return rec
+
+    def plan_of(self, entry: StepEntry) -> dict | None:
+        """A pending entry's plan: from its plan file (None if that was reused since: the step
+        was committed and a file's worth of plans written after it)."""
+        if entry.plan is not None or entry.plan_at is None:
+            return entry.plan
+        return self._read_plan(entry.step, entry.plan_at)
 
     def _read_plan(self, step: int, plan_at: tuple[int, int]) -> dict | None:
         """The plan of `step`, or None if its plan file was reused since (the step is committed)."""
@@ -379,8 +387,9 @@ class Journal:
         except JournalWriteError:
             plans.cut_back(at)
             raise
+        # The plan stays on disk only: held until a commit, every step's plan would pile up in
+        # memory between commits (MBs a step at thousands of ranks).
         self._apply(rec, offset)
-        self.pending[entry.step].plan = entry.plan
 
     def commit(self, step: int) -> bool:
         """Record that trainers checkpointed `step`; False if it is not newer than the last

@@ -84,7 +84,8 @@ class ReplaySource:
             # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
             # another) drops the journal's entries up to it, and the step must still replay.
             self.replay = {s: e for s, e in self.journal.pending.items()
-                           if s >= step and e.plan is not None and e.world_size == self.world_size}
+                           if s >= step and (e.plan is not None or e.plan_at is not None)
+                           and e.world_size == self.world_size}
 
     def journaled_plan(self, step: int, digest: str) -> tuple[dict | None, bool]:
         """(plan to replay or None, whether a journaled plan was dropped because the step's
@@ -93,7 +94,7 @@ class ReplaySource:
         if entry is None:
             return None, False
         if entry.digest == digest:
-            return entry.plan, False
+            return self.journal.plan_of(entry), False
         return None, True
 
     def record(self, entry: StepEntry, plan: StepPlan, *, verbatim: bool) -> None:

@@ -70,7 +70,7 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
         f.write(cut_short)
     j2 = Journal(str(tmp_path), _fp())
     assert j2.last_committed == 1 and j2.last_step == 2
-    assert sorted(j2.pending) == [2] and j2.pending[2].plan == {"p": 2}  # committed plans dropped
+    assert sorted(j2.pending) == [2] and j2.plan_of(j2.pending[2]) == {"p": 2}  # committed plans dropped
     assert j2.cursor_after(1) == {"base": 2}  # step 1 is committed: read back from the file
     assert j2.read_entry(0).plan == {"p": 0}
     with pytest.raises(JournalError, match="never planned"):
@@ -83,6 +83,17 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
         Journal(str(tmp_path), _fp(seed=5))
 
 
+def test_uncommitted_plans_are_kept_on_disk_not_in_memory(tmp_path):
+    """Each step's plan stayed in memory until a commit: MBs a step at thousands of ranks, so a
+    job that checkpoints every thousand steps held GBs. Replays read them back."""
+    j = Journal(str(tmp_path), _fp())
+    for s in range(5):
+        j.record_step(_entry(s))
+    assert all(e.plan is None and e.plan_at is not None for e in j.pending.values())
+    assert [j.plan_of(j.pending[s]) for s in range(5)] == [{"p": s} for s in range(5)]
+    j.close()
+
+
 def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_commit(tmp_path):
     j = Journal(str(tmp_path), _fp())
     for s in range(6):
@@ -90,7 +101,7 @@ def test_journal_drops_committed_plans_and_keeps_a_rewound_steps_plan_until_its_
     j.commit(3)
     assert sorted(j.pending) == [4, 5]
     j.record_step(_entry(2))  # a rollback re-plans step 2: later steps are superseded
-    assert j.last_step == 2 and sorted(j.pending) == [2] and j.pending[2].plan == {"p": 2}
+    assert j.last_step == 2 and sorted(j.pending) == [2] and j.plan_of(j.pending[2]) == {"p": 2}
     for s in (3, 4):
         j.record_step(_entry(s))
     j.commit(4)
@@ -123,8 +134,8 @@ def test_journal_plan_files_take_turns_so_disk_and_memory_stay_flat(tmp_path):
     r = Journal(str(tmp_path), _fp(), plan_file_bytes=20_000)
     try:
         assert (r.last_step, r.last_committed, r.num_skipped) == (395, 389, 2)
-        assert sorted(r.pending) == list(range(390, 396)) and r.pending[395].plan == {"p": "rewound"}
-        assert r.pending[391].plan == big and r.read_entry(391).plan == big
+        assert sorted(r.pending) == list(range(390, 396)) and r.plan_of(r.pending[395]) == {"p": "rewound"}
+        assert r.plan_of(r.pending[391]) == big and r.read_entry(391).plan == big
         assert r.read_entry(12).plan is None and r.read_entry(12).digest == "d12"  # file reused
         assert [r.cursor_after(s) for s in range(396)] == [{"base": s + 1} for s in range(396)]
         r.record_step(_entry(396))  # and it goes on appending
@@ -141,11 +152,11 @@ def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
     j.close()
     r = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=20_000)
     try:
-        assert [r.pending[s].plan for s in range(60)] == [{"p": f"{s:04d}" * 500} for s in range(60)]
+        assert [r.plan_of(r.pending[s]) for s in range(60)] == [{"p": f"{s:04d}" * 500} for s in range(60)]
         r.commit(59)
         r.record_step(_big_entry(60, {"p": "after"}))  # the full file hands over to the other,
         sizes = [os.path.getsize(tmp_path / f) for f in journal_module.PLAN_FILES]
-        assert min(sizes) < 200 and r.pending[60].plan == {"p": "after"}  # emptied first
+        assert min(sizes) < 200 and r.plan_of(r.pending[60]) == {"p": "after"}  # emptied first
         for s in range(61, 75):  # and at the next turn the backlog's file is emptied too
             r.record_step(_big_entry(s, {"p": f"{s:04d}" * 500}))
             r.commit(s)
@@ -177,7 +188,7 @@ def test_journal_written_with_inline_plans_still_opens(tmp_path):
     (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"".join(_legacy_journal()))
     j = Journal(str(tmp_path), _fp(), fsync=False)
     try:
-        assert sorted(j.pending) == [2, 3] and j.pending[3].plan == {"p": 3}
+        assert sorted(j.pending) == [2, 3] and j.plan_of(j.pending[3]) == {"p": 3}
         assert j.cursor_after(1) == {"base": 2} and j.read_entry(0).plan == {"p": 0}
         assert list(j.skipped_keys()) == [SkippedKey("a.tar", "k1", "bad_image", None)]
         j.record_step(_entry(4))
@@ -499,7 +510,7 @@ def _checkpoint_ready(tmp_path) -> Journal:
 def _checkpointed_state(j: Journal, old: bool) -> None:
     assert (j.last_step, j.last_committed, sorted(j.pending)) == (59, 9, list(range(10, 60)))
     assert [j.cursor_after(s) for s in range(9, 60)] == [{"base": s + 1} for s in range(9, 60)]
-    assert all(j.pending[s].plan == {"p": s} for s in range(10, 60))
+    assert all(j.plan_of(j.pending[s]) == {"p": s} for s in range(10, 60))
     if old:
         assert j.cursor_after(3) == {"base": 4}
     else:
