@@ -398,8 +398,12 @@ class Dispatcher:
         held = [a for a in self.pool.assignments.values() if a.pos not in needed]
         a = max(held, key=lambda a: len(progress[a.pos].buffer) if a.pos in progress else 0,
                 default=None)
-        if a is None or a.pos not in progress or len(progress[a.pos].buffer) < self.config.flow.credit_batch:
-            return None  # too little buffered to live on: taking it back only moves the wait
+        # Too little buffered to live on: taking it back would only move the wait. A shard full
+        # at its cap lives on it, however small the cap (below a credit batch with a large
+        # global batch or a small --max-buffered-samples).
+        enough = min(self.config.flow.credit_batch, self.config.shard_cap)
+        if a is None or a.pos not in progress or len(progress[a.pos].buffer) < enough:
+            return None
         reader = self.pool.readers.get(a.reader)
         if reader is None:
             return None

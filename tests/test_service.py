@@ -181,17 +181,23 @@ def _text_shard(path, name: str, n: int) -> str:
 
 
 @pytest.mark.timeout(60)
-def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, caplog):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("credit_batch", [8, 32])
+def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, caplog, credit_batch):
     """One reader holds two shards; three sources each need their head read at once. Readers
     full of two sources' shards, stopped at their buffer caps, left the third unread: no step
-    was ever planned. A starving head now takes back the shard with the most buffered."""
+    was ever planned. A starving head now takes back the shard with the most buffered, also
+    where a shard's cap (20 samples here) is below a credit batch (32)."""
     from dispatcher_server.config import Source
 
     sources = [Source(name=n, shards=[_text_shard(tmp_path / f"{n}.tar", n, 90)]) for n in "abc"]
     keys = {f"{n}{i:05d}" for n in "abc" for i in range(90)}
+    flow = FlowConfig(max_buffered_samples=120, num_inflight_shards=3, credit_batch=credit_batch)
 
     def run(num_readers: int) -> list[str]:
-        config = make_config([], world_size=2, global_batch=12, max_epochs=1, sources=sources)
+        config = make_config([], world_size=2, global_batch=12, max_epochs=1, sources=sources,
+                             flow=flow)
+        assert (config.shard_cap < credit_batch) == (credit_batch == 32)
         with dispatcher(config) as srv, readers(srv.reader_endpoint, num_readers):
             got = consume(srv.trainer_endpoint, 2)
         return [k for r in sorted(got) for _, mbs in got[r] for mb in mbs for k in mb]
