@@ -494,3 +494,28 @@ def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
             worker.run()
         # Agreeing peers, and peers stating nothing, are admitted.
         assert srv.inputs.admit("rank 0", ours) is None and srv.inputs.admit("rank 0", None) is None
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_prefetch_pool_gives_its_prepared_steps_back_to_the_client(shards):
+    """A PrefetchPool closed with steps prepared ahead dropped them: the client had handed
+    them out, so a second pool over the same client went on after them and they were lost."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    cfg = make_config(shards, world_size=1, max_epochs=1)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        try:
+            with PrefetchPool(client, PrefetchConfig(workers=2, ahead=4)) as pool:
+                first = [next(pool).step for _ in range(2)]
+                deadline = time.monotonic() + 20
+                while pool._ready.qsize() < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the feeder takes steps ahead of the loop
+                assert pool._ready.qsize() >= 2
+                assert pool.state_dict()["next_step"] == 2
+            assert client.state_dict()["next_step"] == 2
+            with PrefetchPool(client, PrefetchConfig(workers=2)) as pool:
+                rest = [step.step for step in pool]
+        finally:
+            client.close()
+    assert first + rest == list(range(NUM_SAMPLES // 8 + 1))  # every step once, in order

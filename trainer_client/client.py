@@ -16,6 +16,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -586,6 +587,7 @@ class DispatcherClient:
         self._peer: _TrainerPeer | None = None
         self._session: PeerSession | None = None
         self._ended = False
+        self._returned: deque[Step] = deque()  # handed out, then given back (`unread`)
 
     @property
     def num_reconnects(self) -> int:
@@ -612,6 +614,10 @@ class DispatcherClient:
         return self
 
     def __next__(self) -> Step:
+        if self._returned:  # the dispatcher was told of them when they were first handed out
+            step = self._returned.popleft()
+            self._consumed = step.step + 1
+            return step
         if self._ended:
             raise StopIteration
         thread = self.start()._thread  # close() from another thread may clear the attribute
@@ -643,6 +649,19 @@ class DispatcherClient:
             self._consumed = item.step + 1
             self._commands.put(("consumed", self._consumed))
             return item
+
+    def unread(self, steps: list[Step]) -> None:
+        """Hand `steps` out again, before any other: the last steps this client handed out, in
+        order, none of them trained (a `PrefetchPool` closed with steps prepared ahead gives
+        them back here, so the next loop over this client starts at the first of them)."""
+        if not steps:
+            return
+        expected = list(range(steps[0].step, steps[0].step + len(steps)))
+        if [s.step for s in steps] != expected or self._consumed != expected[-1] + 1:
+            raise ValueError(f"unread takes back the last steps handed out, in order: got steps "
+                             f"{[s.step for s in steps]}, and the next step is {self._consumed}")
+        self._returned.extendleft(reversed(steps))
+        self._consumed = steps[0].step
 
     def report_timings(self, step: int, microbatches: list[dict]) -> None:
         """Send this rank's measured phase times of `step` with the next acknowledgement: per
@@ -693,6 +712,7 @@ class DispatcherClient:
         self._consumed = step
         self._restored = dataset
         self._ended = False
+        self._returned.clear()
         if self._thread is not None:
             self._commands.put(("resync", step, dataset))
 

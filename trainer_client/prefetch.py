@@ -201,7 +201,9 @@ class PrefetchPool:
 
     `wait_s` accumulates the time `__next__` spent blocked (on the dispatcher or on
     preprocessing not yet done): the loop's data wait. Close it (or use `with`) to stop the
-    feeder thread and the workers; the source is not closed.
+    feeder thread and the workers; the source is not closed, and the steps taken from it ahead
+    of the loop go back to it (a `DispatcherClient`'s `unread`), so a later loop over the source
+    loses none.
     """
 
     def __init__(self, steps: Iterable[Step], config: PrefetchConfig | None = None) -> None:
@@ -215,6 +217,7 @@ class PrefetchPool:
         self._slots = threading.Semaphore(self.config.ahead)
         self._closing = threading.Event()
         self._feeder: threading.Thread | None = None
+        self._held: Step | None = None  # taken from the source, waiting for preparation slots
         self._ended = False
 
     # -- iteration -----------------------------------------------------------------------
@@ -303,13 +306,17 @@ class PrefetchPool:
     def _feed(self) -> None:
         try:
             for step in self.source:
+                self._held = step
                 slots = min(len(step.microbatches), self.config.ahead)
-                for _ in range(slots):
+                for taken in range(slots):
                     while not self._slots.acquire(timeout=0.1):
                         if self._closing.is_set():
+                            for _ in range(taken):
+                                self._slots.release()
                             return
                 if self._closing.is_set():
                     return
+                self._held = None
                 futures = []
                 for mb in step.microbatches:
                     per_phase: dict[str, list[Future]] = {ph: [] for ph in mb.encoders}
@@ -338,6 +345,30 @@ class PrefetchPool:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """Return the steps taken from the source and never handed to the loop: dropped, they
+        were lost to every later loop over the source (it had counted them consumed)."""
+        steps = []
+        while True:
+            try:
+                got = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(got, tuple):
+                steps.append(got[0])
+        if self._held is not None:
+            steps.append(self._held)
+            self._held = None
+        if not steps:
+            return
+        unread = getattr(self.source, "unread", None)
+        if unread is not None:
+            unread(steps)
+        else:
+            log.warning("mmdispatch event=prefetched_steps_dropped steps=%s: the source cannot "
+                        "take them back", ",".join(str(s.step) for s in steps))
 
     def __enter__(self) -> PrefetchPool:
         return self
