@@ -991,7 +991,9 @@ class Dispatcher:
         self._live_due = min(seen + timeout, sent_at + beat) - 1e-6
 
     def _drop_reader(self, reader: Reader, why: str) -> None:
-        if why == "timeout" and reader.assignments:
+        # Only a reader with credit was reading its shard's next sample: one lost while it
+        # waited for credit (trainers behind) says nothing about that sample.
+        if why == "timeout" and reader.assignments and reader.assignments[0].credits > 0:
             self._reader_lost_in(reader.assignments[0])  # the shard it was reading
         shards = [self.assembler.url(a.pos) for a in reader.assignments]
         for a in list(reader.assignments):
