@@ -833,7 +833,10 @@ class Dispatcher:
         resumed = want if msg.get("resume") else None
         if resumed is not None and self._resumed_elsewhere(ident, msg, slot, resumed, now):
             return
-        want = slot.received if want is None else want
+        # A process without a position (a trainer restarted before its first checkpoint) starts
+        # at the oldest step some rank has not received: ranks restarted together (torchrun
+        # restarts them all) start together, where their own positions would part them.
+        want = self.delivery.lowest if want is None else want
         target = want
         if want > self.next_plan:
             # A reset moves every rank to its step: never past a connected rank that is behind.

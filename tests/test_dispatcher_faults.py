@@ -408,6 +408,30 @@ def test_a_second_claim_of_a_rank_wins_and_the_first_is_told_to_stop(caplog):
         d.stop()
 
 
+def test_ranks_restarted_without_a_checkpoint_start_at_one_step():
+    """Ranks restarted before their first checkpoint (no state to resume) each started at the
+    step their own last connection had received: 2 and 4 here, so their collectives would
+    pair different steps' plans. They start at the oldest step a rank has not received."""
+    from dispatcher_server.delivery import RetainedStep
+
+    d = Dispatcher(_config(world_size=2))
+    try:
+        for step in range(4):
+            d.delivery.add(RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=None,
+                                        num_samples=1, nbytes=0))
+        s0, s1 = d.delivery.slots
+        d.delivery.credit(s0, 4, received=2)
+        d.delivery.credit(s1, 4, received=4)
+        d.delivery.evict()
+        for rank in (1, 0):  # fresh processes: no next_step
+            d._on_trainer(b"new%d" % rank, P.decode(P.encode(
+                P.HELLO, seq=1, role="trainer", rank=rank, world_size=2, next_step=None,
+                prefetch=2)), 0.0)
+        assert (s0.next_send, s1.next_send) == (2, 2)
+    finally:
+        d._close()
+
+
 def _topology_warnings(caplog, ranks_per_node: int, hellos: list[tuple[int, int]]) -> list[str]:
     """The topology_mismatch lines a dispatcher for 2 ranks, `ranks_per_node` a node, logs
     while welcoming each (rank, local_world_size) of `hellos` in turn."""

@@ -692,7 +692,8 @@ class DispatcherClient:
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state['next_step']` (replayed exactly as the first run delivered it);
         a state of another dataset is refused with DispatcherError naming the difference.
-        `{}` (no checkpoint yet) starts where the dispatcher is."""
+        `{}` (no checkpoint yet) starts where the job is: at the oldest step some rank has not
+        received, the same step for every rank restarted that way."""
         if not isinstance(state, dict):
             raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
                              f"{type(state).__name__}")
