@@ -12,6 +12,8 @@ import queue
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import zmq
@@ -116,7 +118,8 @@ def test_cache_misses_and_replays_read_the_shard_and_give_the_same_bytes(shards,
 
 #: A payload endpoint nothing listens on: a reader that died.
 DEAD = P.ReaderEndpoint("tcp://127.0.0.1:9", "")
-QUICK_FETCH = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05)
+QUICK_FETCH = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05,
+                          outage_s=0.5)
 
 
 def _step_held_by_the_dead(shard: str) -> tuple[bytes, P.Message]:
@@ -151,6 +154,30 @@ def test_a_dead_holder_is_replaced_by_another_reader(shards):
         fetcher.readers = []
         with pytest.raises(FetchError, match=f"{shards[0]}.*{DEAD.endpoint}"):
             fetcher.fetch(msg)
+    finally:
+        fetcher.close()
+        server.close()
+
+
+def test_a_fetch_waits_out_a_time_with_no_live_reader(shards):
+    """Every reader gone (one reader, restarted): the retries went to the dead endpoint and the
+    step failed after `attempts` tries, about 20 s with the defaults, killing every trainer;
+    the other payload modes wait for the new reader. A retry now waits for a live one."""
+    member, msg = _step_held_by_the_dead(shards[0])
+    server = _payload_server(shards[0])
+    config = FetchConfig(timeout_s=0.3, attempts=2, backoff_min_s=0.01, backoff_max_s=0.05,
+                         outage_s=30)
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=config)
+    got: list = []
+    try:
+        fetcher.readers = []
+        worker = threading.Thread(target=lambda: got.append(fetcher.fetch(msg)), daemon=True)
+        worker.start()
+        time.sleep(1.5)  # five timeouts: the attempts alone would have failed the step
+        assert worker.is_alive() and not got
+        fetcher.readers = [P.ReaderEndpoint(server.endpoint, "")]  # the replacement is listed
+        worker.join(10)
+        assert got and bytes(got[0][0][0]) == member
     finally:
         fetcher.close()
         server.close()

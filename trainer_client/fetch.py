@@ -9,7 +9,7 @@ stays bounded by the steps the client was granted. The thread owns the reader so
 A reader that answers with an error, or not within `timeout_s`, is replaced by another live
 reader from the dispatcher's table (any reader serves any reference from the shard file),
 after a backoff; after `attempts` tries the step fails with one error naming the shards and
-the readers tried. A reader that left a request unanswered, or that the table no longer lists,
+the readers tried. With no live reader listed at all, a retry waits up to `outage_s` for one. A reader that left a request unanswered, or that the table no longer lists,
 is not asked first again (until it answers, or for SILENT_TIMEOUTS timeouts): after a reader
 dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a
 restarted trainer simply asks again.
@@ -44,6 +44,10 @@ class FetchConfig:
     attempts: int = 4  # readers asked for one request before the step fails
     backoff_min_s: float = 0.1  # wait before a retry, doubling up to backoff_max_s
     backoff_max_s: float = 2.0
+    # With no live reader listed (every one gone, replacements not yet connected: a reader
+    # restarted, a pod rescheduled), a retry waits this long for one instead of spending its
+    # attempts on endpoints known dead.
+    outage_s: float = 300.0
 
 
 @dataclass(slots=True)
@@ -57,6 +61,7 @@ class _Request:
     deadline: float = 0.0
     not_before: float = 0.0
     tried: list = field(default_factory=list)  # (endpoint, why) per failed try
+    outage_since: float | None = None  # waiting for a live reader to be listed since then
     views: list | None = None
 
 
@@ -168,6 +173,9 @@ class PayloadFetcher:
             now = time.monotonic()
             for req in [r for r in waiting if r.not_before <= now]:
                 waiting.remove(req)
+                if req.tried and not self._wait_for_a_reader(req, now):
+                    waiting.append(req)
+                    continue
                 self._send(req, now)
                 pending[req.id] = req
             socks = {self._socks[r.endpoint] for r in pending.values()}
@@ -186,6 +194,23 @@ class PayloadFetcher:
                 self._drop_socket(req.endpoint)
                 self._silent[req.endpoint.endpoint] = now
                 self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
+
+    def _wait_for_a_reader(self, req: _Request, now: float) -> bool:
+        """Whether a retry may go now: a live reader is listed (the one to ask is then chosen
+        among them), else it waits up to `outage_s` for one (FetchError past that)."""
+        c = self.config
+        if self.readers:
+            if req.outage_since is not None:
+                req.outage_since, req.endpoint = None, self._next_reader(req)
+            return True
+        if req.outage_since is None:
+            req.outage_since = now
+        elif now - req.outage_since >= c.outage_s:
+            tried = "; ".join(f"{e}: {w}" for e, w in req.tried)
+            raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched: "
+                             f"no live reader for {c.outage_s:g} s (tried {tried})")
+        req.not_before = now + c.backoff_max_s
+        return False
 
     def _send(self, req: _Request, now: float) -> None:
         req.id, req.deadline = next(self._ids), now + self.config.timeout_s
