@@ -59,7 +59,11 @@ class Metrics:
         self.bytes_out_of = {role: self.bytes_out.labels(role) for role in ("reader", "trainer")}
         self.peers = Gauge("mmdispatch_peers_connected", "Connected peers", ["role"], registry=r)
         self.errors = Counter("mmdispatch_errors", "Errors by kind", ["kind"], registry=r)
-        self.skipped = Counter("mmdispatch_samples_skipped", "Bad samples skipped by readers",
+        self.skipped = Counter("mmdispatch_samples_skipped",
+                               "Skip records: a bad sample each (skipped by a reader, or by the "
+                               "dispatcher after --max-shard-losses readers were lost at it), or "
+                               "the unreadable rest of a shard (truncated_tar, shard_stalled, "
+                               "shard_failed; its sample count unknown): the log names each",
                                registry=r)
         self.members_ignored = Counter("mmdispatch_members_ignored",
                                        "Shard members no field map kind names, by source and "
