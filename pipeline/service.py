@@ -615,10 +615,14 @@ def _supervise(args: argparse.Namespace, mp) -> int:
         for p in procs.values():
             if p.is_alive():
                 p.terminate()  # SIGTERM: the worker says BYE and leaves
-        for p in procs.values():
+        for w, p in procs.items():
             p.join(10)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+                print(f"mmdispatch read: worker {w} did not stop within 10 s of SIGTERM (a "
+                      "stopped or hung process?); killed", file=sys.stderr, flush=True)
+                codes.append(1)
+                continue
             codes.append(max(p.exitcode or 0, 0))
     return max(codes, default=0)

@@ -194,6 +194,43 @@ def test_workers_of_a_killed_mmdispatch_read_end_with_it():
                     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(90)
+def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
+    """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
+    still exited 0, as if every worker had said BYE."""
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        workers: list[int] = []
+        try:
+            hellos = 0
+            while hellos < 2:
+                msg = router.recv(60.0)
+                assert msg is not None, "a worker never said HELLO"
+                if msg.type == P.HELLO:
+                    router.welcome(msg)
+                    hellos += 1
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                children = [int(pid) for pid in f.read().split()]
+            workers = [pid for pid in children if _is_worker(pid)]  # not the resource tracker
+            os.kill(workers[0], signal.SIGSTOP)
+            proc.terminate()
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(10)
+            for pid in workers:
+                if _pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 1, err
+    assert "did not stop within 10 s of SIGTERM" in err and "Traceback" not in err
+
+
+def _is_worker(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        cmdline = f.read()
+    return b"spawn_main" in cmdline and b"resource_tracker" not in cmdline
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
