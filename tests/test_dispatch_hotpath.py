@@ -347,17 +347,21 @@ def test_the_stream_is_done_only_once_every_rank_has_its_last_step_and_left():
         d._close()
 
 
-def test_readers_lost_while_waiting_for_credit_skip_nothing():
-    """Readers killed while they waited for credit (trainers paused) were counted as taken
-    down by the shard's next sample: after max_shard_losses a good sample was skipped."""
+def _one_shard_two_losses() -> ServerConfig:
+    """One shard, one rank, steps of 4, and a sample skipped after 2 readers lost at it."""
     from dispatcher_server.config import LivenessConfig
 
-    config = ServerConfig(
+    return ServerConfig(
         shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1,
         liveness=LivenessConfig(max_shard_losses=2),
         flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=4))
-    d = Dispatcher(config)
+
+
+def test_readers_lost_while_waiting_for_credit_skip_nothing():
+    """Readers killed while they waited for credit (trainers paused) were counted as taken
+    down by the shard's next sample: after max_shard_losses a good sample was skipped."""
+    d = Dispatcher(_one_shard_two_losses())
     try:
         for i in range(3):
             reader = Reader(ident=b"r%d" % i, name=f"r{i}", last_seen=0.0)
@@ -376,14 +380,7 @@ def test_a_sample_that_takes_down_every_reader_is_skipped_after_max_shard_losses
     """Readers lost in a row at the same sample of a shard: after `max_shard_losses` that sample
     is skipped (readers_lost, by shard and index) and the next reader starts after it; a loss
     after progress starts the count again."""
-    from dispatcher_server.config import LivenessConfig
-
-    config = ServerConfig(
-        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
-        planner=PlannerConfig(num_microbatches=1), max_epochs=1,
-        liveness=LivenessConfig(max_shard_losses=2),
-        flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=4))
-    d = Dispatcher(config)
+    d = Dispatcher(_one_shard_two_losses())
     samples = [{"key": f"k{i}", "index": i, "text_len": 5, "llm_len": 5, "items": [], "payloads": []}
                for i in range(6)]
 

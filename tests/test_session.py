@@ -160,50 +160,17 @@ def test_end_finishes_the_session_with_a_bye():
     assert not errors
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
-def test_workers_of_a_killed_mmdispatch_read_end_with_it():
-    """SIGKILL of `mmdispatch read --workers 2` left both workers reading on, orphaned, until
-    the dispatcher went away; a restarted reader then ran beside them."""
+@contextmanager
+def _read_with_workers(num: int):
+    """(`mmdispatch read --workers num` process, its children's pids: the workers and, maybe,
+    multiprocessing's resource tracker) once every worker was welcomed; on exit the process
+    and whatever a failure left of its children are killed."""
     with ScriptedRouter() as router:
-        proc = _read_process(router.endpoint, "--workers", "2")
-        workers: list[int] = []
+        proc = _read_process(router.endpoint, "--workers", str(num))
+        children: list[int] = []
         try:
             hellos = 0
-            while hellos < 2:  # both workers are up and serving
-                msg = router.recv(60.0)
-                assert msg is not None, "a worker never said HELLO"
-                if msg.type == P.HELLO:
-                    router.welcome(msg)
-                    hellos += 1
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                workers = [int(pid) for pid in f.read().split()]
-            assert workers
-            proc.kill()
-            proc.wait(10)
-            deadline = time.monotonic() + 30
-            alive = workers
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.1)
-                alive = [pid for pid in alive if _pid_alive(pid)]
-            assert not alive, f"workers {alive} outlived their supervisor"
-        finally:
-            proc.kill()
-            proc.wait(10)
-            for pid in workers:  # what a failure left behind
-                if _pid_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-
-
-@pytest.mark.timeout(90)
-def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
-    """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
-    still exited 0, as if every worker had said BYE."""
-    with ScriptedRouter() as router:
-        proc = _read_process(router.endpoint, "--workers", "2")
-        workers: list[int] = []
-        try:
-            hellos = 0
-            while hellos < 2:
+            while hellos < num:  # every worker is up and serving
                 msg = router.recv(60.0)
                 assert msg is not None, "a worker never said HELLO"
                 if msg.type == P.HELLO:
@@ -211,16 +178,41 @@ def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
                     hellos += 1
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 children = [int(pid) for pid in f.read().split()]
-            workers = [pid for pid in children if _is_worker(pid)]  # not the resource tracker
-            os.kill(workers[0], signal.SIGSTOP)
-            proc.terminate()
-            _, err = proc.communicate(timeout=60)
+            yield proc, children
         finally:
             proc.kill()
             proc.wait(10)
-            for pid in workers:
+            for pid in children:
                 if _pid_alive(pid):
+                    os.kill(pid, signal.SIGCONT)
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG)")
+def test_workers_of_a_killed_mmdispatch_read_end_with_it():
+    """SIGKILL of `mmdispatch read --workers 2` left both workers reading on, orphaned, until
+    the dispatcher went away; a restarted reader then ran beside them."""
+    with _read_with_workers(2) as (proc, children):
+        assert children
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        alive = children
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = [pid for pid in alive if _pid_alive(pid)]
+        assert not alive, f"workers {alive} outlived their supervisor"
+
+
+@pytest.mark.timeout(90)
+def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
+    """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
+    still exited 0, as if every worker had said BYE."""
+    with _read_with_workers(2) as (proc, children):
+        workers = [pid for pid in children if _is_worker(pid)]  # not the resource tracker
+        os.kill(workers[0], signal.SIGSTOP)
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1, err
     assert "did not stop within 10 s of SIGTERM" in err and "Traceback" not in err
 
