@@ -6,8 +6,30 @@ Trainer processes never call them; their allocator and GC belong to the training
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+
+def _libc():
+    """glibc through ctypes, or None (another C library, or no ctypes)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except (OSError, AttributeError):
+        return None
+
+
+def end_with_parent(parent: int, sig: int) -> bool:
+    """Have the kernel send `sig` to this process when `parent` dies, SIGKILL included (Linux
+    prctl PR_SET_PDEATHSIG); sent at once if it died already. Whether it applied."""
+    libc = _libc()
+    if libc is None or libc.prctl(1, sig) != 0:  # 1 = PR_SET_PDEATHSIG (linux/prctl.h)
+        return False
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def keep_freed_memory(threshold_mb: int) -> bool:
@@ -19,17 +41,12 @@ def keep_freed_memory(threshold_mb: int) -> bool:
     keeps the pages: RSS stays at the working-set peak, which credits already bound. Returns
     whether it applied (glibc only; 0 turns it off).
     """
-    if threshold_mb <= 0:
+    libc = _libc()
+    if threshold_mb <= 0 or libc is None:
         return False
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        return bool(libc.mallopt(m_mmap_threshold, threshold_mb << 20)
-                    and libc.mallopt(m_trim_threshold, 2 * threshold_mb << 20))
-    except (OSError, AttributeError):
-        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, threshold_mb << 20)
+                and libc.mallopt(m_trim_threshold, 2 * threshold_mb << 20))
 
 
 def relax_gc(young_threshold: int = 50_000) -> None:

@@ -11,7 +11,6 @@ worker keeps no state worth saving; it stops when the dispatcher says the job is
 from __future__ import annotations
 
 import argparse
-import ctypes
 import faulthandler
 import logging
 import multiprocessing
@@ -32,7 +31,7 @@ from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, 
 from dispatcher_server.cliopts import (
     MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, setup_logging,
 )
-from dispatcher_server.tuning import keep_freed_memory, relax_gc
+from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig
@@ -530,22 +529,10 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
 
 
 def _process_main(args: argparse.Namespace, worker: int, supervisor: int) -> None:
-    _end_with(supervisor)
+    # SIGTERM (BYE, then leave) when the supervisor dies, SIGKILL included: orphaned workers
+    # would go on reading beside those of a restarted `mmdispatch read`.
+    end_with_parent(supervisor, signal.SIGTERM)
     sys.exit(_worker_main(args, worker))
-
-
-def _end_with(supervisor: int) -> None:
-    """SIGTERM this worker (it says BYE and leaves) when its supervisor dies, SIGKILL included:
-    orphaned workers would go on reading beside those of a restarted `mmdispatch read`. Linux
-    only (prctl PR_SET_PDEATHSIG); elsewhere workers end at the dispatcher's END or timeout."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != supervisor:  # it died before the signal was asked for
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 #: A worker the kernel kills (SIGBUS from a mapped shard truncated in place, SIGSEGV in a
@@ -554,7 +541,6 @@ def _end_with(supervisor: int) -> None:
 #: already (the dispatcher drops a silent reader), and one sample that kills every reader that
 #: reads it is skipped after --max-shard-losses of them.
 MAX_RESTARTS = 5
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 RESTART_RESET_S = 60.0
 _HINTS = {signal.SIGBUS: " (a mapped shard truncated while read? --no-map-shards reads shards "
                           "that change in place)"}
