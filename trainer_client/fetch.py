@@ -69,6 +69,10 @@ def _shards(refs: list) -> str:
     return ", ".join(sorted({P.unpack_ref(r)[0].decode(errors="replace") for r in refs}))
 
 
+def _tried(req: _Request) -> str:
+    return "; ".join(f"{e}: {w}" for e, w in req.tried)
+
+
 class PayloadFetcher:
     """`put(msg)` STEP messages (or any other item, passed on in order); `decode(msg, fetched)`
     turns a message and its payloads (per micro-batch, one view per item) into what goes
@@ -206,9 +210,8 @@ class PayloadFetcher:
         if req.outage_since is None:
             req.outage_since = now
         elif now - req.outage_since >= c.outage_s:
-            tried = "; ".join(f"{e}: {w}" for e, w in req.tried)
             raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched: "
-                             f"no live reader for {c.outage_s:g} s (tried {tried})")
+                             f"no live reader for {c.outage_s:g} s (tried {_tried(req)})")
         req.not_before = now + c.backoff_max_s
         return False
 
@@ -238,9 +241,8 @@ class PayloadFetcher:
         req.tried.append((req.endpoint.endpoint, why))
         c = self.config
         if len(req.tried) >= c.attempts:
-            tried = "; ".join(f"{e}: {w}" for e, w in req.tried)
             raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched "
-                             f"from any reader (tried {tried})")
+                             f"from any reader (tried {_tried(req)})")
         self.num_retries += 1
         req.endpoint = self._next_reader(req)
         req.not_before = time.monotonic() + min(c.backoff_max_s,
