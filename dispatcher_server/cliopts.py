@@ -15,6 +15,8 @@ import math
 import re
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -156,6 +158,16 @@ def as_flags(message: str, flags: dict[str, str]) -> str:
     names = sorted(flags, key=len, reverse=True)
     return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b(=?)",
                   lambda m: f"{flags[m[1]]}{' ' if m[2] else ''}", message)
+
+
+@contextmanager
+def named_by_flags(flags: dict[str, str]) -> Iterator[None]:
+    """A config class's ValueError raised inside, raised again with its fields written as the
+    flags `flags` maps them to (`as_flags`)."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(as_flags(str(e), flags)) from None
 
 
 def finite_float(text: str) -> float:

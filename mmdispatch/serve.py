@@ -21,8 +21,8 @@ import time
 import zmq
 
 from dispatcher_server.cliopts import (
-    LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, as_flags, check_endpoint,
-    finite_float, setup_logging,
+    LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
+    finite_float, named_by_flags, setup_logging,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -305,10 +305,8 @@ _FLAGS = {dest: "--" + dest.replace("_", "-") for dest in OPTIONS if "_" in dest
 
 
 def build_config(v: dict) -> ServerConfig:
-    try:
+    with named_by_flags(_FLAGS):
         return _build_config(v)
-    except ValueError as e:
-        raise ValueError(as_flags(str(e), _FLAGS)) from None
 
 
 def _build_config(v: dict) -> ServerConfig:

@@ -13,11 +13,10 @@ import logging
 import re
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from dispatcher_server.cliopts import as_flags, finite_float
+from dispatcher_server.cliopts import finite_float, named_by_flags
 from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -110,14 +109,10 @@ COUNTING_FLAGS = {
 }
 
 
-@contextmanager
-def counting_flag_errors() -> Iterator[None]:
-    """A counting config class's ValueError, raised again naming the flags of its fields: the
-    readers, `inspect` and the trainer take the same counting options."""
-    try:
-        yield
-    except ValueError as e:
-        raise ValueError(as_flags(str(e), COUNTING_FLAGS)) from None
+def counting_flag_errors():
+    """Counting config classes' ValueErrors naming the flags of their fields: the readers,
+    `inspect` and the trainer take the same counting options."""
+    return named_by_flags(COUNTING_FLAGS)
 
 
 def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = True) -> ReaderConfig:
