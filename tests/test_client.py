@@ -15,7 +15,7 @@ from tests.test_service import (
     all_keys, client_config, consume, dispatcher, make_config, readers, shards,  # noqa: F401
 )
 from trainer_client.client import (
-    ClientConfig, DispatcherClient, DispatcherDataset, DispatcherError, decode_step,
+    ClientConfig, DispatcherClient, DispatcherDataset, DispatcherError, Step, decode_step,
 )
 
 
@@ -226,6 +226,23 @@ def test_dataloader_adapter_yields_steps(shards):
         finally:
             ds.client.close()
     assert steps == [(0, 2), (1, 2), (2, 2), (3, 2)]
+
+
+def test_dataloader_default_batch_size_hands_each_step_over_whole(shards):
+    """DataLoader's default batch_size=1 collates a list of one step: the step comes out as it
+    came, none lost; a batch of several steps is refused naming batch_size=None."""
+    with dispatcher(make_config(shards, world_size=1, max_steps=3)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        ds = DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
+                               config=client_config())
+        try:
+            steps = [s for s in torch.utils.data.DataLoader(ds, num_workers=0)]
+        finally:
+            ds.client.close()
+    assert [(type(s), s.step, len(s.microbatches)) for s in steps] == [(Step, i, 2) for i in range(3)]
+    with pytest.raises(TypeError, match=r"DataLoader\(batch_size=2\) cannot merge 2 .*"
+                                        r"DataLoader\(ds, batch_size=None\)"):
+        torch.utils.data.default_collate(steps[:2])
 
 
 def test_client_survives_a_dispatcher_restart_on_the_same_address(shards, tmp_path):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import zmq
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dispatcher_server import protocol as P
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
@@ -779,8 +780,23 @@ class DispatcherClient:
             self._peer.close()
 
 
+def _collate_steps(batch: list, *, collate_fn_map=None) -> Step:
+    """DataLoader's default collation of a batch of `Step`s: a step is already a batch, so
+    `batch_size=1` (DataLoader's default) hands it over as it came; more cannot be merged."""
+    if len(batch) == 1:
+        return batch[0]
+    raise TypeError(f"DispatcherDataset yields whole steps (each one a rank's batch), and "
+                    f"DataLoader(batch_size={len(batch)}) cannot merge {len(batch)} of them: use "
+                    f"DataLoader(ds, batch_size=None)")
+
+
+# DataLoader's default collate looks a type up in this map: a Step passes through it whole.
+default_collate_fn_map[Step] = _collate_steps
+
+
 class DispatcherDataset(torch.utils.data.IterableDataset):
-    """DataLoader adapter: yields `Step`s; use `DataLoader(ds, batch_size=None, num_workers=0)`.
+    """DataLoader adapter: yields `Step`s; use `DataLoader(ds, batch_size=None, num_workers=0)`
+    (DataLoader's default `batch_size=1` hands each step over as it came, too).
 
     One client per rank lives in the main process (DataLoader workers would each be another
     trainer of the same rank, so a worker refuses to iterate it). With `preprocess` (a
