@@ -351,14 +351,20 @@ class Journal:
         one is full and no pending step's plan lies in the other (which is then emptied)."""
         g = self._gen
         other = 1 - g
-        if self._plans[g].size < self.plan_file_bytes or any(
-                e.plan_at is not None and e.plan_at[0] == other for e in self.pending.values()):
+        if self._plans[g].size < self.plan_file_bytes or self._oldest_plan_file() == other:
             return g
         self._plans[other].empty()
         self._gen = other
         log.info("journal: plan file %s full (%d bytes), writing %s", PLAN_FILES[g],
                  self._plans[g].size, PLAN_FILES[other])
         return other
+
+    def _oldest_plan_file(self) -> int | None:
+        """The plan file of the oldest pending step that has one. `pending` is in the order its
+        steps were written (a re-planned step replaces the later ones), and the files take turns
+        only once the other holds no pending plan: so the other file holds a pending plan iff
+        the oldest one lies in it. O(1) a step however far commits lag."""
+        return next((e.plan_at[0] for e in self.pending.values() if e.plan_at is not None), None)
 
     def _check_directory(self) -> None:
         """Records go to files opened at start: had the directory been removed or replaced

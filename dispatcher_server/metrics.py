@@ -52,6 +52,9 @@ class Metrics:
         self.buffered_bytes = Gauge("mmdispatch_buffered_bytes", "Payload bytes held", registry=r)
         self.retained_steps = Gauge("mmdispatch_retained_steps",
                                     "Steps sent but not acknowledged by every rank", registry=r)
+        self.uncommitted_steps = Gauge("mmdispatch_uncommitted_steps",
+                                       "Steps planned since the last commit (the replay history "
+                                       "kept for them grows until trainers commit)", registry=r)
         self.bytes_in = Counter("mmdispatch_bytes_in", "Bytes received", ["role"], registry=r)
         self.bytes_out = Counter("mmdispatch_bytes_out", "Bytes sent", ["role"], registry=r)
         # Per-message counters by role, resolved once: labels() locks and looks up every call.

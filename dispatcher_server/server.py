@@ -44,6 +44,10 @@ from dispatcher_server.steplog import StepLog, plan_record
 
 log = logging.getLogger("mmdispatch.server")
 
+#: Steps without a commit after which the dispatcher warns (once) that the replay history it
+#: keeps for them (memory; with a journal, plan files on disk too) keeps growing.
+COMMITS_LAG_STEPS = 10_000
+
 
 class Fatal(Exception):
     """The dispatcher must stop: the message says why and what to do."""
@@ -124,6 +128,7 @@ class Dispatcher:
         self._readers_ended = False
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
+        self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
         try:
@@ -455,10 +460,25 @@ class Dispatcher:
                         "(or fix the journal directory) and start the dispatcher again: it "
                         "resumes from the journal") from e
         self._cpu["journal"] += thread_time() - c2
+        self._check_commits_lag(step)
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
                                        messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
         self._observe(step, filled.epoch, plan, plan_ms, self._by_source(batch.samples))
+
+    def _check_commits_lag(self, step: int) -> None:
+        """Say once when trainers have not committed for COMMITS_LAG_STEPS steps: what is kept
+        to replay every step since the last commit (cursors; with a journal, plans on disk and
+        its records) only goes at a commit."""
+        lag = step - self.replay.committed
+        self.metrics.uncommitted_steps.set(lag)
+        if lag >= COMMITS_LAG_STEPS and not self._commits_lag_warned:
+            self._commits_lag_warned = True
+            event("commits_lag", logging.WARNING, steps=lag, last_commit=self.replay.committed,
+                  journal=self.config.journal_dir or "none",
+                  fix="call client.commit(step) once each checkpoint is durable (train.py: "
+                      "--commit-every): the dispatcher keeps what replays every step since the "
+                      "last commit, and it grows until one comes")
 
     def _by_source(self, samples: list) -> dict[str, int]:
         """Samples per source of a blend (empty for one source)."""

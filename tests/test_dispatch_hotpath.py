@@ -10,6 +10,7 @@ buffered-bytes accounting back to zero at the end.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 
@@ -414,5 +415,27 @@ def test_a_sample_that_takes_down_every_reader_is_skipped_after_max_shard_losses
             d._pump()
         planned = [k for rs in d.retained for k in rs.batch.keys]
         assert planned == ["k0", "k1", "k2", "k4", "k5"]  # k3 alone is skipped; none is lost
+    finally:
+        d._close()
+
+
+def test_steps_without_a_commit_are_gauged_and_warned_of_once(tmp_path, monkeypatch, caplog):
+    """Trainers that never commit make the dispatcher keep every step's replay history (plans
+    on disk with a journal, cursors in memory): the gauge shows the lag and one line says so."""
+    import dispatcher_server.server as server
+
+    monkeypatch.setattr(server, "COMMITS_LAG_STEPS", 3)
+    d = _fed_dispatcher(1, str(tmp_path))
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            _serve_steps(d, 6)
+        assert d.replay.last_step == 7  # planned ahead of the acknowledgements: all 8 samples
+        assert d.metrics.uncommitted_steps._value.get() == 8  # steps 0..7, no commit yet
+        lines = [r.getMessage() for r in caplog.records if "event=commits_lag" in r.getMessage()]
+        assert len(lines) == 1 and "steps=3 last_commit=-1" in lines[0]
+        assert "client.commit(step)" in lines[0]
+        assert d.replay.commit(4)
+        d._check_commits_lag(7)
+        assert d.metrics.uncommitted_steps._value.get() == 3
     finally:
         d._close()

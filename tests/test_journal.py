@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import random
 import struct
 import zlib
 
@@ -163,6 +164,36 @@ def test_journal_keeps_every_uncommitted_plan_when_commits_stall(tmp_path):
         assert _plan_bytes(tmp_path) < 2 * (20_000 + 2100)
     finally:
         r.close()
+
+
+def test_the_plan_file_still_needed_is_found_from_the_oldest_pending_step(tmp_path):
+    """Whether the other plan file still holds a pending plan is read off the oldest pending
+    step (O(1) however far commits lag): the same answer as looking through every pending step,
+    through random runs of steps, rewinds, commits and reopens."""
+    rng = random.Random(7)
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=6_000)  # ~3 plans a file
+    seen = set()
+    try:
+        step = 0
+        for i in range(600):
+            j.record_step(_big_entry(step, {"p": "x" * 2000}))
+            if rng.random() < 0.1 and step > j.last_committed + 1:  # a rewind re-plans a step
+                step = rng.randint(j.last_committed + 1, step)
+            else:
+                step += 1
+            if rng.random() < 0.15 and j.last_step > j.last_committed:
+                j.commit(rng.randint(j.last_committed + 1, j.last_step))
+            if i % 97 == 96:
+                j.close()
+                j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=6_000)
+                step = j.last_step + 1
+            other = 1 - j._gen
+            every = any(e.plan_at is not None and e.plan_at[0] == other for e in j.pending.values())
+            assert (j._oldest_plan_file() == other) == every
+            seen.add(every)
+        assert seen == {True, False}  # both answers came up
+    finally:
+        j.close()
 
 
 # -- journals in the layout before MAGIC ----------------------------------------------------
