@@ -22,7 +22,8 @@ import soundfile
 from PIL import Image
 
 from pipeline.headers import (
-    HeaderError, flac_header, gif_problem, jpeg_problem, jpeg_size, png_problem, png_size, wav_header,
+    HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem, jpeg_size,
+    png_problem, png_size, wav_header,
 )
 from pipeline.tokenize import (
     BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
@@ -323,9 +324,10 @@ class Counter:
             flac = header is None and (header := flac_header(data)) is not None
         except HeaderError as e:
             raise CountError(e.reason, str(e)) from None
-        if flac:
+        if flac and not flac_last_frame_whole(data):
             # WAV's data chunk size is checked against the bytes present; a FLAC's frames have no
-            # such total, and one cut short would fail the trainer's decoder after planning.
+            # such total, and one cut short would fail the trainer's decoder after planning. A last
+            # frame not vouched whole by its CRC is left to libsndfile to read.
             problem = _flac_unreadable(data)
             if problem is not None:
                 raise CountError("bad_audio", f"FLAC {problem}")

@@ -308,3 +308,53 @@ def test_flac_fast_header_agrees_with_soundfile(rate, channels, frames):
     info = soundfile.info(io.BytesIO(data))
     assert flac_header(data) == (info.samplerate, info.channels, pytest.approx(info.duration))
     assert flac_header(b"fLaC" + bytes(60)) is None  # no STREAMINFO: left to libsndfile
+
+
+def _flac(frames: int, channels: int, rate: int, subtype: str, seed: int = 0) -> bytes:
+    out = io.BytesIO()
+    noise = np.random.default_rng(seed).uniform(-0.5, 0.5, (frames, channels)).astype(np.float32)
+    soundfile.write(out, noise, rate, format="FLAC", subtype=subtype)
+    return out.getvalue()
+
+
+def _crc16_bitwise(data: bytes) -> int:
+    crc = 0
+    for b in data:
+        crc ^= b << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x8005) & 0xFFFF if crc & 0x8000 else (crc << 1) & 0xFFFF
+    return crc
+
+
+def test_flac_crc16_matches_the_bitwise_definition():
+    from pipeline.headers import flac_crc16
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 2, 255, 256, 257, 511, 4099):
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert flac_crc16(data) == _crc16_bitwise(data)
+        assert flac_crc16(memoryview(data)) == flac_crc16(data)
+
+
+@pytest.mark.parametrize(("frames", "channels", "rate", "subtype"), [
+    (16000 * 3 + 17, 1, 16000, "PCM_16"), (4096 * 5, 2, 44100, "PCM_24"), (3, 1, 8000, "PCM_16"),
+    (1152 * 7 + 1, 6, 48000, "PCM_S8"), (200_000, 1, 22050, "PCM_16")])
+def test_a_whole_flacs_last_frame_is_vouched_and_no_cut_one_is(frames, channels, rate, subtype):
+    """The CRC check vouches for every whole stream libsndfile writes, and for no stream cut
+    anywhere in its last frames (those go to libsndfile, which reports them bad_audio)."""
+    from pipeline.headers import flac_last_frame_whole
+
+    data = _flac(frames, channels, rate, subtype)
+    assert flac_last_frame_whole(data) and flac_last_frame_whole(memoryview(data))
+    cuts = list(range(1, min(len(data) - 42, 3000))) + list(range(3000, len(data) - 42, 997))
+    assert not [c for c in cuts if flac_last_frame_whole(data[:-c])]
+    assert not flac_last_frame_whole(data + b"TAG" + bytes(125))  # trailing bytes: not vouched
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x10  # a bit of the last frame's body: its CRC-16 fails
+    assert not flac_last_frame_whole(bytes(flipped))
+    counter = Counter(CountingConfig())
+    assert counter.audio(data)[2]["duration_s"] == pytest.approx(frames / rate)
+    assert counter.audio(data + b"TAG" + bytes(125))[2]["duration_s"] == pytest.approx(frames / rate)
+    with pytest.raises(CountError) as err:
+        counter.audio(data[:-7])
+    assert err.value.reason == "bad_audio"
