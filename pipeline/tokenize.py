@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -36,8 +37,15 @@ BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
 #: ShareGPT role names (`from`) and the chat-template roles they stand for.
 ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant"}
 ASSISTANT = "assistant"
-#: Stands for an assistant turn's content while locating it in the rendered turn.
-_SENTINEL = "\x1emmdispatch-assistant-content\x1e"
+#: Stands for an assistant turn's content while locating it in the rendered turn: letters only,
+#: so that what templates do to content (Llama 3's and Gemma's `| trim`, which also strips
+#: control characters such as \x1e) leaves it whole.
+_SENTINEL = "MMDISPATCHxASSISTANTxCONTENTxSENTINEL"
+
+
+#: Role sequences whose marker cut a template keeps (`ChatTemplate._from_skeleton`).
+_MAX_SKELETONS = 4096
+_UNCUT = object()
 
 
 class ChatTemplateError(ValueError):
@@ -199,6 +207,7 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
         self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self._skeletons: dict[tuple, list | None] = {}  # roles -> cut with marker contents
 
     def render(self, messages: list[dict]) -> str:
         import jinja2
@@ -216,7 +225,41 @@ class ChatTemplate:
         template's end-of-turn text after it (mask 1); every other piece has mask 0."""
         if self.chatml:
             return _chatml_segments(messages)
-        return self.rendered_segments(messages)
+        return self._from_skeleton(messages) or self.rendered_segments(messages)
+
+    def _from_skeleton(self, messages: list[dict]) -> list[tuple[str, int]] | None:
+        """`rendered_segments` in one render: the cut of a conversation with the same roles and
+        a marker for each content (computed once per role sequence) with the contents put in,
+        taken only if it renders exactly as the conversation does; else None. The general cut
+        renders every prefix, quadratic in the turns (~0.13 ms for 6, ~0.8 ms for 20)."""
+        roles = tuple(t["role"] for t in messages)
+        skeleton = self._skeletons.get(roles, _UNCUT)
+        if skeleton is _UNCUT:
+            skeleton = self._skeleton(messages)
+            if len(self._skeletons) >= _MAX_SKELETONS:
+                self._skeletons.clear()
+            self._skeletons[roles] = skeleton
+        if skeleton is None:
+            return None
+        rendered = self.render(messages)
+        for contents in ([t["content"] for t in messages], [t["content"].strip() for t in messages]):
+            out = [("".join(contents[p] if isinstance(p, int) else p for p in parts), mask)
+                   for parts, mask in skeleton]
+            if sum(len(t) for t, _ in out) == len(rendered) and "".join(t for t, _ in out) == rendered:
+                return [(t, m) for t, m in out if t]
+        return None
+
+    def _skeleton(self, messages: list[dict]) -> list[tuple[list, int]] | None:
+        """The cut of `messages`' roles with marker contents, each piece as literal strings and
+        turn indices (None: the template does not cut such a conversation)."""
+        markers = [f"MMDISPATCHx{k}xTURNxMARKER" for k in range(len(messages))]
+        try:
+            cut = self.rendered_segments([{**t, "content": m} for t, m in zip(messages, markers)])
+        except ChatTemplateError:
+            return None
+        split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
+        index = {m: k for k, m in enumerate(markers)}
+        return [([index.get(p, p) for p in split.split(text) if p], mask) for text, mask in cut]
 
     def rendered_segments(self, messages: list[dict]) -> list[tuple[str, int]]:
         """`segments` for any template: each turn's text is what rendering the conversation up

@@ -264,3 +264,71 @@ def test_the_direct_chatml_cut_equals_the_rendered_one():
                  for _ in range(rng.randint(1, 7))]
         assert template.segments(turns) == template.rendered_segments(turns)
         assert "".join(t for t, _ in template.segments(turns)) == template.render(turns)
+
+
+#: Chat templates as real tokenizer_config.json files ship them (Llama 3 and Gemma trim each
+#: content; Qwen2 adds a default system turn; Mistral enforces alternation), and one whose
+#: output depends on the content itself.
+_TEMPLATES = {
+    "llama3": "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+              "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] "
+              "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+              "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+              "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}",
+    "gemma": "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}"
+             "{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}"
+             "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+             "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}",
+    "qwen2": "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+             "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+             "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+             "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}",
+    "mistral": "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+               "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+               "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+               "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+               "{{ message['content'] + eos_token}}{% endif %}{% endfor %}",
+    "by_content": "{% for m in messages %}{% if 'x' in m['content'] %}<X>{% endif %}"
+                  "{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}<end>{% endif %}"
+                  "\\n{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TEMPLATES))
+def test_a_template_cuts_every_conversation_as_rendering_each_prefix_does(name):
+    """The cut found in one render (from a per-role-sequence cut with marker contents) equals
+    the general prefix-rendering cut, or is not taken: trimmed contents, content-dependent
+    templates and refused conversations included."""
+    import random
+
+    from pipeline.tokenize import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate(_TEMPLATES[name], bos_token="<s>", eos_token="</s>", name=name)
+    rng = random.Random(1)
+    cut = 0
+    for _ in range(150):
+        roles = (["user", "assistant"] * 4)[:rng.randint(1, 8)] if rng.random() < 0.7 else \
+            [rng.choice(["system", "user", "assistant"]) for _ in range(rng.randint(1, 6))]
+        turns = [{"role": r, "content": "".join(rng.choice("ab x\n\t{}é") for _ in range(rng.randint(0, 10)))}
+                 for r in roles]
+        try:
+            want = template.rendered_segments(turns)
+        except ChatTemplateError:
+            with pytest.raises(ChatTemplateError):
+                template.segments(turns)
+            continue
+        assert template.segments(turns) == want
+        cut += template._from_skeleton(turns) is not None
+    assert cut >= 10  # the one-render cut was taken for many of them
+
+
+def test_a_trimming_template_masks_the_assistant_content_and_its_end_of_turn(data):
+    """Llama 3's template trims each content: the turn is still found (a sentinel of control
+    characters was trimmed away, and every conversation was refused as chat_template)."""
+    from pipeline.tokenize import ChatTemplate
+
+    template = ChatTemplate(_TEMPLATES["llama3"], bos_token="<|begin_of_text|>", name="llama3")
+    turns = [{"role": "user", "content": "  What is shown? "}, {"role": "assistant", "content": " A cat.\n"}]
+    assert template.segments(turns) == [
+        ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is shown?<|eot_id|>", 0),
+        ("<|start_header_id|>assistant<|end_header_id|>\n\n", 0), ("A cat.<|eot_id|>", 1)]
