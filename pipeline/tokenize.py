@@ -61,6 +61,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...  # int32 ids, no special tokens added
 
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]: ...  # ids, [n, 2] char spans
+
 
 class ByteTokenizer:
     """Byte-level ids: the UTF-8 bytes of the text (exact, lossless, 256 ids)."""
@@ -70,6 +72,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, [n, 2] spans): each byte stands for the character it is part of."""
+        chars = np.repeat(np.arange(len(text), dtype=np.int64),
+                          [len(c.encode("utf-8")) for c in text])
+        return self.encode(text), np.stack([chars, chars + 1], axis=1)
 
     @staticmethod
     def decode(ids: np.ndarray) -> str:
@@ -106,6 +114,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(int32 ids, int64 [n, 2] character spans of `text` each id stands for)."""
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(enc.ids, dtype=np.int32), offsets
 
 
 def tokenizer_identity(path: str | None) -> dict[str, str]:
@@ -362,21 +376,32 @@ class TextEncoder:
         return TextTokens.plain(self.tokenizer.encode(text))
 
     def conversation(self, turns: list[dict]) -> TextTokens:
-        """Turns of {"role", "content"} rendered through the chat template; mask 1 on exactly the
-        assistant tokens (see `ChatTemplate.segments`). ChatTemplateError if the template fails."""
+        """Turns of {"role", "content"} rendered through the chat template and tokenized whole,
+        as the model sees the conversation at inference (`apply_chat_template`); mask 1 on
+        exactly the tokens that cover assistant text (see `ChatTemplate.segments`).
+        ChatTemplateError if the template fails.
+
+        Tokenizing the pieces one by one would not give the same ids: a SentencePiece-style
+        tokenizer (Llama 2, Mistral, Gemma) starts every piece with a word boundary, and a merge
+        can cross where two pieces meet. A token that straddles an assistant piece's edge is
+        masked 1, as transformers' assistant-token mask does."""
         segments = self.template.segments(turns)
         if not segments:
             return TextTokens.empty()
-        if isinstance(self.tokenizer, ByteTokenizer):  # bytes do not merge across pieces
+        marks = np.array([m for _, m in segments], np.uint8)
+        if isinstance(self.tokenizer, ByteTokenizer):  # one id per byte: nothing merges
             raw = [t.encode("utf-8") for t, _ in segments]
             ids = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int32)
-            lengths = [len(r) for r in raw]
-        else:
-            pieces = [self.tokenizer.encode(t) for t, _ in segments]
-            ids = np.concatenate(pieces).astype(np.int32)
-            lengths = [len(p) for p in pieces]
-        mask = np.repeat(np.array([m for _, m in segments], np.uint8), lengths)
-        return TextTokens(ids, mask)
+            return TextTokens(ids, np.repeat(marks, [len(r) for r in raw]))
+        text = "".join(t for t, _ in segments)
+        ids, spans = self.tokenizer.encode_with_offsets(text)
+        # Assistant characters counted up to each position; a token is a target when its span
+        # holds any (an empty span, e.g. a prepended word boundary: the character it stands at).
+        marked = np.zeros(len(text) + 1, np.int64)
+        np.cumsum(np.repeat(marks, [len(t) for t, _ in segments]), out=marked[1:])
+        starts = np.minimum(spans[:, 0], max(len(text) - 1, 0))
+        ends = np.clip(spans[:, 1], starts + 1, len(text))
+        return TextTokens(ids, (marked[ends] > marked[starts]).astype(np.uint8))
 
 
 def normalize_turn(turn: dict) -> tuple[str | None, object]:

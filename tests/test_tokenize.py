@@ -332,3 +332,64 @@ def test_a_trimming_template_masks_the_assistant_content_and_its_end_of_turn(dat
     assert template.segments(turns) == [
         ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is shown?<|eot_id|>", 0),
         ("<|start_header_id|>assistant<|end_header_id|>\n\n", 0), ("A cat.<|eot_id|>", 1)]
+
+
+def _sentencepiece_style(tmp_path) -> str:
+    """A small BPE with Llama 2's normalizer (a word boundary prepended, spaces as ▁)."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    corpus = ["hello world, what is shown in the image?", "A cat sitting on a mat.",
+              "[INST] describe [/INST] It is a dog."] * 50
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=list("abcdefghijklmnopqrstuvwxyz▁[]/,.?AIT")))
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def test_a_conversation_is_tokenized_whole_as_the_model_sees_it(tmp_path):
+    """The ids are the tokenizer's encoding of the rendered conversation (apply_chat_template's):
+    tokenizing the template's pieces one by one gave a SentencePiece-style tokenizer a word
+    boundary at the start of every piece. The mask covers exactly the tokens of assistant text."""
+    from pipeline.tokenize import ChatTemplate, HFTokenizer
+
+    path = _sentencepiece_style(tmp_path)
+    hf = tokenizers.Tokenizer.from_file(path)
+    enc = TextEncoder(HFTokenizer(path), ChatTemplate(_TEMPLATES["mistral"], bos_token="<s>",
+                                                      eos_token="</s>", name="mistral"))
+    turns = [{"role": "user", "content": "what is shown in the image?"},
+             {"role": "assistant", "content": "A cat sitting on a mat."},
+             {"role": "user", "content": "describe"}, {"role": "assistant", "content": "It is a dog."}]
+    got = enc.conversation(turns)
+    whole = hf.encode(enc.template.render(turns), add_special_tokens=False)
+    assert got.ids.tolist() == whole.ids
+    assert got.ids.tolist() != [i for t, _ in enc.template.segments(turns)
+                                for i in hf.encode(t, add_special_tokens=False).ids]  # pieces differ
+    targets = [tok for tok, m in zip(whole.tokens, got.mask) if m]
+    assert "".join(targets).replace("▁", " ") == "A cat sitting on a mat.</s>It is a dog.</s>"
+
+
+def test_a_token_straddling_an_assistant_edge_is_a_target():
+    """Offsets decide the mask: a token holding any assistant character is a target (byte ids
+    stand for their character; a multi-byte one gives all its bytes its mark)."""
+    from pipeline.tokenize import ChatTemplate
+
+    class Pairs:  # merges every two characters, across piece edges
+        name, vocab_size = "pairs", 1 << 16
+
+        def encode(self, text):
+            return self.encode_with_offsets(text)[0]
+
+        def encode_with_offsets(self, text):
+            starts = np.arange(0, len(text), 2)
+            return starts.astype(np.int32), np.stack([starts, np.minimum(starts + 2, len(text))], 1)
+
+    template = ChatTemplate("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }};{% endfor %}")
+    turns = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cde"}]
+    # "u:ab;" (0) "a:" (0) "cde;" (1): pairs "u:" "ab" ";a" ":c" "de" ";"
+    assert TextEncoder(Pairs(), template).conversation(turns).mask.tolist() == [0, 0, 0, 1, 1, 1]
+    ids, spans = ByteTokenizer().encode_with_offsets("aé")
+    assert ids.tolist() == [97, 0xC3, 0xA9] and spans.tolist() == [[0, 1], [1, 2], [1, 2]]
