@@ -58,6 +58,10 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
     return "invalid_llm_len" if llm_len != total else None
 
 
+#: Marks a step digest that covers the samples' counted lengths too (`StepBatch.digest`).
+DIGEST_PREFIX = "2:"
+
+
 @dataclass(slots=True)
 class StepBatch:
     """The samples of one step, the planner inputs built from them, and each item's STEP
@@ -102,7 +106,24 @@ class StepBatch:
         self.samples, self.item_payloads = [], []
 
     def digest(self) -> str:
-        """Hash of the keys, each followed by a NUL byte (one update: the same bytes hashed)."""
+        """`DIGEST_PREFIX` and a hash of the keys and of the lengths they were counted with
+        (text and LLM per sample; encoder and LLM per item, with its sample): a journaled plan
+        replays only over the same samples counted the same way (readers restarted with other
+        counting rules or another tokenizer send other lengths, which the plan would not fit)."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update("".join([k + "\0" for k in self.keys]).encode())
+        columns = [self.inputs.text_len, self.inputs.llm_len]
+        for phase in sorted(self.inputs.encoders):
+            e = self.inputs.encoders[phase]
+            h.update(phase.encode())
+            columns += [e.enc_len, e.llm_len, e.sample]
+        for column in columns:
+            h.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
+        return DIGEST_PREFIX + h.hexdigest()
+
+    def keys_digest(self) -> str:
+        """The digest journals kept before `DIGEST_PREFIX`: a hash of the keys alone, each
+        followed by a NUL byte."""
         h = hashlib.blake2b(digest_size=16)
         h.update("".join([k + "\0" for k in self.keys]).encode())
         return h.hexdigest()

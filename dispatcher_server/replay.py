@@ -8,6 +8,9 @@ restart starts over). Both refuse a commit of a step never planned, the same way
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from dispatcher_server.batching import DIGEST_PREFIX
 from dispatcher_server.journal import Journal, JournalError, StepEntry, pack_cursor, unpack_cursor
 from dispatcher_server.planner.plan import StepPlan
 
@@ -87,12 +90,16 @@ class ReplaySource:
                            if s >= step and (e.plan is not None or e.plan_at is not None)
                            and e.world_size == self.world_size}
 
-    def journaled_plan(self, step: int, digest: str) -> tuple[dict | None, bool]:
+    def journaled_plan(self, step: int, digest: str,
+                       keys_digest: Callable[[], str] | None = None) -> tuple[dict | None, bool]:
         """(plan to replay or None, whether a journaled plan was dropped because the step's
-        samples differ from what was journaled)."""
+        samples, or the lengths they were counted with, differ from what was journaled). A
+        journal written before digests covered lengths is compared by `keys_digest()`."""
         entry = self.replay.pop(step, None)
         if entry is None:
             return None, False
+        if not entry.digest.startswith(DIGEST_PREFIX) and keys_digest is not None:
+            digest = keys_digest()
         if entry.digest == digest:
             return self.journal.plan_of(entry), False
         return None, True

@@ -429,10 +429,12 @@ class Dispatcher:
         c1 = thread_time()
         self._cpu["assemble"] += c1 - c0
         t0 = time.perf_counter()
-        journaled, mismatch = self.replay.journaled_plan(step, digest)
+        journaled, mismatch = self.replay.journaled_plan(step, digest, batch.keys_digest)
         if mismatch and self.config.mode == "deterministic":
             self.metrics.error("replay_mismatch", step=step,
-                               detail="samples differ from the journal; shards changed on disk?")
+                               detail="samples, or the lengths they were counted with, differ "
+                                      "from the journal (shards changed on disk, or readers "
+                                      "count by other rules or tokenizer): planned anew")
         try:
             plan = (StepPlan.from_dict(journaled) if journaled is not None
                     else plan_step(batch.inputs, self.topology, self.config.planner))
@@ -655,9 +657,10 @@ class Dispatcher:
     def _reader_hello(self, ident: bytes, reader: Reader | None, msg: P.Message, now: float) -> None:
         if msg["role"] != "reader":
             self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
-                       message=f"role {msg['role']!r} connected to the reader endpoint")
+                       message=f"role {msg['role']!r} connected to the reader endpoint: point it "
+                               "at the dispatcher's trainer endpoint (serve --trainer-bind)")
             return
-        why = self.inputs.admit(f"reader {msg.get('name', '')!r}", msg.get("inputs"))
+        why = self.inputs.admit(f"reader {msg.get('name', '')!r}", msg.get("inputs"), self._peers)
         if why is not None:
             self.metrics.error("inputs", role="reader", detail=why)
             self._send(self.reader_sock, ident, P.ERROR, code="inputs", ack=msg.seq, message=why)
@@ -822,7 +825,10 @@ class Dispatcher:
         """(code, message) refusing a trainer's HELLO, or None to accept it."""
         W = self.config.world_size
         rank, world = msg.get("rank"), msg.get("world_size")
-        if msg["role"] != "trainer" or rank is None or world is None:
+        if msg["role"] != "trainer":
+            return "role", (f"role {msg['role']!r} connected to the trainer endpoint: point it at "
+                            "the dispatcher's reader endpoint (serve --reader-bind)")
+        if rank is None or world is None:
             return "role", "trainer hello needs role='trainer', rank and world_size"
         if world != W:
             return "world_size", (f"trainer says world_size={world}, dispatcher plans for "
@@ -837,8 +843,13 @@ class Dispatcher:
             return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
                                f"({diff}); restore a checkpoint of this job or start the "
                                "dispatcher with that job's settings")
-        why = self.inputs.admit(f"rank {rank}", msg.get("inputs"))
+        why = self.inputs.admit(f"rank {rank}", msg.get("inputs"), self._peers)
         return None if why is None else ("inputs", why)
+
+    def _peers(self) -> set[str]:
+        """The peers connected now, as `InputRules` names them."""
+        return ({f"reader {r.name!r}" for r in self.pool.readers.values()}
+                | {f"rank {s.rank}" for s in self.slots if s.ident is not None})
 
     def _trainer_hello(self, ident: bytes, msg: P.Message, now: float) -> None:
         problem = self._hello_problem(msg)

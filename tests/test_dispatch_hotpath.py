@@ -221,9 +221,10 @@ def test_retained_step_messages_count_against_the_byte_bound():
 
 
 def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_feed=None,
-                    **flow) -> Dispatcher:
+                    longer: int = 0, **flow) -> Dispatcher:
     """A one-rank dispatcher of one shard whose reader delivered all 8 samples and whose rank 0
-    is connected with credits for 10 steps; `before_feed(d)` runs first (after a restart)."""
+    is connected with credits for 10 steps; `before_feed(d)` runs first (after a restart).
+    `longer`: text tokens each sample counts beyond the usual (a reader counting otherwise)."""
     d = Dispatcher(ServerConfig(
         shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=global_batch),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1, journal_dir=journal_dir,
@@ -237,7 +238,7 @@ def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_fe
         d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
         d._pump()
         (a,) = reader.assignments
-        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i, "llm_len": 9 + i,
+        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i + longer, "llm_len": 9 + i + longer,
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
         d._on_samples(reader, _message(d, a.id, samples, True))
         d.delivery.connect(d.slots[0], b"t")
@@ -281,6 +282,30 @@ def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):
     # the fix: a crash on the dropped plan; planning them again would journal them again).
     _, mismatches, grew = run(True)
     assert mismatches == 0 and grew == 0
+
+
+def test_a_step_whose_samples_count_otherwise_after_a_restart_is_planned_anew(tmp_path):
+    """Readers restarted with other counting rules (or tokenizer) send the same keys with other
+    lengths: the journaled plan would not fit them (a trainer failed on every replay of it), so
+    the step is planned anew from what arrived, and the mismatch is counted."""
+    d = _fed_dispatcher(4, str(tmp_path))
+    try:
+        _serve_steps(d, 2)
+        journaled = d.journal.read_entry(0).plan
+    finally:
+        d._close()
+    for longer, replanned in ((0, False), (3, True)):
+        d = _fed_dispatcher(4, str(tmp_path), longer=longer)
+        try:
+            d._pump()
+            step0 = next(rs for rs in d.retained if rs.step == 0)
+            mismatches = d.metrics.registry.get_sample_value(
+                "mmdispatch_errors_total", {"kind": "replay_mismatch"}) or 0
+            assert mismatches == (2 if replanned else 0)  # both journaled steps
+            assert (step0.plan.to_dict() != journaled) == replanned
+            assert step0.batch.inputs.text_len.tolist() == [5 + i + longer for i in range(4)]
+        finally:
+            d._close()
 
 
 def test_replaying_a_journaled_step_keeps_the_steps_after_it_committable(tmp_path):

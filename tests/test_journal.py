@@ -701,3 +701,21 @@ def test_a_changed_field_map_is_refused_and_a_journal_from_before_field_maps_res
     Journal(str(tmp_path / "new"), _fp(field_maps={"news": {"audio": ["wav", "flac"]}})).close()
     Journal(str(tmp_path / "old"), _fp()).close()  # written before journals recorded field maps
     Journal(str(tmp_path / "old"), _fp(field_maps=audio)).close()
+
+
+def test_a_journal_from_before_length_digests_replays_by_its_keys(tmp_path):
+    """Steps journaled with the keys-only digest still replay verbatim over the same keys (and
+    not over others); new digests cover the counted lengths too."""
+    from dispatcher_server.replay import ReplaySource
+
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in (0, 1):
+        j.record_step(StepEntry(step=s, epoch=0, world_size=2, num_samples=8,
+                                cursor_after={"base": s + 1}, digest=f"keys{s}", plan={"p": s}))
+    r = ReplaySource(j, world_size=2)
+    try:
+        r.reset(0)
+        assert r.journaled_plan(0, "2:new", lambda: "keys0") == ({"p": 0}, False)
+        assert r.journaled_plan(1, "2:new", lambda: "other") == (None, True)
+    finally:
+        j.close()

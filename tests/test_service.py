@@ -490,10 +490,37 @@ def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
         other = ReaderConfig(counting=CountingConfig(image=ImageConfig(max_pixels=256 * 256)))
         worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, name="odd",
                                                   reader=other, timeout_s=1.5))
-        with pytest.raises(FatalReaderError, match=r"image\.max_pixels: reader 'odd' 65536, reader 'r0'"):
+        # r0, which stated the session's rules, has left: the line says only a restart changes them.
+        deadline = time.monotonic() + 10
+        while srv.pool.readers and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not srv.pool.readers
+        with pytest.raises(FatalReaderError, match=r"image\.max_pixels: reader 'odd' 65536, reader 'r0'"
+                                                   r".* reader 'r0' left, .* until the dispatcher "
+                                                   r"restarts: restart it once every peer agrees"):
             worker.run()
         # Agreeing peers, and peers stating nothing, are admitted.
         assert srv.inputs.admit("rank 0", ours) is None and srv.inputs.admit("rank 0", None) is None
+        # A rule stated by a peer still connected gives no restart advice.
+        why = srv.inputs.admit("rank 0", {**ours, "image.patch_size": 16}, lambda: {"reader 'r0'"})
+        assert "image.patch_size" in why and "restart" not in why
+
+
+def test_a_peer_at_the_other_endpoint_is_told_which_endpoint_it_wants(shards):
+    with dispatcher(make_config(shards[:1], world_size=1)) as srv:
+        for endpoint, role, want in ((srv.trainer_endpoint, "reader", "serve --reader-bind"),
+                                     (srv.reader_endpoint, "trainer", "serve --trainer-bind")):
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            try:
+                sock.connect(endpoint)
+                sock.send_multipart(P.encode(P.HELLO, seq=1, role=role, name="lost", rank=0,
+                                             world_size=1))
+                assert sock.poll(5000)
+                msg = P.decode(sock.recv_multipart())
+            finally:
+                sock.close(linger=0)
+            assert msg.type == P.ERROR and msg["code"] == "role"
+            assert f"role {role!r} connected to the" in msg["message"] and want in msg["message"]
 
 
 @pytest.mark.timeout(120)
