@@ -473,3 +473,46 @@ def test_datanode_readers_refuse_reference_payloads_and_bad_rates(tmp_path):
                               "--audio-frames-per-s", "30"])
     with pytest.raises(ValueError, match="--audio-frames-per-s 30 does not divide"):
         config_from_args(args)
+
+
+@pytest.mark.timeout(180)
+def test_a_dataset_checkpoints_the_loops_position_not_its_pools(tmp_path):
+    """With a prefetch pool the client has handed out steps the loop has not seen: the dataset's
+    state is the loop's position, and a fresh dataset loading it (before iterating) resumes
+    right there, no step lost."""
+    torch = pytest.importorskip("torch")
+    from pipeline.gendata import generate
+    from pipeline.reader import ReaderConfig
+    from tests.test_service import client_config, dispatcher, make_config, readers
+    from trainer_client.client import DispatcherDataset
+    from trainer_client.prefetch import PrefetchConfig
+
+    shards = generate(str(tmp_path), num_samples=64, num_shards=2, seed=4)
+
+    def dataset(srv):
+        return DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
+                                 config=client_config(),
+                                 preprocess=PrefetchConfig(preprocess=PRE, ahead=4))
+
+    with dispatcher(make_config(shards, world_size=1, max_epochs=1)) as srv, \
+            readers(srv.reader_endpoint, 1, reader=ReaderConfig(counting=DEMO)):
+        ds = dataset(srv)
+        try:
+            loop = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0))
+            first = [next(loop).step for _ in range(3)]
+            deadline = time.monotonic() + 20
+            while ds.client.state_dict()["next_step"] <= 3 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the pool takes steps ahead of the loop
+            assert ds.client.state_dict()["next_step"] > 3
+            state = ds.state_dict()
+        finally:
+            ds.close()
+        assert state["next_step"] == 3
+        again = dataset(srv)
+        again.load_state_dict(state)
+        assert again.state_dict() == state
+        try:
+            rest = [s.step for s in torch.utils.data.DataLoader(again, batch_size=None, num_workers=0)]
+        finally:
+            again.close()
+    assert first + rest == list(range(64 // 8))

@@ -803,6 +803,8 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
     `prefetch.PrefetchConfig`) the steps come through a `PrefetchPool`, whose workers prepare
     the model inputs ahead: that pool is the parallelism DataLoader workers would give.
     The client is created lazily in `__iter__`, so the dataset itself pickles (no sockets).
+    Checkpoint it with `state_dict()` / `load_state_dict()` (before the first iteration too)
+    and commit through `client.commit(step)`; `close()` ends the pool and the client.
     """
 
     def __init__(self, address: str, *, preprocess=None, **client_kwargs) -> None:
@@ -812,6 +814,37 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
         self.client_kwargs = client_kwargs
         self.client: DispatcherClient | None = None
         self.pool = None
+        self._restore: dict | None = None  # a state loaded before the client exists
+
+    def state_dict(self) -> dict:
+        """Where to resume: after the last step handed to the loop. With `preprocess`, the
+        pool's position: the client's is ahead by the steps the pool prepared."""
+        if self.pool is not None:
+            return self.pool.state_dict()
+        if self.client is not None:
+            return self.client.state_dict()
+        return dict(self._restore or {})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a `state_dict()` (see `DispatcherClient.load_state_dict`). Steps a pool
+        prepared ahead go back to the client first; a state loaded before the first iteration
+        is checked and applied when the client starts."""
+        if not isinstance(state, dict):
+            raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
+                             f"{type(state).__name__}")
+        if self.client is None:
+            self._restore = dict(state)
+            return
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.client.load_state_dict(state)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.client is not None:
+            self.client.close()
 
     def __iter__(self):
         if torch.utils.data.get_worker_info() is not None:
@@ -823,7 +856,15 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
             if self.preprocess is not None and "inputs" not in kwargs:
                 # The rules the pool prepares inputs by: the dispatcher refuses a mismatch.
                 kwargs = {**kwargs, "inputs": self.preprocess.preprocess.identity()}
-            self.client = DispatcherClient(self.address, **kwargs)
+            client = DispatcherClient(self.address, **kwargs)
+            if self._restore is not None:
+                try:
+                    client.load_state_dict(self._restore)
+                except BaseException:
+                    client.close()
+                    raise
+                self._restore = None
+            self.client = client
         if self.preprocess is None:
             return iter(self.client)
         if self.pool is None:
