@@ -414,3 +414,32 @@ def test_a_trainer_counting_option_out_of_range_is_named_by_its_flag(flag, value
         preprocess_config_from_args(parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", flag, value]))
     message = str(e.value)
     assert f"{flag} " in message and not re.search(r"[a-z]=", message), message
+
+
+@pytest.mark.timeout(90)
+def test_a_checkpoint_of_another_model_shape_is_one_line_naming_the_flags(tmp_path):
+    """Resumed with --hidden other than the checkpoint's: torch's size-mismatch traceback was
+    all the user saw."""
+    import socket
+
+    import torch
+
+    from trainer_client.model import ModelConfig, ReferenceModel
+    from trainer_client.train import save_checkpoint
+
+    model = ReferenceModel(ModelConfig.tiny(hidden=32))
+    save_checkpoint(str(tmp_path), {"model": model.state_dict(),
+                                    "optimizer": torch.optim.AdamW(model.parameters()).state_dict(),
+                                    "data": {"next_step": 0}})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    out = subprocess.run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--hidden", "16",
+                          "--checkpoint-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=env)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
+    assert "was saved for another model" in line and "--hidden" in line and "size mismatch" in line

@@ -234,8 +234,17 @@ def train(args: argparse.Namespace) -> int:
                                                   map_shards=args.map_shards, **timeouts),
                               inputs={**preprocess.identity(), **tokenizer_identity(args.tokenizer)})
     if checkpoint is not None:  # every rank loads the one file: all resume at one step
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
+        try:
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        except (KeyError, RuntimeError, ValueError) as e:  # torch says which tensors differ
+            client.close()
+            detail = " ".join(str(e).split())
+            raise ValueError(
+                f"checkpoint in --checkpoint-dir {args.checkpoint_dir!r} was saved for another "
+                f"model ({detail[:300]}): resume with the flags it was saved with (--hidden, "
+                "--tokenizer, --patch-size, --audio-frames-per-s...), or pass a new "
+                "--checkpoint-dir") from None
         client.load_state_dict(checkpoint["data"])
         if ctx.rank == 0:
             log.info("mmdispatch event=train_resumed step=%d checkpoint=%s",
