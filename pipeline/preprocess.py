@@ -30,8 +30,10 @@ holding mel frames stride*k .. stride*k+stride-1 one after the other (reshape to
 `[stride * enc_len, 128]` for a convolutional stem).
 
 Results are float16 (`PREPROCESS_DTYPE`) in both placements, so trainer- and datanode-side
-preprocessing give identical tensors; float16's precision (~1e-3 here) is finer than an 8-bit
-pixel step after normalization (~0.015), and models cast to their own dtype.
+preprocessing give identical tensors (on machines of one numpy build and CPU kind; nothing
+depends on thread counts: the mel projection sums in a fixed order, not through BLAS); float16's
+precision (~1e-3 here) is finer than an 8-bit pixel step after normalization (~0.015), and
+models cast to their own dtype.
 
 `PREPROCESSORS` maps a modality to its function: video clips are decoded by
 `pipeline.video.video_patches` (PyAV, the `[video]` extra) into the same 1176-value rows.
@@ -207,6 +209,31 @@ _MEL = mel_filters()
 _WINDOW = get_window("hann", N_FFT).astype(np.float32)  # periodic, as torch.hann_window
 
 
+def _mel_bands(mel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bins [n_mels, w], weights [n_mels, w]): each filter's contiguous nonzero bins (w the
+    widest; a shorter filter's extra weights are 0), for `_project`."""
+    lo = np.array([np.flatnonzero(row)[0] if row.any() else 0 for row in mel])
+    width = max(int(np.flatnonzero(row)[-1]) - first + 1 if row.any() else 1
+                for row, first in zip(mel, lo))
+    bins = np.minimum(lo[:, None] + np.arange(width), mel.shape[1] - 1)
+    weights = np.where(lo[:, None] + np.arange(width) < mel.shape[1],
+                       np.take_along_axis(mel, bins, axis=1), 0.0).astype(np.float32)
+    return bins, weights
+
+
+_MEL_BINS, _MEL_WEIGHTS = _mel_bands(_MEL)
+
+
+def _project(power: np.ndarray) -> np.ndarray:
+    """`power @ _MEL.T`, summed bin by bin in a fixed order (each filter covers <= 9 bins):
+    a BLAS matmul sums in an order that depends on its thread count, so a data node's and a
+    16-thread trainer's log-mels differed in the last bit, and their float16 inputs with it."""
+    out = power[:, _MEL_BINS[:, 0]] * _MEL_WEIGHTS[:, 0]
+    for j in range(1, _MEL_BINS.shape[1]):
+        out += power[:, _MEL_BINS[:, j]] * _MEL_WEIGHTS[:, j]
+    return out
+
+
 def mel_stride(cfg: AudioConfig) -> int:
     """Mel frames per encoder frame: 100 / encoder_frames_per_s, which must be a whole number."""
     stride = MEL_FRAMES_PER_S / cfg.encoder_frames_per_s
@@ -235,7 +262,7 @@ def log_mel(wave: np.ndarray, num_frames: int) -> np.ndarray:
     padded = np.pad(wave, N_FFT // 2, mode="reflect")
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:num_frames]
     power = np.abs(np.fft.rfft(frames * _WINDOW, axis=1)) ** 2
-    log_spec = np.log10(np.maximum(power.astype(np.float32) @ _MEL.T, 1e-10))
+    log_spec = np.log10(np.maximum(_project(power.astype(np.float32)), 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max(initial=-10.0) - 8.0)
     return (log_spec + 4.0) / 4.0
 

@@ -3,6 +3,7 @@ length (the counting rule), the prefetch pool, the model boundary check, datanod
 
 from __future__ import annotations
 
+import os
 import io
 import time
 
@@ -516,3 +517,25 @@ def test_a_dataset_checkpoints_the_loops_position_not_its_pools(tmp_path):
         finally:
             again.close()
     assert first + rest == list(range(64 // 8))
+
+
+@pytest.mark.timeout(120)
+def test_log_mel_does_not_depend_on_the_blas_thread_count():
+    """A data node (every core) and a trainer (torchrun: OMP_NUM_THREADS=1) must give the same
+    model inputs: a BLAS matmul's summation order follows its thread count, and the mel
+    projection through one made log-mels differ in the last bit."""
+    import subprocess
+    import sys
+
+    code = ("import hashlib, numpy as np; from pipeline.preprocess import log_mel; "
+            "w = np.random.default_rng(0).normal(0, 0.3, 16000 * 200).astype(np.float32); "
+            "print(hashlib.sha256(log_mel(w, 20000).tobytes()).hexdigest())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = set()
+    for threads in ("1", "2"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads,
+               "MKL_NUM_THREADS": threads, "PYTHONPATH": root}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env, timeout=100, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1
