@@ -311,6 +311,10 @@ class Journal:
                                "or emptied journal directory: start the trainers from step 0, or "
                                "give the dispatcher the journal directory of this job)")
         text = f"{what}: the journal knows steps {self._first}..{self.last_step}"
+        if step > self.last_step:
+            raise JournalError(f"{text}, so the checkpoint is of a later run than this journal "
+                               f"in {self.directory!r}: give the dispatcher the --journal-dir "
+                               "of the run that wrote the checkpoint")
         if self._first:
             text += (f" (older ones were checkpointed away: resume at step 0 or at steps "
                      f"{self._first + 1}..{self.last_step + 1})")

@@ -719,3 +719,25 @@ def test_a_journal_from_before_length_digests_replays_by_its_keys(tmp_path):
         assert r.journaled_plan(1, "2:new", lambda: "other") == (None, True)
     finally:
         j.close()
+
+
+def test_a_resume_past_every_planned_step_names_the_journal_of_that_run(tmp_path):
+    """A checkpoint of a later run than the journal (or than a dispatcher without one) asked
+    to 'resume further back', or named no fix at all."""
+    from dispatcher_server.replay import ReplaySource
+
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        for s in range(4):
+            j.record_step(_entry(s))
+        with pytest.raises(JournalError, match=r"step 6: the journal knows steps 0\.\.3, so the "
+                                               r"checkpoint is of a later run .* --journal-dir of the run"):
+            ReplaySource(j, world_size=2).cursor_before(6)
+    finally:
+        j.close()
+    r = ReplaySource(None, world_size=2)
+    for s in range(4):
+        r.record(_entry(s), None, verbatim=False)
+    with pytest.raises(JournalError, match=r"planned steps up to 3 only, .* another run .* --journal-dir"):
+        r.cursor_before(6)
+    assert r.cursor_before(3) == {"base": 3}
