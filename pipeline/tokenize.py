@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from dispatcher_server.protocol import TOKEN_DTYPES, split_tokens, token_width, tokens_ok
+
+log = logging.getLogger("mmdispatch.tokenize")
 
 #: Ids of the byte-level tokenizer: one per byte value.
 BYTE_VOCAB_SIZE = 256
@@ -35,7 +38,8 @@ CHATML = (
 #: Chat templates known by name (`--chat-template chatml`).
 BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
 #: ShareGPT role names (`from`) and the chat-template roles they stand for.
-ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant"}
+ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant", "chatgpt": "assistant",
+                                "bot": "assistant", "model": "assistant"}  # model: Gemini's
 ASSISTANT = "assistant"
 #: Stands for an assistant turn's content while locating it in the rendered turn: letters only,
 #: so that what templates do to content (Llama 3's and Gemma's `| trim`, which also strips
@@ -366,6 +370,7 @@ class TextEncoder:
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
         self.tokenizer, self.template = tokenizer, template
+        self._untrained_warned = False  # a conversation with no assistant turn was seen
 
     @staticmethod
     def load(tokenizer_path: str | None, chat_template: str | None = None) -> TextEncoder:
@@ -389,6 +394,13 @@ class TextEncoder:
         if not segments:
             return TextTokens.empty()
         marks = np.array([m for _, m in segments], np.uint8)
+        if not marks.any() and not self._untrained_warned:
+            self._untrained_warned = True  # once: a dataset's roles are the same throughout
+            log.warning("mmdispatch event=conversation_without_targets roles=%s: no turn is an "
+                        "%r one (or %s), so the sample trains on no token; name the reply "
+                        "role %r in the data", ",".join(sorted({t["role"] for t in turns})),
+                        ASSISTANT, ", ".join(k for k, v in ROLE_ALIASES.items() if v == ASSISTANT),
+                        ASSISTANT)
         if isinstance(self.tokenizer, ByteTokenizer):  # one id per byte: nothing merges
             raw = [t.encode("utf-8") for t, _ in segments]
             ids = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int32)
@@ -405,9 +417,11 @@ class TextEncoder:
 
 
 def normalize_turn(turn: dict) -> tuple[str | None, object]:
-    """(role, content) of a {role|from, content|value} turn, ShareGPT role names mapped."""
+    """(role, content) of a {role|from, content|value} turn: the role lower-cased, and
+    ShareGPT's and Gemini's names mapped to the chat-template roles (`ROLE_ALIASES`)."""
     role = turn.get("role", turn.get("from"))
     if isinstance(role, str):
+        role = role.strip().lower()
         role = ROLE_ALIASES.get(role, role)
     else:
         role = None

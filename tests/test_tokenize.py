@@ -393,3 +393,23 @@ def test_a_token_straddling_an_assistant_edge_is_a_target():
     assert TextEncoder(Pairs(), template).conversation(turns).mask.tolist() == [0, 0, 0, 1, 1, 1]
     ids, spans = ByteTokenizer().encode_with_offsets("aé")
     assert ids.tolist() == [97, 0xC3, 0xA9] and spans.tolist() == [[0, 1], [1, 2], [1, 2]]
+
+
+def test_reply_roles_by_other_names_are_trained_on_and_a_conversation_without_one_is_warned_of(caplog):
+    """Gemini's `model`, `bot` and capitalized roles were left as they came, so the sample's
+    loss mask was all zero and training went on silently on nothing."""
+    import logging
+
+    from pipeline.counting import _turn
+
+    enc = TextEncoder(ByteTokenizer(), resolve_chat_template(None, None))
+    for reply in ("model", "Assistant", "bot", "GPT", " assistant "):
+        turns = [_turn({"role": "User", "content": "hi"}, "t"), _turn({"role": reply, "content": "yo"}, "t")]
+        assert [t["role"] for t in turns] == ["user", "assistant"]
+        got = enc.conversation(turns)
+        assert ByteTokenizer.decode(got.ids[got.mask == 1]) == "yo<|im_end|>\n"
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        for _ in range(3):
+            assert not enc.conversation([{"role": "user", "content": "hi"}]).mask.any()
+    warned = [r.getMessage() for r in caplog.records if "conversation_without_targets" in r.getMessage()]
+    assert len(warned) == 1 and "roles=user" in warned[0] and "'assistant'" in warned[0]
