@@ -309,6 +309,15 @@ def build_config(v: dict) -> ServerConfig:
         return _build_config(v)
 
 
+def _absolute(url: str) -> str:
+    """A local shard path made absolute (a `file:` URL's path too); URLs and pipes as given."""
+    if url.startswith("pipe:") or ("://" in url and not url.startswith("file://")):
+        return url
+    path = url[len("file://"):] if url.startswith("file://") else url
+    path = path[len("file:"):] if path.startswith("file:") else path
+    return os.path.abspath(path)
+
+
 def _build_config(v: dict) -> ServerConfig:
     _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
@@ -320,12 +329,10 @@ def _build_config(v: dict) -> ServerConfig:
             shuffle = file_shuffle
     else:
         sources = [Source(name="default", shards=expand_shards(v["shards"]))]
-    if v["payloads"] != "inline":
-        # Trainers (reference) or any reader (direct) open these paths, from their own
-        # working directories.
-        for src in sources:
-            src.shards = [os.path.abspath(u) if "://" not in u and not u.startswith("pipe:") else u
-                          for u in src.shards]
+    # Readers (and trainers, with reference payloads) open these paths from their own
+    # working directories: a relative one means the dispatcher's, as a dataset file's do.
+    for src in sources:
+        src.shards = [_absolute(u) for u in src.shards]
     return ServerConfig(
         sources=sources, shuffle_buffer=shuffle, world_size=v["world_size"],
         ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],

@@ -318,3 +318,23 @@ def test_the_mixture_keeps_the_ratio_of_weights_whose_sum_overflows():
     mix = mixture(sources, {"a": report, "b": report})
     assert [mix[n]["sample_share"] for n in "ab"] == [0.75, 0.25]
     assert [mix[n]["token_share"] for n in "ab"] == [0.75, 0.25]
+
+
+def test_relative_shard_paths_are_sent_to_readers_as_the_dispatcher_resolves_them(tmp_path, monkeypatch):
+    """Inline payloads kept `--shards` as written: a reader started elsewhere opened another
+    directory's files (open_failed, or other files of the same name, silently)."""
+    import argparse
+
+    from mmdispatch import serve
+
+    (tmp_path / "d").mkdir()
+    for name in ("a.tar", "b.tar"):
+        (tmp_path / "d" / name).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    for payloads in ("inline", "direct", "reference"):
+        config = serve.build_config(serve.resolve(parser.parse_args(
+            ["--shards", "d/a.tar", f"file:{tmp_path}/d/b.tar", "--world-size", "1",
+             "--global-batch", "2", "--payloads", payloads])))
+        assert config.sources[0].shards == [str(tmp_path / "d" / "a.tar"), str(tmp_path / "d" / "b.tar")]
