@@ -14,14 +14,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 log = logging.getLogger("mmdispatch.server")
 
 
+#: Characters of one logged value past which it is cut (a sample key can be any length).
+MAX_FIELD_CHARS = 1000
+
+
 def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
-    """Log one structured line; values with spaces are quoted."""
+    """Log one structured line. Values with spaces, quotes or anything unprintable (a newline,
+    a terminal escape: keys and names come from the data) are quoted with escapes, so one value
+    never forges a line; values past MAX_FIELD_CHARS are cut, saying how much."""
     if not log.isEnabledFor(level):
         return
     parts = [f"event={kind}"]
     for k, v in fields.items():
         text = str(v)
-        parts.append(f"{k}={text!r}" if (" " in text or not text) else f"{k}={text}")
+        if len(text) > MAX_FIELD_CHARS:
+            text = f"{text[:MAX_FIELD_CHARS]}...(+{len(text) - MAX_FIELD_CHARS} chars)"
+        plain = text and text.isprintable() and not any(c in text for c in " '\"=")
+        parts.append(f"{k}={text}" if plain else f"{k}={text!r}")
     log.log(level, "mmdispatch %s", " ".join(parts))
 
 
@@ -140,8 +149,10 @@ class SkipLog:
         interval is logged at once."""
         self.keys.extend((s[0], s[1]) for s in skipped)
         self.metrics.skipped.inc(len(skipped))
-        for key, reason, *_ in skipped:
-            key = key or "(the rest of the shard)"  # a shard-level failure names no sample
+        for key, reason, *where in skipped:
+            if not key:  # a shard-level failure (index -1) names no sample; an empty key, its index
+                index = where[0] if where else -1
+                key = "(the rest of the shard)" if index is None or index < 0 else f"(sample #{index})"
             what = (shard, reason)
             if what in self._logged:
                 self._pending.setdefault(what, []).append(key)

@@ -185,9 +185,16 @@ def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplo
         assert "shard=a.tar reason=bad_image count=2 keys=k2,k3" in caplog.records[-1].getMessage()
         skips.add("c.tar", [("", "truncated_tar", -1)])  # shard level: no key to name
         assert "reason=truncated_tar count=1 keys='(the rest of the shard)'" in caplog.records[-1].getMessage()
+        skips.add("d.tar", [("", "bad_image", 4)])  # a sample whose key is empty: its index
+        assert "reason=bad_image count=1 keys='(sample #4)'" in caplog.records[-1].getMessage()
+        # Keys come from the data: a newline or a terminal escape cannot forge or colour a line.
+        skips.add("e.tar", [("k\nmmdispatch event=forged\x1b[31m", "bad_key", 0)])
+        assert "keys='k\\nmmdispatch event=forged\\x1b[31m'" in caplog.records[-1].getMessage()
+        assert len(caplog.records[-1].getMessage().splitlines()) == 1
     assert skips.keys == [("k1", "bad_image"), ("k2", "bad_image"), ("k3", "bad_image"),
-                          ("k9", "bad_audio"), ("", "truncated_tar")]
-    assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 5
+                          ("k9", "bad_audio"), ("", "truncated_tar"), ("", "bad_image"),
+                          ("k\nmmdispatch event=forged\x1b[31m", "bad_key")]
+    assert metrics.registry.get_sample_value("mmdispatch_samples_skipped_total") == 7
 
 
 def test_delivery_counts_connected_ranks_through_reconnects():
