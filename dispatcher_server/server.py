@@ -18,6 +18,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections import Counter
 from time import thread_time
 
@@ -35,7 +36,7 @@ from dispatcher_server.journal import Journal, JournalError, StepEntry
 from dispatcher_server.measure import StepMeasurements
 from dispatcher_server.metrics import Metrics, SkipLog, event
 from dispatcher_server.ordering import ShardOrder
-from dispatcher_server.planner import PlanError, plan_step
+from dispatcher_server.planner import OversizeWarning, PlanError, plan_step
 from dispatcher_server.planner.plan import StepPlan
 from dispatcher_server.planner.types import Topology
 from dispatcher_server.readerpool import Assignment, Reader, ReaderPool
@@ -436,8 +437,14 @@ class Dispatcher:
                                       "from the journal (shards changed on disk, or readers "
                                       "count by other rules or tokenizer): planned anew")
         try:
-            plan = (StepPlan.from_dict(journaled) if journaled is not None
-                    else plan_step(batch.inputs, self.topology, self.config.planner))
+            if journaled is not None:
+                plan = StepPlan.from_dict(journaled)
+            else:
+                with warnings.catch_warnings(record=True) as isolated:
+                    warnings.simplefilter("always", OversizeWarning)
+                    plan = plan_step(batch.inputs, self.topology, self.config.planner)
+                for w in isolated:
+                    self._isolated(step, batch, w.message)
         except PlanError as e:
             why = oversize_report(step, batch, self.config.planner, e)
             if self._halt is not None:
@@ -467,6 +474,15 @@ class Dispatcher:
                                        messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
         self._observe(step, filled.epoch, plan, plan_ms, self._by_source(batch.samples))
+
+    def _isolated(self, step: int, batch, warning) -> None:
+        """A planner warning of a step (`oversize="isolate"`), logged by step and sample key."""
+        if not isinstance(warning, OversizeWarning):
+            warnings.warn(warning, stacklevel=2)  # not ours to log: passed on as it came
+            return
+        keys = [batch.keys[i] for i in warning.samples]
+        event("oversize_isolated", logging.WARNING, step=step, keys=",".join(keys[:5]) + (
+            f",... ({len(keys)} samples)" if len(keys) > 5 else "") or None, detail=str(warning))
 
     def _check_commits_lag(self, step: int) -> None:
         """Say once when trainers have not committed for COMMITS_LAG_STEPS steps: what is kept

@@ -647,3 +647,28 @@ def test_arrival_mode_replay_is_not_stalled_by_a_reader_full_of_other_shards(tmp
         assert [list(rs.batch.keys) for rs in d.retained] == [first]
     finally:
         d._close()
+
+
+def test_an_isolated_oversize_sample_is_logged_by_step_and_key_and_the_warm_up_warns_of_none(
+        tmp_path, caplog, recwarn):
+    """`--oversize isolate` printed raw Python warnings about the warm-up's synthetic samples,
+    then named the real one by its index in the step alone."""
+    import logging
+
+    from dispatcher_server.planner import OversizeWarning, Topology
+    from dispatcher_server.planner.warm import warm_up
+
+    planner = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="isolate")
+    warm_up(Topology(world_size=1, ranks_per_node=1), planner)
+    assert not [w for w in recwarn if issubclass(w.category, OversizeWarning)]
+    d = Dispatcher(_config(tmp_path, planner=planner, gb=2))
+    try:
+        reader, a = _with_reader(d)
+        d._on_samples(reader, _samples_msg(a.id, [_header("small", 0), _header("giant", 1, llm=500)]))
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            d._pump()
+    finally:
+        d._close()
+    (line,) = [r.getMessage() for r in caplog.records if "oversize_isolated" in r.getMessage()]
+    assert "step=0 keys=giant" in line and "exceed capacity" in line
+    assert not [w for w in recwarn if issubclass(w.category, OversizeWarning)]

@@ -54,7 +54,9 @@ from .cost import phase_costs
 from .jit import kernel
 from .placement import Items, place_items, place_samples
 from .plan import StepPlan
-from .types import ENCODER_PHASES, LLM_PHASE, PHASES, PlanError, StepInputs, Topology
+from .types import (
+    ENCODER_PHASES, LLM_PHASE, PHASES, OversizeWarning, PlanError, StepInputs, Topology,
+)
 
 
 def check_inputs(inputs: StepInputs) -> None:
@@ -527,8 +529,8 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
             except PlanError:
                 extra *= 2
                 continue
-            warnings.warn(f"{refused}: planned the step in {M + extra} micro-batches instead "
-                          f"of {M}", stacklevel=2)
+            warnings.warn(OversizeWarning(f"{refused}: planned the step in {M + extra} "
+                                          f"micro-batches instead of {M}"), stacklevel=2)
             return plan
         raise
 
@@ -566,8 +568,10 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     idx = np.flatnonzero(regular)
     if len(oversize):
         extra = -(-len(oversize) // W)
-        warnings.warn(f"samples {oversize.tolist()} exceed capacity: each runs alone on a rank "
-                      f"in an extra micro-batch ({M} -> {M + extra} micro-batches)", stacklevel=2)
+        warnings.warn(OversizeWarning(f"samples {oversize.tolist()} exceed capacity: each runs "
+                                      f"alone on a rank in an extra micro-batch ({M} -> "
+                                      f"{M + extra} micro-batches)", oversize.tolist()),
+                      stacklevel=2)
     refused = None
     by_size = {p: _by_decreasing_size(unit_costs[p], inputs.items(p).enc_len) for p in
                ENCODER_PHASES}  # once a step: every split places the same items

@@ -25,6 +25,16 @@ class PlanError(ValueError):
     """A step cannot be planned as configured, or a plan violates its post-conditions."""
 
 
+class OversizeWarning(UserWarning):
+    """`oversize="isolate"` planned a step in more micro-batches than configured: `samples`
+    (indices into the step) fit no capacity and run alone, or none did and the step did not
+    pack in M (empty)."""
+
+    def __init__(self, message: str, samples: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.samples = list(samples or [])
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Topology:
     """Data-parallel layout: `world_size` ranks, `ranks_per_node` consecutive ranks per node."""
