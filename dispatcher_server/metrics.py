@@ -19,8 +19,8 @@ MAX_FIELD_CHARS = 1000
 
 
 def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
-    """Log one structured line. Values with spaces, quotes or anything unprintable (a newline,
-    a terminal escape: keys and names come from the data) are quoted with escapes, so one value
+    """Log one structured line. Values with spaces or anything unprintable (a newline, a
+    terminal escape: keys and names come from the data) are quoted with escapes, so one value
     never forges a line; values past MAX_FIELD_CHARS are cut, saying how much."""
     if not log.isEnabledFor(level):
         return
@@ -29,7 +29,7 @@ def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
         text = str(v)
         if len(text) > MAX_FIELD_CHARS:
             text = f"{text[:MAX_FIELD_CHARS]}...(+{len(text) - MAX_FIELD_CHARS} chars)"
-        plain = text and text.isprintable() and not any(c in text for c in " '\"=")
+        plain = text and text.isprintable() and " " not in text
         parts.append(f"{k}={text}" if plain else f"{k}={text!r}")
     log.log(level, "mmdispatch %s", " ".join(parts))
 
