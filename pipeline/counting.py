@@ -270,6 +270,28 @@ def _flac_unreadable(data: bytes | memoryview) -> str | None:
     return "cannot be read to its last sample (truncated or corrupt)"
 
 
+#: libsndfile's frame count for a stream that does not state its length (a FLAC whose STREAMINFO
+#: total is 0): not a duration.
+_UNSTATED_FRAMES = 2**63 - 1
+
+
+def _sndfile_header(data: bytes | memoryview) -> tuple[int, int, float]:
+    """(sample_rate, channels, duration_s) from libsndfile, for what the hand parsers leave."""
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
+        raise CountError("bad_audio", f"unreadable audio header: {library_message(e)}") from None
+    rate, channels, frames = info.samplerate, info.channels, info.frames
+    if rate <= 0 or frames < 0:
+        raise CountError("bad_audio", f"audio header declares rate={rate} frames={frames}")
+    if frames == _UNSTATED_FRAMES:
+        # soundfile.read (the trainer's decoder) cannot read such a stream either
+        raise CountError("bad_audio", "audio stream does not state its length (a FLAC with "
+                                      "total samples 0, as encoders writing to a pipe leave): "
+                                      "re-encode it to a file (flac -f, or ffmpeg -i)")
+    return rate, channels, frames / rate
+
+
 class Counter:
     """Counts members under one `CountingConfig`; holds the loaded tokenizer and chat template."""
 
@@ -331,16 +353,7 @@ class Counter:
             problem = _flac_unreadable(data)
             if problem is not None:
                 raise CountError("bad_audio", f"FLAC {problem}")
-        if header is None:
-            try:
-                info = soundfile.info(io.BytesIO(data))
-            except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
-                raise CountError("bad_audio", f"unreadable audio header: {library_message(e)}") from None
-            rate, channels, duration = info.samplerate, info.channels, info.duration
-            if rate <= 0 or not math.isfinite(duration) or duration < 0:
-                raise CountError("bad_audio", f"audio header declares rate={rate} duration={duration}")
-        else:
-            rate, channels, duration = header
+        rate, channels, duration = header if header is not None else _sndfile_header(data)
         if not cfg.min_sample_rate <= rate <= cfg.max_sample_rate:
             raise CountError(
                 "bad_audio",

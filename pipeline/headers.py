@@ -18,6 +18,11 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _JPEG_STANDALONE = frozenset([0x01, *range(0xD0, 0xD9)])
 _WAV_UNCOMPRESSED = (0x0001, 0x0003, 0xFFFE)  # PCM, IEEE float, WAVE_FORMAT_EXTENSIBLE
+# A WAV writer that cannot seek back to patch its sizes (output to a pipe) leaves a placeholder:
+# ffmpeg 0xFFFFFFFF, SoX 0x7FFFF000 rounded down to whole blocks. Decoders read such a data
+# chunk to the end of the file.
+_WAV_SIZE_UNKNOWN = 0xFFFFFFFF
+_SOX_SIZE_UNKNOWN = 0x7FFFF000
 # A FLAC frame is at least 6 header bytes, one subframe byte and a 2-byte CRC: a stream
 # claiming more frames than its bytes can hold lies about its length.
 _FLAC_MIN_FRAME_BYTES = 8
@@ -176,7 +181,8 @@ def wav_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
     """(sample_rate, channels, duration_s) from a RIFF/WAVE header, or None if not plain RIFF.
 
     The data chunk's declared size must fit in the bytes present: a lying header is an error
-    (`HeaderError`), not a 10-hour clip.
+    (`HeaderError`), not a 10-hour clip. A streaming writer's placeholder size (see
+    `_wav_size_unknown`) is no claim: that data runs to the end, as decoders read it.
     """
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
         return None
@@ -197,20 +203,34 @@ def wav_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
                     "bad_audio",
                     f"wav header is inconsistent: byte_rate={byte_rate} != rate={rate} * block_align={align}",
                 )
-            fmt = (channels, rate, byte_rate)
+            fmt = (channels, rate, byte_rate, align)
         elif chunk_id == b"data":
             if fmt is None:
                 raise HeaderError("bad_audio", "wav data chunk before fmt chunk")
-            channels, rate, byte_rate = fmt
+            channels, rate, byte_rate, align = fmt
             if rate == 0 or byte_rate == 0 or channels == 0:
                 raise HeaderError(
                     "bad_audio", f"wav header declares rate={rate} byte_rate={byte_rate} channels={channels}"
                 )
-            if size > end - body:
-                raise HeaderError("bad_audio", f"wav data chunk declares {size} bytes but {end - body} are present")
+            present = end - body
+            if size > present:
+                if not _wav_size_unknown(size, align):
+                    raise HeaderError("bad_audio", f"wav data chunk declares {size} bytes but {present} are present")
+                size = present - present % align if align else present  # a cut last block is not read
+            elif size == 0 and present:
+                # libsndfile reads no samples from it, so the trainer would get an empty clip.
+                raise HeaderError(
+                    "bad_audio",
+                    f"wav data chunk declares 0 bytes although {present} follow it: decoders read it as empty",
+                )
             return rate, channels, size / byte_rate
         pos = body + size + (size & 1)  # chunks are word-aligned
     raise HeaderError("bad_audio", "wav has no fmt/data chunks")
+
+
+def _wav_size_unknown(size: int, align: int) -> bool:
+    """Whether a data chunk size is a streaming writer's placeholder rather than a length."""
+    return size == _WAV_SIZE_UNKNOWN or (align > 0 and size == _SOX_SIZE_UNKNOWN // align * align)
 
 
 def flac_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
