@@ -19,9 +19,10 @@ from typing import BinaryIO
 import braceexpand
 
 from pipeline import remote
-from pipeline.tario import TarError
+from pipeline.tario import TarError, gzip_named
 
-#: File names a shard may have; gzip-compressed tars are decompressed while streaming.
+#: File names a shard may have, in any case (`A.TAR` too); gzip-compressed tars are decompressed
+#: while streaming.
 SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz")
 _GLOB_CHARS = frozenset("*?[")
 _READ_BUFFER = 1 << 20
@@ -50,9 +51,15 @@ def reads_can_wait(url: str) -> bool:
     return url.startswith("pipe:") or ("://" in url and not url.startswith("file:"))
 
 
+def is_shard_name(name: str) -> bool:
+    """Whether a file name ends with a shard suffix (`SHARD_SUFFIXES`, in any case)."""
+    return name.lower().endswith(SHARD_SUFFIXES)
+
+
 def _check_suffix(path: str, spec: str) -> None:
-    if not path.endswith(SHARD_SUFFIXES):
-        raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES}")
+    if not is_shard_name(path):
+        raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES} "
+                         f"(in any case)")
 
 
 def expand_shards(specs: Sequence[str] | str) -> list[str]:
@@ -80,14 +87,14 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 continue
             prefix = expanded[: len(expanded) - len(path)]
             if _GLOB_CHARS.intersection(path) and not os.path.isfile(path):  # `a[1].tar` exists: itself
-                matches = sorted(p for p in glob.glob(path) if p.endswith(SHARD_SUFFIXES))
+                matches = sorted(p for p in glob.glob(path) if is_shard_name(p))
                 if not matches:
                     raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r}); a "
                                             "file whose name holds * ? or [ is named by its exact path")
                 urls.extend(prefix + m for m in matches)
             elif os.path.isdir(path):
                 matches = sorted(
-                    os.path.join(path, name) for name in os.listdir(path) if name.endswith(SHARD_SUFFIXES)
+                    os.path.join(path, name) for name in os.listdir(path) if is_shard_name(name)
                 )
                 if not matches:
                     raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files")
@@ -251,7 +258,7 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     path = _local_path(url)
     if path is None:
         return _PipeStream(url, url[len("pipe:"):])  # type: ignore[return-value]
-    if mapped and not path.endswith((".gz", ".tgz")) and os.path.isfile(path):
+    if mapped and not gzip_named(path) and os.path.isfile(path):
         return MappedShard(path)  # type: ignore[return-value]
     return open(path, "rb", buffering=_READ_BUFFER)
 

@@ -3,7 +3,9 @@
 Hand-written instead of `tarfile` because this is the reader's hot path (a header parse per
 member) and because `tarfile` silently ends an archive cut inside a header; here any archive
 that stops without its end-of-archive block, or has a corrupt header, raises `TarError`.
-Handles ustar, GNU long names and pax path records; gzip shards are inflated as a stream.
+Handles ustar, GNU long names and link targets, pax path, linkpath and size records; sparse
+files (GNU or pax) are named and read through, not expanded. gzip shards are inflated as a stream:
+a file is gzip when its name says so (any case), a `pipe:` command's output when its bytes do.
 """
 
 from __future__ import annotations
@@ -18,13 +20,18 @@ _ZERO_BLOCK = bytes(_BLOCK)
 _BIG_MEMBER = 64 << 20
 _SKIP_CHUNK = 1 << 20
 _REGULAR = (b"0", b"\0", b"7")
-_META = (b"L", b"x")  # GNU long name, pax extended header: they name the next member
+_META = (b"L", b"K", b"x")  # GNU long name and long link target, pax extended header: about the next member
 _MAX_META = 1 << 20
 _LINKS = (b"1", b"2")  # hard and symbolic links: named members whose bytes are elsewhere
-#: devices and FIFOs: named members that hold no bytes at all
-_SPECIAL = {b"3": "character device", b"4": "block device", b"6": "FIFO"}
+_SPARSE = "sparse file (not supported: write shards without tar --sparse)"
+#: devices and FIFOs (no bytes at all) and GNU sparse files (bytes kept as a map of holes): named
+#: members with no bytes a sample could use
+_SPECIAL = {b"3": "character device", b"4": "block device", b"6": "FIFO", b"S": _SPARSE}
+_NAMED = (*_REGULAR, *_LINKS, *_SPECIAL)
 _SKIPPED = (b"5", b"g", b"D", b"V")  # directories, pax globals, GNU dumpdir and volume headers
 _GZIP_MAGIC = b"\x1f\x8b"
+_GZIP_SUFFIXES = (".gz", ".tgz")
+_MAX_DIGITS = 20  # a pax length or size past this is garbage (and int() refuses 4300 digits)
 
 
 class TooLarge(NamedTuple):
@@ -42,9 +49,10 @@ class Link(NamedTuple):
 
 
 class Special(NamedTuple):
-    """Stands in for a device or FIFO member: tar records its name and kind, and no bytes."""
+    """Stands in for a device or FIFO member (tar records its name and kind, and no bytes) or a
+    sparse file (its bytes are a map of holes, read through, not expanded)."""
 
-    kind: str  # "character device", "block device" or "FIFO"
+    kind: str  # "character device", "block device", "FIFO" or a sparse file (`_SPARSE`)
 
 
 class TarError(ValueError):
@@ -68,28 +76,82 @@ def _number(field: bytes, offset: int) -> int:
         raise TarError("bad_tar", f"corrupt numeric field {field!r} in header at byte {offset}") from None
 
 
-def _pax_path(records: bytes, offset: int) -> str | None:
-    """The `path` of a pax extended header ("LEN key=value\\n" records), if any.
+def _pax_records(records: bytes, offset: int) -> dict[bytes, bytes]:
+    """The records of a pax extended header ("LEN key=value\\n"), by key.
 
     Every record is checked: a zero or garbage length would otherwise loop forever or escape
     as a bare ValueError.
     """
     pos = 0
-    path = None
+    found: dict[bytes, bytes] = {}
     while pos < len(records):
         space = records.find(b" ", pos)
         digits = records[pos:space] if space > pos else b""
-        length = int(digits) if digits.isdigit() else 0
+        length = int(digits) if digits.isdigit() and len(digits) <= _MAX_DIGITS else 0
         end = pos + length
         if space < 0 or length <= space - pos + 1 or end > len(records) or records[end - 1 : end] != b"\n":
             if not records[pos:].strip(b"\0"):
                 break  # NUL padding after the last record, as some writers leave it
             raise TarError("bad_tar", f"corrupt pax record at byte {pos} of the extended header at byte {offset}")
         key, _, value = records[space + 1 : end - 1].partition(b"=")
-        if key == b"path":
-            path = value.decode("utf-8", "surrogateescape")
+        found[key] = value
         pos = end
-    return path
+    return found
+
+
+class _Next:
+    """What GNU long name/link headers and pax headers say about the next member; each applies
+    to the very next member only."""
+
+    __slots__ = ("name", "link", "size", "sparse")
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.link: str | None = None
+        self.size: int | None = None  # pax `size`: members over 8 GiB may carry theirs only here
+        self.sparse = False  # pax GNU.sparse.* records: the member's bytes are a sparse map
+
+    def add_pax(self, records: bytes, offset: int) -> None:
+        found = _pax_records(records, offset)
+        path = found.get(b"GNU.sparse.name", found.get(b"path"))
+        if path is not None:
+            self.name = path.decode("utf-8", "surrogateescape")
+        if b"linkpath" in found:
+            self.link = found[b"linkpath"].decode("utf-8", "surrogateescape")
+        size = found.get(b"size")
+        if size is not None:
+            if not size.isdigit() or len(size) > _MAX_DIGITS:
+                raise TarError("bad_tar", f"corrupt pax size {size[:40]!r} in the extended header at byte {offset}")
+            self.size = int(size)
+        self.sparse = self.sparse or any(key.startswith(b"GNU.sparse.") for key in found)
+
+
+_NOTHING = _Next()  # no extended header pending: shared, never changed (one member, no allocation)
+
+
+def _header_name(header: bytes) -> str:
+    raw = header[:100].split(b"\0", 1)[0]
+    if header[257:263] == b"ustar\0" and header[345] != 0:
+        raw = header[345:500].split(b"\0", 1)[0] + b"/" + raw
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _gnu_string(data: bytes | memoryview) -> str:
+    return bytes(data).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _sparse_extensions(read, header: bytes, offset: int) -> int:
+    """Read through the extension blocks a GNU sparse header announces (its 4 map slots were too
+    few); returns how many bytes they took."""
+    taken = 0
+    more = header[482]
+    while more:
+        block = read(_BLOCK)
+        if len(block) < _BLOCK:
+            raise TarError("truncated_tar", f"archive ends inside the sparse map of member at byte {offset}")
+        taken += _BLOCK
+        more = block[504]
+    return taken
 
 
 def _read_member(read, size: int) -> bytes:
@@ -117,9 +179,50 @@ def _skip_member(read, size: int) -> int:
     return done
 
 
+def gzip_named(url: str) -> bool:
+    """Whether shard `url` is named as a gzip-compressed tar (`.tar.gz`, `.tgz`, in any case; a
+    remote URL's `?query` aside, as for the shard suffix check)."""
+    remote = "://" in url and not url.startswith("file:")
+    return (url.split("?", 1)[0] if remote else url).lower().endswith(_GZIP_SUFFIXES)
+
+
+class _Prepended:
+    """A stream whose first bytes were read to look at them, handed out again first."""
+
+    def __init__(self, head: bytes, stream: BinaryIO) -> None:
+        self._head = head
+        self._stream = stream
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._head:
+            return self._stream.read(size)
+        if size < 0:
+            data, self._head = self._head + self._stream.read(), b""
+            return data
+        data, self._head = self._head[:size], self._head[size:]
+        return data + self._stream.read(size - len(data)) if len(data) < size else data
+
+
 def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
-    """Wrap `stream` in a gzip inflater when the shard name says it is compressed."""
-    if url.endswith((".gz", ".tgz")):
+    """Wrap `stream` in a gzip inflater when the shard is compressed.
+
+    A file (local or remote) is gzip when its name says so: its name then also decides how it
+    is mapped and whether its members have file offsets, and a misnamed one is reported. A
+    `pipe:` command's output is gzip when its first bytes are: the command line's last word
+    says nothing about what it writes (`zcat x.tgz` writes a plain tar).
+    """
+    if url.startswith("pipe:"):
+        head = b""
+        while len(head) < len(_GZIP_MAGIC):
+            chunk = stream.read(len(_GZIP_MAGIC) - len(head))
+            if not chunk:
+                break
+            head += chunk
+        stream = _Prepended(head, stream)  # type: ignore[assignment]
+        compressed = head == _GZIP_MAGIC
+    else:
+        compressed = gzip_named(url)
+    if compressed:
         return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
     return stream
 
@@ -129,18 +232,22 @@ def tar_members(
 ) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
     (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each
-    device or FIFO (which hold no bytes).
+    device, FIFO or sparse file (which hold no bytes a sample could use).
 
     A regular member over `max_member_bytes` is read through in 1 MiB chunks and yielded as
     `TooLarge(size, max_member_bytes)` instead of its bytes, so one huge member cannot exhaust memory.
     `on_member(name, data_offset)`, if given, learns where each member's bytes start in the
-    (uncompressed) archive just before the member is yielded.
+    archive file, just before the member is yielded; a gzip inflater has no such offsets and
+    raises `TarError`.
     """
+    if on_member is not None and isinstance(stream, gzip.GzipFile):
+        raise TarError("bad_tar", "member offsets asked of a gzip-compressed shard: they are not file "
+                       "offsets (decompress it, or send its payloads inline)")
     read = stream.read
     # A mapped shard hands out a member and skips its padding in one call (`MappedShard.take`).
     take = getattr(stream, "take", None)
     offset = 0
-    long_name: str | None = None
+    after = _NOTHING  # what extended headers said about the next member
     name: str | None = None  # the member being read, for errors raised by the decompressor
     try:
         while True:
@@ -163,26 +270,27 @@ def tar_members(
                 raise TarError("bad_tar", f"header checksum mismatch at byte {offset}: not a tar, or corrupt")
             size = _number(header[124:136], offset)
             kind = header[156:157]
-            if kind in _REGULAR or kind in _LINKS or kind in _SPECIAL:
-                if long_name is not None:
-                    name, long_name = long_name, None
-                else:
-                    raw = header[:100].split(b"\0", 1)[0]
-                    if header[257:263] == b"ustar\0" and header[345] != 0:
-                        raw = header[345:500].split(b"\0", 1)[0] + b"/" + raw
-                    name = raw.decode("utf-8", "surrogateescape")
-            if name is None and kind in _META and size > _MAX_META:
-                raise TarError("bad_tar", f"extended header at byte {offset} declares {size} bytes")
+            if kind in _META:
+                if size > _MAX_META:
+                    raise TarError("bad_tar", f"extended header at byte {offset} declares {size} bytes")
+            elif after.size is not None:
+                size = after.size
+            special = _SPECIAL.get(kind) or (_SPARSE if after.sparse and kind in _REGULAR else None)
+            extensions = 0  # bytes of GNU sparse map blocks between the header and the member's bytes
+            if kind in _NAMED:
+                name = after.name if after.name is not None else _header_name(header)
+                if kind == b"S":
+                    extensions = _sparse_extensions(read, header, offset)
             pad = -size % _BLOCK
             padded = None  # padding bytes present, when read together with the member
             # Members nobody keeps (directories, links, oversized files) are read through, not held.
             if kind in _LINKS:
                 present = _skip_member(read, size)
-                data: bytes | TooLarge | Link | Special | memoryview = Link(
-                    header[157:257].split(b"\0", 1)[0].decode("utf-8", "surrogateescape"))
-            elif kind in _SPECIAL:
+                target = after.link if after.link is not None else _gnu_string(header[157:257])
+                data: bytes | TooLarge | Link | Special | memoryview = Link(target)
+            elif special is not None:
                 present = _skip_member(read, size)
-                data = Special(_SPECIAL[kind])
+                data = Special(special)
             elif kind not in _META if name is None else max_member_bytes is not None and size > max_member_bytes:
                 present = _skip_member(read, size)
                 data = TooLarge(size, max_member_bytes)
@@ -202,16 +310,21 @@ def tar_members(
                 raise TarError("truncated_tar", f"archive ends inside the padding of member at byte {offset}", name)
             if name is not None:
                 if on_member is not None:
-                    on_member(name, offset + _BLOCK)
-                offset += _BLOCK + size + pad
+                    on_member(name, offset + _BLOCK + extensions)
+                offset += _BLOCK + extensions + size + pad
+                after = _NOTHING
                 yield name, data
                 continue
+            if kind in _META and after is _NOTHING:
+                after = _Next()
             if kind == b"L":
-                long_name = bytes(data).split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+                after.name = _gnu_string(data)  # type: ignore[arg-type]
+            elif kind == b"K":
+                after.link = _gnu_string(data)  # type: ignore[arg-type]
             elif kind == b"x":
-                long_name = _pax_path(bytes(data), offset) or long_name
+                after.add_pax(bytes(data), offset)  # type: ignore[arg-type]
             elif kind in _SKIPPED:
-                long_name = None  # a long name applies to the very next member only
+                after = _NOTHING
             else:
                 raise TarError("bad_tar", f"unknown tar member type {kind!r} at byte {offset}")
             offset += _BLOCK + size + pad
