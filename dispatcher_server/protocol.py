@@ -14,6 +14,7 @@ are plain dicts checked against the schemas below on decode, so a peer can send 
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
@@ -31,7 +32,8 @@ import msgpack
 #: v6: END of a halted job says why (`message`), so the trainer's error names the cause.
 #:     A trainer's HELLO says `resume` when its next_step came from a checkpoint (optional,
 #:     no bump: an older dispatcher ignores it and checks nothing).
-VERSION = 6
+#: v7: a payload reference also holds its shard file's stamp as the reader read it (`pack_ref`).
+VERSION = 7
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -384,7 +386,23 @@ def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
                             f"hold {sum(p.nbytes for p in payloads)} in {len(payloads)} frames")
 
 
-_REF = struct.Struct("<QQ")  # member data offset in the shard file, member size
+# member data offset in the shard file, member size, the file's stamp as its reader read it
+_REF = struct.Struct("<QQQ")
+
+
+class Ref(NamedTuple):
+    path: bytes
+    offset: int
+    size: int
+    stamp: int  # file_stamp of the shard as its reader read it; 0: unknown (a remote object)
+
+
+def file_stamp(size: int, mtime_ns: int) -> int:
+    """A shard file's version as 64 bits, from its size and modification time (what any mount
+    of it reports alike; never 0): a reference is read only from the file its reader counted,
+    not from one replaced or rewritten since, whose bytes at the offset are others."""
+    digest = hashlib.blake2b(f"{size}:{mtime_ns}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
 
 
 def reference_path(url: str, mode: str = "reference") -> str:
@@ -407,23 +425,36 @@ def reference_path(url: str, mode: str = "reference") -> str:
         raise ValueError(f"--payloads {mode} needs shards on a filesystem the trainers mount; "
                          f"{url!r} is remote storage (use --payloads direct, where the readers "
                          f"serve its bytes, or --payloads inline)")
-    if path.endswith((".gz", ".tgz")):
+    name = path.split("?", 1)[0] if "://" in path else path  # a remote URL's query aside
+    if name.lower().endswith((".gz", ".tgz")):
         raise ValueError(f"--payloads {mode} needs uncompressed tars; {url!r} is gzip "
                          f"(its member offsets are not file offsets; use --payloads inline)")
     return path
 
 
-def pack_ref(path: bytes, offset: int, size: int) -> bytes:
-    """The payload standing for `size` bytes at `offset` of file `path` (reference mode)."""
-    return _REF.pack(offset, size) + path
+def pack_ref(path: bytes, offset: int, size: int, stamp: int = 0) -> bytes:
+    """The payload standing for `size` bytes at `offset` of file `path` (reference and direct
+    modes), read by its reader from the file version `stamp` (`file_stamp`; 0: unknown)."""
+    return _REF.pack(offset, size, stamp) + path
 
 
-def unpack_ref(ref: memoryview | bytes) -> tuple[bytes, int, int]:
-    """(path, offset, size) of a reference payload; ProtocolError if it is too short."""
+def unpack_ref(ref: memoryview | bytes) -> Ref:
+    """The fields of a reference payload; ProtocolError if it is too short."""
     if len(ref) <= _REF.size:
-        raise ProtocolError(f"a payload reference holds {len(ref)} bytes, not offset+size+path")
-    offset, size = _REF.unpack_from(ref)
-    return bytes(ref[_REF.size:]), offset, size
+        raise ProtocolError(f"a payload reference holds {len(ref)} bytes, not "
+                            "offset+size+stamp+path")
+    offset, size, stamp = _REF.unpack_from(ref)
+    return Ref(bytes(ref[_REF.size:]), offset, size, stamp)
+
+
+def check_stamp(ref: Ref, size: int, mtime_ns: int) -> None:
+    """OSError unless the file `ref` points into (now `size` bytes, modified at `mtime_ns`) is
+    the version its reader read; a reference of unknown version passes."""
+    if ref.stamp and file_stamp(size, mtime_ns) != ref.stamp:
+        raise OSError(f"shard {ref.path.decode(errors='replace')!r} changed on disk since its "
+                      f"reader read it (replaced or rewritten: it is {size} bytes, modified at "
+                      f"{mtime_ns / 1e9:.3f}): its bytes at the reader's offsets are others; "
+                      "leave shards in place while a job reads them")
 
 
 def refs_point_into(views: list, path: bytes) -> bool:

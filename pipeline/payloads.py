@@ -190,13 +190,13 @@ class PayloadServer:
         if cached is not None:
             self.num_served += 1
             return cached
-        path, offset, size = P.unpack_ref(ref)
+        path, offset, size, stamp = P.unpack_ref(ref)
         if path not in self.servable:
             raise ValueError(f"{path.decode(errors='replace')!r} is not a shard of this job")
         if size > P.DEFAULT_LIMITS.max_frame_bytes or offset >= 1 << 62:
             raise ValueError(f"{size} bytes at offset {offset} is no member of a shard")
         self.num_missed += 1
-        return read_range(path.decode("utf-8", "surrogateescape"), offset, size)
+        return read_range(path.decode("utf-8", "surrogateescape"), offset, size, stamp)
 
     def _send(self, ident: bytes, type_: str, **fields) -> None:
         self.sock.send_multipart([ident, *P.encode(type_, **fields)], copy=False)

@@ -41,7 +41,7 @@ from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, reader_config_from_args,
 )
 from pipeline.records import SampleRecord
-from pipeline.shards import reads_can_wait
+from pipeline.shards import reads_can_wait, stream_stamp
 from pipeline.tokenize import tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
@@ -104,6 +104,7 @@ class _Assignment:
     count: int = 0
     unsent: list = field(default_factory=list)  # P.SkipRecord not yet reported
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
+    stamp: int = 0  # that file's version as opened (protocol.file_stamp; 0: a remote object)
     ignored: Counter = field(default_factory=Counter)  # members no field map kind names
     # This shard's error counters: its reading thread's own (the worker's totals add them up
     # when it ends), so two shards read at once never share a run of consecutive errors.
@@ -122,15 +123,17 @@ class _Assignment:
 _MAX_TOKEN_BYTES = P.DEFAULT_LIMITS.max_header_bytes // 2
 
 
-def sample_header(rec: SampleRecord, ref_path: bytes | None = None) -> tuple[list, list]:
+def sample_header(rec: SampleRecord, ref_path: bytes | None = None,
+                  stamp: int = 0) -> tuple[list, list]:
     """(SAMPLES header entry, payload frames) of one record; payloads are the member buffers,
-    or with `ref_path` (reference payload mode) references to their bytes in that file."""
+    or with `ref_path` (reference and direct modes) references to their bytes in that file,
+    whose version (`protocol.file_stamp`) the reader read is `stamp`."""
     items = [[it.modality, it.member, int(it.enc_len), int(it.llm_len), dict(it.meta)]
              for it in rec.items]
     header = [rec.key, int(rec.index), int(rec.text_len), int(rec.llm_len),
               rec.tokens.to_wire(), items]
     if ref_path is not None:
-        return header, [P.pack_ref(ref_path, *rec.spans[it.member]) for it in rec.items]
+        return header, [P.pack_ref(ref_path, *rec.spans[it.member], stamp) for it in rec.items]
     return header, [rec.members[it.member] for it in rec.items]
 
 
@@ -259,10 +262,14 @@ class ReaderWorker:
         ahead = ReadAhead(stall_s=self.config.stall_s, threaded=reads_can_wait(msg["shard"]),
                           name=f"mmdispatch-read-{msg['assign_id']}")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=ahead, ref_path=ref_path)
+        def opened(stream):  # before any record: the version of the file its spans are in
+            a.stamp = stream_stamp(stream)
+            return ahead.watch(stream)
+
         records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
                              start_index=msg["start_index"], stats=a.stats,
                              spans=ref_path is not None, on_skip=ahead.skip, ignored=a.ignored,
-                             on_open=ahead.watch)
+                             on_open=opened if ref_path is not None else ahead.watch)
         if self.config.preprocess_on == "datanode":
             records = self._preprocessed(ahead.skip, a.stats, records)
         ahead.start(records)
@@ -338,7 +345,7 @@ class ReaderWorker:
                 if isinstance(entry, tuple):
                     a.skipped(*entry)
                     continue
-                h, f = sample_header(entry, a.ref_path)
+                h, f = sample_header(entry, a.ref_path, a.stamp)
                 if self.payloads == "direct":
                     self.payload_server.keep(f, [entry.members[it.member] for it in entry.items])
                 token_bytes += len(h[4])

@@ -9,15 +9,18 @@ is installed, and a data node must never load torch.
 from __future__ import annotations
 
 import glob
+import io
 import mmap
 import os
 import signal
+import stat
 import subprocess
 from collections.abc import Sequence
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import braceexpand
 
+from dispatcher_server.protocol import Ref, check_stamp, file_stamp
 from pipeline import remote
 from pipeline.tario import TarError, gzip_named
 
@@ -189,7 +192,8 @@ class MappedShard:
     def __init__(self, path: str) -> None:
         self._path = path
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            self.stat = os.fstat(f.fileno())  # the version mapped (stream_stamp)
+            size = self.stat.st_size
             # An empty file cannot be mapped; it reads as empty (an empty shard).
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
@@ -263,10 +267,23 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     return open(path, "rb", buffering=_READ_BUFFER)
 
 
-def read_range(url: str, offset: int, size: int) -> bytes:
+def stream_stamp(stream: Any) -> int:
+    """`protocol.file_stamp` of the local file an opened shard stream reads; 0 for a stream of
+    no file (a pipe, a remote object)."""
+    st = getattr(stream, "stat", None)
+    if st is None:
+        try:
+            st = os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+            return 0
+    return file_stamp(st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else 0
+
+
+def read_range(url: str, offset: int, size: int, stamp: int = 0) -> bytes:
     """`size` bytes at `offset` of the shard `url`: a local uncompressed tar, or a remote one by a
     ranged request (see protocol.reference_path). The one place payloads are read by offset
-    (`direct` mode). OSError naming the shard if it holds fewer."""
+    (`direct` mode). OSError naming the shard if it holds fewer, or if the local file is no
+    longer the version `stamp` (`protocol.file_stamp`; 0: not checked) its reader read."""
     if remote.scheme(url):
         data = remote.read_range(url, offset, size)
     else:
@@ -275,6 +292,9 @@ def read_range(url: str, offset: int, size: int) -> bytes:
             raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
+            st = os.fstat(fd)
+            check_stamp(Ref(url.encode("utf-8", "surrogateescape"), offset, size, stamp),
+                        st.st_size, st.st_mtime_ns)
             data = os.pread(fd, size, offset)
         finally:
             os.close(fd)

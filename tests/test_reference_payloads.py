@@ -62,7 +62,9 @@ def _wav(frames: int) -> bytes:
 
 def test_reference_path_and_ref_round_trip():
     ref = P.pack_ref(b"/data/a.tar", 1536, 70000)
-    assert P.unpack_ref(memoryview(ref)) == (b"/data/a.tar", 1536, 70000)
+    assert P.unpack_ref(memoryview(ref)) == (b"/data/a.tar", 1536, 70000, 0)  # version unknown
+    stamped = P.unpack_ref(P.pack_ref(b"/data/a.tar", 1536, 70000, P.file_stamp(4096, 7)))
+    assert stamped.stamp == P.file_stamp(4096, 7) != 0 and stamped.size == 70000
     assert P.refs_point_into([memoryview(ref)], b"/data/a.tar")
     assert not P.refs_point_into([memoryview(ref)], b"/data/b.tar")
     assert not P.refs_point_into([memoryview(ref[:-1])], b"/data/a.tar")
@@ -78,7 +80,7 @@ def test_reference_path_and_ref_round_trip():
         with pytest.raises(ValueError, match="--payloads direct.*--payloads inline"):
             P.reference_path(url, "direct")
     with pytest.raises(P.ProtocolError):
-        P.unpack_ref(b"\0" * 16)
+        P.unpack_ref(b"\0" * 24)
 
 
 def test_server_config_refuses_shards_trainers_cannot_read(shards):
@@ -190,3 +192,47 @@ def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path, mapped):
         files.read(memoryview(gone), [len(gone)])
     files.close()
     files.close()  # a second close (client teardown after an error) must not raise
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_shard_replaced_after_its_reader_read_it_is_refused_not_read(tmp_path, mapped):
+    """A shard replaced under the same name (os.replace; a longer file) was read at the old
+    offsets: other bytes, silently. References carry the version their reader read."""
+    import os
+
+    from pipeline.service import sample_header
+    from pipeline.shards import MappedShard, read_range, stream_stamp
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(png, "PNG")
+    path = tmp_path / "s.tar"
+    with tarfile.open(path, "w") as t:
+        for i in range(3):
+            info = tarfile.TarInfo(f"k{i}.png")
+            info.size = len(png.getvalue())
+            t.addfile(info, io.BytesIO(png.getvalue()))
+    shard = MappedShard(str(path))
+    stamp = stream_stamp(shard)
+    st = os.stat(path)
+    assert stamp == P.file_stamp(st.st_size, st.st_mtime_ns) != 0
+    rec = next(iter_shard(str(path), spans=True))
+    _, frames = sample_header(rec, str(path).encode(), stamp)
+    files = ShardFiles(mapped=mapped)
+    assert [bytes(v) for v in files.read(memoryview(frames[0]), [len(frames[0])])] == [png.getvalue()]
+    ref = P.unpack_ref(frames[0])
+    assert read_range(str(path), ref.offset, ref.size, ref.stamp) == png.getvalue()
+    new = tmp_path / "new.tar"
+    new.write_bytes(b"Z" * 8192)
+    os.replace(new, path)
+    if not mapped:  # a descriptor opened before still reads the version counted: its bytes
+        (held,) = files.read(memoryview(frames[0]), [len(frames[0])])
+        assert bytes(held) == png.getvalue()
+        files.close()
+        files = ShardFiles(mapped=mapped)
+    with pytest.raises(OSError, match=r"changed on disk since its reader read it"):
+        files.read(memoryview(frames[0]), [len(frames[0])])
+    with pytest.raises(OSError, match=r"changed on disk since its reader read it"):
+        read_range(str(path), ref.offset, ref.size, ref.stamp)  # a direct-mode cache miss
+    files.close()

@@ -72,7 +72,7 @@ def valid_messages() -> list[list[bytes]]:
         P.encode(P.COMMIT, step=3),
         _step_frames(),
         P.encode(P.READERS, readers=[["tcp://10.0.0.5:7000", ""]]),
-        P.encode(P.FETCH, frames=[P.pack_ref(b"/d/a.tar", 512, 3)], id=1, sizes=[19]),
+        P.encode(P.FETCH, frames=[P.pack_ref(b"/d/a.tar", 512, 3)], id=1, sizes=[32]),
         P.encode(P.PAYLOADS, frames=[b"abc"], id=1, sizes=[3]),
     ]
     return [[bytes(memoryview(f)) for f in m] for m in out]

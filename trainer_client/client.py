@@ -120,18 +120,27 @@ class ShardFiles:
         spans = [P.unpack_ref(r) for r in P.split_payload(refs, sizes)]
         if self.mapped:
             out, views = [], {}
-            for path, offset, n in spans:
+            for ref in spans:
+                path, offset, n, _ = ref
                 view = views.get(path)
                 if view is None:  # once per file and call: is the map still the file?
-                    view = views[path] = self._map(path)
+                    view, sig = self._map(path)
+                    views[path] = view
+                    P.check_stamp(ref, sig[1], sig[2])  # the version its reader counted
                 if offset + n > len(view):
                     self._changed(path, max(0, min(n, len(view) - offset)), n, offset)
                 out.append(view[offset:offset + n])
             return out
-        buf = memoryview(bytearray(sum(n for _, _, n in spans)))
-        out, at = [], 0
-        for path, offset, n in spans:
-            got = os.preadv(self._fd(path), [buf[at:at + n]], offset) if n else 0
+        buf = memoryview(bytearray(sum(ref.size for ref in spans)))
+        out, at, checked = [], 0, set()
+        for ref in spans:
+            path, offset, n, _ = ref
+            fd = self._fd(path)
+            if path not in checked:  # once per file and call
+                checked.add(path)
+                st = os.fstat(fd)
+                P.check_stamp(ref, st.st_size, st.st_mtime_ns)
+            got = os.preadv(fd, [buf[at:at + n]], offset) if n else 0
             if got != n:
                 self._changed(path, got, n, offset)
             out.append(buf[at:at + n])
@@ -143,9 +152,10 @@ class ShardFiles:
         raise OSError(f"shard {path.decode(errors='replace')!r} holds {got} of the {n} "
                       f"bytes at offset {offset} its reader counted: changed on disk?")
 
-    def _map(self, path: bytes) -> memoryview:
-        """The file mapped whole; mapped again if it was replaced or resized since (a map
-        longer than its file would hand out views that fault)."""
+    def _map(self, path: bytes) -> tuple[memoryview, tuple]:
+        """The file mapped whole, and its (inode, size, mtime) as mapped; mapped again if it
+        was replaced or resized since (a map longer than its file would hand out views that
+        fault)."""
         held = self._maps.pop(path, None)
         try:
             st = os.stat(path)
@@ -166,7 +176,7 @@ class ShardFiles:
                 self._maps.pop(next(iter(self._maps)))
             held = (view, sig)
         self._maps[path] = held
-        return held[0]
+        return held
 
     @staticmethod
     def _open(path: bytes) -> int:
