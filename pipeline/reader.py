@@ -22,7 +22,9 @@ from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
 from pipeline.shards import open_shard
-from pipeline.tario import Link, Special, TarError, TooLarge, open_decompressed, tar_members
+from pipeline.tario import (
+    Link, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
+)
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
 
@@ -405,7 +407,7 @@ def iter_shard(
     config = config or ReaderConfig()
     if start_index < 0:
         raise ValueError(f"start_index={start_index} must be >= 0")
-    if spans and url.endswith((".gz", ".tgz")):
+    if spans and gzip_named(url):
         raise ValueError(f"spans need an uncompressed shard; {url!r} is gzip")
     stats = stats if stats is not None else ErrorStats()
     policy = config.errors

@@ -284,7 +284,29 @@ def test_gzip_names_in_any_case_and_a_remote_query_aside():
 
 def test_member_offsets_of_a_gzip_shard_are_refused_not_made_up(tmp_path):
     """Payloads by reference read members at file offsets; an inflated stream has none."""
+    import gzip
+
+    from pipeline.tario import TarError, tar_members
+
     path = tmp_path / "C.TGZ"
     _write_tar(path, _texts("c"), mode="w:gz")
-    keys, stats = _read(str(path), spans=True)
-    assert keys == [] and stats.by_reason == {"bad_tar": 1} and "inline" in stats.recent[-1][3]
+    with pytest.raises(ValueError, match="spans need an uncompressed shard"):
+        _read(str(path), spans=True)  # the reader refuses before reading
+    with gzip.open(path) as inflated, pytest.raises(TarError, match="send its payloads inline"):
+        next(tar_members(inflated, on_member=lambda name, at: None))
+
+
+def test_payload_modes_refuse_a_gzip_shard_named_in_any_case():
+    """Reference and direct payloads point at file offsets, which a gzip shard's members have
+    none of: `.TGZ` (and a remote `.tar.gz?sig=...`) passed the start-up check."""
+    from dispatcher_server import protocol as P
+    from pipeline.reader import iter_shard
+
+    for url in ("/data/A.TGZ", "/data/b.Tar.Gz"):
+        with pytest.raises(ValueError, match="needs uncompressed tars"):
+            P.reference_path(url)
+        with pytest.raises(ValueError, match="spans need an uncompressed shard"):
+            next(iter_shard(url, spans=True))
+    with pytest.raises(ValueError, match="needs uncompressed tars"):
+        P.reference_path("https://host/c.tar.gz?sig=abc", "direct")
+    assert P.reference_path("https://host/c.tar?x=.tgz", "direct") == "https://host/c.tar?x=.tgz"
