@@ -410,6 +410,8 @@ class Counter:
                 "text_too_large", f"{what} holds {len(data)} bytes, over max_text_bytes={cfg.max_text_bytes}"
             )
         text = _utf8(data, what)
+        if text.startswith("\ufeff"):  # a byte-order mark (Windows editors) marks, it says nothing
+            text = text[1:]
         if not ((ext == "json") if as_json is None else as_json):
             return text
         try:
@@ -424,7 +426,8 @@ class Counter:
         if not isinstance(obj, dict):
             raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an "
                                          "object or a list of turns")
-        value = next((obj[f] for f in cfg.json_fields if f in obj), None)
+        # the first of the fields that holds something: {"text": "", "caption": "..."} is a caption
+        value = next((obj[f] for f in cfg.json_fields if obj.get(f) not in (None, "", [])), None)
         if value is None:
             return None
         if isinstance(value, str):

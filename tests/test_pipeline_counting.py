@@ -358,3 +358,14 @@ def test_a_whole_flacs_last_frame_is_vouched_and_no_cut_one_is(frames, channels,
     with pytest.raises(CountError) as err:
         counter.audio(data[:-7])
     assert err.value.reason == "bad_audio"
+
+
+def test_a_byte_order_mark_and_an_empty_first_field_do_not_lose_the_text():
+    """A JSON member saved with a BOM was bad_json, and {"text": "", "caption": ...} an empty
+    sample: the BOM is dropped (from plain text too) and the first field holding text counts."""
+    counter = Counter(CountingConfig())
+    bom = "\ufeff".encode()
+    assert counter.member_text(bom + b'{"caption": "a cat"}', "json", "k.json") == "a cat"
+    assert counter.member_text(bom + b"a cat", "txt", "k.txt") == "a cat"
+    assert counter.member_text(b'{"text": "", "caption": "a cat"}', "json", "k.json") == "a cat"
+    assert counter.member_text(b'{"text": "", "caption": ""}', "json", "k.json") is None
