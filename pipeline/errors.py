@@ -37,7 +37,7 @@ REASONS: dict[str, str] = {
     "bad_key": "a member name that is not UTF-8 (keys and names travel as UTF-8)",
     "link_member": "a member stored as a hard or symbolic link (tar's way to store a file linked "
                    "twice): the archive holds no bytes for it",
-    "special_member": "a member stored as a device or FIFO: the archive holds no bytes for it",
+    "special_member": "a member stored as a device, a FIFO or a sparse file: not a plain file's bytes",
     "member_too_large": "a member over ReaderConfig.max_member_bytes",
     "sample_too_large": "a sample whose members together exceed ReaderConfig.max_sample_bytes",
     "empty_sample": "no countable text, image, video or audio among the sample's members",

@@ -209,7 +209,7 @@ def group_samples(
                            "for it (write shards with tar --hard-dereference, or -h for symlinks)")
             elif isinstance(data, Special):
                 problem = ("special_member", f"member {printable_key(name)!r} is a {data.kind} in the "
-                           "tar, not a file: the archive holds no bytes for it")
+                           "tar, not a plain file")
             elif isinstance(data, TooLarge):
                 problem = ("member_too_large", f"member {printable_key(name)!r} holds {data.size} bytes, "
                            f"over max_member_bytes={data.limit} (see --max-member-bytes)")
