@@ -111,7 +111,7 @@ class StepBatch:
         replays only over the same samples counted the same way (readers restarted with other
         counting rules or another tokenizer send other lengths, which the plan would not fit)."""
         h = hashlib.blake2b(digest_size=16)
-        h.update("".join([k + "\0" for k in self.keys]).encode())
+        h.update(self._keys_bytes())
         columns = [self.inputs.text_len, self.inputs.llm_len]
         for phase in sorted(self.inputs.encoders):
             e = self.inputs.encoders[phase]
@@ -125,8 +125,12 @@ class StepBatch:
         """The digest journals kept before `DIGEST_PREFIX`: a hash of the keys alone, each
         followed by a NUL byte."""
         h = hashlib.blake2b(digest_size=16)
-        h.update("".join([k + "\0" for k in self.keys]).encode())
+        h.update(self._keys_bytes())
         return h.hexdigest()
+
+    def _keys_bytes(self) -> bytes:
+        """The keys, each followed by a NUL byte, as UTF-8 (one join: no string per key)."""
+        return ("\0".join(self.keys) + "\0").encode() if self.keys else b""
 
 
 def take(col: list, idx: list[int]) -> list:
