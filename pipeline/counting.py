@@ -448,8 +448,14 @@ def _sendable(text: str, what: str) -> str:
     return text
 
 
+#: Turn fields besides role and content that chat templates render (OpenAI-style tool use: an
+#: assistant's `tool_calls`, a tool reply's `tool_call_id` and `name`), passed through as given.
+_TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+
+
 def _turn(turn: object, what: str) -> dict:
-    """A conversation turn as {"role", "content"} strings, the form chat templates take."""
+    """A conversation turn as {"role", "content"} strings, the form chat templates take, with
+    its tool-use fields (`_TOOL_FIELDS`); an assistant turn of tool calls alone has content ""."""
     if not isinstance(turn, dict):
         raise CountError("bad_json", f"{what} conversation turn is a {type(turn).__name__}, expected an object")
     role, content = normalize_turn(turn)
@@ -457,9 +463,13 @@ def _turn(turn: object, what: str) -> dict:
         raise CountError("bad_json", f"{what} conversation turn has no role/from string")
     if isinstance(content, list):  # OpenAI-style parts: only text parts carry text tokens
         content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if content is None and turn.get("tool_calls"):
+        content = ""
     if not isinstance(content, str):
         raise CountError("bad_json", f"{what} conversation turn has no content/value text")
-    return {"role": role, "content": _sendable(content, what)}
+    out = {"role": role, "content": _sendable(content, what)}
+    out.update((k, turn[k]) for k in _TOOL_FIELDS if turn.get(k) is not None)
+    return out
 
 
 def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) -> int:

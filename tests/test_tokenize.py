@@ -413,3 +413,32 @@ def test_reply_roles_by_other_names_are_trained_on_and_a_conversation_without_on
             assert not enc.conversation([{"role": "user", "content": "hi"}]).mask.any()
     warned = [r.getMessage() for r in caplog.records if "conversation_without_targets" in r.getMessage()]
     assert len(warned) == 1 and "roles=user" in warned[0] and "'assistant'" in warned[0]
+
+
+def test_a_tool_call_turn_is_rendered_and_trained_on_not_refused():
+    """An OpenAI-style assistant turn of tool calls (content null) refused the whole sample as
+    bad_json; `tojson` renders as transformers' does (jinja2's escapes < > & ' for HTML)."""
+    from pipeline.counting import Counter, CountingConfig, TextConfig
+    from pipeline.tokenize import ChatTemplate
+
+    source = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}"
+              "{{ m['content'] }}{% endif %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+              "<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% endif %}<|im_end|>\n"
+              "{% endfor %}")
+    turns = [{"role": "user", "content": "weather in <Paris> & co?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"type": "function", "function": {"name": "get", "arguments": {"q": "<Paris>"}}}]},
+             {"role": "tool", "tool_call_id": "1", "name": "get", "content": "sunny"},
+             {"role": "assistant", "content": "Sunny."}]
+    from pipeline.counting import _turn
+
+    normalized = [_turn(t, "k.json") for t in turns]
+    assert normalized[1]["content"] == "" and normalized[2]["tool_call_id"] == "1"
+    enc = TextEncoder(ByteTokenizer(), ChatTemplate(source, name="tools"))
+    got = enc.conversation(normalized)
+    text = ByteTokenizer.decode(got.ids[got.mask == 1])
+    assert text == ('<tool_call>{"name": "get", "arguments": {"q": "<Paris>"}}</tool_call><|im_end|>\n'
+                    "Sunny.<|im_end|>\n")
+    assert got.ids.tolist() == ByteTokenizer().encode(enc.template.render(normalized)).tolist()
+    counter = Counter(CountingConfig(text=TextConfig()))
+    assert counter.member_text(json.dumps({"messages": turns}).encode(), "json", "k.json")[1]["tool_calls"]
