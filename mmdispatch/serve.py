@@ -11,6 +11,7 @@ import argparse
 import errno
 import json
 import logging
+import math
 import os
 import selectors
 import signal
@@ -398,10 +399,26 @@ def _probe(sources: list, max_samples: int, timeout_s: float) -> None:
             raise ValueError(problem)
 
 
+def _warn_unshuffled(config: ServerConfig) -> None:
+    """A source whose share of the shuffle buffer (buffer x weight) rounds to one sample is
+    read in order: said at start, with the buffer that would shuffle it."""
+    if config.shuffle_buffer <= 1:
+        return
+    for src, weight, block in zip(config.sources, config.weights, config.block_sizes):
+        if block <= 1:
+            enough = math.ceil(1.5 / weight - 1e-9)  # the smallest buffer whose share rounds to 2
+            enough += round(enough * weight) < 2
+            event("source_not_shuffled", logging.WARNING, source=src.name, weight=f"{weight:.3g}",
+                  shuffle_buffer=config.shuffle_buffer,
+                  fix=f"its share of the buffer is under 2 samples: --shuffle-buffer {enough} "
+                      "or more shuffles it")
+
+
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
     config = build_config(values)
+    _warn_unshuffled(config)
     if values["probe_samples"]:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])

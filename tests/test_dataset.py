@@ -338,3 +338,28 @@ def test_relative_shard_paths_are_sent_to_readers_as_the_dispatcher_resolves_the
             ["--shards", "d/a.tar", f"file:{tmp_path}/d/b.tar", "--world-size", "1",
              "--global-batch", "2", "--payloads", payloads])))
         assert config.sources[0].shards == [str(tmp_path / "d" / "a.tar"), str(tmp_path / "d" / "b.tar")]
+
+
+def test_a_source_too_light_for_its_share_of_the_shuffle_buffer_is_said_to_be_unshuffled(
+        tmp_path, caplog):
+    import argparse
+    import logging
+
+    from mmdispatch import serve
+
+    for name in ("a.tar", "b.tar"):
+        (tmp_path / name).write_bytes(b"")
+    path = _write(tmp_path, '[[sources]]\nname = "big"\nshards = "a.tar"\nweight = 1999\n'
+                            '[[sources]]\nname = "rare"\nshards = "b.tar"\nweight = 1\n')
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.build_config(serve.resolve(parser.parse_args(
+        ["--dataset", path, "--world-size", "1", "--global-batch", "8"])))
+    assert config.block_sizes == [1000, 1]
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        serve._warn_unshuffled(config)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "event=source_not_shuffled source=rare" in line
+    enough = int(line.split("--shuffle-buffer ")[1].split()[0])  # 3000, give or take round-off
+    w = config.weights[1]
+    assert abs(enough - 3000) <= 1 and round(enough * w) >= 2 > round((enough - 1) * w)
