@@ -270,8 +270,8 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
 def stream_stamp(stream: Any) -> int:
     """`protocol.file_stamp` of the local file an opened shard stream reads; 0 for a stream of
     no file (a pipe, a remote object)."""
-    st = getattr(stream, "stat", None)
-    if st is None:
+    st = getattr(stream, "stat", None)  # a MappedShard's, taken as it was mapped
+    if not isinstance(st, os.stat_result):
         try:
             st = os.fstat(stream.fileno())
         except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
