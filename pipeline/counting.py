@@ -469,6 +469,12 @@ def _turn(turn: object, what: str) -> dict:
         raise CountError("bad_json", f"{what} conversation turn has no content/value text")
     out = {"role": role, "content": _sendable(content, what)}
     out.update((k, turn[k]) for k in _TOOL_FIELDS if turn.get(k) is not None)
+    weight = turn.get("weight")
+    if weight is not None:  # ShareGPT's (axolotl's) per-turn weight: 0 leaves the turn untrained
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise CountError("bad_json", f"{what} conversation turn has weight {weight!r}, "
+                                         "expected a number >= 0")
+        out["weight"] = weight
     return out
 
 

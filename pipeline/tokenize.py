@@ -246,25 +246,29 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template {self.name!r} fails: {e}") from None
 
-    def segments(self, messages: list[dict]) -> list[tuple[str, int]]:
+    def segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None
+                 ) -> list[tuple[str, int]]:
         """The rendered conversation cut into (text, mask) pieces whose texts concatenate to
         `render(messages)`. An assistant turn is its header (mask 0), then its content and the
-        template's end-of-turn text after it (mask 1); every other piece has mask 0."""
+        template's end-of-turn text after it (mask 1); every other piece has mask 0, as has an
+        assistant turn whose `trained` entry is False (ShareGPT's per-turn weight 0)."""
         if self.chatml:
-            return _chatml_segments(messages)
-        return self._from_skeleton(messages) or self.rendered_segments(messages)
+            return _chatml_segments(messages, trained)
+        return (self._from_skeleton(messages, trained)
+                or self.rendered_segments(messages, trained))
 
-    def _from_skeleton(self, messages: list[dict]) -> list[tuple[str, int]] | None:
+    def _from_skeleton(self, messages: list[dict], trained: tuple[bool, ...] | None = None
+                       ) -> list[tuple[str, int]] | None:
         """`rendered_segments` in one render: the cut of a conversation with the same roles and
         a marker for each content (computed once per role sequence) with the contents put in,
         taken only if it renders exactly as the conversation does; else None. The general cut
         renders every prefix, quadratic in the turns (~0.13 ms for 6, ~0.8 ms for 20)."""
         if any(len(t) > 2 for t in messages):  # tool-use fields render per conversation
             return None
-        roles = tuple(t["role"] for t in messages)
+        roles = (tuple(t["role"] for t in messages), trained)
         skeleton = self._skeletons.get(roles, _UNCUT)
         if skeleton is _UNCUT:
-            skeleton = self._skeleton(messages)
+            skeleton = self._skeleton(messages, trained)
             if len(self._skeletons) >= _MAX_SKELETONS:
                 self._skeletons.clear()
             self._skeletons[roles] = skeleton
@@ -278,19 +282,22 @@ class ChatTemplate:
                 return [(t, m) for t, m in out if t]
         return None
 
-    def _skeleton(self, messages: list[dict]) -> list[tuple[list, int]] | None:
+    def _skeleton(self, messages: list[dict], trained: tuple[bool, ...] | None
+                  ) -> list[tuple[list, int]] | None:
         """The cut of `messages`' roles with marker contents, each piece as literal strings and
         turn indices (None: the template does not cut such a conversation)."""
         markers = [f"MMDISPATCHx{k}xTURNxMARKER" for k in range(len(messages))]
         try:
-            cut = self.rendered_segments([{**t, "content": m} for t, m in zip(messages, markers)])
+            cut = self.rendered_segments([{**t, "content": m} for t, m in zip(messages, markers)],
+                                         trained)
         except ChatTemplateError:
             return None
         split = re.compile("(" + "|".join(map(re.escape, markers)) + ")")
         index = {m: k for k, m in enumerate(markers)}
         return [([index.get(p, p) for p in split.split(text) if p], mask) for text, mask in cut]
 
-    def rendered_segments(self, messages: list[dict]) -> list[tuple[str, int]]:
+    def rendered_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None
+                          ) -> list[tuple[str, int]]:
         """`segments` for any template: each turn's text is what rendering the conversation up
         to it adds, and an assistant turn's content is located by rendering a sentinel in it."""
         out: list[tuple[str, int]] = []
@@ -301,7 +308,7 @@ class ChatTemplate:
                 raise ChatTemplateError(f"chat template {self.name!r} renders turn {k - 1} differently once "
                                         f"turn {k} follows: no exact per-turn mask exists")
             seg, before, prev = full[len(prev):], prev, full
-            if turn["role"] != ASSISTANT:
+            if turn["role"] != ASSISTANT or (trained is not None and not trained[k]):
                 out.append((seg, 0))
                 continue
             probe = self.render([*messages[:k], {**turn, "content": _SENTINEL}])
@@ -314,11 +321,12 @@ class ChatTemplate:
         return [(t, m) for t, m in out if t]
 
 
-def _chatml_segments(messages: list[dict]) -> list[tuple[str, int]]:
+def _chatml_segments(messages: list[dict], trained: tuple[bool, ...] | None = None
+                     ) -> list[tuple[str, int]]:
     out: list[tuple[str, int]] = []
-    for turn in messages:
+    for k, turn in enumerate(messages):
         role, content = turn["role"], turn["content"]
-        if role == ASSISTANT:
+        if role == ASSISTANT and (trained is None or trained[k]):
             out += [(f"<|im_start|>{role}\n", 0), (f"{content}<|im_end|>\n", 1)]
         else:
             out.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", 0))
@@ -401,11 +409,15 @@ class TextEncoder:
         tokenizer (Llama 2, Mistral, Gemma) starts every piece with a word boundary, and a merge
         can cross where two pieces meet. A token that straddles an assistant piece's edge is
         masked 1, as transformers' assistant-token mask does."""
-        segments = self.template.segments(turns)
+        trained = None
+        if any("weight" in t for t in turns):  # ShareGPT's per-turn weight: 0 trains not on it
+            trained = tuple(t.get("weight", 1) > 0 for t in turns)
+            turns = [{k: v for k, v in t.items() if k != "weight"} for t in turns]
+        segments = self.template.segments(turns, trained)
         if not segments:
             return TextTokens.empty()
         marks = np.array([m for _, m in segments], np.uint8)
-        if not marks.any() and not self._untrained_warned:
+        if all(t["role"] != ASSISTANT for t in turns) and not self._untrained_warned:
             self._untrained_warned = True  # once: a dataset's roles are the same throughout
             log.warning("mmdispatch event=conversation_without_targets roles=%s: no turn is an "
                         "%r one (or %s), so the sample trains on no token; name the reply "

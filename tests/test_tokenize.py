@@ -442,3 +442,26 @@ def test_a_tool_call_turn_is_rendered_and_trained_on_not_refused():
     assert got.ids.tolist() == ByteTokenizer().encode(enc.template.render(normalized)).tolist()
     counter = Counter(CountingConfig(text=TextConfig()))
     assert counter.member_text(json.dumps({"messages": turns}).encode(), "json", "k.json")[1]["tool_calls"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "llama3"])
+def test_a_turn_of_weight_zero_is_not_trained_on(template):
+    """ShareGPT's (axolotl's) per-turn `weight`: 0 keeps an assistant turn as context only;
+    it was ignored and the turn trained on."""
+    from pipeline.counting import _turn
+    from pipeline.tokenize import ChatTemplate
+
+    source = CHATML if template == "chatml" else _TEMPLATES["llama3"]
+    enc = TextEncoder(ByteTokenizer(), ChatTemplate(source, name=template))
+    raw = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "draft", "weight": 0},
+           {"from": "human", "value": "again"}, {"from": "gpt", "value": "final", "weight": 1}]
+    turns = [_turn(t, "k.json") for t in raw]
+    got = enc.conversation(turns)
+    targets = ByteTokenizer.decode(got.ids[got.mask == 1])
+    assert "final" in targets and "draft" not in targets
+    plain = enc.conversation([{k: v for k, v in t.items() if k != "weight"} for t in turns])
+    assert got.ids.tolist() == plain.ids.tolist()  # the text is the same, only the mask differs
+    assert "draft" in ByteTokenizer.decode(plain.ids[plain.mask == 1])
+    for bad in (-1, "0", True, float("nan")):
+        with pytest.raises(Exception, match="weight"):
+            _turn({"from": "gpt", "value": "x", "weight": bad}, "k.json")
