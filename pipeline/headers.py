@@ -381,7 +381,8 @@ def flac_last_frame_whole(data: bytes | memoryview) -> bool:
     min_block, _, _, max_frame = struct.unpack_from(">HH3s3s", data, 8)
     (packed,) = struct.unpack_from(">Q", data, 18)
     total = packed & ((1 << 36) - 1)
-    if total == 0 or min_block < 16:
+    bits = ((packed >> 36) & 0x1F) + 1
+    if total == 0 or min_block < 16 or bits > 24:  # 32-bit FLAC: whether it decodes, ask libsndfile
         return False
     window = int.from_bytes(max_frame, "big") or 1 << 20
     start = max(42, len(data) - window - 2)
