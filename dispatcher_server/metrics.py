@@ -7,6 +7,7 @@ line each, `mmdispatch event=NAME k=v ...`, so they grep and parse without a log
 
 from __future__ import annotations
 
+import errno
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -104,8 +105,14 @@ class Metrics:
             try:
                 self._server, _ = start_http_server(port, addr=host, registry=r)
             except OSError as e:
-                raise OSError(e.errno, f"metrics endpoint {host}:{port} cannot bind ({e.strerror}): "
-                                       f"choose another --metrics-port (0 turns metrics off)") from e
+                why = e.strerror or str(e)
+                if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                    fix = "choose another --metrics-port (0 turns metrics off)"
+                else:  # not an address of this machine, or not a host name at all
+                    fix = ("give --metrics-host an address of this machine (127.0.0.1, or "
+                           "0.0.0.0 for every interface)")
+                raise OSError(e.errno, f"metrics endpoint {host}:{port} cannot bind ({why}): "
+                                       f"{fix}") from e
             self.port = self._server.server_port
 
     def measured(self, summary: dict) -> None:
