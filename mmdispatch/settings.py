@@ -167,5 +167,22 @@ def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -
         if (action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)) \
                 and not isinstance(value, list):
             value = [value]
+        if isinstance(action, argparse._AppendAction):
+            # a repeatable flag replaces the file's list, as every other flag replaces its value
+            action.__class__ = _AppendOverFile
+            value = _FileList(value)
         action.required = False
         parser.set_defaults(**{dest: value})
+
+
+class _FileList(list):
+    """A repeatable option's values taken from a --config file."""
+
+
+class _AppendOverFile(argparse._AppendAction):
+    """`action="append"` whose first flag starts a new list instead of extending the file's."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(getattr(namespace, self.dest, None), _FileList):
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option_string)

@@ -65,6 +65,10 @@ def test_flags_win_over_the_file(tmp_path):
     assert (read.workers, read.patch_size, read.dispatcher) == (1, 14, "tcp://other:1")
     train = _parse("train", path, "--merge", "2")
     assert train.merge_size == 2
+    # a repeatable flag replaces the file's list (it was appended to it)
+    read = _parse("read", path, "--json-field", "text", "--json-field", "msg")
+    assert read.json_field == ["text", "msg"]
+    assert _parse("inspect", path, "--json-field", "text", "shard.tar").json_field == ["text"]
 
 
 def test_serve_resolves_file_then_flags(tmp_path):
