@@ -22,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 import zmq
 
@@ -491,6 +492,11 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                         ("--payload-advertise", args.payload_advertise)):
         if value:
             check_endpoint(flag, value)
+    port = urlsplit(args.payload_bind).port if args.payload_bind else None
+    if port and port + args.workers - 1 > 65535:  # worker k binds port + k
+        raise ValueError(f"--payload-bind {args.payload_bind} with --workers {args.workers}: worker "
+                         f"k binds port {port} + k, past 65535 for the last; give a port of at "
+                         f"most {65536 - args.workers}")
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     if args.stall_timeout <= 0:
@@ -590,6 +596,12 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 del procs[w]
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
+                    if p.exitcode > 0 and procs and not stopping.is_set():
+                        # it said why (one line): the others would read on short of a worker,
+                        # and `read` would run on with an exit status hiding the failure
+                        print(f"mmdispatch read: worker {w} failed; stopping the other workers",
+                              file=sys.stderr, flush=True)
+                        stopping.set()
                     continue
                 if time.monotonic() - started[w] >= RESTART_RESET_S:
                     restarts[w] = 0

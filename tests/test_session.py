@@ -530,3 +530,27 @@ def test_mmdispatch_read_starts_again_a_worker_the_kernel_killed_and_sigterm_sto
     assert "Bus error" in err  # the killed worker's own Python stack (faulthandler)
     for pid in workers:  # none left behind
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_fails_stops_mmdispatch_read_instead_of_reading_on_short_of_it():
+    """`read --workers 2` whose worker 0 is refused ran on with worker 1 alone, never exiting,
+    its status hiding the failure."""
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        try:
+            refused = False
+            deadline = time.monotonic() + 60
+            while proc.poll() is None and time.monotonic() < deadline:
+                msg = router.recv(1.0)
+                if msg is not None and msg.type == P.HELLO:
+                    router.welcome(msg)
+                    if not refused:  # the first worker to say HELLO is refused for good
+                        refused = True
+                        router.send(P.ERROR, code="version", message="protocol v1 is too old")
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert refused and proc.returncode == 1, err
+    assert "protocol v1 is too old" in err and "failed; stopping the other workers" in err
