@@ -95,6 +95,9 @@ class PeerSession:
         self.welcomed = False
         self.num_reconnects = 0
         self._heartbeat_s = config.heartbeat_s or 1.0
+        # Silence before reconnecting: `timeout_s`, or more once the dispatcher's WELCOME says it
+        # heartbeats more slowly (serve --heartbeat 6 made idle peers rejoin every 5 s).
+        self._silence_s = config.timeout_s
         self._seq = 0
         self._hello_seq = -1
         self._last_recv = self._last_sent = 0.0
@@ -198,7 +201,7 @@ class PeerSession:
                         return
             busy = self.role.tick(self)
             now = time.monotonic()
-            if now - self._last_recv > cfg.timeout_s:
+            if now - self._last_recv > self._silence_s:
                 return
             if not self.welcomed:
                 self._check_connect_timeout()
@@ -226,6 +229,8 @@ class PeerSession:
                 self.welcomed = True
                 if self.config.heartbeat_s is None:
                     self._heartbeat_s = float(msg["heartbeat_s"])
+                # three of the dispatcher's heartbeats may go by before it counts as silent
+                self._silence_s = max(self.config.timeout_s, 3.0 * float(msg["heartbeat_s"]))
                 self.role.on_welcome(self, msg)
             return True
         if msg.type == P.ERROR and msg["code"] == "unknown_peer":

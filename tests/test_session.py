@@ -554,3 +554,26 @@ def test_a_worker_that_fails_stops_mmdispatch_read_instead_of_reading_on_short_o
             proc.wait(10)
     assert refused and proc.returncode == 1, err
     assert "protocol v1 is too old" in err and "failed; stopping the other workers" in err
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_waits_out_a_slow_dispatcher_heartbeat_before_reconnecting():
+    """serve --heartbeat 6 beats more slowly than a peer's 5 s silence limit: idle readers
+    and trainers dropped and rejoined every 5 s. The limit now covers three of its beats."""
+    with ScriptedRouter() as router:
+        stop = threading.Event()
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=router.endpoint, name="r",
+                                                  timeout_s=1.0))
+        with _running(worker.run, stop) as (errors, thread):
+            router.welcome(router.expect(P.HELLO), heartbeat_s=1.5)  # silent up to 4.5 s
+            t0 = time.monotonic()
+            hello = None
+            while time.monotonic() - t0 < 3.5 and hello is None:
+                msg = router.recv(0.5, heartbeats=False)
+                hello = msg if msg is not None and msg.type == P.HELLO else None
+            assert hello is None, "reconnected within three of the dispatcher's heartbeats"
+            again = router.expect(P.HELLO, 5.0)  # silent past them: it does reconnect
+            assert time.monotonic() - t0 >= 4.0 and again is not None
+            stop.set()
+            thread.join(10)
+    assert not errors
