@@ -451,3 +451,41 @@ def test_a_checkpoint_of_another_model_shape_is_one_line_naming_the_flags(tmp_pa
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if "error:" in x]
     assert "was saved for another model" in line and "--hidden" in line and "size mismatch" in line
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_stopped_with_sigterm_says_bye():
+    """torchrun, Kubernetes and compose stop trainers with SIGTERM: the trainer died where the
+    signal found it, and the dispatcher noticed only at its timeout."""
+    import signal
+    import socket
+    import time
+
+    from dispatcher_server import protocol as P
+    from tests.servicekit import ScriptedRouter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    with ScriptedRouter() as router:
+        proc = subprocess.Popen([*TRAIN, "--dispatcher", router.endpoint], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            hello = router.expect(P.HELLO, 60.0)
+            router.welcome(hello, role="trainer", world_size=1, next_step=0, num_microbatches=1,
+                           payloads="inline")
+            time.sleep(1.0)  # welcomed: the loop waits for its first step
+            proc.send_signal(signal.SIGTERM)
+            bye, deadline = None, time.monotonic() + 10
+            while bye is None and time.monotonic() < deadline:  # credits come first
+                msg = router.recv(1.0)
+                bye = msg if msg is not None and msg.type == P.BYE else None
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert bye is not None and proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err, err

@@ -15,6 +15,7 @@ import io
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -327,7 +328,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     args = parser.parse_args(argv)
     setup_logging(args.log_format, args.log_level)
+    # torchrun, Kubernetes and compose stop a trainer with SIGTERM: unwind the loop, so the
+    # client says BYE (the dispatcher moves on at once, not after its timeout) and the process
+    # group ends, instead of dying where the signal found it.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     return run_reporting_errors(lambda: train(args), parser.prog, debug=args.debug)
+
+
+def _stop_on_sigterm(signum: int, _frame) -> None:
+    log.info("mmdispatch event=train_stopped signal=SIGTERM")
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
