@@ -124,7 +124,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 #: Exceptions whose message is written for the user (the rest are bugs and keep their traceback).
-_USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError"}
+_USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError", "FetchError"}
 
 
 def is_user_error(error: BaseException) -> bool:

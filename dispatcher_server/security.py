@@ -137,9 +137,10 @@ def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Th
                 count[key] = count.get(key, 0) + 1
                 now = time.monotonic()
                 if key not in last or now - last[key] >= every_s:
-                    log.warning("mmdispatch event=curve_handshake_failed endpoint=%s reason=%r failures=%d "
-                                "fix='readers and trainers need --curve-secret and --curve-server-key "
-                                "(the dispatcher's public key)'", endpoint, reason, count[key])
+                    log.warning("mmdispatch event=curve_handshake_failed endpoint=%s reason=%r "
+                                "failures=%d fix=%r", endpoint, reason, count[key],
+                                "readers and trainers need --curve-secret and --curve-server-key "
+                                "(the dispatcher's public key)")
                     last[key], count[key] = now, 0
         except zmq.ZMQError:  # the context is terminating
             return
@@ -159,8 +160,10 @@ class RefusalLog:
     """
 
     def __init__(self, *, burst: int = 10, window_s: float = 60.0, max_remembered: int = 4096,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, allow_list: str = "the dispatcher's --curve-allowed-dir"
+                 ) -> None:
         self.burst, self.window_s, self.max_remembered, self.clock = burst, window_s, max_remembered, clock
+        self.allow_list = allow_list  # where the refusing socket's allowed keys come from
         self.seen: set[tuple[str, str]] = set()
         self.window_start = clock()
         self.written = 0
@@ -182,18 +185,18 @@ class RefusalLog:
         self.written += 1
         more = f" suppressed_since_last={self.suppressed}" if self.suppressed else ""
         self.suppressed = 0
-        log.warning("mmdispatch event=curve_peer_refused address=%s key=%s reason=%r%s fix='copy the "
-                    "peer's NAME.key into the dispatcher's --curve-allowed-dir, or give the peer a key "
-                    "pair that is there'", address, key, reason, more)
+        log.warning("mmdispatch event=curve_peer_refused address=%s key=%s reason=%r%s fix=%r",
+                    address, key, reason, more, f"copy the peer's NAME.key into {self.allow_list}, "
+                                                "or give the peer a key pair that is there")
         return True
 
 
 class _LoggingAuthenticator(ThreadAuthenticator):
     """pyzmq's ZAP thread, reporting the peers it refuses."""
 
-    def __init__(self, context: zmq.Context) -> None:
+    def __init__(self, context: zmq.Context, allow_list: str) -> None:
         super().__init__(context)
-        self.refusals = RefusalLog()
+        self.refusals = RefusalLog(allow_list=allow_list)
         self._address = ""
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
@@ -208,14 +211,17 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         return allowed, reason
 
 
-def start_authenticator(context: zmq.Context, allowed_keys_dir: str) -> ThreadAuthenticator:
-    """ZAP handler that admits only clients whose public key is in `allowed_keys_dir`."""
+def start_authenticator(context: zmq.Context, allowed_keys_dir: str, *,
+                        allow_list: str = "the dispatcher's --curve-allowed-dir",
+                        peers: str = "readers' and trainers'") -> ThreadAuthenticator:
+    """ZAP handler that admits only clients whose public key is in `allowed_keys_dir` (named
+    `allow_list` in the fixes it logs; `peers`: whose NAME.key files belong there)."""
     if not os.path.isdir(allowed_keys_dir):
         raise ValueError(f"allowed keys directory {allowed_keys_dir!r} does not exist")
     if not any(name.endswith(".key") for name in os.listdir(allowed_keys_dir)):
-        log.warning("mmdispatch event=curve_no_allowed_keys dir=%s fix='copy the readers' and trainers' "
-                    "NAME.key files there: every peer will be refused'", allowed_keys_dir)
-    auth = _LoggingAuthenticator(context)
+        log.warning("mmdispatch event=curve_no_allowed_keys dir=%s fix=%r", allowed_keys_dir,
+                    f"copy the {peers} NAME.key files there: every peer will be refused")
+    auth = _LoggingAuthenticator(context, allow_list)
     auth.start()
     auth.configure_curve(domain="*", location=allowed_keys_dir)
     return auth

@@ -133,7 +133,9 @@ class PayloadServer:
                 if not allowed_dir:
                     raise ValueError("CurveZMQ payload sockets need --payload-allowed-dir (the "
                                      "trainers' public NAME.key files)")
-                self._auth = start_authenticator(self.ctx, allowed_dir)
+                self._auth = start_authenticator(self.ctx, allowed_dir,
+                                                 allow_list="this reader's --payload-allowed-dir",
+                                                 peers="trainers'")
                 self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
             self.sock.bind(bind)
         except BaseException:

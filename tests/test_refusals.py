@@ -104,3 +104,27 @@ def test_keygen_replaces_a_pair_only_when_forced(tmp_path):
     assert open(public).read() == before
     create_keypair(str(tmp_path), "reader", force=True)
     assert open(public).read() != before
+
+
+def test_a_refusal_names_the_allow_list_of_the_socket_that_refused_and_stays_whole_in_json(caplog):
+    """A reader's payload socket refused with the dispatcher's fix; and JSON logs cut every fix
+    at its first apostrophe ("the peer's")."""
+    import json
+
+    from dispatcher_server.cliopts import JsonFormatter
+
+    refusals = RefusalLog(allow_list="this reader's --payload-allowed-dir")
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.security"):
+        assert refusals.refused("10.0.0.1", "KEYA", "Unknown key")
+    record = caplog.records[-1]
+    fix = json.loads(JsonFormatter().format(record))["fix"]
+    assert fix == ("copy the peer's NAME.key into this reader's --payload-allowed-dir, or give the "
+                   "peer a key pair that is there")
+
+
+def test_a_payload_fetch_that_fails_is_a_one_line_error_of_the_trainer():
+    """`trainer_client.train` died with 15 frames of traceback over a FetchError."""
+    from dispatcher_server.cliopts import is_user_error
+    from trainer_client.fetch import FetchError
+
+    assert is_user_error(FetchError("payloads of shard(s) a.tar could not be fetched"))

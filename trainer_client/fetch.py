@@ -241,8 +241,14 @@ class PayloadFetcher:
         req.tried.append((req.endpoint.endpoint, why))
         c = self.config
         if len(req.tried) >= c.attempts:
+            hint = ""
+            if self.curve is not None and all("no answer" in w for _, w in req.tried):
+                # a CURVE socket drops a client whose key it does not allow, without a word
+                hint = ("; with CurveZMQ, a reader that never answers may not allow this "
+                        "trainer's key: its public NAME.key belongs in every reader's "
+                        "--payload-allowed-dir")
             raise FetchError(f"payloads of shard(s) {_shards(req.refs)} could not be fetched "
-                             f"from any reader (tried {_tried(req)})")
+                             f"from any reader (tried {_tried(req)}){hint}")
         self.num_retries += 1
         req.endpoint = self._next_reader(req)
         req.not_before = time.monotonic() + min(c.backoff_max_s,
