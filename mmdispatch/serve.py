@@ -414,11 +414,18 @@ def _warn_unshuffled(config: ServerConfig) -> None:
                       "or more shuffles it")
 
 
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
     config = build_config(values)
     _warn_unshuffled(config)
+    # Until the dispatcher serves (and stops on SIGTERM by itself), SIGTERM unwinds the start:
+    # the probe ends the shard commands it started, instead of leaving them orphaned.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if values["probe_samples"]:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])

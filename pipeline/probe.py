@@ -106,12 +106,15 @@ def probe_within(urls: Sequence[str], reader_config: ReaderConfig, *, timeout_s:
     worker = threading.Thread(target=probe_source, args=(urls, reader_config),
                               kwargs={**limits, "into": result}, daemon=True, name="mmdispatch-probe")
     worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        result.timed_out = True
-        kill = getattr(result.reading, "kill", None)
-        if kill is not None:
-            kill()
+    try:
+        worker.join(timeout_s)
+    finally:  # past the limit, or the caller stopped (SIGTERM, Ctrl-C): no command outlives it
+        # (after a join an exception interrupted, is_alive() says False: the open stream tells)
+        if worker.is_alive() or result.reading is not None:
+            result.timed_out = True
+            kill = getattr(result.reading, "kill", None)
+            if kill is not None:
+                kill()
     return result
 
 

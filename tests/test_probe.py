@@ -149,3 +149,35 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"  # a zombie has exited
     except (FileNotFoundError, ProcessLookupError):  # gone, or reaped between open and read
         return False
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_stopped_by_a_signal_ends_the_shard_command_it_started(tmp_path):
+    """SIGTERM to serve during its start-up probe of a pipe: shard left the command running,
+    orphaned (and an interrupted join says the probe's thread is no longer alive)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+
+    from pipeline.probe import probe_within
+    from pipeline.reader import ReaderConfig
+
+    marker = tmp_path / "started"
+    command = f"pipe:touch {marker}; exec sleep 97"
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        timer.start()
+        with pytest.raises(SystemExit):
+            probe_within([command], ReaderConfig(keep_members=False), timeout_s=30, max_samples=4)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGTERM, old)
+    assert marker.exists()
+    left = subprocess.run(["pgrep", "-f", "sleep 97"], capture_output=True, text=True).stdout.split()
+    assert not left, f"shard command still running: {left}"
