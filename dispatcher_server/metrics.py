@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 log = logging.getLogger("mmdispatch.server")
 
 
+#: Error lines of one kind logged a minute at most (`Metrics.error`; the counter counts all).
+ERROR_LINES_PER_MINUTE = 20
 #: Characters of one logged value past which it is cut (a sample key can be any length).
 MAX_FIELD_CHARS = 1000
 
@@ -101,6 +104,7 @@ class Metrics:
                             for role in ("reader", "trainer") for d in ("in", "out")}
         self.port = 0
         self._server = None
+        self._error_lines: dict[str, tuple[float, int, int]] = {}  # kind -> (since, logged, held)
         if port:
             try:
                 self._server, _ = start_http_server(port, addr=host, registry=r)
@@ -128,8 +132,20 @@ class Metrics:
         self.members_ignored.labels(source, suffix).inc(count)
 
     def error(self, kind: str, /, **fields) -> None:
+        """Count an error by kind, and log it: every one of a kind up to ERROR_LINES_PER_MINUTE
+        a minute, then none until the minute is over (the next line says how many were not
+        logged): one peer sending garbage must not flood the log."""
         self.errors.labels(kind).inc()
-        event("error", logging.WARNING, kind=kind, **fields)
+        now = time.monotonic()
+        start, logged, held = self._error_lines.get(kind, (now, 0, 0))
+        if now - start >= 60.0:
+            start, logged = now, 0
+        if logged >= ERROR_LINES_PER_MINUTE:
+            self._error_lines[kind] = (start, logged, held + 1)
+            return
+        self._error_lines[kind] = (start, logged + 1, 0)
+        more = {"not_logged_before": held} if held else {}
+        event("error", logging.WARNING, kind=kind, **fields, **more)
 
     def close(self) -> None:
         if self._server is not None:

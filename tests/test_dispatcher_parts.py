@@ -210,3 +210,25 @@ def test_delivery_counts_connected_ranks_through_reconnects():
     d.disconnect(d.slots[1])  # twice: counted once
     d.disconnect(d.slots[3])  # never connected
     assert d.connected() == 1 == sum(s.ident is not None for s in d.slots)
+
+
+def test_errors_of_one_kind_are_all_counted_but_logged_at_a_bounded_rate(caplog, monkeypatch):
+    """5,000 malformed frames from one peer were 5,000 warning lines (625 KB of log)."""
+    import logging
+
+    from dispatcher_server import metrics as M
+
+    now = [0.0]
+    monkeypatch.setattr(M.time, "monotonic", lambda: now[0])
+    m = M.Metrics()
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.server"):
+        for _ in range(5000):
+            m.error("malformed", role="trainer")
+        m.error("inputs", role="reader")  # another kind is logged as ever
+        now[0] = 61.0
+        m.error("malformed", role="trainer")
+    lines = [r.getMessage() for r in caplog.records]
+    assert m.registry.get_sample_value("mmdispatch_errors_total", {"kind": "malformed"}) == 5001
+    assert sum("kind=malformed" in x for x in lines) == M.ERROR_LINES_PER_MINUTE + 1
+    assert any("kind=inputs" in x for x in lines)
+    assert f"not_logged_before={5000 - M.ERROR_LINES_PER_MINUTE}" in lines[-1]
