@@ -427,7 +427,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
     parser.add_argument("--name", default="",
                         help="name shown in the dispatcher's logs, with /WORKER added (default: "
-                             "this host's name)")
+                             "this host's name and the read process's id, HOST:PID)")
     parser.add_argument("--batch", type=int, default=_DEFAULTS.batch, help="most samples per message")
     parser.add_argument("--prefetch-shards", type=int, default=_DEFAULTS.prefetch_shards,
                         help="shards held assigned beyond the one being read, so the next starts "
@@ -565,6 +565,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mmdispatch read: error: {e}", file=sys.stderr)
         return 2
+    if not args.name:  # two `read`s on one host must not both log as HOST/0
+        args.name = f"{os.uname().nodename}:{os.getpid()}"
     if args.workers == 1:
         return _worker_main(args, 0)
     return _supervise(args, multiprocessing.get_context("spawn"))

@@ -577,3 +577,17 @@ def test_a_peer_waits_out_a_slow_dispatcher_heartbeat_before_reconnecting():
             stop.set()
             thread.join(10)
     assert not errors
+
+
+@pytest.mark.timeout(60)
+def test_two_reads_on_one_host_have_names_the_dispatcher_tells_apart():
+    """Both named HOST/0 by default: the dispatcher's joined/left lines could not tell them apart."""
+    with ScriptedRouter() as router:
+        procs = [_read_process(router.endpoint) for _ in range(2)]
+        try:
+            names = {router.expect(P.HELLO, 30.0)["name"] for _ in procs}
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait(10)
+    assert names == {f"{os.uname().nodename}:{p.pid}/0" for p in procs}
