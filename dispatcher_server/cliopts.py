@@ -196,15 +196,31 @@ def check_endpoint(flag: str, address: str) -> str:
     return address
 
 
+def say(line: str, log_format: str | None = None, *, level: str = "ERROR") -> None:
+    """One line for the operator on stderr: under `--log-format json` (given, or else the
+    format logging was set up with) a JSON object like every log line, so a collector parses
+    the line that matters most."""
+    if log_format is None:
+        log_format = "json" if any(isinstance(h.formatter, JsonFormatter) and
+                                   getattr(h, "mmdispatch", False)
+                                   for h in logging.getLogger().handlers) else "text"
+    if log_format == "json":
+        now = time.time()
+        line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+                           + f".{int(now * 1000) % 1000:03d}Z", "level": level,
+                           "logger": "mmdispatch", "message": line})
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_reporting_errors(fn, prog: str, *, debug: bool = False) -> int:
     """`fn()`, with a user mistake turned into one line `PROG: error: ...` and exit status 2."""
     try:
         return int(fn() or 0)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        say(f"{prog}: interrupted")
         return 130
     except Exception as e:  # noqa: BLE001 - sorted into user mistakes and bugs just below
         if debug or not is_user_error(e):
             raise
-        print(f"{prog}: error: {user_message(e)}", file=sys.stderr)
+        say(f"{prog}: error: {user_message(e)}")
         return 2

@@ -23,7 +23,7 @@ import zmq
 
 from dispatcher_server.cliopts import (
     LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
-    finite_float, named_by_flags, setup_logging,
+    finite_float, named_by_flags, say, setup_logging,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -449,6 +449,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: server.stop_soon())
     server.run(until_done=values["exit_when_done"])
     if server.fatal is not None:
-        print(f"mmdispatch serve: stopped: {server.fatal}", file=sys.stderr)
+        say(f"mmdispatch serve: stopped: {server.fatal}")
         return 1  # not 2: the settings were fine, the run could not go on
     return 0

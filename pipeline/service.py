@@ -30,7 +30,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import (
-    MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, setup_logging,
+    MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, say, setup_logging,
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
@@ -536,7 +536,7 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
-        print(f"mmdispatch read: worker {worker}: {e}", file=sys.stderr, flush=True)
+        say(f"mmdispatch read: worker {worker}: {e}", getattr(args, "log_format", "text"))
         return 1
     return 0
 
@@ -563,7 +563,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config_from_args(args).session()  # validate before forking
     except ValueError as e:
-        print(f"mmdispatch read: error: {e}", file=sys.stderr)
+        say(f"mmdispatch read: error: {e}", getattr(args, "log_format", "text"))
         return 2
     if not args.name:  # two `read`s on one host must not both log as HOST/0
         args.name = f"{os.uname().nodename}:{os.getpid()}"
@@ -601,8 +601,8 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure
-                        print(f"mmdispatch read: worker {w} failed; stopping the other workers",
-                              file=sys.stderr, flush=True)
+                        say(f"mmdispatch read: worker {w} failed; stopping the other workers",
+                            getattr(args, "log_format", "text"))
                         stopping.set()
                     continue
                 if time.monotonic() - started[w] >= RESTART_RESET_S:
@@ -610,13 +610,12 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 sig = signal.Signals(-p.exitcode)
                 killed = f"mmdispatch read: worker {w} was killed by {sig.name}{_HINTS.get(sig, '')}"
                 if restarts[w] >= MAX_RESTARTS:
-                    print(f"{killed}; {MAX_RESTARTS} times in a row, not started again",
-                          file=sys.stderr, flush=True)
+                    say(f"{killed}; {MAX_RESTARTS} times in a row, not started again", getattr(args, "log_format", "text"))
                     codes.append(1)
                     continue
                 restarts[w] += 1
-                print(f"{killed}; starting it again ({restarts[w]}/{MAX_RESTARTS})",
-                      file=sys.stderr, flush=True)
+                say(f"{killed}; starting it again ({restarts[w]}/{MAX_RESTARTS})", getattr(args, "log_format", "text"),
+                    level="WARNING")
                 procs[w] = start(w)
     finally:
         for p in procs.values():
@@ -627,8 +626,8 @@ def _supervise(args: argparse.Namespace, mp) -> int:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-                print(f"mmdispatch read: worker {w} did not stop within 10 s of SIGTERM (a "
-                      "stopped or hung process?); killed", file=sys.stderr, flush=True)
+                say(f"mmdispatch read: worker {w} did not stop within 10 s of SIGTERM (a "
+                    "stopped or hung process?); killed", getattr(args, "log_format", "text"))
                 codes.append(1)
                 continue
             codes.append(max(p.exitcode or 0, 0))

@@ -147,6 +147,18 @@ def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
     records = [json.loads(line) for line in logged]
     assert all(r["level"] == "WARNING" and "bad.tar" in r["message"] for r in records)
     assert json.loads(out.stdout)["bad_shards"][0]["by_reason"] == {"bad_image": 3}
+    # the line that ends a command, a mistake's included, is JSON too (it was plain text)
+    for argv in (["serve", "--log-format", "json", "--shards", str(tmp_path / "none.tar"),
+                  "--world-size", "1", "--global-batch", "8"],
+                 ["read", "--log-format", "json", "--dispatcher", "tcp://127.0.0.1:1",
+                  "--connect-timeout", "1", "--workers", "2"]):
+        out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", *argv], capture_output=True,
+                             text=True, timeout=60, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+        lines = out.stderr.splitlines()
+        assert out.returncode != 0 and lines, out.stderr
+        records = [json.loads(line) for line in lines]  # every line parses
+        assert any(r["level"] == "ERROR" and ("error:" in r["message"] or "worker 0" in r["message"])
+                   for r in records)
 
 
 @pytest.mark.timeout(120)
