@@ -144,6 +144,9 @@ def user_message(error: BaseException) -> str:
         return f"{text}: another process holds that port; choose another one (port 0 lets the OS pick)"
     if isinstance(error, zmq.ZMQError) and error.errno == errno.EINVAL and "addr=" in text:
         return f"{text}: an endpoint looks like tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555)"
+    if isinstance(error, zmq.ZMQError) and error.errno == errno.EADDRNOTAVAIL:
+        return (f"{text}: that host is no address of this machine; bind to one of its own "
+                "(tcp://0.0.0.0:PORT for every interface)")
     if isinstance(error, UnicodeDecodeError):
         return f"{text} (the file is binary, not text)"
     return text
@@ -182,12 +185,20 @@ def finite_float(text: str) -> float:
     return value
 
 
+#: Transports a ZeroMQ endpoint may name (tcp is the one across machines).
+ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
 def check_endpoint(flag: str, address: str) -> str:
     """`address` if it names a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH...), else a ValueError
     naming the flag and the form."""
     if "://" not in address:
         raise ValueError(f"{flag} {address!r}: an endpoint looks like tcp://HOST:PORT "
                          "(e.g. tcp://10.0.0.5:5555)")
+    scheme = address.split("://", 1)[0]
+    if scheme not in ZMQ_TRANSPORTS:
+        raise ValueError(f"{flag} {address!r}: ZeroMQ speaks {', '.join(ZMQ_TRANSPORTS)}, not "
+                         f"{scheme}; an endpoint looks like tcp://HOST:PORT")
     port = address.rsplit(":", 1)[-1]
     # ZeroMQ takes a port past 65535 modulo 65536: tcp://host:99999 would bind or reach 34463.
     if address.startswith("tcp://") and port.lstrip("-").isdigit() and not 0 <= int(port) <= 65535:

@@ -36,7 +36,13 @@ def create_keypair(directory: str, name: str, *, force: bool = False) -> tuple[s
     if existing and not force:
         raise ValueError(f"{existing[0]} already exists: pass --force to replace the key pair (peers "
                          f"that trust the old public key will be refused), or choose another NAME")
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"--dir {directory!r} is a file: give the directory to write the key "
+                         "files into")
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--dir {directory!r} cannot be created ({e.strerror})") from None
     # pyzmq writes the files with the process umask: the secret would be readable by others
     # until the chmod below; an owner-only umask closes that window.
     umask = os.umask(0o077)

@@ -287,6 +287,12 @@ def _check_flags(v: dict) -> None:
     if journal and os.path.exists(journal) and not os.path.isdir(journal):
         raise ValueError(f"--journal-dir {journal!r} is not a directory: give the directory the "
                          f"journal lives in (created if missing)")
+    if journal and not os.path.isdir(journal):
+        try:
+            os.makedirs(journal, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--journal-dir {journal!r} cannot be created ({e.strerror}): give a "
+                             "directory the dispatcher can write") from None
     check_endpoint("--reader-bind", v["reader_bind"])
     check_endpoint("--trainer-bind", v["trainer_bind"])
     if not 0 <= v["metrics_port"] <= 65535:
