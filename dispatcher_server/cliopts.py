@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -54,12 +55,17 @@ def add_logging_arguments(parser: argparse.ArgumentParser) -> None:
                            help="show Python tracebacks instead of one-line error messages")
 
 
+def _utc(seconds: float) -> str:
+    """A JSON log line's time: UTC, to the millisecond."""
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+            + f".{int(seconds * 1000) % 1000:03d}Z")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
-        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                       + f".{int(record.msecs):03d}Z",
-               "level": record.levelname, "logger": record.name, "message": message}
+        out = {"time": _utc(record.created), "level": record.levelname, "logger": record.name,
+               "message": message}
         if message.startswith("mmdispatch "):
             for key, value in _FIELD.findall(message):
                 out.setdefault(key, value.strip("'\""))
@@ -207,6 +213,18 @@ def check_endpoint(flag: str, address: str) -> str:
     return address
 
 
+def unwind_on_sigterm(note: str | None = None) -> None:
+    """SIGTERM raises SystemExit(143) in the main thread (logging `note` first): `finally`
+    blocks run (a client says BYE, a probe ends its shard command) where the default action
+    would kill the process wherever the signal found it."""
+    def handler(signum: int, _frame) -> None:
+        if note:
+            logging.getLogger("mmdispatch").info(note)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def say(line: str, log_format: str | None = None, *, level: str = "ERROR") -> None:
     """One line for the operator on stderr: under `--log-format json` (given, or else the
     format logging was set up with) a JSON object like every log line, so a collector parses
@@ -216,10 +234,8 @@ def say(line: str, log_format: str | None = None, *, level: str = "ERROR") -> No
                                    getattr(h, "mmdispatch", False)
                                    for h in logging.getLogger().handlers) else "text"
     if log_format == "json":
-        now = time.time()
-        line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
-                           + f".{int(now * 1000) % 1000:03d}Z", "level": level,
-                           "logger": "mmdispatch", "message": line})
+        line = json.dumps({"time": _utc(time.time()), "level": level, "logger": "mmdispatch",
+                           "message": line})
     print(line, file=sys.stderr, flush=True)
 
 

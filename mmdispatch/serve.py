@@ -23,7 +23,7 @@ import zmq
 
 from dispatcher_server.cliopts import (
     LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
-    finite_float, named_by_flags, say, setup_logging,
+    finite_float, named_by_flags, say, setup_logging, unwind_on_sigterm,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -39,7 +39,7 @@ from dispatcher_server.measure import RefitConfig
 from dispatcher_server.metrics import event
 from dispatcher_server.server import Dispatcher
 from mmdispatch.dataset import load_dataset
-from pipeline.shards import expand_shards
+from pipeline.shards import absolute_url, expand_shards
 
 #: dest -> (flag type, default, help). Defaults live here, not in argparse, so TOML can fill gaps.
 OPTIONS: dict[str, tuple[object, object, str]] = {
@@ -316,15 +316,6 @@ def build_config(v: dict) -> ServerConfig:
         return _build_config(v)
 
 
-def _absolute(url: str) -> str:
-    """A local shard path made absolute (a `file:` URL's path too); URLs and pipes as given."""
-    if url.startswith("pipe:") or ("://" in url and not url.startswith("file://")):
-        return url
-    path = url[len("file://"):] if url.startswith("file://") else url
-    path = path[len("file:"):] if path.startswith("file:") else path
-    return os.path.abspath(path)
-
-
 def _build_config(v: dict) -> ServerConfig:
     _check_flags(v)
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
@@ -339,7 +330,7 @@ def _build_config(v: dict) -> ServerConfig:
     # Readers (and trainers, with reference payloads) open these paths from their own
     # working directories: a relative one means the dispatcher's, as a dataset file's do.
     for src in sources:
-        src.shards = [_absolute(u) for u in src.shards]
+        src.shards = [absolute_url(u) for u in src.shards]
     return ServerConfig(
         sources=sources, shuffle_buffer=shuffle, world_size=v["world_size"],
         ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],
@@ -420,10 +411,6 @@ def _warn_unshuffled(config: ServerConfig) -> None:
                       "or more shuffles it")
 
 
-def _exit_on_sigterm(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
@@ -431,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     _warn_unshuffled(config)
     # Until the dispatcher serves (and stops on SIGTERM by itself), SIGTERM unwinds the start:
     # the probe ends the shard commands it started, instead of leaving them orphaned.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    unwind_on_sigterm()
     if values["probe_samples"]:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])

@@ -34,6 +34,15 @@ _READ_BUFFER = 1 << 20
 _SMALL_READ = 4096
 
 
+def absolute_url(url: str) -> str:
+    """A local shard's path made absolute (a `file:` URL's path too); remote URLs and `pipe:`
+    commands as given. What readers and trainers elsewhere open means the same file."""
+    if url.startswith("pipe:") or remote.scheme(url):
+        return url
+    path = _local_path(url)
+    return url if path is None else os.path.abspath(path)
+
+
 def _local_path(url: str) -> str | None:
     """The filesystem path of a local shard URL, or None for `pipe:` URLs."""
     if url.startswith("pipe:"):

@@ -15,7 +15,6 @@ import io
 import json
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from dispatcher_server.cliopts import (
     HelpFormatter, OneLineParser, check_endpoint, run_reporting_errors, setup_logging,
+    unwind_on_sigterm,
 )
 from dispatcher_server.files import replace_file
 from mmdispatch.settings import ConfigError, apply_file
@@ -331,13 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun, Kubernetes and compose stop a trainer with SIGTERM: unwind the loop, so the
     # client says BYE (the dispatcher moves on at once, not after its timeout) and the process
     # group ends, instead of dying where the signal found it.
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    unwind_on_sigterm("mmdispatch event=train_stopped signal=SIGTERM")
     return run_reporting_errors(lambda: train(args), parser.prog, debug=args.debug)
-
-
-def _stop_on_sigterm(signum: int, _frame) -> None:
-    log.info("mmdispatch event=train_stopped signal=SIGTERM")
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
