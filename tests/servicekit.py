@@ -106,11 +106,16 @@ def reader(endpoint: str, *, name: str, log: str | None = None, batch: int = 8) 
 
 
 def trainer(endpoint: str, rank: int, world_size: int, out: str, *, next_step: int | None = None,
-            commit_every: int = 0, log: str | None = None) -> subprocess.Popen:
+            commit_every: int = 0, hold_after: int | None = None,
+            log: str | None = None) -> subprocess.Popen:
+    """A trainer process writing what it receives to `out`; with `hold_after` it stops taking
+    steps after that one (alive, as a trainer busy training it), to be killed there."""
     args = ["trainer", endpoint, str(rank), str(world_size), out, "--commit-every",
             str(commit_every)]
     if next_step is not None:
         args += ["--next-step", str(next_step)]
+    if hold_after is not None:
+        args += ["--hold-after", str(hold_after)]
     return spawn(args, log=log, module="tests.servicekit")
 
 
@@ -441,6 +446,7 @@ def _trainer_main(argv: list[str]) -> int:
     p.add_argument("out")
     p.add_argument("--next-step", type=int, default=None)
     p.add_argument("--commit-every", type=int, default=0)
+    p.add_argument("--hold-after", type=int, default=None)
     a = p.parse_args(argv)
     from trainer_client.client import ClientConfig, DispatcherClient
 
@@ -460,6 +466,8 @@ def _trainer_main(argv: list[str]) -> int:
                     client.commit(step.step)
                     out.write(json.dumps({"committed": step.step}) + "\n")
                     out.flush()
+                if step.step == a.hold_after:
+                    time.sleep(3600)  # killed here, its later steps received but not trained
             out.write(json.dumps({"end": True}) + "\n")
         finally:
             client.close()

@@ -118,15 +118,13 @@ def test_trainer_process_killed_and_restarted_from_its_checkpoint(corpus, keys, 
         rank1 = K.Trainers(st.ready["trainers"], WORLD, ranks=[1])
         first = second = None
         try:
-            first = K.trainer(st.ready["trainers"], 0, WORLD, out1, commit_every=5,
+            # Held after step 51, two past its commit of step 49: the kill below lands with
+            # received-but-uncommitted steps however fast data flows (a polled moment between
+            # commits was missed when steps came fast).
+            first = K.trainer(st.ready["trainers"], 0, WORLD, out1, commit_every=5, hold_after=51,
                               log=str(tmp_path / "t0.log"))
-            def just_past_a_commit() -> bool:
-                # 1-2 steps past its last commit: the next commit is 3+ steps away, so the kill
-                # below lands with received-but-uncommitted steps however fast data flows.
-                steps, commits, _ = K.read_steps(out1)
-                return len(steps) >= 50 and bool(commits) and 1 <= len(steps) - 1 - commits[-1] <= 2
-
-            K.wait_for(just_past_a_commit, 60, "the trainer process streaming past a commit")
+            K.wait_for(lambda: len(K.read_steps(out1)[0]) >= 52, 60,
+                       "the trainer process streaming past a commit")
             K.kill(first)
             steps1, commits1, _ = K.read_steps(out1)
             resume = commits1[-1] + 1  # what its checkpoint says
