@@ -521,10 +521,15 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                allowed_dir=args.payload_allowed_dir)
 
 
+def _log_format(args: argparse.Namespace) -> str:
+    return getattr(args, "log_format", "text")
+
+
 def _worker_main(args: argparse.Namespace, worker: int) -> int:
     """One worker until it is stopped or the job is done (0), or cannot go on (1, one line)."""
     # Workers of `--workers N` are fresh processes: they log as the command was told to.
-    setup_logging(getattr(args, "log_format", "text"), getattr(args, "log_level", "INFO"))
+    log_format = _log_format(args)
+    setup_logging(log_format, getattr(args, "log_level", "INFO"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -536,7 +541,7 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
-        say(f"mmdispatch read: worker {worker}: {e}", getattr(args, "log_format", "text"))
+        say(f"mmdispatch read: worker {worker}: {e}", log_format)
         return 1
     return 0
 
@@ -563,7 +568,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config_from_args(args).session()  # validate before forking
     except ValueError as e:
-        say(f"mmdispatch read: error: {e}", getattr(args, "log_format", "text"))
+        say(f"mmdispatch read: error: {e}", _log_format(args))
         return 2
     if not args.name:  # two `read`s on one host must not both log as HOST/0
         args.name = f"{os.uname().nodename}:{os.getpid()}"
@@ -576,6 +581,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     """Run `args.workers` worker processes until each has ended; start again one the kernel
     killed. SIGTERM or SIGINT stops them all (each says BYE). The exit code is the worst."""
     stopping = threading.Event()
+    log_format = _log_format(args)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
 
@@ -602,7 +608,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure
                         say(f"mmdispatch read: worker {w} failed; stopping the other workers",
-                            getattr(args, "log_format", "text"))
+                            log_format)
                         stopping.set()
                     continue
                 if time.monotonic() - started[w] >= RESTART_RESET_S:
@@ -610,11 +616,12 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 sig = signal.Signals(-p.exitcode)
                 killed = f"mmdispatch read: worker {w} was killed by {sig.name}{_HINTS.get(sig, '')}"
                 if restarts[w] >= MAX_RESTARTS:
-                    say(f"{killed}; {MAX_RESTARTS} times in a row, not started again", getattr(args, "log_format", "text"))
+                    say(f"{killed}; {MAX_RESTARTS} times in a row, not started again",
+                        log_format)
                     codes.append(1)
                     continue
                 restarts[w] += 1
-                say(f"{killed}; starting it again ({restarts[w]}/{MAX_RESTARTS})", getattr(args, "log_format", "text"),
+                say(f"{killed}; starting it again ({restarts[w]}/{MAX_RESTARTS})", log_format,
                     level="WARNING")
                 procs[w] = start(w)
     finally:
@@ -627,7 +634,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 p.kill()
                 p.join(5)
                 say(f"mmdispatch read: worker {w} did not stop within 10 s of SIGTERM (a "
-                    "stopped or hung process?); killed", getattr(args, "log_format", "text"))
+                    "stopped or hung process?); killed", log_format)
                 codes.append(1)
                 continue
             codes.append(max(p.exitcode or 0, 0))
