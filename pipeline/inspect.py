@@ -22,12 +22,16 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
+from dispatcher_server.cliopts import finite_float
+from pipeline.errors import DIGEST, ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
+from pipeline.readahead import ReadAhead
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
-from pipeline.shards import expand_shards
+from pipeline.shards import expand_shards, reads_can_wait
 
 _PERCENTILES = (50, 90, 99)
+#: `--stall-timeout`'s default: a data node's (`read --stall-timeout`).
+STALL_S = 300.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="field map: these extensions are KIND (image, audio, video, text, "
                              "conversation), as a dataset file's [sources.fields] would say; "
                              "repeatable; kinds not named keep their defaults")
+    parser.add_argument("--stall-timeout", type=finite_float, default=STALL_S,
+                        help="seconds a shard may read no byte (a pipe: command or server that "
+                             "hangs) before inspect gives up on it, lists it as bad "
+                             "(shard_stalled) and goes on with the next")
     add_reader_arguments(parser)
 
 
@@ -97,7 +105,30 @@ def text_counted_by(config: ReaderConfig) -> dict:
     return {"exact": True, "how": f"exact ({'tokenizer ' + t.tokenizer_path if t.tokenizer_path else 'byte-level ids'})"}
 
 
-def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> dict:
+def records_of(url: str, config: ReaderConfig, stats: ErrorStats, stall_s: float):
+    """The counted records of shard `url`, as `iter_shard` gives them. A shard whose reads can
+    wait (`pipe:`, remote) is read by a thread, and given up as `shard_stalled` (the rest of it
+    unread, counted in `stats`) once it reads no byte for `stall_s`."""
+    if not reads_can_wait(url):
+        yield from iter_shard(url, config, stats=stats)
+        return
+    ahead = ReadAhead(stall_s=stall_s, name="mmdispatch-inspect-read")
+    ahead.start(iter_shard(url, config, stats=stats, on_skip=ahead.skip, on_open=ahead.watch))
+    try:
+        while not ahead.finished:
+            entries = ahead.take(64, 0.2)
+            if not entries and ahead.stalled():
+                stats.handle(SampleError("shard_stalled", url, None,
+                                         f"no byte read for {stall_s:g} s (see --stall-timeout): "
+                                         f"the rest of the shard is not read"), config.errors)
+                return
+            yield from (e for e in entries if not isinstance(e, tuple))
+    finally:
+        ahead.close()
+
+
+def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool,
+            stall_s: float = STALL_S) -> dict:
     """Read every shard and return the statistics report as a JSON-ready dict."""
     stats = ErrorStats()
     bad_shards: list[dict] = []
@@ -119,7 +150,7 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool) -> di
             shard = ErrorStats()
             stopped = None
             try:
-                for rec in iter_shard(url, config, stats=shard):
+                for rec in records_of(url, config, shard, stall_s):
                     for it in rec.items:
                         lens[it.modality]["enc_len"].append(it.enc_len)
                         lens[it.modality]["llm_len"].append(it.llm_len)
@@ -229,10 +260,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.shards:
         raise ValueError("no shards to inspect: give shard specs (paths, globs, {000..099} ranges) "
                          "or a dataset file with --dataset FILE")
+    if args.stall_timeout <= 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     urls = expand_shards(args.shards)
     config = replace(reader_config_from_args(args, keep_members=False),
                      fields=field_map_from_args(args.map))
-    report = collect(urls, config, show_progress=sys.stderr.isatty())
+    report = collect(urls, config, show_progress=sys.stderr.isatty(), stall_s=args.stall_timeout)
     if args.json:
         print(json.dumps(report))
     else:

@@ -154,6 +154,7 @@ class _PipeStream:
 
     def __init__(self, url: str, command: str) -> None:
         self.url = url
+        self._killed = False
         # Its own process group, so `kill` ends the command's children too (`curl ... | tar`,
         # `cat x; sleep`): one left holding the pipe open would keep a reader waiting.
         self._proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, bufsize=_READ_BUFFER,
@@ -165,7 +166,9 @@ class _PipeStream:
         return self.stdout.read(size)
 
     def kill(self) -> None:
-        """End the command and its children now (a reader waiting for bytes gets end of file)."""
+        """End the command and its children now (a reader waiting for bytes gets end of file);
+        its exit status, ours, is then no failure of the command's."""
+        self._killed = True
         try:
             os.killpg(self._proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -174,7 +177,7 @@ class _PipeStream:
     def close(self) -> None:
         self.stdout.close()
         status = self._proc.wait()
-        if status != 0:
+        if status != 0 and not self._killed:
             raise OSError(f"shard command {self.url!r} exited with status {status}")
 
     def __enter__(self) -> _PipeStream:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
+import pytest
 
 from mmdispatch.cli import main
 from pipeline.inspect import log_histogram
@@ -95,3 +98,36 @@ def test_log_histogram_buckets():
     assert hist[0] == {"lo": 1, "hi": 2, "count": 1}
     assert {"lo": 2, "hi": 4, "count": 2} in hist and {"lo": 8, "hi": 16, "count": 1} in hist
     assert sum(b["count"] for b in hist) == 5 and hist[-1]["lo"] == 512
+
+
+@pytest.mark.timeout(60)
+def test_inspect_gives_up_a_hung_shard_and_goes_on(small_shards, tmp_path, capsys):
+    """A shard command that stops sending bytes is listed as bad (shard_stalled) after
+    --stall-timeout with what it sent before counted, its command is killed, and the next shard
+    is read: inspect does not wait for Ctrl-C."""
+    size = os.path.getsize(small_shards[0])
+    pidfile = tmp_path / "pid"
+    hung = f"pipe:echo $$ > {pidfile}; head -c {size // 2} {small_shards[0]}; sleep 600"
+    t0 = time.monotonic()
+    assert main(["inspect", "--json", "--stall-timeout", "1", hung, small_shards[1]]) == 0
+    assert time.monotonic() - t0 < 30
+    report = json.loads(capsys.readouterr().out)
+    whole = len(list(iter_samples([small_shards[1]])))
+    partial = report["num_samples"] - whole
+    assert 0 < partial < len(list(iter_samples([small_shards[0]])))
+    [bad] = report["bad_shards"]
+    assert bad["shard"] == hung and bad["by_reason"] == {"shard_stalled": 1}
+    assert "--stall-timeout" in bad["first_error"]
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") and \
+            open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z":
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or \
+        open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z", "the hung command was left running"
+
+
+def test_inspect_refuses_a_stall_timeout_that_is_not_positive(small_shards, capsys):
+    assert main(["inspect", "--stall-timeout", "0", *small_shards]) != 0
+    err = capsys.readouterr().err
+    assert "--stall-timeout" in err and "Traceback" not in err
