@@ -78,7 +78,8 @@ def run_dataset(args: argparse.Namespace) -> int:
     reports = {}
     for src in sources:
         config = replace(base, fields=FieldMap.from_dict(src.fields) if src.fields else FieldMap())
-        reports[src.name] = shards.collect(src.shards, config, show_progress=sys.stderr.isatty())
+        reports[src.name] = shards.collect(src.shards, config, show_progress=sys.stderr.isatty(),
+                                           stall_s=args.stall_timeout)
         if not args.json:
             console.rule(f"source {src.name!r}: {len(src.shards)} shards, weight {src.weight:g}")
             shards.render(reports[src.name], console)
@@ -96,6 +97,8 @@ def run_dataset(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.stall_timeout <= 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     if args.dataset is not None:
         return run_dataset(args)
     return shards.run(args)

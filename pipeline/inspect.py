@@ -260,8 +260,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.shards:
         raise ValueError("no shards to inspect: give shard specs (paths, globs, {000..099} ranges) "
                          "or a dataset file with --dataset FILE")
-    if args.stall_timeout <= 0:
-        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout:g}")
     urls = expand_shards(args.shards)
     config = replace(reader_config_from_args(args, keep_members=False),
                      fields=field_map_from_args(args.map))
