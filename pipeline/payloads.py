@@ -121,6 +121,7 @@ class PayloadServer:
         self.public_key = ""
         self.poll_ms = poll_ms
         self.num_served = self.num_missed = 0
+        self.failed_shards: set[str] = set()  # shards a read-back failed for, logged once each
         # Its own context: a ZAP handler is per context, and a reader's session is a client.
         self.ctx = zmq.Context()
         self._auth = None
@@ -198,7 +199,17 @@ class PayloadServer:
         if size > P.DEFAULT_LIMITS.max_frame_bytes or offset >= 1 << 62:
             raise ValueError(f"{size} bytes at offset {offset} is no member of a shard")
         self.num_missed += 1
-        return read_range(path.decode("utf-8", "surrogateescape"), offset, size, stamp)
+        url = path.decode("utf-8", "surrogateescape")
+        try:
+            return read_range(url, offset, size, stamp)
+        except (OSError, ValueError) as e:
+            # The trainer gets the reason in its ERROR; the reader's log says it once per shard,
+            # where the shard's owner looks (every later member of the shard fails the same way).
+            if url not in self.failed_shards:
+                self.failed_shards.add(url)
+                log.warning("mmdispatch event=payload_read_failed shard=%s reason=%r (later failures "
+                            "of this shard are answered, not logged)", url, str(e))
+            raise
 
     def _send(self, ident: bytes, type_: str, **fields) -> None:
         self.sock.send_multipart([ident, *P.encode(type_, **fields)], copy=False)

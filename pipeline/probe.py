@@ -61,7 +61,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
             break
         try:
             stream = open_shard(url, mapped=reader_config.map_shards)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a URL this host has no backend for
             result.unreadable.append((url, f"cannot open: {e}"))
             continue
         result.shards.append(url)

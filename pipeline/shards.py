@@ -280,8 +280,11 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
 
 
 def stream_stamp(stream: Any) -> int:
-    """`protocol.file_stamp` of the local file an opened shard stream reads; 0 for a stream of
-    no file (a pipe, a remote object)."""
+    """The version an opened shard stream reads, as a reference's stamp: `protocol.file_stamp`
+    of a local file, `RemoteShard.stamp` of a remote object (its ETag or version as first
+    opened; 0 if the store reports none); 0 for a pipe."""
+    if isinstance(stream, remote.RemoteShard):
+        return stream.stamp
     st = getattr(stream, "stat", None)  # a MappedShard's, taken as it was mapped
     if not isinstance(st, os.stat_result):
         try:
@@ -294,10 +297,10 @@ def stream_stamp(stream: Any) -> int:
 def read_range(url: str, offset: int, size: int, stamp: int = 0) -> bytes:
     """`size` bytes at `offset` of the shard `url`: a local uncompressed tar, or a remote one by a
     ranged request (see protocol.reference_path). The one place payloads are read by offset
-    (`direct` mode). OSError naming the shard if it holds fewer, or if the local file is no
-    longer the version `stamp` (`protocol.file_stamp`; 0: not checked) its reader read."""
+    (`direct` mode). OSError naming the shard if it holds fewer, or if the file or object is no
+    longer the version `stamp` (`stream_stamp`; 0: not checked) its reader read."""
     if remote.scheme(url):
-        data = remote.read_range(url, offset, size)
+        data = remote.read_range(url, offset, size, stamp)
     else:
         path = _local_path(url)
         if path is None:

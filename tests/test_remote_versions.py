@@ -1,0 +1,489 @@
+"""Remote shards whose object changes or whose server gives no usable size, is busy or absent:
+nothing is read from a version other than the one opened (block reads, reopens, direct
+payloads read back by offset), streams without a size resume, busy servers are waited for as
+they ask, and a missing backend is refused at start. Servers run here on 127.0.0.1 (a local
+http.server, moto's S3 server); no real cloud."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import http.server
+import io
+import logging
+import os
+import re
+import tarfile
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import zmq
+
+from dispatcher_server import protocol as P
+from pipeline import remote, shards
+from pipeline.errors import ErrorStats
+from pipeline.payloads import PayloadCache, PayloadServer
+from pipeline.probe import probe_source
+from pipeline.reader import ReaderConfig, iter_shard
+
+pytest.importorskip("fsspec")
+pytest.importorskip("aiohttp")
+
+from tests.test_object_storage import send_range  # noqa: E402 - after the skips
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _small_blocks(monkeypatch):
+    """Several range requests per shard (a change lands mid-shard), quick retries."""
+    monkeypatch.setattr(remote, "BLOCK_BYTES", 16 << 10)
+    monkeypatch.setattr(remote, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(remote, "RETRY_S", 0.5)
+
+
+@pytest.fixture()
+def versions(small_shards, tmp_path):
+    """(old, new): a shard and a new version of it of the same size whose keys all start with
+    'new' (a re-run of a data pipeline): only the version can tell them apart."""
+    old = small_shards[1]
+    new = str(tmp_path / "new.tar")
+    with tarfile.open(old) as tin, tarfile.open(new, "w", format=tarfile.USTAR_FORMAT) as tout:
+        for m in tin.getmembers():
+            data = tin.extractfile(m).read()
+            m.name = "new" + m.name[3:]
+            tout.addfile(m, io.BytesIO(data))
+    assert os.path.getsize(new) == os.path.getsize(old)
+    return old, new
+
+
+def _read(url: str, on_open=None) -> tuple[list[str], ErrorStats]:
+    stats = ErrorStats()
+    keys = [r.key for r in iter_shard(url, ReaderConfig(keep_members=False), stats=stats, on_open=on_open)]
+    return keys, stats
+
+
+class _Versions(http.server.BaseHTTPRequestHandler):
+    """One object `/x.tar` (others: 404): `files[0]` for the first `swap_after` GETs, then `files[1]`, each
+    with an ETag of its bytes (HEAD too). `if_match`: answer 412 when If-Match names another
+    ETag (as S3, nginx and CDNs do; `http.server` ignores it). `etag_on_get`: GETs carry the
+    ETag. `drop_first_after_swap`: the first GET of the new object sends 100 bytes and closes."""
+
+    protocol_version = "HTTP/1.1"
+    files: list[str] = []
+    swap_after = 2
+    if_match = False
+    etag_on_get = True
+    drop_first_after_swap = False
+    gets = 0
+    refused = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _object(self) -> tuple[bytes, str]:
+        with open(self.files[self.gets >= self.swap_after], "rb") as f:
+            data = f.read()
+        return data, '"%s"' % hashlib.md5(data).hexdigest()
+
+    def do_HEAD(self) -> None:
+        if self.path != "/x.tar":
+            self.send_error(404)
+            return
+        data, etag = self._object()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        if self.path != "/x.tar":
+            self.send_error(404)
+            return
+        data, etag = self._object()
+        cls = type(self)
+        cls.gets += 1
+        asked = self.headers.get("If-Match")
+        if self.if_match and asked and asked != etag:
+            cls.refused += 1
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if not self.etag_on_get:
+            lo, body = send_range(self, data)
+        else:
+            lo, body = _send_range_with(self, data, {"ETag": etag})
+        if self.drop_first_after_swap and cls.gets == self.swap_after + 1:
+            self.wfile.write(body[:100])
+            self.wfile.flush()
+            self.close_connection = True
+            return
+        self.wfile.write(body)
+
+
+def _send_range_with(handler, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    """send_range with more headers (its own end_headers comes after them)."""
+    end = handler.end_headers
+    handler.end_headers = lambda: ([handler.send_header(k, v) for k, v in headers.items()], end())
+    try:
+        return send_range(handler, data)
+    finally:
+        handler.end_headers = end
+
+
+@contextmanager
+def _serving(handler):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("server", ["ignores_if_match", "honours_if_match", "etag_on_reopen_only"])
+def test_an_http_object_replaced_between_block_reads_is_not_spliced(versions, server):
+    """Same size, so only the version tells: the next block's answer (its ETag, or the 412 a
+    server gives for If-Match) or the reopen after a drop (HEAD's ETag) stops the shard."""
+    old, new = versions
+    handler = type("Handler", (_Versions,), {
+        "files": [old, new], "gets": 0, "refused": 0, "if_match": server == "honours_if_match",
+        "etag_on_get": server != "etag_on_reopen_only",
+        "drop_first_after_swap": server == "etag_on_reopen_only"})
+    with _serving(handler) as base:
+        keys, stats = _read(f"{base}/x.tar")
+    assert stats.by_reason == {"shard_changed": 1}, stats.recent
+    detail = stats.recent[-1][3]
+    assert f"shard '{base}/x.tar': it was replaced while being read (opened as ETag" in detail
+    assert keys and not [k for k in keys if k.startswith("new")]
+    assert keys == _read(old)[0][:len(keys)]
+    if server == "honours_if_match":
+        assert handler.refused == 1 and "HTTP 412" in detail
+
+
+@pytest.fixture()
+def s3(monkeypatch):
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="data")
+    try:
+        yield client
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def test_an_s3_object_replaced_while_read_is_reported_not_spliced(versions, s3, caplog):
+    """s3fs reads each block with IfMatch; the store's refusal (FileExpired) is the change,
+    not a failure to retry (a retry reopened the new object at the byte reached)."""
+    old, new = versions
+    s3.upload_file(old, "data", "x.tar")
+    read = [0]
+
+    class Replacing:  # the object is replaced once the first blocks have been read
+        def __init__(self, stream):
+            self.stream = stream
+
+        def read(self, n=-1):
+            data = self.stream.read(n)
+            read[0] += len(data)
+            if read[0] > 40_000 and read[0] - len(data) <= 40_000:
+                s3.upload_file(new, "data", "x.tar")
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
+        keys, stats = _read("s3://data/x.tar", on_open=Replacing)
+    assert stats.by_reason == {"shard_changed": 1}, stats.recent
+    assert not [r for r in caplog.records if "event=shard_retry" in r.getMessage()]
+    assert "shard 's3://data/x.tar': it was replaced while being read" in stats.recent[-1][3]
+    assert keys and not [k for k in keys if k.startswith("new")]
+
+
+def _first_member(path: str) -> tuple[int, int]:
+    record = next(r for r in iter_shard(path, ReaderConfig(), spans=True) if r.spans)
+    return next(iter(record.spans.values()))
+
+
+def test_direct_payloads_of_an_s3_object_replaced_since_counted_are_refused(versions, s3):
+    """A reader's cache miss reads the member back by offset: from the version its reader read
+    (the reference's stamp), never from the object now there."""
+    old, new = versions
+    s3.upload_file(old, "data", "x.tar")
+    url = "s3://data/x.tar"
+    with shards.open_shard(url) as stream:
+        stamp = shards.stream_stamp(stream)
+    assert stamp != 0
+    offset, size = _first_member(old)
+    with open(old, "rb") as f:
+        f.seek(offset)
+        expected = f.read(size)
+    assert shards.read_range(url, offset, size, stamp) == expected
+    s3.upload_file(new, "data", "x.tar")
+    with pytest.raises(OSError, match=rf"^shard {re.escape(repr(url))} changed in storage since "
+                                      r"its reader read it \(replaced: now ETag"):
+        shards.read_range(url, offset, size, stamp)
+
+
+def test_direct_payloads_of_an_http_object_replaced_since_counted_are_refused(versions):
+    old, new = versions
+    handler = type("Handler", (_Versions,), {"files": [old, new], "gets": 0, "swap_after": 10**6})
+    with _serving(handler) as base:
+        url = f"{base}/x.tar"
+        with shards.open_shard(url) as stream:
+            stamp = shards.stream_stamp(stream)
+        offset, size = _first_member(old)
+        assert stamp != 0 and len(shards.read_range(url, offset, size, stamp)) == size
+        handler.swap_after = 0
+        with pytest.raises(OSError, match="changed in storage since its reader read it"):
+            shards.read_range(url, offset, size, stamp)
+
+
+class _NoSize(http.server.BaseHTTPRequestHandler):
+    """Servers that give no usable size: `chunked` answers GETs without Content-Length
+    (chunked transfer) and HEAD with 405, `gzip` with Content-Encoding: gzip; neither honours
+    Range. GET number `drop_at` of the shard stops half-way (chunked: without the last chunk)."""
+
+    protocol_version = "HTTP/1.1"
+    path_ = ""
+    mode = "chunked"
+    drop_at = 0
+    gets = 0
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        if self.mode == "chunked":
+            self.send_response(405)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = self._body()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Encoding", "gzip")
+        self.end_headers()
+
+    def _body(self) -> bytes:
+        with open(self.path_, "rb") as f:
+            data = f.read()
+        return gzip.compress(data, mtime=0) if self.mode == "gzip" else data
+
+    def do_GET(self) -> None:
+        type(self).gets += 1
+        body = self._body()
+        cut = self.gets == self.drop_at
+        self.send_response(200)
+        if self.mode == "gzip":
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2] if cut else body)
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(body) // 2 if cut else len(body), 8192):
+                chunk = body[i:i + 8192]
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            if not cut:
+                self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        if cut:
+            self.close_connection = True
+
+
+@pytest.mark.parametrize("mode", ["chunked", "gzip"])
+def test_a_server_that_gives_no_size_is_read_as_a_stream_and_resumed(small_shards, mode):
+    path = small_shards[0]
+    handler = type("Handler", (_NoSize,), {"path_": path, "mode": mode, "gets": 0, "drop_at": 0})
+    with _serving(handler) as base:
+        url = f"{base}/x.tar"
+        keys, stats = _read(url)
+        assert stats.num_errors == 0, stats.recent
+        assert keys == _read(path)[0]
+        handler.drop_at = handler.gets + 1  # the next read is cut half-way: resumed, none lost
+        keys, stats = _read(url)
+        assert stats.num_errors == 0, stats.recent
+        assert keys == _read(path)[0] and handler.gets > handler.drop_at
+        offset, size = _first_member(path)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            expected = f.read(size)
+        started = time.monotonic()
+        assert shards.read_range(url, offset, size) == expected  # direct mode's cache miss
+        assert time.monotonic() - started < 5  # no retries on the way
+
+
+def test_a_request_fsspec_cannot_make_is_not_retried():
+    """ValueError from fsspec (a seek in a stream) fails the same way every try."""
+    permanent, said = remote.diagnose(ValueError("Cannot seek streaming HTTP file"))
+    assert permanent is OSError and "Cannot seek" in said
+
+
+class _Busy(http.server.BaseHTTPRequestHandler):
+    """Range-serving `path_`; ranged GETs past byte 0 answer 503 with `Retry-After: retry_after`
+    until `busy_until` (time.monotonic()); `times` records when each GET came."""
+
+    protocol_version = "HTTP/1.1"
+    path_ = ""
+    busy_until = 0.0
+    retry_after = "1"
+    times: list[float] = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(os.path.getsize(self.path_)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+
+    def do_GET(self) -> None:
+        self.times.append(time.monotonic())
+        if not self.headers.get("Range", "bytes=0-").startswith("bytes=0-") and \
+                time.monotonic() < self.busy_until:
+            self.send_response(503)
+            if self.retry_after:
+                self.send_header("Retry-After", self.retry_after)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        with open(self.path_, "rb") as f:
+            _, body = send_range(self, f.read())
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize(("retry_after", "busy_s"), [("1", 2.5), ("", 1.5)])
+def test_a_server_busy_for_a_while_is_waited_for_as_it_asks(small_shards, monkeypatch, caplog,
+                                                            retry_after, busy_s):
+    """Seconds of 503 cost nothing (the retries have a time budget, not a try count: without
+    Retry-After, 1.5 s of 0.01 s backoff doubling is more than 5 tries), a server's Retry-After
+    spaces them; each retry is one log line naming the shard."""
+    monkeypatch.setattr(remote, "RETRY_S", 10.0)
+    path = small_shards[0]
+    handler = type("Handler", (_Busy,), {"path_": path, "times": [], "retry_after": retry_after,
+                                         "busy_until": time.monotonic() + busy_s})
+    with _serving(handler) as base, caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
+        url = f"{base}/x.tar"
+        keys, stats = _read(url)
+    assert stats.num_errors == 0, stats.recent
+    assert keys == _read(path)[0]
+    retries = [r.getMessage() for r in caplog.records if "event=shard_retry" in r.getMessage()]
+    assert retries and all(f"shard={url} " in m and "HTTP 503" in m for m in retries)
+    assert "attempt=1 " in retries[0]
+    if retry_after:
+        gaps = [b - a for a, b in zip(handler.times, handler.times[1:])]
+        assert sum(g >= 0.9 for g in gaps) >= 2, gaps  # Retry-After: 1, not 0.01 s backoff
+        assert "wait_s=1.0" in retries[0]
+    else:
+        assert len(retries) > 5
+
+
+def test_a_read_back_for_a_trainer_fails_before_its_fetch_times_out(small_shards, monkeypatch):
+    """Direct mode's read-back answers within `READ_BACK_RETRY_S` (the trainer gives up on a
+    reader silent for 5 s and asks again), not after a shard read's minute of retries."""
+    monkeypatch.setattr(remote, "RETRY_S", 60.0)
+    path = small_shards[0]
+    handler = type("Handler", (_Busy,), {"path_": path, "times": [], "retry_after": "",
+                                         "busy_until": time.monotonic() + 600})
+    with _serving(handler) as base:
+        started = time.monotonic()
+        with pytest.raises(OSError, match=rf"^shard '{base}/x.tar': failed \d+ times in .*HTTP 503"):
+            shards.read_range(f"{base}/x.tar", 1024, 100)
+    assert time.monotonic() - started < remote.READ_BACK_RETRY_S + 1.5 < 5
+
+
+def test_retry_after_is_read_in_seconds_or_as_a_date():
+    import aiohttp
+    from email.utils import formatdate
+
+    def error(value: str) -> Exception:
+        return aiohttp.ClientResponseError(None, (), status=503, headers={"Retry-After": value})
+
+    assert remote.retry_after(error("7")) == 7.0
+    assert 25 < remote.retry_after(error(formatdate(time.time() + 30, usegmt=True))) <= 30
+    assert remote.retry_after(error("soon")) is None and remote.retry_after(ValueError()) is None
+
+
+def test_a_missing_backend_refuses_every_remote_url_at_start(monkeypatch, small_shards):
+    """Not only globs: a brace range of gs:// URLs too, and the probe of such a URL notes it."""
+    import fsspec
+
+    real = fsspec.core.url_to_fs
+
+    def no_gcsfs(url, **kw):
+        if url.startswith("gs://"):
+            raise ImportError("Install gcsfs to access Google Storage")  # as fsspec words it
+        return real(url, **kw)
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", no_gcsfs)
+    with pytest.raises(ValueError, match=r"^shard 'gs://bucket/x-000\.tar' needs gcsfs \(gcsfs is "
+                                         r"not installed\): pip install 'mmdispatch\[cloud\]'$"):
+        shards.expand_shards("gs://bucket/x-{000..003}.tar")
+    result = probe_source(["gs://bucket/x-000.tar", small_shards[0]], ReaderConfig())
+    assert result.unreadable and "needs gcsfs" in result.unreadable[0][1]
+    assert result.samples > 0  # the next shard was probed
+
+
+def test_an_s3_read_timeout_is_named_not_an_index_error():
+    """s3fs's error handling indexes `args[1]` of the OSError a timed-out read raises."""
+    try:
+        try:
+            raise OSError("Read timeout on endpoint URL: 'http://s3/x.tar'")
+        except OSError as ex:
+            ex.args[1]  # what s3fs's S3File._fetch_range does  # noqa: B018
+    except IndexError as e:
+        error = e
+    permanent, said = remote.diagnose(error)
+    assert permanent is None  # retried
+    assert said == "read timed out (Read timeout on endpoint URL: 'http://s3/x.tar')"
+
+
+def test_a_failed_read_back_is_logged_once_per_shard(small_shards, caplog):
+    """A direct-mode reader that cannot read a member back answers each trainer with the
+    reason and says it in its own log once per shard, not once per member or never."""
+    handler = type("Handler", (_Versions,), {"files": [small_shards[0]] * 2, "gets": 0})
+    with _serving(handler) as base:
+        url = f"{base}/gone.tar"
+        server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(0))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            server.servable = frozenset({url.encode()})
+            sock.connect(server.endpoint)
+            with caplog.at_level(logging.WARNING, logger="mmdispatch.payloads"):
+                for i in range(3):
+                    ref = P.pack_ref(url.encode(), 512 * i, 10, 0)
+                    sock.send_multipart(P.encode(P.FETCH, frames=[ref], id=i, sizes=[len(ref)]))
+                    assert sock.poll(20_000), "no answer"
+                    answer = P.decode(sock.recv_multipart(copy=False))
+                    assert answer.type == P.ERROR and "not found" in answer["message"]
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+            server.close()
+    lines = [r.getMessage() for r in caplog.records if "event=payload_read_failed" in r.getMessage()]
+    assert len(lines) == 1 and f"shard={url} " in lines[0] and "not found" in lines[0], lines
