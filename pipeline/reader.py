@@ -422,7 +422,9 @@ def iter_shard(
     try:
         stream = open_shard(url, mapped=config.map_shards)
     except OSError as e:
-        skip(SampleError("open_failed", url, None, f"cannot open: {e}"), -1)
+        # The skip line names the shard already: not twice when the error does too (remote).
+        why = str(e).removeprefix(f"shard {url!r}: ")
+        skip(SampleError("open_failed", url, None, f"cannot open: {why}"), -1)
         return
     if on_open is not None:
         stream = on_open(stream)
