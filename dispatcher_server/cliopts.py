@@ -27,6 +27,28 @@ LOGGING_GROUP = "logging and errors"
 #: int of bytes, and the trim threshold is twice this one, so 1024 wraps around.
 MAX_MALLOC_KEEP_MB = 1023
 _FIELD = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
+#: Query parameters whose values are credentials: presigned S3 (SigV4 and V2), GCS, Azure SAS,
+#: CloudFront, and the generic token names. Their names stay in the line, their values go.
+SECRET_QUERY_PARAMS = ("X-Amz-Credential", "X-Amz-Signature", "X-Amz-Security-Token",
+                       "X-Goog-Credential", "X-Goog-Signature", "AWSAccessKeyId", "Signature",
+                       "sig", "token", "access_token", "refresh_token", "id_token", "api_key",
+                       "apikey", "password", "secret", "client_secret", "Policy", "Key-Pair-Id")
+REDACTED = "***"
+# scheme://user:PASSWORD@host: the password runs to the authority's last "@" (an unescaped "@"
+# in it is what a hand-written URL often has), never past a "/", "?", "#" or a space.
+_USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s:'\"]*:)[^/?#\s'\"]*@")
+_SECRET_PARAM = re.compile(r"([?&;](?:" + "|".join(map(re.escape, SECRET_QUERY_PARAMS))
+                           + r")=)[^&#\s'\"<>]+", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with URL passwords (`scheme://user:***@host`) and the values of credential query
+    parameters (`?X-Amz-Signature=***`) hidden: shard URLs reach log lines and error messages,
+    and a log is read by more people than the bucket's key. Costs one substring test when no
+    URL is in the text."""
+    if "://" not in text:
+        return text
+    return _SECRET_PARAM.sub(r"\1" + REDACTED, _USERINFO.sub(r"\1" + REDACTED + "@", text))
 
 
 def add_config_argument(parser: argparse.ArgumentParser) -> None:
@@ -61,16 +83,31 @@ def _utc(seconds: float) -> str:
             + f".{int(seconds * 1000) % 1000:03d}Z")
 
 
-class JsonFormatter(logging.Formatter):
+class TextFormatter(logging.Formatter):
+    """`time LEVEL message` lines, with credentials in URLs redacted (`redact`)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        return redact(super().format(record))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; message, fields and exception text with credentials in URLs
+    redacted (`redact`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = redact(record.getMessage())
         out = {"time": _utc(record.created), "level": record.levelname, "logger": record.name,
                "message": message}
         if message.startswith("mmdispatch "):
             for key, value in _FIELD.findall(message):
                 out.setdefault(key, value.strip("'\""))
         if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+            out["exception"] = redact(self.formatException(record.exc_info))
+        if record.stack_info:
+            out["stack"] = redact(self.formatStack(record.stack_info))
         return json.dumps(out)
 
 
@@ -83,8 +120,7 @@ def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r} must be one of {LOG_FORMATS}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.mmdispatch = True
     root = logging.getLogger()
     for old in list(root.handlers):
@@ -228,7 +264,8 @@ def unwind_on_sigterm(note: str | None = None) -> None:
 def say(line: str, log_format: str | None = None, *, level: str = "ERROR") -> None:
     """One line for the operator on stderr: under `--log-format json` (given, or else the
     format logging was set up with) a JSON object like every log line, so a collector parses
-    the line that matters most."""
+    the line that matters most. Credentials in URLs are redacted (`redact`)."""
+    line = redact(line)
     if log_format is None:
         log_format = "json" if any(isinstance(h.formatter, JsonFormatter) and
                                    getattr(h, "mmdispatch", False)
