@@ -17,6 +17,10 @@ from dispatcher_server.planner.config import PlannerConfig
 from dispatcher_server.protocol import DEFAULT_LIMITS, PAYLOAD_MODES, Limits, reference_path
 
 MODES = ("deterministic", "arrival")
+#: Most times a source's blend weight may be below the largest one: past it the source would be
+#: drawn once in more than 10**12 samples, and its normalized weight loses its digits or becomes
+#: 0 (1e-320 beside 1), which neither the blend nor the shuffle buffer's shares can use.
+MAX_WEIGHT_RATIO = 1e12
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +93,19 @@ class Source:
             raise ValueError(f"source {self.name!r}: weight must be a finite number > 0, got {self.weight}")
 
 
+def weight_problem(sources: list[Source]) -> tuple[int, str] | None:
+    """(index, why) of the first source whose blend weight is too small beside the largest
+    (`MAX_WEIGHT_RATIO`), `why` to follow the weight in a message; None if all can be blended."""
+    weights = [src.weight for src in sources]
+    top = sources[weights.index(max(weights))]
+    for i, (w, share) in enumerate(zip(weights, normalized(weights))):
+        if not share > 0 or w * MAX_WEIGHT_RATIO < top.weight:  # a product: top / w overflows
+            return i, (f"is more than {MAX_WEIGHT_RATIO:.0e} times below the largest weight, "
+                       f"{top.weight!r} (source {top.name!r}): the blend would never draw it; "
+                       "raise it or leave the source out")
+    return None
+
+
 @dataclass(kw_only=True, slots=True)
 class ServerConfig:
     """What to serve: `sources` (a blend), or `shards` alone as one source named "default"."""
@@ -138,6 +155,9 @@ class ServerConfig:
         names = [src.name for src in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique, got {names}")
+        if (problem := weight_problem(self.sources)) is not None:
+            src = self.sources[problem[0]]
+            raise ValueError(f"source {src.name!r}: weight {src.weight!r} {problem[1]}")
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
         if self.payloads not in PAYLOAD_MODES:

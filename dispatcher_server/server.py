@@ -48,6 +48,10 @@ log = logging.getLogger("mmdispatch.server")
 #: Steps without a commit after which the dispatcher warns (once) that the replay history it
 #: keeps for them (memory; with a journal, plan files on disk too) keeps growing.
 COMMITS_LAG_STEPS = 10_000
+#: Factor past --max-buffered-bytes at which the bytes the assembler holds (shard buffers,
+#: shuffle blocks, the step being filled) are worth a warning: credits in flight when the bound
+#: is reached overshoot it a little; shuffle blocks larger than it overshoot it by far.
+BYTES_OVER_WARN = 1.25
 
 
 class Fatal(Exception):
@@ -130,6 +134,8 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
+        self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
+        self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
         try:
@@ -194,6 +200,7 @@ class Dispatcher:
         self.assembler.reset(cursor, self.replay.took_from(step))
         self.delivery.reset(step)
         self.replay.reset(step)
+        self._stream_end_said = False  # a rewind reads to the end again, and says so again
 
     # -- lifecycle --------------------------------------------------------------------
     def start(self) -> Dispatcher:
@@ -565,10 +572,26 @@ class Dispatcher:
                   else "max_steps" if max_steps is not None and self.next_plan >= max_steps
                   else "max_epochs")
         why = {} if self.fatal is None else {"message": self.fatal[:4000]}
+        if reason != "halted" and not self._stream_end_said:  # halted: event=fatal says why
+            self._stream_end_said = True
+            self._say_stream_end(reason)
         for slot in self.delivery.ends_due():
             self._send(self.trainer_sock, slot.ident, P.END, next_step=self.next_plan,
                        reason=reason, **why)
             slot.end_sent = True
+
+    def _say_stream_end(self, reason: str) -> None:
+        """One line on why no step follows: with `max_epochs`, the source the blend needed next
+        and had read its last epoch; per source, the samples the blend drew and the epochs read
+        whole (weights, not source sizes, decide which source ends the job first)."""
+        a = self.assembler
+        ended = {}
+        if reason == "max_epochs":
+            ended = {"source": a.streams[a.blend.next_source()].name,
+                     "max_epochs": self.config.max_epochs}
+        event("stream_end", reason=reason, **ended, steps=self.next_plan,
+              drawn=",".join(f"{st.name}:{n}" for st, n in zip(a.streams, a.blend.drawn)),
+              epochs=",".join(f"{st.name}:{st.order.epoch_of(st.cursor.base)}" for st in a.streams))
 
     def _end_readers(self) -> None:
         self._readers_ended = True
@@ -591,12 +614,29 @@ class Dispatcher:
 
     def _gauges(self) -> Holdings:
         samples, nbytes = self.assembler.held()
+        if (nbytes > BYTES_OVER_WARN * self.config.flow.max_buffered_bytes
+                and not self._block_bytes_warned):
+            self._warn_block_bytes(nbytes)
         r_samples, r_bytes = self.delivery.held()
         held = Holdings(samples=samples + r_samples, nbytes=nbytes + r_bytes)
         self.metrics.buffered_samples.set(held.samples)
         self.metrics.buffered_bytes.set(held.nbytes)
         self.metrics.retained_steps.set(len(self.delivery.retained))
         return held
+
+    def _warn_block_bytes(self, nbytes: int) -> None:
+        """Once: shuffle blocks hold more bytes than --max-buffered-bytes. A block is emitted only
+        once complete, and a source waiting on its block takes credits past the byte bound (or
+        it would stall), so that bound cannot hold below one block's bytes."""
+        self._block_bytes_warned = True
+        if self.config.shuffle_buffer <= 1:
+            return  # without a shuffle only the heads' credits pass the bound, briefly
+        event("shuffle_block_over_bytes", logging.WARNING, held_bytes=nbytes,
+              max_buffered_bytes=self.config.flow.max_buffered_bytes,
+              shuffle_buffer=self.config.shuffle_buffer,
+              fix="a shuffle block holds the bytes of its samples until it is complete: use "
+                  "--payloads reference or direct, a smaller --shuffle-buffer, or a larger "
+                  "--max-buffered-bytes")
 
     # -- receiving --------------------------------------------------------------------
     def _drain(self, sock: zmq.Socket, role: str, handler, budget: int = 256) -> bool:

@@ -29,7 +29,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
-from dispatcher_server.config import Source
+from dispatcher_server.config import Source, weight_problem
 from mmdispatch.settings import TOML_TYPES, read_toml
 from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
 from pipeline.shards import expand_shards, shard_identity
@@ -75,6 +75,8 @@ def _describe(error: dict, path: str) -> str:
         elif not str(part).startswith(("list[", "str", "function-", "constrained-")):
             loc.append(str(part))
     where = ".".join(loc) or "(top level)"
+    if loc == ["sources"] and error["type"] in ("too_short", "missing"):
+        return f"{path}: the dataset file lists no sources; add a [[sources]] table (name, shards)"
     if error["type"] == "extra_forbidden":
         allowed = {"sources": "name, shards, weight, fields", "fields": ", ".join(FIELD_KINDS)}
         parent = loc[-2].split("[")[0] if len(loc) > 1 else ""
@@ -135,4 +137,8 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
                 raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: shard {url!r} is "
                                    f"also in source {other!r}; list each shard in one source")
         sources.append(Source(name=src.name, shards=shards, weight=src.weight, fields=fields))
+    if (problem := weight_problem(sources)) is not None:
+        i, why = problem
+        raise DatasetError(f"{path}: sources[{i}] ({sources[i].name!r}).weight: "
+                           f"{sources[i].weight!r} {why}")
     return sources, model.shuffle_buffer

@@ -313,16 +313,20 @@ _FLAGS = {dest: "--" + dest.replace("_", "-") for dest in OPTIONS if "_" in dest
 
 def build_config(v: dict) -> ServerConfig:
     with named_by_flags(_FLAGS):
-        return _build_config(v)
+        _check_flags(v)
+    # Outside named_by_flags: a dataset file's message names the file's keys (its
+    # `shuffle_buffer`), which are not the flags of the same names.
+    dataset = load_dataset(v["dataset"]) if v["dataset"] is not None else None
+    with named_by_flags(_FLAGS):
+        return _build_config(v, dataset)
 
 
-def _build_config(v: dict) -> ServerConfig:
-    _check_flags(v)
+def _build_config(v: dict, dataset: tuple[list[Source], int | None] | None) -> ServerConfig:
     if v["num_microbatches"] is None and v["microbatch_token_budget"] is None:
         v["num_microbatches"] = 1
     shuffle = v["shuffle_buffer"]
-    if v["dataset"] is not None:
-        sources, file_shuffle = load_dataset(v["dataset"])
+    if dataset is not None:
+        sources, file_shuffle = dataset
         if file_shuffle is not None and "shuffle_buffer" not in v.get("_given", ()):
             shuffle = file_shuffle
     else:
@@ -403,12 +407,21 @@ def _warn_unshuffled(config: ServerConfig) -> None:
         return
     for src, weight, block in zip(config.sources, config.weights, config.block_sizes):
         if block <= 1:
-            enough = math.ceil(1.5 / weight - 1e-9)  # the smallest buffer whose share rounds to 2
-            enough += round(enough * weight) < 2
+            enough = _buffer_that_shuffles(weight)
+            fix = ("its share of the blend is too small for any buffer to shuffle it" if enough is None
+                   else f"--shuffle-buffer {enough} or more shuffles it")
             event("source_not_shuffled", logging.WARNING, source=src.name, weight=f"{weight:.3g}",
                   shuffle_buffer=config.shuffle_buffer,
-                  fix=f"its share of the buffer is under 2 samples: --shuffle-buffer {enough} "
-                      "or more shuffles it")
+                  fix=f"its share of the buffer is under 2 samples: {fix}")
+
+
+def _buffer_that_shuffles(weight: float) -> int | None:
+    """The smallest shuffle buffer whose share at normalized `weight` rounds to 2 samples; None
+    where none fits in 64 bits (a weight that underflowed to 0 would divide by zero)."""
+    if not weight > 0 or not 1.5 / weight < 2**63:
+        return None
+    enough = math.ceil(1.5 / weight - 1e-9)
+    return enough + (round(enough * weight) < 2)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -78,7 +78,10 @@ shards = ["speech.tar"]
     # one shard in two sources (a copied block): each of its samples would be served twice
     ('[[sources]]\nname = "a"\nshards = "x.tar"\n[[sources]]\nname = "b"\nshards = "./x.tar"\n',
      r"sources\[1\] \('b'\)\.shards: shard .*x\.tar' is also in source 'a'"),
-    ('sources = []\n', r"sources: expected .*at least 1"),
+    ('sources = []\n', r": the dataset file lists no sources; add a \[\[sources\]\] table \(name, shards\)$"),
+    ('shuffle_buffer = 10\n', r": the dataset file lists no sources; add a \[\[sources\]\] table"),
+    ('shuffle_buffer = -1\n[[sources]]\nname = "a"\nshards = "x.tar"\n',
+     r"data\.toml: shuffle_buffer: expected greater than or equal to 0, got -1 \(an integer\)$"),
     # an empty spec would be this file's folder: every shard beside the file, served silently
     ('[[sources]]\nname = "a"\nshards = ""\n', r"sources\[0\] \('a'\)\.shards: an empty path; give"),
     ('[[sources]]\nname = "a"\nshards = ["x.tar", " "]\n', r"sources\[0\] \('a'\)\.shards: an empty path"),
@@ -89,9 +92,20 @@ shards = ["speech.tar"]
      r"sources\[0\]\.fields\.image\[0\]: expected an extension such as 'jpg' .*got '\.jpg'"),
     ('shufle_buffer = 3\n[[sources]]\nname = "a"\nshards = "x.tar"\n', r"shufle_buffer: unknown key"),
     ('[[sources]\n', r"not valid TOML"),
+    # a weight whose share of the blend underflows (or all but): refused, by the weight written
+    *((f'[[sources]]\nname = "a"\nshards = "x.tar"\nweight = {w}\n'
+       '[[sources]]\nname = "b"\nshards = "y.tar"\nweight = 1\n',
+       rf"sources\[0\] \('a'\)\.weight: {w} is more than 1e\+12 times below the largest weight, "
+       r"1\.0 \(source 'b'\): the blend would never draw it; raise it or leave the source out")
+      for w in ("1e-320", "1e-300", "1e-13")),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nweight = 1e300\n'
+     '[[sources]]\nname = "b"\nshards = "y.tar"\nweight = 1\n',
+     r"sources\[1\] \('b'\)\.weight: 1\.0 is more than 1e\+12 times below the largest weight, "
+     r"1e\+300 \(source 'a'\)"),
 ])
 def test_a_bad_dataset_file_is_one_line_naming_file_and_key(tmp_path, body, message):
     (tmp_path / "x.tar").write_bytes(b"")
+    (tmp_path / "y.tar").write_bytes(b"")
     path = _write(tmp_path, body)
     with pytest.raises(DatasetError, match=message) as e:
         load_dataset(path)
@@ -363,3 +377,82 @@ def test_a_source_too_light_for_its_share_of_the_shuffle_buffer_is_said_to_be_un
     enough = int(line.split("--shuffle-buffer ")[1].split()[0])  # 3000, give or take round-off
     w = config.weights[1]
     assert abs(enough - 3000) <= 1 and round(enough * w) >= 2 > round((enough - 1) * w)
+
+
+@pytest.mark.parametrize("weights", [(1e-12, 1), (1e-320, 1e-320), (1e300, 1e289)])
+def test_weights_within_the_ratio_the_blend_can_draw_are_taken(tmp_path, weights):
+    for name in ("x.tar", "y.tar"):
+        (tmp_path / name).write_bytes(b"")
+    path = _write(tmp_path, "".join(f'[[sources]]\nname = "{n}"\nshards = "{n}.tar"\nweight = {w!r}\n'
+                                    for n, w in zip("xy", weights)))
+    sources, _ = load_dataset(path)
+    assert [s.weight for s in sources] == list(weights)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shuffle", ["1000", "0"])
+def test_serve_refuses_a_weight_too_small_to_blend_in_one_line(tmp_path, shuffle):
+    """1e-320 beside 1 crashed the start with an OverflowError (1e-300 beside 1e300: a
+    ZeroDivisionError) from the shuffle warning; without a shuffle it named the normalized
+    weights [0.0, 1.0], not the ones written."""
+    for name in ("x.tar", "y.tar"):
+        (tmp_path / name).write_bytes(b"")
+    path = _write(tmp_path, '[[sources]]\nname = "rare"\nshards = "x.tar"\nweight = 1e-320\n'
+                            '[[sources]]\nname = "big"\nshards = "y.tar"\nweight = 1\n')
+    r = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", path,
+                        "--world-size", "1", "--global-batch", "4", "--shuffle-buffer", shuffle,
+                        "--probe-samples", "0"], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "sources[0] ('rare').weight: 1e-320 is more than" in lines[0]
+
+
+def test_a_server_config_refuses_a_weight_too_small_to_blend():
+    from dispatcher_server.config import BatchConfig, ServerConfig, Source
+    from dispatcher_server.planner.config import PlannerConfig
+
+    with pytest.raises(ValueError, match=r"source 'rare': weight 1e-300 is more than 1e\+12 "
+                                         r"times below the largest weight, 1e\+300 \(source 'big'\)"):
+        ServerConfig(sources=[Source(name="rare", shards=["/x.tar"], weight=1e-300),
+                              Source(name="big", shards=["/y.tar"], weight=1e300)],
+                     world_size=1, batch=BatchConfig(global_batch=4),
+                     planner=PlannerConfig(num_microbatches=1))
+
+
+@pytest.mark.parametrize("weight", [0.0, 1e-320, 5e-324])
+def test_the_unshuffled_warning_survives_a_share_no_buffer_can_shuffle(weight, caplog):
+    """The warning computed 1.5 / weight: a ZeroDivisionError at 0, an OverflowError at 1e-320."""
+    import logging
+    from types import SimpleNamespace
+
+    from dispatcher_server.config import Source
+    from mmdispatch import serve
+
+    config = SimpleNamespace(shuffle_buffer=1000, weights=[weight, 1.0], block_sizes=[1, 1000],
+                             sources=[Source(name="rare", shards=["/x.tar"]),
+                                      Source(name="big", shards=["/y.tar"])])
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        serve._warn_unshuffled(config)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "event=source_not_shuffled source=rare" in line and "too small for any buffer" in line
+
+
+def test_serve_names_a_bad_shuffle_buffer_in_the_dataset_file_by_its_key(tmp_path):
+    """The file's `shuffle_buffer = -1` was reported as `--shuffle-buffer`, a flag not given."""
+    import argparse
+
+    from mmdispatch import serve
+
+    (tmp_path / "a.tar").write_bytes(b"")
+    path = _write(tmp_path, 'shuffle_buffer = -1\n[[sources]]\nname = "a"\nshards = "a.tar"\n')
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(DatasetError) as e:
+        serve.build_config(serve.resolve(parser.parse_args(
+            ["--dataset", path, "--world-size", "1", "--global-batch", "4"])))
+    assert str(e.value) == f"{path}: shuffle_buffer: expected greater than or equal to 0, got -1 (an integer)"
+    # The flags are still named as flags.
+    with pytest.raises(ValueError, match=r"^--shuffle-buffer must be >= 0"):
+        serve.build_config(serve.resolve(parser.parse_args(
+            ["--dataset", path, "--world-size", "1", "--global-batch", "4", "--shuffle-buffer", "-2"])))
