@@ -131,10 +131,10 @@ class Metrics:
         """Count `count` ignored members of one suffix (`mmdispatch_members_ignored_total`)."""
         self.members_ignored.labels(source, suffix).inc(count)
 
-    def error(self, kind: str, /, **fields) -> None:
-        """Count an error by kind, and log it: every one of a kind up to ERROR_LINES_PER_MINUTE
-        a minute, then none until the minute is over (the next line says how many were not
-        logged): one peer sending garbage must not flood the log."""
+    def error(self, kind: str, level: int = logging.WARNING, /, **fields) -> None:
+        """Count an error by kind, and log it at `level`: every one of a kind up to
+        ERROR_LINES_PER_MINUTE a minute, then none until the minute is over (the next line says
+        how many were not logged): one peer sending garbage must not flood the log."""
         self.errors.labels(kind).inc()
         now = time.monotonic()
         start, logged, held = self._error_lines.get(kind, (now, 0, 0))
@@ -145,7 +145,7 @@ class Metrics:
             return
         self._error_lines[kind] = (start, logged + 1, 0)
         more = {"not_logged_before": held} if held else {}
-        event("error", logging.WARNING, kind=kind, **fields, **more)
+        event("error", level, kind=kind, **fields, **more)
 
     def close(self) -> None:
         if self._server is not None:

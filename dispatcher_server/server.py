@@ -846,7 +846,9 @@ class Dispatcher:
         self.skip_log.add(url, skipped)
 
     def _refuse_unknown(self, sock: zmq.Socket, ident: bytes, role: str, msg: P.Message) -> None:
-        self.metrics.error("unknown_peer", role=role, type=msg.type)
+        # What every peer's next message draws after a dispatcher restart, and the peer says
+        # HELLO again: counted, but no warning an operator should act on.
+        self.metrics.error("unknown_peer", logging.INFO, role=role, type=msg.type)
         self._send(sock, ident, P.ERROR, code="unknown_peer",
                    message="say hello first (the dispatcher may have restarted)")
 

@@ -672,3 +672,22 @@ def test_an_isolated_oversize_sample_is_logged_by_step_and_key_and_the_warm_up_w
     (line,) = [r.getMessage() for r in caplog.records if "oversize_isolated" in r.getMessage()]
     assert "step=0 keys=giant" in line and "exceed capacity" in line
     assert not [w for w in recwarn if issubclass(w.category, OversizeWarning)]
+
+
+def test_a_peer_unknown_after_a_restart_is_counted_not_warned_of(caplog):
+    """After a dispatcher restart every reader's and trainer's next message draws unknown_peer
+    (and the peer says HELLO again): one warning per peer was noise on every normal restart."""
+    d = Dispatcher(_config()).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        with caplog.at_level(logging.INFO, logger="mmdispatch"):
+            peer.send(P.HEARTBEAT)
+            told = peer.expect(P.ERROR)
+        assert told["code"] == "unknown_peer"
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
+                                                   {"kind": "unknown_peer"}) == 1
+        lines = [r for r in caplog.records if "kind=unknown_peer" in r.getMessage()]
+        assert [r.levelno for r in lines] == [logging.INFO]
+    finally:
+        peer.close()
+        d.stop()
