@@ -10,6 +10,7 @@ import os
 import re
 import threading
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 
@@ -92,18 +93,52 @@ class _Shards(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+@contextmanager
+def serving(handler):
+    """`handler` served on 127.0.0.1 (a thread per request) for the block: its base URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def moto_s3(monkeypatch):
+    """moto's S3 server on 127.0.0.1 for the block, the environment pointing boto3 and s3fs at
+    it, and a bucket `data`: a boto3 client."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+    import s3fs
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="data")
+    try:
+        yield client
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
 @pytest.fixture()
 def http_server(shards):
     handler = type("Handler", (_Shards,), {"root": os.path.dirname(shards[0]), "drops": {},
                                            "cut": 100, "gets": []})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", handler
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(handler) as base:
+        yield base, handler
 
 
 @pytest.fixture(autouse=True)
@@ -197,30 +232,11 @@ def test_http_shards_are_served_inline_and_direct_and_refused_by_reference(shard
 
 @pytest.fixture()
 def s3(monkeypatch, shards):
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket="data")
-    for s in shards:
-        client.upload_file(s, "data", f"train/{os.path.basename(s)}")
-    client.put_object(Bucket="data", Key="train/README.txt", Body=b"not a shard")
-    try:
+    with moto_s3(monkeypatch) as client:
+        for s in shards:
+            client.upload_file(s, "data", f"train/{os.path.basename(s)}")
+        client.put_object(Bucket="data", Key="train/README.txt", Body=b"not a shard")
         yield "s3://data/train"
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import threading
-from contextlib import contextmanager
 
 import pytest
 
@@ -22,7 +21,7 @@ from pipeline.shards import expand_shards
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.test_object_storage import send_range  # noqa: E402 - after the skips
+from tests.test_object_storage import send_range, serving  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,25 +75,12 @@ class _Faulty(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@contextmanager
-def _serving(handler):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture()
 def faulty(small_shards):
     handler = type("Handler", (_Faulty,), {"root": os.path.dirname(small_shards[0]), "answers": {},
                                            "requests": {}, "stalls": 0,
                                            "release": threading.Event()})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         try:
             yield base, handler
         finally:
@@ -130,7 +116,7 @@ def test_a_server_busy_at_open_is_retried(small_shards, faulty):
 
 def test_a_refused_connection_at_open_is_retried_and_named(small_shards, faulty):
     base, _ = faulty
-    with _serving(_Faulty) as closed:
+    with serving(_Faulty) as closed:
         pass  # a port nobody listens on any more
     url = f"{closed}/{os.path.basename(small_shards[0])}"
     keys, stats = _read(url)
@@ -176,7 +162,7 @@ class _NoRanges(http.server.SimpleHTTPRequestHandler):
 @pytest.mark.parametrize("drop_at", [0, 3])
 def test_a_server_that_ignores_range_requests_is_read_as_a_stream(small_shards, drop_at):
     handler = type("Handler", (_NoRanges,), {"drop_at": drop_at, "gets": 0})
-    with _serving(functools.partial(handler, directory=os.path.dirname(small_shards[0]))) as base:
+    with serving(functools.partial(handler, directory=os.path.dirname(small_shards[0]))) as base:
         path = small_shards[0]
         keys, stats = _read(f"{base}/{os.path.basename(path)}")
         assert stats.num_errors == 0, stats.recent
@@ -236,7 +222,7 @@ def test_an_object_replaced_while_read_is_reported_not_spliced(small_shards, tmp
     handler = type("Handler", (_Faulty,), {"root": str(tmp_path), "answers": {}, "requests": {},
                                            "stalls": 1, "replace_with": str(tmp_path / "b.tar"),
                                            "release": threading.Event()})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         try:
             keys, stats = _read(f"{base}/a.tar")
         finally:

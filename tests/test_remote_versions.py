@@ -14,9 +14,7 @@ import logging
 import os
 import re
 import tarfile
-import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -31,7 +29,7 @@ from pipeline.reader import ReaderConfig, iter_shard
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.test_object_storage import send_range  # noqa: E402 - after the skips
+from tests.test_object_storage import moto_s3, send_range, serving  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,19 +133,6 @@ def _send_range_with(handler, data: bytes, headers: dict[str, str]) -> tuple[int
         handler.end_headers = end
 
 
-@contextmanager
-def _serving(handler):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.mark.parametrize("server", ["ignores_if_match", "honours_if_match", "etag_on_reopen_only"])
 def test_an_http_object_replaced_between_block_reads_is_not_spliced(versions, server):
     """Same size, so only the version tells: the next block's answer (its ETag, or the 412 a
@@ -157,7 +142,7 @@ def test_an_http_object_replaced_between_block_reads_is_not_spliced(versions, se
         "files": [old, new], "gets": 0, "refused": 0, "if_match": server == "honours_if_match",
         "etag_on_get": server != "etag_on_reopen_only",
         "drop_first_after_swap": server == "etag_on_reopen_only"})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         keys, stats = _read(f"{base}/x.tar")
     assert stats.by_reason == {"shard_changed": 1}, stats.recent
     detail = stats.recent[-1][3]
@@ -170,26 +155,8 @@ def test_an_http_object_replaced_between_block_reads_is_not_spliced(versions, se
 
 @pytest.fixture()
 def s3(monkeypatch):
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    import boto3
-    import s3fs
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(k, v)
-    s3fs.S3FileSystem.clear_instance_cache()
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket="data")
-    try:
+    with moto_s3(monkeypatch) as client:
         yield client
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 def test_an_s3_object_replaced_while_read_is_reported_not_spliced(versions, s3, caplog):
@@ -249,7 +216,7 @@ def test_direct_payloads_of_an_s3_object_replaced_since_counted_are_refused(vers
 def test_direct_payloads_of_an_http_object_replaced_since_counted_are_refused(versions):
     old, new = versions
     handler = type("Handler", (_Versions,), {"files": [old, new], "gets": 0, "swap_after": 10**6})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         url = f"{base}/x.tar"
         with shards.open_shard(url) as stream:
             stamp = shards.stream_stamp(stream)
@@ -318,7 +285,7 @@ class _NoSize(http.server.BaseHTTPRequestHandler):
 def test_a_server_that_gives_no_size_is_read_as_a_stream_and_resumed(small_shards, mode):
     path = small_shards[0]
     handler = type("Handler", (_NoSize,), {"path_": path, "mode": mode, "gets": 0, "drop_at": 0})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         url = f"{base}/x.tar"
         keys, stats = _read(url)
         assert stats.num_errors == 0, stats.recent
@@ -386,7 +353,7 @@ def test_a_server_busy_for_a_while_is_waited_for_as_it_asks(small_shards, monkey
     path = small_shards[0]
     handler = type("Handler", (_Busy,), {"path_": path, "times": [], "retry_after": retry_after,
                                          "busy_until": time.monotonic() + busy_s})
-    with _serving(handler) as base, caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
+    with serving(handler) as base, caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
         url = f"{base}/x.tar"
         keys, stats = _read(url)
     assert stats.num_errors == 0, stats.recent
@@ -409,7 +376,7 @@ def test_a_read_back_for_a_trainer_fails_before_its_fetch_times_out(small_shards
     path = small_shards[0]
     handler = type("Handler", (_Busy,), {"path_": path, "times": [], "retry_after": "",
                                          "busy_until": time.monotonic() + 600})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         started = time.monotonic()
         with pytest.raises(OSError, match=rf"^shard '{base}/x.tar': failed \d+ times in .*HTTP 503"):
             shards.read_range(f"{base}/x.tar", 1024, 100)
@@ -466,7 +433,7 @@ def test_a_failed_read_back_is_logged_once_per_shard(small_shards, caplog):
     """A direct-mode reader that cannot read a member back answers each trainer with the
     reason and says it in its own log once per shard, not once per member or never."""
     handler = type("Handler", (_Versions,), {"files": [small_shards[0]] * 2, "gets": 0})
-    with _serving(handler) as base:
+    with serving(handler) as base:
         url = f"{base}/gone.tar"
         server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(0))
         ctx = zmq.Context()
