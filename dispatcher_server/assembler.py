@@ -86,18 +86,28 @@ class SourceStream:
     """
 
     def __init__(self, index: int, num_sources: int, name: str, order: ShardOrder, *, mode: str,
-                 window: int, block_size: int, seed: int) -> None:
+                 window: int, block_size: int, seed: int, mix: int = 1) -> None:
         self.index, self.S, self.name, self.order = index, num_sources, name, order
-        self.mode, self.window, self.block_size, self.seed = mode, window, block_size, seed
+        self.mode, self.block_size, self.seed = mode, block_size, seed
+        self.configured_window = window
+        # Shards a deterministic shuffle block draws from side by side (`_Fill`); 1: one after
+        # another. A block resumed from a position keeps the number it was begun with.
+        self.configured_mix = mix if mode == "deterministic" and block_size > 1 else 1
         self.reset(Cursor(), 0)
 
     def reset(self, cursor: Cursor, emitted: int, pulled: list[list[int]] = (),
-              replay: list[list[int]] = ()) -> None:
-        """Resume at `cursor` with `emitted` samples of its block out; arrival mode: `pulled`
-        are the runs that block (and the next) were pulled in, `replay` the runs of the steps
-        to replay, taken first in that order."""
+              replay: list[list[int]] = (), mix: int | None = None) -> None:
+        """Resume at `cursor` with `emitted` samples of its block out (`mix`: the shards that
+        block drew from side by side, as its position says; None: as configured); arrival mode:
+        `pulled` are the runs that block (and the next) were pulled in, `replay` the runs of the
+        steps to replay, taken first in that order."""
+        self.mix = self.configured_mix if mix is None else max(1, int(mix))
+        # Every shard a block draws from must be open at once: the window holds them.
+        self.window = max(self.configured_window, self.mix)
         self.cursor = cursor  # live: what has left the shard buffers
         self.start = cursor.copy()  # where the current block began
+        self.fill = _Fill.of(self, self.start) if self.mix > 1 else None  # how `block` fills
+        self.next_fill: _Fill | None = None  # how `next_block` fills, once it begins
         self.block: list[Sample] = []
         self.perm: list[int] | None = None  # set once the block is complete
         self.emitted = 0
@@ -128,6 +138,7 @@ class SourceStream:
         # Epochs read whole from here on, and the samples each yielded: one that yields none
         # (every shard empty, every sample skipped) ends the job instead of looping over epochs.
         self.kept_by_epoch: dict[int, int] = {}
+        self.one_shard_blocks = 0  # complete blocks whose samples all came from one shard
         self.empty_epoch: int | None = None
         epoch = self.order.epoch_of(cursor.base)
         touched = any(self.order.epoch_of(p) == epoch for p in (*cursor.partial, *cursor.done))
@@ -151,7 +162,8 @@ class SourceStream:
             return {**self.cursor.to_wire(), "runs": [list(r) for r in self.replay]}
         runs = ({"runs": self.block_runs + self.next_runs + [list(r) for r in self.replay]}
                 if self.mode != "deterministic" else {})
-        return {**self.start.to_wire(), "emitted": self.emitted, **runs}
+        mixed = {"mix": self.mix} if self.mix > 1 else {}
+        return {**self.start.to_wire(), "emitted": self.emitted, **runs, **mixed}
 
     def took(self) -> list[list[int]]:
         """Arrival mode: the runs of the pull sequence from the end of the last journaled step to
@@ -185,6 +197,9 @@ class SourceStream:
     @property
     def heads(self) -> set[int]:
         """The global positions the source's order waits on."""
+        if self.fill is not None and self.perm is None:
+            waits = self.fill.waits_on()
+            return {self.gpos(waits if waits is not None else self.cursor.base)}
         heads = {self.gpos(self.cursor.base)}
         if self.replay:
             heads.add(self.replay[0][0])
@@ -218,6 +233,14 @@ class SourceStream:
     def window_end(self) -> int:
         base = self.cursor.base
         end = base + self.window
+        if self.mix > 1 and self.cursor.done:
+            # `window` open positions, however many above base are done: a block's shards
+            # finish in any order, and the next one must open when one does.
+            while True:
+                wider = base + self.window + sum(1 for p in self.cursor.done if p < end)
+                if wider == end:
+                    break
+                end = wider
         # Deterministic mode takes positions in order, so the window may run on into the next
         # epoch (readers do not idle while an epoch's last shards drain; its samples wait in
         # their buffers). Arrival mode plans in arrival order: it opens an epoch only once the
@@ -304,15 +327,27 @@ class SourceStream:
         self.block, self.next_block = self.next_block, []
         self.block_runs, self.next_runs = self.next_runs, []
         self.start = self.next_start if self.next_start is not None else self.cursor.copy()
-        self.perm, self.next_start, self.emitted = None, None, 0
+        if self.mix > 1:
+            self.fill = self.next_fill if self.next_fill is not None else _Fill.of(self, self.start)
+        self.perm, self.next_start, self.next_fill, self.emitted = None, None, None, 0
 
     def _pull(self, progress: dict[int, ShardProgress], into: list[Sample]) -> None:
         """Move samples in order into a block, up to its size, never across an epoch."""
         epoch = (self.epoch_of_sample(into[0]) if into
                  else self.order.epoch_of(self.cursor.base))
         runs = self.block_runs if into is self.block else self.next_runs
+        fill = self.fill if into is self.block else self.next_fill
+        if fill is not None and not fill.shards and not into:
+            # Every shard of the epoch it began in had ended (unknown yet when it began): the
+            # block begins in the next epoch, as it would have begun had that been known.
+            fill = _Fill.of(self, self.cursor)
+            if into is self.block:
+                self.fill = fill
+            else:
+                self.next_fill = fill
         while len(into) < self.block_size:
-            got, _ = self._take_in_order(progress, self.block_size - len(into), epoch, 0, None, True)
+            got = (fill.take(progress, self.block_size - len(into)) if fill is not None else
+                   self._take_in_order(progress, self.block_size - len(into), epoch, 0, None, True)[0])
             if not got:
                 break
             if self.mode != "deterministic":
@@ -335,8 +370,12 @@ class SourceStream:
                 and not self.drained_positions(self.epoch_of_sample(block[0]))):
             return False
         first = block[0]
+        if self.mix == 1 and len(block) > 1 and first.pos == block[-1].pos:  # pulled in order
+            self.one_shard_blocks += 1
         self.perm = block_permutation(self.seed, self.name, first.pos, first.index, len(block))
         self.next_start = self.cursor.copy()
+        if self.mix > 1:
+            self.next_fill = _Fill.of(self, self.next_start)
         self.emitted, self._skip = self._skip, 0
         # Samples emitted before a restart left the dispatcher's memory but not its order.
         self.block_bytes -= sum(block[i].nbytes for i in self.perm[:self.emitted])
@@ -410,6 +449,84 @@ class SourceStream:
         return taken, cut
 
 
+class _Fill:
+    """How one deterministic shuffle block draws from `mix` of its source's shards side by side.
+
+    A block pulled one shard after another holds one or two shards whenever shards are as large
+    as the block, so its steps do too, every epoch. Instead the block takes `chunk` samples in
+    turn from each of the first `mix` open positions of its epoch (from the cursor the block
+    began at), in position order, until it is full. A position that ends is dropped where it
+    stands in the turn and the next open position of the epoch joins at the end; one that has
+    nothing buffered yet is waited for. Those are facts of the data (what a shard holds, what
+    its readers skipped), never of reader timing: a position found ended at a block's start
+    and one found ended at its turn give the same turns, so a restart from the block's cursor
+    pulls the same block in the same order.
+    """
+
+    __slots__ = ("stream", "shards", "turn", "taken", "chunk", "end")
+
+    def __init__(self, stream: SourceStream, shards: list[int], end: int) -> None:
+        self.stream, self.shards, self.end = stream, shards, end
+        self.turn = 0  # index in `shards` of the position whose turn it is
+        self.taken = 0  # samples of the current turn taken
+        self.chunk = max(1, -(-stream.block_size // stream.mix))
+
+    @staticmethod
+    def of(stream: SourceStream, cursor: Cursor) -> _Fill:
+        """The fill of a block that begins at `cursor`: the first `mix` open positions of the
+        epoch it is in."""
+        order = stream.order
+        end = order.epoch_end(cursor.base)
+        if order.end is not None:
+            end = min(end, order.end)
+        fill = _Fill(stream, [], end)
+        fill._join(cursor, cursor.base - 1, stream.mix)
+        return fill
+
+    def _join(self, cursor: Cursor, after: int, n: int) -> None:
+        """Add up to `n` open positions above `after`, in order, at the end of the turns."""
+        p = after + 1
+        while n and p < self.end:
+            if cursor.is_open(p):
+                self.shards.append(p)
+                n -= 1
+            p += 1
+
+    def waits_on(self) -> int | None:
+        """The local position whose turn it is (None: the block's epoch has no open one)."""
+        return self.shards[self.turn] if self.shards else None
+
+    def take(self, progress: dict[int, ShardProgress], limit: int) -> list[Sample]:
+        """Up to `limit` next samples of the block, taking turns; [] while the position whose
+        turn it is has nothing buffered (or none is left in the epoch)."""
+        st = self.stream
+        out: list[Sample] = []
+        while len(out) < limit and self.shards:
+            local = self.shards[self.turn]
+            if not st.cursor.is_open(local):  # it ended: the next open position joins
+                self.shards.pop(self.turn)
+                self._join(st.cursor, max(self.shards, default=local), 1)
+                self.taken = 0
+                if self.turn >= len(self.shards):
+                    self.turn = 0
+                continue
+            prog = progress.get(st.gpos(local))
+            if prog is None or not prog.buffer:
+                break
+            buf = prog.buffer
+            n = min(limit - len(out), self.chunk - self.taken, len(buf))
+            taken = [buf.popleft() for _ in range(n)]
+            prog.nbytes -= sum(x.nbytes for x in taken)
+            st.cursor.consume(local, taken[-1].index)
+            out.extend(taken)
+            self.taken += n
+            if self.taken == self.chunk:
+                self.taken = 0
+                self.turn = (self.turn + 1) % len(self.shards)
+            st.finish_drained(progress)
+        return out
+
+
 class StepAssembler:
     """Shard buffers -> sources (blend, shuffle) -> step, with the cursor recording what was
     consumed.
@@ -421,18 +538,21 @@ class StepAssembler:
     def __init__(self, order: ShardOrder | list[ShardOrder], *, mode: str, batch: BatchConfig,
                  num_inflight_shards: int = 8, names: list[str] | None = None,
                  weights: list[float] | None = None, windows: list[int] | None = None,
-                 block_sizes: list[int] | None = None, seed: int = 0) -> None:
+                 block_sizes: list[int] | None = None, seed: int = 0,
+                 mixes: list[int] | None = None) -> None:
         orders = [order] if isinstance(order, ShardOrder) else list(order)
         S = len(orders)
         names = names or (["default"] if S == 1 else [f"source{i}" for i in range(S)])
         windows = windows or [num_inflight_shards] * S
         block_sizes = block_sizes or [1] * S
+        mixes = mixes or [1] * S
         self.mode = mode
         self.batch = batch
         self.seed = seed
         self.weights = weights or [1.0] * S
         self.streams = [SourceStream(i, S, names[i], orders[i], mode=mode, window=windows[i],
-                                     block_size=block_sizes[i], seed=seed) for i in range(S)]
+                                     block_size=block_sizes[i], seed=seed, mix=mixes[i])
+                        for i in range(S)]
         self.bytes_seen = self.samples_seen = 0
         self.reset(None)
 
@@ -454,12 +574,15 @@ class StepAssembler:
         replay = replay or [[] for _ in self.streams]
         for stream, part, runs in zip(self.streams, parts, replay):
             arrival = stream.mode != "deterministic"
+            # A block begun before is pulled again as it was: side by side from as many shards
+            # as its position says (none: one after another, as positions written before).
             stream.reset(Cursor.from_wire(part) if part else Cursor(),
                          int(part.get("emitted", 0)) if part else 0,
-                         part.get("runs", ()) if part and arrival else (), runs if arrival else ())
+                         part.get("runs", ()) if part and arrival else (), runs if arrival else (),
+                         mix=part.get("mix", 1) if part and "emitted" in part else None)
         self.blend = Blend(self.weights, self.seed, drawn)
         self.progress: dict[int, ShardProgress] = {}
-        self._opened: list[int] | None = None  # each source's cursor base when its window opened
+        self._opened: list | None = None  # each source's (cursor base, done count) when its window opened
         self.acc: list[Sample] = []
         self.acc_tokens = self.acc_bytes = 0
         self.acc_cut = False
@@ -522,7 +645,8 @@ class StepAssembler:
         """Open every position of each source's window that is not open yet. Called on every
         pump, it works only when a window moved: nothing but this opens a position, and one
         closed inside the window (finished, or consumed past) stays closed until a reset."""
-        bases = [st.cursor.base for st in self.streams]
+        # (A source whose blocks draw from several shards also opens one when any ends.)
+        bases = [(st.cursor.base, len(st.cursor.done) if st.mix > 1 else 0) for st in self.streams]
         if bases == self._opened:
             return
         for st in self.streams:

@@ -141,6 +141,9 @@ class ServerConfig:
     # Samples per seeded shuffle block, shared by the sources in proportion to their weights
     # (see assembler.SourceStream); 0 or 1 keeps each source's order (shard order, then index).
     shuffle_buffer: int = 1000
+    # Shards each source's shuffle block draws from side by side (assembler._Fill); 1: one
+    # after another. Deterministic mode; each source's window opens at least this many.
+    shuffle_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -160,6 +163,16 @@ class ServerConfig:
             raise ValueError(f"source {src.name!r}: weight {src.weight!r} {problem[1]}")
         if self.shuffle_buffer < 0:
             raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        if self.shuffle_shards < 1:
+            raise ValueError(f"shuffle_shards must be >= 1, got {self.shuffle_shards}")
+        if self.shuffle_shards > 1 and self.mode != "deterministic":
+            raise ValueError(f"shuffle_shards={self.shuffle_shards} applies to deterministic mode: "
+                             "arrival mode takes samples as readers send them, from every shard "
+                             "being read; drop it or use mode deterministic")
+        if self.shuffle_shards > 1 and self.shuffle_buffer <= 1:
+            raise ValueError(f"shuffle_shards={self.shuffle_shards} mixes the shards of a shuffle "
+                             "block, and shuffle_buffer=0 turns the shuffle off; give a "
+                             "shuffle_buffer or drop shuffle_shards")
         if self.payloads not in PAYLOAD_MODES:
             raise ValueError(f"payloads must be one of {PAYLOAD_MODES}, got {self.payloads!r}")
         if self.payloads != "inline":
@@ -195,8 +208,13 @@ class ServerConfig:
         """Shards each source reads at once: `num_inflight_shards` shared by weight, at least 1."""
         n = self.flow.num_inflight_shards
         if len(self.sources) == 1:
-            return [n]
-        return [max(1, round(n * w)) for w in self.weights]
+            return [max(n, self.mixes[0])]
+        return [max(1, round(n * w), m) for w, m in zip(self.weights, self.mixes)]
+
+    @property
+    def mixes(self) -> list[int]:
+        """Shards each source's shuffle blocks draw from side by side (1: none, or no shuffle)."""
+        return [self.shuffle_shards if b > 1 else 1 for b in self.block_sizes]
 
     @property
     def block_sizes(self) -> list[int]:
@@ -227,12 +245,16 @@ class ServerConfig:
         return {"shards": digest, "num_shards": len(self.shards), "seed": self.seed,
                 "mode": self.mode, "global_batch": self.batch.global_batch,
                 "token_budget": self.batch.token_budget, "shuffle_buffer": self.shuffle_buffer,
-                **self._sources_digest()}
+                **self._mixed(), **self._sources_digest()}
+
+    def _mixed(self) -> dict:
+        # Only when on: journals and checkpoints written before the option match as they did.
+        return {"shuffle_shards": self.shuffle_shards} if self.shuffle_shards > 1 else {}
 
     def fingerprint(self) -> dict:
         """What the journal must have been written for: the sample sequence's inputs, and each
         source's field map (it decides what is counted, so which samples are skipped)."""
         return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,
                 "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget,
-                "shuffle_buffer": self.shuffle_buffer, **self._sources_digest(),
+                "shuffle_buffer": self.shuffle_buffer, **self._mixed(), **self._sources_digest(),
                 "field_maps": {s.name: s.fields for s in self.sources if s.fields is not None}}

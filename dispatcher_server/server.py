@@ -52,6 +52,8 @@ COMMITS_LAG_STEPS = 10_000
 #: shuffle blocks, the step being filled) are worth a warning: credits in flight when the bound
 #: is reached overshoot it a little; shuffle blocks larger than it overshoot it by far.
 BYTES_OVER_WARN = 1.25
+#: Complete shuffle blocks of a source drawn from one shard each before the dispatcher says so.
+ONE_SHARD_BLOCKS_WARN = 3
 
 
 class Fatal(Exception):
@@ -114,7 +116,11 @@ class Dispatcher:
         self.assembler = StepAssembler(orders, mode=config.mode, batch=config.batch,
                                        names=[src.name for src in config.sources],
                                        weights=config.weights, windows=config.windows,
-                                       block_sizes=config.block_sizes, seed=config.seed)
+                                       block_sizes=config.block_sizes, seed=config.seed,
+                                       mixes=config.mixes)
+        # Positions drain in order (one source, a shuffle block's shards one after another):
+        # a lower position waiting takes a higher one's reader slot (`_assign`).
+        self._in_order = len(config.sources) == 1 and config.mixes == [1]
         # What readers need to read a source's shards: its name and field map (SHARD_ASSIGN).
         self._source_fields = [({"source": src.name} if not one else {})
                                | ({"fields": src.fields} if src.fields else {})
@@ -134,6 +140,7 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
+        self._one_shard_warned = False  # shuffle blocks drawn from one shard each (_plan)
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
@@ -379,8 +386,9 @@ class Dispatcher:
         if made:
             return
         # One source drains its positions in order, so a lower one waiting may take a higher
-        # one's slot; a blend's sources drain side by side, so there a starving head may.
-        in_order = len(self.assembler.streams) == 1 or (todo and todo[0] in needed)
+        # one's slot; a blend's sources drain side by side, and so do the shards a shuffle
+        # block mixes, so there a starving head may.
+        in_order = self._in_order or (todo and todo[0] in needed)
         victim = (self.pool.victim(todo, needed) if in_order
                   else self._starved_head_victim(starving, needed))
         if victim is not None:
@@ -389,8 +397,9 @@ class Dispatcher:
             event("shard_preempted", shard=self.assembler.url(a.pos), pos=a.pos, reader=reader.name)
 
     def _starving_heads(self) -> set[int]:
-        """A blend's source heads that no reader holds and that have nothing buffered."""
-        if len(self.assembler.streams) < 2:
+        """A blend's source heads (or the shard a shuffle block waits on, where blocks mix
+        shards) that no reader holds and that have nothing buffered."""
+        if self._in_order:
             return set()
         progress = self.assembler.progress
         return {p for p in self.assembler.heads() if p in progress and progress[p].assignment is None
@@ -423,15 +432,22 @@ class Dispatcher:
         if not self._slots_warned:  # said once: it holds for as long as the readers stay few
             self._slots_warned = True
             slots = sum(r.slots for r in self.pool.readers.values())
-            event("blend_short_of_reader_slots", logging.WARNING,
-                  sources=len(self.assembler.streams), reader_slots=slots,
+            mixed = max(self.config.mixes)
+            together = {"shards_read_together": sum(self.config.mixes)} if mixed > 1 else {}
+            event("blend_short_of_reader_slots" if mixed == 1 else "short_of_reader_slots",
+                  logging.WARNING, sources=len(self.assembler.streams), **together,
+                  reader_slots=slots,
                   fix="start more readers, or more --workers or --prefetch-shards per reader: "
-                      "each source's shard needs a slot, or shards are taken back and resumed")
+                      "each source's shard" + (" (each of a shuffle block's --shuffle-shards)"
+                                               if mixed > 1 else "")
+                      + " needs a slot, or shards are taken back and resumed")
         return reader, a
 
     def _plan(self) -> None:
         c0 = thread_time()
         filled = self.assembler.take_step()
+        if not self._one_shard_warned:
+            self._warn_one_shard_blocks()
         step, batch = self.next_plan, build_batch(filled.samples)
         digest = batch.digest()
         c1 = thread_time()
@@ -623,6 +639,18 @@ class Dispatcher:
         self.metrics.buffered_bytes.set(held.nbytes)
         self.metrics.retained_steps.set(len(self.delivery.retained))
         return held
+
+    def _warn_one_shard_blocks(self) -> None:
+        """Once: a source's shuffle blocks keep coming from one shard each (its shards are as
+        large as its block), so its steps hold one or two shards, the same groups every epoch."""
+        for st in self.assembler.streams:
+            if st.one_shard_blocks >= ONE_SHARD_BLOCKS_WARN:
+                self._one_shard_warned = True
+                event("shuffle_blocks_of_one_shard", logging.WARNING, source=st.name,
+                      blocks=st.one_shard_blocks, block_size=st.block_size,
+                      fix="--shuffle-shards N draws each block from N shards side by side (give "
+                          "the readers N slots per source), or write shards smaller than the block")
+                return
 
     def _warn_block_bytes(self, nbytes: int) -> None:
         """Once: shuffle blocks hold more bytes than --max-buffered-bytes. A block is emitted only

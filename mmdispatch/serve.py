@@ -51,6 +51,10 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "shuffle_buffer": (int, 1000, "samples per seeded shuffle block, shared by the sources by "
                                   "weight; 0 = each source in shard order (a dataset file's "
                                   "shuffle_buffer wins over this default)"),
+    "shuffle_shards": (int, 1, "shards each shuffle block draws from side by side (deterministic "
+                               "mode); 1 = one after another, so a block, and its steps, holds "
+                               "one or two shards when shards are as large as it; needs as many "
+                               "reader slots per source"),
     "seed": (int, 0, "seed of the shard orders, the blend and the shuffle"),
     "mode": (str, "deterministic", "deterministic (order fixed by shards+seed+epoch) or arrival"),
     "world_size": (int, None, "data-parallel ranks (trainers); required"),
@@ -123,7 +127,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 #: --help section -> the OPTIONS shown in it, in order; every option in exactly one
 GROUPS: dict[str, tuple[str, ...]] = {
-    "data and dataset": ("shards", "dataset", "shuffle_buffer", "seed", "mode", "payloads",
+    "data and dataset": ("shards", "dataset", "shuffle_buffer", "shuffle_shards", "seed", "mode", "payloads",
                          "probe_samples", "probe_timeout_s"),
     "batch and planning": ("world_size", "ranks_per_node", "global_batch", "token_budget",
                            "num_microbatches", "microbatch_token_budget", "llm_capacity",
@@ -196,6 +200,7 @@ def resolve(args: argparse.Namespace) -> dict:
 #: an unset option (None) keeps its meaning
 AT_LEAST: dict[str, tuple[int, str]] = {
     "shuffle_buffer": (0, "samples per shuffle block; 0 = shard order"),
+    "shuffle_shards": (1, "shards a shuffle block draws from"),
     "world_size": (1, "the number of trainer ranks"),
     "global_batch": (1, "samples per step"),
     "token_budget": (1, "LLM tokens per step"),
@@ -336,7 +341,8 @@ def _build_config(v: dict, dataset: tuple[list[Source], int | None] | None) -> S
     for src in sources:
         src.shards = [absolute_url(u) for u in src.shards]
     return ServerConfig(
-        sources=sources, shuffle_buffer=shuffle, world_size=v["world_size"],
+        sources=sources, shuffle_buffer=shuffle, shuffle_shards=v["shuffle_shards"],
+        world_size=v["world_size"],
         ranks_per_node=v["ranks_per_node"], seed=v["seed"], mode=v["mode"],
         batch=BatchConfig(global_batch=v["global_batch"], token_budget=v["token_budget"]),
         planner=PlannerConfig(num_microbatches=v["num_microbatches"],

@@ -16,7 +16,7 @@ import pytest
 from dispatcher_server import protocol as P
 from dispatcher_server.assembler import StepAssembler
 from dispatcher_server.blend import Blend, block_permutation
-from dispatcher_server.config import BatchConfig, ServerConfig, Source
+from dispatcher_server.config import BatchConfig, FlowConfig, ServerConfig, Source
 from dispatcher_server.ordering import ShardOrder
 from dispatcher_server.planner import PlannerConfig
 
@@ -29,18 +29,19 @@ def _corpus(name: str, num_shards: int, sizes: random.Random) -> dict[str, list[
 
 def _assembler(sources: dict[str, dict[str, list[str]]], weights: list[float], *, shuffle: int,
                global_batch: int = 16, max_epochs: int | None = 2, mode: str = "deterministic",
-               seed: int = 5) -> StepAssembler:
+               seed: int = 5, mix: int = 1, inflight: int = 8) -> StepAssembler:
     names = list(sources)
     config = ServerConfig(sources=[Source(name=n, shards=list(sources[n]), weight=w)
                                    for n, w in zip(names, weights)],
                           world_size=1, batch=BatchConfig(global_batch=global_batch),
                           planner=PlannerConfig(num_microbatches=1), shuffle_buffer=shuffle,
-                          seed=seed, max_epochs=max_epochs)
+                          shuffle_shards=mix, seed=seed, max_epochs=max_epochs,
+                          flow=FlowConfig(num_inflight_shards=inflight))
     one = len(names) == 1
     orders = [ShardOrder(list(sources[n]), seed, max_epochs, salt="" if one else n) for n in names]
     return StepAssembler(orders, mode=mode, batch=config.batch, names=names,
                          weights=config.weights, windows=config.windows,
-                         block_sizes=config.block_sizes, seed=seed)
+                         block_sizes=config.block_sizes, seed=seed, mixes=config.mixes)
 
 
 def _run(a: StepAssembler, shards: dict[str, list[str]], rng: random.Random, *,
@@ -252,3 +253,87 @@ def test_a_source_emitting_a_complete_block_is_not_a_head_that_may_pass_the_memo
         a.take_step()
         a.fill()
     assert a.streams[0].perm is None and a.heads() == {0}  # emitted: the next block needs pos 0
+
+
+def _big_shards(name: str, num_shards: int, rng: random.Random) -> dict[str, list[str]]:
+    """Shards larger than the shuffle block, of uneven sizes, one empty."""
+    return {f"/{name}/s{i}.tar": [f"{name}{i}-{j}" for j in range(0 if i == 3 else rng.randint(40, 90))]
+            for i in range(num_shards)}
+
+
+def _shards_per_step(steps: list[list[str]]) -> list[int]:
+    return [len({k.split("-")[0] for k in step}) for step in steps]
+
+
+@pytest.mark.parametrize("mix", [3, 6])
+def test_blocks_that_mix_shards_do_not_depend_on_reader_timing_and_hold_each_sample_once(mix):
+    """Shards larger than the block: pulled one after another, nearly every step held one
+    shard, the same shard groups every epoch. Drawn side by side, steps hold `mix` shards, the
+    same steps whatever the readers' timing, and every sample once per epoch."""
+    src = {"one": _big_shards("one", 12, random.Random(4))}
+    n = sum(map(len, src["one"].values()))
+    runs = [_run(_assembler(src, [1.0], shuffle=32, mix=mix), _all(src), random.Random(t))
+            for t in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    seq = [k for step in runs[0] for k in step]
+    keys = sorted(k for ks in src["one"].values() for k in ks)
+    assert sorted(seq[:n]) == keys and sorted(seq[n:]) == keys
+    one_by_one = _run(_assembler(src, [1.0], shuffle=32), _all(src), random.Random(0))
+    assert sorted(k for s in one_by_one for k in s) == sorted(seq)
+    mixed, plain = _shards_per_step(runs[0]), _shards_per_step(one_by_one)
+    assert sum(x >= min(mix, 3) for x in mixed) >= 0.8 * len(mixed)
+    assert sum(x <= 2 for x in plain) >= 0.8 * len(plain)
+
+
+@pytest.mark.parametrize("stop", [1, 3, 6, 11, 17])
+def test_a_restart_inside_a_block_that_mixes_shards_continues_the_same_steps(stop):
+    src = {"one": _big_shards("one", 10, random.Random(8))}
+    whole = _run(_assembler(src, [1.0], shuffle=32, mix=4), _all(src), random.Random(9))
+    positions: list[dict] = []
+    head = _run(_assembler(src, [1.0], shuffle=32, mix=4), _all(src), random.Random(4),
+                max_steps=stop, positions=positions)
+    assert positions[-1]["streams"][0]["mix"] == 4
+    resumed = _assembler(src, [1.0], shuffle=32, mix=4)
+    resumed.reset(positions[-1])
+    tail = _run(resumed, _all(src), random.Random(11))
+    assert head + tail == whole
+
+
+def test_a_blend_whose_blocks_mix_shards_restarts_and_keeps_its_weights(blend3):
+    weights = [0.5, 0.3, 0.2]
+    whole = _run(_assembler(blend3, weights, shuffle=60, mix=2), _all(blend3), random.Random(2))
+    positions: list[dict] = []
+    head = _run(_assembler(blend3, weights, shuffle=60, mix=2), _all(blend3), random.Random(5),
+                max_steps=4, positions=positions)
+    resumed = _assembler(blend3, weights, shuffle=60, mix=2)
+    resumed.reset(positions[-1])
+    assert head + _run(resumed, _all(blend3), random.Random(6)) == whole
+
+
+def test_a_position_written_before_blocks_mixed_shards_resumes_one_shard_after_another():
+    """A journal written without `mix` resumes its block as it was pulled: one shard after
+    another (the fingerprint refuses a change of shuffle_shards, so such a journal's blocks
+    stay so)."""
+    src = {"one": _big_shards("one", 10, random.Random(8))}
+    whole = _run(_assembler(src, [1.0], shuffle=32), _all(src), random.Random(9))
+    positions: list[dict] = []
+    head = _run(_assembler(src, [1.0], shuffle=32), _all(src), random.Random(4), max_steps=5,
+                positions=positions)
+    assert "mix" not in positions[-1]["streams"][0]
+    resumed = _assembler(src, [1.0], shuffle=32)
+    resumed.reset(positions[-1])
+    assert head + _run(resumed, _all(src), random.Random(11)) == whole
+
+
+def test_shuffle_shards_opens_that_many_shards_and_is_part_of_the_fingerprint():
+    def config(**kw):
+        return ServerConfig(shards=[f"/s{i}.tar" for i in range(20)], world_size=1,
+                            batch=BatchConfig(global_batch=8), planner=PlannerConfig(num_microbatches=1),
+                            flow=FlowConfig(num_inflight_shards=2), **kw)
+    assert config(shuffle_shards=6).windows == [6] and config().windows == [2]
+    assert config(shuffle_shards=6).fingerprint() != config().fingerprint()
+    assert "shuffle_shards" not in config().dataset_fingerprint()  # as before the option
+    with pytest.raises(ValueError, match="shuffle_shards=4 applies to deterministic mode"):
+        config(shuffle_shards=4, mode="arrival")
+    with pytest.raises(ValueError, match="shuffle_buffer=0 turns the shuffle off"):
+        config(shuffle_shards=4, shuffle_buffer=0)

@@ -209,6 +209,48 @@ def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, cap
     assert run(3) == one  # deterministic: the order does not depend on the readers
 
 
+@pytest.mark.timeout(120)
+def test_blocks_mixing_more_shards_than_reader_slots_are_served_whole_in_one_order(tmp_path, caplog):
+    """--shuffle-shards 4 with one reader of two slots: the shard a block waits on takes back
+    the shard with the most buffered (which resumes where it stopped), so every key comes
+    once, in the order four readers give, and steps hold samples of several shards."""
+    shard_list = [_text_shard(tmp_path / f"s{i}.tar", f"s{i}-", 60) for i in range(6)]
+    keys = {f"s{i}-{j:05d}" for i in range(6) for j in range(60)}
+    flow = FlowConfig(max_buffered_samples=200, num_inflight_shards=2, credit_batch=8)
+
+    def run(num_readers: int) -> list[list[str]]:
+        config = make_config(shard_list, world_size=2, global_batch=12, max_epochs=1,
+                             shuffle_buffer=24, shuffle_shards=4, flow=flow)
+        with dispatcher(config) as srv, readers(srv.reader_endpoint, num_readers):
+            got = consume(srv.trainer_endpoint, 2)
+        steps: dict[int, list[str]] = {}
+        for r in sorted(got):
+            for step, mbs in got[r]:
+                steps.setdefault(step, []).extend(k for mb in mbs for k in mb)
+        return [sorted(steps[s]) for s in sorted(steps)]
+
+    one = run(1)
+    assert sorted(k for step in one for k in step) == sorted(keys)  # every key once
+    assert "shuffle_blocks_of_one_shard" not in caplog.text
+    said = [r.message for r in caplog.records if "event=short_of_reader_slots" in r.message]
+    assert len(said) == 1 and "shards_read_together=4 reader_slots=2" in said[0], said
+    assert sum(len({k.split("-")[0] for k in step}) >= 3 for step in one) >= len(one) // 2
+    assert run(4) == one  # deterministic: the steps do not depend on the readers
+
+
+def test_shuffle_blocks_drawn_from_one_shard_each_are_said_once(tmp_path, caplog):
+    """Shards larger than the shuffle block, pulled one after another: each block, so each
+    step, holds one shard; the dispatcher says so once, naming --shuffle-shards."""
+    shard_list = [_text_shard(tmp_path / f"s{i}.tar", f"s{i}-", 60) for i in range(4)]
+    config = make_config(shard_list, world_size=2, global_batch=12, max_epochs=1,
+                         shuffle_buffer=24)
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"), dispatcher(config) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 2)
+    said = [r.message for r in caplog.records if "event=shuffle_blocks_of_one_shard" in r.message]
+    assert len(said) == 1 and "--shuffle-shards N" in said[0] and "source=default" in said[0]
+
+
 def test_client_restart_resumes_where_its_state_says(shards):
     cfg = make_config(shards, world_size=2)
     with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
