@@ -23,7 +23,7 @@ from PIL import Image
 
 from pipeline.headers import (
     HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem, jpeg_size,
-    png_problem, png_size, wav_header,
+    mp3_header, png_problem, png_size, wav_header,
 )
 from pipeline.tokenize import (
     BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
@@ -344,6 +344,8 @@ class Counter:
         try:
             header = wav_header(data)
             flac = header is None and (header := flac_header(data)) is not None
+            if header is None:
+                header = mp3_header(data)
         except HeaderError as e:
             raise CountError(e.reason, str(e)) from None
         if flac and not flac_last_frame_whole(data):

@@ -354,8 +354,10 @@ def check_rows(array, enc_len: int, *, key: str, member: str) -> None:
     rows = int(array.shape[0]) if getattr(array, "ndim", 0) >= 1 else -1
     if rows != int(enc_len):
         raise ValueError(f"sample {key!r} member {member!r}: preprocessed to {rows} rows but the "
-                         f"plan counted enc_len={int(enc_len)}: data node and trainer disagree on "
-                         f"the counting rules (--max-pixels, --patch-size, --audio-frames-per-s...)")
+                         f"plan counted enc_len={int(enc_len)}: its header states another length "
+                         f"than it decodes to (then `read --preprocess-on datanode` skips such "
+                         f"files on the data node, counted), or data node and trainer count by "
+                         f"other rules (--max-pixels, --patch-size, --audio-frames-per-s...)")
 
 
 # ------------------------------------------------------------------- tensors on the wire

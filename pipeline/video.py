@@ -368,7 +368,7 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     would differ from `enc_len` (the planned length) or the clip does not decode.
     """
     try:
-        import av  # noqa: F401  (decoding happens in _sample_frames)
+        import av  # noqa: F401  (decoding happens in _sample_frames; its errors are caught below)
     except ImportError:
         raise ImportError("video_patches decodes with PyAV: pip install 'mmdispatch[video]'") from None
     cfg = cfg or VideoConfig()
@@ -388,9 +388,11 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     n_real = min(frames, max(1, math.ceil(duration * cfg.fps - 1e-6)))
     try:
         picked = _sample_frames(data, n_real, duration, rows, cols)
+    except av.error.FFmpegError as e:  # a corrupt stream; some (InvalidDataError) are ValueErrors
+        raise UndecodableError(f"video does not decode: {e}") from None
     except ValueError:
         raise
-    except Exception as e:  # av.error.* on a corrupt stream
+    except Exception as e:  # noqa: BLE001 - whatever else a broken container makes PyAV raise
         raise UndecodableError(f"video does not decode: {e}") from None
     picked.extend([picked[-1]] * (frames - len(picked)))  # whole temporal patches
     x = (np.stack(picked).astype(np.float32) / 255.0 - _MEAN) / _STD  # (T, H, W, C)

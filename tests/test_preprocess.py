@@ -201,7 +201,7 @@ def test_a_length_mismatch_raises_naming_key_and_member():
         preprocess_item("image", data, config, enc_len=enc + 4, key="abc/0001", member="0.jpg")
     # the data node counted with another pixel budget than the trainer uses
     small = PreprocessConfig(image=ImageConfig(max_pixels=112 * 112))
-    with pytest.raises(PreprocessError, match="'k7'.*disagree"):
+    with pytest.raises(PreprocessError, match="'k7'.*count by other rules"):
         preprocess_item("image", data, small, enc_len=enc, key="k7", member="png")
     with pytest.raises(PreprocessError, match="'k8' member 'wav': audio cannot be decoded"):
         preprocess_item("audio", b"RIFF....garbage", config, enc_len=3, key="k8", member="wav")
@@ -365,7 +365,7 @@ def test_items_counted_by_other_rules_stop_the_loop_whatever_the_error_mode(reco
 
     other = PreprocessConfig(image=ImageConfig(max_pixels=56 * 56), audio=PRE.audio)
     with PrefetchPool(_steps(records), PrefetchConfig(workers=2, preprocess=other)) as pool:
-        with pytest.raises(ValueError, match="disagree on the counting rules"):
+        with pytest.raises(ValueError, match="count by other rules"):
             list(pool)
     with pytest.raises(ValueError, match="errors='skip' must be one of warn, raise"):
         PrefetchConfig(errors="skip")
