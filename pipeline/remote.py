@@ -97,7 +97,7 @@ def expand(url: str, spec: str) -> list[str]:
     bucket; HTTP has no listing, so its URLs are given one by one or as {a..b} ranges. Every
     URL's backend is loaded here, so a missing package refuses the spec at start, not in a
     reader hours later."""
-    path = url.split("?", 1)[0]
+    path = url.split("?", 1)[0] if _is_http(url) else url  # a query is HTTP's, not a key's
     if not _GLOB_CHARS.intersection(path):
         filesystem(url)
         return [url]
@@ -106,6 +106,9 @@ def expand(url: str, spec: str) -> list[str]:
                          f"cannot be globbed; list the URLs or use a {{000..099}} range")
     fs, pattern = filesystem(url)
     try:
+        # An object whose key holds *, ? or [ is named by itself first, as a local file is.
+        if fs.isfile(pattern):
+            return [url]
         found = sorted(fs.glob(pattern))
     except Exception as e:  # noqa: BLE001 - any listing failure is one line naming the spec
         raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: {diagnose(e)[1]}") from None

@@ -253,6 +253,21 @@ def test_s3_globs_list_the_bucket_and_read_as_the_local_files_do(shards, s3):
 
 
 @pytest.mark.timeout(120)
+def test_an_s3_key_with_glob_characters_is_named_by_itself(shards, s3):
+    """`br[1].tar` matched no glob (its [1] is a character class); an object of exactly that
+    key is taken first, as a local file of that name is."""
+    import boto3
+
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).upload_file(
+        shards[0], "data", "train/odd/br[1].tar")
+    url = s3 + "/odd/br[1].tar"
+    assert expand_shards(url) == [url]
+    assert _keys([url]) == _keys([shards[0]])
+    with pytest.raises(FileNotFoundError, match="no shard matches"):
+        expand_shards(s3 + "/odd/br[2].tar")
+
+
+@pytest.mark.timeout(120)
 def test_s3_shards_serve_direct_payloads_read_back_by_range(shards, s3):
     """Direct mode on S3 with no reader cache: every item a ranged GET of its object, and the
     trainers get what an inline run of the local files delivers."""
