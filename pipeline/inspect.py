@@ -93,7 +93,8 @@ def _bad_shard(url: str, stats: ErrorStats, stopped: str | None) -> dict:
     first = stats.recent[0] if stats.recent else None
     return {"shard": url, "samples": stats.num_samples, "errors": stats.num_errors,
             "by_reason": dict(sorted(stats.by_reason.items())),
-            "first_error": None if first is None else f"{first[0]}: {first[3]}",
+            "first_error": None if first is None else
+            f"{first[0]}{f' (sample {first[2]!r})' if first[2] else ''}: {first[3]}",
             "stopped": stopped}
 
 

@@ -79,6 +79,8 @@ def test_inspect_counts_errors_per_shard_and_reads_the_good_one(small_shards, tm
     assert set(bad) == {"a-bad.tar", "b-bad.tar"}
     # each bad shard stopped on its own run of failures; the second did not inherit the first's
     assert all(b["stopped"] and b["errors"] == 21 and b["by_reason"] == {"bad_image": 21} for b in bad.values())
+    # the first error names its sample, as the logs do
+    assert all(b["first_error"].startswith("bad_image (sample '") for b in bad.values())
     # one full line per (reason, shard), the rest in one aggregated line, never one line each
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(lines) <= 3, lines
