@@ -75,10 +75,15 @@ class PreprocessError(ValueError):
     """An item that cannot become its model input; the message names sample key and member."""
 
     def __init__(self, message: str, modality: str | None = None, *,
-                 undecodable: bool = False) -> None:
+                 undecodable: bool = False, mismatch: bool = False) -> None:
         super().__init__(message)  # args: (message,); the rest pickles in __dict__
         self.modality = modality
         self.undecodable = undecodable  # the payload does not decode (not a rules mismatch)
+        self.mismatch = mismatch  # it decodes to other rows than the plan counted
+
+
+class RowsMismatch(ValueError):
+    """An item's input has other rows than the plan counted (`check_rows`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -345,15 +350,16 @@ def preprocess_item(modality: str, data: bytes | memoryview, config: PreprocessC
     except ValueError as e:
         raise PreprocessError(str(e) if str(e).startswith("sample ")
                               else f"sample {key!r} member {member!r}: {e}", modality,
-                              undecodable=isinstance(e, UndecodableError)) from None
+                              undecodable=isinstance(e, UndecodableError),
+                              mismatch=isinstance(e, RowsMismatch)) from None
     return out
 
 
 def check_rows(array, enc_len: int, *, key: str, member: str) -> None:
-    """ValueError naming the sample and member unless `array` has exactly `enc_len` rows."""
+    """RowsMismatch naming the sample and member unless `array` has exactly `enc_len` rows."""
     rows = int(array.shape[0]) if getattr(array, "ndim", 0) >= 1 else -1
     if rows != int(enc_len):
-        raise ValueError(f"sample {key!r} member {member!r}: preprocessed to {rows} rows but the "
+        raise RowsMismatch(f"sample {key!r} member {member!r}: preprocessed to {rows} rows but the "
                          f"plan counted enc_len={int(enc_len)}: its header states another length "
                          f"than it decodes to (then `read --preprocess-on datanode` skips such "
                          f"files on the data node, counted), or data node and trainer count by "
@@ -394,7 +400,7 @@ def array_from_payload(payload: bytes | memoryview, meta: dict) -> np.ndarray:
 __all__ = [
     "IMAGE_MEAN", "IMAGE_STD", "N_MELS", "PREPROCESSORS", "PREPROCESS_DTYPE", "PreprocessConfig",
     "PreprocessError",
-    "TEMPORAL_PATCH", "TENSOR_META", "array_from_payload", "audio_features", "check_rows",
+    "TEMPORAL_PATCH", "TENSOR_META", "RowsMismatch", "array_from_payload", "audio_features", "check_rows",
     "image_patches", "log_mel", "mel_filters", "mel_stride", "patchify", "preprocess_item",
     "preprocess_record",
     "row_dim", "tensor_meta",

@@ -359,6 +359,39 @@ def test_an_item_that_does_not_decode_gets_a_blank_input_or_raises_naming_its_ke
             list(pool)
 
 
+def test_a_file_whose_header_lies_about_its_length_gets_a_blank_input_among_good_ones(caplog):
+    """Other rows than planned, after items of the modality decoded as planned, is one file's
+    header lying (the loop used to stop on it, a job lost to one file); at the modality's first
+    item it is the data nodes' and trainer's rules differing, and the loop stops."""
+    torch = pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    records = _records(12)
+    reference = _inputs_by_item(PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)))
+    with_images = [r for r in records if any(it.modality == "image" for it in r.items)]
+    liar = with_images[-1]
+    item = next(it for it in liar.items if it.modality == "image")
+    original = liar.members[item.member]
+    liar.members[item.member] = _png(100, 60)  # counted as the original, decodes smaller
+    for kind, workers in (("thread", 0), ("thread", 2)):
+        with PrefetchPool(_steps(records), PrefetchConfig(workers=workers, ahead=1, kind=kind,
+                                                          preprocess=PRE)) as pool:
+            got = _inputs_by_item(pool)
+        assert pool.undecodable.count == 1, kind
+        blank = got.pop((liar.key, item.member))
+        assert blank.shape == (item.enc_len, reference[liar.key, item.member].shape[1]) and not blank.any()
+        assert all(torch.equal(t, reference[k]) for k, t in got.items()), kind
+        assert any("event=undecodable_item" in r.message and liar.key in r.message
+                   and "header states another length" in r.message for r in caplog.records)
+    liar.members[item.member] = original
+    first = with_images[0]
+    item = next(it for it in first.items if it.modality == "image")
+    first.members[item.member] = _png(100, 60)
+    with PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)) as pool:
+        with pytest.raises(ValueError, match=f"sample '{first.key}'.*count by other rules"):
+            list(pool)
+
+
 def test_items_counted_by_other_rules_stop_the_loop_whatever_the_error_mode(records):
     pytest.importorskip("torch")
     from trainer_client.prefetch import PrefetchConfig, PrefetchPool

@@ -12,8 +12,11 @@ decoder finds it, after the sample was planned into every rank's step) gets a bl
 exactly its planned rows under `errors="warn"` (the default, as readers do with bad samples),
 logged with its key as `event=undecodable_item`: every rank keeps the shapes the plan and the
 exchange expect, and the sample trains with a blank item. More than `max_consecutive_errors`
-in a row, or any item under `errors="raise"`, stops the loop with the error. An item whose rows
-disagree with the plan (data nodes and trainer count by other rules) always stops it.
+in a row, or any item under `errors="raise"`, stops the loop with the error. An item that
+decodes to other rows than the plan counted is one of two things: a file whose header states
+another length than it holds, among items of its modality that decoded as planned (it gets a
+blank input, as an undecodable one), or data nodes and trainer counting by other rules, which
+shows at the first item of the modality (that stops the loop).
 
 At most `ahead` micro-batches are prepared or being prepared beyond the step the loop holds
 (a step with more micro-batches is still prepared whole), which bounds memory. `workers=0`
@@ -96,15 +99,22 @@ class Undecodable:
         self.config = config
         self.count = 0
         self._in_a_row = 0
+        self._planned: set[str] = set()  # modalities an item of decoded to its planned rows
         self._lock = threading.Lock()
 
-    def decoded(self) -> None:
+    def decoded(self, modality: str) -> None:
         self._in_a_row = 0
+        if modality not in self._planned:
+            with self._lock:
+                self._planned.add(modality)
 
     def blank(self, error: BaseException, modality: str, enc_len: int) -> torch.Tensor:
         """The stand-in for an item that failed with `error`, or `error` raised (a rules
-        mismatch, errors="raise", or too many in a row)."""
-        if not (isinstance(error, PreprocessError) and error.undecodable) or self.config.errors == "raise":
+        mismatch, errors="raise", or too many in a row). Other rows than planned, once items of
+        the modality decoded as planned, is the file's header lying: a blank input too."""
+        lying = isinstance(error, PreprocessError) and error.mismatch and modality in self._planned
+        if (not (isinstance(error, PreprocessError) and (error.undecodable or lying))
+                or self.config.errors == "raise"):
             raise error
         with self._lock:
             self.count += 1
@@ -192,7 +202,7 @@ def _prepare_or_blank(args, config: PreprocessConfig, kw, undecodable: Undecodab
             raise
         return undecodable.blank(e, args[0], kw["enc_len"])
     if undecodable is not None:
-        undecodable.decoded()
+        undecodable.decoded(args[0])
     return out
 
 
@@ -296,7 +306,7 @@ class PrefetchPool:
                     except BaseException as e:  # noqa: BLE001 - the loop raises it
                         out.set_exception(e)
                 else:
-                    self.undecodable.decoded()
+                    self.undecodable.decoded(modality)
                     out.set_result(_tensor(f.result()))
             fut.add_done_callback(done)
             return out
