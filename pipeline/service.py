@@ -43,7 +43,7 @@ from pipeline.reader import (
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
-from pipeline.tokenize import tokenizer_identity
+from pipeline.tokenize import TextEncoder, tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
 
@@ -566,7 +566,13 @@ _HINTS = {signal.SIGBUS: " (a mapped shard truncated while read? --no-map-shards
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config_from_args(args).session()  # validate before forking
+        config = config_from_args(args)
+        config.session()  # validate before forking
+        text = config.reader.counting.text
+        if not text.estimate and text.tokenizer_path is not None:
+            # Before joining a session: a file that is no tokenizer would state its digest as
+            # this reader's rules, which the session keeps, refusing every correct peer after.
+            TextEncoder.load(text.tokenizer_path, text.chat_template)
     except ValueError as e:
         say(f"mmdispatch read: error: {e}", _log_format(args))
         return 2

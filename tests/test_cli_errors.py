@@ -47,6 +47,7 @@ def files(small_shards, tmp_path_factory):
     (d / "weight_inf.toml").write_text(f'[[sources]]\nname = "a"\nshards = "{small_shards[0]}"\n'
                                        "weight = inf\n")
     (d / "journal_file").write_text("not a directory")
+    (d / "not_a_tokenizer.json").write_text('{"not": "a tokenizer"}')
     (d / "torn_checkpoint").mkdir()
     (d / "mine").mkdir()
     (d / "mine" / "mine.tar").write_bytes(Path(small_shards[0]).read_bytes())
@@ -117,6 +118,10 @@ CASES = {
                                     ["nope.json", "--tokenizer"]),
     "tokenizer missing (read)": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
                                                "--tokenizer", "nope.json"], ["nope.json"]),
+    # refused before joining a session, whose rules would keep its digest and refuse good peers
+    "not a tokenizer (read)": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                             "--tokenizer", str(f["dir"] / "not_a_tokenizer.json")],
+                               ["not_a_tokenizer.json", "not an HF tokenizers JSON file"]),
     "endpoint without tcp://": (lambda f, p: [*MMD, "read", "--dispatcher", "localhost:5555", "--timeout", "1"],
                                 ["localhost:5555", "tcp://HOST:PORT"]),
     "bind without tcp://": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
