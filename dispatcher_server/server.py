@@ -918,7 +918,8 @@ class Dispatcher:
             return "role", "trainer hello needs role='trainer', rank and world_size"
         if world != W:
             return "world_size", (f"trainer says world_size={world}, dispatcher plans for "
-                                  f"world_size={W}; restart the dispatcher with --world-size {world}")
+                                  f"world_size={W}; launch {W} trainer rank{'s' if W != 1 else ''}, or restart the "
+                                  f"dispatcher with --world-size {world}")
         if not 0 <= rank < W:
             return "rank", f"rank {rank} is outside [0, {W})"
         theirs = msg.get("dataset")

@@ -215,7 +215,8 @@ class PeerSession:
         if limit is not None and time.monotonic() - self._since > limit:
             raise Unreachable(f"no dispatcher answered at {self.config.address} within "
                               f"{limit:g} s (check the address, that the dispatcher runs, and "
-                              f"its CurveZMQ keys; raise the connect timeout to wait longer)")
+                              f"its CurveZMQ keys; raise --connect-timeout, connect_timeout_s "
+                              f"from Python, to wait longer)")
 
     def _handle(self, frames) -> bool:
         try:

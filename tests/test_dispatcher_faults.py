@@ -691,3 +691,16 @@ def test_a_peer_unknown_after_a_restart_is_counted_not_warned_of(caplog):
     finally:
         peer.close()
         d.stop()
+
+
+def test_a_trainer_of_another_world_size_is_told_both_ways_out():
+    d = Dispatcher(_config()).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        peer.send(P.HELLO, role="trainer", rank=0, world_size=3, next_step=None, prefetch=2)
+        told = peer.expect(P.ERROR)
+        assert told["code"] == "world_size"
+        assert "launch 1 trainer rank, or" in told["message"] and "--world-size 3" in told["message"]
+    finally:
+        peer.close()
+        d.stop()
