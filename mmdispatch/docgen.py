@@ -46,10 +46,12 @@ def _default(command: str, action: argparse.Action) -> str:
         from mmdispatch.serve import OPTIONS
 
         default = OPTIONS.get(action.dest, (None, None, None))[1]
-    if action.nargs == 0 or default in (None, argparse.SUPPRESS, ""):
-        return ""
+    if action.nargs == 0 or default in (None, argparse.SUPPRESS, "") or default == []:
+        return ""  # an empty list: the help's own "(default: ...)" says what applies
     if isinstance(default, list):
         default = ", ".join(map(str, default))
+    elif isinstance(default, tuple) and ":" in (action.metavar or ""):
+        default = ":".join(map(str, default))  # as it is written on the command line (MIN:MAX)
     return f"`{default}`"
 
 

@@ -99,8 +99,10 @@ def _describe(error: dict, path: str) -> str:
         if len(loc) == 1:
             return (f"{path}: unknown table or top-level key {loc[0]!r}: settings go in a table, "
                     f"one of {', '.join(f'[{t}]' for t in TABLES)}")
+        elsewhere = [t for t in TABLES if t != loc[0] and loc[-1] in settings_of(t)]
         close = difflib.get_close_matches(loc[-1], list(settings_of(loc[0])), n=1)
-        hint = (f"did you mean {close[0]}?" if close
+        hint = (f"it is a key of [{elsewhere[0]}]" if elsewhere
+                else f"did you mean {close[0]}?" if close
                 else f"the keys of [{loc[0]}] are its options' names, see docs/configuration.md")
         return f"{path}: {where}: unknown setting ({hint})"
     expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")

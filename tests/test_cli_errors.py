@@ -39,6 +39,7 @@ def files(small_shards, tmp_path_factory):
     gz.write_bytes(gzip.compress(Path(small_shards[0]).read_bytes()))
     (d / "wrong_type.toml").write_text('[serve]\nglobal_batch = "64"\n')
     (d / "unknown_key.toml").write_text("[serve]\nglobal_bach = 64\n")
+    (d / "other_table.toml").write_text("[read]\nmap_shards = true\n")
     (d / "flat.toml").write_text("world_size = 4\n")
     (d / "bad_syntax.toml").write_text("[serve\n")
     (d / "train_type.toml").write_text("[train]\nsteps = 2.5\n")
@@ -107,6 +108,9 @@ CASES = {
                           ["wrong_type.toml", "[serve] global_batch", "integer", "'64'"]),
     "config unknown key": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/unknown_key.toml"],
                            ["unknown_key.toml", "global_bach", "global_batch"]),
+    "config key of another table": (lambda f, p: [*MMD, "read", "--config", f"{f['dir']}/other_table.toml",
+                                                  "--dispatcher", "tcp://127.0.0.1:9"],
+                                    ["other_table.toml", "[read] map_shards", "a key of [counting]"]),
     "config flat keys": (lambda f, p: [*MMD, "read", "--config", f"{f['dir']}/flat.toml"],
                          ["flat.toml", "world_size", "[serve]"]),
     "config bad syntax": (lambda f, p: [*MMD, "serve", "--config", f"{f['dir']}/bad_syntax.toml"],
