@@ -231,6 +231,17 @@ def finite_float(text: str) -> float:
 ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
 
 
+def check_curve_pair(secret: str | None, server_key: str | None) -> None:
+    """ValueError naming the one of a client's two CurveZMQ flags that is missing."""
+    if bool(secret) != bool(server_key):
+        given, missing, what = (("--curve-secret", "--curve-server-key", "the dispatcher's public "
+                                 "NAME.key file") if secret else
+                                ("--curve-server-key", "--curve-secret", "this peer's "
+                                 "NAME.key_secret file"))
+        raise ValueError(f"{given} is given without {missing} ({what}): CurveZMQ needs both, "
+                         "or neither for a plain connection")
+
+
 def check_endpoint(flag: str, address: str) -> str:
     """`address` if it names a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH...), else a ValueError
     naming the flag and the form."""

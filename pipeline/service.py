@@ -30,7 +30,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import (
-    MAX_MALLOC_KEEP_MB, check_endpoint, finite_float, say, setup_logging,
+    MAX_MALLOC_KEEP_MB, check_curve_pair, check_endpoint, finite_float, say, setup_logging,
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
@@ -479,8 +479,7 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     if not 0 <= args.prefetch_shards < P.MAX_READER_SHARDS:
         raise ValueError(f"--prefetch-shards must be 0 to {P.MAX_READER_SHARDS - 1}, "
                          f"got {args.prefetch_shards}")
-    if bool(args.curve_secret) != bool(args.curve_server_key):
-        raise ValueError("--curve-secret and --curve-server-key go together")
+    check_curve_pair(args.curve_secret, args.curve_server_key)
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if not 0 <= args.malloc_keep_mb <= MAX_MALLOC_KEEP_MB:  # glibc would wrap it around

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dispatcher_server.cliopts import (
-    HelpFormatter, OneLineParser, check_endpoint, run_reporting_errors, setup_logging,
+    HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, run_reporting_errors, setup_logging,
     unwind_on_sigterm,
 )
 from dispatcher_server.files import replace_file
@@ -181,8 +181,7 @@ def _check_launched_by_torchrun() -> None:
 
 def train(args: argparse.Namespace) -> int:
     check_endpoint("--dispatcher", args.dispatcher)
-    if bool(args.curve_secret) != bool(args.curve_server_key):
-        raise ValueError("--curve-secret and --curve-server-key go together")
+    check_curve_pair(args.curve_secret, args.curve_server_key)
     for path in (args.curve_secret, args.curve_server_key):
         if path and not os.path.isfile(path):
             raise ValueError(f"key file {path!r} does not exist (create keys with: mmdispatch keygen NAME)")
