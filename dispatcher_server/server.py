@@ -141,6 +141,7 @@ class Dispatcher:
         self._slots_warned = False  # a blend has more sources than reader slots
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._one_shard_warned = False  # shuffle blocks drawn from one shard each (_plan)
+        self._uncommitted_said: tuple[int, int] | None = None  # (_say_uncommitted_skipped)
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
@@ -954,7 +955,9 @@ class Dispatcher:
         # A process without a position (a trainer restarted before its first checkpoint) starts
         # at the oldest step some rank has not received: ranks restarted together (torchrun
         # restarts them all) start together, where their own positions would part them.
-        want = self.delivery.lowest if want is None else want
+        if want is None:
+            want = self.delivery.lowest
+            self._say_uncommitted_skipped(rank, want)
         target = want
         if want > self.next_plan:
             # A reset moves every rank to its step: never past a connected rank that is behind.
@@ -1000,6 +1003,18 @@ class Dispatcher:
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
+
+    def _say_uncommitted_skipped(self, rank: int, start: int) -> None:
+        """A trainer without a position starts at `start`: the steps after the last commit and
+        before it went to the rank's previous process and were never committed; say so once per
+        such range (every rank of a restarted job joins with it)."""
+        first = self.replay.committed + 1
+        if start > first and self._uncommitted_said != (first, start):
+            self._uncommitted_said = (first, start)
+            event("uncommitted_steps_not_served_again", logging.WARNING, rank=rank,
+                  steps=f"{first}-{start - 1}", next_step=start,
+                  fix="a trainer that restores its checkpoint's data state (client or pool "
+                      "state_dict) gets them again; one without state starts after them")
 
     def _resumed_elsewhere(self, ident: bytes, msg: P.Message, slot: TrainerSlot, step: int,
                            now: float) -> bool:

@@ -408,13 +408,15 @@ def test_a_second_claim_of_a_rank_wins_and_the_first_is_told_to_stop(caplog):
         d.stop()
 
 
-def test_ranks_restarted_without_a_checkpoint_start_at_one_step():
+def test_ranks_restarted_without_a_checkpoint_start_at_one_step(caplog):
     """Ranks restarted before their first checkpoint (no state to resume) each started at the
     step their own last connection had received: 2 and 4 here, so their collectives would
-    pair different steps' plans. They start at the oldest step a rank has not received."""
+    pair different steps' plans. They start at the oldest step a rank has not received, and
+    the steps before it that no commit covers are named once (they are not served again)."""
     from dispatcher_server.delivery import RetainedStep
 
     d = Dispatcher(_config(world_size=2))
+    caplog.set_level(logging.WARNING, logger="mmdispatch")
     try:
         for step in range(4):
             d.delivery.add(RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=None,
@@ -428,6 +430,9 @@ def test_ranks_restarted_without_a_checkpoint_start_at_one_step():
                 P.HELLO, seq=1, role="trainer", rank=rank, world_size=2, next_step=None,
                 prefetch=2)), 0.0)
         assert (s0.next_send, s1.next_send) == (2, 2)
+        said = [r.getMessage() for r in caplog.records
+                if "uncommitted_steps_not_served_again" in r.getMessage()]
+        assert len(said) == 1 and "steps=0-1 next_step=2" in said[0], said
     finally:
         d._close()
 
