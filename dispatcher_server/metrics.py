@@ -115,8 +115,9 @@ class Metrics:
                 else:  # not an address of this machine, or not a host name at all
                     fix = ("give --metrics-host an address of this machine (127.0.0.1, or "
                            "0.0.0.0 for every interface)")
-                raise OSError(e.errno, f"metrics endpoint {host}:{port} cannot bind ({why}): "
-                                       f"{fix}") from e
+                error = OSError(f"metrics endpoint {host}:{port} cannot bind ({why}): {fix}")
+                error.errno = e.errno  # kept for callers; the line reads without "[Errno N]"
+                raise error from e
             self.port = self._server.server_port
 
     def measured(self, summary: dict) -> None:

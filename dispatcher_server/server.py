@@ -1139,7 +1139,7 @@ class Dispatcher:
             self._send_reader_table()
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_left", logging.WARNING if why == "timeout" else logging.INFO,
-              name=reader.name, why=why, shards=",".join(shards) or None)
+              name=reader.name, why=why, **({"shards": ",".join(shards)} if shards else {}))
 
     def _reader_lost_in(self, a: Assignment) -> None:
         """Count a reader lost while reading `a`'s shard; once `max_shard_losses` were lost in

@@ -72,7 +72,7 @@ class FieldMap:
         for kind, exts in data.items():
             if isinstance(exts, str) or not isinstance(exts, (list, tuple)):
                 raise ValueError(f"field map {kind}: expected a list of extensions (e.g. "
-                                 f"{kind}: [{getattr(cls(), kind)[0]}]), got {exts!r}")
+                                 f'{kind} = ["{getattr(cls(), kind)[0]}"]), got {exts!r}')
             if not all(isinstance(e, str) for e in exts):
                 raise ValueError(f"field map {kind}: extensions must be strings, got {list(exts)!r}")
             values[kind] = tuple(e.strip().lstrip(".").lower() for e in exts)

@@ -232,3 +232,25 @@ def test_errors_of_one_kind_are_all_counted_but_logged_at_a_bounded_rate(caplog,
     assert sum("kind=malformed" in x for x in lines) == M.ERROR_LINES_PER_MINUTE + 1
     assert any("kind=inputs" in x for x in lines)
     assert f"not_logged_before={5000 - M.ERROR_LINES_PER_MINUTE}" in lines[-1]
+
+
+def test_a_metrics_port_in_use_is_one_line_without_an_errno_prefix():
+    import errno
+    import socket
+
+    from dispatcher_server import metrics as M
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(OSError) as got:
+            M.Metrics(port=held.getsockname()[1])
+    assert str(got.value).startswith("metrics endpoint 127.0.0.1:") and "[Errno" not in str(got.value)
+    assert got.value.errno == errno.EADDRINUSE and "--metrics-port" in str(got.value)
+
+
+def test_a_field_map_kind_that_is_not_a_list_is_shown_in_toml():
+    from pipeline.fieldmap import FieldMap
+
+    with pytest.raises(ValueError, match=r'image = \["jpg"\]'):
+        FieldMap.from_dict({"image": "jpg"})

@@ -588,3 +588,17 @@ def test_a_closed_prefetch_pool_gives_its_prepared_steps_back_to_the_client(shar
         finally:
             client.close()
     assert first + rest == list(range(NUM_SAMPLES // 8 + 1))  # every step once, in order
+
+
+def test_a_reader_leaving_with_no_shard_says_no_shards_field(tmp_path, caplog):
+    shard_list = [_text_shard(tmp_path / "s0.tar", "s0-", 16)]
+    config = make_config(shard_list, world_size=1, global_batch=8, max_epochs=1)
+    with caplog.at_level(logging.INFO, logger="mmdispatch"):
+        with dispatcher(config) as srv:
+            with readers(srv.reader_endpoint, 1):
+                consume(srv.trainer_endpoint, 1)
+            deadline = time.monotonic() + 10
+            while "event=reader_left" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+    left = [r.getMessage() for r in caplog.records if "event=reader_left" in r.getMessage()]
+    assert left and not any("shards=None" in m for m in left), left
