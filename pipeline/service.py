@@ -245,11 +245,7 @@ class ReaderWorker:
         """Tell the dispatcher that this reader's error policy stops it on its data (it
         stops the job with this line; otherwise the next reader of the shard would stop the
         same way, and the job would wait on readers that are gone)."""
-        fix = ("mmdispatch read --errors skip (or warn) counts bad samples and reads on"
-               if isinstance(e, SampleError) else
-               "so many failures in a row usually mean wrong counting settings or field map; "
-               "raise --max-consecutive-errors if the data is that bad")
-        message = f"on its data: {e} ({fix})"  # `e` names the shard (and key)
+        message = f"on its data: {e} ({stop_fix(e)})"  # `e` names the shard (and key)
         try:
             self.session.send(P.ERROR, code=P.READER_STOPPED, message=message[:3000])
         except Disconnected:
@@ -520,6 +516,14 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                allowed_dir=args.payload_allowed_dir)
 
 
+def stop_fix(e: SampleError | TooManyErrors) -> str:
+    """What to do about a reader stopped by its error policy on its data."""
+    if isinstance(e, SampleError):
+        return "mmdispatch read --errors skip (or warn) counts bad samples and reads on"
+    return ("so many failures in a row usually mean wrong counting settings or field map; "
+            "raise --max-consecutive-errors if the data is that bad")
+
+
 def _log_format(args: argparse.Namespace) -> str:
     return getattr(args, "log_format", "text")
 
@@ -540,7 +544,8 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
-        say(f"mmdispatch read: worker {worker}: {e}", log_format)
+        fix = f" ({stop_fix(e)})" if isinstance(e, (SampleError, TooManyErrors)) else ""
+        say(f"mmdispatch read: worker {worker}: {e}{fix}", log_format)
         return 1
     return 0
 

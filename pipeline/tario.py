@@ -303,7 +303,7 @@ def tar_members(
             if present < size:
                 raise TarError(
                     "truncated_tar",
-                    f"member at byte {offset} declares {size} bytes, archive ends after {present}",
+                    f"member at byte {offset} declares {size} bytes but the archive ends {present} bytes into it",
                     name,
                 )
             if pad and (len(read(pad)) if padded is None else padded) < pad:

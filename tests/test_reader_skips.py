@@ -147,6 +147,7 @@ def test_under_errors_raise_a_changed_shard_stops_the_reader_naming_shard_and_re
     lines = [ln for ln in err.splitlines() if "mmdispatch read:" in ln]
     assert proc.returncode == 1 and "Traceback" not in err
     assert len(lines) == 1 and "shard_changed" in lines[0] and shard in lines[0]
+    assert "--errors skip" in lines[0]  # the way on, on the reader's own line too
 
 
 @pytest.mark.parametrize("mapped", [True, False])
