@@ -115,6 +115,16 @@ _HANDSHAKE_ERRORS = {
 }
 
 
+def handshake_reason(event: int, value: int) -> str:
+    """A failed handshake's monitor event in words."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        # its value is an errno: the peer hung up mid-handshake (EPIPE, ECONNRESET), as a
+        # plaintext peer does once it meets CurveZMQ
+        return (f"the peer closed the connection during the handshake ({os.strerror(value)}): "
+                "a peer without CurveZMQ, or one that gave up")
+    return _HANDSHAKE_ERRORS.get(value, f"handshake error {value:#x}")
+
+
 def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Thread:
     """Log handshakes that fail before ZAP sees a key (plaintext peers, wrong server keys).
 
@@ -138,7 +148,7 @@ def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Th
                 if evt["event"] == zmq.EVENT_MONITOR_STOPPED:
                     return
                 endpoint = evt["endpoint"].decode("utf-8", "replace") if isinstance(evt["endpoint"], bytes) else evt["endpoint"]
-                reason = _HANDSHAKE_ERRORS.get(evt["value"], f"handshake error {evt['value']:#x}")
+                reason = handshake_reason(evt["event"], evt["value"])
                 key = (endpoint, reason)
                 count[key] = count.get(key, 0) + 1
                 now = time.monotonic()

@@ -128,3 +128,16 @@ def test_a_payload_fetch_that_fails_is_a_one_line_error_of_the_trainer():
     from trainer_client.fetch import FetchError
 
     assert is_user_error(FetchError("payloads of shard(s) a.tar could not be fetched"))
+
+
+def test_a_handshake_the_peer_hung_up_on_is_said_in_words():
+    """EVENT_HANDSHAKE_FAILED_NO_DETAIL carries an errno (EPIPE from a plaintext peer that
+    hung up), which was printed as a protocol code: 'handshake error 0x20'."""
+    import errno
+
+    from dispatcher_server.security import handshake_reason
+
+    said = handshake_reason(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, errno.EPIPE)
+    assert "closed the connection during the handshake" in said and "0x20" not in said
+    assert "plaintext" in handshake_reason(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                           zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
