@@ -481,8 +481,11 @@ def iter_shard(
     except TarError as e:
         after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""
         lost = f" from key {printable_key(e.dropped_key)!r}" if e.dropped_key is not None else ""
+        # A server answering with a page (a login, an error with status 200) sends no tar.
+        page = (" (the server sent text/html: an error or login page, not the shard?)"
+                if getattr(stream, "mimetype", None) == "text/html" else "")
         failure = SampleError(
-            e.reason, url, None, f"{e}{after}; samples from index {index + 1}{lost} on are lost"
+            e.reason, url, None, f"{e}{after}{page}; samples from index {index + 1}{lost} on are lost"
         )
     except OSError as e:  # a read failing for good (a remote shard after its retries, EIO)
         after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""

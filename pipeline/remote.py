@@ -266,6 +266,7 @@ class RemoteShard:
         self.pos = start
         self.size: int | None = None
         self.version: tuple[str, str] | None = None  # (field, value) as first opened
+        self.mimetype: str | None = None  # an HTTP answer's Content-Type (a tar error names it)
         self.streaming = False  # no ranges or no size: read as one stream
         self._opened = False  # the version was taken (by the first open that got an answer)
         self._killed = False
@@ -338,6 +339,7 @@ class RemoteShard:
     def _open_http(self) -> None:
         info = self.fs.info(self.path)
         self._pin(info)
+        self.mimetype = info.get("mimetype") or self.mimetype
         if info.get("size") is None or info.get("partial") is False:
             self.streaming = True  # chunked or content-encoded (no size), or no ranges: no seeking
         if not self.streaming:

@@ -282,3 +282,34 @@ def test_a_missing_backend_is_one_line_naming_the_package(monkeypatch):
         remote.filesystem("gs://bucket/a.tar")
     assert str(e.value) == ("shard 'gs://bucket/a.tar' needs gcsfs (gcsfs is not installed): "
                             "pip install 'mmdispatch[cloud]'")
+
+
+class _LoginPage(http.server.BaseHTTPRequestHandler):
+    """Answers every shard with a sign-in page and status 200, as a proxy or portal does."""
+
+    page = b"<!DOCTYPE html><html><body>Please sign in</body></html>"
+
+    def do_HEAD(self):
+        self._head()
+
+    def do_GET(self):
+        self._head()
+        self.wfile.write(self.page)
+
+    def _head(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(self.page)))
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_html_page_served_for_a_shard_is_named_as_one():
+    """It read as a cut archive ('archive ends at byte 45'), which sends the user looking for
+    a broken shard instead of a URL that needs signing in."""
+    with serving(_LoginPage) as base:
+        keys, stats = _read(f"{base}/x.tar")
+    assert keys == [] and stats.num_errors == 1
+    assert "the server sent text/html" in stats.recent[-1][3], stats.recent
