@@ -387,6 +387,18 @@ class SourceStream:
     def drained_positions(self, epoch: int) -> bool:
         return self.cursor.base >= self.order.epoch_end(epoch * self.order.num_shards)
 
+    def _take_from(self, prog: ShardProgress, local: int, n: int) -> list[Sample]:
+        """The next `n` samples of a shard's buffer (local position `local`), consumed."""
+        buf = prog.buffer
+        if n == len(buf):
+            taken = list(buf)
+            buf.clear()
+        else:
+            taken = [buf.popleft() for _ in range(n)]
+        prog.nbytes -= sum(s.nbytes for s in taken)
+        self.cursor.consume(local, taken[-1].index)
+        return taken
+
     def _take_in_order(self, progress: dict[int, ShardProgress], limit: int, epoch: int | None,
                        tokens: int, budget: int | None, first: bool) -> tuple[list[Sample], bool]:
         """Move up to `limit` samples out of the shard buffers in this source's order, as one
@@ -431,13 +443,7 @@ class SourceStream:
             n, cut = _fitting(buf, n, tokens, budget, first)
             if n == 0:
                 return [], cut
-        if n == len(buf):
-            taken = list(buf)
-            buf.clear()
-        else:
-            taken = [buf.popleft() for _ in range(n)]
-        prog.nbytes -= sum(s.nbytes for s in taken)
-        self.cursor.consume(head.pos // self.S, taken[-1].index)
+        taken = self._take_from(prog, head.pos // self.S, n)
         if run is not None:
             run[1] -= n
             if not run[1]:
@@ -513,12 +519,8 @@ class _Fill:
             prog = progress.get(st.gpos(local))
             if prog is None or not prog.buffer:
                 break
-            buf = prog.buffer
-            n = min(limit - len(out), self.chunk - self.taken, len(buf))
-            taken = [buf.popleft() for _ in range(n)]
-            prog.nbytes -= sum(x.nbytes for x in taken)
-            st.cursor.consume(local, taken[-1].index)
-            out.extend(taken)
+            n = min(limit - len(out), self.chunk - self.taken, len(prog.buffer))
+            out.extend(st._take_from(prog, local, n))
             self.taken += n
             if self.taken == self.chunk:
                 self.taken = 0

@@ -23,9 +23,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dispatcher_server.cliopts import finite_float
-from pipeline.errors import DIGEST, ErrorStats, SampleError, TooManyErrors
+from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
 from pipeline.fieldmap import FieldMap
-from pipeline.readahead import ReadAhead
+from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.shards import expand_shards, reads_can_wait
 
@@ -119,9 +119,7 @@ def records_of(url: str, config: ReaderConfig, stats: ErrorStats, stall_s: float
         while not ahead.finished:
             entries = ahead.take(64, 0.2)
             if not entries and ahead.stalled():
-                stats.handle(SampleError("shard_stalled", url, None,
-                                         f"no byte read for {stall_s:g} s (see --stall-timeout): "
-                                         f"the rest of the shard is not read"), config.errors)
+                stats.handle(stalled_error(url, stall_s), config.errors)
                 return
             yield from (e for e in entries if not isinstance(e, tuple))
     finally:

@@ -32,6 +32,15 @@ CHUNK = 16
 DEPTH = 4
 
 
+def stalled_error(shard: str, stall_s: float, sent: int | None = None) -> SampleError:
+    """The `shard_stalled` skip of a shard given up after `stall_s` without a byte (`sent`:
+    samples of it already sent on, where the caller streams them)."""
+    after = f", after the {sent} samples sent," if sent is not None else ""
+    return SampleError("shard_stalled", shard, None,
+                       f"no byte read for {stall_s:g} s (see --stall-timeout): the rest of the "
+                       f"shard{after} is not read")
+
+
 class _Watched:
     """A shard stream whose reads mark progress; everything else is the stream's own."""
 

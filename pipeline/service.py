@@ -37,7 +37,7 @@ from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
-from pipeline.readahead import ReadAhead
+from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, reader_config_from_args,
 )
@@ -372,9 +372,7 @@ class ReaderWorker:
         skipped (the dispatcher logs and journals it by shard and index), and it is finished."""
         log.warning("mmdispatch event=shard_stalled dispatcher=%s shard=%s after=%d stall_s=%g",
                     self.config.dispatcher, a.shard, a.count, self.config.stall_s)
-        error = SampleError("shard_stalled", a.shard, None,
-                            f"no byte read for {self.config.stall_s:g} s (see --stall-timeout): "
-                            f"the rest of the shard, after the {a.count} samples sent, is not read")
+        error = stalled_error(a.shard, self.config.stall_s, a.count)
         a.stats.handle(error, self.config.reader.errors)
         a.skipped(error, -1)
         a.records.close()
