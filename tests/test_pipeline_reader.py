@@ -387,3 +387,5 @@ def test_empty_and_truncated_files_read_through_the_map_fail_as_streams_do(tmp_p
         keys = [r.key for r in iter_samples([str(empty), str(cut), full], cfg, stats=stats)]
         assert keys == ["a", "a", "b", "c"]
         assert stats.by_reason == {"empty_shard": 1, "truncated_tar": 1}
+        cut_line = next(r[3] for r in stats.recent if r[0] == "truncated_tar")
+        assert "declares 9000 bytes but the archive ends" in cut_line and "bytes into it" in cut_line

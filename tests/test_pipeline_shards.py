@@ -114,3 +114,19 @@ def test_failing_pipe_command_is_a_counted_error(tmp_path):
     assert stats.by_reason == {"shard_failed": 1}
     with pytest.raises(SampleError, match="absent-shard.tar"):
         list(iter_shard(url, ReaderConfig(errors=ErrorPolicy(mode="raise"))))
+
+
+@pytest.mark.timeout(30)
+def test_a_shard_command_killed_on_purpose_is_no_failure_of_its_own():
+    """A stalled `pipe:` shard is killed by its reader (--stall-timeout) and reported as
+    shard_stalled; its exit status -9 was also reported as a failed command (shard_failed)."""
+    from pipeline.shards import open_shard
+
+    hung = open_shard("pipe:sleep 100")
+    hung.kill()
+    assert hung.read() == b""
+    hung.close()  # no OSError: the status is ours
+    failing = open_shard("pipe:exit 3")
+    assert failing.read() == b""
+    with pytest.raises(OSError, match="exited with status 3"):
+        failing.close()
