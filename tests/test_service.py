@@ -602,3 +602,28 @@ def test_a_reader_leaving_with_no_shard_says_no_shards_field(tmp_path, caplog):
                 time.sleep(0.05)
     left = [r.getMessage() for r in caplog.records if "event=reader_left" in r.getMessage()]
     assert left and not any("shards=None" in m for m in left), left
+
+
+@pytest.mark.timeout(120)
+def test_a_dispatcher_restarted_from_its_journal_inside_mixed_shuffle_blocks_serves_the_same_steps(tmp_path):
+    """--shuffle-shards 3: a dispatcher stopped after step 3 (committed) and started again from
+    its journal, with trainers resuming at step 4, serves the steps an undisturbed run serves."""
+    shard_list = [_text_shard(tmp_path / f"s{i}.tar", f"s{i}-", 50) for i in range(5)]
+    flow = FlowConfig(max_buffered_samples=256, num_inflight_shards=3, credit_batch=8)
+
+    def config(journal=None):
+        return make_config(shard_list, world_size=2, global_batch=10, max_epochs=1,
+                           shuffle_buffer=30, shuffle_shards=3, flow=flow, journal_dir=journal)
+
+    with dispatcher(config()) as srv, readers(srv.reader_endpoint, 2):
+        whole = consume(srv.trainer_endpoint, 2)
+    journal = str(tmp_path / "journal")
+    with dispatcher(config(journal)) as srv, readers(srv.reader_endpoint, 1):
+        head = consume(srv.trainer_endpoint, 2, max_steps=4, commit_at=3)
+    states = {r: {"next_step": 4, "rank": r, "world_size": 2} for r in range(2)}
+    with dispatcher(config(journal)) as srv, readers(srv.reader_endpoint, 3):
+        tail = consume(srv.trainer_endpoint, 2, states=states)
+    for r in range(2):
+        assert head[r] + tail[r] == whole[r]
+    keys = flat_keys(whole)
+    assert sorted(keys) == sorted(f"s{i}-{j:05d}" for i in range(5) for j in range(50))
