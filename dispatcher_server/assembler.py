@@ -91,7 +91,8 @@ class SourceStream:
         self.mode, self.block_size, self.seed = mode, block_size, seed
         self.configured_window = window
         # Shards a deterministic shuffle block draws from side by side (`_Fill`); 1: one after
-        # another. A block resumed from a position keeps the number it was begun with.
+        # another. A stream resumed from a position takes the number the position was written
+        # with (the fingerprint refuses a resume with another `shuffle_shards`).
         self.configured_mix = mix if mode == "deterministic" and block_size > 1 else 1
         self.reset(Cursor(), 0)
 

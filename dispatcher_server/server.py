@@ -121,6 +121,9 @@ class Dispatcher:
         # Positions drain in order (one source, a shuffle block's shards one after another):
         # a lower position waiting takes a higher one's reader slot (`_assign`).
         self._in_order = len(config.sources) == 1 and config.mixes == [1]
+        # A shard's buffer cap, derived from the flow bounds, weights and windows: taken once,
+        # not at every pump's credit grants.
+        self._shard_cap = config.shard_cap
         # What readers need to read a source's shards: its name and field map (SHARD_ASSIGN).
         self._source_fields = [({"source": src.name} if not one else {})
                                | ({"fields": src.fields} if src.fields else {})
@@ -424,7 +427,7 @@ class Dispatcher:
         # Too little buffered to live on: taking it back would only move the wait. A shard full
         # at its cap lives on it, however small the cap (below a credit batch with a large
         # global batch or a small --max-buffered-samples).
-        enough = min(self.config.flow.credit_batch, self.config.shard_cap)
+        enough = min(self.config.flow.credit_batch, self._shard_cap)
         if a is None or a.pos not in progress or len(progress[a.pos].buffer) < enough:
             return None
         reader = self.pool.readers.get(a.reader)
@@ -622,7 +625,7 @@ class Dispatcher:
         todo = grants(self.pool.by_position(), self.assembler.progress,
                       heads=self.assembler.heads(), held=held,
                       avg_sample_bytes=self.assembler.avg_sample_bytes, flow=self.config.flow,
-                      shard_cap=self.config.shard_cap)
+                      shard_cap=self._shard_cap)
         for a, n in todo:
             a.credits += n
             reader = self.pool.readers.get(a.reader)
@@ -919,8 +922,8 @@ class Dispatcher:
             return "role", "trainer hello needs role='trainer', rank and world_size"
         if world != W:
             return "world_size", (f"trainer says world_size={world}, dispatcher plans for "
-                                  f"world_size={W}; launch {W} trainer rank{'s' if W != 1 else ''}, or restart the "
-                                  f"dispatcher with --world-size {world}")
+                                  f"world_size={W}; launch {W} trainer rank{'s' * (W != 1)}, "
+                                  f"or restart the dispatcher with --world-size {world}")
         if not 0 <= rank < W:
             return "rank", f"rank {rank} is outside [0, {W})"
         theirs = msg.get("dataset")

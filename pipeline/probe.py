@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.fieldmap import KINDS, ignored_label
-from pipeline.reader import ReaderConfig, _builder, group_samples
+from pipeline.reader import ReaderConfig, group_samples, sample_builder
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, open_decompressed, tar_members
 
@@ -55,7 +55,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     if max_samples < 1 or max_shards < 1:
         raise ValueError(f"max_samples={max_samples} and max_shards={max_shards} must be >= 1")
     result = into if into is not None else ProbeResult()
-    builder = _builder(reader_config)
+    builder = sample_builder(reader_config)
     for url in urls[:max_shards]:
         if result.usable or result.samples >= max_samples:
             break

@@ -366,8 +366,10 @@ def _log_defect_once(e: Exception, url: str, key: str) -> None:
                   exc_info=e)
 
 
-def _builder(config: ReaderConfig) -> SampleBuilder:
-    # Keyed by the config's value: loading a tokenizer per shard would dominate small shards.
+def sample_builder(config: ReaderConfig) -> SampleBuilder:
+    """The SampleBuilder of `config`, built (its tokenizer and chat template loaded) once per
+    process: keyed by the config's value, as loading a tokenizer per shard would dominate small
+    shards."""
     cache_key = repr(config)
     builder = _BUILDERS.get(cache_key)
     if builder is None:
@@ -411,7 +413,7 @@ def iter_shard(
         raise ValueError(f"spans need an uncompressed shard; {url!r} is gzip")
     stats = stats if stats is not None else ErrorStats()
     policy = config.errors
-    builder = _builder(config)
+    builder = sample_builder(config)
     stats.num_shards += 1
 
     def skip(error: SampleError, index: int) -> None:

@@ -40,10 +40,11 @@ from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bin
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, reader_config_from_args,
+    sample_builder,
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
-from pipeline.tokenize import TextEncoder, tokenizer_identity
+from pipeline.tokenize import tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
 
@@ -143,6 +144,9 @@ class ReaderWorker:
     FatalReaderError on refusal, `Unreachable` when no dispatcher answers in time."""
 
     def __init__(self, config: ReaderServiceConfig, *, context: zmq.Context | None = None) -> None:
+        # The tokenizer and chat template load first, before HELLO states their digest: a file
+        # that is no tokenizer must not become the session's rules, refusing every good peer.
+        sample_builder(config.reader)
         self.config = config
         self.session = PeerSession(config.session(), self, context=context, name="reader")
         self.assignments: list[_Assignment] = []  # in the order assigned
@@ -570,11 +574,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.session()  # validate before forking
-        text = config.reader.counting.text
-        if not text.estimate and text.tokenizer_path is not None:
-            # Before joining a session: a file that is no tokenizer would state its digest as
-            # this reader's rules, which the session keeps, refusing every correct peer after.
-            TextEncoder.load(text.tokenizer_path, text.chat_template)
+        # The tokenizer loads now (a mistake is one start-up line, not one per worker); a lone
+        # worker, in this process, finds it loaded (`sample_builder` keeps it).
+        sample_builder(config.reader)
     except ValueError as e:
         say(f"mmdispatch read: error: {e}", _log_format(args))
         return 2
