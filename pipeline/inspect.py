@@ -123,7 +123,7 @@ def records_of(url: str, config: ReaderConfig, stats: ErrorStats, stall_s: float
                 return
             yield from (e for e in entries if not isinstance(e, tuple))
     finally:
-        ahead.close()
+        ahead.close(wait_s=5.0)  # its thread touches `stats` no more once the next shard starts
 
 
 def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool,

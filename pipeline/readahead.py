@@ -41,14 +41,21 @@ def stalled_error(shard: str, stall_s: float, sent: int | None = None) -> Sample
                        f"shard{after} is not read")
 
 
+class Abandoned(Exception):
+    """A read of a shard its reader gave up on: the reading thread unwinds without reporting
+    what the cut-off stream would look like (a truncated tar), since nobody takes it any more."""
+
+
 class _Watched:
     """A shard stream whose reads mark progress; everything else is the stream's own."""
 
-    def __init__(self, stream: Any, progress: Callable[[], None]) -> None:
-        self._stream, self._progress = stream, progress
+    def __init__(self, stream: Any, progress: Callable[[], None], closed: threading.Event) -> None:
+        self._stream, self._progress, self._closed = stream, progress, closed
 
     def read(self, size: int = -1):
         data = self._stream.read(size)
+        if self._closed.is_set():
+            raise Abandoned(f"the shard was given up while read ({len(data)} bytes discarded)")
         self._progress()
         return data
 
@@ -86,7 +93,7 @@ class ReadAhead:
     def watch(self, stream: Any) -> Any:
         """The shard stream to read through (its reads mark progress); kept to kill on a stall."""
         self._stream = stream
-        return _Watched(stream, self._mark) if self.threaded else stream
+        return _Watched(stream, self._mark, self._closed) if self.threaded else stream
 
     def _mark(self) -> None:
         self._progress_at = time.monotonic()
@@ -193,8 +200,9 @@ class ReadAhead:
         now = time.monotonic() if now is None else now
         return since is not None and now - max(since, self._progress_at) > self.stall_s
 
-    def close(self) -> None:
-        """Stop reading (a shard command still running is killed); the thread ends on its own."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop reading (a shard command still running is killed); the thread ends on its own,
+        waited for up to `wait_s`."""
         self._closed.set()
         if self._records is not None:
             close = getattr(self._records, "close", None)
@@ -210,3 +218,5 @@ class ReadAhead:
                 self._queue.get_nowait()  # a thread blocked on a full queue wakes and sees closed
         except queue.Empty:
             pass
+        if wait_s > 0 and self._thread is not None:
+            self._thread.join(wait_s)
