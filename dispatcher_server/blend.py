@@ -29,6 +29,35 @@ def normalized(weights: list[float]) -> list[float]:
     return [w / total for w in scaled]
 
 
+def same_setting(name: str, a: object, b: object) -> bool:
+    """Whether two fingerprints' values of field `name` make the same sample sequence. A
+    dataset's `sources` ([name, weight, shards] each) compare their weights as the blend draws
+    them, normalized: weights 5/3/2 and 0.5/0.3/0.2 are one blend."""
+    if name != "sources" or a == b:
+        return a == b
+    try:
+        return _drawn_as(a) == _drawn_as(b)
+    except (TypeError, ValueError, IndexError):  # not a sources list: as written
+        return False
+
+
+def _drawn_as(sources: list) -> list:
+    shares = normalized([float(s[1]) for s in sources])
+    return [[s[0], w, *s[2:]] for s, w in zip(sources, shares)]
+
+
+def as_drawn(fingerprint: dict) -> dict:
+    """`fingerprint` with its sources' weights normalized: one form for each blend."""
+    if not fingerprint.get("sources"):
+        return fingerprint
+    return {**fingerprint, "sources": _drawn_as(fingerprint["sources"])}
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """The fields in which two fingerprints make another sample sequence (`same_setting`)."""
+    return [n for n in sorted(set(a) | set(b)) if not same_setting(n, a.get(n), b.get(n))]
+
+
 class Blend:
     """Weighted, seeded, deterministic source schedule; `drawn` is its state."""
 

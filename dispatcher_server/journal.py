@@ -38,6 +38,7 @@ from typing import Any, Iterator, NamedTuple
 import msgpack
 
 # JournalError and JournalWriteError are raised by the record layer too; users import them here.
+from dispatcher_server.blend import same_setting
 from dispatcher_server.recordlog import (AppendFile, JournalError, JournalWriteError, frame,
                                          is_legacy, legacy_scan, read_record, scan,
                                          write_error)
@@ -220,7 +221,7 @@ class Journal:
         fields = FINGERPRINT_FIELDS + OPTIONAL_FINGERPRINT_FIELDS + tuple(
             f for f in RECORDED_FINGERPRINT_FIELDS if f in rec)
         theirs = {f: rec.get(f) for f in fields}
-        diff = [f for f in fields if theirs[f] != self.fingerprint.get(f)]
+        diff = [f for f in fields if not same_setting(f, theirs[f], self.fingerprint.get(f))]
         if diff:
             details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
                                 f"{_short(self.fingerprint.get(f))}" for f in diff)

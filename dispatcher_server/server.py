@@ -27,6 +27,7 @@ import zmq
 from dispatcher_server import protocol as P
 from dispatcher_server.assembler import StepAssembler
 from dispatcher_server.batching import build_batch, step_messages
+from dispatcher_server.blend import as_drawn, differing
 from dispatcher_server.config import ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
@@ -85,9 +86,10 @@ class Dispatcher:
         self.ctx = context or zmq.Context.instance()
         self.topology = Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node)
         self.dataset = config.dataset_fingerprint()
-        # In every step log plan record: `mmdispatch report` refuses to merge logs of two jobs.
-        self._dataset_id = hashlib.blake2b(json.dumps(self.dataset, sort_keys=True).encode(),
-                                           digest_size=6).hexdigest()
+        # In every step log plan record: `mmdispatch report` refuses to merge logs of two jobs
+        # (a job resumed with its weights written another way is the same job).
+        self._dataset_id = hashlib.blake2b(
+            json.dumps(as_drawn(self.dataset), sort_keys=True).encode(), digest_size=6).hexdigest()
         self.inputs = InputRules()  # the rules model inputs follow, as the first peers state them
         self.fatal: str | None = None
         self._halt = Halt(config.journal_dir, config.planner) if config.journal_dir else None
@@ -927,10 +929,9 @@ class Dispatcher:
         if not 0 <= rank < W:
             return "rank", f"rank {rank} is outside [0, {W})"
         theirs = msg.get("dataset")
-        if theirs is not None and theirs != self.dataset:
+        if theirs is not None and (fields := differing(theirs, self.dataset)):
             diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, dispatcher {self.dataset.get(k)!r}"
-                             for k in sorted(set(theirs) | set(self.dataset))
-                             if theirs.get(k) != self.dataset.get(k))
+                             for k in fields)
             return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
                                f"({diff}); restore a checkpoint of this job or start the "
                                "dispatcher with that job's settings")

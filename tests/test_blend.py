@@ -337,3 +337,34 @@ def test_shuffle_shards_opens_that_many_shards_and_is_part_of_the_fingerprint():
         config(shuffle_shards=4, mode="arrival")
     with pytest.raises(ValueError, match="shuffle_buffer=0 turns the shuffle off"):
         config(shuffle_shards=4, shuffle_buffer=0)
+
+
+def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpoints(tmp_path):
+    """5/3/2 and 0.5/0.3/0.2 draw the same sequence: a resume with either is the same job; a
+    resume with weights that draw another sequence is refused, naming the sources."""
+    from dispatcher_server.blend import as_drawn, differing
+    from dispatcher_server.journal import Journal, JournalError
+    from trainer_client.client import dataset_difference
+
+    def config(*weights):
+        return ServerConfig(sources=[Source(name=n, shards=[f"/{n}/s{i}.tar" for i in range(4)],
+                                            weight=w) for n, w in zip("abc", weights)],
+                            world_size=1, batch=BatchConfig(global_batch=8),
+                            planner=PlannerConfig(num_microbatches=1), shuffle_buffer=40)
+    first, again, other = config(5, 3, 2), config(0.5, 0.3, 0.2), config(0.4, 0.4, 0.2)
+    assert (first.weights, first.windows, first.block_sizes) == (
+        again.weights, again.windows, again.block_sizes)
+    Journal(str(tmp_path), first.fingerprint()).close()
+    Journal(str(tmp_path), again.fingerprint()).close()
+    with pytest.raises(JournalError, match=r"sources: journal has .*'a', 5"):
+        Journal(str(tmp_path), other.fingerprint())
+    assert differing(first.dataset_fingerprint(), again.dataset_fingerprint()) == []
+    assert differing(first.dataset_fingerprint(), other.dataset_fingerprint()) == ["sources"]
+    assert dataset_difference(first.dataset_fingerprint(), again.dataset_fingerprint()) == ""
+    renamed = ServerConfig(sources=[Source(name=n, shards=[f"/{m}/s{i}.tar" for i in range(4)],
+                                           weight=w) for n, m, w in zip("xbc", "abc", (5, 3, 2))],
+                           world_size=1, batch=BatchConfig(global_batch=8),
+                           planner=PlannerConfig(num_microbatches=1), shuffle_buffer=40)
+    assert differing(first.dataset_fingerprint(), renamed.dataset_fingerprint()) == ["sources"]
+    assert as_drawn(first.dataset_fingerprint()) == as_drawn(again.dataset_fingerprint())
+    assert as_drawn(first.dataset_fingerprint()) != as_drawn(other.dataset_fingerprint())

@@ -25,6 +25,7 @@ import zmq
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dispatcher_server import protocol as P
+from dispatcher_server.blend import differing
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig
@@ -356,9 +357,8 @@ _FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "i
 
 def dataset_difference(saved: dict, served: dict) -> str:
     """The fields in which two dataset fingerprints differ, as 'name: saved X, dispatcher Y'."""
-    names = sorted(set(saved) | set(served))
     return "; ".join(f"{n}: saved {saved.get(n)!r}, dispatcher {served.get(n)!r}"
-                     for n in names if saved.get(n) != served.get(n))
+                     for n in differing(saved, served))
 
 
 @dataclass(slots=True)
@@ -477,7 +477,7 @@ class _TrainerPeer:
             self.steps.put(item)
 
     def _check_dataset(self, served: dict | None) -> None:
-        if self.restored is not None and served is not None and served != self.restored:
+        if self.restored is not None and served is not None and differing(self.restored, served):
             raise DispatcherError("dataset", "the restored state belongs to another dataset ("
                                   f"{dataset_difference(self.restored, served)})")
         self.dataset = served
