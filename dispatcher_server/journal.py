@@ -59,6 +59,10 @@ OPTIONAL_FINGERPRINT_FIELDS = ("shuffle_buffer", "sources")
 RECORDED_FINGERPRINT_FIELDS = ("field_maps",)
 
 
+class _OtherConfig(Exception):
+    """The journal's configuration record is another's (a JournalError unless that is all)."""
+
+
 class SkippedKey(NamedTuple):
     shard: str
     key: str
@@ -171,20 +175,43 @@ class Journal:
             return False
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             legacy = is_legacy(data)
-            end = self._apply_all((legacy_scan if legacy else scan)(data, self.path))
-            torn = len(data) - end
-        if torn:
+            size = len(data)
+            try:
+                end = self._apply_all((legacy_scan if legacy else scan)(data, self.path))
+            except _OtherConfig as other:
+                # Nothing but another start's configuration (one that failed before its first
+                # step): no step, commit or skip to resume, so no job to protect.
+                if legacy or self.records_read > 1 or self._skips_recorded():
+                    raise JournalError(str(other)) from None
+                end = None
+        if end is None:
+            log.info("journal: %s held only the configuration of a start that recorded no "
+                     "step; it now records this one", self.path)
+            os.truncate(self.path, 0)
+            return False
+        if torn := size - end:
             log.warning("journal: dropping a torn last write (%d bytes at byte %d) of %s",
                         torn, end, self.path)
             if not legacy:  # a legacy journal is rewritten whole by its migration
                 os.truncate(self.path, end)
         return legacy
 
+    def _skips_recorded(self) -> bool:
+        path = os.path.join(self.directory, SKIPPED_FILE)
+        return os.path.exists(path) and os.path.getsize(path) > 0
+
     def _apply_all(self, records: Iterator[tuple[int, int, dict]]) -> int:
-        end = 0
+        end, other = 0, None
         for at, end, rec in records:
             self.records_read += 1
-            self._apply(rec, at)
+            if other is not None:  # the journal holds more than another start's configuration
+                raise JournalError(str(other))
+            try:
+                self._apply(rec, at)
+            except _OtherConfig as e:
+                other = e
+        if other is not None:
+            raise other
             if rec.get("kind") == "checkpoint" or "kept" in rec:
                 self._base_size = end
         return end
@@ -225,7 +252,7 @@ class Journal:
         if diff:
             details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
                                 f"{_short(self.fingerprint.get(f))}" for f in diff)
-            raise JournalError(
+            raise _OtherConfig(
                 f"cannot resume from journal {self.path!r}: it was written for a different "
                 f"configuration ({details}). Restore the original settings or use a new "
                 "journal directory.")

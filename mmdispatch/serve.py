@@ -293,11 +293,16 @@ def _check_flags(v: dict) -> None:
         raise ValueError(f"--journal-dir {journal!r} is not a directory: give the directory the "
                          f"journal lives in (created if missing)")
     if journal and not os.path.isdir(journal):
+        # Tried here and taken away again: the journal makes it once serve starts, so a start
+        # that fails leaves no empty directory behind.
+        made = _missing_dirs(journal)
         try:
-            os.makedirs(journal, exist_ok=True)
+            os.makedirs(journal)
         except OSError as e:
             raise ValueError(f"--journal-dir {journal!r} cannot be created ({e.strerror}): give a "
                              "directory the dispatcher can write") from None
+        for path in made:
+            os.rmdir(path)
     check_endpoint("--reader-bind", v["reader_bind"])
     check_endpoint("--trainer-bind", v["trainer_bind"])
     if not 0 <= v["metrics_port"] <= 65535:
@@ -309,6 +314,15 @@ def _check_flags(v: dict) -> None:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
                          f"--timeout 5)")
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """`path` and each missing directory above it, deepest first (what makedirs would make)."""
+    path, missing = os.path.abspath(path), []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 #: field -> flag of the multi-word option names, which the config classes' messages use

@@ -324,6 +324,29 @@ def test_mistake_ends_in_one_line_naming_the_value(case, files, held_port):
         assert word.replace("{port}", str(held_port)) in message[0], message[0]
 
 
+@pytest.mark.timeout(90)
+def test_a_serve_that_fails_to_start_does_not_hold_the_corrected_one_back(files, held_port, tmp_path):
+    """A refused flag leaves no journal directory; a start that fails once its journal exists
+    (the port in use) leaves only its configuration, which the corrected start takes over."""
+    journal = tmp_path / "runs" / "journal"
+    serve = [*MMD, "serve", "--shards", files["shard"], "--world-size", "2", "--journal-dir", str(journal)]
+    out = _run([*serve, "--global-batch", "4", "--heartbeat", "0"])
+    assert out.returncode == 2 and "--heartbeat 0" in out.stderr
+    assert not (tmp_path / "runs").exists()
+    out = _run([*serve, "--global-batch", "4", "--trainer-bind", f"tcp://127.0.0.1:{held_port}"])
+    assert out.returncode == 2 and "in use" in out.stderr and journal.is_dir()
+    proc = subprocess.Popen([*serve, "--global-batch", "8"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    try:
+        ready = proc.stdout.readline()
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert ready.startswith("READY"), err
+    assert "recorded no step" in err
+
+
 @pytest.mark.timeout(60)
 def test_train_backend_that_cannot_carry_the_cpu_model_is_named_with_the_fix():
     """The reference model and its gradients live on CPU: under NCCL its first collective

@@ -693,7 +693,9 @@ def test_one_journal_serves_one_dispatcher_and_a_removed_directory_stops_every_w
 
 def test_a_changed_field_map_is_refused_and_a_journal_from_before_field_maps_resumes(tmp_path):
     audio = {"news": {"audio": ["wav", "flac"]}}
-    Journal(str(tmp_path / "new"), _fp(field_maps=audio)).close()
+    j = Journal(str(tmp_path / "new"), _fp(field_maps=audio))
+    j.record_step(_entry(0))
+    j.close()
     with pytest.raises(JournalError, match=r"field_maps: journal has .*flac.*, config has"):
         Journal(str(tmp_path / "new"), _fp(field_maps={"news": {"audio": ["wav"]}}))
     with pytest.raises(JournalError, match="field_maps"):
@@ -741,3 +743,25 @@ def test_a_resume_past_every_planned_step_names_the_journal_of_that_run(tmp_path
     with pytest.raises(JournalError, match=r"planned steps up to 3 only, .* another run .* --journal-dir"):
         r.cursor_before(6)
     assert r.cursor_before(3) == {"base": 3}
+
+
+def test_a_journal_holding_only_another_starts_configuration_records_this_one(tmp_path, caplog):
+    """A start that failed before its first step (a port in use, a typo in a flag) left its
+    configuration behind; the corrected start has nothing to resume and is not refused. Once
+    the journal holds a step or a skipped key, another configuration is refused as before."""
+    Journal(str(tmp_path / "a"), _fp(seed=1)).close()
+    with caplog.at_level("INFO", logger="mmdispatch"):
+        j = Journal(str(tmp_path / "a"), _fp(seed=2))
+    assert "recorded no step" in caplog.text
+    j.record_step(_entry(0))
+    j.close()
+    j = Journal(str(tmp_path / "a"), _fp(seed=2))
+    assert j.last_step == 0 and sorted(j.pending) == [0]
+    j.close()
+    with pytest.raises(JournalError, match="seed: journal has 2, config has 1"):
+        Journal(str(tmp_path / "a"), _fp(seed=1))
+    j = Journal(str(tmp_path / "b"), _fp(seed=1))
+    j.record_skipped("/d/s0.tar", [("k0", "bad_image", 0)])
+    j.close()
+    with pytest.raises(JournalError, match="seed: journal has 1, config has 2"):
+        Journal(str(tmp_path / "b"), _fp(seed=2))
