@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import HOLDERS, STEP, encode
+from dispatcher_server.protocol import HOLDERS, PARTS, STEP, coalesce, encode
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -205,7 +205,10 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
                 mb[HOLDERS] = [table.setdefault(h, len(table)) for h in holders[a:z]]
             mbs.append(mb)
             frames.append(packed.frame(g))
-            frames.append(b"".join(buffers[a:z]))
+            parts = coalesce(buffers[a:z], nbytes[a:z])  # within a frame each: see Limits
+            frames.extend(parts)
+            if len(parts) > 1:
+                mb[PARTS] = len(parts)
         direct = {} if endpoints is None else {"readers": [list(endpoints[h]) for h in table]}
         out.append(encode(STEP, seq=seq + rank, frames=frames, step=step, epoch=epoch, rank=rank,
                           world_size=W, microbatches=mbs, **direct))

@@ -112,12 +112,15 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """Size limits; `max_frame_bytes` is also set as zmq.MAXMSGSIZE so the socket refuses more."""
+    """Size limits. `max_frame_bytes` is also set as zmq.MAXMSGSIZE: a socket drops a peer that
+    sends a larger frame, so senders split payloads into frames within it (`coalesce`).
+    `max_message_bytes` bounds a whole message once received: a rank's step of inline media
+    may hold many frames (credits bound what is in flight)."""
 
     max_frames: int = 1 << 16
     max_header_bytes: int = 32 << 20
     max_frame_bytes: int = 256 << 20
-    max_message_bytes: int = 1 << 30
+    max_message_bytes: int = 64 << 30
 
 
 DEFAULT_LIMITS = Limits()
@@ -378,12 +381,60 @@ def _skip_records(entries: list) -> list[SkipRecord]:
 
 
 def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
-    """A coalesced payload frame: one frame whose bytes are exactly the items' sizes."""
+    """Coalesced payload frames (`coalesce`): one frame, or several that each end where an item
+    does, whose bytes are exactly the items' sizes."""
     if len(sizes) != num_items or not all(type(n) is int and n >= 0 for n in sizes):
         raise ProtocolError(f"{what}: {len(sizes)} sizes for {num_items} items, or a bad size")
-    if len(payloads) != 1 or payloads[0].nbytes != sum(sizes):
+    if len(payloads) == 1 and payloads[0].nbytes == sum(sizes):
+        return
+    if not payloads or len(_frame_ends(payloads, sizes)) != len(payloads):
         raise ProtocolError(f"{what}: sizes add up to {sum(sizes)} bytes but the payload frames "
-                            f"hold {sum(p.nbytes for p in payloads)} in {len(payloads)} frames")
+                            f"hold {sum(p.nbytes for p in payloads)} in {len(payloads)} frames, "
+                            "or an item spans two frames")
+
+
+def _frame_ends(frames: list, sizes: list[int]) -> list[int]:
+    """Where each frame's items end (an index into `sizes`), for the frames that hold whole
+    items from the start on; all of them exactly when the items line up with the frames."""
+    ends, k = [], 0
+    for frame in frames:
+        n, have = memoryview(frame).nbytes, 0
+        if n == 0:  # `coalesce` makes an empty frame only alone
+            break
+        while k < len(sizes) and have + sizes[k] <= n and (have < n or sizes[k] == 0):
+            have += sizes[k]
+            k += 1
+        if have != n:
+            break
+        ends.append(k)
+    return ends if k == len(sizes) else []
+
+
+def coalesce(buffers: list, sizes: list[int], limit: int = DEFAULT_LIMITS.max_frame_bytes) -> list:
+    """`buffers` (of `sizes` bytes) in as few frames as keep each within `limit`, in order and
+    each buffer whole: one frame unless they exceed it. A buffer over `limit` is a frame of its
+    own, which the receiver refuses: senders skip such items first."""
+    if sum(sizes) <= limit:
+        return [b"".join(buffers)]
+    frames, start, run = [], 0, 0
+    for k, n in enumerate(sizes):
+        if run and run + n > limit:
+            frames.append(b"".join(buffers[start:k]))
+            start, run = k, 0
+        run += n
+    frames.append(b"".join(buffers[start:]))
+    return frames
+
+
+def split_frames(frames: list, sizes: list[int]) -> list[memoryview]:
+    """Views (no copies) of each item in checked coalesced payload frames (`coalesce`)."""
+    if len(frames) == 1:
+        return split_payload(frames[0], sizes)
+    out, k = [], 0
+    for frame, end in zip(frames, _frame_ends(frames, sizes)):
+        out.extend(split_payload(memoryview(frame), sizes[k:end]))
+        k = end
+    return out
 
 
 # member data offset in the shard file, member size, the file's stamp as its reader read it
@@ -509,16 +560,23 @@ MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list
                      "sizes": list}
 #: direct mode: a micro-batch also says, per item, which entry of the STEP's `readers` holds it.
 HOLDERS = "holders"
+#: A micro-batch whose payloads exceed one frame (`Limits.max_frame_bytes`) says in how many
+#: frames they follow its arrays frame (absent: one).
+PARTS = "parts"
 
 
 def _check_step(fields: dict, payloads: list) -> None:
     expected = 0
+    spans = []
     for mb in fields["microbatches"]:
-        if not isinstance(mb, dict) or set(mb) - {HOLDERS} != set(MICROBATCH_FIELDS):
+        if not isinstance(mb, dict) or set(mb) - {HOLDERS, PARTS} != set(MICROBATCH_FIELDS):
             raise ProtocolError("step: malformed micro-batch header")
         for name, t in MICROBATCH_FIELDS.items():
             if not _is(mb[name], t):
                 raise ProtocolError(f"step: micro-batch field {name!r} malformed")
+        parts = mb.get(PARTS, 1)
+        if type(parts) is not int or not 1 <= parts <= len(payloads):
+            raise ProtocolError("step: micro-batch parts malformed")
         _check_holders(mb, fields)
         if not all(_is_int(n) and n >= 0 for n in mb["arrays"]) or mb["payloads"] < 0:
             raise ProtocolError("step: negative counts")
@@ -531,12 +589,23 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: item headers and payload count disagree")
         mb["items"] = [StepItemHeader(*_list_of(it, 4, (str, str, str, dict), "step item header"))
                        for it in mb["items"]]
-        expected += 2
+        spans.append((expected + 1, expected + 1 + parts))
+        expected += 1 + parts
     if expected != len(payloads):
         raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
-    for m, mb in enumerate(fields["microbatches"]):
-        _check_sizes(mb["sizes"], mb["payloads"], payloads[2 * m + 1: 2 * m + 2], "step")
+    for mb, (a, z) in zip(fields["microbatches"], spans):
+        _check_sizes(mb["sizes"], mb["payloads"], payloads[a:z], "step")
     _check_readers(fields)
+
+
+def microbatch_frames(msg: Message) -> list[tuple[Any, list]]:
+    """Per micro-batch of a checked STEP: (its arrays frame, its payload frames)."""
+    out, at = [], 0
+    for mb in msg["microbatches"]:
+        parts = mb.get(PARTS, 1)
+        out.append((msg.frames[at], msg.frames[at + 1: at + 1 + parts]))
+        at += 1 + parts
+    return out
 
 
 def _check_holders(mb: dict, fields: dict) -> None:
@@ -587,7 +656,7 @@ def _check_payloads(fields: dict, payloads: list) -> None:
 
 def item_views(frames: list, sizes: list[int]) -> list[memoryview]:
     """The items of a checked PAYLOADS message, coalesced or one frame each (no copies)."""
-    return split_payload(frames[0], sizes) if len(frames) == 1 else list(frames)
+    return list(frames) if len(frames) == len(sizes) and len(frames) != 1 else split_frames(frames, sizes)
 
 
 #: CREDIT from a trainer may carry `timings`: per computed step {"step": int, "mb": [per

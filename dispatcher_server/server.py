@@ -813,8 +813,8 @@ class Dispatcher:
             self._take_back(reader, a)
             return
         sizes = msg.get("sizes")
-        # Coalesced payloads: every item is a view of the one frame (no copy, no frame per item).
-        views = msg.frames if sizes is None else P.split_payload(msg.frames[0], sizes)
+        # Coalesced payloads: every item is a view of a frame (no copy, no frame per item).
+        views = msg.frames if sizes is None else P.split_frames(msg.frames, sizes)
         if self.config.payloads != "inline" and not P.refs_point_into(views, prog.ref_path):
             # Trainers read what references name: only the assigned shard's file may be named.
             self.metrics.error("bad_reference", reader=reader.name, shard=prog.url)

@@ -181,11 +181,11 @@ class PayloadServer:
         except (OSError, ValueError, P.ProtocolError) as e:
             self._send(ident, P.ERROR, code="fetch", message=str(e), ack=msg["id"])
             return
-        # One coalesced frame: a memcpy of the members costs less than a zero-copy frame per
-        # item, each of whose release wakes pyzmq's garbage-collector thread (and the trainer
-        # receives one frame, not one per item).
-        self._send(ident, P.PAYLOADS, frames=[b"".join(out)], id=msg["id"],
-                   sizes=[memoryview(b).nbytes for b in out])
+        # Coalesced frames (one unless past a frame's limit): a memcpy of the members costs
+        # less than a zero-copy frame per item, each of whose release wakes pyzmq's
+        # garbage-collector thread (and the trainer receives one frame, not one per item).
+        sizes = [memoryview(b).nbytes for b in out]
+        self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=msg["id"], sizes=sizes)
 
     def _bytes(self, ref: memoryview):
         """A reference's bytes: from the cache, else read from its shard file."""

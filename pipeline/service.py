@@ -273,6 +273,10 @@ class ReaderWorker:
                              on_open=opened if ref_path is not None else ahead.watch)
         if self.config.preprocess_on == "datanode":
             records = self._preprocessed(ahead.skip, a.stats, records)
+        if ref_path is None or self.payloads == "direct":  # payload bytes leave this reader
+            if (self.config.preprocess_on == "datanode"
+                    or self.config.reader.max_member_bytes > P.DEFAULT_LIMITS.max_frame_bytes):
+                records = self._within_frames(ahead.skip, a.stats, records)
         ahead.start(records)
         self.assignments.append(a)
 
@@ -310,6 +314,30 @@ class ReaderWorker:
                     skip(error, rec.index)
                     continue
                 yield rec
+        finally:
+            close = getattr(records, "close", None)
+            if close is not None:
+                close()
+
+    def _within_frames(self, skip, stats: ErrorStats, records):
+        """`records` less the samples with an item larger than a message frame carries
+        (`Limits.max_frame_bytes`): the socket it went on would drop this reader, and the shard
+        would go from reader to reader. Skipped as `member_too_large` under the error policy."""
+        limit = P.DEFAULT_LIMITS.max_frame_bytes
+        made = " as the model input it preprocesses to" if self.config.preprocess_on == "datanode" else ""
+        try:
+            for rec in records:
+                big = [(it.member, n) for it in rec.items
+                       if (n := memoryview(rec.members[it.member]).nbytes) > limit]
+                if not big:
+                    yield rec
+                    continue
+                member, n = big[0]
+                error = SampleError("member_too_large", rec.shard, rec.key,
+                                    f"member {member!r} is {n} bytes{made}, over the {limit >> 20} "
+                                    "MiB a message frame carries")
+                stats.handle(error, self.config.reader.errors)  # raises under --errors raise
+                skip(error, rec.index)
         finally:
             close = getattr(records, "close", None)
             if close is not None:
@@ -356,11 +384,12 @@ class ReaderWorker:
         if not done and not headers and a.records.stalled():
             done = self._give_up(a)
         if headers:
-            # One coalesced payload frame per message: a memcpy of the members costs less than
-            # a zmq frame per item here, in the dispatcher and in its I/O threads.
-            self.session.send(P.SAMPLES, frames=[b"".join(frames)], assign_id=a.id,
-                              samples=headers, sizes=[memoryview(f).nbytes for f in frames],
-                              **_skipped_field(a.take_unsent()))
+            # Coalesced payload frames (one unless past a frame's limit): a memcpy of the
+            # members costs less than a zmq frame per item here, in the dispatcher and in its
+            # I/O threads.
+            sizes = [memoryview(f).nbytes for f in frames]
+            self.session.send(P.SAMPLES, frames=P.coalesce(frames, sizes), assign_id=a.id,
+                              samples=headers, sizes=sizes, **_skipped_field(a.take_unsent()))
             a.credits -= len(headers)
             a.count += len(headers)
             self.num_samples_sent += len(headers)

@@ -58,13 +58,31 @@ def test_coalesced_samples_slice_one_frame_without_copies():
     ([3, 4], [b"abcdefgh"]),  # sizes say 7 bytes, the frame holds 8
     ([3], [b"abc"]),  # one size for two items
     ([3, -1], [b"ab"]),  # negative size
-    ([3, 4], [b"abc", b"defg"]),  # coalesced means exactly one frame
+    ([3, 4], [b"abcd", b"efg"]),  # frames past one hold whole items: the second spans both
+    ([3, 4], [b"abc", b"defg", b""]),  # a frame no item is in
 ])
 def test_coalesced_samples_with_wrong_sizes_are_malformed(sizes, frames):
     samples = [["k", 0, 1, 3, P.blank_tokens(1), [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]]]
     with pytest.raises(P.ProtocolError) as info:
         P.decode(P.encode(P.SAMPLES, frames=frames, assign_id=1, samples=samples, sizes=sizes))
     assert info.value.code == "malformed"
+
+
+def test_payloads_past_a_frames_limit_travel_in_frames_of_whole_items():
+    """A frame over zmq.MAXMSGSIZE makes the receiving socket drop its sender without a word:
+    payloads of a message are split into frames within the limit, each item whole in one."""
+    members = [b"a" * 5, b"", b"b" * 3, b"c" * 6, b"d" * 2]
+    sizes = [len(m) for m in members]
+    frames = P.coalesce(members, sizes, limit=8)
+    assert [len(f) for f in frames] == [8, 8] and b"".join(frames) == b"".join(members)
+    assert P.coalesce(members, sizes, limit=16) == [b"".join(members)]  # the usual case: one
+    samples = [["k1", 0, 1, 3, P.blank_tokens(1), [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}]]],
+               ["k2", 1, 1, 3, P.blank_tokens(1), [["image", "png", 4, 1, {}], ["image", "png", 4, 1, {}],
+                                                    ["audio", "wav", 4, 1, {}]]]]
+    msg = P.decode(P.encode(P.SAMPLES, frames=frames, assign_id=1, samples=samples, sizes=sizes))
+    assert [bytes(v) for v in P.split_frames(msg.frames, msg["sizes"])] == members
+    reply = P.decode(P.encode(P.PAYLOADS, frames=frames, id=3, sizes=sizes))
+    assert [bytes(v) for v in P.item_views(reply.frames, reply["sizes"])] == members
 
 
 def test_step_payload_frame_must_match_its_sizes():
@@ -77,6 +95,17 @@ def test_step_payload_frame_must_match_its_sizes():
         with pytest.raises(P.ProtocolError):
             P.decode(P.encode(P.STEP, frames=frames, step=0, epoch=0, rank=0, world_size=1,
                               microbatches=[mb]))
+    # Payloads past a frame's limit: the micro-batch says in how many frames they follow.
+    two = {**mb, "items": [["image", "k", "png", {}], ["image", "k", "jpg", {}]], "payloads": 2,
+           "sizes": [2, 3], P.PARTS: 2}
+    split = P.decode(P.encode(P.STEP, frames=[b"A", b"12", b"345", b"B", b"12345"], step=0,
+                              epoch=0, rank=0, world_size=1, microbatches=[two, mb]))
+    assert [(bytes(a), [bytes(p) for p in parts]) for a, parts in P.microbatch_frames(split)] == [
+        (b"A", [b"12", b"345"]), (b"B", [b"12345"])]
+    for frames, parts in (([b"", b"1", b"2345"], 2), ([b"", b"12", b"345"], 1), ([b"", b"12345"], 3)):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(P.STEP, frames=frames, step=0, epoch=0, rank=0, world_size=1,
+                              microbatches=[{**two, P.PARTS: parts}]))
 
 
 def test_keep_freed_memory_is_off_at_zero():

@@ -7,8 +7,10 @@ dispatcher restarts) live in test_service_process.py. Helpers below are shared w
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 
 import msgpack
@@ -21,9 +23,11 @@ from dispatcher_server.ordering import ShardOrder
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.server import Dispatcher
 from pipeline.gendata import generate
-from pipeline.reader import iter_samples
+from pipeline.reader import ReaderConfig, iter_samples
 from pipeline.service import ReaderServiceConfig, ReaderWorker
 from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
+
+from tests.servicekit import tar_of
 
 NUM_SAMPLES, NUM_SHARDS = 90, 6
 
@@ -354,6 +358,45 @@ def test_oversized_and_malformed_messages_leave_the_server_serving(shards):
     assert answer2.type == P.ERROR and "payload" in answer2["message"]
     assert [s for s, _ in got[0]] == [0, 1, 2]
     assert errors.get("malformed", 0) >= 2
+
+
+def _png_of(idat_bytes: int) -> bytes:
+    """A PNG whose framing is whole (what readers check) around `idat_bytes` of image data."""
+    ihdr = b"IHDR" + struct.pack(">IIBBBBB", 64, 64, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + ihdr + struct.pack(">I", zlib.crc32(ihdr))
+            + struct.pack(">I", idat_bytes) + b"IDAT" + bytes(idat_bytes) + b"\0\0\0\0"
+            + b"\x00\x00\x00\x00IEND\xaeB`\x82")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("payloads", ["inline", "direct"])
+def test_payloads_past_a_frames_limit_reach_the_trainer_and_items_past_it_are_skipped(tmp_path, payloads):
+    """A zmq frame over the receiver's MAXMSGSIZE (256 MiB) makes its socket drop the sender
+    without a word: a reader's SAMPLES or a rank's micro-batch of large media cycled the reader
+    until its shard was given up as readers_lost. Payloads now travel in frames within the
+    limit; an item larger than a frame (a raised --max-member-bytes, or --preprocess-on
+    datanode) is skipped by its reader, naming it."""
+    big = 150 << 20
+    sizes = {"k0": 10, "k1": big, "k2": big, "k3": 10}
+    shard = tar_of(str(tmp_path / "big.tar"), [
+        *[(k, {"png": _png_of(n), "txt": b"a cat"}) for k, n in sizes.items()],
+        ("huge", {"png": _png_of(300 << 20), "txt": b"a whale"})])
+    cfg = make_config([shard], world_size=1, global_batch=4, num_microbatches=1, max_epochs=1,
+                      payloads=payloads, flow=FlowConfig(max_buffered_samples=64, num_inflight_shards=1, credit_batch=8,
+                                      max_buffered_bytes=2 << 30))
+
+    def record(step):
+        (mb,) = step.microbatches
+        return {k: memoryview(p).nbytes for k, p in zip(mb.encoders["vision"].sample_keys,
+                                                        mb.encoders["vision"].payloads)}
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1,
+                                         reader=ReaderConfig(max_member_bytes=400 << 20)):
+        got = consume(srv.trainer_endpoint, 1, max_steps=1, record=record)
+        skipped = [s.value for m in srv.metrics.registry.collect()
+                   if m.name == "mmdispatch_samples_skipped" for s in m.samples
+                   if s.name.endswith("_total")]
+    assert got[0] == [{k: len(_png_of(n)) for k, n in sizes.items()}]
+    assert skipped == [1]
 
 
 def test_slow_trainer_bounds_the_dispatcher_memory(shards):

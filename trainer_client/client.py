@@ -248,6 +248,11 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
     return ids, masks
 
 
+def _one(frames: list) -> memoryview:
+    """Coalesced frames as one (references: one frame short of millions of items)."""
+    return frames[0] if len(frames) == 1 else memoryview(b"".join(frames))
+
+
 def decode_step(msg: P.Message, files: ShardFiles | None = None,
                 fetched: list[list[memoryview]] | None = None) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
@@ -256,12 +261,11 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
     `fetched` (direct mode) holds the bytes they name, per micro-batch (`fetch.PayloadFetcher`).
     """
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
-    for m, mb in enumerate(msg["microbatches"]):
-        buf = msg.frames[2 * m]
-        # One coalesced frame per micro-batch (sizes checked on decode): slices are views.
+    for m, (mb, (buf, parts)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
+        # Coalesced frames per micro-batch (sizes checked on decode): slices are views.
         payloads = (fetched[m] if fetched is not None
-                    else P.split_payload(msg.frames[2 * m + 1], mb["sizes"]) if files is None
-                    else files.read(msg.frames[2 * m + 1], mb["sizes"]))
+                    else P.split_frames(parts, mb["sizes"]) if files is None
+                    else files.read(_one(parts), mb["sizes"]))
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m,
                                  world_size=msg["world_size"])
         tensors = _plan_tensors(plan)
