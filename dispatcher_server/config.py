@@ -191,12 +191,14 @@ class ServerConfig:
                 or f.max_buffered_bytes < 1):  # below 1 byte, only starving shards get credits
             raise ValueError(f"flow counts must be >= 1: {f}")
         if self.shard_cap < 1:
+            blocks = sum(b for b in self.block_sizes if b > 1)  # as shard_cap counts them
             raise ValueError(
                 f"max_buffered_samples={f.max_buffered_samples} is too small: it must exceed "
                 f"(max_retained_steps + 1) * global_batch = "
-                f"{(f.max_retained_steps + 1) * self.batch.global_batch} plus the shuffle "
-                f"buffer ({sum(self.block_sizes)}) by at least the open shards "
-                f"({sum(self.windows)}); raise it or lower --shuffle-buffer")
+                f"{(f.max_retained_steps + 1) * self.batch.global_batch}"
+                + (f" plus the shuffle buffer ({blocks})" if blocks else "")
+                + f" by at least the open shards ({sum(self.windows)}); raise it"
+                + (" or lower --shuffle-buffer" if blocks else ""))
 
     @property
     def weights(self) -> list[float]:

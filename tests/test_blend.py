@@ -224,6 +224,10 @@ def test_a_shuffle_buffer_that_does_not_fit_the_sample_bound_is_refused_naming_b
     with pytest.raises(ValueError, match="max_buffered_samples=4096 is too small.*--shuffle-buffer"):
         ServerConfig(shards=["/d/a.tar"], world_size=1, batch=BatchConfig(global_batch=256),
                      planner=PlannerConfig(num_microbatches=1), shuffle_buffer=3000)
+    with pytest.raises(ValueError, match="global_batch = 5120 by at least the open shards") as info:
+        ServerConfig(shards=["/d/a.tar"], world_size=1, batch=BatchConfig(global_batch=1024),
+                     planner=PlannerConfig(num_microbatches=1), shuffle_buffer=0)
+    assert "shuffle" not in str(info.value)  # no shuffle to lower: it said "shuffle buffer (1)"
 
 
 def test_bench_mixture_measures_the_served_sequence_against_the_weights():
