@@ -347,7 +347,7 @@ def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpo
     """5/3/2 and 0.5/0.3/0.2 draw the same sequence: a resume with either is the same job; a
     resume with weights that draw another sequence is refused, naming the sources."""
     from dispatcher_server.blend import as_drawn, differing
-    from dispatcher_server.journal import Journal, JournalError
+    from dispatcher_server.journal import Journal, JournalError, StepEntry
     from trainer_client.client import dataset_difference
 
     def config(*weights):
@@ -358,8 +358,13 @@ def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpo
     first, again, other = config(5, 3, 2), config(0.5, 0.3, 0.2), config(0.4, 0.4, 0.2)
     assert (first.weights, first.windows, first.block_sizes) == (
         again.weights, again.windows, again.block_sizes)
-    Journal(str(tmp_path), first.fingerprint()).close()
-    Journal(str(tmp_path), again.fingerprint()).close()
+    journal = Journal(str(tmp_path), first.fingerprint())
+    journal.record_step(StepEntry(step=0, epoch=0, world_size=1, num_samples=8,
+                                  cursor_after={"base": 1}, digest="d", plan={"p": 0}))
+    journal.close()
+    journal = Journal(str(tmp_path), again.fingerprint())
+    assert journal.last_step == 0
+    journal.close()
     with pytest.raises(JournalError, match=r"sources: journal has .*'a', 5"):
         Journal(str(tmp_path), other.fingerprint())
     assert differing(first.dataset_fingerprint(), again.dataset_fingerprint()) == []
