@@ -45,7 +45,7 @@ REASONS: dict[str, str] = {
     "image_too_large": "an image header declaring more than ImageConfig.max_header_pixels",
     "bad_video": "a video container that is cut, not a container, or declares an impossible "
                  "duration, frame rate or size",
-    "video_unsupported": "a WebM/MKV (or fragmented MP4) video on a data node without PyAV "
+    "video_unsupported": "a WebM/MKV/AVI (or fragmented MP4) video on a data node without PyAV "
                          "(install the [video] extra)",
     "bad_audio": "an audio header that is unreadable, inconsistent, or lies about rate or length",
     "bad_text": "text that is not UTF-8 (or escapes an unpaired surrogate)",

@@ -1,12 +1,15 @@
-"""Video: header-only counting (MP4/MOV hand-parsed, WebM/MKV through PyAV) and trainer-side patches.
+"""Video: header-only counting (MP4/MOV hand-parsed, WebM/MKV/AVI through PyAV) and trainer-side patches.
 
 Counting reads the container's tables, never a frame: MP4/MOV boxes (`moov/trak/mdhd/stsd/stts/
-stsz`) are parsed here. Measured per clip: ~30 us, against 1-3 ms for PyAV's `av.open` (FFmpeg's
-probe, which may decode a few frames) and 5-400 ms for a full decode; the parse needs no
-dependency on data nodes and sees a cut `mdat` that the probe accepts. WebM/MKV (and fragmented
-MP4) go through PyAV (the optional `[video]` extra), which also decodes frames for the trainer.
-Frames are sampled at `VideoConfig.fps`, grouped in temporal patches of 2 and resized with the
-image `smart_resize` rule, as Qwen2-VL does.
+stsz`, and `elst`/`ctts` where an edit list says which samples are shown) are parsed here.
+Measured per clip: 15-60 us, against 1-3 ms for PyAV's `av.open` (FFmpeg's probe, which may
+decode a few frames) and 5-400 ms for a full decode; the parse needs no dependency on data nodes
+and sees a cut `mdat` that the probe accepts. WebM/MKV, AVI (and fragmented MP4) go through PyAV
+(the optional `[video]` extra), which also decodes frames for the trainer: their video stream's
+packets are demuxed, not decoded, for its span. Either way the duration is the span FFmpeg
+presents, so the frames sampled are real frames. Frames are sampled at `VideoConfig.fps`,
+grouped in temporal patches of 2 and resized with the image `smart_resize` rule within the
+clip's pixel budget, as Qwen2-VL does.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ class VideoConfig:
     Frames are sampled at `fps` (2 per second), never more than the clip holds, rounded up to
     a multiple of `temporal_patch` (at least one temporal patch; the last frame repeats) and at
     most `max_frames` (768). Each frame is resized by `smart_resize` within [min_pixels,
-    max_pixels] (Qwen2-VL's video budget: 128*28*28 to 768*28*28 per frame). Encoder length =
-    (frames / temporal_patch) * (H / patch) * (W / patch), LLM length = that / merge^2.
+    max_pixels] (Qwen2-VL's video budget: 128*28*28 to 768*28*28 per frame), and the whole clip
+    within `total_pixels` (128000*28*28*0.9): a frame gets at most total_pixels / frames *
+    temporal_patch, but never under min_pixels * 1.05 (qwen_vl_utils' rule; without it a
+    6-minute clip is 1.1 M encoder rows). Encoder length = (frames / temporal_patch) * (H /
+    patch) * (W / patch), LLM length = that / merge^2.
     Headers outside `max_header_pixels`, `max_fps` or `max_duration_s` are corrupt, not video.
     """
 
@@ -47,6 +53,7 @@ class VideoConfig:
     merge_size: int = 2
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
+    total_pixels: int = int(128000 * 28 * 28 * 0.9)
     max_frames: int = 768
     max_aspect_ratio: float = 200.0
     max_header_pixels: int = 16384 * 16384  # HEVC's and AV1's largest level
@@ -61,14 +68,19 @@ class VideoConfig:
                              f"merge_size={self.merge_size} must be >= 1")
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ValueError(f"need 0 < video min_pixels={self.min_pixels} <= max_pixels={self.max_pixels}")
+        if self.total_pixels < 1:
+            raise ValueError(f"video total_pixels={self.total_pixels} must be >= 1 (pixels of a whole clip)")
         if self.max_frames < self.temporal_patch or self.max_frames % self.temporal_patch:
             raise ValueError(f"max_frames={self.max_frames} must be a positive multiple of "
                              f"temporal_patch={self.temporal_patch}")
 
-    def image_rule(self) -> ImageConfig:
-        """The per-frame resize rule as an `ImageConfig` (for `smart_resize`)."""
+    def image_rule(self, frames: int) -> ImageConfig:
+        """The resize rule of each of a clip's `frames` sampled frames as an `ImageConfig` (for
+        `smart_resize`): its share of `total_pixels`, as `qwen_vl_utils.fetch_video` computes it."""
+        share = max(min(self.max_pixels, self.total_pixels / frames * self.temporal_patch),
+                    int(self.min_pixels * 1.05))
         return ImageConfig(patch_size=self.patch_size, merge_size=self.merge_size, min_pixels=self.min_pixels,
-                           max_pixels=self.max_pixels, max_aspect_ratio=self.max_aspect_ratio)
+                           max_pixels=min(self.max_pixels, share), max_aspect_ratio=self.max_aspect_ratio)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +117,11 @@ def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> in
     return min(cfg.max_frames, max(t, -(-n // t) * t))
 
 
-def frame_size(width: int, height: int, cfg: VideoConfig) -> tuple[int, int]:
-    """(height, width) every sampled frame is resized to."""
+def frame_size(width: int, height: int, frames: int, cfg: VideoConfig) -> tuple[int, int]:
+    """(height, width) each of a clip's `frames` sampled frames is resized to (counting and
+    decoding both take it from here, so the clip's pixel budget cannot differ between them)."""
     try:
-        return smart_resize(height, width, cfg.image_rule())
+        return smart_resize(height, width, cfg.image_rule(frames))
     except CountError as e:
         raise CountError("bad_video", str(e).replace("image", "video frame")) from None
 
@@ -116,7 +129,7 @@ def frame_size(width: int, height: int, cfg: VideoConfig) -> tuple[int, int]:
 def video_lengths(duration_s: float, fps: float, width: int, height: int, cfg: VideoConfig) -> tuple[int, int]:
     """(encoder patches, LLM tokens) of a clip of `duration_s` at native `fps`, `width`x`height`."""
     frames = sampled_frames(duration_s, fps, cfg)
-    h, w = frame_size(width, height, cfg)
+    h, w = frame_size(width, height, frames, cfg)
     enc = (frames // cfg.temporal_patch) * (h // cfg.patch_size) * (w // cfg.patch_size)
     return enc, enc // (cfg.merge_size * cfg.merge_size)
 
@@ -126,7 +139,7 @@ def _bad(message: str) -> CountError:
     return CountError("bad_video", message)
 
 
-def _boxes(data, start: int, end: int, *, strict: bool):
+def _boxes(data, start: int, end: int):
     """(type, body start, box end) of each box in data[start:end]; a box running past `end` is a cut file."""
     pos = start
     while pos + 8 <= end:
@@ -145,12 +158,10 @@ def _boxes(data, start: int, end: int, *, strict: bool):
             raise _bad(f"MP4 box {kind!r} at byte {pos} declares {size} bytes but {end - pos} remain (file cut?)")
         yield kind, pos + head, pos + size
         pos += size
-    if strict and pos < end and any(bytes(data[pos:end])):
-        raise _bad(f"MP4 file ends with {end - pos} stray bytes after its last box")
 
 
 def _child(data, start: int, end: int, kind: bytes) -> tuple[int, int] | None:
-    for k, body, stop in _boxes(data, start, end, strict=False):
+    for k, body, stop in _boxes(data, start, end):
         if k == kind:
             return body, stop
     return None
@@ -165,26 +176,94 @@ def _times(data, body: int, stop: int, what: str) -> tuple[int, int]:
     return struct.unpack_from(fmt, data, body + off)
 
 
+def _runs(data, body: int, stop: int, what: str) -> np.ndarray:
+    """The (count, value) runs of an stts or ctts full box as an (n, 2) int64 array."""
+    (runs,) = struct.unpack_from(">I", data, body + 4) if body + 8 <= stop else (None,)
+    if runs is None or body + 8 + 8 * runs > stop:
+        raise _bad(f"MP4 {what} box is shorter than it declares")
+    return np.frombuffer(data, ">u4", 2 * runs, body + 8).astype(np.int64).reshape(runs, 2)
+
+
+def _media_span(data, stts: np.ndarray, ctts: tuple[int, int] | None) -> tuple[int, int]:
+    """(first, end) presentation time of a track's samples in media ticks: decode times plus the
+    `ctts` offsets (B-frames are shown after they are decoded; x264 delays every frame)."""
+    counts, deltas = stts[:, 0], stts[:, 1]
+    ticks = counts * deltas
+    if ctts is None or not counts.any():
+        return 0, int(ticks.sum())
+    runs = _runs(data, *ctts, "ctts")
+    offsets = np.append((runs[:, 1] ^ 0x80000000) - 0x80000000, 0)  # signed, as FFmpeg reads any version
+    # Where both tables stay in one run a sample's time grows with its index: the first and
+    # last samples of those stretches hold the extremes (no per-sample arrays).
+    ends, off_ends = np.cumsum(counts), np.cumsum(runs[:, 0])
+    cuts = np.sort(np.concatenate((ends, off_ends)))
+    cuts = cuts[(cuts > 0) & (cuts < ends[-1])]
+    i = np.concatenate(([0], cuts, cuts - 1, [ends[-1] - 1]))  # stretch firsts, then lasts
+    r = np.searchsorted(ends, i, "right")
+    shown = (np.cumsum(ticks) - ticks)[r] + (i - (ends - counts)[r]) * deltas[r]
+    shown += offsets[np.searchsorted(off_ends, i, "right")]  # samples past the table: no offset
+    half = len(i) // 2
+    return int(shown[:half].min()), int((shown[half:] + deltas[r[half:]]).max())
+
+
+def _presented(data, elst: tuple[int, int], moov: tuple[int, int], stbl: tuple[int, int], stts: np.ndarray,
+               timescale: int) -> float:
+    """Seconds an edit list presents, as FFmpeg plays it: each segment's duration (movie
+    timescale, `mvhd`) from its media time, within the media's samples; empty segments
+    (a start delay) show no frame. A stream-copy trim (`ffmpeg -ss 3 -c copy`) keeps all the
+    samples from the keyframe on and presents the rest only; x264's edit skips its B-frame delay."""
+    mvhd = _child(data, *moov, b"mvhd")
+    if mvhd is None:
+        raise _bad("MP4 video track has an edit list but the file has no mvhd box")
+    movie_scale, _ = _times(data, *mvhd, "mvhd")
+    if movie_scale == 0:
+        raise _bad("MP4 mvhd declares timescale 0")
+    body, stop = elst
+    if body + 8 > stop:
+        raise _bad("MP4 elst box is too short")
+    fmt = ">Qqi" if data[body] == 1 else ">Iii"  # segment duration, media time, rate
+    (count,) = struct.unpack_from(">I", data, body + 4)
+    if body + 8 + struct.calcsize(fmt) * count > stop:
+        raise _bad("MP4 elst box is shorter than it declares")
+    first, end = _media_span(data, stts, _child(data, *stbl, b"ctts"))
+    tick = timescale / movie_scale  # media ticks per movie tick
+    seconds = 0.0
+    for duration, media_time, _ in struct.iter_unpack(fmt, data[body + 8 : body + 8 + struct.calcsize(fmt) * count]):
+        if media_time < 0:  # an empty edit
+            continue
+        # A segment within one movie tick of the media's end reaches it (its duration is rounded).
+        stop_at = media_time + duration * tick
+        seconds += max(0.0, (end if stop_at >= end - tick else stop_at) - max(media_time, first)) / timescale
+    return seconds
+
+
 def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
     """The first video track of an MP4/MOV file from its boxes; None if not ISO-BMFF or fragmented
     (fragments keep their tables in `moof` boxes; PyAV reads those).
 
-    Besides the header, checks that the file is whole: every top-level box fits the bytes
-    present, and the track's samples fit in `mdat` (a cut or lying file raises `bad_video`).
+    Besides the header, checks that the file is whole: every top-level box up to a whole moov and
+    mdat fits the bytes present, and the track's samples fit in `mdat` (a cut or lying file raises
+    `bad_video`). The duration is the span the track's edit list presents, as FFmpeg plays it.
     """
     if len(data) < 8 or bytes(data[4:8]) not in _MP4_FIRST:
         return None
     top: dict[bytes, tuple[int, int]] = {}
     mdat_bytes = 0
-    for kind, body, stop in _boxes(data, 0, len(data), strict=True):
-        top.setdefault(kind, (body, stop))
-        if kind == b"mdat":
-            mdat_bytes += stop - body
+    try:
+        for kind, body, stop in _boxes(data, 0, len(data)):
+            top.setdefault(kind, (body, stop))
+            if kind == b"mdat":
+                mdat_bytes += stop - body
+    except CountError:
+        # Bytes after a whole moov and mdat (appended metadata, padding) are not read by FFmpeg
+        # either; a cut inside either box is (the samples must still fit in mdat, below).
+        if b"moov" not in top or b"mdat" not in top:
+            raise
     if b"moof" in top:
         return None
     if b"moov" not in top:
         raise _bad("MP4 has no moov box (cut before its index, or not an MP4)")
-    for kind, body, stop in _boxes(data, *top[b"moov"], strict=False):
+    for kind, body, stop in _boxes(data, *top[b"moov"]):
         if kind != b"trak":
             continue
         mdia = _child(data, body, stop, b"mdia")
@@ -206,12 +285,7 @@ def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
             raise _bad("MP4 video sample description is too short")
         codec = bytes(data[entry + 4 : entry + 8]).decode("latin-1")
         width, height = struct.unpack_from(">HH", data, entry + 32)
-        # Duration as FFmpeg takes it: the sum of sample durations (mdhd's also counts the
-        # B-frame reorder delay, one frame more with x264's defaults).
-        (runs,) = struct.unpack_from(">I", data, stts[0] + 4) if stts[0] + 8 <= stts[1] else (None,)
-        if runs is None or stts[0] + 8 + 8 * runs > stts[1]:
-            raise _bad("MP4 stts box is shorter than it declares")
-        table = np.frombuffer(data, ">u4", 2 * runs, stts[0] + 8).astype(np.int64).reshape(runs, 2)
+        table = _runs(data, *stts, "stts")
         frames, ticks = int(table[:, 0].sum()), int((table[:, 0] * table[:, 1]).sum())
         if stsz[0] + 12 > stsz[1]:
             raise _bad("MP4 stsz box is too short")
@@ -226,10 +300,15 @@ def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
             payload = int(np.frombuffer(data, ">u4", count, stsz[0] + 12).sum(dtype=np.int64))
         if payload > mdat_bytes:
             raise _bad(f"MP4 video samples total {payload} bytes but mdat holds {mdat_bytes} (file cut?)")
+        # The frame rate from the sample durations (mdhd's duration also counts x264's B-frame
+        # delay), the duration from the edit list: what FFmpeg presents of those samples.
         seconds = ticks / timescale
         fps = frames / seconds if seconds > 0 else 0.0
+        edts = _child(data, body, stop, b"edts")
+        elst = edts and _child(data, *edts, b"elst")
+        shown = _presented(data, elst, top[b"moov"], stbl, table, timescale) if elst and ticks else seconds
         brand = bytes(data[top[b"ftyp"][0] : top[b"ftyp"][0] + 4]) if b"ftyp" in top else b"qt  "
-        return VideoHeader(seconds, fps, width, height, codec, "mov" if brand == b"qt  " else "mp4")
+        return VideoHeader(shown, fps, width, height, codec, "mov" if brand == b"qt  " else "mp4")
     raise _bad("MP4 has no video track")
 
 
@@ -261,11 +340,32 @@ def _ebml_problem(data) -> str | None:
     return None
 
 
+def _stream_span(container, stream) -> tuple[float, int]:
+    """(seconds, frames) of a video stream from its demuxed packets, none decoded: the first
+    presented timestamp to the last frame's end. Matroska keeps no per-stream duration, and its
+    Duration (absent when muxed live) is the container's end: other streams and a start offset
+    included."""
+    rate = stream.average_rate or stream.guessed_rate
+    step = round(1 / (rate * stream.time_base)) if rate else 0  # a packet stating no duration: a frame
+    first = end = None
+    frames = 0
+    for packet in container.demux(stream):
+        t = packet.pts if packet.pts is not None else packet.dts
+        if t is None or packet.is_discard:  # the demuxer's end-of-stream packet; frames FFmpeg drops
+            continue
+        frames += 1
+        first = t if first is None else min(first, t)
+        end = max(end if end is not None else t, t + (packet.duration or step))
+    if not frames:
+        raise _bad(f"{container.format.name.split(',')[0]} video stream holds no frame")
+    return float((end - first) * stream.time_base), frames
+
+
 def _pyav_header(data: bytes | memoryview) -> VideoHeader:
     try:
         import av
     except ImportError:
-        raise CountError("video_unsupported", "WebM/MKV and fragmented MP4 headers need PyAV: "
+        raise CountError("video_unsupported", "WebM/MKV, AVI and fragmented MP4 headers need PyAV: "
                                               "pip install 'mmdispatch[video]'") from None
     if bytes(data[:4]) == _EBML_MAGIC:
         problem = _ebml_problem(data)
@@ -276,16 +376,10 @@ def _pyav_header(data: bytes | memoryview) -> VideoHeader:
             if not container.streams.video:
                 raise _bad(f"{container.format.name} container has no video stream")
             stream = container.streams.video[0]
-            if stream.duration is not None and stream.time_base is not None:
-                duration = float(stream.duration * stream.time_base)
-            elif container.duration is not None:
-                duration = container.duration / 1e6  # AV_TIME_BASE
-            else:
-                raise _bad(f"{container.format.name} container declares no duration")
-            rate = stream.average_rate or stream.guessed_rate
             ctx = stream.codec_context
-            return VideoHeader(duration, float(rate or 0.0), ctx.width, ctx.height, ctx.name,
-                               container.format.name.split(",")[0])
+            seconds, frames = _stream_span(container, stream)
+            return VideoHeader(seconds, frames / seconds if seconds > 0 else 0.0, ctx.width, ctx.height,
+                               ctx.name, container.format.name.split(",")[0])
     except CountError:
         raise
     except Exception as e:  # FFmpeg reports every malformed input as some av.error.* / ValueError
@@ -298,8 +392,9 @@ def read_header(data: bytes | memoryview) -> VideoHeader:
         raise _bad(f"{len(data)} bytes are no video container")
     header = mp4_header(data)
     if header is None:
-        if bytes(data[:4]) != _EBML_MAGIC and bytes(data[4:8]) not in _MP4_FIRST:
-            raise _bad("not an MP4, MOV, WebM or MKV container")
+        avi = bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"AVI "
+        if not avi and bytes(data[:4]) != _EBML_MAGIC and bytes(data[4:8]) not in _MP4_FIRST:
+            raise _bad("not an MP4, MOV, WebM, MKV or AVI container")
         header = _pyav_header(data)
     return header
 
@@ -321,7 +416,7 @@ def count_video(data: bytes | memoryview, cfg: VideoConfig) -> tuple[int, int, d
         raise _bad(f"{h.container} declares {h.width}x{h.height} frames, outside [1, "
                    f"max_header_pixels={cfg.max_header_pixels}]")
     frames = sampled_frames(h.duration_s, h.fps, cfg)
-    rows, cols = frame_size(h.width, h.height, cfg)
+    rows, cols = frame_size(h.width, h.height, frames, cfg)
     enc = (frames // cfg.temporal_patch) * (rows // cfg.patch_size) * (cols // cfg.patch_size)
     meta = {"duration_s": h.duration_s, "fps": h.fps, "width": h.width, "height": h.height,
             "codec": h.codec, "format": h.container,
@@ -375,7 +470,7 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     try:
         duration, fps, width, height = (meta[k] for k in ("duration_s", "fps", "width", "height"))
         frames = sampled_frames(duration, fps, cfg)
-        rows, cols = frame_size(int(width), int(height), cfg)
+        rows, cols = frame_size(int(width), int(height), frames, cfg)
     except KeyError as e:
         raise ValueError(f"video meta lacks {e.args[0]!r}: pass the counted item's meta") from None
     except CountError as e:

@@ -19,7 +19,7 @@ def test_defaults_are_the_suffixes_read_before_the_field_map():
     fm = FieldMap()
     assert fm.image == ("jpg", "jpeg", "png", "webp", "gif")
     assert fm.audio == ("wav", "flac", "mp3", "ogg")
-    assert fm.video == ("mp4", "mov", "webm", "mkv")
+    assert fm.video == ("mp4", "mov", "webm", "mkv", "avi")
     assert fm.text == ("txt", "text") and fm.conversation == ("json",)
     assert ReaderConfig().fields == fm
 
