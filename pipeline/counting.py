@@ -230,6 +230,12 @@ def _utf8(data: bytes | memoryview, what: str) -> str:
     try:
         return str(data, "utf-8")
     except UnicodeDecodeError as e:
+        head = bytes(data[:2])
+        if head in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Windows "Unicode")
+            order = "little" if head == b"\xff\xfe" else "big"
+            raise CountError("bad_text", f"{what} is UTF-16 ({order}-endian, byte-order mark "
+                                         f"{head.hex(' ').upper()}), not UTF-8: re-encode it as "
+                                         "UTF-8 (iconv -f UTF-16 -t UTF-8)") from None
         raise CountError("bad_text", f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
@@ -383,7 +389,7 @@ class Counter:
         if isinstance(value, str):
             return self.encoder.plain(value)
         try:
-            return self.encoder.conversation(value)
+            return self.encoder.conversation(value, **getattr(value, "context", {}))
         except ChatTemplateError as e:
             raise CountError("chat_template", f"{what}: {e}") from None
 
@@ -398,8 +404,19 @@ class Counter:
             return 0
         if isinstance(value, str):
             return estimate_tokens(value, self.config.text)
-        return (sum(estimate_tokens(t["content"], self.config.text) for t in value)
+        return (sum(estimate_tokens(_content_text(t["content"]), self.config.text) for t in value)
                 + self.config.text.chat_turn_overhead * len(value))
+
+    @staticmethod
+    def sample_texts(values: list[tuple[str | list[dict] | None, str]]
+                     ) -> list[tuple[str | list[dict] | None, str]]:
+        """A sample's (`member_text` value, what) pairs as its text: a JSON member's plain
+        text/caption field (`FieldText`) counts only when the sample has no text member, as
+        img2dataset's `key.txt` beside `key.json` (whose `caption` repeats it) would otherwise
+        count the caption twice."""
+        if any(isinstance(v, str) and not isinstance(v, FieldText) for v, _ in values):
+            return [(v, what) for v, what in values if not isinstance(v, FieldText)]
+        return values
 
     def member_text(self, data: bytes | memoryview, ext: str, what: str,
                      as_json: bool | None = None) -> str | list[dict] | None:
@@ -424,7 +441,7 @@ class Counter:
             raise CountError("bad_json", f"{what} nests arrays or objects deeper than the JSON "
                                          "parser allows (about 1000 levels)") from None
         if isinstance(obj, list):  # a conversation: the list of turns itself
-            return [_turn(turn, what) for turn in obj]
+            return Conversation(_turn(turn, what) for turn in obj)
         if not isinstance(obj, dict):
             raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an "
                                          "object or a list of turns")
@@ -433,9 +450,10 @@ class Counter:
         if value is None:
             return None
         if isinstance(value, str):
-            return _sendable(value, what)
+            return FieldText(_sendable(value, what))
         if isinstance(value, list):
-            return [_turn(turn, what) for turn in value]
+            return Conversation((_turn(turn, what) for turn in value),
+                                {k: obj[k] for k in _CONTEXT_FIELDS if obj.get(k) is not None})
         raise CountError("bad_json", f"{what} field holds a {type(value).__name__}, expected text or turns")
 
 
@@ -450,27 +468,59 @@ def _sendable(text: str, what: str) -> str:
     return text
 
 
-#: Turn fields besides role and content that chat templates render (OpenAI-style tool use: an
-#: assistant's `tool_calls`, a tool reply's `tool_call_id` and `name`), passed through as given.
-_TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
+class FieldText(str):
+    """A JSON member's plain text field (`text`, `caption`): the sample's text only when it
+    has no text member (`Counter.sample_texts`)."""
+
+
+#: A conversation object's top-level fields that `apply_chat_template` passes to the template.
+_CONTEXT_FIELDS = ("tools", "documents")
+
+
+class Conversation(list):
+    """A conversation's turns, with `context`: the sample's `tools` and `documents` when its
+    JSON gives them (the template renders them, as transformers' `apply_chat_template`)."""
+
+    def __init__(self, turns=(), context: dict | None = None) -> None:
+        super().__init__(turns)
+        self.context = context or {}
+
+
+def _content_text(content: object) -> str:
+    """The text of a turn's content: a string, or the text parts of a content list."""
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
 
 
 def _turn(turn: object, what: str) -> dict:
-    """A conversation turn as {"role", "content"} strings, the form chat templates take, with
-    its tool-use fields (`_TOOL_FIELDS`); an assistant turn of tool calls alone has content ""."""
+    """A conversation turn as chat templates take it: "role" (normalized) and "content" (a
+    string, or OpenAI-style content parts as given), with every other field of the turn kept
+    (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`, ...), as transformers passes
+    them; an assistant turn of tool calls alone has content ""."""
     if not isinstance(turn, dict):
         raise CountError("bad_json", f"{what} conversation turn is a {type(turn).__name__}, expected an object")
     role, content = normalize_turn(turn)
     if role is None:
         raise CountError("bad_json", f"{what} conversation turn has no role/from string")
-    if isinstance(content, list):  # OpenAI-style parts: only text parts carry text tokens
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    if content is None and turn.get("tool_calls"):
+    if isinstance(content, list):  # OpenAI-style parts: {"type": "text", "text": ...}, {"type": "image"}
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise CountError("bad_json", f"{what} conversation turn's content list holds a "
+                                             f"{type(part).__name__} ({str(part)[:40]!r}), expected "
+                                             "parts such as {\"type\": \"text\", \"text\": ...}")
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise CountError("bad_json", f"{what} conversation turn has a text part without a text string")
+                _sendable(part["text"], what)
+    elif content is None and turn.get("tool_calls"):
         content = ""
-    if not isinstance(content, str):
+    elif not isinstance(content, str):
         raise CountError("bad_json", f"{what} conversation turn has no content/value text")
-    out = {"role": role, "content": _sendable(content, what)}
-    out.update((k, turn[k]) for k in _TOOL_FIELDS if turn.get(k) is not None)
+    else:
+        content = _sendable(content, what)
+    out = {k: v for k, v in turn.items() if k not in ("role", "from", "content", "value", "weight")}
+    out["role"], out["content"] = role, content
     weight = turn.get("weight")
     if weight is not None:  # ShareGPT's (axolotl's) per-turn weight: 0 leaves the turn untrained
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
@@ -494,6 +544,7 @@ def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) ->
 
 
 __all__ = [
-    "AudioConfig", "CountError", "Counter", "CountingConfig", "ImageConfig", "TextConfig",
+    "AudioConfig", "Conversation", "CountError", "Counter", "CountingConfig", "FieldText", "ImageConfig",
+    "TextConfig",
     "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "smart_resize", "wav_header",
 ]

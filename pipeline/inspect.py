@@ -28,6 +28,7 @@ from pipeline.fieldmap import FieldMap
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import ReaderConfig, add_reader_arguments, iter_shard, reader_config_from_args
 from pipeline.shards import expand_shards, reads_can_wait
+from pipeline.tokenize import resolve_chat_template
 
 _PERCENTILES = (50, 90, 99)
 #: `--stall-timeout`'s default: a data node's (`read --stall-timeout`).
@@ -103,7 +104,9 @@ def text_counted_by(config: ReaderConfig) -> dict:
     t = config.counting.text
     if t.estimate:
         return {"exact": False, "how": "approximate (estimator; drop --estimate-text for the exact ids readers send)"}
-    return {"exact": True, "how": f"exact ({'tokenizer ' + t.tokenizer_path if t.tokenizer_path else 'byte-level ids'})"}
+    template = resolve_chat_template(t.chat_template, t.tokenizer_path).name
+    return {"exact": True, "how": f"exact ({'tokenizer ' + t.tokenizer_path if t.tokenizer_path else 'byte-level ids'}, "
+                                  f"chat template {template})"}
 
 
 def records_of(url: str, config: ReaderConfig, stats: ErrorStats, stall_s: float):

@@ -44,7 +44,7 @@ from pipeline.reader import (
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
-from pipeline.tokenize import tokenizer_identity
+from pipeline.tokenize import chat_template_identity, tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
 
@@ -414,12 +414,15 @@ class ReaderWorker:
 
 def input_rules(counting: CountingConfig) -> dict:
     """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
-    tokenizer's identity unless text is only estimated (then no ids are sent)."""
+    tokenizer's identity and the chat template's (`chat_template`: readers render
+    conversations into the ids they send; trainers, which receive ids, do not state it)
+    unless text is only estimated (then no ids are sent)."""
     from pipeline.preprocess import PreprocessConfig
 
     rules = PreprocessConfig.of(counting).identity()
     if not counting.text.estimate:
         rules.update(tokenizer_identity(counting.text.tokenizer_path))
+        rules.update(chat_template_identity(counting.text.chat_template, counting.text.tokenizer_path))
     return rules
 
 

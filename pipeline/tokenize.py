@@ -3,10 +3,11 @@
 Readers tokenize, and the ids they compute are the ids the trainer receives, so a sample's
 planned text length is exact by construction. Two tokenizers: an HF `tokenizers` JSON file, or
 (without one) a byte-level tokenizer whose 256 ids are the UTF-8 bytes. A conversation is
-rendered through a jinja2 chat template (HF's convention) one turn at a time and each turn's
-text is encoded on its own, so the loss mask marks exactly the assistant tokens; the trade-off
-is that no BPE merge spans a turn boundary (templates put special tokens there, which split
-the text anyway).
+rendered through a jinja2 chat template (HF's convention, with the context transformers'
+`apply_chat_template` gives it) and tokenized whole; each turn is located by rendering the
+conversation turn by turn (or, for templates that rewrite earlier turns once later ones follow,
+by locating each assistant content in the whole rendering), and a token is a target when its
+character span covers assistant text.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import os
 import re
+from datetime import datetime
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -110,8 +112,7 @@ class HFTokenizer:
         try:
             self.tokenizer = _HF.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception
-            raise ValueError(f"tokenizer file {path!r} is not an HF tokenizers JSON file ({e}): "
-                             f"pass a model's tokenizer.json") from None
+            raise ValueError(f"tokenizer file {path!r} {_not_a_tokenizer(path, e)}") from None
         self.name = os.path.basename(path)
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
@@ -124,6 +125,26 @@ class HFTokenizer:
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(enc.ids, dtype=np.int32), offsets
+
+
+def _not_a_tokenizer(path: str, error: Exception) -> str:
+    """Why `path` did not load as an HF tokenizers file, for "tokenizer file X <this>": a
+    tokenizer_config.json or other JSON is named as such (the parser's message says neither)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64 << 20)
+        obj = json.loads(head)
+    except (OSError, ValueError, RecursionError):
+        obj = None
+    beside = os.path.join(os.path.dirname(path), "tokenizer.json")
+    if isinstance(obj, dict) and (os.path.basename(path) == "tokenizer_config.json" or "chat_template" in obj
+                                  or "tokenizer_class" in obj or "added_tokens_decoder" in obj):
+        return ("is a tokenizer_config.json; pass the tokenizer.json beside it"
+                + (f" ({beside!r})" if os.path.isfile(beside) else ""))
+    if obj is not None and not (isinstance(obj, dict) and "model" in obj):
+        return (f"is JSON but not an HF tokenizers JSON file (a {type(obj).__name__} without a 'model'): "
+                f"pass a model's tokenizer.json")
+    return f"is not an HF tokenizers JSON file ({error}): pass a model's tokenizer.json"
 
 
 def tokenizer_identity(path: str | None) -> dict[str, str]:
@@ -197,6 +218,12 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _strftime_now(fmt: str) -> str:
+    """transformers' `strftime_now`: the current local date and time, formatted (so ids of a
+    template that prints today's date, as Llama 3.1+ do, depend on the day, as there)."""
+    return datetime.now().strftime(fmt)
+
+
 def _tojson(value: object, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple | None = None, sort_keys: bool = False) -> str:
     """The `tojson` filter transformers gives chat templates (jinja2's own escapes <, >, & and
@@ -212,50 +239,117 @@ def _token_text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-class ChatTemplate:
-    """A jinja2 chat template (HF convention: `messages`, `add_generation_prompt`, `bos_token`,
-    `eos_token`, `raise_exception`), rendered in jinja2's sandbox as transformers does."""
+#: The special tokens transformers renders a template with (`special_tokens_map`).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "") -> None:
+
+def special_tokens(config: dict) -> dict:
+    """The special tokens of a tokenizer_config.json as a chat template sees them: the named
+    ones present (strings), and `additional_special_tokens` (a list) when given."""
+    out = {k: _token_text(config[k]) for k in SPECIAL_TOKENS if config.get(k) is not None}
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        out["additional_special_tokens"] = [_token_text(t) for t in extra]
+    return out
+
+
+def _generation_extension():
+    """transformers' `{% generation %}...{% endgeneration %}` tag (its assistant-token mask):
+    rendered as its body, so templates that use it parse here too."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
+class ChatTemplate:
+    """A jinja2 chat template, rendered in jinja2's sandbox with the context transformers'
+    `apply_chat_template` gives it: `messages` (each turn with all its fields), `tools` and
+    `documents` (None unless the sample gives them), `add_generation_prompt=False`, the special
+    tokens (`bos_token`, `eos_token`, ...), `raise_exception` and `strftime_now`."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "",
+                 specials: dict | None = None) -> None:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         self.name = name
+        self.source = source
         # ChatML (the default) is cut into segments directly: the general cut renders every
         # prefix of the conversation, quadratic in its turns (~0.2 ms a 6-turn conversation,
         # 3x a reader's whole per-sample cost). Same text and mask (a test compares them).
         self.chatml = source == CHATML
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_extension()])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson  # as transformers renders it: not HTML-escaped
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
-        self.specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self.specials = {"bos_token": bos_token, "eos_token": eos_token, **(specials or {})}
         self._skeletons: dict[tuple, list | None] = {}  # roles -> cut with marker contents
 
-    def render(self, messages: list[dict]) -> str:
+    @property
+    def identity(self) -> str:
+        """What makes this template's text: "chatml" for the built-in, else the SHA-256 (16 hex
+        digits) of its source and the special tokens it is rendered with."""
+        if self.chatml:
+            return "chatml"
+        blob = json.dumps({"source": self.source, "specials": self.specials}, sort_keys=True)
+        return "sha256:" + hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    def render(self, messages: list[dict], tools: list | None = None,
+               documents: list | None = None) -> str:
         import jinja2
 
         try:
-            return self.template.render(messages=messages, add_generation_prompt=False, **self.specials)
-        except ChatTemplateError:
-            raise
+            return self.template.render(messages=messages, tools=tools, documents=documents,
+                                        add_generation_prompt=False, **self.specials)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"chat template {self.name!r} refuses the conversation: {e}") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template {self.name!r} fails: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            # e.g. `tojson` of an object the sample gives: a refused sample, not a crashed reader
+            raise ChatTemplateError(f"chat template {self.name!r} fails: {type(e).__name__}: {e}") from None
 
-    def segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None
-                 ) -> list[tuple[str, int]]:
+    def segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,
+                 tools: list | None = None, documents: list | None = None) -> list[tuple[str, int]]:
         """The rendered conversation cut into (text, mask) pieces whose texts concatenate to
         `render(messages)`. An assistant turn is its header (mask 0), then its content and the
         template's end-of-turn text after it (mask 1); every other piece has mask 0, as has an
-        assistant turn whose `trained` entry is False (ShareGPT's per-turn weight 0)."""
+        assistant turn whose `trained` entry is False (ShareGPT's per-turn weight 0).
+
+        A template whose text for earlier turns changes once later turns follow (Qwen3 drops
+        past reasoning, Mistral v0.3 moves the system text into the last user turn) cannot be
+        cut turn by turn: it is rendered whole and each assistant content located in it
+        (`aligned_segments`)."""
+        ctx = {"tools": tools, "documents": documents}
         if self.chatml:
-            return _chatml_segments(messages, trained)
-        return (self._from_skeleton(messages, trained)
-                or self.rendered_segments(messages, trained))
+            return _chatml_segments([_joined(t) for t in messages], trained)
+        if tools is None and documents is None:
+            cut = self._from_skeleton(messages, trained)
+            if cut is not None:
+                return cut
+        try:
+            return self.rendered_segments(messages, trained, **ctx)
+        except ChatTemplateError as e:
+            failed = e
+        try:
+            return self.aligned_segments(messages, trained, **ctx)
+        except _NotAligned as e:
+            raise ChatTemplateError(f"{failed}; rendered whole, {e}") from None
 
     def _from_skeleton(self, messages: list[dict], trained: tuple[bool, ...] | None = None
                        ) -> list[tuple[str, int]] | None:
@@ -263,8 +357,8 @@ class ChatTemplate:
         a marker for each content (computed once per role sequence) with the contents put in,
         taken only if it renders exactly as the conversation does; else None. The general cut
         renders every prefix, quadratic in the turns (~0.13 ms for 6, ~0.8 ms for 20)."""
-        if any(len(t) > 2 for t in messages):  # tool-use fields render per conversation
-            return None
+        if any(len(t) > 2 or not isinstance(t.get("content"), str) for t in messages):
+            return None  # tool-use fields and content parts render per conversation
         roles = (tuple(t["role"] for t in messages), trained)
         skeleton = self._skeletons.get(roles, _UNCUT)
         if skeleton is _UNCUT:
@@ -296,14 +390,15 @@ class ChatTemplate:
         index = {m: k for k, m in enumerate(markers)}
         return [([index.get(p, p) for p in split.split(text) if p], mask) for text, mask in cut]
 
-    def rendered_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None
+    def rendered_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,
+                          tools: list | None = None, documents: list | None = None
                           ) -> list[tuple[str, int]]:
         """`segments` for any template: each turn's text is what rendering the conversation up
         to it adds, and an assistant turn's content is located by rendering a sentinel in it."""
         out: list[tuple[str, int]] = []
         prev = ""
         for k, turn in enumerate(messages):
-            full = self.render(messages[: k + 1])
+            full = self.render(messages[: k + 1], tools, documents)
             if not full.startswith(prev):
                 raise ChatTemplateError(f"chat template {self.name!r} renders turn {k - 1} differently once "
                                         f"turn {k} follows: no exact per-turn mask exists")
@@ -311,7 +406,7 @@ class ChatTemplate:
             if turn["role"] != ASSISTANT or (trained is not None and not trained[k]):
                 out.append((seg, 0))
                 continue
-            probe = self.render([*messages[:k], {**turn, "content": _SENTINEL}])
+            probe = self.render([*messages[:k], {**turn, "content": _SENTINEL}], tools, documents)
             at = probe.find(_SENTINEL, len(before)) if probe.startswith(before) else -1
             head, tail = probe[len(before):at], probe[at + len(_SENTINEL):]
             if at < 0 or not (seg.startswith(head) and seg.endswith(tail) and len(head) + len(tail) <= len(seg)):
@@ -319,6 +414,142 @@ class ChatTemplate:
                                         f"{k}'s content in its rendering, so its mask would be a guess")
             out += [(head, 0), (seg[len(head):], 1)]
         return [(t, m) for t, m in out if t]
+
+    def aligned_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,
+                         tools: list | None = None, documents: list | None = None
+                         ) -> list[tuple[str, int]]:
+        """`segments` from one rendering of the whole conversation: the conversation is also
+        rendered with each trained assistant content's text (its reasoning and its answer,
+        when it holds `<think>...</think>`; each text part of a content list) replaced by a
+        marker, and the real rendering must equal that one with the marker texts put back
+        (stripped of edge whitespace: templates trim); the marked texts, from a turn's first to
+        its last, are its targets, with the end-of-turn text the template writes after the
+        turn when it ends the conversation, where exactly that text follows. An assistant
+        turn of tool calls alone is its tool-call text, which must occur once between its
+        neighbours. `_NotAligned` when no such cut exists."""
+        rendered = self.render(messages, tools, documents)
+        marked = list(messages)
+        marks: dict[int, list[tuple[str, str, str, str]]] = {}  # turn -> (marker, text, edge spaces)
+        for k, turn in enumerate(messages):
+            if turn["role"] != ASSISTANT or (trained is not None and not trained[k]):
+                continue
+            content, found = _marked_content(turn.get("content"), k)
+            marks[k] = found
+            if found:
+                marked[k] = {**turn, "content": content}
+        skeleton = self.render(marked, tools, documents)
+        names = {m: (k, text, left) for k, found in marks.items() for m, text, left, _ in found}
+        pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", skeleton) if names else [skeleton]
+        spans: dict[int, list[int]] = {}  # turn -> [start, end) of its marked texts in `rendered`
+        at = 0
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                if not rendered.startswith(piece, at):
+                    raise _NotAligned(f"cannot locate every assistant content exactly (the rendering "
+                                      f"departs from the one with markers at character {at})")
+                at += len(piece)
+                continue
+            k, text, left = names[piece]
+            if not rendered.startswith(text, at):
+                raise _NotAligned(f"cannot locate assistant turn {k}'s content (as rendered)")
+            start = at - len(left) if left and rendered.startswith(left, at - len(left)) else at
+            spans[k] = [min(spans.get(k, [start])[0], start), at + len(text)]
+            at += len(text)
+        if at != len(rendered):
+            raise _NotAligned("the rendering is longer than its parts")
+        seen = pieces[1::2]
+        if len(seen) != len(set(seen)):
+            raise _NotAligned("the template renders an assistant content twice")
+        for k, found in marks.items():
+            main = [m for m, _, _, _ in found if not m.endswith("xREASONING")]  # may be dropped
+            if any(m not in seen for m in main):
+                raise _NotAligned(f"the template leaves out assistant turn {k}'s content")
+        cuts: list[tuple[int, int]] = []
+        cursor = 0
+        for k in sorted(marks):
+            tail = self._turn_tail(messages, k, tools, documents)
+            if k in spans:
+                start, end = spans[k]
+                right = marks[k][-1][3]  # the content's trailing space, where the template keeps it
+                if right and rendered.startswith(right + tail, end):
+                    end += len(right)
+                if tail and rendered.startswith(tail, end):
+                    end += len(tail)
+            elif messages[k].get("tool_calls") and tail:
+                bound = min((s for j, (s, _) in spans.items() if j > k), default=len(rendered))
+                start = rendered.find(tail, cursor, bound)
+                if start < 0 or rendered.find(tail, start + 1, bound) >= 0:
+                    raise _NotAligned(f"cannot locate assistant turn {k}'s tool calls once")
+                end = start + len(tail)
+            else:
+                raise _NotAligned(f"assistant turn {k} has no content to locate")
+            if start < cursor:
+                raise _NotAligned(f"assistant turn {k}'s text overlaps the turn before it")
+            cuts.append((start, end))
+            cursor = end
+        out: list[tuple[str, int]] = []
+        at = 0
+        for start, end in cuts:
+            out += [(rendered[at:start], 0), (rendered[start:end], 1)]
+            at = end
+        out.append((rendered[at:], 0))
+        return [(t, m) for t, m in out if t]
+
+    def _turn_tail(self, messages: list[dict], k: int, tools: list | None, documents: list | None) -> str:
+        """What the template writes after assistant turn `k`'s content when that turn ends the
+        conversation (its tool calls, its end-of-turn text); "" if that rendering fails."""
+        try:
+            probe = self.render([*messages[:k], {**messages[k], "content": _SENTINEL}], tools, documents)
+        except ChatTemplateError:
+            return ""
+        at = probe.rfind(_SENTINEL)
+        return probe[at + len(_SENTINEL):] if at >= 0 else ""
+
+
+class _NotAligned(Exception):
+    """A conversation whose whole rendering cannot be cut into turns exactly (why, in words)."""
+
+
+def _marked_content(content: object, k: int) -> tuple[object, list[tuple[str, str, str, str]]]:
+    """`content` with each text to locate replaced by a marker that keeps its edge whitespace,
+    and the (marker, text, left and right whitespace) replaced: a string's text, or its
+    reasoning and answer around `</think>`, or each text part of a content list."""
+    found: list[tuple[str, str, str, str]] = []
+
+    def mark(text: str, part: str) -> str:
+        core = text.strip()
+        if not core:
+            return text
+        left = text[: len(text) - len(text.lstrip())]
+        right = text[len(left) + len(core):]
+        marker = f"MMDISPATCHx{k}x{len(found)}x{part}"
+        found.append((marker, core, left, right))
+        return left + marker + right
+
+    if isinstance(content, str):
+        end = content.rfind("</think>")
+        begin = content.rfind("<think>", 0, end) if end >= 0 else -1
+        if begin >= 0:
+            head = content[: begin + len("<think>")]
+            reasoning = mark(content[len(head):end], "REASONING")
+            return head + reasoning + "</think>" + mark(content[end + len("</think>"):], "ANSWER"), found
+        return mark(content, "CONTENT"), found
+    if isinstance(content, list):
+        parts = [{**p, "text": mark(p["text"], "PART")}
+                 if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) else p
+                 for p in content]
+        return parts, found
+    return content, found
+
+
+def _joined(turn: dict) -> dict:
+    """`turn` with a content list (OpenAI-style parts) as its text parts joined: what the
+    built-in ChatML template, which concatenates content as a string, renders."""
+    content = turn.get("content")
+    if isinstance(content, list):
+        return {**turn, "content": "".join(p["text"] for p in content if isinstance(p, dict)
+                                           and isinstance(p.get("text"), str))}
+    return turn
 
 
 def _chatml_segments(messages: list[dict], trained: tuple[bool, ...] | None = None
@@ -333,32 +564,71 @@ def _chatml_segments(messages: list[dict], trained: tuple[bool, ...] | None = No
     return out
 
 
+#: Tokenizers already warned of falling back to ChatML (once each per process).
+_FALLBACK_WARNED: set[str] = set()
+
+
 def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatTemplate:
     """The chat template to use: `spec` (a built-in name, a tokenizer_config.json or a jinja
-    file), else the `chat_template` of the tokenizer_config.json beside the tokenizer file,
-    else ChatML. ValueError, naming the value and the fix, when `spec` is none of these."""
+    file), else the template beside the tokenizer file (chat_template.jinja, which newer
+    transformers saves and reads first, else the `chat_template` of tokenizer_config.json),
+    else ChatML (with a warning when a tokenizer was given: its model may expect another
+    format). The special tokens come from the tokenizer_config.json. ValueError, naming the
+    value and the fix, when `spec` is none of these."""
     config: dict = {}
-    beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json") if tokenizer_path else None
+    folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
+    beside = os.path.join(folder, "tokenizer_config.json") if folder is not None else None
     if beside and os.path.isfile(beside):
         config = _read_config(beside)
     if spec is None:
-        source = _template_of(config, beside) if config.get("chat_template") else CHATML
-        name = beside if config.get("chat_template") else "chatml"
+        jinja = os.path.join(folder, "chat_template.jinja") if folder is not None else None
+        if jinja and os.path.isfile(jinja):
+            source, name = _read_jinja(jinja), jinja
+        elif config.get("chat_template"):
+            source, name = _template_of(config, beside), beside
+        else:
+            source, name = CHATML, "chatml"
+            if tokenizer_path is not None:
+                name = "chatml (fallback)"
+                if tokenizer_path not in _FALLBACK_WARNED:
+                    _FALLBACK_WARNED.add(tokenizer_path)
+                    log.warning("mmdispatch event=chat_template_fallback tokenizer=%s: no chat "
+                                "template beside it (chat_template.jinja, or chat_template in "
+                                "tokenizer_config.json); conversations are rendered as ChatML, "
+                                "which transformers would refuse (\"chat_template is not set\"): "
+                                "pass --chat-template if the model expects another format",
+                                tokenizer_path)
     elif spec in BUILTIN_TEMPLATES:
         source, name = BUILTIN_TEMPLATES[spec], spec
     elif os.path.isfile(spec):
         if spec.endswith(".json"):
             config = _read_config(spec)
-            source = _template_of(config, spec)
+            jinja = os.path.join(os.path.dirname(spec), "chat_template.jinja")
+            if os.path.isfile(jinja):  # transformers reads it before the config's chat_template
+                source, name = _read_jinja(jinja), jinja
+            else:
+                source, name = _template_of(config, spec), spec
         else:
-            with open(spec, encoding="utf-8") as f:
-                source = f.read()
-        name = spec
+            source, name = _read_jinja(spec), spec
     else:
         raise ValueError(f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
                          f"nor a file: pass a name, a .jinja file or a tokenizer_config.json")
-    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")),
-                        eos_token=_token_text(config.get("eos_token")), name=name)
+    return ChatTemplate(source, name=name, specials=special_tokens(config))
+
+
+def chat_template_identity(spec: str | None, tokenizer_path: str | None) -> dict[str, str]:
+    """`{"chat_template": ...}`: the identity (`ChatTemplate.identity`) of the template
+    `resolve_chat_template` picks, so data nodes rendering conversations differently are
+    refused as a tokenizer mismatch is."""
+    return {"chat_template": resolve_chat_template(spec, tokenizer_path).identity}
+
+
+def _read_jinja(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"chat template {path!r} cannot be read as UTF-8 text ({e})") from None
 
 
 def _read_config(path: str) -> dict:
@@ -399,9 +669,11 @@ class TextEncoder:
         """Plain text: all tokens are targets (mask 1)."""
         return TextTokens.plain(self.tokenizer.encode(text))
 
-    def conversation(self, turns: list[dict]) -> TextTokens:
-        """Turns of {"role", "content"} rendered through the chat template and tokenized whole,
-        as the model sees the conversation at inference (`apply_chat_template`); mask 1 on
+    def conversation(self, turns: list[dict], tools: list | None = None,
+                     documents: list | None = None) -> TextTokens:
+        """Turns of {"role", "content", ...} (and the sample's `tools` and `documents`) rendered
+        through the chat template and tokenized whole, as the model sees the conversation at
+        inference (`apply_chat_template`); mask 1 on
         exactly the tokens that cover assistant text (see `ChatTemplate.segments`).
         ChatTemplateError if the template fails.
 
@@ -413,7 +685,7 @@ class TextEncoder:
         if any("weight" in t for t in turns):  # ShareGPT's per-turn weight: 0 trains not on it
             trained = tuple(t.get("weight", 1) > 0 for t in turns)
             turns = [{k: v for k, v in t.items() if k != "weight"} for t in turns]
-        segments = self.template.segments(turns, trained)
+        segments = self.template.segments(turns, trained, tools, documents)
         if not segments:
             return TextTokens.empty()
         marks = np.array([m for _, m in segments], np.uint8)
@@ -453,6 +725,6 @@ def normalize_turn(turn: dict) -> tuple[str | None, object]:
 
 __all__ = [
     "ASSISTANT", "BUILTIN_TEMPLATES", "BYTE_VOCAB_SIZE", "ByteTokenizer", "CHATML", "ChatTemplate",
-    "ChatTemplateError", "HFTokenizer", "TextEncoder", "TextTokens", "Tokenizer",
-    "load_tokenizer", "normalize_turn", "resolve_chat_template",
+    "ChatTemplateError", "HFTokenizer", "SPECIAL_TOKENS", "TextEncoder", "TextTokens", "Tokenizer",
+    "chat_template_identity", "load_tokenizer", "normalize_turn", "resolve_chat_template",
 ]

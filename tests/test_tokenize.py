@@ -104,14 +104,19 @@ def test_custom_template_file_with_special_tokens(tmp_path):
 
 
 def test_template_that_rewrites_earlier_turns_has_no_exact_mask(tmp_path):
-    # Renders earlier assistant turns differently once another turn follows (as templates that
-    # drop past reasoning do): a per-turn mask would be wrong, so it is refused.
+    # Renders earlier turns differently once another turn follows (as templates that drop past
+    # reasoning do): no per-turn cut exists. Rendered whole, an assistant content that the
+    # template cut short (here: to its first character) cannot be located, so it is refused;
+    # one rendered whole (the last turn) is located and trained on.
     jinja = tmp_path / "odd.jinja"
     jinja.write_text("{% for m in messages %}{% if loop.last %}{{ m['content'] }}{% else %}"
                      "{{ m['content'][:1] }}{% endif %}|{% endfor %}")
     enc = TextEncoder.load(None, str(jinja))
-    with pytest.raises(ChatTemplateError, match="renders turn 0 differently"):
-        enc.conversation(CONVERSATION[1:3])
+    with pytest.raises(ChatTemplateError, match="renders turn 0 differently.*cannot locate"):
+        enc.conversation(CONVERSATION[1:4])
+    got = enc.conversation(CONVERSATION[1:3])
+    assert ByteTokenizer.decode(got.ids) == "w|a tar file of samples.|"
+    assert ByteTokenizer.decode(got.ids[got.mask == 1]) == "a tar file of samples.|"
 
 
 def test_bad_template_settings_are_one_line_errors(tmp_path):
