@@ -51,10 +51,12 @@ class Metrics:
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         self.registry = r = CollectorRegistry()
-        self.steps_served = Counter("mmdispatch_steps_served", "Steps planned and sent", registry=r)
+        self.steps_served = Counter("mmdispatch_steps_served", "Steps planned and journaled (each "
+                                    "goes to a rank once it grants credit for it)", registry=r)
         self.samples_in = Counter("mmdispatch_samples_in", "Samples received from readers", registry=r)
         self.source_samples = Counter("mmdispatch_source_samples", "Samples planned into steps, "
-                                      "by dataset source", ["source"], registry=r)
+                                      "by dataset source ('default' for --shards)", ["source"],
+                                      registry=r)
         self.plan_ms = Histogram("mmdispatch_plan_ms", "Planner time per step (ms)", registry=r,
                                  buckets=(0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000))
         self.imbalance = Gauge("mmdispatch_imbalance_max_over_mean",
@@ -64,7 +66,8 @@ class Metrics:
                                       registry=r)
         self.buffered_bytes = Gauge("mmdispatch_buffered_bytes", "Payload bytes held", registry=r)
         self.retained_steps = Gauge("mmdispatch_retained_steps",
-                                    "Steps sent but not acknowledged by every rank", registry=r)
+                                    "Steps planned and held until every rank acknowledged "
+                                    "them (sent as ranks grant credit)", registry=r)
         self.uncommitted_steps = Gauge("mmdispatch_uncommitted_steps",
                                        "Steps planned since the last commit (the replay history "
                                        "kept for them grows until trainers commit)", registry=r)

@@ -547,7 +547,7 @@ class Dispatcher:
             self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
-        for name, n in sources.items():
+        for name, n in (sources or {self.assembler.streams[0].name: plan.inputs.num_samples}).items():
             m.source_samples.labels(name).inc(n)
         m.plan_ms.observe(plan_ms)
         for phase, value in plan.metrics.get("max_over_mean", {}).items():
@@ -800,7 +800,10 @@ class Dispatcher:
     def _on_samples(self, reader: Reader, msg: P.Message) -> None:
         a = self.pool.find(reader, msg["assign_id"])
         if a is None:
-            self.metrics.error("stale_samples", reader=reader.name, assign_id=msg["assign_id"])
+            # Samples of a shard taken back, or sent before a dispatcher restart: expected in
+            # flight, so counted at INFO (the reader is told to drop the assignment).
+            self.metrics.error("stale_samples", logging.INFO, reader=reader.name,
+                               assign_id=msg["assign_id"])
             self._send_reader(reader, P.CANCEL, assign_id=msg["assign_id"])
             return
         prog = self.assembler.progress[a.pos]
@@ -908,6 +911,7 @@ class Dispatcher:
         elif msg.type == P.BYE:
             self.delivery.disconnect(slot)
             self.metrics.peers.labels("trainer").set(self.delivery.connected())
+            event("trainer_left", rank=slot.rank, why="bye")
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="trainer", type=msg.type)
             self._send(self.trainer_sock, ident, P.ERROR, code="unexpected",
@@ -1077,6 +1081,7 @@ class Dispatcher:
                        ack=msg.seq)
             raise Fatal(why) from e
         self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
+        self.metrics.uncommitted_steps.set(max(0, self.next_plan - 1 - self.replay.committed))
 
     # -- liveness and sending -------------------------------------------------------
     def _liveness(self, now: float, readers_heard: float | None = None,

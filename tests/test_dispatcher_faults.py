@@ -698,6 +698,27 @@ def test_a_peer_unknown_after_a_restart_is_counted_not_warned_of(caplog):
         d.stop()
 
 
+def test_samples_of_an_assignment_no_longer_held_are_counted_not_warned_of(caplog):
+    """A reader's samples in flight for a shard taken back, or sent before a dispatcher
+    restart, are expected: the reader is told to drop them, and no warning (an alert on
+    warnings fired on every routine restart)."""
+    d = Dispatcher(_config()).start()
+    peer = _Peer(d.reader_endpoint)
+    try:
+        with caplog.at_level(logging.INFO, logger="mmdispatch"):
+            peer.send(P.HELLO, role="reader", name="r")
+            peer.expect(P.WELCOME)
+            peer.sock.send_multipart(P.encode(P.SAMPLES, seq=peer.seq + 1, frames=[b""], assign_id=99,
+                                              samples=[], sizes=[]))
+            told = peer.expect(P.CANCEL)
+        assert told["assign_id"] == 99
+        lines = [r for r in caplog.records if "kind=stale_samples" in r.getMessage()]
+        assert [r.levelno for r in lines] == [logging.INFO]
+    finally:
+        peer.close()
+        d.stop()
+
+
 def test_a_trainer_of_another_world_size_is_told_both_ways_out():
     d = Dispatcher(_config()).start()
     peer = _Peer(d.trainer_endpoint)

@@ -428,22 +428,37 @@ def test_slow_trainer_bounds_the_dispatcher_memory(shards):
     assert slow_steps == fast_steps == list(range(len(fast_steps)))
 
 
-def test_metrics_are_served_over_http(shards):
+def test_metrics_are_served_over_http(shards, caplog):
     import socket
     import urllib.request
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with dispatcher(make_config(shards, world_size=2, max_steps=3, metrics_port=port)) as srv, \
-            readers(srv.reader_endpoint, 1):
-        consume(srv.trainer_endpoint, 2)
+
+    def scrape(srv) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics.port}/metrics", timeout=5) as r:
-            text = r.read().decode()
+            return r.read().decode()
+    with caplog.at_level(logging.INFO, logger="mmdispatch"), \
+            dispatcher(make_config(shards, world_size=2, max_steps=3, metrics_port=port)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        consume(srv.trainer_endpoint, 2, commit_at=1)
+        text = scrape(srv)
+        for _ in range(100):  # the commit's gauge is set just after its answer left
+            if "mmdispatch_uncommitted_steps 1.0" in text:
+                break
+            time.sleep(0.02)
+            text = scrape(srv)
     assert "mmdispatch_steps_served_total 3.0" in text
     assert 'mmdispatch_peers_connected{role="reader"} 1.0' in text
     assert "mmdispatch_plan_ms_count 3.0" in text
     assert 'mmdispatch_imbalance_max_over_mean{phase="llm"}' in text
+    # A commit lowers the planned-but-uncommitted count (it was only set when a step was planned).
+    assert "mmdispatch_uncommitted_steps 1.0" in text
+    # One source (--shards) is counted as 'default' (it had no samples planned by source).
+    assert 'mmdispatch_source_samples_total{source="default"} 24.0' in text
+    assert sorted(r.getMessage() for r in caplog.records if "trainer_left" in r.getMessage()) == [
+        "mmdispatch event=trainer_left rank=0 why=bye", "mmdispatch event=trainer_left rank=1 why=bye"]
 
 
 def test_bad_samples_are_reported_by_key_not_lost(tmp_path):
