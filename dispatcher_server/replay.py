@@ -43,12 +43,14 @@ class ReplaySource:
         if step - 1 not in self.cursors and not self.cursors:
             raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
                                "knows no step before its first one (it restarted, or planned none "
-                               "yet); run it with --journal-dir to resume trainers' checkpoints")
+                               "yet); run it with --journal-dir to resume trainers' checkpoints, "
+                               "or trainers that keep running while it restarts")
         if step - 1 > max(self.cursors):
             raise JournalError(f"cannot resume at step {step}: this dispatcher has planned steps "
-                               f"up to {max(self.cursors)} only, so the checkpoint comes from "
+                               f"up to {max(self.cursors)} only, so that position (a checkpoint, "
+                               "or trainers that kept running while it restarted) comes from "
                                "another run of it; run the dispatcher with --journal-dir to "
-                               "resume checkpoints across its restarts")
+                               "resume across its restarts")
         if step - 1 not in self.cursors:
             raise JournalError(f"cannot resume at step {step}: without a journal the dispatcher "
                                f"knows the steps from the last commit on "

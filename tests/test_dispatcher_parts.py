@@ -160,6 +160,11 @@ def test_replay_source_without_a_journal_keeps_cursors_from_the_last_commit_on()
     with pytest.raises(JournalError, match="--journal-dir"):
         r.cursor_before(2)
     assert r.cursor_before(4)["partial"] == [[0, 4]]
+    # Ranks ahead of every planned step kept running across a restart, or restored another
+    # run's checkpoint: the line names both (it said "the checkpoint" with none involved).
+    with pytest.raises(JournalError, match=r"up to 3 only, so that position \(a checkpoint, or "
+                                           r"trainers that kept running while it restarted\)"):
+        r.cursor_before(12)
     restarted = ReplaySource(None, world_size=2)  # a restart without a journal knows nothing
     with pytest.raises(JournalError, match=r"cannot resume at step 3: without a journal the "
                                            r"dispatcher knows no step before its first one"):
