@@ -123,8 +123,10 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
             got = "an empty list" if not specs else "an empty path"
             raise DatasetError(f"{path}: sources[{i}] ({src.name!r}).shards: {got}; give shard "
                                "paths, a directory, a glob or a {000..009} range")
-        # Relative paths are the file's neighbours, wherever the command runs from.
+        # Relative paths are the file's neighbours, wherever the command runs from; `~/x` is
+        # the home directory's, as in a shell (not a folder named `~` beside the file).
         base = os.path.dirname(os.path.abspath(path))
+        specs = [os.path.expanduser(s) if s.startswith("~") else s for s in specs]
         specs = [os.path.join(base, s) if ":" not in s and not os.path.isabs(s) else s
                  for s in specs]
         try:

@@ -26,7 +26,8 @@ REASONS: dict[str, str] = {
     "shard_failed": "the shard's stream failed: a read error (a remote shard after its retries) "
                     "or a pipe: command that exited non-zero",
     "empty_shard": "the shard holds no samples",
-    "truncated_tar": "the archive (or its gzip stream) ends early; samples from the break on are lost",
+    "truncated_tar": "the archive (or its gzip stream) ends inside a header or member; samples from "
+                     "the break on are lost (one ending right after a member is read whole, with a warning)",
     "bad_tar": "a corrupt tar header, pax record or gzip stream; samples from there on are lost",
     "shard_changed": "the shard file changed since it was read or mapped (rewritten, shrunk or "
                      "appended to); samples from the change on are not read",

@@ -5,6 +5,8 @@ map lacks) would otherwise be read whole by every reader, every sample skipped, 
 dispatcher could tell. The probe reads the first samples of the first shards (bounded: cheap
 at start) and stops at the first usable sample. It classifies members only (no counting), so a
 usable member that later fails to count is the readers' `--errors` business, not the probe's.
+A source whose every shard the probe read whole without finding one sample (empty tars,
+zero-byte files, members with no key) is refused too: its readers would wait forever.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeline.fieldmap import KINDS, ignored_label
-from pipeline.reader import ReaderConfig, group_samples, sample_builder
+from pipeline.reader import ReaderConfig, group_samples, sample_builder, unkeyed_label
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, open_decompressed, tar_members
 
@@ -30,17 +32,27 @@ class ProbeResult:
 
     shards: list[str] = field(default_factory=list)  # shards opened, in order
     samples: int = 0  # samples read (grouped by key)
+    problems: int = 0  # samples grouped but skipped whole (a link member...): still samples
+    whole: int = 0  # shards read to their end, closed without an error
     usable: int = 0  # of those, samples with a member some kind of the field map names
     suffixes: Counter = field(default_factory=Counter)  # every member by its extension
     ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
+    of: int = 0  # shards the source lists
+
+    @property
+    def empty(self) -> bool:
+        """Every shard of the source was read whole and not one holds a sample."""
+        return (self.of > 0 and self.whole == self.of and self.samples == 0 and self.problems == 0
+                and not self.timed_out)
 
     @property
     def refused(self) -> bool:
-        """Samples were read and not one had a usable member (a probe cut short refuses nothing)."""
-        return self.samples > 0 and self.usable == 0 and not self.timed_out
+        """Samples were read and not one had a usable member, or the source holds no sample at
+        all (a probe cut short refuses nothing)."""
+        return (self.samples > 0 and self.usable == 0 and not self.timed_out) or self.empty
 
 
 def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_samples: int = 64,
@@ -55,6 +67,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     if max_samples < 1 or max_shards < 1:
         raise ValueError(f"max_samples={max_samples} and max_shards={max_shards} must be >= 1")
     result = into if into is not None else ProbeResult()
+    result.of = len(urls)
     builder = sample_builder(reader_config)
     for url in urls[:max_shards]:
         if result.usable or result.samples >= max_samples:
@@ -68,13 +81,17 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
         result.reading = stream
 
         def unnamed(name: str) -> None:
-            result.suffixes[""] += 1
-            result.ignored[""] += 1
+            label = unkeyed_label(name)
+            result.ignored[label] += 1
+            if not label:  # a dot file is no suffix the refusal could suggest mapping
+                result.suffixes[label] += 1
 
+        whole = False  # read to its end (a loop not left by `break`)
         try:
             members = tar_members(open_decompressed(stream, url), reader_config.max_member_bytes)
             for _key, group, problem in group_samples(members, unnamed, reader_config.max_sample_bytes):
                 if problem is not None:
+                    result.problems += 1
                     continue  # its members were not kept; the readers report it
                 result.samples += 1
                 for suffix in group:
@@ -85,14 +102,18 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                     break
                 if result.samples >= max_samples:
                     break
+            else:
+                whole = True
         except (TarError, OSError) as e:
             result.unreadable.append((url, str(e)))
         finally:
             result.reading = None
             try:
                 stream.close()
-            except OSError:
-                pass  # a pipe cut short exits non-zero; what was read stands
+                result.whole += whole
+            except OSError as e:  # a pipe cut short exits non-zero; what was read stands
+                if whole:  # a command that failed by itself: its output proves nothing
+                    result.unreadable.append((url, str(e)))
     return result
 
 
@@ -131,11 +152,18 @@ def _example(suffixes: list[str]) -> tuple[str, str, str]:
 
 
 def refusal(result: ProbeResult, source: str = "default") -> str | None:
-    """The one-line refusal of a source in which no probed sample has a usable member, or None."""
+    """The one-line refusal of a source in which no probed sample has a usable member, or that
+    holds no sample at all, or None."""
     if not result.refused:
         return None
     shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"
                                             if len(result.shards) > 3 else "")
+    if result.empty:
+        found = ", ".join(f"{label or '(no suffix)'} {n}" for label, n in result.ignored.most_common())
+        return (f"source {source!r} (shards {shown}): holds no sample: its {result.whole} shard(s) were "
+                f"read whole and hold {'only members with no sample key: ' + found if found else 'no member'} "
+                f"(a sample is members named KEY.SUFFIX, e.g. 000.jpg and 000.txt); check that these "
+                f"are the shards you meant, or that their writer finished")
     found = sorted(s for s in result.suffixes if s)
     kind, suffix, caveat = _example(found)
     return (f"source {source!r} (shards {shown}): no sample has a usable member (the first "

@@ -2,7 +2,8 @@
 
 Stages are small generators (webdataset style). Grouping follows webdataset's key convention
 (`dir/key.suffix`, the suffix starts at the basename's first dot), so `k.0.jpg` and `k.1.jpg`
-are two images of sample `k`. Failures go through one `ErrorPolicy`; a sample's index is its
+are two images of sample `k`; a basename starting with a dot (macOS's `._k.jpg` and
+`.DS_Store`) names no sample. Failures go through one `ErrorPolicy`; a sample's index is its
 position in the shard counting failed samples too, so `start_index` resumes are stable.
 """
 
@@ -32,6 +33,9 @@ log = logging.getLogger("mmdispatch.pipeline")
 #: Tallied with the ignored members, after its extension: a JSON member holding none of the
 #: text fields (metadata), carried as payload but counted as no text.
 NO_TEXT_FIELD = "(no text field)"
+#: Ignored members whose basename starts with a dot are tallied under this label: macOS tar
+#: (bsdtar) writes an AppleDouble `._k.jpg` beside each `k.jpg`, and `.DS_Store` files.
+DOT_FILE = ".* (dot file)"
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
 #: rest of the shard is lost: a shard-level failure).
@@ -151,12 +155,20 @@ def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig
 
 
 def split_name(name: str) -> tuple[str, str] | None:
-    """(key, suffix) of a member name, or None when the basename has no dot."""
+    """(key, suffix) of a member name, or None when the basename has no dot or starts with one
+    (as webdataset, whose key needs a character before the dot: `._k.jpg` and `.DS_Store`,
+    which macOS tar adds, belong to no sample)."""
     slash = name.rfind("/") + 1
     dot = name.find(".", slash)
-    if dot < 0:
+    if dot <= slash:  # -1: no dot; slash: a dot first
         return None
     return name[:dot], name[dot + 1 :]
+
+
+def unkeyed_label(name: str) -> str:
+    """The ignored-member label of a member `split_name` gives no key: `DOT_FILE` for a dot
+    file, "" for a name without any suffix."""
+    return DOT_FILE if name.startswith(".", name.rfind("/") + 1) else ""
 
 
 def _utf8_name(name: str) -> bool:
@@ -173,6 +185,12 @@ def _utf8_name(name: str) -> bool:
 def printable_key(key: str) -> str:
     """`key` with the raw bytes of a non-UTF-8 name shown as `\\xNN`, safe to log and send."""
     return key if _utf8_name(key) else key.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def quoted_name(name: str) -> str:
+    """`name` quoted for a message, the raw bytes of a non-UTF-8 name shown once as `\\xNN`
+    (`repr(printable_key(name))` would double the backslash)."""
+    return repr(name) if _utf8_name(name) else repr(name.encode("utf-8", "surrogateescape"))[1:]
 
 
 def group_samples(
@@ -204,17 +222,17 @@ def group_samples(
             if problem is not None:
                 continue  # the first problem explains the skip; the sample's bytes are not kept
             if isinstance(data, Link):
-                problem = ("link_member", f"member {printable_key(name)!r} is a tar link to "
-                           f"{printable_key(data.target)!r}, not a file: the archive holds no bytes "
+                problem = ("link_member", f"member {quoted_name(name)} is a tar link to "
+                           f"{quoted_name(data.target)}, not a file: the archive holds no bytes "
                            "for it (write shards with tar --hard-dereference, or -h for symlinks)")
             elif isinstance(data, Special):
-                problem = ("special_member", f"member {printable_key(name)!r} is a {data.kind} in the "
+                problem = ("special_member", f"member {quoted_name(name)} is a {data.kind} in the "
                            "tar, not a plain file")
             elif isinstance(data, TooLarge):
-                problem = ("member_too_large", f"member {printable_key(name)!r} holds {data.size} bytes, "
+                problem = ("member_too_large", f"member {quoted_name(name)} holds {data.size} bytes, "
                            f"over max_member_bytes={data.limit} (see --max-member-bytes)")
             elif not _utf8_name(name):
-                problem = ("bad_key", f"member name {printable_key(name)!r} is not UTF-8")
+                problem = ("bad_key", f"member name {quoted_name(name)} is not UTF-8")
             elif suffix in group:
                 problem = ("duplicate_key", f"member {name!r} appears twice")
             elif max_sample_bytes is not None and held + len(data) > max_sample_bytes:
@@ -325,6 +343,7 @@ class SampleBuilder:
                 if value is None:
                     no_text.append(sfx)
                 values.append((value, f"member {sfx!r}"))
+            values = self.counter.sample_texts(values)  # a JSON caption beside a text member: once
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
                 text_len = sum(self.counter.estimate_of(v) for v, _ in values)
             else:
@@ -361,8 +380,8 @@ def _log_defect_once(e: Exception, url: str, key: str) -> None:
     kind = type(e).__name__
     if kind not in _DEFECTS_LOGGED:
         _DEFECTS_LOGGED.add(kind)
-        log.error("mmdispatch.pipeline: counting shard %r key %r raised %s (a defect: please report "
-                  "it with this sample); skipped as count_failed", url, printable_key(key), kind,
+        log.error("mmdispatch.pipeline: counting shard %r key %s raised %s (a defect: please report "
+                  "it with this sample); skipped as count_failed", url, quoted_name(key), kind,
                   exc_info=e)
 
 
@@ -433,17 +452,19 @@ def iter_shard(
 
     shard_ignored = ignored if ignored is not None else Tally()
 
-    def unnamed(name: str) -> None:  # a member without any suffix
-        shard_ignored[""] += 1
+    def unnamed(name: str) -> None:  # a member without a key (no suffix, or a dot file)
+        shard_ignored[unkeyed_label(name)] += 1
 
     index = -1
     last_key: str | None = None
     seen: set[str] = set()
     failure: SampleError | None = None
+    unterminated: list[int] = []  # where the archive ended without its end-of-archive blocks
     try:
         offsets: dict[str, int] | None = {} if spans else None
         members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes,
-                                 None if offsets is None else offsets.__setitem__)
+                                 None if offsets is None else offsets.__setitem__,
+                                 on_unterminated=unterminated.append)
         for key, members, problem in group_samples(members_of, unnamed, config.max_sample_bytes):
             if offsets is not None:
                 where = {sfx: offsets.pop(f"{key}.{sfx}", -1) for sfx in members}
@@ -480,9 +501,14 @@ def iter_shard(
                 continue
             stats.ok()
             yield record
+        if unterminated:  # nothing is lost, but the writer may have stopped inside a sample
+            last = f"its last sample {quoted_name(last_key)}" if last_key is not None else "its last member"
+            log.warning("mmdispatch.pipeline: shard %r ends at byte %d without the end-of-archive blocks "
+                        "of a tar (its writer was killed or never closed it?): read as it is, but %s "
+                        "may be incomplete", url, unterminated[0], last)
     except TarError as e:
-        after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""
-        lost = f" from key {printable_key(e.dropped_key)!r}" if e.dropped_key is not None else ""
+        after = f" after key {quoted_name(last_key)}" if last_key is not None else ""
+        lost = f" from key {quoted_name(e.dropped_key)}" if e.dropped_key is not None else ""
         # A server answering with a page (a login, an error with status 200) sends no tar.
         page = (" (the server sent text/html: an error or login page, not the shard?)"
                 if getattr(stream, "mimetype", None) == "text/html" else "")
@@ -490,7 +516,7 @@ def iter_shard(
             e.reason, url, None, f"{e}{after}{page}; samples from index {index + 1}{lost} on are lost"
         )
     except OSError as e:  # a read failing for good (a remote shard after its retries, EIO)
-        after = f" after key {printable_key(last_key)!r}" if last_key is not None else ""
+        after = f" after key {quoted_name(last_key)}" if last_key is not None else ""
         failure = SampleError("shard_failed", url, None,
                               f"{e}{after}; samples from index {index + 1} on are lost")
     finally:
@@ -520,5 +546,5 @@ def iter_samples(
 
 __all__ = [
     "ReaderConfig", "SampleBuilder", "SkipSink", "add_reader_arguments", "group_samples", "iter_samples", "iter_shard",
-    "printable_key", "reader_config_from_args", "split_name",
+    "printable_key", "quoted_name", "reader_config_from_args", "split_name", "unkeyed_label",
 ]

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import glob
 import io
+import logging
 import mmap
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -24,9 +26,20 @@ from dispatcher_server.protocol import Ref, check_stamp, file_stamp
 from pipeline import remote
 from pipeline.tario import TarError, gzip_named
 
+log = logging.getLogger("mmdispatch.pipeline")
+
 #: File names a shard may have, in any case (`A.TAR` too); gzip-compressed tars are decompressed
 #: while streaming.
 SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz")
+#: Compressed tars readers do not inflate: (suffixes, compression, decompress command, cat command).
+_OTHER_COMPRESSIONS = (
+    ((".tar.bz2", ".tbz2", ".tbz", ".tb2"), "bzip2", "bunzip2 -k", "bzcat"),
+    ((".tar.xz", ".txz"), "xz", "unxz -k", "xzcat"),
+    ((".tar.zst", ".tar.zstd", ".tzst"), "zstd", "unzstd", "zstdcat"),
+    ((".tar.lz4",), "lz4", "unlz4", "lz4cat"),
+)
+#: Opened without waiting: a FIFO among the shards must be refused, not wait for a writer.
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _GLOB_CHARS = frozenset("*?[")
 _READ_BUFFER = 1 << 20
 #: `MappedShard.read` returns reads up to this size as bytes (tar headers, short text members:
@@ -68,17 +81,113 @@ def is_shard_name(name: str) -> bool:
     return name.lower().endswith(SHARD_SUFFIXES)
 
 
-def _check_suffix(path: str, spec: str) -> None:
+def _compression_fix(path: str, local: bool = True) -> str | None:
+    """The way on for a tar in a compression readers do not inflate (`x.tar.bz2`), or None."""
+    lower = path.lower()
+    for suffixes, name, unpack, cat in _OTHER_COMPRESSIONS:
+        if lower.endswith(suffixes):
+            quoted = shlex.quote(path)
+            fix = (f"decompress it ({unpack} {quoted}) or give it as 'pipe:{cat} {quoted}'" if local
+                   else "store it decompressed (.tar) or as .tar.gz")
+            return (f"is {name}-compressed, which readers do not inflate (they read "
+                    f"{', '.join(SHARD_SUFFIXES)}): {fix}")
+    return None
+
+
+def _check_suffix(path: str, spec: str, local: bool = True) -> None:
     if not is_shard_name(path):
+        fix = _compression_fix(path, local)
+        if fix is not None:
+            raise ValueError(f"shard {path!r} (from spec {spec!r}) {fix}")
         raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES} "
                          f"(in any case)")
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, in words."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def _kind_of(path: str) -> str:
+    """What `path` is, in words, when it is not a regular file."""
+    try:
+        return _file_kind(os.stat(path).st_mode)
+    except OSError as e:
+        return e.strerror or "cannot stat"
+
+
+def _blocker(path: str) -> str | None:
+    """The highest directory above `path` this user may not search (enter), or None."""
+    path = os.path.abspath(path)
+    found = None
+    parent = os.path.dirname(path)
+    while parent != path:
+        if os.path.isdir(parent) and not os.access(parent, os.X_OK):
+            found = parent
+        path, parent = parent, os.path.dirname(parent)
+    return found
+
+
+def _denied(what: str, path: str) -> PermissionError:
+    """The one-line error for a path this user may not reach, naming the directory that stops it."""
+    blocker = _blocker(path)
+    where = f" (this user may not enter directory {blocker!r})" if blocker else ""
+    return PermissionError(f"{what}: permission denied{where}; give this user read access to the "
+                           "shards and search (x) access to the directories above them")
+
+
+def _glob_denied(pattern: str, spec: str) -> PermissionError | None:
+    """The error for a glob that matched nothing because this user may not reach or list the
+    directory it lists, or None."""
+    top = os.path.dirname(pattern[: min(pattern.index(c) for c in _GLOB_CHARS.intersection(pattern))]) or "."
+    what = f"no shard file can match {pattern!r} (from spec {spec!r})"
+    try:
+        os.stat(top)
+    except PermissionError:
+        return _denied(what, top)
+    except OSError:
+        return None
+    if os.path.isdir(top) and not os.access(top, os.R_OK | os.X_OK):
+        return PermissionError(f"{what}: permission denied listing directory {top!r}; give this user "
+                               "read (r) and search (x) access to it")
+    return None
+
+
+def _listed(spec: str, matches: list[tuple[str, bool]]) -> list[str]:
+    """The regular files among a directory's or glob's shard-named `matches` ((path, whether it
+    is a regular file)), in name order: a FIFO would stop a reader in open(), a directory named
+    `x.tar` fails when read."""
+    files, others = [], []
+    for m, regular in matches:
+        (files if regular else others).append(m)
+    if others:
+        others.sort()
+        log.warning("mmdispatch.pipeline: spec %r: left out %d name(s) that look like shards but "
+                    "are not regular files (first: %r, %s)", spec, len(others), others[0],
+                    _kind_of(others[0]))
+    return sorted(files)
+
+
+def _other_compressions(names: list[str]) -> str:
+    """A hint naming the first of `names` in a compression readers do not inflate, or ""."""
+    for name in names:
+        fix = _compression_fix(name)
+        if fix is not None:
+            return f"; {name!r} {fix}"
+    return ""
 
 
 def expand_shards(specs: Sequence[str] | str) -> list[str]:
     """Expand shard specs into an ordered list of shard URLs, each listed once.
 
     Local paths are checked now so a typo fails at startup, naming the path, instead of as a
-    skipped shard hours later. Directories expand to their shard files in name order.
+    skipped shard hours later; `~` is expanded. Directories and globs expand to their regular
+    shard files in name order (a FIFO would hold a reader in open()); a non-regular file named
+    explicitly is refused.
     """
     if isinstance(specs, str):
         specs = [specs]
@@ -90,7 +199,7 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 if not matches:
                     raise FileNotFoundError(f"no shard matches {expanded!r} (from spec {spec!r})")
                 for url in matches:
-                    _check_suffix(url.split("?", 1)[0], spec)
+                    _check_suffix(url.split("?", 1)[0], spec, local=False)
                 urls.extend(matches)
                 continue
             path = _local_path(expanded)
@@ -98,24 +207,47 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 urls.append(expanded)
                 continue
             prefix = expanded[: len(expanded) - len(path)]
+            path = os.path.expanduser(path)  # `~/x.tar` as a shell would (quoted, or from a file)
             if _GLOB_CHARS.intersection(path) and not os.path.isfile(path):  # `a[1].tar` exists: itself
-                matches = sorted(p for p in glob.glob(path) if is_shard_name(p))
+                found = glob.glob(path)
+                matches = _listed(spec, [(p, os.path.isfile(p)) for p in found if is_shard_name(p)])
                 if not matches:
+                    denied = _glob_denied(path, spec)
+                    if denied is not None:
+                        raise denied
                     raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r}); a "
-                                            "file whose name holds * ? or [ is named by its exact path")
+                                            "file whose name holds * ? or [ is named by its exact path"
+                                            f"{_other_compressions(found)}")
                 urls.extend(prefix + m for m in matches)
-            elif os.path.isdir(path):
-                matches = sorted(
-                    os.path.join(path, name) for name in os.listdir(path) if is_shard_name(name)
-                )
+                continue
+            try:
+                st = os.stat(path)
+            except PermissionError:
+                raise _denied(f"shard {path!r} (from spec {spec!r})", path) from None
+            except (FileNotFoundError, NotADirectoryError):
+                tilde = "; '~' is expanded only at the start of a path" if "/~" in path else ""
+                raise FileNotFoundError(f"shard {path!r} does not exist (from spec {spec!r}){tilde}") from None
+            except OSError as e:
+                raise OSError(f"shard {path!r} (from spec {spec!r}): {e.strerror}") from None
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    with os.scandir(path) as listing:  # file kinds without a stat per entry
+                        entries = [(e.path, e.is_file()) for e in listing]
+                except PermissionError:
+                    raise PermissionError(f"directory {path!r} (from spec {spec!r}): permission denied "
+                                          "listing it; give this user read (r) and search (x) access "
+                                          "to it") from None
+                matches = _listed(spec, [(p, regular) for p, regular in entries if is_shard_name(p)])
                 if not matches:
-                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files")
+                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files"
+                                            f"{_other_compressions(sorted(p for p, _ in entries))}")
                 urls.extend(prefix + m for m in matches)
-            else:
-                if not os.path.exists(path):
-                    raise FileNotFoundError(f"shard {path!r} does not exist (from spec {spec!r})")
+            elif stat.S_ISREG(st.st_mode):
                 _check_suffix(path, spec)
-                urls.append(expanded)
+                urls.append(prefix + path)
+            else:
+                raise ValueError(f"shard {path!r} (from spec {spec!r}) is {_file_kind(st.st_mode)}, not a "
+                                 "regular file: a reader would wait on it; name tar files")
     seen: dict[str, str] = {}
     for url in urls:
         name = shard_identity(url)
@@ -128,10 +260,17 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
 
 
 def shard_identity(url: str) -> str:
-    """What a shard URL names, to tell one shard listed twice: a local file's real path (however
-    the URL spells it: relative, file:, through a symlink), else the URL itself."""
+    """What a shard URL names, to tell one shard listed twice: a local file's device and inode
+    (however the URL spells it: relative, file:, through a symlink or a hard link), else its
+    real path, else the URL itself."""
     path = None if remote.scheme(url) else _local_path(url)
-    return os.path.realpath(path) if path is not None else url
+    if path is None:
+        return url
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return f"inode {st.st_dev}:{st.st_ino}"
 
 
 def split_shards(
@@ -203,7 +342,7 @@ class MappedShard:
 
     def __init__(self, path: str) -> None:
         self._path = path
-        with open(path, "rb") as f:
+        with open_regular(path, 0) as f:
             self.stat = os.fstat(f.fileno())  # the version mapped (stream_stamp)
             size = self.stat.st_size
             # An empty file cannot be mapped; it reads as empty (an empty shard).
@@ -262,6 +401,34 @@ class MappedShard:
         self.close()
 
 
+def _nonblocking(path: str, flags: int) -> int:
+    return os.open(path, flags | _NONBLOCK)
+
+
+def _not_regular(mode: int) -> OSError:
+    return OSError(f"not a regular file ({_file_kind(mode)}); shards must be tar files")
+
+
+def open_regular(path: str, buffering: int = _READ_BUFFER) -> BinaryIO:
+    """Open a local shard file, refusing (OSError) anything but a regular file without opening
+    it: open() of a FIFO waits for a writer, on the reader's main thread, for ever. (Opened
+    without waiting all the same, and checked again: it may be replaced in between.)"""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(mode)
+    f = open(path, "rb", buffering=buffering, opener=_nonblocking)
+    try:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(mode)
+        if _NONBLOCK:
+            os.set_blocking(f.fileno(), True)
+    except BaseException:
+        f.close()
+        raise
+    return f  # type: ignore[return-value]
+
+
 def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     """Open a shard URL for sequential binary reading (tar or gzip-compressed tar).
 
@@ -274,9 +441,9 @@ def open_shard(url: str, *, mapped: bool = False) -> BinaryIO:
     path = _local_path(url)
     if path is None:
         return _PipeStream(url, url[len("pipe:"):])  # type: ignore[return-value]
-    if mapped and not gzip_named(path) and os.path.isfile(path):
+    if mapped and not gzip_named(path):
         return MappedShard(path)  # type: ignore[return-value]
-    return open(path, "rb", buffering=_READ_BUFFER)
+    return open_regular(path)
 
 
 def stream_stamp(stream: Any) -> int:
@@ -305,9 +472,11 @@ def read_range(url: str, offset: int, size: int, stamp: int = 0) -> bytes:
         path = _local_path(url)
         if path is None:
             raise ValueError(f"shard {url!r} is a stream: it has no offsets to read at")
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | _NONBLOCK)
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"shard {url!r} is not a regular file ({_file_kind(st.st_mode)})")
             check_stamp(Ref(url.encode("utf-8", "surrogateescape"), offset, size, stamp),
                         st.st_size, st.st_mtime_ns)
             data = os.pread(fd, size, offset)

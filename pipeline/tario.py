@@ -1,8 +1,10 @@
 """Streaming tar member iteration, strict about damage, one `read()` per member and no more copies.
 
 Hand-written instead of `tarfile` because this is the reader's hot path (a header parse per
-member) and because `tarfile` silently ends an archive cut inside a header; here any archive
-that stops without its end-of-archive block, or has a corrupt header, raises `TarError`.
+member) and because `tarfile` silently ends an archive cut inside a header; here an archive cut
+inside a header or member, or with a corrupt header, raises `TarError`. One that ends exactly
+after a member, without its end-of-archive blocks (a writer killed or never closed), ends
+there, as it does for webdataset, and says so (`on_unterminated`): its last member is whole.
 Handles ustar, GNU long names and link targets, pax path, linkpath and size records; sparse
 files (GNU or pax) are named and read through, not expanded. gzip shards are inflated as a stream:
 a file is gzip when its name says so (any case), a `pipe:` command's output when its bytes do.
@@ -203,11 +205,25 @@ class _Prepended:
         return data + self._stream.read(size - len(data)) if len(data) < size else data
 
 
+def _not_gzip(head: bytes, url: str) -> str:
+    """Why a file named as gzip is not read, with the fix (gzip's own words kept)."""
+    suffix = next(s for s in (".tar.gz", ".tgz", ".gz") if url.lower().endswith(s))
+    try:
+        tar = len(head) == _BLOCK and _number(head[148:156], 0) == sum(head) - sum(head[148:156]) + 8 * 32
+    except TarError:
+        tar = False
+    if tar:
+        return f"Not a gzipped file, though named {suffix}: it is a plain tar; rename it .tar"
+    return (f"Not a gzipped file, though named {suffix} (first bytes {head[:8]!r}): rename it .tar "
+            f"if it is a plain tar, or check how it was written")
+
+
 def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
     """Wrap `stream` in a gzip inflater when the shard is compressed.
 
     A file (local or remote) is gzip when its name says so: its name then also decides how it
-    is mapped and whether its members have file offsets, and a misnamed one is reported. A
+    is mapped and whether its members have file offsets, and a misnamed one is reported (a
+    plain tar named .tar.gz as such: `TarError` from its first block). A
     `pipe:` command's output is gzip when its first bytes are: the command line's last word
     says nothing about what it writes (`zcat x.tgz` writes a plain tar).
     """
@@ -222,13 +238,19 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
         compressed = head == _GZIP_MAGIC
     else:
         compressed = gzip_named(url)
+    if compressed and not url.startswith("pipe:"):
+        head = stream.read(_BLOCK)
+        if head and not head.startswith(_GZIP_MAGIC):
+            raise TarError("bad_tar", _not_gzip(head, url))
+        stream = _Prepended(head, stream)  # type: ignore[assignment]
     if compressed:
         return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
     return stream
 
 
 def tar_members(
-    stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None
+    stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
+    *, on_unterminated: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
     (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each
@@ -238,7 +260,9 @@ def tar_members(
     `TooLarge(size, max_member_bytes)` instead of its bytes, so one huge member cannot exhaust memory.
     `on_member(name, data_offset)`, if given, learns where each member's bytes start in the
     archive file, just before the member is yielded; a gzip inflater has no such offsets and
-    raises `TarError`.
+    raises `TarError`. An archive that ends right after a member's padding, without its
+    end-of-archive blocks, ends there and calls `on_unterminated(bytes read)` if given; one cut
+    anywhere else raises `TarError("truncated_tar")`.
     """
     if on_member is not None and isinstance(stream, gzip.GzipFile):
         raise TarError("bad_tar", "member offsets asked of a gzip-compressed shard: they are not file "
@@ -257,8 +281,12 @@ def tar_members(
                 raise TarError("bad_tar", "gzip-compressed bytes where a tar header belongs: name a "
                                "gzip-compressed tar .tar.gz or .tgz, or decompress it")
             if len(header) < _BLOCK:
-                if offset == 0 and not header:
-                    return  # a zero-byte file: an empty shard, reported as such by the reader
+                if not header and after is _NOTHING:
+                    # At a member boundary: a zero-byte file (offset 0, an empty shard, reported
+                    # as such by the reader), or an archive whose writer never wrote its end.
+                    if offset and on_unterminated is not None:
+                        on_unterminated(offset)
+                    return
                 raise TarError(
                     "truncated_tar",
                     f"archive ends at byte {offset + len(header)} without an end-of-archive block",

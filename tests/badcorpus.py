@@ -241,9 +241,10 @@ def _(p):
     return data[: _header_offset(data, f"{p}_g2.txt") + _BLOCK + 300], (f"{p}_g0", f"{p}_g1")
 
 
-@_case("tar_no_end_blocks", "truncated_tar", "archive stops after a member, without end-of-archive blocks")
+@_case("tar_no_end_blocks", "ok", "archive stops right after a member, without end-of-archive blocks: "
+       "read whole, as webdataset does, with a warning")
 def _(p):
-    return tar_bytes(_four(p), end=False), (f"{p}_g0", f"{p}_g1", f"{p}_g2")
+    return tar_bytes(_four(p), end=False), (f"{p}_g0", f"{p}_g1", f"{p}_g2", f"{p}_g3")
 
 
 @_case("tar_bad_checksum", "bad_tar", "a member header's name is damaged, checksum no longer matches")

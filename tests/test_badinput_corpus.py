@@ -78,7 +78,9 @@ def test_case_yields_good_samples_counts_the_bad_one_and_reads_on(corpus, clean,
     assert stats.num_samples == len(records) and stats.num_shards == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     if case.reason == "ok":
-        assert stats.num_errors == 0 and warnings == []
+        # An archive without end blocks is read whole, and said once (its last sample may be cut).
+        unterminated = [case.path in w and "end-of-archive" in w for w in warnings]
+        assert stats.num_errors == 0 and unterminated == ([True] if name == "tar_no_end_blocks" else [])
         return
     assert stats.by_reason == {case.reason: 1}
     ((reason, shard, key, message),) = stats.recent
