@@ -31,6 +31,10 @@ class TrainerSlot:
     # that step (`upto` past `resumed_until`): ranks of one restart must resume at one step.
     resumed: int | None = None
     resumed_until: int = 0
+    # The step its trainer started at without a position (no checkpoint), until it trained that
+    # step: the other ranks of its restart start there too, and that step is kept for them.
+    fresh: int | None = None
+    fresh_until: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -64,6 +68,10 @@ class Delivery:
         self._floor = 0
         self._at_floor = world_size
         self._resumed: dict[int, set[int]] = {}  # resume step -> ranks still at it
+        # Start step of ranks without a position -> those not yet past it, and all that started
+        # there: the step is kept while some rank of the restart may still come for it.
+        self._fresh: dict[int, set[int]] = {}
+        self._fresh_joined: dict[int, set[int]] = {}
 
     def reset(self, step: int) -> None:
         """Deliver from `step` on: retained steps go (they are planned again)."""
@@ -98,6 +106,8 @@ class Delivery:
             self._set_received(slot, received)
         if slot.resumed is not None and upto > slot.resumed_until:
             self._forget_resume(slot)
+        if slot.fresh is not None and upto > slot.fresh_until:
+            self._forget_fresh(slot)
         self._due.add(slot.rank)
 
     def resumed_elsewhere(self, slot: TrainerSlot, step: int, heard_since: float) -> TrainerSlot | None:
@@ -120,6 +130,45 @@ class Delivery:
             # Its credit reaches past this once it takes the step after `step`: trained it.
             slot.resumed, slot.resumed_until = step, step + 1 + max(1, prefetch)
             self._resumed.setdefault(step, set()).add(slot.rank)
+
+    def fresh_start(self, slot: TrainerSlot, heard_since: float) -> int | None:
+        """The step where a connected rank, heard from since `heard_since`, started without a
+        position and has not trained past: ranks restarted together without checkpoints start
+        there together. `lowest` alone parted them: the step one took was evicted once the
+        others' old processes, still connected, had received it too."""
+        for at, ranks in self._fresh.items():
+            for rank in ranks:
+                other = self.slots[rank]
+                if other is not slot and other.ident is not None and other.last_seen >= heard_since:
+                    return at
+        return None
+
+    def mark_fresh(self, slot: TrainerSlot, step: int | None, prefetch: int) -> None:
+        """`slot`'s trainer started at `step` without a position (None: it had one); that step
+        is kept for the rest of its restart (`evict`) until every rank started there, or those
+        that did trained past it."""
+        self._forget_fresh(slot)
+        if step is None:
+            return
+        joined = self._fresh_joined.setdefault(step, set())
+        joined.add(slot.rank)
+        if len(joined) == len(self.slots):  # the whole restart is here: nothing to keep
+            for rank in self._fresh.pop(step, ()):
+                self.slots[rank].fresh = None
+            del self._fresh_joined[step]
+            return
+        slot.fresh, slot.fresh_until = step, step + 1 + max(1, prefetch)
+        self._fresh.setdefault(step, set()).add(slot.rank)
+
+    def _forget_fresh(self, slot: TrainerSlot) -> None:
+        if slot.fresh is not None:
+            ranks = self._fresh.get(slot.fresh)
+            if ranks is not None:
+                ranks.discard(slot.rank)
+                if not ranks:
+                    del self._fresh[slot.fresh]
+                    self._fresh_joined.pop(slot.fresh, None)
+            slot.fresh = None
 
     def _forget_resume(self, slot: TrainerSlot) -> None:
         if slot.resumed is not None:
@@ -186,7 +235,8 @@ class Delivery:
         """Forget the retained steps every rank has received."""
         if self._at_floor == 0:
             self._recount_floor()
-        while self.retained and self.retained[0].step < self._floor:
+        floor = min(self._floor, min(self._fresh)) if self._fresh else self._floor
+        while self.retained and self.retained[0].step < floor:
             self.retained.popleft()
 
     def all_received(self) -> bool:
@@ -215,6 +265,7 @@ class Delivery:
             self._connected -= 1
         slot.ident = None
         self._forget_resume(slot)
+        self._forget_fresh(slot)
 
     def held(self) -> tuple[int, int]:
         return (sum(rs.num_samples for rs in self.retained),

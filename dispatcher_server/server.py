@@ -49,6 +49,9 @@ log = logging.getLogger("mmdispatch.server")
 #: Steps without a commit after which the dispatcher warns (once) that the replay history it
 #: keeps for them (memory; with a journal, plan files on disk too) keeps growing.
 COMMITS_LAG_STEPS = 10_000
+#: With --exit-when-done, how long a finished job whose rank was lost (no BYE) with steps after
+#: its last commit waits for a restarted job to resume them from its checkpoint.
+LOST_RANK_GRACE_S = 300.0
 #: Factor past --max-buffered-bytes at which the bytes the assembler holds (shard buffers,
 #: shuffle blocks, the step being filled) are worth a warning: credits in flight when the bound
 #: is reached overshoot it a little; shuffle blocks larger than it overshoot it by far.
@@ -145,6 +148,8 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
+        self._rank_lost = False  # the latest trainer to go left without BYE
+        self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned = False  # shuffle blocks drawn from one shard each (_plan)
         self._uncommitted_said: tuple[int, int] | None = None  # (_say_uncommitted_skipped)
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
@@ -307,7 +312,7 @@ class Dispatcher:
 
     def _leaving(self, until_done: bool, now: float) -> int | None:
         """The linger (ms) to close with if the loop ends now, else None."""
-        if until_done and self.done():
+        if until_done and self.done() and not self._resumable_after_loss(now):
             # The job is done: readers may exit too (a Job or `compose up` completes).
             # Without until_done the dispatcher stays, and so do readers, for a rewind.
             self._end_readers()
@@ -318,6 +323,21 @@ class Dispatcher:
             if not self.delivery.ends_due() or now - self._halted_at > self.config.liveness.timeout_s:
                 return 2000
         return None
+
+    def _resumable_after_loss(self, now: float) -> bool:
+        """Whether a done job waits (LOST_RANK_GRACE_S) for a restart: its last rank to go
+        was lost, not said BYE, with steps after the last commit. Exiting then left a job
+        restored from its checkpoint no dispatcher to resume those steps from."""
+        committed, last = self.replay.committed, self.next_plan - 1
+        if not self._rank_lost or not 0 <= committed < last:
+            return False
+        if self._done_at is None:
+            self._done_at = now
+            event("waiting_for_resume", logging.WARNING, steps=f"{committed + 1}-{last}",
+                  seconds=int(LOST_RANK_GRACE_S),
+                  why="a rank was lost (no BYE) with steps after the last commit: a job "
+                      "restored from its checkpoint resumes them here")
+        return now - self._done_at < LOST_RANK_GRACE_S
 
     def _halt_now(self, why: str) -> None:
         if self.fatal is None:
@@ -961,10 +981,13 @@ class Dispatcher:
         if resumed is not None and self._resumed_elsewhere(ident, msg, slot, resumed, now):
             return
         # A process without a position (a trainer restarted before its first checkpoint) starts
-        # at the oldest step some rank has not received: ranks restarted together (torchrun
-        # restarts them all) start together, where their own positions would part them.
-        if want is None:
-            want = self.delivery.lowest
+        # at the oldest step some rank has not received, or where another rank of its restart
+        # started so (held for it): ranks restarted together (torchrun restarts them all) start
+        # together, where their own positions would part them.
+        fresh = want is None
+        if fresh:
+            start = self.delivery.fresh_start(slot, now - 2 * self.config.liveness.heartbeat_s)
+            want = start if start is not None and start >= self.delivery.lowest else self.delivery.lowest
             self._say_uncommitted_skipped(rank, want)
         target = want
         if want > self.next_plan:
@@ -994,8 +1017,10 @@ class Dispatcher:
         self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check
         self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
         self.delivery.mark_resumed(slot, resumed, msg.get("prefetch", 1))
+        self.delivery.mark_fresh(slot, want if fresh else None, msg.get("prefetch", 1))
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
+        self._rank_lost, self._done_at = False, None  # a job (re)joined: its own end decides
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
         if local is not None and local != g and not self._topology_warned:
             # The exchange follows the trainers' own topology and stays correct; what was
@@ -1115,6 +1140,7 @@ class Dispatcher:
                 continue
             if t_heard - slot.last_seen > timeout:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
+                self._rank_lost = True
                 self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())
                 continue

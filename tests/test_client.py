@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -161,6 +163,22 @@ def test_commit_refuses_what_is_not_a_step_number_at_once():
         c.load_state_dict({"next_step": 4})
         with pytest.raises(TimeoutError, match=r"commit\(3\) not acknowledged"):
             c.commit(torch.tensor(3), timeout=0.5)  # an integer tensor is a step number
+    finally:
+        c.close()
+
+
+def test_a_commit_waits_for_the_dispatcher_as_long_as_a_step_does():
+    """commit() gave up after 30 s while steps wait 600: a dispatcher restarting from its
+    journal ended the job at a checkpoint, though it survived between two. It now waits as
+    long as a step (step_timeout_s), and its timeout says how to wait longer."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1, config=ClientConfig(step_timeout_s=0.5))
+    try:
+        c.load_state_dict({"next_step": 4})
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"commit\(3\) not acknowledged .* within 0.5 s: no "
+                                               r"dispatcher answered .*commit\(step, timeout=\.\.\.\)"):
+            c.commit(3)
+        assert time.monotonic() - started < 10
     finally:
         c.close()
 

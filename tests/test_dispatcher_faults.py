@@ -719,6 +719,30 @@ def test_samples_of_an_assignment_no_longer_held_are_counted_not_warned_of(caplo
         d.stop()
 
 
+def test_a_done_job_whose_rank_was_lost_waits_for_its_restart_before_exiting(caplog):
+    """--exit-when-done left as soon as every rank was gone, also when a rank crashed with
+    steps after the last commit: the job restored from its checkpoint found no dispatcher to
+    resume them from. A loss (no BYE) with uncommitted steps now waits LOST_RANK_GRACE_S,
+    saying so; a job that rejoins decides again by its own end."""
+    import dispatcher_server.server as server_module
+
+    d = Dispatcher(_config())
+    try:
+        d.replay.committed, d.delivery.next_plan = 0, 4  # steps 1-3 after the last commit
+        assert not d._resumable_after_loss(100.0)  # every rank said BYE: exits at once
+        d._rank_lost = True
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            assert d._resumable_after_loss(100.0)
+            assert d._resumable_after_loss(100.0 + server_module.LOST_RANK_GRACE_S - 1)
+            assert not d._resumable_after_loss(100.0 + server_module.LOST_RANK_GRACE_S)
+        (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
+        assert "steps=1-3" in line
+        d.replay.committed = 3  # every step committed: nothing to resume
+        assert not d._resumable_after_loss(100.0)
+    finally:
+        d._close()
+
+
 def test_a_trainer_of_another_world_size_is_told_both_ways_out():
     d = Dispatcher(_config()).start()
     peer = _Peer(d.trainer_endpoint)

@@ -255,6 +255,43 @@ def test_shuffle_blocks_drawn_from_one_shard_each_are_said_once(tmp_path, caplog
     assert len(said) == 1 and "--shuffle-shards N" in said[0] and "source=default" in said[0]
 
 
+@pytest.mark.timeout(120)
+def test_ranks_restarted_without_state_start_at_one_step_while_old_processes_take_steps(shards):
+    """A job restarted before its first checkpoint, while its old processes are still
+    connected: each new rank started at the oldest step not yet received by every rank, and an
+    old rank still acknowledging steps moved that on between two new ranks' joins, so they
+    trained different steps together (then hung). The step the first one started at is now
+    kept for, and given to, the others of its restart."""
+    cfg = make_config(shards, world_size=2, global_batch=4, num_microbatches=1)
+    clients = []
+
+    def client(rank: int) -> DispatcherClient:
+        clients.append(DispatcherClient(srv.trainer_endpoint, rank, 2, 2, config=client_config()))
+        return clients[-1]
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 1):
+        try:
+            old0, old1 = iter(client(0)), iter(client(1))
+            assert [next(old0).step for _ in range(2)] == [0, 1]
+            assert [next(old1).step for _ in range(4)] == [0, 1, 2, 3]  # ahead, as prefetch allows
+            new0 = iter(client(0))  # replaces rank 0's old process
+            first = next(new0).step  # the oldest step rank 0's old process had not received
+
+            def old_rank_runs_on() -> None:  # acknowledging the steps after `first` as it goes
+                try:
+                    for _ in old1:
+                        pass
+                except Exception:  # noqa: BLE001 - replaced, or closed at the end
+                    pass
+            threading.Thread(target=old_rank_runs_on, daemon=True).start()
+            time.sleep(1.0)  # its credits arrive: `first` would be evicted, and more
+            new1 = iter(client(1))
+            assert next(new1).step == first
+            assert next(new0).step == next(new1).step == first + 1
+        finally:
+            for c in clients:
+                c.close()
+
+
 def test_client_restart_resumes_where_its_state_says(shards):
     cfg = make_config(shards, world_size=2)
     with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):

@@ -10,6 +10,7 @@ wait in memory, which is what hides the dispatcher's latency.
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import operator
 import os
@@ -732,10 +733,13 @@ class DispatcherClient:
         if self._thread is not None:
             self._commands.put(("resync", step, dataset))
 
-    def commit(self, step: int, timeout: float = 30.0) -> None:
+    def commit(self, step: int, timeout: float | None = None) -> None:
         """Tell the dispatcher `step` is checkpointed (a step this client handed out: the
         checkpoint's state_dict() resumes after it); returns once it is journaled, raises
-        DispatcherError with the dispatcher's reason when it could not be."""
+        DispatcherError with the dispatcher's reason when it could not be. It waits up to
+        `timeout` seconds, by default as long as for a step (`step_timeout_s`): a dispatcher
+        restarting from its journal must not end a job at its checkpoint that it would have
+        survived between two."""
         try:
             number = -1 if isinstance(step, bool) else operator.index(step)
         except TypeError:
@@ -757,6 +761,8 @@ class DispatcherClient:
         done, error = threading.Event(), []
         thread = self.start()._thread
         self._commands.put(("commit", number, done, error))
+        if timeout is None:
+            timeout = self.config.step_timeout_s if self.config.step_timeout_s is not None else math.inf
         deadline = time.monotonic() + timeout
         while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._fatal is not None:
@@ -766,7 +772,9 @@ class DispatcherClient:
                                    f"{'is closed' if self._closing.is_set() else 'thread stopped'}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"commit({number}) not acknowledged by {self.address} "
-                                   f"within {timeout} s")
+                                   f"within {timeout} s: no dispatcher answered (restarting, or "
+                                   "gone?); wait longer with commit(step, timeout=...) or "
+                                   "ClientConfig(step_timeout_s=...)")
         if error:
             raise error[0]
 
