@@ -307,6 +307,7 @@ def _check_flags(v: dict) -> None:
     check_endpoint("--trainer-bind", v["trainer_bind"])
     if not 0 <= v["metrics_port"] <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
+    _check_own_ports(v)
     if not 0 < v["probe_timeout_s"] <= threading.TIMEOUT_MAX:  # the probe thread's join
         raise ValueError(f"--probe-timeout-s must be > 0 and at most {int(threading.TIMEOUT_MAX)} "
                          f"seconds, got {v['probe_timeout_s']}")
@@ -314,6 +315,26 @@ def _check_flags(v: dict) -> None:
         raise ValueError(f"--heartbeat {v['heartbeat']} must be > 0 and below --timeout {v['timeout']} "
                          f"(a peer is dropped after missing several heartbeats; e.g. --heartbeat 1 "
                          f"--timeout 5)")
+
+
+def _check_own_ports(v: dict) -> None:
+    """Two of this command's own sockets on one TCP port: said as such, naming both flags
+    (binding, the second would blame "another process")."""
+    ports: dict[int, str] = {}
+    for flag, address in (("--reader-bind", v["reader_bind"]), ("--trainer-bind", v["trainer_bind"])):
+        port = address.rsplit(":", 1)[-1]
+        if address.startswith("tcp://") and port.isdigit() and int(port) != 0:
+            ports.setdefault(int(port), flag)
+    for flag, port in (("--trainer-bind", _port(v["trainer_bind"])), ("--metrics-port", v["metrics_port"])):
+        other = ports.get(port)
+        if port and other is not None and other != flag:
+            raise ValueError(f"{other} and {flag} both name port {port}: give each its own port "
+                             "(port 0 lets the OS pick)")
+
+
+def _port(address: str) -> int:
+    port = address.rsplit(":", 1)[-1]
+    return int(port) if address.startswith("tcp://") and port.isdigit() else 0
 
 
 def _missing_dirs(path: str) -> list[str]:
@@ -472,9 +493,18 @@ def run(args: argparse.Namespace) -> int:
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     print("READY " + json.dumps(ready), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop_soon())
+    signals: list[str] = []
+
+    def stop(signum, _frame) -> None:
+        signals.append(signal.Signals(signum).name)
+        server.stop_soon()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
     server.run(until_done=values["exit_when_done"])
     if server.fatal is not None:
         say(f"mmdispatch serve: stopped: {server.fatal}")
         return 1  # not 2: the settings were fine, the run could not go on
+    # A planned stop reads as one in the log, not as a crash's silence.
+    event("stopped", reason=signals[0] if signals else "done", next_step=server.next_plan,
+          last_commit=server.replay.committed)
     return 0

@@ -193,6 +193,14 @@ CASES = {
     "bind with another scheme": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                                "--trainer-bind", "http://127.0.0.1:5"],
                                  ["--trainer-bind", "not http", "tcp://HOST:PORT"]),
+    "reader and trainer binds on one port": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                       "--reader-bind", "tcp://127.0.0.1:45871",
+                                                       "--trainer-bind", "tcp://127.0.0.1:45871"],
+                                             ["--reader-bind and --trainer-bind both name port 45871"]),
+    "metrics port on a bind's port": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                    "--trainer-bind", "tcp://127.0.0.1:45872",
+                                                    "--metrics-port", "45872"],
+                                      ["--trainer-bind and --metrics-port both name port 45872"]),
     "journal dir cannot be created": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                                     "--journal-dir", "/proc/nope/journal"],
                                       ["--journal-dir", "/proc/nope/journal", "cannot be created"]),
@@ -345,6 +353,7 @@ def test_a_serve_that_fails_to_start_does_not_hold_the_corrected_one_back(files,
         err = proc.communicate(timeout=30)[1]
     assert ready.startswith("READY"), err
     assert "recorded no step" in err
+    assert "event=stopped reason=SIGTERM next_step=0" in err  # a planned stop says so
 
 
 @pytest.mark.timeout(60)
