@@ -103,12 +103,30 @@ class JsonFormatter(logging.Formatter):
                "message": message}
         if message.startswith("mmdispatch "):
             for key, value in _FIELD.findall(message):
-                out.setdefault(key, value.strip("'\""))
+                out.setdefault(key, value.strip("'\"") if key in _NAME_FIELDS else _typed(value))
         if record.exc_info:
             out["exception"] = redact(self.formatException(record.exc_info))
         if record.stack_info:
             out["stack"] = redact(self.formatStack(record.stack_info))
         return json.dumps(out)
+
+
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(\.\d+)?")
+#: Fields that name things, strings even when a name is all digits (a sample key "123"): a
+#: collector types a field by its first value and refuses the others.
+_NAME_FIELDS = frozenset({"key", "keys", "name", "reader", "readers", "source", "shard", "member",
+                          "url", "endpoint", "dispatcher", "tokenizer", "journal"})
+
+
+def _typed(value: str) -> str | int | float:
+    """A field's value as JSON types it: a plain number (`step=17`, `plan_ms=0.42`) is a
+    number, so a collector can compare it; anything else, or anything quoted, a string."""
+    if value[:1] in ("'", '"'):
+        return value.strip("'\"")
+    match = _NUMBER.fullmatch(value)
+    if match is None:
+        return value
+    return float(value) if match.group(1) else int(value)
 
 
 #: Loggers of libraries the services use, quiet below WARNING unless --log-level DEBUG.

@@ -103,3 +103,18 @@ def test_a_command_error_for_a_url_with_a_password_hides_it(log_format):
     assert run.returncode == 2, run.stderr
     _no_secret(run.stderr)
     assert "alice:***@127.0.0.1:9" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_json_log_fields_are_numbers_where_they_are_numbers():
+    """Every field was a string ("step": "17"): a collector could not compare or sum them.
+    Names stay strings even when all digits (a key "123"): collectors type a field once."""
+    import json
+
+    from dispatcher_server.cliopts import JsonFormatter
+
+    record = logging.LogRecord("mmdispatch", logging.INFO, __file__, 1,
+                               "mmdispatch event=step_planned step=17 plan_ms=0.42 lb_ratio=1.000 "
+                               "keys=123 name=0 shard='/d/0.tar' detail='12'", (), None)
+    out = json.loads(JsonFormatter().format(record))
+    assert (out["step"], out["plan_ms"], out["lb_ratio"]) == (17, 0.42, 1.0)
+    assert (out["keys"], out["name"], out["shard"], out["detail"]) == ("123", "0", "/d/0.tar", "12")
