@@ -114,13 +114,20 @@ class Delivery:
         """A connected rank, heard from since `heard_since`, that resumed from a checkpoint at
         another step than `step` and has not trained past it: `slot`'s checkpoint and its are
         not of one moment. O(1) while every rank resumes at one step."""
-        for at, ranks in self._resumed.items():
-            if at == step:
+        found = self._live_peer(self._resumed, slot, heard_since, skip=step)
+        return None if found is None else found[1]
+
+    def _live_peer(self, registry: dict[int, set[int]], slot: TrainerSlot, heard_since: float,
+                   skip: int | None = None) -> tuple[int, TrainerSlot] | None:
+        """(step, slot) of a connected rank of `registry` (step -> ranks) other than `slot`,
+        heard from since `heard_since`, at a step other than `skip`; None if there is none."""
+        for at, ranks in registry.items():
+            if at == skip:
                 continue
             for rank in ranks:
                 other = self.slots[rank]
                 if other is not slot and other.ident is not None and other.last_seen >= heard_since:
-                    return other
+                    return at, other
         return None
 
     def mark_resumed(self, slot: TrainerSlot, step: int | None, prefetch: int) -> None:
@@ -136,12 +143,8 @@ class Delivery:
         position and has not trained past: ranks restarted together without checkpoints start
         there together. `lowest` alone parted them: the step one took was evicted once the
         others' old processes, still connected, had received it too."""
-        for at, ranks in self._fresh.items():
-            for rank in ranks:
-                other = self.slots[rank]
-                if other is not slot and other.ident is not None and other.last_seen >= heard_since:
-                    return at
-        return None
+        found = self._live_peer(self._fresh, slot, heard_since)
+        return None if found is None else found[0]
 
     def mark_fresh(self, slot: TrainerSlot, step: int | None, prefetch: int) -> None:
         """`slot`'s trainer started at `step` without a position (None: it had one); that step
@@ -161,23 +164,14 @@ class Delivery:
         self._fresh.setdefault(step, set()).add(slot.rank)
 
     def _forget_fresh(self, slot: TrainerSlot) -> None:
-        if slot.fresh is not None:
-            ranks = self._fresh.get(slot.fresh)
-            if ranks is not None:
-                ranks.discard(slot.rank)
-                if not ranks:
-                    del self._fresh[slot.fresh]
-                    self._fresh_joined.pop(slot.fresh, None)
-            slot.fresh = None
+        if slot.fresh is not None and _unregister(self._fresh, slot.fresh, slot.rank):
+            self._fresh_joined.pop(slot.fresh, None)
+        slot.fresh = None
 
     def _forget_resume(self, slot: TrainerSlot) -> None:
         if slot.resumed is not None:
-            ranks = self._resumed.get(slot.resumed)
-            if ranks is not None:
-                ranks.discard(slot.rank)
-                if not ranks:
-                    del self._resumed[slot.resumed]
-            slot.resumed = None
+            _unregister(self._resumed, slot.resumed, slot.rank)
+        slot.resumed = None
 
     def rewind_slot(self, slot: TrainerSlot, step: int, prefetch: int) -> None:
         """A (re)connected rank starts at `step` with `prefetch` steps of credit."""
@@ -270,6 +264,18 @@ class Delivery:
     def held(self) -> tuple[int, int]:
         return (sum(rs.num_samples for rs in self.retained),
                 sum(rs.nbytes for rs in self.retained))
+
+
+def _unregister(registry: dict[int, set[int]], step: int, rank: int) -> bool:
+    """Take `rank` out of `registry[step]`; True when that left the step without ranks."""
+    ranks = registry.get(step)
+    if ranks is None:
+        return False
+    ranks.discard(rank)
+    if ranks:
+        return False
+    del registry[step]
+    return True
 
 
 def _nbytes(messages: list[list]) -> int:
