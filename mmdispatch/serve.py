@@ -159,7 +159,9 @@ def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
     flag = "--" + dest.replace("_", "-")
     text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
     if type_ is bool:
-        group.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=text)
+        # --no-X too, so a flag can turn off what a settings file turns on ("flags win")
+        action = "store_true" if dest.startswith("no_") else argparse.BooleanOptionalAction
+        group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text)
     elif dest == "shards":
         group.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
     else:

@@ -95,9 +95,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
         help="skip samples with a member larger than this (read through, never held)")
     add("--json-field", action="append", default=None,
         help=f"JSON text field, repeatable (default: {', '.join(text.json_fields)})")
-    add("--no-map-shards", dest="map_shards", action="store_false",
-        help="read local shards with copies instead of a memory map (for files that may be "
-             "truncated while read)")
+    add("--map-shards", action=argparse.BooleanOptionalAction, default=True,
+        help="memory-map local shards; --no-map-shards reads them with copies (for files that "
+             "may be truncated while read)")
     add("--errors", choices=ERROR_MODES, default=errors.mode, help="what to do with a bad sample")
     add("--max-consecutive-errors", type=int, default=errors.max_consecutive, help="stop after this many failures in a row")
 

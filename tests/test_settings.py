@@ -81,6 +81,22 @@ def test_serve_resolves_file_then_flags(tmp_path):
     assert values["shards"] == ["data/shard-{000000..000003}.tar"]
 
 
+def test_a_flag_turns_off_what_the_file_turns_on(tmp_path):
+    """True/false settings had no flag to undo them: a shared file's exit_when_done = true or
+    map_shards = false could not be overridden on one command line."""
+    from mmdispatch import serve
+
+    path = tmp_path / "mmd.toml"
+    path.write_text(FILE.replace("[serve]", "[serve]\nexit_when_done = true\nrefit = true", 1))
+    assert serve.resolve(_parse("serve", path))["exit_when_done"] is True
+    values = serve.resolve(_parse("serve", path, "--no-exit-when-done", "--no-refit"))
+    assert values["exit_when_done"] is False and values["refit"] is False
+    counting = tmp_path / "counting.toml"
+    counting.write_text('[counting]\nmap_shards = false\n[read]\ndispatcher = "tcp://d:5555"\n')
+    assert _parse("read", counting).map_shards is False
+    assert _parse("read", counting, "--map-shards").map_shards is True
+
+
 def test_every_option_of_every_table_is_a_typed_setting():
     model = settings.schema()
     for table in settings.TABLES:

@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=0, help="model initialisation seed (same on every rank)")
     add("--curve-secret", default=None, help="CurveZMQ: this trainer's NAME.key_secret (with --curve-server-key)")
     add("--curve-server-key", default=None, help="CurveZMQ: the dispatcher's public NAME.key")
-    add("--no-map-shards", dest="map_shards", action="store_false",
-        help="reference payloads: copy items out of the shard files instead of mapping them "
+    add("--map-shards", action=argparse.BooleanOptionalAction, default=True,
+        help="reference payloads: map the shard files; --no-map-shards copies items out of them "
              "(for files that may be truncated while read)")
     add("--preprocess-ahead", type=int, default=4,
         help="micro-batches whose model inputs (image patches, audio log-mels) are prepared "
