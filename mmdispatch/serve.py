@@ -494,14 +494,14 @@ def run(args: argparse.Namespace) -> int:
                          f"--reader-bind / --trainer-bind (port 0 lets the OS pick)") from None
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
-    print("READY " + json.dumps(ready), flush=True)
     signals: list[str] = []
 
     def stop(signum, _frame) -> None:
         signals.append(signal.Signals(signum).name)
         server.stop_soon()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before READY: it may come at once
         signal.signal(sig, stop)
+    print("READY " + json.dumps(ready), flush=True)
     server.run(until_done=values["exit_when_done"])
     if server.fatal is not None:
         say(f"mmdispatch serve: stopped: {server.fatal}")
