@@ -320,23 +320,29 @@ def _check_flags(v: dict) -> None:
 
 
 def _check_own_ports(v: dict) -> None:
-    """Two of this command's own sockets on one TCP port: said as such, naming both flags
-    (binding, the second would blame "another process")."""
-    ports: dict[int, str] = {}
-    for flag, address in (("--reader-bind", v["reader_bind"]), ("--trainer-bind", v["trainer_bind"])):
-        port = address.rsplit(":", 1)[-1]
-        if address.startswith("tcp://") and port.isdigit() and int(port) != 0:
-            ports.setdefault(int(port), flag)
-    for flag, port in (("--trainer-bind", _port(v["trainer_bind"])), ("--metrics-port", v["metrics_port"])):
-        other = ports.get(port)
-        if port and other is not None and other != flag:
-            raise ValueError(f"{other} and {flag} both name port {port}: give each its own port "
-                             "(port 0 lets the OS pick)")
+    """Two of this command's own sockets on one TCP port and address: said as such, naming
+    both flags (binding, the second would blame "another process")."""
+    taken: dict[int, list[tuple[str, str]]] = {}
+    for flag, host, port in (("--reader-bind", *_host_port(v["reader_bind"])),
+                             ("--trainer-bind", *_host_port(v["trainer_bind"])),
+                             ("--metrics-port", v["metrics_host"], v["metrics_port"])):
+        for other, other_host in taken.get(port, ()) if port else ():
+            if host == other_host or {host, other_host} & _ANY_ADDRESS:
+                raise ValueError(f"{other} and {flag} both name port {port}: give each its own "
+                                 "port (port 0 lets the OS pick)")
+        taken.setdefault(port, []).append((flag, host))
 
 
-def _port(address: str) -> int:
-    port = address.rsplit(":", 1)[-1]
-    return int(port) if address.startswith("tcp://") and port.isdigit() else 0
+#: Bind addresses that take every interface, so they clash with any other on the same port.
+_ANY_ADDRESS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """(host, port) of a tcp:// endpoint; port 0 for anything else (ipc://, an interface name)."""
+    if not address.startswith("tcp://"):
+        return "", 0
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    return host, int(port) if port.isdigit() else 0
 
 
 def _missing_dirs(path: str) -> list[str]:
