@@ -77,7 +77,8 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
-            "dataset": (dict, False), "inputs": (dict, False), "resume": (bool, False)},
+            "dataset": (dict, False), "inputs": (dict, False), "resume": (bool, False),
+            "instance": (str, False)},
     # direct mode: `readers` (trainers) is the live reader table, `shards` (readers) the files
     # whose bytes a reader may serve.
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),

@@ -35,6 +35,7 @@ class Reader:
     slots: int = 1  # shards it holds at once: one being read, the rest queued behind it
     assignments: list[Assignment] = field(default_factory=list)  # in the order assigned
     payload: int = -1  # direct payload mode: its entry in ReaderPool.endpoints
+    instance: str = ""  # its process's HELLO `instance`: a reconnect of it says the same
 
 
 class ReaderPool:
@@ -49,9 +50,18 @@ class ReaderPool:
         self.endpoints: list[ReaderEndpoint] = []
         self._endpoint_index: dict[ReaderEndpoint, int] = {}
 
-    def join(self, ident: bytes, name: str, now: float) -> Reader:
-        reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now)
+    def join(self, ident: bytes, name: str, now: float, instance: str = "") -> Reader:
+        reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now,
+                                              instance=instance)
         return reader
+
+    def earlier_session(self, ident: bytes, instance: str) -> Reader | None:
+        """The reader that process `instance` connected as before, from another socket (it
+        reconnected, e.g. after the dispatcher stalled past its timeout), if still here."""
+        if not instance:
+            return None
+        return next((r for r in self.readers.values()
+                     if r.instance == instance and r.ident != ident), None)
 
     def request(self, reader: Reader, shards: int) -> None:
         reader.ready = True

@@ -777,7 +777,11 @@ class Dispatcher:
             return
         if reader is not None:
             self._drop_reader(reader, "re-hello")
-        reader = self.pool.join(ident, msg.get("name", ""), now)
+        instance = msg.get("instance", "")
+        earlier = self.pool.earlier_session(ident, instance)
+        if earlier is not None:  # the same process on a new socket: not a second reader
+            self._drop_reader(earlier, "reconnected")
+        reader = self.pool.join(ident, msg.get("name", ""), now, instance)
         self._live_due = 0.0  # it was sent nothing yet: its heartbeat is due at the next check
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_joined", name=reader.name)

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -156,6 +157,9 @@ class ReaderWorker:
         self.ended = False  # the dispatcher said the job is done
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
         self.inputs = input_rules(config.reader.counting)  # stated in HELLO, checked by the dispatcher
+        # Said in every HELLO: a reconnect of this worker replaces its earlier session at once
+        # (names may repeat across processes; this does not).
+        self.instance = secrets.token_hex(8)
         self.payload_server: PayloadServer | None = None  # direct mode, from the first WELCOME
 
     def run(self, stop: threading.Event | None = None) -> None:
@@ -168,7 +172,7 @@ class ReaderWorker:
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
         return {"role": "reader", "name": self.config.name or f"pid{os.getpid()}",
-                "inputs": self.inputs}
+                "inputs": self.inputs, "instance": self.instance}
 
     def reset(self) -> None:
         for a in list(self.assignments):

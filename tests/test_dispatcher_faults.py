@@ -743,6 +743,29 @@ def test_a_done_job_whose_rank_was_lost_waits_for_its_restart_before_exiting(cap
         d._close()
 
 
+def test_a_reader_reconnecting_from_a_new_socket_replaces_its_earlier_session(caplog):
+    """After the dispatcher stalled past the readers' timeout, each reader came back on a new
+    socket and was counted twice until its old session timed out, then logged as left (a
+    warning) while it was reading. The same process (HELLO `instance`) now replaces its earlier
+    session at once; two processes that share a name stay two readers."""
+    d = Dispatcher(_config()).start()
+    peers = [_Peer(d.reader_endpoint) for _ in range(3)]
+    try:
+        with caplog.at_level(logging.INFO, logger="mmdispatch"):
+            for peer, instance in zip(peers, ("a1", "a1", "b2")):
+                peer.send(P.HELLO, role="reader", name="r", instance=instance)
+                peer.expect(P.WELCOME)
+        assert sorted(r.instance for r in d.pool.readers.values()) == ["a1", "b2"]
+        assert d.metrics.registry.get_sample_value("mmdispatch_peers_connected",
+                                                   {"role": "reader"}) == 2
+        left = [r for r in caplog.records if "reader_left" in r.getMessage()]
+        assert [(r.levelno, "why=reconnected" in r.getMessage()) for r in left] == [(logging.INFO, True)]
+    finally:
+        for peer in peers:
+            peer.close()
+        d.stop()
+
+
 def test_a_trainer_of_another_world_size_is_told_both_ways_out():
     d = Dispatcher(_config()).start()
     peer = _Peer(d.trainer_endpoint)
