@@ -33,7 +33,10 @@ import msgpack
 #:     A trainer's HELLO says `resume` when its next_step came from a checkpoint (optional,
 #:     no bump: an older dispatcher ignores it and checks nothing).
 #: v7: a payload reference also holds its shard file's stamp as the reader read it (`pack_ref`).
-VERSION = 7
+#: v8: a reader's HELLO says its process's `instance` (a reconnect replaces its earlier session;
+#:     a v7 dispatcher refuses the field). A STEP micro-batch whose payloads exceed one frame
+#:     says in how many frames they follow (`parts`; absent otherwise).
+VERSION = 8
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
