@@ -45,7 +45,7 @@ from pipeline.reader import (
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
-from pipeline.tokenize import chat_template_identity, tokenizer_identity
+from pipeline.tokenize import ChatTemplate, chat_template_identity, tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
 
@@ -147,7 +147,7 @@ class ReaderWorker:
     def __init__(self, config: ReaderServiceConfig, *, context: zmq.Context | None = None) -> None:
         # The tokenizer and chat template load first, before HELLO states their digest: a file
         # that is no tokenizer must not become the session's rules, refusing every good peer.
-        sample_builder(config.reader)
+        encoder = sample_builder(config.reader).counter.encoder
         self.config = config
         self.session = PeerSession(config.session(), self, context=context, name="reader")
         self.assignments: list[_Assignment] = []  # in the order assigned
@@ -156,7 +156,8 @@ class ReaderWorker:
         self.num_samples_sent = 0
         self.ended = False  # the dispatcher said the job is done
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
-        self.inputs = input_rules(config.reader.counting)  # stated in HELLO, checked by the dispatcher
+        # stated in HELLO, checked by the dispatcher; the template is the one just loaded
+        self.inputs = input_rules(config.reader.counting, encoder.template if encoder else None)
         # Said in every HELLO: a reconnect of this worker replaces its earlier session at once
         # (names may repeat across processes; this does not).
         self.instance = secrets.token_hex(8)
@@ -416,17 +417,19 @@ class ReaderWorker:
         return True
 
 
-def input_rules(counting: CountingConfig) -> dict:
+def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) -> dict:
     """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
     tokenizer's identity and the chat template's (`chat_template`: readers render
     conversations into the ids they send; trainers, which receive ids, do not state it)
-    unless text is only estimated (then no ids are sent)."""
+    unless text is only estimated (then no ids are sent). `template`: the one the reader
+    loaded, if it has (else it is resolved from `counting`)."""
     from pipeline.preprocess import PreprocessConfig
 
     rules = PreprocessConfig.of(counting).identity()
     if not counting.text.estimate:
         rules.update(tokenizer_identity(counting.text.tokenizer_path))
-        rules.update(chat_template_identity(counting.text.chat_template, counting.text.tokenizer_path))
+        rules.update({"chat_template": template.identity} if template is not None else
+                     chat_template_identity(counting.text.chat_template, counting.text.tokenizer_path))
     return rules
 
 
