@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import shutil
 import struct
 import subprocess
@@ -141,9 +142,13 @@ def test_atheris_fuzzes_the_decoder_from_valid_seeds(tmp_path):
     corpus.mkdir()
     for i, m in enumerate(valid_messages()):
         (corpus / f"seed{i}").write_bytes(_pack(m))
+    # Linux keeps a process's peak RSS across fork and exec, so the harness starts with this
+    # pytest process's peak as its own (over 2 GB after the suite's large-payload tests):
+    # libFuzzer's memory limit (2 GB by default) is counted on top of it.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
     proc = subprocess.run(
         [sys.executable, "-c", ATHERIS_HARNESS, "-atheris_runs=100000", "-max_total_time=8",
-         "-max_len=4096", "-seed=1", str(corpus)],
+         "-max_len=4096", "-seed=1", f"-rss_limit_mb={inherited_mb + 2048}", str(corpus)],
         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
     out = proc.stdout + proc.stderr
     # An escaped exception makes atheris print its traceback and exit non-zero.
