@@ -52,6 +52,9 @@ COMMITS_LAG_STEPS = 10_000
 #: With --exit-when-done, how long a finished job whose rank was lost (no BYE) with steps after
 #: its last commit waits for a restarted job to resume them from its checkpoint.
 LOST_RANK_GRACE_S = 300.0
+#: How long a job that stopped on its own (`fatal`) waits for ranks not yet told why to
+#: connect and be sent END with the reason, before it exits.
+HALT_LINGER_S = 120.0
 #: Factor past --max-buffered-bytes at which the bytes the assembler holds (shard buffers,
 #: shuffle blocks, the step being filled) are worth a warning: credits in flight when the bound
 #: is reached overshoot it a little; shuffle blocks larger than it overshoot it by far.
@@ -318,9 +321,18 @@ class Dispatcher:
             self._end_readers()
             return 2000  # give the queued END messages a moment to leave
         if self.fatal is not None:
-            # Stopped on its own: connected ranks are sent END, then it leaves.
-            self._halted_at = self._halted_at or now
-            if not self.delivery.ends_due() or now - self._halted_at > self.config.liveness.timeout_s:
+            # Stopped on its own: every rank is sent END with the reason, those that connect
+            # later too (a trainer still starting would otherwise find no dispatcher and say
+            # only that), then it leaves; at most HALT_LINGER_S after the halt.
+            if not self._halted_at:
+                self._halted_at = now
+                untold = sum(not s.end_sent for s in self.delivery.slots)
+                if untold:
+                    event("telling_ranks", logging.WARNING, ranks=untold,
+                          seconds=int(HALT_LINGER_S),
+                          why="the job stopped; ranks that connect are told why, then it exits")
+            told = all(s.end_sent for s in self.delivery.slots)
+            if told or now - self._halted_at > HALT_LINGER_S:
                 return 2000
         return None
 

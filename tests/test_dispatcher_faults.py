@@ -27,6 +27,7 @@ from dispatcher_server.ordering import ShardOrder
 from dispatcher_server.planner import PlannerConfig
 from dispatcher_server.readerpool import Reader
 from dispatcher_server.server import Dispatcher, Fatal
+from tests import servicekit as K
 
 
 def _header(key: str, index: int, llm: int = 9) -> P.SampleHeader:
@@ -308,11 +309,20 @@ def test_a_failed_skip_write_ends_the_run_loop_with_the_reason(tmp_path):
         assert assign is not None
         reader_sock.send_multipart(P.encode(P.SHARD_DONE, seq=3, assign_id=assign["assign_id"],
                                             count=0, skipped=[["k", "bad_image", 0]]))
-        deadline = time.monotonic() + 5
-        while d._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not d._thread.is_alive(), "the dispatcher kept running on a failed journal write"
+        K.wait_for(lambda: d.fatal is not None, 5, "the failed journal write ending the job")
         assert "No space left on device" in d.fatal and "resumes from the journal" in d.fatal
+        # No rank had connected: the dispatcher waits to tell them why (it exited at once,
+        # leaving a trainer still starting only "no dispatcher answered"), then exits.
+        time.sleep(0.5)
+        assert d._thread.is_alive(), "the dispatcher exited before its ranks were told why"
+        peer = _Peer(d.trainer_endpoint)
+        try:
+            _hello(peer)
+            end = peer.expect(P.END)
+            assert end["reason"] == "halted" and "No space left on device" in end["message"]
+        finally:
+            peer.close()
+        K.wait_for(lambda: not d._thread.is_alive(), 5, "the dispatcher exiting once told")
     finally:
         reader_sock.close(linger=0)
         d.stop()

@@ -229,12 +229,23 @@ def test_a_reader_its_error_policy_stops_stops_the_job_with_its_line(tmp_path, m
     the shard to the next reader (which stops the same way) and waiting on readers that are gone."""
     from tests import servicekit as K
     from tests.test_service import dispatcher, make_config, readers
+    from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
 
     shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 30), ("bad", 3), ("good", 30)]))
     policy = ErrorPolicy(mode=mode, max_consecutive=2)
     with dispatcher(make_config([shard], world_size=1)) as srv:
         with readers(srv.reader_endpoint, 2, reader=ReaderConfig(errors=policy)):
             K.wait_for(lambda: srv.fatal is not None, 30, "the dispatcher stopping the job")
+            # A trainer connecting after the stop gets the steps planned before it, then is
+            # told the reader's line; then the dispatcher exits.
+            client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1,
+                                      config=ClientConfig(heartbeat_s=0.2, timeout_s=5.0))
+            try:
+                with pytest.raises(DispatcherError, match="halted.*bad_image"):
+                    for _ in client.start():
+                        pass
+            finally:
+                client.close()
             K.wait_for(lambda: not srv._thread.is_alive(), 10, "the dispatcher's loop ending")
     assert "reader 'r" in srv.fatal and shard in srv.fatal and "bad_image" in srv.fatal
     fix = "--errors skip" if mode == "raise" else "--max-consecutive-errors"
