@@ -22,8 +22,8 @@ import soundfile
 from PIL import Image
 
 from pipeline.headers import (
-    HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem, jpeg_size,
-    mp3_header, png_problem, png_size, wav_header,
+    JPEG_DECODABLE, HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem,
+    jpeg_process_problem, jpeg_size, mp3_header, mp3_xing_problem, png_problem, png_size, wav_header,
 )
 from pipeline.tokenize import (
     BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
@@ -33,8 +33,74 @@ if TYPE_CHECKING:
     from pipeline.video import VideoConfig
 
 
-#: Framing checks by image format (WEBP needs none: Pillow's open already refuses a cut file).
-_BODY_CHECKS = {"PNG": png_problem, "JPEG": jpeg_problem, "GIF": gif_problem}
+def _jpeg_decodable() -> frozenset[int]:
+    """The JPEG processes (SOF markers) this Pillow decodes: lossless (SOF3) too where its
+    libjpeg-turbo is 3.0 or newer (checked with Pillow 13 / libjpeg-turbo 3.2)."""
+    from PIL import features
+
+    try:
+        major = int((features.version("libjpeg_turbo") or "0").split(".")[0])
+    except (ValueError, KeyError):
+        major = 0
+    return JPEG_DECODABLE | {0xC3} if major >= 3 else JPEG_DECODABLE
+
+
+_JPEG_DECODABLE = _jpeg_decodable()
+
+
+def _jpeg_body_problem(data: bytes | memoryview) -> str | None:
+    return jpeg_process_problem(data, _JPEG_DECODABLE) or jpeg_problem(data)
+
+
+#: Checks of what follows a header, by image format (WEBP needs none: Pillow's open already
+#: refuses a cut file): framing, and for JPEG whether Pillow decodes its coding process at all.
+_BODY_CHECKS = {"PNG": png_problem, "JPEG": _jpeg_body_problem, "GIF": gif_problem}
+
+#: What an image member may be, and magic bytes that name the formats it may not.
+IMAGE_FORMATS = "JPEG, PNG, WebP or GIF"
+_IMAGE_MAGIC = (
+    (b"II*\0", "TIFF"), (b"MM\0*", "TIFF"), (b"\0\0\1\0", "ICO"), (b"\xff\x0a", "JPEG XL"),
+    (b"\0\0\0\x0cJXL ", "JPEG XL"), (b"\0\0\0\x0cjP  ", "JPEG 2000"), (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"8BPS", "Photoshop PSD"), (b"%PDF", "PDF"), (b"<svg", "SVG"), (b"\x76\x2f\x31\x01", "OpenEXR"),
+)
+#: ISO base media brands (bytes 8..12 after `ftyp`) of still-image formats.
+_IMAGE_BRANDS = {b"avif": "AVIF", b"avis": "AVIF", b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF",
+                 b"msf1": "HEIF", b"jxl ": "JPEG XL"}
+
+#: What an audio member may be (libsndfile's formats), and magic bytes naming others.
+AUDIO_FORMATS = "WAV, FLAC, MP3, Ogg Vorbis or Opus, or another format libsndfile reads (AIFF, CAF, W64...)"
+_AUDIO_MAGIC = (
+    (b"\x1a\x45\xdf\xa3", "WebM/Matroska"), (b"\x30\x26\xb2\x75\x8e\x66\xcf\x11", "WMA (ASF)"),
+    (b"#!AMR", "AMR"), (b"MAC ", "Monkey's Audio (APE)"), (b"wvpk", "WavPack"), (b"MPCK", "Musepack"),
+    (b".ra\xfd", "RealAudio"), (b".RMF", "RealMedia"),
+)
+
+
+def _magic_format(data: bytes | memoryview, table) -> str | None:
+    """The name in `table` ((magic, name) pairs) of the first magic `data` starts with."""
+    head = bytes(data[:16])
+    return next((name for magic, name in table if head.startswith(magic)), None)
+
+
+def _image_format(data: bytes | memoryview) -> str | None:
+    """The format an image member's magic bytes name, where it is one images may not be."""
+    head = bytes(data[:12])
+    if head[4:8] == b"ftyp":
+        return _IMAGE_BRANDS.get(head[8:12], f"an ISO media file (brand {head[8:12].decode('latin-1')!r})")
+    if head[:2] == b"BM" and head[6:10] == bytes(4):  # BITMAPFILEHEADER: reserved words are 0
+        return "BMP"
+    return _magic_format(data, _IMAGE_MAGIC)
+
+
+def _audio_format(data: bytes | memoryview) -> str | None:
+    """The format an audio member's magic bytes name, where libsndfile reads no such format."""
+    head = bytes(data[:12])
+    if head[4:8] == b"ftyp":  # ISO base media: M4A, MP4, 3GP, MOV...
+        brand = head[8:12].decode("latin-1").strip()
+        return f"an MP4/M4A container (brand {brand!r}: AAC or ALAC audio)"
+    if len(head) >= 2 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:  # ADTS: MPEG layer bits 00
+        return "raw AAC (ADTS)"
+    return _magic_format(data, _AUDIO_MAGIC)
 
 
 class CountError(HeaderError):
@@ -286,7 +352,14 @@ def _sndfile_header(data: bytes | memoryview) -> tuple[int, int, float]:
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
-        raise CountError("bad_audio", f"unreadable audio header: {library_message(e)}") from None
+        real = _audio_format(data)
+        if real is not None:
+            raise CountError("bad_audio", f"this is {real}, which audio members may not be (they may be "
+                                          f"{AUDIO_FORMATS}): convert it, e.g. ffmpeg -i IN OUT.flac") from None
+        message = library_message(e)
+        if "Format not recognised" in message:
+            message += f" Audio members may be {AUDIO_FORMATS}."
+        raise CountError("bad_audio", f"unreadable audio header: {message}") from None
     rate, channels, frames = info.samplerate, info.channels, info.frames
     if rate <= 0 or frames < 0:
         raise CountError("bad_audio", f"audio header declares rate={rate} frames={frames}")
@@ -341,6 +414,10 @@ class Counter:
         except Image.DecompressionBombError as e:
             raise CountError("image_too_large", str(e)) from None
         except Exception as e:  # Pillow raises many types on garbage: all mean "not an image"
+            real = _image_format(data)
+            if real is not None:
+                raise CountError("bad_image", f"this is {real}, which image members may not be (they "
+                                              f"may be {IMAGE_FORMATS}): convert it") from None
             raise CountError("bad_image", f"unreadable image header: {library_message(e)}") from None
 
     # -- audio ----------------------------------------------------------------------------
@@ -354,6 +431,11 @@ class Counter:
                 header = mp3_header(data)
         except HeaderError as e:
             raise CountError(e.reason, str(e)) from None
+        if header is None and not flac:
+            # libsndfile states the length a Xing/Info frame claims, however much of it is there
+            problem = mp3_xing_problem(data)
+            if problem is not None:
+                raise CountError("bad_audio", f"MP3 {problem}")
         if flac and not flac_last_frame_whole(data):
             # WAV's data chunk size is checked against the bytes present; a FLAC's frames have no
             # such total, and one cut short would fail the trainer's decoder after planning. A last
@@ -370,7 +452,7 @@ class Counter:
         if duration > cfg.max_duration_s:
             raise CountError("bad_audio", f"audio lasts {duration:.0f} s, over max_duration_s={cfg.max_duration_s}")
         if duration <= 0:
-            raise CountError("bad_audio", "audio clip is empty")
+            raise CountError("bad_audio", "audio header states no samples: the clip is empty or truncated")
         enc, llm = audio_lengths(duration, cfg)
         return enc, llm, {"duration_s": duration, "sample_rate": rate, "channels": channels}
 

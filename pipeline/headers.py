@@ -5,8 +5,10 @@ most of counting time; these parsers cost ~2 us, and what they cannot vouch for 
 goes to Pillow / libsndfile. Framing checks (`*_problem`, O(1) on whole files) catch a valid
 header over a cut or garbage body, which a trainer's decoder would fail on after planning; a
 FLAC's last frame is vouched whole by its CRCs (`flac_last_frame_whole`, ~9 us) before
-libsndfile is asked to decode it (~75 us). An MP3 without a Xing/Info/VBRI frame states no length
-at all (libsndfile estimates one from its bytes, tags included), so its frames are walked.
+libsndfile is asked to decode it (~75 us). An MP3 without a Xing/Info frame states no length
+at all (libsndfile estimates one from its bytes, tags included; its decoder ignores VBRI), so its
+frames are walked, as are those of MP3 inside a WAV; one with a Xing/Info frame must hold the
+frames that frame claims (a cut file is refused: libsndfile would state the uncut length).
 """
 
 from __future__ import annotations
@@ -17,8 +19,22 @@ import zlib
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # SOF0..SOF15 carry the frame size; C4 (DHT), C8 (JPG) and CC (DAC) share the range but do not.
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+#: The coding process each start-of-frame marker declares (ITU T.81 table B.1).
+JPEG_PROCESSES = {
+    0xC0: "baseline", 0xC1: "extended sequential", 0xC2: "progressive", 0xC3: "lossless",
+    0xC5: "differential sequential", 0xC6: "differential progressive", 0xC7: "differential lossless",
+    0xC9: "arithmetic-coded sequential", 0xCA: "arithmetic-coded progressive",
+    0xCB: "arithmetic-coded lossless", 0xCD: "differential arithmetic-coded sequential",
+    0xCE: "differential arithmetic-coded progressive", 0xCF: "differential arithmetic-coded lossless",
+}
+#: The processes Pillow's libjpeg(-turbo) decodes: never hierarchical (differential) JPEG, lossless
+#: only from libjpeg-turbo 3.0 (`jpeg_process_problem`'s caller knows which library it has).
+JPEG_DECODABLE = frozenset({0xC0, 0xC1, 0xC2, 0xC9, 0xCA})
 _JPEG_STANDALONE = frozenset([0x01, *range(0xD0, 0xD9)])
 _WAV_UNCOMPRESSED = (0x0001, 0x0003, 0xFFFE)  # PCM, IEEE float, WAVE_FORMAT_EXTENSIBLE
+# MP3 in WAV (`ffmpeg -c:a libmp3lame x.wav`): libsndfile states its length from the byte rate,
+# a frame or more off what its decoder reads (every frame of the data chunk), so those are walked.
+_WAV_MPEG_LAYER3 = 0x0055
 # A WAV writer that cannot seek back to patch its sizes (output to a pipe) leaves a placeholder:
 # ffmpeg 0xFFFFFFFF, SoX 0x7FFFF000 rounded down to whole blocks. Decoders read such a data
 # chunk to the end of the file.
@@ -151,14 +167,15 @@ def _jpeg_first_scan(data: bytes) -> int:
     return -1
 
 
-def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
-    """(width, height) from a JPEG's start-of-frame marker, or None if not found cleanly."""
+def _jpeg_frame(data: bytes | memoryview) -> int:
+    """Offset of a JPEG's start-of-frame marker with a nonzero size, walking segment lengths
+    up to it, or -1 where none is found cleanly."""
     if data[:2] != b"\xff\xd8":
-        return None
+        return -1
     pos, end = 2, len(data)
     while pos + 4 <= end:
         if data[pos] != 0xFF:
-            return None
+            return -1
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -167,14 +184,43 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
             pos += 2
             continue
         if marker in _JPEG_SOF:
-            if pos + 9 > end:
-                return None
-            height, width = struct.unpack_from(">HH", data, pos + 5)
-            return (width, height) if height and width else None
+            if pos + 10 > end or not (data[pos + 5] or data[pos + 6]) or not (data[pos + 7] or data[pos + 8]):
+                return -1  # cut inside the frame header, or a zero height or width
+            return pos
         if marker in (0xDA, 0xD9):  # scan data or end before any frame header
-            return None
+            return -1
         (length,) = struct.unpack_from(">H", data, pos + 2)
         pos += 2 + length
+    return -1
+
+
+def jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(width, height) from a JPEG's start-of-frame marker, or None if not found cleanly."""
+    pos = _jpeg_frame(data)
+    if pos < 0:
+        return None
+    height, width = struct.unpack_from(">HH", data, pos + 5)
+    return width, height
+
+
+def jpeg_process_problem(data: bytes | memoryview, decodable: frozenset[int] = JPEG_DECODABLE) -> str | None:
+    """Why Pillow cannot decode a JPEG whose size reads, or None: a coding process outside
+    `decodable` (SOF markers), samples of other than 8 bits (Pillow opens 8-bit JPEG only: not
+    12-bit DCT, nor the 9-bit lossless RGB FFmpeg's ljpeg writes), or other than 1, 3 or 4
+    components. The trainer would otherwise stand a blank input in for a planned image."""
+    pos = _jpeg_frame(data)
+    if pos < 0:
+        return None
+    marker, bits, components = data[pos + 1], data[pos + 4], data[pos + 9]
+    what = f"{JPEG_PROCESSES[marker]} JPEG (SOF{marker - 0xC0})"
+    if marker not in decodable:
+        known = ", ".join(JPEG_PROCESSES[m] for m in sorted(decodable))
+        return f"{what} is not decodable by Pillow (it decodes {known})"
+    if bits != 8:
+        return f"{what} with {bits}-bit samples is not decodable by Pillow (8-bit samples only)"
+    if components not in (1, 3, 4):
+        return (f"{what} with {components} components is not decodable by Pillow (1, 3 or 4: "
+                "grayscale, YCbCr or RGB, CMYK)")
     return None
 
 
@@ -197,29 +243,20 @@ def wav_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
             if size < 16 or body + 16 > end:
                 raise HeaderError("bad_audio", f"wav fmt chunk of {size} bytes is too short")
             tag, channels, rate, byte_rate, align, bits = struct.unpack_from("<HHIIHH", data, body)
-            if tag not in _WAV_UNCOMPRESSED:
+            if tag == _WAV_MPEG_LAYER3:
+                fmt = (channels, rate, None, align)  # no byte rate: its frames are walked
+            elif tag not in _WAV_UNCOMPRESSED:
                 # ADPCM, GSM 6.10...: byte_rate is the codec's nominal rate, and the samples a
                 # block holds are the codec's; libsndfile counts what its decoder reads.
                 return None
-            # Duration is whole blocks / rate, and a block is one sample of every channel, as
-            # decoders read it: block_align must be that, and byte_rate rate * block_align, or
-            # the duration is a lie (libsndfile decodes by channels and bits, whatever the rest).
-            if channels and (bits == 0 or align != channels * -(-bits // 8)):
-                raise HeaderError(
-                    "bad_audio",
-                    f"wav header is inconsistent: block_align={align} != channels={channels} * "
-                    f"{-(-bits // 8)} bytes of {bits}-bit samples",
-                )
-            if byte_rate != rate * align:
-                raise HeaderError(
-                    "bad_audio",
-                    f"wav header is inconsistent: byte_rate={byte_rate} != rate={rate} * block_align={align}",
-                )
-            fmt = (channels, rate, byte_rate, align)
+            else:
+                fmt = _wav_pcm_format(channels, rate, byte_rate, align, bits)
         elif chunk_id == b"data":
             if fmt is None:
                 raise HeaderError("bad_audio", "wav data chunk before fmt chunk")
             channels, rate, byte_rate, align = fmt
+            if byte_rate is None:
+                return _wav_mp3(data, body, size, rate, align)
             if rate == 0 or byte_rate == 0 or channels == 0:
                 raise HeaderError(
                     "bad_audio", f"wav header declares rate={rate} byte_rate={byte_rate} channels={channels}"
@@ -239,6 +276,46 @@ def wav_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
             return rate, channels, (size - size % align) / byte_rate
         pos = body + size + (size & 1)  # chunks are word-aligned
     raise HeaderError("bad_audio", "wav has no fmt/data chunks")
+
+
+def _wav_pcm_format(channels: int, rate: int, byte_rate: int, align: int, bits: int) -> tuple[int, int, int, int]:
+    """(channels, rate, byte_rate, block_align) of a PCM/float fmt chunk, checked consistent.
+
+    Duration is whole blocks / rate, and a block is one sample of every channel, as decoders read
+    it: block_align must be that, and byte_rate rate * block_align, or the duration is a lie
+    (libsndfile decodes by channels and bits, whatever the rest).
+    """
+    if channels and (bits == 0 or align != channels * -(-bits // 8)):
+        raise HeaderError(
+            "bad_audio",
+            f"wav header is inconsistent: block_align={align} != channels={channels} * "
+            f"{-(-bits // 8)} bytes of {bits}-bit samples",
+        )
+    if byte_rate != rate * align:
+        raise HeaderError(
+            "bad_audio",
+            f"wav header is inconsistent: byte_rate={byte_rate} != rate={rate} * block_align={align}",
+        )
+    return channels, rate, byte_rate, align
+
+
+def _wav_mp3(data, body: int, size: int, rate: int, align: int) -> tuple[int, int, float]:
+    """(sample_rate, channels, duration_s) of the MP3 frames in a WAV's data chunk, all of which
+    libsndfile's decoder reads; HeaderError where they cannot be walked to its end."""
+    present = len(data) - body
+    if size > present:
+        if not _wav_size_unknown(size, max(align, 1)):
+            raise HeaderError("bad_audio", f"wav (MP3) data chunk declares {size} bytes but {present} "
+                                           "are present: the file is truncated")
+        size = present
+    stream = _mpeg_stream(memoryview(data)[body:body + size])
+    if stream is None:
+        raise HeaderError("bad_audio", "wav of format 0x0055 (MP3) has no MPEG audio frame at the "
+                                       "start of its data chunk")
+    if stream[0] != rate:
+        raise HeaderError("bad_audio", f"wav fmt chunk declares {rate} Hz but its MP3 frames are "
+                                       f"{stream[0]} Hz")
+    return stream
 
 
 def _wav_size_unknown(size: int, align: int) -> bool:
@@ -462,36 +539,110 @@ def _id3v2_end(data) -> int:
     return pos
 
 
-def mp3_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
-    """(sample_rate, channels, duration_s) of an MP3 without a Xing/Info/VBRI frame, by walking
-    every frame header; None for anything else (not MPEG audio, or a stream whose first frame
-    states its length: libsndfile reads that, as its decoder does).
+def _mpeg_walk(data, start: int, rate: int) -> tuple[int, int, int, str | None]:
+    """(whole frames, their samples, where the walk stopped, why it stopped short: "junk", "cut"
+    or None) of the MPEG audio frames from `start`: a clean walk ends at the end of the data or
+    at a trailing tag (or zero padding), which no decoder reads."""
+    pos, frames, samples, end = start, 0, 0, len(data)
+    while pos < end:
+        frame = _mpeg_frame(data, pos)
+        if frame is None or frame[2] != rate:
+            rest = bytes(data[pos:pos + 11])
+            if rest.startswith(_MPEG_TRAILERS) or not bytes(data[pos:]).strip(b"\0"):
+                break  # zero padding must run to the end: a decoder resyncs after a gap of zeros
+            return frames, samples, pos, "junk"
+        if pos + frame[0] > end:
+            return frames, samples, pos, "cut"
+        frames += 1
+        samples += frame[1]
+        pos += frame[0]
+    return frames, samples, pos, None
 
-    Without such a frame libsndfile only estimates the length, from the bytes (ID3 tags, cover
-    art included) and the first frame's bitrate: off by a frame or more, by several times with
-    a large tag, while its decoder reads every frame. HeaderError where the frames stop before
-    the data ends (junk, or a cut frame), since a decoder would resync or stop elsewhere.
+
+def _mpeg_stream(data, start: int = 0) -> tuple[int, int, float] | None:
+    """(sample_rate, channels, duration_s) of the MPEG audio frames from `start` to the end, as
+    a decoder reads them all; None where no frame starts there. HeaderError where the frames stop
+    before the data ends (junk, or a cut frame), since a decoder would resync or stop elsewhere."""
+    first = _mpeg_frame(data, start)
+    if first is None:
+        return None
+    _, _, rate, channels = first
+    _, samples, pos, stop = _mpeg_walk(data, start, rate)
+    if stop == "junk":
+        raise HeaderError("bad_audio", f"MP3 frames stop at byte {pos} of {len(data)}: junk or a "
+                                       "cut frame a decoder reads differently")
+    if stop == "cut":
+        raise HeaderError("bad_audio", f"MP3 is cut inside its last frame (byte {pos} of {len(data)})")
+    return rate, channels, samples / rate
+
+
+def _xing_claims(frame: bytes) -> tuple[str, int | None, int | None] | None:
+    """(tag, frames after this one, bytes from this frame on) a Xing/Info frame claims (None for a
+    field it leaves out), or None if `frame` is not one. The tag follows the side information
+    (4..36 bytes)."""
+    at = max(frame.find(b"Xing", 0, 44), frame.find(b"Info", 0, 44))
+    if at < 0 or len(frame) < at + 8:
+        return None
+    (flags,) = struct.unpack_from(">I", frame, at + 4)
+    fields, pos = [], at + 8
+    for bit in (1, 2):  # frame count, byte count: each present when its flag is set
+        if flags & bit and len(frame) >= pos + 4:
+            fields.append(struct.unpack_from(">I", frame, pos)[0])
+            pos += 4
+        else:
+            fields.append(None)
+    return frame[at:at + 4].decode(), fields[0], fields[1]
+
+
+def mp3_xing_problem(data: bytes | memoryview) -> str | None:
+    """Why an MP3 whose first frame is a Xing/Info frame does not hold the frames it claims (cut
+    short: libsndfile states the uncut length, its decoder reads what is there), or None.
+
+    O(1) when the frames end exactly where the tag's byte count says (LAME and libsndfile write it
+    so), a walk over frame headers otherwise. None also for a stream without such a frame.
     """
     start = _id3v2_end(data)
     first = _mpeg_frame(data, start)
     if first is None:
         return None
-    size, samples, rate, channels = first
-    # The side information before a Xing/Info tag is 4..36 bytes; VBRI sits 32 bytes in.
-    head = bytes(data[start + 4:start + min(size, 40) + 4])
-    if b"Xing" in head or b"Info" in head or b"VBRI" in head:
+    claims = _xing_claims(bytes(data[start:start + min(first[0], 200)]))
+    if claims is None:
         return None
-    pos, total, end = start, 0, len(data)
-    while pos < end:
-        frame = _mpeg_frame(data, pos)
-        if frame is None or frame[2] != rate:
-            rest = bytes(data[pos:pos + 11])
-            if not rest.strip(b"\0") or rest.startswith(_MPEG_TRAILERS):
-                break
-            raise HeaderError("bad_audio", f"MP3 frames stop at byte {pos} of {end}: junk or a "
-                                           "cut frame a decoder reads differently")
-        if pos + frame[0] > end:
-            raise HeaderError("bad_audio", f"MP3 is cut inside its last frame (byte {pos} of {end})")
-        total += frame[1]
-        pos += frame[0]
-    return rate, channels, total / rate
+    tag, frames, size = claims
+    if size is not None:  # the frames end where it says, and only tags or padding follow
+        stop = start + size
+        if stop == len(data) or stop < len(data) and (
+                bytes(data[stop:stop + 11]).startswith(_MPEG_TRAILERS) or not bytes(data[stop:]).strip(b"\0")):
+            return None
+    present, _, pos, stop = _mpeg_walk(data, start, first[2])
+    present -= 1  # the tag's own frame is no audio
+    if frames is not None and present < frames:
+        where = {"cut": f"the next is cut at byte {pos} of {len(data)}", None: f"they end at byte {pos}",
+                 "junk": f"frames stop at byte {pos} of {len(data)}: junk or a cut frame"}[stop]
+        return (f"is truncated: its {tag} header claims {frames} frames but only {max(present, 0)} "
+                f"are whole ({where})")
+    if frames is None and stop == "cut":
+        return f"is cut inside its last frame (byte {pos} of {len(data)}): the file is truncated"
+    return None
+
+
+def mp3_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
+    """(sample_rate, channels, duration_s) of an MP3 without a Xing/Info frame, by walking every
+    frame header; None for anything else (not MPEG audio, or a stream whose first frame states
+    its length: libsndfile reads that, as its decoder does, once `mp3_xing_problem` vouched that
+    the frames it claims are there).
+
+    Without such a frame libsndfile only estimates the length, from the bytes (ID3 tags, cover
+    art included) and the first frame's bitrate: off by a frame or more, by several times with
+    a large tag, while its decoder reads every frame. A VBRI frame (Fraunhofer's) is no
+    exception: libsndfile's decoder does not read it, and decodes it as one more (silent) frame.
+    HeaderError where the frames stop before the data ends (junk, or a cut frame), since a
+    decoder would resync or stop elsewhere.
+    """
+    start = _id3v2_end(data)
+    first = _mpeg_frame(data, start)
+    if first is None:
+        return None
+    if _xing_claims(bytes(data[start:start + min(first[0], 200)])) is not None:
+        return None
+    return _mpeg_stream(data, start)

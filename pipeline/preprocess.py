@@ -51,7 +51,9 @@ import numpy as np
 import soundfile
 from PIL import Image
 
-from pipeline.counting import AudioConfig, ImageConfig, UndecodableError, audio_lengths, smart_resize
+from pipeline.counting import (
+    AudioConfig, ImageConfig, UndecodableError, audio_lengths, library_message, smart_resize,
+)
 from pipeline.video import VideoConfig, video_patches
 
 #: OpenAI CLIP normalization, which Qwen2-VL's image processor uses (`OPENAI_CLIP_MEAN/STD`).
@@ -150,7 +152,7 @@ def decode_image(data: bytes | memoryview) -> Image.Image:
                 return im.convert("RGB")  # loads the pixels before the file closes
             rgba = im.convert("RGBA")
     except Exception as e:  # Pillow raises many types on bad input: all mean "not decodable"
-        raise UndecodableError(f"image cannot be decoded: {e}") from None
+        raise UndecodableError(f"image cannot be decoded: {library_message(e)}") from None
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
 
 
@@ -285,7 +287,7 @@ def decode_audio(data: bytes | memoryview) -> tuple[np.ndarray, int]:
     try:
         wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
-        raise UndecodableError(f"audio cannot be decoded: {e}") from None
+        raise UndecodableError(f"audio cannot be decoded: {library_message(e)}") from None
     return wave.mean(axis=1), int(rate)
 
 
@@ -305,7 +307,7 @@ def audio_features(data: bytes | memoryview, config: PreprocessConfig) -> np.nda
     stride = mel_stride(cfg)
     wave, rate = decode_audio(data)
     if wave.size == 0:
-        raise UndecodableError("audio clip is empty")
+        raise UndecodableError("audio clip decodes to no samples: it is empty or truncated")
     enc_len, _ = audio_lengths(wave.size / rate, cfg)
     mel = log_mel(resample(wave, rate), stride * enc_len)
     return mel.reshape(enc_len, stride * N_MELS).astype(PREPROCESS_DTYPE)

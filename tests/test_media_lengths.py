@@ -80,29 +80,35 @@ def test_a_pcm_wav_whose_block_align_lies_is_refused():
         COUNTER.audio(bytes(d))
 
 
-def _mp3(rate: int, frames: int, *, cover_bytes: int = 0) -> bytes:
+def _mp3(rate: int, frames: int, *, cover_bytes: int = 0, xing: bool = False, container: str = "mp3",
+         channels: int = 1) -> bytes:
     """An MP3 of LAME frames without a Xing/Info frame (as some encoders and cutters leave),
-    with an ID3v2 tag of `cover_bytes` in front when given."""
+    with an ID3v2 tag of `cover_bytes` in front when given; with `xing`, FFmpeg's Info frame
+    first (as LAME writes by default); in a WAV (format tag 0x55) with `container="wav"`."""
     av = pytest.importorskip("av")
     out = io.BytesIO()
+    options = {} if container != "mp3" else {"id3v2_version": "0"} if xing else {"write_xing": "0", "id3v2_version": "0"}
     try:
-        container = av.open(out, "w", format="mp3", options={"write_xing": "0", "id3v2_version": "0"})
+        container = av.open(out, "w", format=container, options=options)
         stream = container.add_stream("libmp3lame", rate=rate)
     except (av.error.FFmpegError, ValueError) as e:
         pytest.skip(f"no MP3 encoder in this PyAV: {e}")
-    stream.layout = "mono"
+    layout = "mono" if channels == 1 else "stereo"
+    stream.layout = layout
     step = stream.codec_context.frame_size or 1152
     fmt = stream.codec_context.format.name
-    wave = 0.3 * np.sin(np.arange(frames) * 0.05)
+    wave = np.repeat(0.3 * np.sin(np.arange(frames) * 0.05)[None], channels, axis=0)
     for pos in range(0, frames, step):
-        chunk = wave[pos:pos + step]
+        chunk = wave[:, pos:pos + step]
+        if not stream.codec_context.format.is_planar:
+            chunk = chunk.T.reshape(1, -1)
         if fmt.startswith("s16"):
             chunk = (chunk * 32767).astype(np.int16)
         elif fmt.startswith("s32"):
             chunk = (chunk * (2**31 - 1)).astype(np.int32)
         else:
             chunk = chunk.astype(np.float32)
-        frame = av.AudioFrame.from_ndarray(chunk.reshape(1, -1), format=fmt, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout=layout)
         frame.sample_rate, frame.pts = rate, pos
         for packet in stream.encode(frame):
             container.mux(packet)
@@ -128,6 +134,141 @@ def test_an_mp3_without_a_xing_frame_is_counted_by_its_frames(rate, frames, cove
     enc, rows = _rows_as_planned(d)
     assert enc == rows
     assert COUNTER.audio(d)[2]["duration_s"] == pytest.approx(_decoded_s(d))
+
+
+def test_an_mp3_with_zeros_inside_is_refused_not_counted_to_the_gap():
+    """Zero bytes are padding only at the end: a gap of zeros inside the frames was taken for it,
+    and the frames before it counted (1.0 s), while the decoder resyncs and reads on (2.0 s)."""
+    d = _mp3(44100, 2 * 44100)
+    from pipeline.headers import _mpeg_frame
+
+    pos = 0
+    for _ in range(38):
+        pos += _mpeg_frame(d, pos)[0]
+    gapped = d[:pos] + bytes(64) + d[pos:]
+    with pytest.raises(CountError, match=f"MP3 frames stop at byte {pos} of {len(gapped)}: junk"):
+        COUNTER.audio(gapped)
+    assert COUNTER.audio(d + bytes(64))[0] == COUNTER.audio(d)[0]  # padding at the end is none
+
+
+def _sf_mp3(frames: int, rate: int) -> bytes:
+    """An MP3 written by libsndfile (>= 1.1, through LAME): it has a Xing frame."""
+    out = io.BytesIO()
+    try:
+        soundfile.write(out, 0.3 * np.sin(np.arange(frames) * 0.05), rate, format="MP3",
+                        subtype="MPEG_LAYER_III")
+    except (TypeError, ValueError, RuntimeError, soundfile.LibsndfileError) as e:
+        pytest.skip(f"this libsndfile writes no MP3: {e}")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("writer", ["lame 44100", "lame 16000", "libsndfile 44100", "libsndfile 22050"])
+def test_an_mp3_with_a_xing_frame_cut_short_is_refused(writer):
+    """libsndfile states the length a Xing/Info frame claims, however much of the file is there:
+    a partial download of 3 s, cut by one byte, was counted 150 rows and decoded to 149; cut in
+    half, 150 against 74. The whole file counts as it decodes; every cut is refused as truncated."""
+    name, rate = writer.split()
+    rate = int(rate)
+    data = _mp3(rate, 3 * rate, xing=True) if name == "lame" else _sf_mp3(3 * rate, rate)
+    assert b"Xing" in data[:200] or b"Info" in data[:200]
+    enc, rows = _rows_as_planned(data)
+    assert enc == rows
+    assert COUNTER.audio(data)[2]["duration_s"] == pytest.approx(_decoded_s(data))
+    assert COUNTER.audio(data + b"TAG" + bytes(125))[0] == enc  # an ID3v1 tag after it is no cut
+    for cut in (1, 2, 100, 417, 1300, len(data) // 2, len(data) - 300):
+        part = data[:len(data) - cut]
+        with pytest.raises(CountError, match=r"MP3 is truncated: its (Xing|Info) header claims \d+ "
+                                             r"frames but only \d+ are whole") as err:
+            COUNTER.audio(part)
+        assert err.value.reason == "bad_audio"
+
+
+def test_an_mp3_with_a_vbri_frame_is_counted_by_its_frames():
+    """libsndfile's decoder reads no VBRI frame (Fraunhofer's Xing): it estimated the length from
+    the bytes (3.05 s for 3.03 s of frames, 153 rows counted, 152 decoded) and decodes the VBRI
+    frame as one more frame, which the frame walk counts."""
+    from pipeline.headers import _mpeg_frame
+
+    plain = _mp3(44100, 3 * 44100)
+    size = _mpeg_frame(plain, 0)[0]
+    vbri = bytearray(size)
+    vbri[:4] = plain[:4]
+    vbri[36:62] = b"VBRI" + struct.pack(">HHHIIHHHH", 1, 576, 75, len(plain), len(plain) // size, 0, 1, 1, 1)
+    data = bytes(vbri) + plain[size:]
+    enc, rows = _rows_as_planned(data)
+    assert enc == rows
+    assert COUNTER.audio(data)[2]["duration_s"] == pytest.approx(_decoded_s(data))
+    with pytest.raises(CountError, match="MP3 is cut inside its last frame"):
+        COUNTER.audio(data[:-1])
+
+
+@pytest.mark.parametrize(("rate", "channels", "seconds"), [(44100, 1, 3.0), (16000, 2, 1.7),
+                                                           (22050, 1, 0.5), (48000, 2, 7.3)])
+def test_an_mp3_inside_a_wav_is_counted_by_its_frames(rate, channels, seconds):
+    """`ffmpeg -c:a libmp3lame x.wav` (format tag 0x55): libsndfile states the length from the
+    byte rate (153 rows of a 3 s clip) while its decoder reads every frame (152 rows)."""
+    data = _mp3(rate, int(rate * seconds), container="wav", channels=channels)
+    assert data[20:22] == b"\x55\x00"
+    enc, rows = _rows_as_planned(data)
+    assert enc == rows
+    assert COUNTER.audio(data)[2]["duration_s"] == pytest.approx(_decoded_s(data))
+    with pytest.raises(CountError, match=r"wav \(MP3\) data chunk declares \d+ bytes but \d+ are "
+                                         "present: the file is truncated"):
+        COUNTER.audio(data[:len(data) * 2 // 3])
+
+
+@pytest.mark.parametrize("subtype", ["ULAW", "ALAW", "IMA_ADPCM", "MS_ADPCM", "GSM610", "G721_32"])
+def test_other_compressed_wavs_count_as_they_decode(subtype):
+    """The WAV codecs libsndfile both states and decodes alike keep its count."""
+    d = _wav(16000 * 2 + 123, rate=8000 if subtype in ("GSM610", "G721_32") else 16000, subtype=subtype)
+    enc, rows = _rows_as_planned(d)
+    assert enc == rows
+    assert COUNTER.audio(d)[2]["duration_s"] == pytest.approx(_decoded_s(d))
+
+
+def test_a_cut_ogg_vorbis_is_refused_as_empty_or_truncated():
+    """A cut Ogg Vorbis whose header libsndfile reads as 0 samples was refused as `audio clip is
+    empty`, which sent one looking for a silent file rather than a partial download."""
+    out = io.BytesIO()
+    soundfile.write(out, 0.3 * np.sin(np.arange(3 * 44100) * 0.05), 44100, format="OGG", subtype="VORBIS")
+    data = out.getvalue()
+    refused = 0
+    for cut in range(len(data) // 2, len(data), len(data) // 16):
+        try:
+            enc, rows = _rows_as_planned(data[:cut])
+        except CountError as e:
+            assert e.reason == "bad_audio" and "empty or truncated" in str(e), e
+            refused += 1
+        else:
+            assert enc == rows
+    assert refused
+
+
+def test_audio_of_a_format_libsndfile_cannot_read_is_refused_naming_it():
+    """An M4A mapped as audio was refused with libsndfile's bare `Format not recognised.`"""
+    av = pytest.importorskip("av")
+    out = io.BytesIO()
+    try:
+        with av.open(out, "w", format="ipod") as c:
+            s = c.add_stream("aac", rate=44100)
+            s.layout = "mono"
+            fmt = s.codec_context.format.name
+            for pos in range(0, 44100, 1024):
+                frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format=fmt, layout="mono")
+                frame.sample_rate, frame.pts = 44100, pos
+                for p in s.encode(frame):
+                    c.mux(p)
+            for p in s.encode(None):
+                c.mux(p)
+    except (av.error.FFmpegError, ValueError) as e:
+        pytest.skip(f"no AAC encoder or M4A muxer in this PyAV: {e}")
+    with pytest.raises(CountError, match=r"this is an MP4/M4A container \(brand 'M4A': AAC or ALAC "
+                                         r"audio\), which audio members may not be \(they may be WAV, "
+                                         "FLAC, MP3, Ogg Vorbis or Opus") as err:
+        COUNTER.audio(out.getvalue())
+    assert err.value.reason == "bad_audio"
+    with pytest.raises(CountError, match="Format not recognised. Audio members may be WAV, FLAC, MP3"):
+        COUNTER.audio(b"neither of them " * 20)
 
 
 def test_a_corrupt_video_stream_is_undecodable_not_a_stopped_loop():

@@ -369,3 +369,107 @@ def test_a_byte_order_mark_and_an_empty_first_field_do_not_lose_the_text():
     assert counter.member_text(bom + b"a cat", "txt", "k.txt") == "a cat"
     assert counter.member_text(b'{"text": "", "caption": "a cat"}', "json", "k.json") == "a cat"
     assert counter.member_text(b'{"text": "", "caption": ""}', "json", "k.json") is None
+
+
+# ------------------------------------------------------- JPEG processes Pillow cannot decode
+#: 8x8 grayscale JPEGs with arithmetic coding (jpegtran -arithmetic [-progressive]): SOF9, SOF10.
+_ARITH_JPEG = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb0043001b12141714111b1716171e1c1b2028422b2825252851"
+    "3a3d3042605565645f555d5b6a7899816a7190735b5d85b586909ea3abadab6780bcc9baa6c799a8aba4ffc9000b08"
+    "0008000801011100ffcc000600101005ffda0008010100003f00ddbb0a1ad0ffd9")
+_ARITH_PROGRESSIVE_JPEG = bytes.fromhex(
+    "ffd8ffe000104a46494600010100000100010000ffdb0043001b12141714111b1716171e1c1b2028422b2825252851"
+    "3a3d3042605565645f555d5b6a7899816a7190735b5d85b586909ea3abadab6780bcc9baa6c799a8aba4ffca000b08"
+    "0008000801011100ffcc00040010ffda0008010100000001e0ffcc00041005ffda00080101000105021244ffcc0004"
+    "1005ffda0008010100063f02c0ffcc00041005ffda0008010100013f214c70ffda0008010100000010c0ffcc000410"
+    "05ffda0008010100013f1020ffd9")
+
+
+def _ljpeg(pix_fmt: str) -> bytes:
+    """A lossless JPEG (SOF3) from FFmpeg's ljpeg encoder: bgr24 gives 9-bit samples (its RGB
+    transform needs one more bit), yuvj420p 8-bit ones."""
+    import fractions
+
+    av = pytest.importorskip("av")
+    try:
+        cc = av.CodecContext.create("ljpeg", "w")
+    except (av.error.FFmpegError, ValueError) as e:
+        pytest.skip(f"no ljpeg encoder in this PyAV: {e}")
+    cc.width, cc.height, cc.pix_fmt, cc.time_base = 64, 48, pix_fmt, fractions.Fraction(1, 25)
+    rgb = np.random.default_rng(0).integers(0, 255, (48, 64, 3), np.uint8)
+    frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format=pix_fmt)
+    return b"".join(bytes(p) for p in [*cc.encode(frame), *cc.encode(None)])
+
+
+def _with_sof(data: bytes, *, marker: int | None = None, bits: int | None = None) -> bytes:
+    """A Pillow JPEG whose start-of-frame marker declares another process or precision."""
+    d = bytearray(data)
+    pos = d.find(b"\xff\xc0")
+    if marker is not None:
+        d[pos + 1] = marker
+    if bits is not None:
+        d[pos + 4] = bits
+    return bytes(d)
+
+
+def _pillow_decodes(data: bytes) -> bool:
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda jpg: _ljpeg("bgr24"), r"lossless JPEG \(SOF3\) with 9-bit samples is not decodable by Pillow"),
+    (lambda jpg: _with_sof(jpg, bits=12), r"baseline JPEG \(SOF0\) with 12-bit samples"),
+    (lambda jpg: _with_sof(jpg, marker=0xC5), r"differential sequential JPEG \(SOF5\) is not decodable"),
+])
+def test_a_jpeg_whose_process_pillow_cannot_decode_is_refused_naming_it(make, message):
+    """Any SOF marker's size was counted, and the trainer then stood a blank input in for an image
+    Pillow refuses (FFmpeg's lossless RGB, 12-bit, hierarchical JPEG)."""
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(1).integers(0, 255, (48, 64, 3), np.uint8)).save(out, "JPEG")
+    data = make(out.getvalue())
+    assert not _pillow_decodes(data)  # the contract: refused exactly because the trainer cannot decode it
+    with pytest.raises(CountError, match=message) as err:
+        Counter(CountingConfig()).image(data)
+    assert err.value.reason == "bad_image"
+
+
+@pytest.mark.parametrize("which", ["arithmetic", "arithmetic progressive", "lossless 8-bit"])
+def test_jpeg_processes_pillow_decodes_are_counted_as_they_decode(which):
+    from PIL import features
+
+    from pipeline.preprocess import PreprocessConfig, preprocess_item
+
+    data = {"arithmetic": lambda: _ARITH_JPEG, "arithmetic progressive": lambda: _ARITH_PROGRESSIVE_JPEG,
+            "lossless 8-bit": lambda: _ljpeg("yuvj420p")}[which]()
+    turbo = int((features.version("libjpeg_turbo") or "0").split(".")[0])
+    if which.startswith("lossless") and turbo < 3:  # libjpeg-turbo decodes lossless JPEG from 3.0 on
+        assert not _pillow_decodes(data)
+        with pytest.raises(CountError, match=r"lossless JPEG \(SOF3\) is not decodable"):
+            Counter(CountingConfig()).image(data)
+        return
+    enc, _, meta = Counter(CountingConfig()).image(data)
+    rows = preprocess_item("image", data, PreprocessConfig(), enc_len=enc, key="k", member="jpg")
+    assert rows.shape[0] == enc and meta["format"] == "JPEG"
+
+
+@pytest.mark.parametrize(("fmt", "name"), [("BMP", "BMP"), ("TIFF", "TIFF"), ("ICO", "ICO"),
+                                           ("AVIF", "AVIF"), ("JPEG2000", "JPEG 2000")])
+def test_an_image_member_of_another_format_is_refused_naming_it(fmt, name):
+    """A BMP or TIFF named .jpg was refused as "cannot identify image file", which said neither
+    what it is nor what images may be."""
+    out = io.BytesIO()
+    try:
+        Image.new("RGB", (64, 48), (9, 8, 7)).save(out, fmt)
+    except (KeyError, OSError) as e:
+        pytest.skip(f"this Pillow cannot write {fmt}: {e}")
+    with pytest.raises(CountError, match=f"this is {name}, which image members may not be "
+                                         r"\(they may be JPEG, PNG, WebP or GIF\)") as err:
+        Counter(CountingConfig()).image(out.getvalue())
+    assert err.value.reason == "bad_image"
+    with pytest.raises(CountError, match="unreadable image header: cannot identify image file$"):
+        Counter(CountingConfig()).image(b"\x00\x01 neither of them" * 4)

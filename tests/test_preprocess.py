@@ -210,6 +210,22 @@ def test_a_length_mismatch_raises_naming_key_and_member():
     assert set(PREPROCESSORS) >= {"image", "audio"}
 
 
+def test_undecodable_messages_name_no_buffer_and_say_why():
+    """Pillow's error named the in-memory buffer it was handed (`<_io.BytesIO object at 0x...>`);
+    an audio clip decoding to no samples said only `empty`, though a cut file is the usual cause."""
+    config = PreprocessConfig()
+    with pytest.raises(PreprocessError) as err:
+        preprocess_item("image", b"not an image at all", config, enc_len=4, key="k1", member="jpg")
+    assert err.value.undecodable
+    assert str(err.value) == "sample 'k1' member 'jpg': image cannot be decoded: cannot identify image file"
+    empty = io.BytesIO()
+    soundfile.write(empty, np.zeros(0, np.float32), 16000, format="WAV")
+    with pytest.raises(PreprocessError, match="'k2' member 'wav': audio clip decodes to no samples: "
+                                              "it is empty or truncated") as err:
+        preprocess_item("audio", empty.getvalue(), config, enc_len=1, key="k2", member="wav")
+    assert err.value.undecodable
+
+
 # ------------------------------------------------------------------- steps, pool, datanode
 DEMO = CountingConfig(image=ImageConfig(max_pixels=112 * 112),
                       audio=AudioConfig(encoder_frames_per_s=25.0, llm_tokens_per_s=12.5))
