@@ -385,7 +385,9 @@ class Dispatcher:
             if not ready:
                 break
             self._plan()
-        if self.assembler.empty_epoch is not None:
+        if self.assembler.empty_epoch is not None and self.fatal is None:
+            # Once: later pumps still send the steps planned before it, then END with the
+            # reason (a rank waiting on a planned step was told nothing, then timed out).
             raise Fatal(self._empty_epoch_message(self.assembler.empty_epoch))
         self._send_steps()
         self.delivery.evict()

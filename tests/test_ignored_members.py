@@ -164,3 +164,35 @@ def test_an_empty_epoch_names_the_ignored_suffixes(tmp_path):
     assert re.search(r"yielded no usable sample \(skipped: (\d+) empty_sample; members no field "
                      r"map names: cls \1, npy \1\)", message), message
     assert "\n" not in message
+
+
+@pytest.mark.timeout(90)
+def test_a_blend_whose_source_yields_nothing_tells_the_trainers_why(tmp_path, cls_shard):
+    """One source of a blend with no usable sample, at --max-epochs 1: the blend's end planned a
+    last partial step, then the empty epoch stopped the job, and every later pump stopped again
+    before sending anything, so the trainer waiting on that step was told nothing and timed out.
+    It now gets the steps planned before the stop, then END naming the source."""
+    from dispatcher_server.config import Source
+    from trainer_client.client import ClientConfig, DispatcherClient, DispatcherError
+
+    path = str(tmp_path / "unusable.tar")
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(20):
+            info = tarfile.TarInfo(f"{i:04d}.npy")
+            info.size = 6
+            tar.addfile(info, io.BytesIO(b"\x93NUMPY"))
+    sources = [Source(name="good", shards=[cls_shard], fields={"image": ["png"], "text": ["cls"]}),
+               Source(name="bad", shards=[path])]
+    steps = []
+    with dispatcher(make_config([], sources=sources, world_size=1, global_batch=10,
+                                max_epochs=1)) as srv, readers(srv.reader_endpoint, 1):
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1,
+                                  config=ClientConfig(heartbeat_s=0.2, timeout_s=5.0,
+                                                      step_timeout_s=30.0))
+        try:
+            with pytest.raises(DispatcherError, match="halted.*source 'bad'.*no usable sample"):
+                for step in client.start():
+                    steps.append(step.step)
+        finally:
+            client.close()
+    assert steps == list(range(srv.next_plan))
