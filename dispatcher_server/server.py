@@ -59,6 +59,9 @@ HALT_LINGER_S = 120.0
 #: shuffle blocks, the step being filled) are worth a warning: credits in flight when the bound
 #: is reached overshoot it a little; shuffle blocks larger than it overshoot it by far.
 BYTES_OVER_WARN = 1.25
+#: Seconds after the last reader joined from which a shard taken back for a starving head
+#: means the readers have too few slots (and the dispatcher says so), not that they are joining.
+SLOTS_WARN_AFTER_S = 5.0
 #: Complete shuffle blocks of a source drawn from one shard each before the dispatcher says so.
 ONE_SHARD_BLOCKS_WARN = 3
 
@@ -150,6 +153,7 @@ class Dispatcher:
         self._readers_ended = False
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
+        self._reader_joined_at = 0.0  # monotonic: the last reader HELLO
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._rank_lost = False  # the latest trainer to go left without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
@@ -469,7 +473,10 @@ class Dispatcher:
         reader = self.pool.readers.get(a.reader)
         if reader is None:
             return None
-        if not self._slots_warned:  # said once: it holds for as long as the readers stay few
+        # Said once, when it holds: not for take-backs while readers are still joining (the
+        # workers of one `read --workers N` connect one by one, and the first alone is short).
+        settled = time.monotonic() - self._reader_joined_at >= SLOTS_WARN_AFTER_S
+        if not self._slots_warned and settled:
             self._slots_warned = True
             slots = sum(r.slots for r in self.pool.readers.values())
             mixed = max(self.config.mixes)
@@ -796,6 +803,7 @@ class Dispatcher:
         if earlier is not None:  # the same process on a new socket: not a second reader
             self._drop_reader(earlier, "reconnected")
         reader = self.pool.join(ident, msg.get("name", ""), now, instance)
+        self._reader_joined_at = now
         self._live_due = 0.0  # it was sent nothing yet: its heartbeat is due at the next check
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
         event("reader_joined", name=reader.name)

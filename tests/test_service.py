@@ -187,12 +187,16 @@ def _text_shard(path, name: str, n: int) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("credit_batch", [8, 32])
-def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, caplog, credit_batch):
+def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, caplog, credit_batch,
+                                                                   monkeypatch):
     """One reader holds two shards; three sources each need their head read at once. Readers
     full of two sources' shards, stopped at their buffer caps, left the third unread: no step
     was ever planned. A starving head now takes back the shard with the most buffered, also
     where a shard's cap (20 samples here) is below a credit batch (32)."""
+    from dispatcher_server import server
     from dispatcher_server.config import Source
+
+    monkeypatch.setattr(server, "SLOTS_WARN_AFTER_S", 0.0)  # this run is shorter than the wait
 
     sources = [Source(name=n, shards=[_text_shard(tmp_path / f"{n}.tar", n, 90)]) for n in "abc"]
     keys = {f"{n}{i:05d}" for n in "abc" for i in range(90)}
@@ -213,11 +217,42 @@ def test_a_blend_of_more_sources_than_reader_slots_is_served_whole(tmp_path, cap
     assert run(3) == one  # deterministic: the order does not depend on the readers
 
 
+@pytest.mark.timeout(60)
+def test_take_backs_while_readers_join_are_not_called_too_few_slots(tmp_path, caplog, monkeypatch):
+    """The workers of one `read --workers N` join one by one: the first alone is short of slots
+    for a blend and a shard is taken back, but that is no advice to start more readers (it was
+    said once, then held for the whole job). Only take-backs SLOTS_WARN_AFTER_S after the last
+    reader joined say so."""
+    from dispatcher_server import server
+    from dispatcher_server.config import Source
+
+    taken = []
+    victim = server.Dispatcher._starved_head_victim
+
+    def spy(self, *args):
+        chosen = victim(self, *args)
+        taken.append(chosen is not None)
+        return chosen
+    monkeypatch.setattr(server.Dispatcher, "_starved_head_victim", spy)
+    sources = [Source(name=n, shards=[_text_shard(tmp_path / f"{n}.tar", n, 90)]) for n in "abc"]
+    flow = FlowConfig(max_buffered_samples=120, num_inflight_shards=3, credit_batch=8)
+    config = make_config([], world_size=2, global_batch=12, max_epochs=1, sources=sources, flow=flow)
+    with dispatcher(config) as srv, readers(srv.reader_endpoint, 1):
+        got = consume(srv.trainer_endpoint, 2)
+    assert sum(len(mb) for r in got for _, mbs in got[r] for mb in mbs) == 270
+    assert any(taken), "no shard was taken back: the test did not reach the warning's path"
+    assert "short_of_reader_slots" not in caplog.text
+
+
 @pytest.mark.timeout(120)
-def test_blocks_mixing_more_shards_than_reader_slots_are_served_whole_in_one_order(tmp_path, caplog):
+def test_blocks_mixing_more_shards_than_reader_slots_are_served_whole_in_one_order(tmp_path, caplog,
+                                                                                  monkeypatch):
     """--shuffle-shards 4 with one reader of two slots: the shard a block waits on takes back
     the shard with the most buffered (which resumes where it stopped), so every key comes
     once, in the order four readers give, and steps hold samples of several shards."""
+    from dispatcher_server import server
+
+    monkeypatch.setattr(server, "SLOTS_WARN_AFTER_S", 0.0)  # this run is shorter than the wait
     shard_list = [_text_shard(tmp_path / f"s{i}.tar", f"s{i}-", 60) for i in range(6)]
     keys = {f"s{i}-{j:05d}" for i in range(6) for j in range(60)}
     flow = FlowConfig(max_buffered_samples=200, num_inflight_shards=2, credit_batch=8)
