@@ -38,6 +38,11 @@ class Reader:
     instance: str = ""  # its process's HELLO `instance`: a reconnect of it says the same
 
 
+def process(reader: Reader) -> str | bytes:
+    """A reader's process: its HELLO `instance` (kept across reconnects), else its socket."""
+    return reader.instance or reader.ident
+
+
 class ReaderPool:
     """Readers by socket identity and their assignments by id."""
 
@@ -49,6 +54,9 @@ class ReaderPool:
         # a sample's holder (an index here) stays valid while its step is retained
         self.endpoints: list[ReaderEndpoint] = []
         self._endpoint_index: dict[ReaderEndpoint, int] = {}
+        # position -> the readers (by `process`) that could not open its shard: it is not
+        # assigned to them again, so a node missing a mount or a file leaves it to the others
+        self.refused: dict[int, set] = {}
 
     def join(self, ident: bytes, name: str, now: float, instance: str = "") -> Reader:
         reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now,
@@ -94,7 +102,11 @@ class ReaderPool:
         for pos in todo:
             if not free:
                 break
-            reader = min(free, key=lambda r: len(r.assignments))
+            refused = self.refused.get(pos)
+            able = [r for r in free if process(r) not in refused] if refused else free
+            if not able:
+                continue
+            reader = min(able, key=lambda r: len(r.assignments))
             a = Assignment(id=self.next_id, pos=pos, reader=reader.ident)
             self.next_id += 1
             reader.assignments.append(a)
@@ -103,6 +115,11 @@ class ReaderPool:
             self.assignments[a.id] = a
             made.append((reader, a))
         return made
+
+    def can_open(self, pos: int) -> bool:
+        """Whether a connected reader that asked for shards has not failed to open `pos`'s."""
+        refused = self.refused.get(pos, ())
+        return any(r.ready and process(r) not in refused for r in self.readers.values())
 
     def has_free_slot(self) -> bool:
         return any(len(r.assignments) < r.slots for r in self.readers.values())
@@ -115,7 +132,10 @@ class ReaderPool:
         position is never the one cancelled."""
         if not todo or not self.assignments or self.has_free_slot():
             return None
-        held = [a for a in self.assignments.values() if a.pos not in needed]
+        refused = self.refused.get(todo[0], ())  # a reader that cannot open it frees no slot for it
+        held = [a for a in self.assignments.values() if a.pos not in needed
+                and not (refused and a.reader in self.readers
+                         and process(self.readers[a.reader]) in refused)]
         if not held:
             return None
         a = max(held, key=lambda a: a.pos)

@@ -40,7 +40,7 @@ from dispatcher_server.ordering import ShardOrder
 from dispatcher_server.planner import OversizeWarning, PlanError, plan_step
 from dispatcher_server.planner.plan import StepPlan
 from dispatcher_server.planner.types import Topology
-from dispatcher_server.readerpool import Assignment, Reader, ReaderPool
+from dispatcher_server.readerpool import Assignment, Reader, ReaderPool, process
 from dispatcher_server.replay import ReplaySource
 from dispatcher_server.steplog import StepLog, plan_record
 
@@ -62,6 +62,10 @@ BYTES_OVER_WARN = 1.25
 #: Seconds after the last reader joined from which a shard taken back for a starving head
 #: means the readers have too few slots (and the dispatcher says so), not that they are joining.
 SLOTS_WARN_AFTER_S = 5.0
+#: How long a shard that a reader could not open (`open_failed`: a missing mount or file, or no
+#: permission, on its node) waits for a reader that can, once every reader here failed on it,
+#: before it is skipped as unreadable.
+OPEN_RETRY_S = 30.0
 #: Complete shuffle blocks of a source drawn from one shard each before the dispatcher says so.
 ONE_SHARD_BLOCKS_WARN = 3
 
@@ -154,6 +158,8 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._reader_joined_at = 0.0  # monotonic: the last reader HELLO
+        # position -> (first open failure, its skip records): shards no reader opened yet
+        self._unopened: dict[int, tuple[float, list]] = {}
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._rank_lost = False  # the latest trainer to go left without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
@@ -378,6 +384,8 @@ class Dispatcher:
     # -- the pump ---------------------------------------------------------------------
     def _pump(self) -> None:
         """Open shards, assign them, plan every full step there is room for, send, evict, grant."""
+        if self._unopened:
+            self._settle_unopened(time.monotonic())
         if not self.finished():
             self.assembler.open_window()
         self._assign()
@@ -418,6 +426,9 @@ class Dispatcher:
         # Lowest first, but a position a replayed order waits on before all, then a blend
         # source's head with nothing buffered (the step waits on it).
         todo = sorted(self.assembler.unassigned(), key=lambda p: (p not in needed, p not in starving))
+        if self._unopened:  # a shard no reader here can open takes no other's slot
+            todo = [p for p in todo if p not in self._unopened or self.pool.can_open(p)]
+            starving = {p for p in starving if p not in self._unopened or self.pool.can_open(p)}
         made = self.pool.assign(todo)
         for reader, a in made:
             prog = self.assembler.progress[a.pos]
@@ -461,7 +472,8 @@ class Dispatcher:
         if not starving:
             return None
         progress = self.assembler.progress
-        held = [a for a in self.pool.assignments.values() if a.pos not in needed]
+        held = [a for a in self.pool.assignments.values() if a.pos not in needed
+                and self._opens_any(a.reader, starving)]
         a = max(held, key=lambda a: len(progress[a.pos].buffer) if a.pos in progress else 0,
                 default=None)
         # Too little buffered to live on: taking it back would only move the wait. A shard full
@@ -489,6 +501,11 @@ class Dispatcher:
                                                if mixed > 1 else "")
                       + " needs a slot, or shards are taken back and resumed")
         return reader, a
+
+    def _opens_any(self, ident: bytes, positions: set[int]) -> bool:
+        """Whether reader `ident` did not fail to open at least one of `positions`."""
+        reader, refused = self.pool.readers.get(ident), self.pool.refused
+        return reader is not None and any(process(reader) not in refused.get(p, ()) for p in positions)
 
     def _plan(self) -> None:
         c0 = thread_time()
@@ -897,14 +914,51 @@ class Dispatcher:
         if a is None:
             return
         prog = self.assembler.progress[a.pos]
+        if self._open_failed(reader, a, msg["skipped"]):
+            return
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
+        if a.pos in self._unopened:  # another reader opened it after all
+            del self._unopened[a.pos]
+            self.pool.refused.pop(a.pos, None)
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
         self._ignored(self.assembler.stream_of(a.pos).name, prog.url, msg.get("ignored"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
+
+    def _open_failed(self, reader: Reader, a: Assignment, skipped: list[P.SkipRecord]) -> bool:
+        """A reader that could not open its shard leaves it to the others (a node missing a
+        mount, a partly synced copy, no permission there): before, the shard was skipped whole
+        while other readers could read it. Skipped once every reader here failed on it and
+        none that can came within OPEN_RETRY_S (`_settle_unopened`)."""
+        if not any(s.reason == "open_failed" for s in skipped):
+            return False
+        self.pool.refused.setdefault(a.pos, set()).add(process(reader))
+        self._unopened.setdefault(a.pos, (time.monotonic(), skipped))
+        self._release(reader, a)
+        event("shard_open_failed", logging.WARNING, shard=self.assembler.url(a.pos),
+              reader=reader.name,
+              then=("another reader reads it" if self.pool.can_open(a.pos) else
+                    f"held up to {OPEN_RETRY_S:.0f} s for a reader that can open it, then skipped"),
+              fix="see that reader's log for why; every reader must see every shard")
+        return True
+
+    def _settle_unopened(self, now: float) -> None:
+        """Skip the shards every connected reader failed to open, OPEN_RETRY_S after the first
+        failure: as unreadable (`open_failed`), journaled like any skip."""
+        for pos, (since, skipped) in list(self._unopened.items()):
+            prog = self.assembler.progress.get(pos)
+            if prog is None or prog.reader_done:
+                del self._unopened[pos]
+                self.pool.refused.pop(pos, None)
+            elif (prog.assignment is None and now - since >= OPEN_RETRY_S
+                  and not self.pool.can_open(pos)):
+                del self._unopened[pos]
+                self.pool.refused.pop(pos, None)
+                self._skip(prog.url, self.assembler.unheard(pos, skipped))
+                self.assembler.reader_done(pos)
 
     def _ignored(self, source: str, url: str, ignored: dict[str, int] | None) -> None:
         """Members of a finished shard that no field map kind names: metrics, log, step log."""

@@ -787,3 +787,82 @@ def test_a_trainer_of_another_world_size_is_told_both_ways_out():
     finally:
         peer.close()
         d.stop()
+
+
+# -- a shard one reader cannot open goes to another ---------------------------------------------
+class _RawReader:
+    """A reader speaking the protocol by hand: HELLO (with its process `instance`), then asks
+    for `slots` shards; `assigned()` waits for the next SHARD_ASSIGN."""
+
+    def __init__(self, endpoint: str, name: str, slots: int = 1) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(endpoint)
+        self.seq = 0
+        self.send(P.HELLO, role="reader", name=name, instance=name)
+        self.send(P.SHARD_REQUEST, shards=slots)
+
+    def send(self, type_: str, **fields) -> None:
+        self.seq += 1
+        self.sock.send_multipart(P.encode(type_, seq=self.seq, **fields))
+
+    def assigned(self, timeout: float = 5.0) -> P.Message | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                msg = P.decode(self.sock.recv_multipart())
+                if msg.type == P.SHARD_ASSIGN:
+                    return msg
+        return None
+
+    def cannot_open(self, assign: P.Message) -> None:
+        self.send(P.SHARD_DONE, assign_id=assign["assign_id"], count=0,
+                  skipped=[["", "open_failed", -1]])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def test_a_shard_one_reader_cannot_open_is_read_by_another(tmp_path):
+    """A node missing a mount or a file (a partly synced copy) reported its shards open_failed,
+    and the dispatcher skipped each whole, while other readers could read them: silent loss,
+    the job exiting 0. The shard now goes to a reader that has not failed on it."""
+    d = Dispatcher(_config(None))
+    d.start()
+    bad = _RawReader(d.reader_endpoint, "node-b")
+    good = None
+    try:
+        first = bad.assigned()
+        assert first is not None and first["shard"] == "/data/shard-0.tar"
+        bad.cannot_open(first)
+        good = _RawReader(d.reader_endpoint, "node-a")
+        again = good.assigned()
+        assert again is not None and again["shard"] == first["shard"], "the shard was not retried"
+        assert again["start_index"] == 0
+        bad.send(P.SHARD_REQUEST, shards=1)  # asks again: it is not given the shard it failed on
+        assert bad.assigned(timeout=0.5) is None
+        assert not d.skip_log.keys, "the shard was reported skipped while a reader could read it"
+    finally:
+        bad.close()
+        if good is not None:
+            good.close()
+        d.stop()
+
+
+def test_a_shard_no_reader_can_open_is_skipped_after_a_wait(tmp_path, monkeypatch):
+    """Every reader failing on a shard and none coming that can: it is skipped as open_failed
+    (journaled, named), OPEN_RETRY_S after the first failure, so the job goes on."""
+    from dispatcher_server import server
+
+    monkeypatch.setattr(server, "OPEN_RETRY_S", 0.5)
+    d = Dispatcher(_config(tmp_path))
+    d.start()
+    bad = _RawReader(d.reader_endpoint, "node-b")
+    try:
+        bad.cannot_open(bad.assigned())
+        time.sleep(0.2)
+        assert not d.skip_log.keys, "skipped before the wait for a reader that can open it"
+        K.wait_for(lambda: d.skip_log.keys, 5, "the unopenable shard skipped")
+        assert [reason for _, reason in d.skip_log.keys] == ["open_failed"]
+    finally:
+        bad.close()
+        d.stop()
