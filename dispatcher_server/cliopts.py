@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import re
 import signal
 import sys
@@ -177,8 +178,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_ = action.help or ""
-        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0
-                or "(default" in help_ or "%(default)" in help_):
+        if "(default" in help_ or "%(default)" in help_:
+            return help_
+        if isinstance(action, argparse.BooleanOptionalAction) and isinstance(action.default, bool):
+            # an on/off option's default is worth saying: either flag may be the one that acts
+            return help_ + f" (default: {str(action.default).lower()})"
+        if action.default in (None, argparse.SUPPRESS) or action.nargs == 0:
             return help_
         return help_ + " (default: %(default)s)"
 
@@ -258,6 +263,30 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
                                  "NAME.key_secret file"))
         raise ValueError(f"{given} is given without {missing} ({what}): CurveZMQ needs both, "
                          "or neither for a plain connection")
+    if server_key:
+        _warn_if_secret(server_key)
+
+
+#: --curve-server-key files already said to hold a secret (said once per process)
+_SECRET_SERVER_KEYS: set[str] = set()
+
+
+def _warn_if_secret(path: str) -> None:
+    """A --curve-server-key naming the dispatcher's NAME.key_secret works (it holds the public
+    key too), but the secret then sits on every reader and trainer: said once, from rank 0."""
+    if path in _SECRET_SERVER_KEYS or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            holds_secret = any(line.strip().startswith("secret-key") for line in f)
+    except OSError:
+        return  # a missing or unreadable file is named where it is loaded
+    if holds_secret:
+        _SECRET_SERVER_KEYS.add(path)
+        logging.getLogger("mmdispatch").warning(
+            "mmdispatch event=curve_server_key_is_secret file=%s fix=%r", path,
+            "--curve-server-key needs only the dispatcher's public NAME.key: give that file, "
+            "and the secret need not be copied to readers and trainers")
 
 
 def check_endpoint(flag: str, address: str) -> str:
@@ -276,6 +305,64 @@ def check_endpoint(flag: str, address: str) -> str:
         raise ValueError(f"{flag} {address!r}: port {port} is out of range (0 to 65535; 0 lets "
                          "the OS pick when binding)")
     return address
+
+
+def check_output_dir(flag: str, path: str, *, given: str | None = None) -> None:
+    """ValueError naming `flag` and `path` (or `given`, the file path the user wrote, of which
+    `path` is the directory) when the directory a command would write into cannot be made or
+    written, said at start rather than after the work. Directories this makes to find out are
+    taken away again."""
+    if given is not None:
+        try:
+            check_output_dir(flag, path)
+        except ValueError as e:
+            raise ValueError(f"{flag} {given!r}: its directory " + str(e)[len(flag) + 1:]) from None
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a file, not a directory: give a directory "
+                         "(created if missing)")
+    made = []
+    try:
+        at = os.path.abspath(path)
+        while not os.path.exists(at) and os.path.dirname(at) != at:
+            made.append(at)
+            at = os.path.dirname(at)
+        if not os.path.isdir(at):
+            raise ValueError(f"{flag} {path!r}: {at!r} is a file, not a directory")
+        for d in reversed(made):
+            os.mkdir(d)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be created or written ({e.strerror or e}): give a "
+                         "directory this user can create or write") from None
+    finally:
+        for d in made:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def check_output_file(flag: str, path: str, *, makes_dirs: bool = False) -> None:
+    """ValueError naming `flag` and `path` when the file a command writes at its end cannot be
+    written there (a missing or read-only directory, a directory in its place): said at start,
+    not after a long measurement. `makes_dirs`: the command creates missing directories."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory: give a file path (e.g. "
+                         f"{os.path.join(path, 'out' + (os.path.splitext(path)[1] or '.json'))!r})")
+    parent = os.path.dirname(path) or "."
+    if makes_dirs:
+        check_output_dir(flag, parent, given=path)
+    elif not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ValueError(f"{flag} {path!r}: the directory {parent!r} {what}; create it or give "
+                         "another path")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path!r}: the directory {parent!r} cannot be written (permission "
+                         "denied); give a path this user can write")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"{flag} {path!r} cannot be written (permission denied)")
 
 
 def unwind_on_sigterm(note: str | None = None) -> None:

@@ -31,7 +31,7 @@ import logging
 import mmap
 import os
 from array import array
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple
 
@@ -250,8 +250,8 @@ class Journal:
         theirs = {f: rec.get(f) for f in fields}
         diff = [f for f in fields if not same_setting(f, theirs[f], self.fingerprint.get(f))]
         if diff:
-            details = "; ".join(f"{f}: journal has {_short(theirs[f])}, config has "
-                                f"{_short(self.fingerprint.get(f))}" for f in diff)
+            details = "; ".join(f"{f}: {_difference(theirs[f], self.fingerprint.get(f))}"
+                                for f in diff)
             raise _OtherConfig(
                 f"cannot resume from journal {self.path!r}: it was written for a different "
                 f"configuration ({details}). Restore the original settings or use a new "
@@ -603,6 +603,35 @@ def _skip_entry(s: tuple) -> list:
 
 def _skipped_key(shard: str, k: list) -> SkippedKey:
     return SkippedKey(shard, k[0], k[1], k[2] if len(k) > 2 else None)
+
+
+def _difference(journal: Any, config: Any) -> str:
+    """How a setting differs, said so the difference shows: for two lists (shards, sources)
+    their lengths and the entries one has and the other lacks, or the first entry that differs
+    (cutting both lists to their first entries hid a change further down)."""
+    if not (isinstance(journal, list) and isinstance(config, list)):
+        return f"journal has {_short(journal)}, config has {_short(config)}"
+    counts = f"journal has {len(journal)} entries, config has {len(config)}"
+    theirs, ours = list(map(repr, journal)), list(map(repr, config))
+    removed = list((Counter(theirs) - Counter(ours)).elements())
+    added = list((Counter(ours) - Counter(theirs)).elements())
+    if removed or added:
+        parts = [f"{what} {len(items)}: {_few(items)}" for what, items in
+                 (("config lacks", removed), ("config adds", added)) if items]
+        return f"{counts}; " + "; ".join(parts)
+    i = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    return (f"{counts}, the same entries in another order; first difference at entry {i}: "
+            f"journal has {_short_text(theirs[i]) if i < len(theirs) else 'none'}, config has "
+            f"{_short_text(ours[i]) if i < len(ours) else 'none'}")
+
+
+def _few(items: list[str], most: int = 3) -> str:
+    shown = ", ".join(_short_text(t) for t in items[:most])
+    return shown + (f" and {len(items) - most} more" if len(items) > most else "")
+
+
+def _short_text(text: str) -> str:
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _short(value: Any) -> str:

@@ -3,7 +3,8 @@
 The dispatcher authenticates peers against a directory of allowed public keys (pyzmq's
 ThreadAuthenticator, ZAP): a reader or trainer whose key is not listed never completes the
 handshake, so it cannot send or receive a single message. The peer itself hears nothing, so the
-dispatcher logs each refused (address, key) once, rate-limited. Keys are written owner-only (0600).
+dispatcher logs each refused (address, key) once, rate-limited. Secret keys are written owner-only
+(0600), public keys readable by all (0644).
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def create_keypair(directory: str, name: str, *, force: bool = False) -> tuple[s
         public, secret = zmq.auth.create_certificates(directory, name)
     finally:
         os.umask(umask)
-    for path in (public, secret):
-        os.chmod(path, 0o600)
+    os.chmod(secret, 0o600)
+    # The public key is copied to peers and read by other users (a container's uid); only the
+    # secret stays owner-only.
+    os.chmod(public, 0o644)
     return public, secret
 
 

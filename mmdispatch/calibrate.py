@@ -14,6 +14,7 @@ import importlib
 import json
 import sys
 
+from dispatcher_server.cliopts import check_output_file
 from dispatcher_server.costfile import save_cost_file
 from dispatcher_server.planner.types import PHASES
 
@@ -73,8 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         unit = {"vision": "patches", "audio": "frames", "llm": "tokens"}[phase]
         g.add_argument(f"--{phase}-lengths", type=_length_range, default=(lo, hi), metavar="MIN:MAX",
                        help=f"{phase} item lengths to measure, in {unit} (default: {lo}:{hi})")
-    g.add_argument("--runs", type=int, default=32, help="runs per phase")
-    g.add_argument("--max-items", type=int, default=8, help="most items in one run")
+    g.add_argument("--runs", type=int, default=32, help="runs per phase, at least 4")
+    g.add_argument("--max-items", type=int, default=8, help="most items in one run, at least 2")
     g.add_argument("--repeats", type=int, default=3, help="timed repeats per run (the fastest counts)")
     g.add_argument("--warmup", type=int, default=1, help="untimed calls before each timed one")
     g.add_argument("--window", type=_window, action="append", default=[], metavar="PHASE=auto|none|N",
@@ -199,10 +200,24 @@ def _table(cal) -> str:
     return "\n".join(lines)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """ValueError naming the first flag out of range or an --out that cannot be written: said
+    at start, not after minutes of measuring."""
+    from trainer_client.calibrate import MIN_ITEMS_PER_RUN, MIN_RUNS
+
+    for name, least, meaning in (
+            ("runs", MIN_RUNS, "runs per phase: the fit needs several"),
+            ("max_items", MIN_ITEMS_PER_RUN, "several items per run make the per-item cost identifiable"),
+            ("repeats", 1, "timed repeats per run"), ("threads", 1, "torch CPU threads"),
+            ("hidden", 1, "hidden size")):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {least} ({meaning}), got "
+                             f"{getattr(args, name)}")
+    check_output_file("--out", args.out)
+
+
 def run(args: argparse.Namespace) -> int:
-    for name in ("runs", "repeats", "max_items", "threads", "hidden"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_options(args)
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     cal, meta = measure_and_fit(args, progress)
     save_cost_file(args.out, cal.cost, meta)

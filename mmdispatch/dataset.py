@@ -10,7 +10,8 @@ the key and what was expected.
     [[sources]]
     name = "captions"
     shards = "captions/{000..009}.tar"  # a spec or a list, as --shards takes; relative
-                                        # paths are relative to this file
+                                        # paths are relative to this file (a pipe: command
+                                        # runs as written, in each reader's working directory)
     weight = 3
 
     [sources.fields]                # optional: which member extensions are which kind

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from dispatcher_server.cliopts import finite_float
+from dispatcher_server.cliopts import check_output_dir, finite_float
 from mmdispatch import report
 from mmdispatch.serve import read_ready
 
@@ -136,9 +136,9 @@ def check_options(args: argparse.Namespace) -> None:
         raise ValueError(f"--seed must be from 0 to 2**63 - 1, got {args.seed}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    for flag, path in (("--data", args.data), ("--reports", args.reports)):
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"{flag} {path!r} is a file: give a directory (created if missing)")
+    check_output_dir("--reports", args.reports)
+    if not os.path.isdir(args.data):  # an existing one may be a read-only dataset, only read
+        check_output_dir("--data", args.data)
 
 
 def _free_port() -> int:

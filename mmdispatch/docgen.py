@@ -46,6 +46,8 @@ def _default(command: str, action: argparse.Action) -> str:
         from mmdispatch.serve import OPTIONS
 
         default = OPTIONS.get(action.dest, (None, None, None))[1]
+    if isinstance(action, argparse.BooleanOptionalAction) and isinstance(default, bool):
+        return f"`{str(default).lower()}`"  # an on/off option: either value may be set
     if action.nargs == 0 or default in (None, argparse.SUPPRESS, "") or default == []:
         return ""  # an empty list: the help's own "(default: ...)" says what applies
     if isinstance(default, list):
@@ -53,6 +55,14 @@ def _default(command: str, action: argparse.Action) -> str:
     elif isinstance(default, tuple) and ":" in (action.metavar or ""):
         default = ":".join(map(str, default))  # as it is written on the command line (MIN:MAX)
     return f"`{default}`"
+
+
+def _switch_value(command: str, action: argparse.Action) -> str:
+    """The TOML value that turns a value-less option on: `true` for a switch, and for an
+    on/off option (`--refit`/`--no-refit`) the one that is not its default."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "false" if _default(command, action) == "`true`" else "true"
+    return str(action.const).lower()
 
 
 def _cell(text: str) -> str:
@@ -88,7 +98,7 @@ def _table(command: str) -> list[str]:
             meaning += " (required)"
         key = ""
         if action.dest in keys:
-            switch = f" = {str(action.const).lower()}" if action.nargs == 0 else ""
+            switch = f" = {_switch_value(command, action)}" if action.nargs == 0 else ""
             key = f"`[{keys[action.dest]}] {action.dest}{switch}`"
         rows.append(f"| {name} | {key} | {default} | {_cell(meaning)} |")
     return rows
@@ -108,7 +118,8 @@ def configuration_md() -> str:
         "`[counting]`, and flags win over the file. A wrong type or an unknown key stops the command",
         "with one line naming the file, the key and what was expected. Paths in it (shards, a",
         "tokenizer, a journal directory) are taken as a flag's would be: relative to the current",
-        "directory, not the file's (a dataset file's shards are relative to the dataset file).",
+        "directory, not the file's (a dataset file's shard paths are relative to the dataset file;",
+        "a `pipe:` command runs as written, in the working directory of the process reading it).",
         "",
         "| table | read by | holds |",
         "|---|---|---|",

@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dispatcher_server.cliopts import check_output_file
+
 PHASE_ORDER = ("vision", "audio", "llm")
 LOCALITY_ORDER = ("same_rank", "intra_node", "inter_node")
 MAX_RANKS_DRAWN = 64  # above this, a bar per rank gives way to percentiles over ranks
@@ -481,11 +483,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("step_log", nargs="+",
                         help="JSON-lines step logs: the dispatcher's --step-log, optionally the trainer's "
                              "--train-log")
-    parser.add_argument("--out", default=None, help="figure path (PNG); default: next to the log")
+    parser.add_argument("--out", default=None,
+                        help="figure path: .png, or another format matplotlib writes (.pdf, .svg...); "
+                             "default: the first log's path with .png")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
 
+def check_out(path: str) -> None:
+    """ValueError naming --out when the figure cannot be written there or in that format: said
+    before the logs are read, not as matplotlib's own error after."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # no figure is drawn without the extra (run says so)
+        formats = None
+    else:
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if formats is not None and suffix not in formats:
+        raise ValueError(f"--out {path!r}: {'.' + suffix if suffix else 'no suffix'} is no figure format; "
+                         f"end it in one of {', '.join('.' + f for f in formats)} (e.g. .png)")
+    check_output_file("--out", path, makes_dirs=True)
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        check_out(args.out)
     records = load_step_log(args.step_log)
     summary = summarize(records)
     out = Path(args.out) if args.out else Path(args.step_log[0]).with_suffix(".png")

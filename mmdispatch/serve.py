@@ -157,10 +157,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
     type_, default, help_ = OPTIONS[dest]
     flag = "--" + dest.replace("_", "-")
-    text = help_ if type_ is bool or default is None else f"{help_} (default: {default})"
+    text = help_ if default is None else f"{help_} (default: {default})"
     if type_ is bool:
         # --no-X too, so a flag can turn off what a settings file turns on ("flags win")
         action = "store_true" if dest.startswith("no_") else argparse.BooleanOptionalAction
+        text = help_ if action == "store_true" else f"{help_} (default: {str(default).lower()})"
         group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text)
     elif dest == "shards":
         group.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
@@ -171,7 +172,7 @@ def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
 
 def resolve(args: argparse.Namespace) -> dict:
     """Settings from defaults, then the TOML file, then flags."""
-    from mmdispatch.settings import for_command
+    from mmdispatch.settings import ON_COMMAND_LINE, for_command
 
     values = {dest: default for dest, (_, default, _) in OPTIONS.items()}
     path = getattr(args, "config", None)
@@ -179,9 +180,14 @@ def resolve(args: argparse.Namespace) -> dict:
     if path:
         from_file = {k: v for k, v in for_command(path, "serve").items() if k in OPTIONS}
     given = {k: v for k, v in vars(args).items() if k in OPTIONS}
+    # A --config file's values reach the namespace as defaults; the flags typed are recorded.
+    typed = getattr(args, ON_COMMAND_LINE, None)
+    flags = {k: v for k, v in given.items() if typed is None or k in typed}
+    from_file = {k: v for k, v in from_file.items() if k not in flags}
+    _one_of_each_pair(from_file, flags, path)
     values.update(from_file)
-    values.update(given)
-    values["_given"] = set(from_file) | set(given)  # set by the user, not defaults
+    values.update(flags)
+    values["_given"] = set(from_file) | set(flags)  # set by the user, not defaults
     if values["shards"] is None and values["dataset"] is None:
         raise ValueError("--shards or --dataset is required (a flag, or shards / dataset in the "
                          "config file's [serve] table)")
@@ -195,6 +201,37 @@ def resolve(args: argparse.Namespace) -> dict:
     if isinstance(values["shards"], str):
         values["shards"] = [values["shards"]]
     return values
+
+
+#: Settings of which one is given, not both. A flag of a pair on the command line replaces the
+#: other one coming from the settings file ("flags win"): a shared file's num_microbatches
+#: gives way to a typed --microbatch-token-budget.
+EXCLUSIVE_PAIRS = (("num_microbatches", "microbatch_token_budget"), ("shards", "dataset"))
+
+
+def _one_of_each_pair(from_file: dict, flags: dict, path: str | None) -> None:
+    """Drop from `from_file` the half of a pair that a flag replaces; ValueError naming where
+    each half came from when both come from the command line or both from the file."""
+    for pair in EXCLUSIVE_PAIRS:
+        typed = [d for d in pair if flags.get(d) is not None]
+        filed = [d for d in pair if from_file.get(d) is not None]
+        if len(typed) == 2:
+            a, b = pair
+            raise ValueError(f"--{a.replace('_', '-')} {_shown(flags[a])} and --{b.replace('_', '-')} "
+                             f"{_shown(flags[b])} are both on the command line: give one, not both")
+        if len(filed) == 2 and not typed:
+            a, b = pair
+            raise ValueError(f"config file {path}: [serve] sets both {a} = {from_file[a]!r} and "
+                             f"{b} = {from_file[b]!r}: keep one, not both (or give one as a flag, "
+                             "which replaces the file's)")
+        for dest in typed:
+            for other in pair:
+                if other != dest:
+                    from_file.pop(other, None)
+
+
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 #: dest -> (least value, what the option counts): integers checked by their flags, since the
@@ -276,6 +313,8 @@ def _check_flags(v: dict) -> None:
                          f"{m * v['world_size']} (rank, micro-batch) slots a step plans, more than "
                          f"{MAX_PLAN_SLOTS} (the planner's memory grows with them); lower "
                          f"--num-microbatches")
+    if m is None and v["microbatch_token_budget"] is None:
+        m = 1  # the default M (build_config sets it): its empty ranks are as empty
     if m is not None and m * v["world_size"] > v["global_batch"]:
         event("empty_microbatches", logging.WARNING, num_microbatches=m,
               world_size=v["world_size"], global_batch=v["global_batch"],
@@ -287,6 +326,15 @@ def _check_flags(v: dict) -> None:
         if path and not os.path.exists(path):
             raise ValueError(f"{flag} {path!r} does not exist (create key pairs with: mmdispatch keygen "
                              f"NAME --dir DIR; the allowed directory holds the peers' NAME.key files)")
+    allowed = v["curve_allowed_dir"]
+    if allowed and os.path.exists(allowed) and not os.path.isdir(allowed):
+        raise ValueError(f"--curve-allowed-dir {allowed!r} is a file, not a directory: give the "
+                         f"directory holding the peers' allowed NAME.key files (mkdir DIR and copy "
+                         f"them there)")
+    secret = v["curve_secret"]
+    if secret and os.path.isdir(secret):
+        raise ValueError(f"--curve-secret {secret!r} is a directory, not a file: give the "
+                         f"dispatcher's NAME.key_secret file")
     if v["step_log"] and os.path.isdir(v["step_log"]):
         raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
                          f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")

@@ -162,6 +162,10 @@ def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -
         return
     values = for_command(known.config, command)
     by_dest = {a.dest: a for a in parser._actions}
+    # Which settings the command line gives, for a command that weighs a flag against the
+    # file's other half of a pair (serve: a typed --microbatch-token-budget replaces the file's
+    # num_microbatches): past this point a file value and a flag look the same in the namespace.
+    parser.set_defaults(**{ON_COMMAND_LINE: frozenset(typed_dests(parser, argv))})
     for dest, value in values.items():
         action = by_dest.get(dest)
         if action is None:
@@ -175,6 +179,30 @@ def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -
             value = _FileList(value)
         action.required = False
         parser.set_defaults(**{dest: value})
+
+
+#: namespace attribute apply_file sets: the dests of the options typed on the command line
+ON_COMMAND_LINE = "_on_command_line"
+
+
+def typed_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the options `argv` names (`--flag`, `--flag=value`, or an unambiguous
+    prefix of a long flag, as argparse takes it); positionals are not counted."""
+    flags = {s: a.dest for a in parser._actions for s in a.option_strings}
+    dests: set[str] = set()
+    for token in argv:
+        if token == "--":
+            break
+        if not token.startswith("-") or token == "-":
+            continue
+        name = token.split("=", 1)[0]
+        if name in flags:
+            dests.add(flags[name])
+        elif name.startswith("--"):
+            close = {d for s, d in flags.items() if s.startswith(name)}
+            if len(close) == 1:
+                dests |= close
+    return dests
 
 
 class _FileList(list):

@@ -382,6 +382,21 @@ def make_source_sample(source: str, seed: int, index: int) -> dict[str, bytes]:
     return members
 
 
+def _shares(total: int, weights: list[float], most: list[int]) -> list[int]:
+    """`total` split by `weights` into whole parts of 1 to most[i] each that add up to it: each
+    weight's rounded share, then moved by one where rounding was furthest off (rounding alone
+    wrote 3 shards for 2, or 9 for 8)."""
+    raw = [total * w / sum(weights) for w in weights]
+    parts = [min(most[i], max(1, round(r))) for i, r in enumerate(raw)]
+    while sum(parts) > total:
+        i = max((i for i in range(len(parts)) if parts[i] > 1), key=lambda i: parts[i] - raw[i])
+        parts[i] -= 1
+    while sum(parts) < total:
+        i = min((i for i in range(len(parts)) if parts[i] < most[i]), key=lambda i: parts[i] - raw[i])
+        parts[i] += 1
+    return parts
+
+
 def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int) -> tuple[str, list[str]]:
     """Write one directory of shards per BLEND_SOURCES source, `num_samples` and `num_shards`
     shared by weight (at least one shard of one sample each), and `dataset.toml` naming them
@@ -389,13 +404,16 @@ def generate_blend(out_dir: str, *, num_samples: int, num_shards: int, seed: int
     chat source's clips. What an earlier run wrote there is replaced (`clear_previous_output`)."""
     clear_previous_output(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    total = sum(w for w, _ in BLEND_SOURCES.values())
+    if not len(BLEND_SOURCES) <= num_shards <= num_samples:
+        raise ValueError(f"need {len(BLEND_SOURCES)} <= num_shards={num_shards} <= "
+                         f"num_samples={num_samples}: each source gets a shard")
+    weights = [w for w, _ in BLEND_SOURCES.values()]
+    counts = _shares(num_samples, weights, [num_samples] * len(weights))
     lines = [f"{BLEND_HEADER}: three sources blended by weight.\n"]
     paths: list[str] = []
     dataset = os.path.join(out_dir, "dataset.toml")
-    for name, (weight, fields) in BLEND_SOURCES.items():
-        n = max(1, round(num_samples * weight / total))
-        k = max(1, min(n, round(num_shards * weight / total)))
+    for (name, (weight, fields)), n, k in zip(BLEND_SOURCES.items(), counts,
+                                             _shares(num_shards, weights, counts)):
         src_dir = os.path.join(out_dir, name)
         os.makedirs(src_dir, exist_ok=True)
         bounds = np.linspace(0, n, k + 1).round().astype(int)
@@ -496,9 +514,19 @@ def run(args: argparse.Namespace) -> int:
                          f"shard and at least one sample per shard")
     if args.seed < 0:  # numpy's seeding refuses it later without naming the flag
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if not 0.0 <= args.video_share <= 1.0:
+        raise ValueError(f"--video-share must be from 0 to 1 (the share of samples with a clip), "
+                         f"got {args.video_share}")
+    if args.video_share and args.blend:
+        raise ValueError("--video-share applies without --blend; a blend's chat source has its "
+                         "own clips")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"output directory {args.out!r} is a file, not a directory: give a "
                          f"directory (created if missing)")
+    if args.blend and args.shards < len(BLEND_SOURCES):
+        raise ValueError(f"--blend writes {len(BLEND_SOURCES)} sources ({', '.join(BLEND_SOURCES)}), "
+                         f"each in its own shards: --shards must be >= {len(BLEND_SOURCES)}, got "
+                         f"{args.shards}")
     if args.blend:
         try:
             import av  # noqa: F401

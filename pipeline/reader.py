@@ -133,6 +133,10 @@ def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig
                          "chat_template": getattr(args, "chat_template", None),
                          "estimate": getattr(args, "estimate_text", False)}
     if args.json_field:
+        blank = [f for f in args.json_field if not f.strip()]
+        if blank:
+            raise ValueError(f"--json-field {blank[0]!r} is empty: give the name of a JSON key "
+                             "that holds the text (e.g. --json-field caption)")
         text_kwargs["json_fields"] = tuple(args.json_field)
     counting = CountingConfig(
         image=ImageConfig(

@@ -162,6 +162,7 @@ class ReaderWorker:
         # (names may repeat across processes; this does not).
         self.instance = secrets.token_hex(8)
         self.payload_server: PayloadServer | None = None  # direct mode, from the first WELCOME
+        self._told_unused = False  # the direct-mode options set under another mode, said once
 
     def run(self, stop: threading.Event | None = None) -> None:
         try:
@@ -189,12 +190,27 @@ class ReaderWorker:
                                    f"but --preprocess-on datanode ships tensors inline: serve with "
                                    f"--payloads inline or read with --preprocess-on trainer")
         self.payloads = mode
+        if mode != "direct" and not self._told_unused:
+            self._told_unused = True
+            self._warn_unused_payload_options(mode)
         # A reader that reads says so once per session: otherwise it is silent until the end.
         log.info("mmdispatch event=reader_connected dispatcher=%s name=%s payloads=%s",
                  self.config.dispatcher, self.hello_fields()["name"], mode)
         if mode == "direct":
             self._serve_payloads(msg.get("shards", []))
         self._request_shards()
+
+    def _warn_unused_payload_options(self, mode: str) -> None:
+        """The --payloads direct options set, under another mode: said once, since the mode is
+        the dispatcher's (known at WELCOME) and a reader may serve a direct job next time."""
+        c = self.config
+        unused = [flag for flag, value in (("--payload-bind", c.payload_bind),
+                                           ("--payload-advertise", c.payload_advertise),
+                                           ("--payload-allowed-dir", c.allowed_dir)) if value]
+        if unused:
+            log.warning("mmdispatch event=options_unused options=%s dispatcher=%s payloads=%s "
+                        "why='they apply only when the dispatcher serves --payloads direct'",
+                        ",".join(unused), c.dispatcher, mode)
 
     def _serve_payloads(self, shards: list) -> None:
         """Open the payload socket (once per worker) and let it serve the job's shard files."""

@@ -354,6 +354,19 @@ def test_relative_shard_paths_are_sent_to_readers_as_the_dispatcher_resolves_the
         assert config.sources[0].shards == [str(tmp_path / "d" / "a.tar"), str(tmp_path / "d" / "b.tar")]
 
 
+def test_a_pipe_command_in_a_dataset_file_runs_as_written_and_the_docs_say_so(tmp_path):
+    """Shard paths are relative to the dataset file; a `pipe:` command is a shell command,
+    run as written in the reading process's working directory (it cannot be rewritten the way
+    a path is): the file keeps it verbatim, and docs/datasets.md says so, where it said only
+    that shards are relative to the file."""
+    from pathlib import Path
+
+    path = _write(tmp_path, '[[sources]]\nname = "p"\nshards = "pipe:cat x.tar"\n')
+    assert load_dataset(path)[0][0].shards == ["pipe:cat x.tar"]
+    docs = " ".join((Path(__file__).resolve().parents[1] / "docs" / "datasets.md").read_text().split())
+    assert "A `pipe:` shard is a shell command" in docs and "working directory" in docs
+
+
 def test_a_source_too_light_for_its_share_of_the_shuffle_buffer_is_said_to_be_unshuffled(
         tmp_path, caplog):
     import argparse

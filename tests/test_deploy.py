@@ -142,6 +142,27 @@ def test_dispatcher_ports_are_published_on_a_configurable_address():
     assert "tcp://0.0.0.0:7001" in command and "tcp://0.0.0.0:7002" in command
 
 
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize("overrides", [(), ("deploy/compose.curve.yml",)], ids=["plain", "curve"])
+def test_the_one_trainer_node_runs_every_rank_the_dispatcher_plans_for(overrides):
+    """The trainer service is one node (--nnodes 1): its ranks per node must be the world size.
+    MMD_RANKS_PER_NODE defaulted to 4 whatever MMD_WORLD_SIZE said, so MMD_WORLD_SIZE=8 alone
+    started 4 of 8 ranks; it now follows the world size."""
+    for env, ranks in (({}, "4"), ({"MMD_WORLD_SIZE": "8"}, "8"),
+                       ({"MMD_WORLD_SIZE": "8", "MMD_RANKS_PER_NODE": "8"}, "8")):
+        services = _resolved(env, overrides)["services"]
+        trainer, serve = services["trainer"]["command"], services["dispatcher"]["command"]
+        assert _flag(trainer, "--nnodes") == "1"
+        assert _flag(trainer, "--nproc-per-node") == _flag(serve, "--ranks-per-node") == ranks
+        assert _flag(serve, "--world-size") == env.get("MMD_WORLD_SIZE", "4")
+    table = (ROOT / "docs" / "deployment.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| `MMD_WORLD_SIZE`"))
+    assert "go together" in row and "--nnodes 1" in row and "--scale trainer=0" in row
+
+
 def _ignored(patterns: list[str], path: str) -> bool:
     """Docker's rule, enough for these patterns: the last matching pattern wins, a pattern that
     matches a directory excludes everything under it, and `**/` matches at any depth."""

@@ -385,3 +385,22 @@ def test_a_payload_allowed_dir_that_cannot_take_effect_is_refused_not_dropped(tm
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("mmdispatch read: error: --payload-allowed-dir")
+
+
+def test_direct_only_options_under_another_payload_mode_are_warned_once(caplog, monkeypatch):
+    """`read --payload-bind` against a dispatcher serving --payloads inline binds nothing: said
+    once (the mode is the dispatcher's, known at WELCOME; a reconnect says nothing more)."""
+    worker = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9",
+                                              payload_bind="tcp://127.0.0.1:7000"))
+    monkeypatch.setattr(worker, "_request_shards", lambda: None)
+    with caplog.at_level("WARNING", logger="mmdispatch"):
+        worker.on_welcome(None, {"payloads": "inline"})
+        worker.on_welcome(None, {"payloads": "inline"})
+    assert caplog.text.count("event=options_unused") == 1, caplog.text
+    assert "options=--payload-bind" in caplog.text and "payloads=inline" in caplog.text
+    plain = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9"))
+    monkeypatch.setattr(plain, "_request_shards", lambda: None)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mmdispatch"):
+        plain.on_welcome(None, {"payloads": "reference"})
+    assert "options_unused" not in caplog.text

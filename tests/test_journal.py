@@ -84,6 +84,25 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
         Journal(str(tmp_path), _fp(seed=5))
 
 
+def test_a_changed_shard_list_is_refused_naming_the_difference(tmp_path):
+    """Both lists cut to their first entries looked the same: the refusal says the counts and
+    the entries one list has and the other lacks, or the first entry that differs."""
+    shards = [f"/data/shard-{i:06d}.tar" for i in range(10)]
+    j = Journal(str(tmp_path), _fp(shards=shards))
+    j.record_step(_entry(0))
+    j.close()
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(shards=shards[:7] + shards[8:]))
+    assert "journal has 10 entries, config has 9; config lacks 1: '/data/shard-000007.tar'" in str(e.value)
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(shards=[*shards, "/data/extra.tar"]))
+    assert "config adds 1: '/data/extra.tar'" in str(e.value)
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(shards=shards[:4] + [shards[5], shards[4]] + shards[6:]))
+    assert ("first difference at entry 4: journal has '/data/shard-000004.tar', config has "
+            "'/data/shard-000005.tar'") in str(e.value)
+
+
 def test_uncommitted_plans_are_kept_on_disk_not_in_memory(tmp_path):
     """Each step's plan stayed in memory until a commit: MBs a step at thousands of ranks, so a
     job that checkpoints every thousand steps held GBs. Replays read them back."""

@@ -149,3 +149,21 @@ def test_sizes_span_orders_of_magnitude(small_shards):
 def test_rejects_more_shards_than_samples(tmp_path):
     with pytest.raises(ValueError, match="num_shards=5"):
         generate(str(tmp_path), num_samples=3, num_shards=5, seed=0)
+
+
+@pytest.mark.parametrize("samples, shards", [(3, 3), (17, 3), (24, 5), (512, 8)])
+def test_a_blend_writes_the_shards_and_samples_asked_for(tmp_path, samples, shards):
+    """Each source's share was rounded alone: --shards 3 wrote 4 shards (and --shards 2 wrote
+    3); the parts now add up to what was asked, each source at least one."""
+    pytest.importorskip("av")
+    import tarfile
+
+    _, paths = generate_blend(str(tmp_path), num_samples=samples, num_shards=shards, seed=0)
+    assert len(paths) == shards
+    keys = set()
+    for path in paths:
+        with tarfile.open(path) as tar:
+            keys |= {m.name.split(".", 1)[0] for m in tar.getmembers()}
+    assert len(keys) == samples
+    with pytest.raises(ValueError, match="each source gets a shard"):
+        generate_blend(str(tmp_path / "two"), num_samples=5, num_shards=2, seed=0)

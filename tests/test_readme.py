@@ -127,3 +127,16 @@ def test_no_dated_history_in_docs_or_code():
         paths += list((ROOT / package).rglob("*.py"))
     found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in paths for m in HISTORY.finditer(p.read_text())]
     assert not found, f"history belongs in git, not in prose: {found}"
+
+
+def test_on_off_options_show_valid_toml_and_their_default():
+    """`--refit`/`--no-refit` and the like: the file key is a TOML boolean and the default is
+    shown (argparse's `const` is None for them, which once read `refit = none`)."""
+    reference = (DOCS / "configuration.md").read_text()
+    assert "= none`" not in reference
+    rows = {line.split("|")[1].strip(): line.split("|") for line in reference.splitlines()
+            if line.startswith("| `--")}
+    assert rows["`--refit`, `--no-refit`"][2:4] == [" `[serve] refit = true` ", " `false` "]
+    assert rows["`--map-shards`, `--no-map-shards`"][2:4] == [" `[counting] map_shards = false` ", " `true` "]
+    assert "(default: false)" in " ".join(build_parser("serve").format_help().split())
+    assert "(default: true)" in " ".join(build_parser("read").format_help().split())

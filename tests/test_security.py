@@ -368,14 +368,18 @@ def test_curve_refuses_unlisted_peers_on_both_endpoints(shards, tmp_path):
     assert "evil" not in delivered
 
 
-def test_key_files_are_owner_only_whatever_the_umask(tmp_path):
-    old = os.umask(0)
-    try:
-        assert cli.main(["keygen", "node", "--dir", str(tmp_path / "new")]) == 0
-    finally:
-        os.umask(old)
-    for name in ("node.key", "node.key_secret"):
-        assert os.stat(tmp_path / "new" / name).st_mode & 0o777 == 0o600
+def test_secret_keys_are_owner_only_and_public_keys_readable_whatever_the_umask(tmp_path):
+    """The public key is copied to peers and read by a container's uid: 0644 (it was 0600
+    like the secret); the secret stays 0600."""
+    for umask in (0, 0o077):
+        old = os.umask(umask)
+        try:
+            assert cli.main(["keygen", "node", "--dir", str(tmp_path / "new"), "--force"]) == 0
+        finally:
+            os.umask(old)
+        assert os.stat(tmp_path / "new" / "node.key_secret").st_mode & 0o777 == 0o600
+        assert os.stat(tmp_path / "new" / "node.key").st_mode & 0o777 == 0o644
+        assert os.stat(tmp_path / "new").st_mode & 0o077 == 0  # a directory it created: owner-only
     assert os.stat(tmp_path / "new").st_mode & 0o077 == 0  # a directory it created: owner-only
 
 
@@ -397,3 +401,19 @@ def test_serve_binds_loopback_unless_told_otherwise(shards, tmp_path):
     K.kill(proc)
     assert ready["trainers"].startswith("tcp://0.0.0.0:")
     assert ready["readers"].startswith("tcp://127.0.0.1:")
+
+
+def test_a_secret_key_given_as_the_server_key_works_and_is_warned_once(tmp_path, caplog):
+    """--curve-server-key dispatcher.key_secret holds the public key too, so it is taken; but
+    the secret need not be on readers and trainers, which is said once."""
+    from dispatcher_server import cliopts
+
+    public, secret = create_keypair(str(tmp_path), "dispatcher")
+    mine, _ = create_keypair(str(tmp_path), "reader")
+    with caplog.at_level("WARNING", logger="mmdispatch"):
+        cliopts.check_curve_pair(str(tmp_path / "reader.key_secret"), public)
+        assert "curve_server_key_is_secret" not in caplog.text
+        cliopts.check_curve_pair(str(tmp_path / "reader.key_secret"), secret)
+        cliopts.check_curve_pair(str(tmp_path / "reader.key_secret"), secret)
+    assert caplog.text.count("event=curve_server_key_is_secret") == 1
+    assert "public NAME.key" in caplog.text and "need not be copied" in caplog.text

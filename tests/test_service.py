@@ -588,6 +588,26 @@ def test_serve_settings_come_from_toml_and_flags(tmp_path, shards):
         serve.resolve(parser.parse_args(["--world-size", "2", "--global-batch", "4"]))
 
 
+@pytest.mark.parametrize("flags, warned", [
+    (["--world-size", "8", "--global-batch", "4"], True),  # M defaults to 1: 4 ranks empty
+    (["--world-size", "8", "--global-batch", "4", "--num-microbatches", "1"], True),
+    (["--world-size", "4", "--global-batch", "4"], False),
+    (["--world-size", "8", "--global-batch", "4", "--microbatch-token-budget", "100"], False),
+])
+def test_empty_microbatches_are_warned_whether_or_not_m_is_typed(shards, caplog, flags, warned):
+    import argparse
+    import logging
+
+    from mmdispatch import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    values = serve.resolve(parser.parse_args(["--shards", shards[0], *flags]))
+    with caplog.at_level(logging.WARNING):
+        serve.build_config(values)
+    assert ("event=empty_microbatches" in caplog.text) is warned, caplog.text
+
+
 def test_step_log_records_every_planned_step(shards, tmp_path):
     import json
 

@@ -190,3 +190,27 @@ def test_a_data_node_validates_every_table_and_writes_the_reference_without_torc
              "sys.exit('torch leaked: ' + ','.join(leaked[:5]) if leaked else 0)\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_flag_of_an_exclusive_pair_replaces_the_files_other_half(tmp_path):
+    """A shared file's num_microbatches = 2 and a typed --microbatch-token-budget: the flag wins
+    (it was refused as 'set exactly one of --num-microbatches and --microbatch-token-budget',
+    blaming a flag never typed); both typed, or both in the file, is refused naming where."""
+    from mmdispatch import serve
+
+    path = tmp_path / "mmd.toml"
+    path.write_text(FILE.replace("[serve]", "[serve]\nnum_microbatches = 2", 1))
+    values = serve.resolve(_parse("serve", path, "--microbatch-token-budget", "4000"))
+    assert (values["num_microbatches"], values["microbatch_token_budget"]) == (None, 4000)
+    values = serve.resolve(_parse("serve", path, "--microbatch-token", "4000"))  # a prefix, as argparse takes it
+    assert values["num_microbatches"] is None
+    values = serve.resolve(_parse("serve", path, "--dataset", "d.toml"))  # the file's shards give way
+    assert (values["shards"], values["dataset"]) == (None, "d.toml")
+    assert serve.resolve(_parse("serve", path))["num_microbatches"] == 2
+    with pytest.raises(ValueError, match=r"--num-microbatches 3 and --microbatch-token-budget 4000 "
+                                         r"are both on the command line"):
+        serve.resolve(_parse("serve", path, "--num-microbatches", "3", "--microbatch-token-budget", "4000"))
+    path.write_text(FILE.replace("[serve]", "[serve]\nnum_microbatches = 2\nmicrobatch_token_budget = 9", 1))
+    with pytest.raises(ValueError, match=r"mmd.toml: \[serve\] sets both num_microbatches = 2 and "
+                                         r"microbatch_token_budget = 9"):
+        serve.resolve(_parse("serve", path))

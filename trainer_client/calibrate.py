@@ -225,6 +225,12 @@ class PhaseRunner:
 
 
 # ------------------------------------------------------------------------------ calibration
+#: Fewest runs a phase's fit takes (a, b, c and a check of them), and fewest items a run may
+#: hold (several items per run make the per-item constant identifiable).
+MIN_RUNS = 4
+MIN_ITEMS_PER_RUN = 2
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GridConfig:
     """Runs of one phase: `num_runs` runs of 1..max_items items, lengths log-uniform in
@@ -238,8 +244,9 @@ class GridConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len={self.min_len} <= max_len={self.max_len}")
-        if self.num_runs < 4 or self.max_items < 2:
-            raise ValueError(f"need num_runs >= 4 and max_items >= 2 (several items per run make "
+        if self.num_runs < MIN_RUNS or self.max_items < MIN_ITEMS_PER_RUN:
+            raise ValueError(f"need num_runs >= {MIN_RUNS} and max_items >= {MIN_ITEMS_PER_RUN} "
+                             f"(several items per run make "
                              f"the per-item constant identifiable), got {self.num_runs}, {self.max_items}")
 
 
