@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, repeat
+from operator import contains, itemgetter
 from typing import NamedTuple
 
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import HOLDERS, PARTS, STEP, coalesce, encode
+from dispatcher_server.protocol import ANCHOR, HOLDERS, PARTS, STEP, coalesce, encode
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -54,6 +54,10 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
     for it in items:
         if it.modality not in _PHASE_OF or it.enc_len < 0 or it.llm_len < 0:
             return "invalid_header"
+        if ANCHOR in it.meta:
+            anchor = it.meta[ANCHOR]
+            if type(anchor) is not int or not 0 <= anchor <= text_len:
+                return "invalid_header"
         total += it.llm_len
     return "invalid_llm_len" if llm_len != total else None
 
@@ -107,7 +111,8 @@ class StepBatch:
 
     def digest(self) -> str:
         """`DIGEST_PREFIX` and a hash of the keys and of the lengths they were counted with
-        (text and LLM per sample; encoder and LLM per item, with its sample): a journaled plan
+        (text and LLM per sample; encoder and LLM per item, with its sample and its anchor
+        where items are anchored): a journaled plan
         replays only over the same samples counted the same way (readers restarted with other
         counting rules or another tokenizer send other lengths, which the plan would not fit)."""
         h = hashlib.blake2b(digest_size=16)
@@ -117,6 +122,8 @@ class StepBatch:
             e = self.inputs.encoders[phase]
             h.update(phase.encode())
             columns += [e.enc_len, e.llm_len, e.sample]
+            if e.anchored:  # placed by other placeholders, the same lengths lay out otherwise
+                columns.append(e.anchor)
         for column in columns:
             h.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
         return DIGEST_PREFIX + h.hexdigest()
@@ -162,7 +169,11 @@ def build_batch(samples: list[Sample]) -> StepBatch:
     item_llm_len = np.array(item_llm_len, dtype=np.int64)
     payloads = list(chain.from_iterable(payloads))
     phase_items = {p: np.flatnonzero(phase == k) for k, p in enumerate(ENCODER_PHASES)}
-    encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=item_llm_len[f], sample=owner[f])
+    anchor = None
+    if any(map(contains, meta, repeat(ANCHOR))):  # a C-level scan: placeholders are opt-in
+        anchor = np.fromiter((m.get(ANCHOR, 0) for m in meta), dtype=np.int64, count=n)
+    encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=item_llm_len[f], sample=owner[f],
+                                anchor=None if anchor is None else anchor[f])
                 for p, f in phase_items.items() if len(f)}
     inputs = StepInputs(text_len=np.array(text_len, dtype=np.int64),
                         llm_len=np.array(llm_len, dtype=np.int64), encoders=encoders)

@@ -276,7 +276,14 @@ class ItemHeader(NamedTuple):
     member: str  # member suffix inside the sample, e.g. "0.jpg"
     enc_len: int
     llm_len: int
-    meta: dict
+    meta: dict  # header facts; ANCHOR where the item stands among the text
+
+
+#: An item's `meta` key placing it among its sample's text: the number of the sample's text
+#: tokens before it in the LLM sequence (from a placeholder the reader removed). Absent: 0, the
+#: item comes before the text. It rides in meta, which readers already send and the journal's
+#: plans and a replay's re-read keep, so peers without it are unchanged.
+ANCHOR = "anchor"
 
 
 class SampleHeader(NamedTuple):

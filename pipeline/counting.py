@@ -18,9 +18,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import soundfile
 from PIL import Image
 
+from dispatcher_server.protocol import ANCHOR
 from pipeline.headers import (
     JPEG_DECODABLE, HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem,
     jpeg_process_problem, jpeg_size, mp3_header, mp3_xing_problem, png_problem, png_size, wav_header,
@@ -218,8 +220,21 @@ class TextConfig:
     # beyond any model's context, and a sample's tokens travel in one message header at 5 bytes
     # a token (32 MiB limit in the wire protocol).
     max_text_bytes: int = 4 << 20
+    # A token of the tokenizer (an added or special token) standing, in the text, where an item
+    # of that modality goes in the LLM sequence (LLaVA's `<image>`, Qwen2-VL's `<|image_pad|>`):
+    # unset, a sample's items come before its text. See `Counter.place_items`.
+    image_placeholder: str | None = None
+    video_placeholder: str | None = None
+    audio_placeholder: str | None = None
 
     def __post_init__(self) -> None:
+        given = list(self.placeholders.values())
+        if any(not t for t in given):
+            raise ValueError(f"placeholders {self.placeholders} must be non-empty tokens (unset: "
+                             "items come before the text)")
+        if len(set(given)) != len(given):
+            raise ValueError(f"placeholders {self.placeholders} name one token for two modalities: "
+                             "give each modality its own token")
         if self.ascii_bytes_per_token <= 0:
             raise ValueError(f"ascii_bytes_per_token={self.ascii_bytes_per_token} must be > 0")
         if self.max_text_bytes < 1:
@@ -235,6 +250,24 @@ class TextConfig:
             raise ValueError(f"chat template {self.chat_template!r} is neither a built-in "
                              f"({', '.join(BUILTIN_TEMPLATES)}) nor a file: pass a name, a .jinja "
                              f"file or a tokenizer_config.json")
+
+    @property
+    def placeholders(self) -> dict[str, str]:
+        """modality -> its placeholder token, for the modalities that have one."""
+        return {m: t for m, t in (("image", self.image_placeholder), ("video", self.video_placeholder),
+                                  ("audio", self.audio_placeholder)) if t is not None}
+
+
+#: modality -> the flag of its placeholder token
+PLACEHOLDER_FLAGS = {"image": "--image-placeholder", "video": "--video-placeholder",
+                     "audio": "--audio-placeholder"}
+
+
+def placeholder_identity(text: TextConfig) -> str:
+    """The `placeholders` input rule: where items go in the LLM sequence ("none": before the
+    text), so readers placing items by other tokens are refused like another tokenizer."""
+    marks = text.placeholders
+    return ";".join(f"{m}={t}" for m, t in marks.items()) if marks else "none"
 
 
 def _video_config() -> VideoConfig:
@@ -379,6 +412,43 @@ class Counter:
         t = config.text
         self.encoder = None if t.estimate else TextEncoder.load(t.tokenizer_path, t.chat_template)
         self._pil_formats = ["JPEG", "PNG", "WEBP", "GIF"]
+        # modality -> (placeholder id, token); an estimate has no ids to find them in
+        self.placeholders: dict[str, tuple[int, str]] = {} if self.encoder is None else {
+            m: (self.encoder.token_id(tok, PLACEHOLDER_FLAGS[m]), tok) for m, tok in t.placeholders.items()}
+
+    # -- placeholders ---------------------------------------------------------------------
+    def place_items(self, tokens: TextTokens, items: list) -> TextTokens:
+        """The text without its placeholders, each item of a modality with placeholders
+        anchored at its own (`meta["anchor"]`: the text tokens before it, placeholders removed).
+
+        The k-th item of a modality (member order, as items are sent) takes the k-th
+        placeholder of that modality; a modality with none in the text keeps its items before
+        the text (no anchor). Other counts cannot be matched: CountError `placeholder_mismatch`.
+        """
+        ids = tokens.ids
+        found, where = [], []
+        for modality, (pid, tok) in self.placeholders.items():
+            at = np.flatnonzero(ids == pid)
+            if not len(at):
+                continue
+            mine = [it for it in items if it.modality == modality]
+            if len(at) != len(mine):
+                raise CountError("placeholder_mismatch",
+                                 f"the text holds {len(at)} {tok!r} placeholders for {len(mine)} "
+                                 f"{modality} members: each {modality} needs its own placeholder, "
+                                 "or the text none")
+            found.append(mine)
+            where.append(at)
+        if not found:
+            return tokens
+        at = np.concatenate(where)
+        removed = np.sort(at)
+        anchors = at - np.searchsorted(removed, at)  # text tokens before each, placeholders gone
+        for it, anchor in zip((it for mine in found for it in mine), anchors.tolist()):
+            it.meta[ANCHOR] = anchor
+        keep = np.ones(len(ids), dtype=bool)
+        keep[removed] = False
+        return TextTokens(ids[keep], tokens.mask[keep])
 
     # -- images ---------------------------------------------------------------------------
     def image(self, data: bytes | memoryview) -> tuple[int, int, dict]:
@@ -627,6 +697,7 @@ def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) ->
 
 __all__ = [
     "AudioConfig", "Conversation", "CountError", "Counter", "CountingConfig", "FieldText", "ImageConfig",
-    "TextConfig",
-    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "smart_resize", "wav_header",
+    "PLACEHOLDER_FLAGS", "TextConfig",
+    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "placeholder_identity", "smart_resize",
+    "wav_header",
 ]

@@ -54,6 +54,8 @@ REASONS: dict[str, str] = {
     "bad_json": "a JSON member that does not parse or has no usable text field",
     "chat_template": "a conversation the chat template refuses, or renders so that its assistant "
                      "tokens cannot be located exactly",
+    "placeholder_mismatch": "a text holding placeholders of a modality (--image-placeholder...) "
+                            "in another number than the sample has members of it",
     "bad_gzip": "a .gz member that is corrupt or truncated",
     "count_failed": "counting the sample raised an unexpected error (a defect: please report it "
                     "with the sample; the reader logs its traceback once)",

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from dispatcher_server.cliopts import finite_float, named_by_flags
-from pipeline.counting import AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip
+from pipeline.counting import (
+    PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip,
+)
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
@@ -90,6 +92,11 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--chat-template", default=None,
         help="chat template for conversations: a built-in name (chatml), a .jinja file or a "
              "tokenizer_config.json (unset: the tokenizer_config.json beside --tokenizer, else chatml)")
+    for modality, flag in PLACEHOLDER_FLAGS.items():
+        add(flag, default=None,
+            help=f"token of the tokenizer (an added or special one) marking in the text where "
+                 f"each {modality} member goes, in member order; removed from the ids (unset: a "
+                 f"sample's items come before its text)")
     add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
     add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
         help="skip samples with a member larger than this (read through, never held)")
@@ -131,7 +138,9 @@ def reader_config_from_args(args: argparse.Namespace, *, keep_members: bool = Tr
 def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig:
     text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes,
                          "chat_template": getattr(args, "chat_template", None),
-                         "estimate": getattr(args, "estimate_text", False)}
+                         "estimate": getattr(args, "estimate_text", False),
+                         **{f"{m}_placeholder": getattr(args, f"{m}_placeholder", None)
+                            for m in PLACEHOLDER_FLAGS}}
     if args.json_field:
         blank = [f for f in args.json_field if not f.strip()]
         if blank:
@@ -323,7 +332,8 @@ class SampleBuilder:
         items: list[Item] = []
         items_llm = 0
         # LLM sequence convention: images, then videos, then audio clips, each in natural name
-        # order, then text. Videos run in the vision phase beside images (as in Qwen2-VL).
+        # order, then text, unless placeholders anchor them in it (`Counter.place_items`).
+        # Videos run in the vision phase beside images (as in Qwen2-VL).
         for modality, group, count in (("image", images, self.counter.image), ("video", videos, self._video),
                                        ("audio", audios, self.counter.audio)):
             if len(group) > 1:
@@ -352,6 +362,8 @@ class SampleBuilder:
                 text_len = sum(self.counter.estimate_of(v) for v, _ in values)
             else:
                 tokens = TextTokens.concat([self.counter.text_of(v, what) for v, what in values])
+                if self.counter.placeholders:
+                    tokens = self.counter.place_items(tokens, items)
                 text_len = len(tokens)
         if unused is not None:
             for sfx in no_text:

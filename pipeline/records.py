@@ -34,7 +34,8 @@ class SampleRecord:
     """A counted sample: key, where it came from, its items, and its raw members.
 
     `llm_len == text_len + sum(item.llm_len for item in items)`. Item order is the order of
-    the sample's LLM sequence (images, videos, audio clips, then text), see the planner.
+    the sample's LLM sequence (images, videos, audio clips, then text), see the planner, except
+    that an item anchored at a placeholder (`meta["anchor"]`) stands after that many text tokens.
     """
 
     key: str

@@ -36,7 +36,7 @@ from dispatcher_server.cliopts import (
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
-from pipeline.counting import CountingConfig
+from pipeline.counting import CountingConfig, placeholder_identity
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
@@ -436,7 +436,8 @@ class ReaderWorker:
 def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) -> dict:
     """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
     tokenizer's identity and the chat template's (`chat_template`: readers render
-    conversations into the ids they send; trainers, which receive ids, do not state it)
+    conversations into the ids they send; trainers, which receive ids, do not state it) and
+    the placeholders items are placed at (`placeholders`: "none", or e.g. "image=<image>"),
     unless text is only estimated (then no ids are sent). `template`: the one the reader
     loaded, if it has (else it is resolved from `counting`)."""
     from pipeline.preprocess import PreprocessConfig
@@ -446,6 +447,7 @@ def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) 
         rules.update(tokenizer_identity(counting.text.tokenizer_path))
         rules.update({"chat_template": template.identity} if template is not None else
                      chat_template_identity(counting.text.chat_template, counting.text.tokenizer_path))
+        rules["placeholders"] = placeholder_identity(counting.text)
     return rules
 
 

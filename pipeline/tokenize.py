@@ -665,6 +665,20 @@ class TextEncoder:
     def load(tokenizer_path: str | None, chat_template: str | None = None) -> TextEncoder:
         return TextEncoder(load_tokenizer(tokenizer_path), resolve_chat_template(chat_template, tokenizer_path))
 
+    def token_id(self, token: str, flag: str) -> int:
+        """The id of `token` where the tokenizer holds it whole (an added or special token, as a
+        placeholder must be); else ValueError in one line naming the token, flag and tokenizer."""
+        tok = self.tokenizer
+        ids = tok.encode(token).tolist()
+        if isinstance(tok, HFTokenizer) and ids == [tok.tokenizer.token_to_id(token)]:
+            return ids[0]
+        where = ("the byte-level tokenizer (every character is its UTF-8 bytes: pass --tokenizer "
+                 "with one that holds the token)" if isinstance(tok, ByteTokenizer) else
+                 f"tokenizer {tok.name!r} (add it to the tokenizer's added_tokens, or name the "
+                 "token the model's processor expands, such as '<image>' or '<|image_pad|>')")
+        raise ValueError(f"{flag} {token!r} is not one token of {where}: it encodes to "
+                         f"{len(ids)} ids {ids[:8]}")
+
     def plain(self, text: str) -> TextTokens:
         """Plain text: all tokens are targets (mask 1)."""
         return TextTokens.plain(self.tokenizer.encode(text))

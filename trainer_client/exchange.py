@@ -28,6 +28,7 @@ __all__ = [
     "Exchanger",
     "exchange_embeddings",
     "pack_llm_inputs",
+    "text_positions",
 ]
 
 
@@ -403,7 +404,7 @@ def pack_llm_inputs(
     if text_embeds.dim() != 2:
         raise ValueError(f"text_embeds must be [tokens, hidden], got shape {tuple(text_embeds.shape)}")
     parts = [text_embeds]
-    positions = [_ranges(rank_mb.text_offsets, rank_mb.text_len)]
+    positions = [text_positions(rank_mb)]
     if text_embeds.shape[0] != positions[0].shape[0]:
         raise ValueError(f"text_embeds has {text_embeds.shape[0]} rows but the plan has "
                          f"{positions[0].shape[0]} text tokens")
@@ -438,6 +439,26 @@ def pack_llm_inputs(
         torch.as_tensor(cu, dtype=torch.int32, device=dev),
         torch.as_tensor(pos_ids, device=dev),
     )
+
+
+def text_positions(rank_mb: RankMicrobatch) -> np.ndarray:
+    """Where each text token of the micro-batch stands in the packed sequence (samples in
+    `rank_mb.samples` order, each's tokens in order): the positions of its samples that no
+    received item covers. Text that closes every sample (no item anchored among it, the
+    default layout) is one range from `text_offsets` per sample, found without that scan."""
+    starts = np.asarray(rank_mb.text_offsets, dtype=np.int64)
+    lengths = np.asarray(rank_mb.text_len, dtype=np.int64)
+    ends = np.asarray(rank_mb.sample_offsets, dtype=np.int64) + np.asarray(rank_mb.sample_llm_len, dtype=np.int64)
+    if np.all((starts + lengths == ends) | (lengths == 0)):
+        return _ranges(starts, lengths)
+    covered = np.zeros(rank_mb.total_len, dtype=bool)
+    for px in rank_mb.exchanges.values():
+        covered[_ranges(px.recv_offsets, px.recv_llm_len)] = True
+    where = np.flatnonzero(~covered)
+    if where.shape[0] != int(lengths.sum()):
+        raise ValueError(f"rank {rank_mb.rank} mb {rank_mb.microbatch}: items leave {where.shape[0]} "
+                         f"positions for {int(lengths.sum())} text tokens")
+    return where
 
 
 def _ranges(starts, lengths) -> np.ndarray:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dispatcher_server.planner.types import RankMicrobatch
-from trainer_client.exchange import Exchanger, pack_llm_inputs
+from trainer_client.exchange import Exchanger, pack_llm_inputs, text_positions
 
 #: Label value that the loss ignores (item embeddings, first token of a text-only sample).
 IGNORE_INDEX = -100
@@ -235,8 +235,8 @@ def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor,
                   loss_mask: Sequence[Tensor] | Tensor | None = None) -> Tensor:
     """Next-token targets of a packed micro-batch: position p predicts the text token at p+1.
 
-    Text closes each sample, so its first token is predicted from the sample's last item
-    embedding (when it has items) and the sample's last position predicts nothing. A token
+    A text token is predicted from the position before it, an item's last embedding where an
+    item precedes it; a token at its sample's first position is predicted by nothing. A token
     whose `loss_mask` is 0 (a conversation's non-assistant tokens) is no target either
     (label IGNORE_INDEX); no mask means every text token is a target.
     """
@@ -249,12 +249,12 @@ def packed_labels(rank_mb: RankMicrobatch, text_ids: Sequence[Tensor] | Tensor,
             raise ValueError(f"loss mask of {mask.shape[0]} tokens for {ids.shape[0]} text ids")
         ids = ids.masked_fill(~mask, IGNORE_INDEX)
     labels = torch.full((rank_mb.total_len,), IGNORE_INDEX, dtype=torch.long)
-    t = 0
-    for start, off, n in zip(rank_mb.sample_offsets, rank_mb.text_offsets, rank_mb.text_len):
-        off, n, start = int(off), int(n), int(start)
-        first = 1 if off == start else 0  # a text-only sample cannot predict its first token
-        labels[off - 1 + first : off - 1 + n] = ids[t + first : t + n]
-        t += n
+    where = text_positions(rank_mb)
+    # a token at its sample's first position (text-only, or text before any item) has no predictor
+    starts = np.repeat(np.asarray(rank_mb.sample_offsets, dtype=np.int64),
+                       np.asarray(rank_mb.text_len, dtype=np.int64))
+    keep = where > starts
+    labels[torch.as_tensor(where[keep] - 1)] = ids[torch.as_tensor(keep)]
     return labels
 
 

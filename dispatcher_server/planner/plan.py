@@ -89,7 +89,8 @@ class StepPlan:
     """Placement of one step: micro-batch and LLM rank per sample, encoder rank per item.
 
     Layout of a (rank, micro-batch) packed LLM sequence: its samples in increasing sample id;
-    inside a sample its vision items, then audio items (item order), then its text.
+    inside a sample its vision items, then audio items (item order), then its text; or, where
+    items are anchored in their text, as `anchored_layout` places them.
     """
 
     def __init__(self, *, inputs: StepInputs, topology: Topology, num_microbatches: int,
@@ -133,6 +134,9 @@ class StepPlan:
         groups = self.sample_mb * W + self.sample_rank
         self.sample_offset, self.sample_order = group_excl_cumsum(groups, _i64(self.inputs.llm_len))
         self.sample_ptr = _ptr(groups[self.sample_order], W * M)
+        if any(self.inputs.items(p).anchored for p in ENCODER_PHASES):
+            self.item_offset, self.text_offset = anchored_layout(self.inputs, self.sample_offset)
+            return
         prefix = self.sample_offset.copy()
         self.item_offset: dict[str, np.ndarray] = {}
         for p in ENCODER_PHASES:
@@ -261,7 +265,9 @@ class StepPlan:
             "inputs": {
                 "text_len": _enc(inp.text_len), "llm_len": _enc(inp.llm_len),
                 "encoders": {p: {"enc_len": _enc(e.enc_len), "llm_len": _enc(e.llm_len),
-                                 "sample": _enc(e.sample)} for p, e in inp.encoders.items()},
+                                 "sample": _enc(e.sample),
+                                 **({"anchor": _enc(e.anchor)} if e.anchor is not None else {})}
+                             for p, e in inp.encoders.items()},
             },
             "sample_mb": _enc(self.sample_mb), "sample_rank": _enc(self.sample_rank),
             "item_rank": {p: _enc(a) for p, a in self.item_rank.items()},
@@ -278,7 +284,9 @@ class StepPlan:
         inputs = StepInputs(
             text_len=_dec(i["text_len"]), llm_len=_dec(i["llm_len"]),
             encoders={p: EncoderItems(enc_len=_dec(e["enc_len"]), llm_len=_dec(e["llm_len"]),
-                                      sample=_dec(e["sample"])) for p, e in i["encoders"].items()},
+                                      sample=_dec(e["sample"]),
+                                      anchor=_dec(e["anchor"]) if "anchor" in e else None)
+                      for p, e in i["encoders"].items()},
         )
         return StepPlan(
             inputs=inputs, topology=Topology(**d["topology"]),
@@ -289,6 +297,34 @@ class StepPlan:
             llm_capacity=d["llm_capacity"], encoder_capacity=d["encoder_capacity"],
             isolated_microbatches=_dec(d["isolated_microbatches"]),
         )
+
+
+def anchored_layout(inputs: StepInputs, sample_offset: np.ndarray
+                    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """(item offsets per phase, text offsets) of samples whose items stand among their text.
+
+    Within a sample, items go in (anchor, phase, item id) order, each at sample offset + its
+    anchor + the LLM tokens of the items before it; text fills the positions left, in order,
+    so a sample's first text token stands after the items anchored at 0 (all anchors 0 give the
+    default layout)."""
+    its = [inputs.items(p) for p in ENCODER_PHASES]
+    sizes = [len(it) for it in its]
+    sample = np.concatenate([_i64(it.sample) for it in its])
+    llm = np.concatenate([_i64(it.llm_len) for it in its])
+    anchor = np.concatenate([_i64(it.anchor) if it.anchor is not None else np.zeros(len(it), np.int64)
+                             for it in its])
+    phase = np.repeat(np.arange(len(its), dtype=np.int64), sizes)
+    ident = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+    order = np.lexsort((ident, phase, anchor, sample))
+    before = np.empty_like(llm)
+    if len(order):
+        # in (sample, anchor, phase, id) order a sample's items sit together, in place order
+        before[order], _ = group_excl_cumsum(sample[order], llm[order])
+    offset = sample_offset[sample] + anchor + before
+    bounds = np.cumsum([0, *sizes])
+    item_offset = {p: offset[bounds[k]:bounds[k + 1]] for k, p in enumerate(ENCODER_PHASES)}
+    first = np.bincount(sample, weights=llm * (anchor == 0), minlength=len(sample_offset))
+    return item_offset, sample_offset + first.astype(np.int64)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -392,7 +428,8 @@ def _check_same_inputs(plan: StepPlan, inputs: StepInputs) -> None:
     for p in ENCODER_PHASES:
         a, b = pi.items(p), inputs.items(p)
         if not all(np.array_equal(x, y) for x, y in
-                   ((a.enc_len, b.enc_len), (a.llm_len, b.llm_len), (a.sample, b.sample))):
+                   ((a.enc_len, b.enc_len), (a.llm_len, b.llm_len), (a.sample, b.sample),
+                    (_anchors(a), _anchors(b)))):
             raise PlanError(f"plan was made for different {p} items")
     total = _i64(inputs.text_len).copy()
     for p in ENCODER_PHASES:
@@ -400,6 +437,11 @@ def _check_same_inputs(plan: StepPlan, inputs: StepInputs) -> None:
         if len(it) and (it.sample.min() < 0 or it.sample.max() >= S):
             raise PlanError(f"{p} item owned by a sample outside 0..{S - 1}")
         total += np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
+        anchor = _anchors(it)
+        if len(it) and (anchor.min() < 0 or np.any(anchor > _i64(inputs.text_len)[it.sample])):
+            bad = int(np.flatnonzero((anchor < 0) | (anchor > _i64(inputs.text_len)[it.sample]))[0])
+            raise PlanError(f"{p} item {bad}: anchor {anchor[bad]} outside its sample's "
+                            f"{inputs.text_len[it.sample[bad]]} text tokens")
     if not np.array_equal(total, inputs.llm_len):
         bad = int(np.flatnonzero(total != inputs.llm_len)[0])
         raise PlanError(f"sample {bad}: llm_len {inputs.llm_len[bad]} != text + items {total[bad]}")
@@ -422,7 +464,8 @@ def _check_ranges(plan: StepPlan, inputs: StepInputs) -> None:
 
 def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
     """The packing order is a permutation of the samples grouped by (micro-batch, rank) and
-    the offsets tile each packed sequence, items then text inside each sample."""
+    the offsets tile each packed sequence, items then text inside each sample
+    (or, with anchors, as `anchored_layout` places them)."""
     W, M, S = plan.topology.world_size, plan.num_microbatches, inputs.num_samples
     # Packing order: a permutation of the samples, grouped by (mb, rank), W*M groups.
     order, ptr = plan.sample_order, plan.sample_ptr
@@ -440,6 +483,9 @@ def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
     start = cs[ptr[expect_group]]
     if not np.array_equal(plan.sample_offset[order], cs - start):
         raise PlanError("sample offsets are not contiguous in packing order")
+    if any(inputs.items(p).anchored for p in ENCODER_PHASES):
+        _check_anchored(plan, inputs)
+        return
     prefix = plan.sample_offset.copy()
     for p in ENCODER_PHASES:
         it = inputs.items(p)
@@ -448,6 +494,39 @@ def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
             raise PlanError(f"{p} item offsets break the layout convention")
         prefix = prefix + np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
     if not np.array_equal(plan.text_offset, prefix):
+        raise PlanError("text offsets break the layout convention")
+
+
+def _anchors(it: EncoderItems) -> np.ndarray:
+    return _i64(it.anchor) if it.anchor is not None else np.zeros(len(it), np.int64)
+
+
+def _check_anchored(plan: StepPlan, inputs: StepInputs) -> None:
+    """Items anchored in their text: taken in place order within each sample, no two overlap,
+    each lies inside its sample with exactly `anchor` text positions of it before, equal
+    anchors go by (phase, item id), and a sample's text starts after its items anchored at 0."""
+    S = inputs.num_samples
+    its = [inputs.items(p) for p in ENCODER_PHASES]
+    sizes = [len(it) for it in its]
+    sample = np.concatenate([_i64(it.sample) for it in its])
+    llm = np.concatenate([_i64(it.llm_len) for it in its])
+    anchor = np.concatenate([_anchors(it) for it in its])
+    phase = np.repeat(np.arange(len(its), dtype=np.int64), sizes)
+    ident = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+    start = np.concatenate([_i64(plan.item_offset[p]) for p in ENCODER_PHASES]) - plan.sample_offset[sample]
+    by_place = np.lexsort((ident, phase, anchor, start, sample))
+    if not np.array_equal(by_place, np.lexsort((ident, phase, anchor, sample))):
+        raise PlanError("anchored item offsets do not follow (anchor, phase, item) order")
+    s, a, n, at = sample[by_place], anchor[by_place], llm[by_place], start[by_place]
+    items_before, _ = group_excl_cumsum(s, n)
+    first = np.r_[True, s[1:] != s[:-1]] if len(s) else np.zeros(0, dtype=bool)
+    prev_end = np.r_[0, at[:-1] + n[:-1]] if len(s) else np.zeros(0, np.int64)
+    if np.any(at - items_before != a) or np.any(~first & (at < prev_end)):
+        raise PlanError("anchored item offsets break the layout convention")
+    if len(s) and np.any(at + n > _i64(inputs.llm_len)[s]):
+        raise PlanError("an anchored item reaches past its sample")
+    lead = np.bincount(sample, weights=llm * (anchor == 0), minlength=S).astype(np.int64)
+    if not np.array_equal(plan.text_offset, plan.sample_offset + lead):
         raise PlanError("text offsets break the layout convention")
 
 

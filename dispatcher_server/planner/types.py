@@ -2,8 +2,10 @@
 
 Everything is flat numpy arrays indexed by sample id (0..S-1 within the step) or item id
 (0..N-1 within one encoder phase), so plans for 2560 ranks stay cheap to build, slice and ship.
-Layout of one sample's LLM sequence (fixed convention, relied on by the trainer):
-its vision items in item order, then its audio items in item order, then its text tokens.
+Layout of one sample's LLM sequence (fixed convention, relied on by the trainer): its items
+ordered by (anchor, phase, item id), each after `anchor` of the sample's text tokens, and its
+text tokens in order at the positions the items leave. With no anchors (the default): its vision
+items in item order, then its audio items in item order, then its text tokens.
 """
 
 from __future__ import annotations
@@ -64,11 +66,19 @@ class EncoderItems:
     """The items of one encoder phase in a step (images for vision, clips for audio).
 
     Item ids are positions in these arrays. Items of one sample appear in sample order.
+    `anchor` places items among their sample's text (a placeholder's position: the text tokens
+    before the item); None, as every anchor 0, puts them before it.
     """
 
     enc_len: np.ndarray  # int64[N]: sequence length the encoder attends over
     llm_len: np.ndarray  # int64[N]: embeddings the item becomes in the LLM sequence
     sample: np.ndarray  # int64[N]: owning sample id
+    anchor: np.ndarray | None = None  # int64[N]: text tokens of its sample before it
+
+    @property
+    def anchored(self) -> bool:
+        """Whether some item stands after text of its sample (else the default layout)."""
+        return self.anchor is not None and bool(self.anchor.any())
 
     @staticmethod
     def empty() -> EncoderItems:
@@ -126,7 +136,7 @@ class RankMicrobatch:
     samples: np.ndarray  # int64[s]: LLM sample ids in packing order
     sample_offsets: np.ndarray  # int64[s]: start of each sample in the packed LLM sequence
     sample_llm_len: np.ndarray  # int64[s]
-    text_offsets: np.ndarray  # int64[s]: where each sample's text tokens start
+    text_offsets: np.ndarray  # int64[s]: where each sample's first text token stands
     text_len: np.ndarray  # int64[s]
     exchanges: dict[str, PhaseExchange]  # keyed by ENCODER_PHASES
 
