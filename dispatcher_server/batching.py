@@ -54,11 +54,11 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
     for it in items:
         if it.modality not in _PHASE_OF or it.enc_len < 0 or it.llm_len < 0:
             return "invalid_header"
-        if ANCHOR in it.meta:
-            anchor = it.meta[ANCHOR]
-            if type(anchor) is not int or not 0 <= anchor <= text_len:
-                return "invalid_header"
         total += it.llm_len
+    anchors = [it.meta[ANCHOR] for it in items if ANCHOR in it.meta]
+    if anchors and (any(type(a) is not int or not 0 <= a < text_len + len(anchors) for a in anchors)
+                    or len(set(anchors)) != len(anchors)):
+        return "invalid_header"  # each placeholder held its own place among text + placeholders
     return "invalid_llm_len" if llm_len != total else None
 
 
@@ -171,7 +171,7 @@ def build_batch(samples: list[Sample]) -> StepBatch:
     phase_items = {p: np.flatnonzero(phase == k) for k, p in enumerate(ENCODER_PHASES)}
     anchor = None
     if any(map(contains, meta, repeat(ANCHOR))):  # a C-level scan: placeholders are opt-in
-        anchor = np.fromiter((m.get(ANCHOR, 0) for m in meta), dtype=np.int64, count=n)
+        anchor = np.fromiter((m.get(ANCHOR, -1) for m in meta), dtype=np.int64, count=n)
     encoders = {p: EncoderItems(enc_len=enc_len[f], llm_len=item_llm_len[f], sample=owner[f],
                                 anchor=None if anchor is None else anchor[f])
                 for p, f in phase_items.items() if len(f)}

@@ -279,9 +279,10 @@ class ItemHeader(NamedTuple):
     meta: dict  # header facts; ANCHOR where the item stands among the text
 
 
-#: An item's `meta` key placing it among its sample's text: the number of the sample's text
-#: tokens before it in the LLM sequence (from a placeholder the reader removed). Absent: 0, the
-#: item comes before the text. It rides in meta, which readers already send and the journal's
+#: An item's `meta` key placing it among its sample's text: the position its placeholder (which
+#: the reader removed) held in the sample's text ids, placeholders counted, so the anchored
+#: items of a sample have distinct anchors in the order their placeholders were written.
+#: Absent: the item comes before the text. It rides in meta, which readers already send and the journal's
 #: plans and a replay's re-read keep, so peers without it are unchanged.
 ANCHOR = "anchor"
 

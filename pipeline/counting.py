@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -229,9 +230,11 @@ class TextConfig:
 
     def __post_init__(self) -> None:
         given = list(self.placeholders.values())
-        if any(not t for t in given):
-            raise ValueError(f"placeholders {self.placeholders} must be non-empty tokens (unset: "
-                             "items come before the text)")
+        for modality, token in self.placeholders.items():
+            if not token:
+                raise ValueError(f"--{modality}-placeholder ([counting] {modality}_placeholder) is "
+                                 "empty: give the token, or leave it unset (items come before "
+                                 "the text)")
         if len(set(given)) != len(given):
             raise ValueError(f"placeholders {self.placeholders} name one token for two modalities: "
                              "give each modality its own token")
@@ -415,11 +418,18 @@ class Counter:
         # modality -> (placeholder id, token); an estimate has no ids to find them in
         self.placeholders: dict[str, tuple[int, str]] = {} if self.encoder is None else {
             m: (self.encoder.token_id(tok, PLACEHOLDER_FLAGS[m]), tok) for m, tok in t.placeholders.items()}
+        if self.encoder is None and t.placeholders:
+            logging.getLogger("mmdispatch.counting").warning(
+                "mmdispatch event=placeholders_ignored flags=%s why='text is only estimated: "
+                "placeholders are neither checked nor removed, and count as text' fix='drop "
+                "--estimate-text to count what readers send'",
+                ",".join(PLACEHOLDER_FLAGS[m] for m in t.placeholders))
 
     # -- placeholders ---------------------------------------------------------------------
     def place_items(self, tokens: TextTokens, items: list) -> TextTokens:
         """The text without its placeholders, each item of a modality with placeholders
-        anchored at its own (`meta["anchor"]`: the text tokens before it, placeholders removed).
+        anchored at its own (`meta["anchor"]`: its placeholder's position in the text's ids,
+        placeholders counted: the items placed before it stand for the placeholders before it).
 
         The k-th item of a modality (member order, as items are sent) takes the k-th
         placeholder of that modality; a modality with none in the text keeps its items before
@@ -442,12 +452,12 @@ class Counter:
         if not found:
             return tokens
         at = np.concatenate(where)
-        removed = np.sort(at)
-        anchors = at - np.searchsorted(removed, at)  # text tokens before each, placeholders gone
-        for it, anchor in zip((it for mine in found for it in mine), anchors.tolist()):
+        # Each item's anchor is its placeholder's position in the ids as they were: it orders
+        # items whose placeholders stand side by side (`<audio><image>`) as they were written.
+        for it, anchor in zip((it for mine in found for it in mine), at.tolist()):
             it.meta[ANCHOR] = anchor
         keep = np.ones(len(ids), dtype=bool)
-        keep[removed] = False
+        keep[at] = False
         return TextTokens(ids[keep], tokens.mask[keep])
 
     # -- images ---------------------------------------------------------------------------

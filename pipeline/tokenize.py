@@ -666,18 +666,24 @@ class TextEncoder:
         return TextEncoder(load_tokenizer(tokenizer_path), resolve_chat_template(chat_template, tokenizer_path))
 
     def token_id(self, token: str, flag: str) -> int:
-        """The id of `token` where the tokenizer holds it whole (an added or special token, as a
-        placeholder must be); else ValueError in one line naming the token, flag and tokenizer."""
+        """The id of `token` where it is an added (or special) token of the tokenizer, as a
+        placeholder must be: one ordinary text never forms (a vocabulary word such as 'What'
+        would turn every 'What' that starts a text into an item's slot). Else ValueError in one
+        line naming the token, flag and tokenizer."""
         tok = self.tokenizer
         ids = tok.encode(token).tolist()
-        if isinstance(tok, HFTokenizer) and ids == [tok.tokenizer.token_to_id(token)]:
+        if isinstance(tok, ByteTokenizer):
+            raise ValueError(f"{flag} {token!r} is not a token of the byte-level tokenizer (every "
+                             "character is its UTF-8 bytes): pass --tokenizer with one that holds "
+                             "the placeholder as an added token")
+        added = {t.content: i for i, t in tok.tokenizer.get_added_tokens_decoder().items()}
+        if added.get(token) is not None and ids == [added[token]]:
             return ids[0]
-        where = ("the byte-level tokenizer (every character is its UTF-8 bytes: pass --tokenizer "
-                 "with one that holds the token)" if isinstance(tok, ByteTokenizer) else
-                 f"tokenizer {tok.name!r} (add it to the tokenizer's added_tokens, or name the "
-                 "token the model's processor expands, such as '<image>' or '<|image_pad|>')")
-        raise ValueError(f"{flag} {token!r} is not one token of {where}: it encodes to "
-                         f"{len(ids)} ids {ids[:8]}")
+        raise ValueError(f"{flag} {token!r} is not an added or special token of tokenizer "
+                         f"{tok.name!r} (it encodes to {len(ids)} ids {ids[:8]}): a placeholder must be "
+                         "one that ordinary text never forms; add it to the tokenizer's added_tokens, "
+                         "or name the token the model's processor expands, such as '<image>' or "
+                         "'<|image_pad|>'")
 
     def plain(self, text: str) -> TextTokens:
         """Plain text: all tokens are targets (mask 1)."""

@@ -79,8 +79,8 @@ def test_reader_removes_placeholders_and_anchors_each_item_at_its_own(tmp_path, 
         assert rec.tokens.ids.tolist() == want and rec.text_len == len(want)
         assert rec.tokens.mask.tolist() == [1] * len(want)
         assert rec.llm_len == rec.text_len + sum(it.llm_len for it in rec.items)
-        # the k-th image (member order) at the k-th placeholder: text tokens before it
-        places = [k - n for n, k in enumerate(i for i, t in enumerate(full) if t == image_id)]
+        # the k-th image (member order) at the k-th placeholder: where it stood in the ids
+        places = [i for i, t in enumerate(full) if t == image_id]
         assert [it.meta.get("anchor") for it in rec.items] == (places or [None] * len(rec.items))
     assert recs["lead"].items[0].meta["anchor"] == 0
     assert recs["mid"].items[0].meta["anchor"] == len(encode(tokenizer_file, "Hello "))
@@ -121,13 +121,29 @@ def test_placeholder_count_that_matches_no_item_count_skips_the_sample(tmp_path,
 def test_a_placeholder_that_is_not_one_token_is_refused_naming_it(tokenizer_file):
     from pipeline.reader import SampleBuilder
 
-    with pytest.raises(ValueError, match=r"--image-placeholder '<img>' is not one token of tokenizer "
-                                         r"'tokenizer.json'"):
+    with pytest.raises(ValueError, match=r"--image-placeholder '<img>' is not an added or special "
+                                         r"token of tokenizer 'tokenizer.json'"):
         SampleBuilder(reader_config(tokenizer_file, image_placeholder="<img>"))
-    with pytest.raises(ValueError, match=r"--audio-placeholder '<audio>' is not one token of the byte-level"):
+    with pytest.raises(ValueError, match=r"--audio-placeholder '<audio>' is not a token of the byte-level"):
         SampleBuilder(ReaderConfig(counting=CountingConfig(text=TextConfig(audio_placeholder="<audio>"))))
     with pytest.raises(ValueError, match="one token for two modalities"):
         TextConfig(image_placeholder="<image>", video_placeholder="<image>")
+    with pytest.raises(ValueError, match=r"--image-placeholder \(\[counting\] image_placeholder\) is empty"):
+        TextConfig(image_placeholder="")
+    # A vocabulary word is one token too, but ordinary text forms it: every one that starts a
+    # text would have become an image's slot.
+    tok = tokenizers.Tokenizer.from_file(tokenizer_file)
+    word = next(w for w in ("What", "Hello", "the", "a", "A")
+                if len(tok.encode(w, add_special_tokens=False).ids) == 1)
+    with pytest.raises(ValueError, match=f"'{word}' is not an added or special token"):
+        SampleBuilder(reader_config(tokenizer_file, image_placeholder=word))
+
+
+def test_placeholders_with_estimated_text_are_said_to_be_ignored(caplog):
+    from pipeline.counting import Counter
+
+    Counter(CountingConfig(text=TextConfig(estimate=True, image_placeholder="<image>")))
+    assert "event=placeholders_ignored flags=--image-placeholder" in caplog.text
 
 
 def test_readers_with_other_placeholders_are_refused_like_another_tokenizer(tokenizer_file):
@@ -170,8 +186,9 @@ def _one_rank_plan(inputs: StepInputs) -> StepPlan:
 
 
 def test_planner_places_anchored_items_among_the_text():
-    # sample 0: 5 text tokens, image (3) at 2, image (2) at 5, audio (4) at 2; sample 1: image at 0
-    inputs = _inputs([5, 3], [(0, 3, 2), (0, 2, 5), (1, 2, 0)], [(0, 4, 2)])
+    # anchors are placeholder positions, placeholders counted: sample 0 was written
+    # "t t <img> <aud> t t t <img>" (5 text tokens), sample 1 "<img> t t t"
+    inputs = _inputs([5, 3], [(0, 3, 2), (0, 2, 7), (1, 2, 0)], [(0, 4, 3)])
     plan = _one_rank_plan(inputs)
     validate(plan, inputs)
     # sample 0 = t t [img 3][aud 4] t t t [img 2] -> 14 positions; sample 1 at 14: [img 2] t t t
@@ -191,8 +208,21 @@ def test_planner_places_anchored_items_among_the_text():
         validate(plan, inputs)
 
 
-def test_all_anchors_zero_or_absent_is_the_default_layout():
-    rows_v, rows_a = [(0, 3, 0), (0, 2, 0), (1, 2, 0)], [(0, 4, 0)]
+def test_placeholders_side_by_side_keep_the_order_they_were_written_in():
+    """`<audio><image> both`: the audio's rows, then the image's, as a processor expands them
+    (anchors that counted only the text tokens tied there, and phase order put vision first)."""
+    inputs = _inputs([1], [(0, 3, 1)], [(0, 2, 0)])
+    plan = _one_rank_plan(inputs)
+    validate(plan, inputs)
+    assert plan.item_offset["audio"].tolist() == [0] and plan.item_offset["vision"].tolist() == [2]
+    assert plan.text_offset.tolist() == [5]
+    swapped = _inputs([1], [(0, 3, 0)], [(0, 2, 1)])
+    plan = _one_rank_plan(swapped)
+    assert plan.item_offset["vision"].tolist() == [0] and plan.item_offset["audio"].tolist() == [3]
+
+
+def test_anchors_absent_or_minus_one_is_the_default_layout():
+    rows_v, rows_a = [(0, 3, -1), (0, 2, -1), (1, 2, -1)], [(0, 4, -1)]
     default = _one_rank_plan(_inputs([5, 3], rows_v, rows_a, anchors=False))
     zeros = _one_rank_plan(_inputs([5, 3], rows_v, rows_a))
     assert default.item_offset["vision"].tolist() == zeros.item_offset["vision"].tolist() == [0, 3, 14]
@@ -205,8 +235,14 @@ def test_solver_plans_anchored_steps_that_validate():
     rng = np.random.default_rng(0)
     S = 40
     text = rng.integers(2, 60, S)
-    vis = [(s, int(rng.integers(1, 30)), int(rng.integers(0, text[s] + 1))) for s in range(S) for _ in range(s % 3)]
-    aud = [(s, int(rng.integers(1, 20)), int(rng.integers(0, text[s] + 1))) for s in range(0, S, 4)]
+    vis_n = [s % 3 for s in range(S)]
+    aud_n = [int(s % 4 == 0) for s in range(S)]
+    # distinct places among each sample's text and placeholders; some items unplaced (-1)
+    places = [list(rng.choice(text[s] + vis_n[s] + aud_n[s], vis_n[s] + aud_n[s], replace=False))
+              for s in range(S)]
+    places = [[int(a) if rng.random() < 0.8 else -1 for a in p] for p in places]
+    vis = [(s, int(rng.integers(1, 30)), places[s][k]) for s in range(S) for k in range(vis_n[s])]
+    aud = [(s, int(rng.integers(1, 20)), places[s][vis_n[s]]) for s in range(S) if aud_n[s]]
     inputs = _inputs(text, vis, aud)
     plan = plan_step(inputs, Topology(world_size=4, ranks_per_node=2), PlannerConfig(num_microbatches=2))
     validate(plan, inputs)
@@ -290,10 +326,10 @@ def test_dispatcher_builds_anchor_arrays_from_item_meta_and_refuses_bad_anchors(
     plain = build_batch([sample("a", 5, [{}, {}]), sample("b", 3, [{}])])
     assert plain.inputs.encoders["vision"].anchor is None
     placed = build_batch([sample("a", 5, [{ANCHOR: 2}, {ANCHOR: 5}]), sample("b", 3, [{}])])
-    assert placed.inputs.encoders["vision"].anchor.tolist() == [2, 5, 0]
+    assert placed.inputs.encoders["vision"].anchor.tolist() == [2, 5, -1]
     assert placed.digest() != plain.digest()  # a journaled plan replays only over the same places
-    assert build_batch([sample("a", 5, [{ANCHOR: 0}, {ANCHOR: 0}]), sample("b", 3, [{}])]).digest() \
-        == plain.digest()
+    two = [ItemHeader("image", "png", 16, 4, {ANCHOR: 3}), ItemHeader("image", "png", 16, 4, {ANCHOR: 3})]
+    assert header_problem(5, 13, two) == "invalid_header"  # one placeholder each
     items = [ItemHeader("image", "png", 16, 4, {ANCHOR: 6})]
     assert header_problem(5, 9, items) == "invalid_header"
     assert header_problem(5, 9, [ItemHeader("image", "png", 16, 4, {ANCHOR: 5})]) is None

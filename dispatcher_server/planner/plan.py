@@ -303,27 +303,30 @@ def anchored_layout(inputs: StepInputs, sample_offset: np.ndarray
                     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(item offsets per phase, text offsets) of samples whose items stand among their text.
 
-    Within a sample, items go in (anchor, phase, item id) order, each at sample offset + its
-    anchor + the LLM tokens of the items before it; text fills the positions left, in order,
-    so a sample's first text token stands after the items anchored at 0 (all anchors 0 give the
-    default layout)."""
+    Within a sample, items go in (anchor, phase, item id) order: those without a placeholder
+    (anchor -1) first, then each at its placeholder, at sample offset + the text tokens before it
+    (its anchor less the placeholders before it) + the LLM tokens of the items before it; text
+    fills the positions left, in order, so a sample's first text token stands after the items
+    with no text before them."""
     its = [inputs.items(p) for p in ENCODER_PHASES]
     sizes = [len(it) for it in its]
     sample = np.concatenate([_i64(it.sample) for it in its])
     llm = np.concatenate([_i64(it.llm_len) for it in its])
-    anchor = np.concatenate([_i64(it.anchor) if it.anchor is not None else np.zeros(len(it), np.int64)
-                             for it in its])
+    anchor = np.concatenate([_anchors(it) for it in its])
     phase = np.repeat(np.arange(len(its), dtype=np.int64), sizes)
     ident = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
     order = np.lexsort((ident, phase, anchor, sample))
-    before = np.empty_like(llm)
+    placed = (anchor >= 0).astype(np.int64)
+    before, placed_before = np.empty_like(llm), np.empty_like(llm)
     if len(order):
         # in (sample, anchor, phase, id) order a sample's items sit together, in place order
         before[order], _ = group_excl_cumsum(sample[order], llm[order])
-    offset = sample_offset[sample] + anchor + before
+        placed_before[order], _ = group_excl_cumsum(sample[order], placed[order])
+    text_before = np.where(placed == 1, anchor - placed_before, 0)
+    offset = sample_offset[sample] + text_before + before
     bounds = np.cumsum([0, *sizes])
     item_offset = {p: offset[bounds[k]:bounds[k + 1]] for k, p in enumerate(ENCODER_PHASES)}
-    first = np.bincount(sample, weights=llm * (anchor == 0), minlength=len(sample_offset))
+    first = np.bincount(sample, weights=llm * (text_before == 0), minlength=len(sample_offset))
     return item_offset, sample_offset + first.astype(np.int64)
 
 
@@ -437,11 +440,8 @@ def _check_same_inputs(plan: StepPlan, inputs: StepInputs) -> None:
         if len(it) and (it.sample.min() < 0 or it.sample.max() >= S):
             raise PlanError(f"{p} item owned by a sample outside 0..{S - 1}")
         total += np.bincount(it.sample, weights=it.llm_len, minlength=S).astype(np.int64)
-        anchor = _anchors(it)
-        if len(it) and (anchor.min() < 0 or np.any(anchor > _i64(inputs.text_len)[it.sample])):
-            bad = int(np.flatnonzero((anchor < 0) | (anchor > _i64(inputs.text_len)[it.sample]))[0])
-            raise PlanError(f"{p} item {bad}: anchor {anchor[bad]} outside its sample's "
-                            f"{inputs.text_len[it.sample[bad]]} text tokens")
+    if any(inputs.items(p).anchor is not None for p in ENCODER_PHASES):
+        _check_anchor_values(inputs)
     if not np.array_equal(total, inputs.llm_len):
         bad = int(np.flatnonzero(total != inputs.llm_len)[0])
         raise PlanError(f"sample {bad}: llm_len {inputs.llm_len[bad]} != text + items {total[bad]}")
@@ -497,14 +497,32 @@ def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
         raise PlanError("text offsets break the layout convention")
 
 
+def _check_anchor_values(inputs: StepInputs) -> None:
+    """Each anchor is -1 or a place among its sample's text and placeholders, no two alike."""
+    its = [inputs.items(p) for p in ENCODER_PHASES]
+    sample = np.concatenate([_i64(it.sample) for it in its])
+    anchor = np.concatenate([_anchors(it) for it in its])
+    placed = anchor >= 0
+    room = _i64(inputs.text_len) + np.bincount(sample[placed], minlength=inputs.num_samples)
+    bad = np.flatnonzero((anchor < -1) | (anchor >= room[sample]))
+    if len(bad):
+        k = int(bad[0])
+        raise PlanError(f"item {k} (in phase order): anchor {anchor[k]} outside its sample's "
+                        f"{room[sample[k]]} text tokens and placeholders")
+    pairs = sample[placed] * (int(room.max(initial=0)) + 1) + anchor[placed]
+    if len(np.unique(pairs)) != len(pairs):
+        raise PlanError("two items of a sample share an anchor (one placeholder each)")
+
+
 def _anchors(it: EncoderItems) -> np.ndarray:
-    return _i64(it.anchor) if it.anchor is not None else np.zeros(len(it), np.int64)
+    return _i64(it.anchor) if it.anchor is not None else np.full(len(it), -1, np.int64)
 
 
 def _check_anchored(plan: StepPlan, inputs: StepInputs) -> None:
-    """Items anchored in their text: taken in place order within each sample, no two overlap,
-    each lies inside its sample with exactly `anchor` text positions of it before, equal
-    anchors go by (phase, item id), and a sample's text starts after its items anchored at 0."""
+    """Items anchored in their text: taken in place order within each sample (unplaced ones
+    first, then by anchor; equal anchors, only -1, by phase and item id), no two overlap, each
+    lies inside its sample with exactly as many text positions of it before as its anchor less
+    the placeholders before it, and a sample's text starts after its items with none before."""
     S = inputs.num_samples
     its = [inputs.items(p) for p in ENCODER_PHASES]
     sizes = [len(it) for it in its]
@@ -519,13 +537,17 @@ def _check_anchored(plan: StepPlan, inputs: StepInputs) -> None:
         raise PlanError("anchored item offsets do not follow (anchor, phase, item) order")
     s, a, n, at = sample[by_place], anchor[by_place], llm[by_place], start[by_place]
     items_before, _ = group_excl_cumsum(s, n)
+    placed_before, _ = group_excl_cumsum(s, (a >= 0).astype(np.int64))
+    text = np.where(a >= 0, a - placed_before, 0)
     first = np.r_[True, s[1:] != s[:-1]] if len(s) else np.zeros(0, dtype=bool)
     prev_end = np.r_[0, at[:-1] + n[:-1]] if len(s) else np.zeros(0, np.int64)
-    if np.any(at - items_before != a) or np.any(~first & (at < prev_end)):
+    if np.any(at - items_before != text) or np.any(~first & (at < prev_end)):
         raise PlanError("anchored item offsets break the layout convention")
     if len(s) and np.any(at + n > _i64(inputs.llm_len)[s]):
         raise PlanError("an anchored item reaches past its sample")
-    lead = np.bincount(sample, weights=llm * (anchor == 0), minlength=S).astype(np.int64)
+    text_before = np.empty_like(text)
+    text_before[by_place] = text
+    lead = np.bincount(sample, weights=llm * (text_before == 0), minlength=S).astype(np.int64)
     if not np.array_equal(plan.text_offset, plan.sample_offset + lead):
         raise PlanError("text offsets break the layout convention")
 

@@ -66,19 +66,20 @@ class EncoderItems:
     """The items of one encoder phase in a step (images for vision, clips for audio).
 
     Item ids are positions in these arrays. Items of one sample appear in sample order.
-    `anchor` places items among their sample's text (a placeholder's position: the text tokens
-    before the item); None, as every anchor 0, puts them before it.
+    `anchor` places items among their sample's text: the position its placeholder held in the
+    sample's text ids, placeholders counted (`protocol.ANCHOR`); -1, or None for all, puts an
+    item before the text.
     """
 
     enc_len: np.ndarray  # int64[N]: sequence length the encoder attends over
     llm_len: np.ndarray  # int64[N]: embeddings the item becomes in the LLM sequence
     sample: np.ndarray  # int64[N]: owning sample id
-    anchor: np.ndarray | None = None  # int64[N]: text tokens of its sample before it
+    anchor: np.ndarray | None = None  # int64[N]: its placeholder's position; -1: before the text
 
     @property
     def anchored(self) -> bool:
-        """Whether some item stands after text of its sample (else the default layout)."""
-        return self.anchor is not None and bool(self.anchor.any())
+        """Whether some item stands at a placeholder (else the default layout)."""
+        return self.anchor is not None and bool((self.anchor >= 0).any())
 
     @staticmethod
     def empty() -> EncoderItems:
