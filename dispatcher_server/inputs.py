@@ -7,11 +7,24 @@ rules it knows in its HELLO (`inputs`: a flat dict, e.g. `image.patch_size`, `to
 first statement of a rule becomes the session's, and a later peer stating another value for it
 is refused with one line naming every rule that differs and who stated the session's value.
 Rules a peer does not state are not checked for it.
+
+With a journal the session's rules are kept beside it (`inputs.json`): a dispatcher restarted
+on the journal holds its readers and ranks to them, as it held the peers before the restart (a
+reader restarted with another tokenizer or other placeholders had its samples planned anew,
+unlike the journal's, step after step, with only an error count to show for it).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
+
+from dispatcher_server.files import replace_file
+
+INPUTS_FILE = "inputs.json"
+#: Who stated a rule the journal kept, in refusals.
+FROM_JOURNAL = "this job's journal"
 
 
 def _show(value: object) -> str:
@@ -25,6 +38,29 @@ class InputRules:
     def __init__(self) -> None:
         self.rules: dict[str, object] = {}
         self.stated_by: dict[str, str] = {}
+        self.path: str | None = None
+
+    def keep_beside(self, directory: str, resume: bool) -> None:
+        """Keep the rules in `directory` (the journal's); when the journal resumes a job, the
+        rules it kept are the session's from the start. A new job forgets an earlier one's."""
+        self.path = os.path.join(directory, INPUTS_FILE)
+        if not resume:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            return
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                kept = json.load(f)
+        except FileNotFoundError:
+            return  # a journal written before the rules were kept, or before any peer came
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.path} is unreadable ({e}): remove it, and the first peers "
+                             "to connect state the job's input rules again") from None
+        if not isinstance(kept, dict):
+            raise ValueError(f"{self.path} holds no rules table: remove it, and the first peers "
+                             "to connect state the job's input rules again")
+        self.rules.update(kept)
+        self.stated_by.update(dict.fromkeys(kept, FROM_JOURNAL))
 
     def admit(self, peer: str, theirs: dict | None,
               present: Callable[[], set[str]] | None = None) -> str | None:
@@ -41,12 +77,18 @@ class InputRules:
             here = present() if present is not None else None
             gone = sorted({self.stated_by[k] for k in differ} - here) if here is not None else []
             fix = "give data nodes and trainers the same [counting] table (or flags) and tokenizer"
-            if gone:
+            if any(self.stated_by[k] == FROM_JOURNAL for k in differ):
+                fix += (f" as the job had; to go on by the new rules, remove {self.path} (the "
+                        "uncommitted steps are then planned anew)")
+            elif gone:
                 fix += (f"; {' and '.join(gone)} left, but the session keeps the rules first "
                         "stated (what was sent was counted by them) until the dispatcher "
                         "restarts: restart it once every peer agrees")
             return f"{peer} builds model inputs by other rules than this session ({parts}): {fix}"
-        for k, v in theirs.items():
-            if k not in self.rules:
+        new = {k: v for k, v in theirs.items() if k not in self.rules}
+        if new:
+            for k, v in new.items():
                 self.rules[k], self.stated_by[k] = v, peer
+            if self.path is not None:
+                replace_file(self.path, json.dumps(self.rules, sort_keys=True).encode())
         return None

@@ -116,6 +116,8 @@ class Dispatcher:
                    if config.journal_dir else None)
         self.journal = journal
         try:
+            if journal is not None:
+                self.inputs.keep_beside(config.journal_dir, resume=journal.last_step >= 0)
             self.metrics = Metrics(config.metrics_port, config.metrics_host)
         except BaseException:
             if journal is not None:

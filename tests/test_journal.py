@@ -784,3 +784,23 @@ def test_a_journal_holding_only_another_starts_configuration_records_this_one(tm
     j.close()
     with pytest.raises(JournalError, match="seed: journal has 1, config has 2"):
         Journal(str(tmp_path / "b"), _fp(seed=2))
+
+
+def test_a_restart_on_the_journal_holds_peers_to_the_jobs_input_rules(tmp_path):
+    """The first peers' input rules are kept beside the journal: readers restarted with another
+    tokenizer or other placeholders were admitted after a dispatcher restart (nothing to compare
+    with), and every replayed step was planned anew instead of replayed. A new job forgets them."""
+    from dispatcher_server.inputs import INPUTS_FILE, InputRules
+
+    rules = InputRules()
+    rules.keep_beside(str(tmp_path), resume=False)
+    assert rules.admit("reader 'a'", {"tokenizer": "t1", "placeholders": "image=<image>"}) is None
+    again = InputRules()
+    again.keep_beside(str(tmp_path), resume=True)
+    why = again.admit("reader 'b'", {"tokenizer": "t1", "placeholders": "none"})
+    assert why is not None and "placeholders: reader 'b' 'none', this job's journal 'image=<image>'" in why
+    assert str(tmp_path / INPUTS_FILE) in why  # the way to go on by the new rules
+    assert again.admit("rank 0", {"tokenizer": "t1"}) is None
+    fresh = InputRules()
+    fresh.keep_beside(str(tmp_path), resume=False)  # a new job in the directory
+    assert fresh.admit("reader 'c'", {"placeholders": "none"}) is None
