@@ -27,6 +27,8 @@ class TrainerSlot:
     received: int = 0  # steps below this were received (acknowledged)
     upto: int = 0  # credit: steps below this may be sent
     end_sent: bool = False
+    # Its trainer said BYE: it left on purpose, its last step trained (not lost).
+    said_bye: bool = False
     # The step its trainer resumed at from a checkpoint, until its credit shows it trained
     # that step (`upto` past `resumed_until`): ranks of one restart must resume at one step.
     resumed: int | None = None
@@ -35,6 +37,11 @@ class TrainerSlot:
     # step: the other ranks of its restart start there too, and that step is kept for them.
     fresh: int | None = None
     fresh_until: int = 0
+    # Its trainer connected to this dispatcher: its position is known. After a restart a rank
+    # that has not (it may never have started) may need any step since the last commit.
+    heard: bool = False
+    # The latest step this rank committed (its checkpoint); None: none heard by this dispatcher.
+    committed: int | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,7 +88,10 @@ class Delivery:
             # A rank already past `step` (its credits say so) keeps its place: lowering it would
             # hold every later step until that rank, which never asks again, acknowledged them.
             slot.next_send = slot.received = max(step, slot.received)
-            slot.end_sent = False
+            # A rank gone since it was told the end (BYE) is not sent it again: it would hold
+            # `all_received` false for good, and `--exit-when-done` would never exit. One that
+            # comes back is rewound (`rewind_slot`), which clears it.
+            slot.end_sent = slot.end_sent and slot.ident is None
         self._due = set(range(len(self.slots)))
         self._recount_floor()
 
@@ -102,6 +112,7 @@ class Delivery:
     def credit(self, slot: TrainerSlot, upto: int, received: int) -> None:
         """A rank's credit: steps below `upto` may be sent; it has received those below `received`."""
         slot.upto = upto
+        slot.heard = True
         if received > slot.received:
             self._set_received(slot, received)
         if slot.resumed is not None and upto > slot.resumed_until:
@@ -234,8 +245,11 @@ class Delivery:
             self.retained.popleft()
 
     def all_received(self) -> bool:
-        """Every rank was told the stream ended and acknowledged its last step."""
-        return all(s.end_sent and s.received >= self.next_plan for s in self.slots)
+        """Every rank acknowledged the last step and was told the stream ended, or said BYE
+        without waiting to be told: a trainer whose earlier dispatcher sent it END comes back
+        to a restarted one only to commit, its position past the steps the restart plans again,
+        and leaves before they end the stream again."""
+        return all((s.end_sent or s.said_bye) and s.received >= self.next_plan for s in self.slots)
 
     def connected(self) -> int:
         return self._connected
@@ -251,9 +265,13 @@ class Delivery:
         else:
             self._connected += 1
         slot.ident = ident
+        slot.heard = True
+        slot.said_bye = False
         self._by_ident[ident] = slot
 
-    def disconnect(self, slot: TrainerSlot) -> None:
+    def disconnect(self, slot: TrainerSlot, *, bye: bool = False) -> None:
+        """`slot`'s trainer is gone: it said BYE (`bye`), or was lost or refused."""
+        slot.said_bye = bye
         if slot.ident is not None:
             self._by_ident.pop(slot.ident, None)
             self._connected -= 1

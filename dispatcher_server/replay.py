@@ -58,6 +58,14 @@ class ReplaySource:
                                "run it with --journal-dir to resume further back")
         return unpack_cursor(self.cursors[step - 1])
 
+    def resumable(self, step: int) -> bool:
+        """Whether delivery can start again at `step` (its cursor is known)."""
+        try:
+            self.cursor_before(step)
+        except JournalError:
+            return False
+        return True
+
     def took_from(self, step: int) -> list | None:
         """Arrival mode: per source, the pull sequence the recorded steps from `step` on extended
         (their `took` runs, in order); None when there are none (deterministic mode, or nothing

@@ -171,6 +171,7 @@ class Dispatcher:
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
+        self._first_step = start  # where ranks not heard from yet may start (_fresh_step)
         try:
             self._reset(start)
             self._bind()
@@ -350,9 +351,9 @@ class Dispatcher:
 
     def _resumable_after_loss(self, now: float) -> bool:
         """Whether a done job waits (LOST_RANK_GRACE_S) for a restart: its last rank to go
-        was lost, not said BYE, with steps after the last commit. Exiting then left a job
-        restored from its checkpoint no dispatcher to resume those steps from."""
-        committed, last = self.replay.committed, self.next_plan - 1
+        was lost, not said BYE, with steps after the checkpoint every rank has. Exiting then
+        left a job restored from its checkpoint no dispatcher to resume those steps from."""
+        committed, last = self._checkpointed(), self.next_plan - 1
         if not self._rank_lost or not 0 <= committed < last:
             return False
         if self._done_at is None:
@@ -362,6 +363,15 @@ class Dispatcher:
                   why="a rank was lost (no BYE) with steps after the last commit: a job "
                       "restored from its checkpoint resumes them here")
         return now - self._done_at < LOST_RANK_GRACE_S
+
+    def _checkpointed(self) -> int:
+        """The latest step every rank committed: where a job restored from its checkpoints
+        resumes. The journal's commit is the latest of any rank's (a rank that died before its
+        own commit of that step restores an earlier one); a rank this dispatcher heard no
+        commit from counts as at the journal's."""
+        journal = self.replay.committed
+        return min((journal if s.committed is None else s.committed for s in self.slots),
+                   default=journal)
 
     def _halt_now(self, why: str) -> None:
         if self.fatal is None:
@@ -1011,7 +1021,7 @@ class Dispatcher:
         elif msg.type == P.COMMIT:
             self._commit(slot, msg)
         elif msg.type == P.BYE:
-            self.delivery.disconnect(slot)
+            self.delivery.disconnect(slot, bye=True)
             self.metrics.peers.labels("trainer").set(self.delivery.connected())
             event("trainer_left", rank=slot.rank, why="bye")
         elif msg.type != P.HEARTBEAT:
@@ -1069,7 +1079,7 @@ class Dispatcher:
         fresh = want is None
         if fresh:
             start = self.delivery.fresh_start(slot, now - 2 * self.config.liveness.heartbeat_s)
-            want = start if start is not None and start >= self.delivery.lowest else self.delivery.lowest
+            want = start if start is not None and start >= self.delivery.lowest else self._fresh_step(slot)
             self._say_uncommitted_skipped(rank, want)
         target = want
         if want > self.next_plan:
@@ -1118,6 +1128,18 @@ class Dispatcher:
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
+
+    def _fresh_step(self, slot: TrainerSlot) -> int:
+        """Where a rank without a position starts when no rank of its restart is held: the
+        oldest step some rank has not received. A rank this dispatcher has not heard from since
+        it started may be one that never started: the steps from the one this dispatcher
+        started at wait for it, as they waited in the dispatcher before a restart, and the
+        journal replays them. A peer's rewind to its own position had moved that rank past
+        them: they were trained by its peers alone, and their samples never by it."""
+        lowest, first = self.delivery.lowest, self._first_step
+        if slot.heard or first >= lowest or not self.replay.resumable(first):
+            return lowest
+        return first
 
     def _say_uncommitted_skipped(self, rank: int, start: int) -> None:
         """A trainer without a position starts at `start`: the steps after the last commit and
@@ -1187,6 +1209,7 @@ class Dispatcher:
             self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=why,
                        ack=msg.seq)
             raise Fatal(why) from e
+        slot.committed = step if slot.committed is None else max(slot.committed, step)
         self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
         self.metrics.uncommitted_steps.set(max(0, self.next_plan - 1 - self.replay.committed))
 

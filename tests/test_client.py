@@ -313,3 +313,49 @@ def test_a_halted_dispatcher_fails_the_trainer_loop_instead_of_ending_it(reason)
                     next(it)
         finally:
             client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_the_dispatcher_halted_before_answering_fails_with_the_reason():
+    """A dispatcher whose journal write failed (disk full) sends END with the reason and exits
+    once every rank was told; a rank waiting on commit() then waited out the whole timeout and
+    was told 'no dispatcher answered'. The commit fails at once with the reason, and so does
+    a later one."""
+    import threading
+
+    from tests.servicekit import ScriptedRouter
+
+    why = "journal write failed at step 25 ([Errno 28] No space left on device)"
+    with ScriptedRouter() as router:
+        client = DispatcherClient(router.endpoint, rank=0, world_size=1, local_world_size=1,
+                                  config=ClientConfig(heartbeat_s=0.2, timeout_s=5.0,
+                                                      step_timeout_s=30.0))
+        try:
+            client.load_state_dict({"next_step": 25})
+            client.start()
+            hello = router.expect(P.HELLO)
+            router.welcome(hello, heartbeat_s=0.2, world_size=1, next_step=25, num_microbatches=1)
+            raised: list[BaseException] = []
+
+            def commit() -> None:
+                try:
+                    client.commit(24)
+                except BaseException as e:  # noqa: BLE001 - checked below
+                    raised.append(e)
+
+            waiter = threading.Thread(target=commit)
+            started = time.monotonic()
+            waiter.start()
+            msg = router.recv()
+            while msg is not None and msg.type != P.COMMIT:  # credits may go first
+                msg = router.recv()
+            assert msg is not None, "no COMMIT"
+            router.send(P.END, next_step=25, reason="halted", message=why)
+            waiter.join(20)
+            assert not waiter.is_alive() and time.monotonic() - started < 10
+            (error,) = raised
+            assert isinstance(error, DispatcherError) and "No space left on device" in str(error)
+            with pytest.raises(DispatcherError, match="No space left on device"):
+                client.commit(24, timeout=5)
+        finally:
+            client.close()

@@ -753,6 +753,76 @@ def test_a_done_job_whose_rank_was_lost_waits_for_its_restart_before_exiting(cap
         d._close()
 
 
+def _trainer_says(d: Dispatcher, ident: bytes, type_: str, **fields) -> None:
+    d._on_trainer(ident, P.decode(P.encode(type_, seq=1, **fields)), time.monotonic())
+
+
+def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog):
+    """Rank 1 committed step 1, then died; rank 0 committed step 3, the last, and said BYE. The
+    job's checkpoint is step 1 (rank 1 has no later one), but the wait looked at the latest
+    commit of any rank, 3, and the dispatcher exited 1.5 s after the loss: the job restored
+    from its checkpoint found none to replay steps 2-3."""
+    d = Dispatcher(_config(world_size=2))
+    try:
+        _fill_and_plan(d, 16)  # steps 0-3
+        assert d.next_plan == 4
+        for rank in (0, 1):
+            _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
+                          next_step=None, prefetch=2)
+        _trainer_says(d, b"t1", P.COMMIT, step=1)
+        _trainer_says(d, b"t0", P.COMMIT, step=1)
+        _trainer_says(d, b"t0", P.COMMIT, step=3)
+        assert d.replay.committed == 3
+        d._rank_lost = True
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            assert d._resumable_after_loss(100.0)
+        (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
+        assert "steps=2-3" in line
+        _trainer_says(d, b"t1", P.COMMIT, step=3)  # every rank has step 3: nothing to resume
+        d._done_at = None
+        assert not d._resumable_after_loss(100.0)
+    finally:
+        d._close()
+
+
+def test_a_rank_that_never_joined_starts_at_the_first_step_after_a_dispatcher_restart(caplog):
+    """Rank 0 took steps 0-3 while rank 1 was still starting; the dispatcher restarted from
+    its journal, rank 0 came back at step 4 and committed step 3. Rank 1, starting without a
+    position, was started at step 4 (where rank 0's rewind had moved every rank): steps 0-3
+    were never trained by it, their samples lost for it and rank 0's steps without partner.
+    Before the restart those steps waited for it; they still do, replayed from the journal."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Dispatcher(_config(tmp, world_size=2))
+        try:
+            _fill_and_plan(d, 16)  # steps 0-3, journaled
+            assert d.journal.last_step == 3
+        finally:
+            d._close()
+        d = Dispatcher(_config(tmp, world_size=2))  # restarted: nothing committed
+        caplog.set_level(logging.WARNING, logger="mmdispatch")
+        try:
+            s0, s1 = d.slots
+            _trainer_says(d, b"t0", P.HELLO, role="trainer", rank=0, world_size=2, next_step=4,
+                          prefetch=2)
+            _trainer_says(d, b"t0", P.COMMIT, step=3)
+            assert d.replay.committed == 3
+            _trainer_says(d, b"t1", P.HELLO, role="trainer", rank=1, world_size=2,
+                          next_step=None, prefetch=2)
+            assert (s0.next_send, s1.next_send) == (4, 0)
+            assert d.next_plan == 0  # the steps before 4 are planned again for it
+            assert not [r for r in caplog.records
+                        if "uncommitted_steps_not_served_again" in r.getMessage()]
+            # A rank this dispatcher has heard from starts, without a position, where the
+            # others are (its earlier process got the steps before): as before the restart.
+            _trainer_says(d, b"t0b", P.HELLO, role="trainer", rank=0, world_size=2,
+                          next_step=None, prefetch=2)
+            assert s0.next_send == 0  # rank 1's restart start is held: they start together
+        finally:
+            d._close()
+
+
 def test_a_reader_reconnecting_from_a_new_socket_replaces_its_earlier_session(caplog):
     """After the dispatcher stalled past the readers' timeout, each reader came back on a new
     socket and was counted twice until its old session timed out, then logged as left (a

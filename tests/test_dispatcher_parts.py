@@ -259,3 +259,59 @@ def test_a_field_map_kind_that_is_not_a_list_is_shown_in_toml():
 
     with pytest.raises(ValueError, match=r'image = \["jpg"\]'):
         FieldMap.from_dict({"image": "jpg"})
+
+
+def test_delivery_rewind_after_a_rank_left_told_of_the_end_can_still_finish():
+    """A rewind for a rank restored from its checkpoint cleared every rank's END, also that of
+    a rank that had received every step, been told the end and said BYE: never connected
+    again, it was never told again, so `all_received` stayed false and `--exit-when-done`
+    never exited once the restored rank finished."""
+    d = Delivery(world_size=2, max_retained_steps=4)
+    for step in range(3):
+        d.add(_retained(step))
+    s0, s1 = d.slots
+    d.connect(s0, b"t0")
+    d.connect(s1, b"t1")
+    for slot in (s0, s1):
+        d.credit(slot, 5, received=3)
+    assert len(list(d.sends(lambda rs: [[b"m"], [b"m"]]))) == 6
+    for slot in d.ends_due():
+        slot.end_sent = True
+    assert s0.end_sent and s1.end_sent
+    d.disconnect(s0)  # BYE: done
+    d.disconnect(s1)  # lost; its trainer restarts from a checkpoint of step 0
+    d.reset(1)
+    d.connect(s1, b"t1b")
+    d.rewind_slot(s1, 1, prefetch=2)
+    for step in range(1, 3):
+        d.add(_retained(step))
+    assert [(slot.rank, f) for slot, f in d.sends(lambda rs: [[b"m"], [b"m"]])] == [(1, [b"m"])] * 2
+    d.credit(s1, 5, received=3)
+    assert d.ends_due() == [s1]  # the connected rank is told the end again, the gone one not
+    s1.end_sent = True
+    assert d.all_received()
+
+
+@pytest.mark.parametrize("bye", [True, False])
+def test_delivery_a_rank_that_left_past_the_end_needs_no_end_again(bye):
+    """A dispatcher killed at the end of the stream and restarted at once replays the last
+    steps for the slower rank; the faster one comes back past the end (its earlier dispatcher
+    told it END), commits and says BYE before the replay ends the stream again. It was never
+    sent END by this dispatcher, so `all_received` stayed false and `--exit-when-done` never
+    exited. A rank lost without BYE still holds the exit (its END may not have reached it)."""
+    d = Delivery(world_size=2, max_retained_steps=8)
+    d.reset(2)  # restarted from the journal at step 2; the stream ends after step 3
+    s0, s1 = d.slots
+    d.connect(s0, b"t0")
+    d.rewind_slot(s0, 2, prefetch=2)
+    d.connect(s1, b"t1")
+    d.rewind_slot(s1, 4, prefetch=2)  # past the end
+    d.disconnect(s1, bye=bye)
+    for step in (2, 3):
+        d.add(_retained(step))
+    assert [slot.rank for slot, _ in d.sends(lambda rs: [[b"m"], [b"m"]])] == [0, 0]
+    d.credit(s0, 6, received=4)
+    assert d.ends_due() == [s0]
+    s0.end_sent = True
+    d.disconnect(s0, bye=True)
+    assert d.all_received() is bye

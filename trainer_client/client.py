@@ -404,6 +404,7 @@ class _TrainerPeer:
         self.steps = steps
         self.commands = commands
         self.commits: list[_Commit] = []
+        self.halted: DispatcherError | None = None  # the END that stopped the job on an error
         self.files: ShardFiles | None = None  # reference payload mode
         self.make_fetcher = fetcher  # out queue -> PayloadFetcher (direct mode)
         self.fetcher: PayloadFetcher | None = None  # direct payload mode
@@ -429,6 +430,7 @@ class _TrainerPeer:
             self.fetcher.readers = msg.get("readers", [])
         self.next_expected = msg["next_step"]
         self.resuming = False
+        self.halted = None  # a dispatcher welcoming it serves (a halted one sends END again)
         if self.consumed is None:
             self.consumed = msg["next_step"]
         for c in self.commits:
@@ -447,10 +449,20 @@ class _TrainerPeer:
             # Stopped on an error, not at the end of the data: the training loop must fail,
             # not finish as if the job were complete.
             why = msg.get("message") or "its log says why: event=fatal"
-            self._deliver(_END if msg["reason"] != "halted" else DispatcherError(
-                "halted", f"the dispatcher stopped the job on an error before step "
-                          f"{self.next_expected}: {why}. Fix it and restart the dispatcher, "
-                          f"then resume from the last commit"))
+            if msg["reason"] != "halted":
+                self._deliver(_END)
+            else:
+                halted = DispatcherError(
+                    "halted", f"the dispatcher stopped the job on an error before step "
+                              f"{self.next_expected}: {why}. Fix it and restart the dispatcher, "
+                              f"then resume from the last commit")
+                self._deliver(halted)
+                # A commit it did not answer before END goes unanswered: a halted dispatcher
+                # exits once every rank was told, and the caller of commit() waited out its
+                # whole timeout, then blamed the address. It hears the reason now, as do later
+                # ones (the checkpoint resumes from the last commit acknowledged).
+                self.halted = halted
+                self.fail_commits(halted)
         elif msg.type == P.READERS and self.fetcher is not None:
             self.fetcher.readers = msg["readers"]
         elif msg.type == P.COMMIT:
@@ -514,6 +526,10 @@ class _TrainerPeer:
                 self.timings = [*self.timings[-(MAX_PENDING_TIMINGS - 1):], cmd[1]]
             elif cmd[0] == "commit":
                 c = _Commit(step=cmd[1], seq=-1, done=cmd[2], error=cmd[3])
+                if self.halted is not None:
+                    c.error.append(self.halted)
+                    c.done.set()
+                    continue
                 self.commits.append(c)
                 c.seq = session.send(P.COMMIT, step=c.step)
             elif cmd[0] == "resync":
