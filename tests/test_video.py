@@ -269,4 +269,4 @@ def test_gen_data_cli_video_share(tmp_path, capsys):
     recs = list(iter_samples([str(out / "shard-000000.tar")]))
     assert [sum(it.modality == "video" for it in r.items) for r in recs] == [1, 1, 1, 1]
     assert main(["gen-data", str(tmp_path / "h"), "--video-share", "2"]) != 0
-    assert "video_share=2" in capsys.readouterr().err
+    assert "--video-share must be from 0 to 1" in capsys.readouterr().err
