@@ -998,7 +998,7 @@ class Dispatcher:
         # What every peer's next message draws after a dispatcher restart, and the peer says
         # HELLO again: counted, but no warning an operator should act on.
         self.metrics.error("unknown_peer", logging.INFO, role=role, type=msg.type)
-        self._send(sock, ident, P.ERROR, code="unknown_peer",
+        self._send(sock, ident, P.ERROR, code="unknown_peer", ack=msg.seq,
                    message="say hello first (the dispatcher may have restarted)")
 
     def _on_trainer(self, ident: bytes, msg: P.Message, now: float) -> None:

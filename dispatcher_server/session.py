@@ -235,6 +235,11 @@ class PeerSession:
                 self.role.on_welcome(self, msg)
             return True
         if msg.type == P.ERROR and msg["code"] == "unknown_peer":
-            self.hello()  # the dispatcher restarted or timed us out: introduce ourselves again
+            # The dispatcher restarted or timed us out: introduce ourselves again, once. Each
+            # message sent before that HELLO draws its own refusal (`ack`: the message's seq),
+            # and a HELLO for each made a restarted dispatcher take the peer up to 8 times.
+            refused = msg.get("ack")
+            if refused is None or refused > self._hello_seq:
+                self.hello()
             return True
         return self.role.on_message(self, msg)

@@ -131,6 +131,26 @@ def test_unknown_peer_gets_a_hello_on_the_same_connection():
             stop.set()
 
 
+def test_refusals_of_messages_sent_before_the_hello_draw_no_second_hello():
+    """A restarted dispatcher refuses every message a peer sent before it said HELLO again (each
+    ERROR unknown_peer acks the refused seq): a HELLO for each made the dispatcher take the peer
+    up to 8 times (trainer_joined 8 times, each replacing the last). One HELLO answers them."""
+    with ScriptedRouter() as router:
+        session, role = _session(router.endpoint)
+        stop = threading.Event()
+        with _running(session.run, stop):
+            router.welcome(router.expect(P.HELLO))
+            router.send(P.ERROR, code="unknown_peer", message="restarted", ack=session._seq)
+            hello = router.expect(P.HELLO)
+            for old in range(hello.seq - 3, hello.seq):  # refusals of what came before it
+                router.send(P.ERROR, code="unknown_peer", message="restarted", ack=old)
+            again = router.recv(0.5)
+            assert again is None or again.type != P.HELLO, "a HELLO per refused message"
+            router.send(P.ERROR, code="unknown_peer", message="restarted again", ack=hello.seq)
+            router.expect(P.HELLO)  # a refusal of the HELLO itself or later: say it again
+            stop.set()
+
+
 def test_a_dispatcher_that_forgets_us_late_in_a_run_gets_its_full_connect_timeout():
     """The connect timeout counts from losing the welcome, not from the start of the run: a
     dispatcher restarted on the same address after more than the timeout is answered with a
