@@ -51,15 +51,23 @@ def header_problem(text_len: int, llm_len: int, items: list) -> str | None:
     if text_len < 0:
         return "invalid_header"
     total = text_len
+    anchored = False
     for it in items:
         if it.modality not in _PHASE_OF or it.enc_len < 0 or it.llm_len < 0:
             return "invalid_header"
         total += it.llm_len
-    anchors = [it.meta[ANCHOR] for it in items if ANCHOR in it.meta]
-    if anchors and (any(type(a) is not int or not 0 <= a < text_len + len(anchors) for a in anchors)
-                    or len(set(anchors)) != len(anchors)):
-        return "invalid_header"  # each placeholder held its own place among text + placeholders
+        anchored = anchored or ANCHOR in it.meta
+    if anchored and _anchor_problem(text_len, items):
+        return "invalid_header"
     return "invalid_llm_len" if llm_len != total else None
+
+
+def _anchor_problem(text_len: int, items: list) -> bool:
+    """Whether the anchors of a sample's items are not each its own place among the text and
+    the placeholders (`protocol.ANCHOR`)."""
+    anchors = [it.meta[ANCHOR] for it in items if ANCHOR in it.meta]
+    return (any(type(a) is not int or not 0 <= a < text_len + len(anchors) for a in anchors)
+            or len(set(anchors)) != len(anchors))
 
 
 #: Marks a step digest that covers the samples' counted lengths too (`StepBatch.digest`).
