@@ -308,13 +308,7 @@ def anchored_layout(inputs: StepInputs, sample_offset: np.ndarray
     (its anchor less the placeholders before it) + the LLM tokens of the items before it; text
     fills the positions left, in order, so a sample's first text token stands after the items
     with no text before them."""
-    its = [inputs.items(p) for p in ENCODER_PHASES]
-    sizes = [len(it) for it in its]
-    sample = np.concatenate([_i64(it.sample) for it in its])
-    llm = np.concatenate([_i64(it.llm_len) for it in its])
-    anchor = np.concatenate([_anchors(it) for it in its])
-    phase = np.repeat(np.arange(len(its), dtype=np.int64), sizes)
-    ident = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+    sizes, sample, llm, anchor, phase, ident = _item_columns(inputs)
     order = np.lexsort((ident, phase, anchor, sample))
     placed = (anchor >= 0).astype(np.int64)
     before, placed_before = np.empty_like(llm), np.empty_like(llm)
@@ -328,6 +322,19 @@ def anchored_layout(inputs: StepInputs, sample_offset: np.ndarray
     item_offset = {p: offset[bounds[k]:bounds[k + 1]] for k, p in enumerate(ENCODER_PHASES)}
     first = np.bincount(sample, weights=llm * (text_before == 0), minlength=len(sample_offset))
     return item_offset, sample_offset + first.astype(np.int64)
+
+
+def _item_columns(inputs: StepInputs) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray,
+                                                np.ndarray, np.ndarray]:
+    """Every item of every phase in one set of columns, phase by phase: (items per phase, owning
+    sample, LLM length, anchor (-1: none), phase index, item id within its phase)."""
+    its = [inputs.items(p) for p in ENCODER_PHASES]
+    sizes = [len(it) for it in its]
+    return (sizes, np.concatenate([_i64(it.sample) for it in its]),
+            np.concatenate([_i64(it.llm_len) for it in its]),
+            np.concatenate([_anchors(it) for it in its]),
+            np.repeat(np.arange(len(its), dtype=np.int64), sizes),
+            np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]))
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -499,9 +506,7 @@ def _check_packing(plan: StepPlan, inputs: StepInputs) -> None:
 
 def _check_anchor_values(inputs: StepInputs) -> None:
     """Each anchor is -1 or a place among its sample's text and placeholders, no two alike."""
-    its = [inputs.items(p) for p in ENCODER_PHASES]
-    sample = np.concatenate([_i64(it.sample) for it in its])
-    anchor = np.concatenate([_anchors(it) for it in its])
+    _, sample, _, anchor, _, _ = _item_columns(inputs)
     placed = anchor >= 0
     room = _i64(inputs.text_len) + np.bincount(sample[placed], minlength=inputs.num_samples)
     bad = np.flatnonzero((anchor < -1) | (anchor >= room[sample]))
@@ -524,13 +529,7 @@ def _check_anchored(plan: StepPlan, inputs: StepInputs) -> None:
     lies inside its sample with exactly as many text positions of it before as its anchor less
     the placeholders before it, and a sample's text starts after its items with none before."""
     S = inputs.num_samples
-    its = [inputs.items(p) for p in ENCODER_PHASES]
-    sizes = [len(it) for it in its]
-    sample = np.concatenate([_i64(it.sample) for it in its])
-    llm = np.concatenate([_i64(it.llm_len) for it in its])
-    anchor = np.concatenate([_anchors(it) for it in its])
-    phase = np.repeat(np.arange(len(its), dtype=np.int64), sizes)
-    ident = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
+    sizes, sample, llm, anchor, phase, ident = _item_columns(inputs)
     start = np.concatenate([_i64(plan.item_offset[p]) for p in ENCODER_PHASES]) - plan.sample_offset[sample]
     by_place = np.lexsort((ident, phase, anchor, start, sample))
     if not np.array_equal(by_place, np.lexsort((ident, phase, anchor, sample))):
