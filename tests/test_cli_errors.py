@@ -397,6 +397,12 @@ def test_train_backend_that_cannot_carry_the_cpu_model_is_named_with_the_fix():
         assert "--backend gloo" in out.stderr, out.stderr
     out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "cpu:pigeon"])
     assert "this torch has no 'pigeon' backend" in out.stderr, out.stderr
+    import torch
+
+    if not torch.cuda.is_available():  # the per-device form reached torch's own NCCL refusal
+        out = _run([*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--backend", "cuda:nccl,cpu:gloo"])
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "NCCL needs GPUs and this machine has none" in out.stderr, out.stderr
 
 
 @pytest.mark.timeout(60)

@@ -190,6 +190,8 @@ def test_compose_topology_runs_as_plain_processes(tmp_path, curve):
     assert [t["step"] for t in train] == list(range(2 * steps))
     assert "event=train_resumed step=3" in (tmp_path / "trainer.log").read_text()
     assert all(math.isfinite(t["loss"]) and t["loss"] > 0 for t in train)
+    # exchange bytes are each step's (they were a running total): M exchanges a step, every step
+    assert len({t["exchange_bytes_rank0"]["num_calls"] for t in train}) == 1, train
     # steps full global batches of samples: every step delivered all of its planned samples.
     planned = {p["step"]: p for p in plans}
     assert ([t["samples"] for t in train] == [planned[s]["num_samples"] for s in range(2 * steps)]

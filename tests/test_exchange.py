@@ -402,6 +402,8 @@ def test_byte_counters_equal_planner_prediction(results):
             assert wire == r["predicted"], where
         else:  # rows bound off-node first cross their node's intra links
             assert wire["intra_node"] >= r["predicted"]["intra_node"], where
+            # a rank's rows to itself, once (each stage counted its own block as same-rank)
+            assert wire["same_rank"] == r["predicted"]["same_rank"], where
     assert any(r["predicted"]["inter_node"] > 0 for r in results["train"])
     assert any(r["predicted"]["same_rank"] > 0 for r in results["train"])
 

@@ -95,7 +95,7 @@ def _a2a_blocks(
     *,
     group,
     me: int,
-    locality: Sequence[int],
+    locality: Sequence[int | None],
     like: torch.Tensor,
     counter: dict[str, int],
 ) -> list[list[torch.Tensor]]:
@@ -108,7 +108,8 @@ def _a2a_blocks(
     h = like.shape[1]
     row_b = h * like.element_size()
     for peer, blocks in enumerate(send_blocks):
-        counter[LOCALITIES[locality[peer]]] += sum(int(b.shape[0]) for b in blocks) * row_b
+        if locality[peer] is not None:  # None: the caller counts these rows itself
+            counter[LOCALITIES[locality[peer]]] += sum(int(b.shape[0]) for b in blocks) * row_b
     if len(send_blocks) == 1:
         return [send_blocks[0]]
     net_send = [0 if p == me else sum(int(b.shape[0]) for b in blocks) for p, blocks in enumerate(send_blocks)]
@@ -174,18 +175,24 @@ def _execute(plan: _Plan, tensors: Sequence[torch.Tensor], counter: dict[str, in
     def rank(node: int, local: int) -> int:
         return node * g + local
 
+    # The blocks a stage keeps (its own) cross no link there: the rows this rank both encodes
+    # and runs the LLM for are its same-rank bytes, counted once (each stage counted them, and
+    # its stage-1 block also holds rows that then cross nodes, and its stage-2 one rows that
+    # crossed the node's intra links, both counted where they move).
+    counter[LOCALITIES[SAME_RANK]] += sum(int(by_dst[p][ctx.rank].shape[0]) for p in range(P)) \
+        * like.shape[1] * like.element_size()
     # Stage 1, intra-node: local rank l collects everything bound for (any node, l).
     got1 = _a2a_blocks(
         [[by_dst[p][rank(n, l)] for n in range(N) for p in range(P)] for l in range(g)],
         [[int(peer_send[s, p, rank(n, ml)]) for n in range(N) for p in range(P)] for s in range(g)],
-        group=plan.groups.intra, me=ml, locality=[SAME_RANK if l == ml else 1 for l in range(g)],
+        group=plan.groups.intra, me=ml, locality=[None if l == ml else 1 for l in range(g)],
         like=like, counter=counter,
     )  # got1[s][n * P + p]: rows from (mn, s) to (n, ml)
     # Stage 2, inter-node between equal local ranks: one message per node pair.
     got2 = _a2a_blocks(
         [[got1[s][n * P + p] for s in range(g) for p in range(P)] for n in range(N)],
         [[plan.recvs[p][rank(n, s)] for s in range(g) for p in range(P)] for n in range(N)],
-        group=plan.groups.inter, me=mn, locality=[SAME_RANK if n == mn else 2 for n in range(N)],
+        group=plan.groups.inter, me=mn, locality=[None if n == mn else 2 for n in range(N)],
         like=like, counter=counter,
     )  # got2[n][s * P + p]: rows from (n, s) to me, i.e. source-rank order
     return [torch.cat([got2[n][s * P + p] for n in range(N) for s in range(g)]) for p in range(P)]

@@ -159,6 +159,9 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"--backend {backend!r}: the reference trainer runs its model on CPU, and "
                          "NCCL carries GPU tensors only; use --backend gloo (the default). On GPUs, "
                          "train your model in your own loop with the client (README, Trainer API)")
+    if "nccl" in names and not torch.cuda.is_available():
+        raise ValueError(f"--backend {backend!r}: NCCL needs GPUs and this machine has none "
+                         "(torch.cuda.is_available() is False); use --backend gloo")
     missing = [n for n in names if not n or not dist.is_backend_available(n)]
     if missing:
         here = [b for b in dist.Backend.backend_list
@@ -291,9 +294,10 @@ def train(args: argparse.Namespace) -> int:
                        "loss": totals[0].item() / max(totals[1].item(), 1.0),
                        "samples": int(totals[2].item()), "seconds": seconds, "data_wait_s": t0 - t_wait,
                        "samples_per_s": totals[2].item() / seconds if seconds > 0 else None,
-                       "exchange_bytes_rank0": exchanger.stats.as_dict()}
+                       "exchange_bytes_rank0": exchanger.stats.as_dict()}  # this step's
                 logf.write(json.dumps(rec) + "\n")
                 logf.flush()
+            exchanger.stats.reset()  # counted per step: the log's records are per step
             if args.commit_every and (step.step + 1) % args.commit_every == 0:
                 # The commit lets the dispatcher forget the steps before: it follows the
                 # checkpoint that resumes after them, once that is durable.
