@@ -244,12 +244,15 @@ class Delivery:
         while self.retained and self.retained[0].step < floor:
             self.retained.popleft()
 
-    def all_received(self) -> bool:
+    def all_received(self, finished_before: bool = False) -> bool:
         """Every rank acknowledged the last step and was told the stream ended, or said BYE
         without waiting to be told: a trainer whose earlier dispatcher sent it END comes back
         to a restarted one only to commit, its position past the steps the restart plans again,
-        and leaves before they end the stream again."""
-        return all((s.end_sent or s.said_bye) and s.received >= self.next_plan for s in self.slots)
+        and leaves before they end the stream again. `finished_before`: the journal's commit
+        covers the last step, so a rank this dispatcher never heard from finished with the one
+        before it (it said BYE there and will not come back)."""
+        return all(((s.end_sent or s.said_bye) and s.received >= self.next_plan)
+                   or (finished_before and not s.heard) for s in self.slots)
 
     def connected(self) -> int:
         return self._connected

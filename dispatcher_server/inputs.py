@@ -78,8 +78,9 @@ class InputRules:
             gone = sorted({self.stated_by[k] for k in differ} - here) if here is not None else []
             fix = "give data nodes and trainers the same [counting] table (or flags) and tokenizer"
             if any(self.stated_by[k] == FROM_JOURNAL for k in differ):
-                fix += (f" as the job had; to go on by the new rules, remove {self.path} (the "
-                        "uncommitted steps are then planned anew)")
+                fix += (f" as the job had; to go on by the new rules, stop the dispatcher, remove "
+                        f"{self.path} and start it again (the uncommitted steps are then planned "
+                        "anew)")
             elif gone:
                 fix += (f"; {' and '.join(gone)} left, but the session keeps the rules first "
                         "stated (what was sent was counted by them) until the dispatcher "

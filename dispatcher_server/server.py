@@ -160,8 +160,11 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._reader_joined_at = 0.0  # monotonic: the last reader HELLO
-        # position -> (first open failure, its skip records): shards no reader opened yet
-        self._unopened: dict[int, tuple[float, list]] = {}
+        # position -> [its skip records, last try granted]: shards no reader opened yet, and
+        # since when some have waited (a wait counts from then, or from a later reader join)
+        self._unopened: dict[int, list] = {}
+        self._unopened_since = 0.0
+        self._unopened_none_at = -math.inf  # when the last of them was settled
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._rank_lost = False  # the latest trainer to go left without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
@@ -257,7 +260,8 @@ class Dispatcher:
         or silence past the timeout). END queued is not enough: a server exiting then drops
         what a slow rank has not yet read; nor is the last step received: a rank still training
         on its prefetched steps commits them later, and the commit must find the dispatcher."""
-        return (self.finished() and self.delivery.all_received()
+        finished_before = 0 <= self.next_plan - 1 <= self.replay.committed
+        return (self.finished() and self.delivery.all_received(finished_before)
                 and self.delivery.connected() == 0)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -933,6 +937,8 @@ class Dispatcher:
         if a.pos in self._unopened:  # another reader opened it after all
             del self._unopened[a.pos]
             self.pool.refused.pop(a.pos, None)
+            if not self._unopened:
+                self._unopened_none_at = time.monotonic()
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
@@ -947,30 +953,50 @@ class Dispatcher:
         none that can came within OPEN_RETRY_S (`_settle_unopened`)."""
         if not any(s.reason == "open_failed" for s in skipped):
             return False
-        self.pool.refused.setdefault(a.pos, set()).add(process(reader))
-        self._unopened.setdefault(a.pos, (time.monotonic(), skipped))
         self._release(reader, a)
+        pending = self._unopened.get(a.pos)
+        if pending is not None and pending[1]:  # its last try failed too: unreadable here
+            self._give_up_unopened(a.pos, skipped)
+            return True
+        now = time.monotonic()
+        if not self._unopened and now - self._unopened_none_at >= OPEN_RETRY_S:
+            # a new spell of them (one right after the last was settled is the same spell:
+            # a window of one shard empties between them)
+            self._unopened_since = now
+        self.pool.refused.setdefault(a.pos, set()).add(process(reader))
+        self._unopened.setdefault(a.pos, [skipped, False])
         event("shard_open_failed", logging.WARNING, shard=self.assembler.url(a.pos),
               reader=reader.name,
               then=("another reader reads it" if self.pool.can_open(a.pos) else
-                    f"held up to {OPEN_RETRY_S:.0f} s for a reader that can open it, then skipped"),
+                    f"held for a reader that can open it (up to {OPEN_RETRY_S:.0f} s from the "
+                    "first such failure), tried once more, then skipped"),
               fix="see that reader's log for why; every reader must see every shard")
         return True
 
+    def _give_up_unopened(self, pos: int, skipped: list[P.SkipRecord]) -> None:
+        """Skip shard `pos` as unreadable (`open_failed`), journaled like any skip."""
+        self._unopened.pop(pos, None)
+        self.pool.refused.pop(pos, None)
+        if not self._unopened:
+            self._unopened_none_at = time.monotonic()
+        self._skip(self.assembler.url(pos), self.assembler.unheard(pos, skipped))
+        self.assembler.reader_done(pos)
+
     def _settle_unopened(self, now: float) -> None:
-        """Skip the shards every connected reader failed to open, OPEN_RETRY_S after the first
-        failure: as unreadable (`open_failed`), journaled like any skip."""
-        for pos, (since, skipped) in list(self._unopened.items()):
+        """Shards every connected reader failed to open, OPEN_RETRY_S after the first of them
+        failed (or after a reader last joined), get one last try by any reader (a file that
+        appeared since, a mount back), and are skipped if it fails too (`_open_failed`). The
+        wait is one for all of them: shards further on in the order, which enter the window
+        only as earlier ones are settled, wait no more once it is over."""
+        over = now - max(self._unopened_since, self._reader_joined_at) >= OPEN_RETRY_S
+        for pos, entry in list(self._unopened.items()):
             prog = self.assembler.progress.get(pos)
             if prog is None or prog.reader_done:
                 del self._unopened[pos]
                 self.pool.refused.pop(pos, None)
-            elif (prog.assignment is None and now - since >= OPEN_RETRY_S
-                  and not self.pool.can_open(pos)):
-                del self._unopened[pos]
+            elif over and not entry[1] and prog.assignment is None and not self.pool.can_open(pos):
+                entry[1] = True
                 self.pool.refused.pop(pos, None)
-                self._skip(prog.url, self.assembler.unheard(pos, skipped))
-                self.assembler.reader_done(pos)
 
     def _ignored(self, source: str, url: str, ignored: dict[str, int] | None) -> None:
         """Members of a finished shard that no field map kind names: metrics, log, step log."""

@@ -80,7 +80,7 @@ def test_a_shard_level_skip_is_reported_without_moving_the_resume_point():
 def _config(tmp_path=None, **kw) -> ServerConfig:
     planner = kw.pop("planner", PlannerConfig(num_microbatches=1))
     return ServerConfig(
-        shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=kw.pop("world_size", 1), batch=BatchConfig(global_batch=kw.pop("gb", 4)),
+        shuffle_buffer=0, shards=kw.pop("shards", ["/data/shard-0.tar"]), world_size=kw.pop("world_size", 1), batch=BatchConfig(global_batch=kw.pop("gb", 4)),
         planner=planner, max_epochs=kw.pop("max_epochs", 1), journal_fsync=False,
         journal_dir=None if tmp_path is None else str(tmp_path),
         flow=FlowConfig(max_buffered_samples=1_000, num_inflight_shards=1, credit_batch=8),
@@ -919,8 +919,9 @@ def test_a_shard_one_reader_cannot_open_is_read_by_another(tmp_path):
 
 
 def test_a_shard_no_reader_can_open_is_skipped_after_a_wait(tmp_path, monkeypatch):
-    """Every reader failing on a shard and none coming that can: it is skipped as open_failed
-    (journaled, named), OPEN_RETRY_S after the first failure, so the job goes on."""
+    """Every reader failing on a shard and none coming that can: OPEN_RETRY_S after the first
+    failure it is tried once more, then skipped as open_failed (journaled, named), so the job
+    goes on."""
     from dispatcher_server import server
 
     monkeypatch.setattr(server, "OPEN_RETRY_S", 0.5)
@@ -931,8 +932,54 @@ def test_a_shard_no_reader_can_open_is_skipped_after_a_wait(tmp_path, monkeypatc
         bad.cannot_open(bad.assigned())
         time.sleep(0.2)
         assert not d.skip_log.keys, "skipped before the wait for a reader that can open it"
+        last = bad.assigned()  # once the wait is over, one last try (a file may have appeared)
+        assert last is not None and last["shard"] == "/data/shard-0.tar"
+        assert not d.skip_log.keys
+        bad.cannot_open(last)
         K.wait_for(lambda: d.skip_log.keys, 5, "the unopenable shard skipped")
         assert [reason for _, reason in d.skip_log.keys] == ["open_failed"]
+    finally:
+        bad.close()
+        d.stop()
+
+
+def test_a_shard_that_appears_during_the_wait_is_read_on_its_last_try(tmp_path, monkeypatch):
+    """A reader that failed to open a shard was never offered it again, so a file that appeared
+    during the wait (a late sync, a mount back) was skipped all the same, its samples lost."""
+    from dispatcher_server import server
+
+    monkeypatch.setattr(server, "OPEN_RETRY_S", 0.3)
+    d = Dispatcher(_config(tmp_path))
+    d.start()
+    bad = _RawReader(d.reader_endpoint, "node-b")
+    try:
+        bad.cannot_open(bad.assigned())
+        last = bad.assigned()
+        assert last is not None, "no last try"
+        bad.send(P.SHARD_DONE, assign_id=last["assign_id"], count=0, skipped=[])  # read it now
+        time.sleep(0.3)
+        assert not d.skip_log.keys
+    finally:
+        bad.close()
+        d.stop()
+
+
+def test_shards_failing_after_the_wait_wait_no_more(tmp_path, monkeypatch):
+    """The wait is one for every shard no reader here can open: the ones further on, which
+    enter the window only as earlier ones are settled, each waited its own 30 s, so a source
+    with many missing shards stalled the job past the trainers' step timeout."""
+    from dispatcher_server import server
+
+    monkeypatch.setattr(server, "OPEN_RETRY_S", 1.0)
+    d = Dispatcher(_config(tmp_path, shards=[f"/data/shard-{i}.tar" for i in range(4)]))
+    d.start()
+    bad = _RawReader(d.reader_endpoint, "node-b")
+    try:
+        t0 = time.monotonic()
+        for _ in range(8):  # each shard: its first failure, then its last try's
+            bad.cannot_open(bad.assigned())
+        K.wait_for(lambda: len(d.skip_log.keys) == 4, 5, "every unopenable shard skipped")
+        assert time.monotonic() - t0 < 3.0, "each shard waited its own OPEN_RETRY_S"
     finally:
         bad.close()
         d.stop()

@@ -315,3 +315,26 @@ def test_delivery_a_rank_that_left_past_the_end_needs_no_end_again(bye):
     s0.end_sent = True
     d.disconnect(s0, bye=True)
     assert d.all_received() is bye
+
+
+def test_delivery_a_rank_that_finished_with_the_dispatcher_before_a_restart_holds_no_exit():
+    """Rank 0 trained to the end, committed the last step and said BYE to the dispatcher; rank 1
+    was lost behind it, the dispatcher (waiting for it to resume) was restarted on its journal,
+    and rank 1 came back, trained the rest and said BYE. Rank 0 never comes to the restarted
+    dispatcher, so its slot was never told: `--exit-when-done` waited forever. A rank never
+    heard from counts as finished once the journal's commit covers the last step."""
+    d = Delivery(world_size=2, max_retained_steps=8)
+    d.reset(2)
+    s0, s1 = d.slots
+    d.connect(s1, b"t1")
+    d.rewind_slot(s1, 2, prefetch=2)
+    for step in (2, 3):
+        d.add(_retained(step))
+    assert [slot.rank for slot, _ in d.sends(lambda rs: [[b"m"], [b"m"]])] == [1, 1]
+    d.credit(s1, 6, received=4)
+    s1.end_sent = True
+    d.disconnect(s1, bye=True)
+    assert not d.all_received()  # rank 0 may still come: nothing says it finished
+    assert d.all_received(finished_before=True)  # the job's checkpoint covers the last step
+    d.connect(s0, b"t0")  # one that does come back is held to its steps as before
+    assert not d.all_received(finished_before=True)
