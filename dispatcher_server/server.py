@@ -255,14 +255,32 @@ class Dispatcher:
         return (self.fatal is not None or self.assembler.exhausted
                 or (max_steps is not None and self.next_plan >= max_steps))
 
-    def done(self) -> bool:
+    def done(self, now: float | None = None) -> bool:
         """The stream ended, every rank was told so, acknowledged its last step and left (BYE,
         or silence past the timeout). END queued is not enough: a server exiting then drops
         what a slow rank has not yet read; nor is the last step received: a rank still training
         on its prefetched steps commits them later, and the commit must find the dispatcher."""
-        finished_before = 0 <= self.next_plan - 1 <= self.replay.committed
-        return (self.finished() and self.delivery.all_received(finished_before)
+        return (self.finished() and self.delivery.all_received(self._finished_before(now))
                 and self.delivery.connected() == 0)
+
+    def _finished_before(self, now: float | None) -> bool:
+        """Whether ranks this dispatcher never heard from count as finished: the journal's commit
+        covers the last step, and LOST_RANK_GRACE_S passed since it started, so a rank that
+        finished with the dispatcher before a restart (it said BYE there and will not come back)
+        does not hold the exit for good, while one restored from an older checkpoint of its own
+        (the journal keeps only the latest commit of any rank) has that long to come back."""
+        if now is None or not 0 <= self.next_plan - 1 <= self.replay.committed:
+            return False
+        if now - self._started_at < LOST_RANK_GRACE_S:
+            if not self._unheard_said and any(not s.heard for s in self.delivery.slots):
+                self._unheard_said = True
+                event("waiting_for_ranks", logging.WARNING,
+                      ranks=",".join(str(s.rank) for s in self.delivery.slots if not s.heard),
+                      seconds=int(LOST_RANK_GRACE_S),
+                      why="the job's last step is committed, but these ranks were not heard "
+                          "since the restart: one restored from an older checkpoint resumes here")
+            return False
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -275,6 +293,7 @@ class Dispatcher:
         poller.register(self.reader_sock, zmq.POLLIN)
         poller.register(self.trainer_sock, zmq.POLLIN)
         self._checked = self._halted_at = 0.0
+        self._started_at, self._unheard_said = time.monotonic(), False
         self._heard = dict.fromkeys(("reader", "trainer"), time.monotonic())
         # (role, socket, handler, loop CPU part) of each socket the loop drains
         self._inputs = (("reader", self.reader_sock, self._on_reader, "intake"),
@@ -332,7 +351,7 @@ class Dispatcher:
 
     def _leaving(self, until_done: bool, now: float) -> int | None:
         """The linger (ms) to close with if the loop ends now, else None."""
-        if until_done and self.done() and not self._resumable_after_loss(now):
+        if until_done and self.done(now) and not self._resumable_after_loss(now):
             # The job is done: readers may exit too (a Job or `compose up` completes).
             # Without until_done the dispatcher stays, and so do readers, for a rewind.
             self._end_readers()

@@ -983,3 +983,28 @@ def test_shards_failing_after_the_wait_wait_no_more(tmp_path, monkeypatch):
     finally:
         bad.close()
         d.stop()
+
+
+def test_ranks_unheard_since_a_restart_count_as_finished_only_after_the_grace(caplog):
+    """The job's last step committed (rank 0 had finished and said BYE to the dispatcher before
+    a restart, and never comes back): a restarted dispatcher waited on its slot forever. It now
+    counts it as finished after LOST_RANK_GRACE_S, not at once: the journal keeps only the
+    latest commit of any rank, and rank 1 may be restored from an older checkpoint of its own,
+    which the probe saw the dispatcher exit under when unheard ranks counted at once."""
+    from dispatcher_server import server
+
+    d = Dispatcher(_config(world_size=2))
+    try:
+        _fill_and_plan(d, 16)  # steps 0-3
+        _trainer_says(d, b"t1", P.HELLO, role="trainer", rank=1, world_size=2, next_step=None, prefetch=2)
+        _trainer_says(d, b"t1", P.COMMIT, step=3)
+        d._started_at, d._unheard_said = 0.0, False
+        assert d.replay.committed == d.next_plan - 1 == 3
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            assert not d._finished_before(10.0)  # rank 0 may still come back
+        (line,) = [r.getMessage() for r in caplog.records if "waiting_for_ranks" in r.getMessage()]
+        assert "ranks=0" in line
+        assert d._finished_before(server.LOST_RANK_GRACE_S + 1)
+        assert not d._finished_before(None)  # no clock, no grace over
+    finally:
+        d._close()
