@@ -918,17 +918,27 @@ def test_a_shard_one_reader_cannot_open_is_read_by_another(tmp_path):
         d.stop()
 
 
+@contextmanager
+def _one_reader(monkeypatch, retry_s: float, **config) -> Iterator[tuple[Dispatcher, _RawReader]]:
+    """A started dispatcher (OPEN_RETRY_S = `retry_s`) and one raw reader; both stopped after."""
+    from dispatcher_server import server
+
+    monkeypatch.setattr(server, "OPEN_RETRY_S", retry_s)
+    d = Dispatcher(_config(**config))
+    d.start()
+    reader = _RawReader(d.reader_endpoint, "node-b")
+    try:
+        yield d, reader
+    finally:
+        reader.close()
+        d.stop()
+
+
 def test_a_shard_no_reader_can_open_is_skipped_after_a_wait(tmp_path, monkeypatch):
     """Every reader failing on a shard and none coming that can: OPEN_RETRY_S after the first
     failure it is tried once more, then skipped as open_failed (journaled, named), so the job
     goes on."""
-    from dispatcher_server import server
-
-    monkeypatch.setattr(server, "OPEN_RETRY_S", 0.5)
-    d = Dispatcher(_config(tmp_path))
-    d.start()
-    bad = _RawReader(d.reader_endpoint, "node-b")
-    try:
+    with _one_reader(monkeypatch, 0.5, tmp_path=tmp_path) as (d, bad):
         bad.cannot_open(bad.assigned())
         time.sleep(0.2)
         assert not d.skip_log.keys, "skipped before the wait for a reader that can open it"
@@ -938,51 +948,31 @@ def test_a_shard_no_reader_can_open_is_skipped_after_a_wait(tmp_path, monkeypatc
         bad.cannot_open(last)
         K.wait_for(lambda: d.skip_log.keys, 5, "the unopenable shard skipped")
         assert [reason for _, reason in d.skip_log.keys] == ["open_failed"]
-    finally:
-        bad.close()
-        d.stop()
 
 
 def test_a_shard_that_appears_during_the_wait_is_read_on_its_last_try(tmp_path, monkeypatch):
     """A reader that failed to open a shard was never offered it again, so a file that appeared
     during the wait (a late sync, a mount back) was skipped all the same, its samples lost."""
-    from dispatcher_server import server
-
-    monkeypatch.setattr(server, "OPEN_RETRY_S", 0.3)
-    d = Dispatcher(_config(tmp_path))
-    d.start()
-    bad = _RawReader(d.reader_endpoint, "node-b")
-    try:
+    with _one_reader(monkeypatch, 0.3, tmp_path=tmp_path) as (d, bad):
         bad.cannot_open(bad.assigned())
         last = bad.assigned()
         assert last is not None, "no last try"
         bad.send(P.SHARD_DONE, assign_id=last["assign_id"], count=0, skipped=[])  # read it now
         time.sleep(0.3)
         assert not d.skip_log.keys
-    finally:
-        bad.close()
-        d.stop()
 
 
 def test_shards_failing_after_the_wait_wait_no_more(tmp_path, monkeypatch):
     """The wait is one for every shard no reader here can open: the ones further on, which
     enter the window only as earlier ones are settled, each waited its own 30 s, so a source
     with many missing shards stalled the job past the trainers' step timeout."""
-    from dispatcher_server import server
-
-    monkeypatch.setattr(server, "OPEN_RETRY_S", 1.0)
-    d = Dispatcher(_config(tmp_path, shards=[f"/data/shard-{i}.tar" for i in range(4)]))
-    d.start()
-    bad = _RawReader(d.reader_endpoint, "node-b")
-    try:
+    shards = [f"/data/shard-{i}.tar" for i in range(4)]
+    with _one_reader(monkeypatch, 1.0, tmp_path=tmp_path, shards=shards) as (d, bad):
         t0 = time.monotonic()
         for _ in range(8):  # each shard: its first failure, then its last try's
             bad.cannot_open(bad.assigned())
         K.wait_for(lambda: len(d.skip_log.keys) == 4, 5, "every unopenable shard skipped")
         assert time.monotonic() - t0 < 3.0, "each shard waited its own OPEN_RETRY_S"
-    finally:
-        bad.close()
-        d.stop()
 
 
 def test_ranks_unheard_since_a_restart_count_as_finished_only_after_the_grace(caplog):
