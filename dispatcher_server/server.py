@@ -954,10 +954,7 @@ class Dispatcher:
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
         if a.pos in self._unopened:  # another reader opened it after all
-            del self._unopened[a.pos]
-            self.pool.refused.pop(a.pos, None)
-            if not self._unopened:
-                self._unopened_none_at = time.monotonic()
+            self._forget_unopened(a.pos)
         # The skips first (journaled), then the state: a failed journal write stops the
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
@@ -992,12 +989,16 @@ class Dispatcher:
               fix="see that reader's log for why; every reader must see every shard")
         return True
 
-    def _give_up_unopened(self, pos: int, skipped: list[P.SkipRecord]) -> None:
-        """Skip shard `pos` as unreadable (`open_failed`), journaled like any skip."""
+    def _forget_unopened(self, pos: int) -> None:
+        """`pos` was read or skipped: no longer waited on, nor refused by any reader."""
         self._unopened.pop(pos, None)
         self.pool.refused.pop(pos, None)
         if not self._unopened:
             self._unopened_none_at = time.monotonic()
+
+    def _give_up_unopened(self, pos: int, skipped: list[P.SkipRecord]) -> None:
+        """Skip shard `pos` as unreadable (`open_failed`), journaled like any skip."""
+        self._forget_unopened(pos)
         self._skip(self.assembler.url(pos), self.assembler.unheard(pos, skipped))
         self.assembler.reader_done(pos)
 
@@ -1011,8 +1012,7 @@ class Dispatcher:
         for pos, entry in list(self._unopened.items()):
             prog = self.assembler.progress.get(pos)
             if prog is None or prog.reader_done:
-                del self._unopened[pos]
-                self.pool.refused.pop(pos, None)
+                self._forget_unopened(pos)
             elif over and not entry[1] and prog.assignment is None and not self.pool.can_open(pos):
                 entry[1] = True
                 self.pool.refused.pop(pos, None)
