@@ -36,7 +36,9 @@ import msgpack
 #: v8: a reader's HELLO says its process's `instance` (a reconnect replaces its earlier session;
 #:     a v7 dispatcher refuses the field). A STEP micro-batch whose payloads exceed one frame
 #:     says in how many frames they follow (`parts`; absent otherwise).
-VERSION = 8
+#: v9: a trainer's WELCOME says the dispatcher's `ranks_per_node`, so a trainer on a node of
+#:     another size says so in its own log (a v8 trainer refuses the field).
+VERSION = 9
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -87,7 +89,8 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),
               "world_size": (_INT, False), "next_step": (_INT, False),
               "num_microbatches": (_OPT_INT, False), "payloads": (str, False),
-              "dataset": (dict, False), "readers": (list, False), "shards": (list, False)},
+              "dataset": (dict, False), "readers": (list, False), "shards": (list, False),
+              "ranks_per_node": (_INT, False)},
     ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
     HEARTBEAT: {},
     # direct mode: where the reader serves payloads, and its CurveZMQ public key (z85) if any

@@ -1171,7 +1171,7 @@ class Dispatcher:
                    heartbeat_s=float(self.config.liveness.heartbeat_s),
                    world_size=self.config.world_size, next_step=want,
                    num_microbatches=self.config.planner.num_microbatches,
-                   payloads=self.config.payloads, dataset=self.dataset,
+                   payloads=self.config.payloads, dataset=self.dataset, ranks_per_node=g,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
 
     def _fresh_step(self, slot: TrainerSlot) -> int:

@@ -473,6 +473,36 @@ def test_trainers_on_nodes_of_the_planned_size_are_not_warned(caplog):
     assert _topology_warnings(caplog, 2, [(0, 2), (1, 2)]) == []
 
 
+@pytest.mark.timeout(30)
+def test_a_trainer_on_a_node_of_another_size_says_so_in_its_own_log(caplog):
+    """Whoever launched the trainers reads their logs, not the dispatcher's: the trainer's
+    client warns once, naming both sizes and the fix; a trainer of the planned size does not."""
+    from trainer_client.client import ClientConfig, DispatcherClient
+
+    def client_warnings(ranks_per_node: int, local: int) -> list[str]:
+        caplog.clear()
+        d = Dispatcher(_config(world_size=2, ranks_per_node=ranks_per_node)).start()
+        client = DispatcherClient(d.trainer_endpoint, 0, 2, local,
+                                  config=ClientConfig(connect_timeout_s=10)).start()
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and client._peer.consumed is None:
+                time.sleep(0.02)  # the client's thread takes its position from the WELCOME
+            assert client._peer.consumed == 0, "the trainer was never welcomed"
+            return [r.getMessage() for r in caplog.records if r.name == "mmdispatch.client"
+                    and "topology_mismatch" in r.getMessage()]
+        finally:
+            client.close()
+            d.stop()
+
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        warned = client_warnings(ranks_per_node=1, local=2)
+        assert len(warned) == 1, warned
+        assert "local_world_size=2 ranks_per_node=1" in warned[0]
+        assert "--ranks-per-node 2" in warned[0]
+        assert client_warnings(ranks_per_node=2, local=2) == []
+
+
 def test_the_dataset_fingerprint_names_what_a_resume_depends_on():
     base = _config()
     fp = base.dataset_fingerprint()

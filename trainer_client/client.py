@@ -410,6 +410,7 @@ class _TrainerPeer:
         self.fetcher: PayloadFetcher | None = None  # direct payload mode
         self.credit_sent: tuple | None = None
         self.timings: list[dict] = []  # measured steps not yet sent (bounded)
+        self.topology_warned = False
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
@@ -426,6 +427,7 @@ class _TrainerPeer:
     def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
         self._check_dataset(msg.get("dataset"))
         self._payload_mode(msg.get("payloads", "inline"))
+        self._check_topology(msg.get("ranks_per_node"))
         if self.fetcher is not None:
             self.fetcher.readers = msg.get("readers", [])
         self.next_expected = msg["next_step"]
@@ -436,6 +438,21 @@ class _TrainerPeer:
         for c in self.commits:
             # Sent to a dispatcher that died or forgot us: the new session journals it.
             c.seq = session.send(P.COMMIT, step=c.step)
+
+    def _check_topology(self, ranks_per_node: int | None) -> None:
+        """Say in the trainer's own log (once) that its node holds another number of ranks
+        than the dispatcher plans node-local exchanges for: the dispatcher's log says it too,
+        but whoever launched the trainers reads theirs."""
+        local = self.hello["local_world_size"]
+        if ranks_per_node is None or ranks_per_node == local or self.topology_warned:
+            return
+        self.topology_warned = True
+        log.warning("mmdispatch event=topology_mismatch rank=%s local_world_size=%s "
+                    "ranks_per_node=%s why='the dispatcher plans node-local exchanges for nodes of "
+                    "%s ranks: training stays correct, but bytes planned to stay on a node cross "
+                    "nodes' fix='restart the dispatcher with --ranks-per-node %s, or launch %s "
+                    "trainers per node'", self.hello["rank"], local, ranks_per_node,
+                    ranks_per_node, local, ranks_per_node)
 
     def on_message(self, session: PeerSession, msg: P.Message) -> bool:
         if msg.type == P.STEP and session.welcomed:
