@@ -20,7 +20,9 @@ a commit covers its step). Skipped keys (with their shard index when known) go t
 `skipped.mmd`, append-only, never read at a restart (journal.mmd keeps their count and how far
 the file is counted); `skipped_keys()` reads them back for audits. A restart therefore reads
 journal.mmd, about `journal_file_bytes` (more only while commits lag), and the uncommitted
-steps' plans. Journals in the layout before the magic are read and rewritten in this one.
+steps' plans. journal.mmd also keeps, a record each and carried over checkpoints, the shard
+positions skipped because no reader could open them and each shard's copy identity as first
+read whole, so a restart decides and checks as the run before it did. Journals in the layout before the magic are read and rewritten in this one.
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ class Journal:
         self._commits: deque[int] = deque(maxlen=keep_commits)  # the latest commits, oldest first
         self.num_skipped = 0
         self._skipped_end = 0  # how far skipped.mmd is counted in num_skipped
+        #: shard positions (a shard in one epoch) skipped whole because no reader could open
+        #: them: a restart skips them again instead of waiting OPEN_RETRY_S anew (skipped.mmd
+        #: is never read at a restart, so the decision is kept here, a few bytes a shard)
+        self.unopenable: set[int] = set()
+        #: shard URL -> the identity of the copy first read whole ({size, headers, reader}):
+        #: every later read, by any reader, restart or epoch, must find the same copy
+        self.identities: dict[str, dict] = {}
         self._legacy_skipped: list[tuple[str, list]] = []
         self.records_read = 0  # records read while opening
         self._gen = 0  # the plan file being written
@@ -227,6 +236,8 @@ class Journal:
             self.last_committed = int(rec["last_committed"])
             self._commits = deque(rec["commits"], maxlen=self._commits.maxlen)
             self.num_skipped, self._skipped_end = int(rec["num_skipped"]), int(rec["skipped_end"])
+            self.unopenable = set(rec.get("unopenable", ()))  # absent in older journals
+            self.identities = dict(rec.get("identities", {}))
         elif kind == "step":
             self._apply_step(rec, offset)
         elif kind == "commit":
@@ -237,6 +248,10 @@ class Journal:
             # Committed steps are never replayed verbatim: their entries (plans) go.
             for s in [s for s in self.pending if s <= self.last_committed]:
                 del self.pending[s]
+        elif kind == "unopenable":
+            self.unopenable.add(int(rec["pos"]))
+        elif kind == "identity":
+            self.identities.setdefault(rec["shard"], rec["identity"])
         elif kind == "skipped":
             if "keys" in rec:  # a legacy journal's keys, inline
                 self.num_skipped += len(rec["keys"])
@@ -460,6 +475,24 @@ class Journal:
             raise
         self._apply(rec, offset)
 
+    def record_unopenable(self, pos: int, shard: str) -> None:
+        """Record that shard position `pos` (shard `shard` in one epoch) was skipped because no
+        reader could open it. Raises JournalWriteError (nothing recorded) if the write fails."""
+        if pos in self.unopenable:
+            return
+        self._check_directory()
+        rec = {"kind": "unopenable", "pos": pos, "shard": shard}
+        self._apply(rec, self._append(rec))
+
+    def record_identity(self, shard: str, identity: dict) -> None:
+        """Record the identity of the copy of `shard` first read whole. Raises JournalWriteError
+        (nothing recorded) if the write fails."""
+        if shard in self.identities:
+            return
+        self._check_directory()
+        rec = {"kind": "identity", "shard": shard, "identity": identity}
+        self._apply(rec, self._append(rec))
+
     # -- checkpoints -------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
         """After a commit: rewrite journal.mmd from the oldest kept commit on, once it is large
@@ -490,7 +523,8 @@ class Journal:
         records = [{"kind": "config", **self.fingerprint},
                    {"kind": "checkpoint", "first_step": first, "last_committed": self.last_committed,
                     "commits": list(self._commits), "num_skipped": self.num_skipped,
-                    "skipped_end": self._skipped_end}]
+                    "skipped_end": self._skipped_end, "unopenable": sorted(self.unopenable),
+                    "identities": self.identities}]
         records += [self._kept_record(s) for s in range(first, self.last_step + 1)]
         frames = [frame(r) for r in records]
         old, self._file = self._file, self._replace_file(b"".join(frames))

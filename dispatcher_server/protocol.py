@@ -38,6 +38,9 @@ import msgpack
 #:     says in how many frames they follow (`parts`; absent otherwise).
 #: v9: a trainer's WELCOME says the dispatcher's `ranks_per_node`, so a trainer on a node of
 #:     another size says so in its own log (a v8 trainer refuses the field).
+#:     SHARD_DONE says the identity of the reader's copy of the shard (`identity`, see
+#:     SHARD_IDENTITY; a v8 dispatcher refuses the field), and SHARD_ASSIGN the identity of
+#:     the copy another reader read first, for a local copy to be checked before it is read.
 VERSION = 9
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -98,12 +101,12 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
                     "payload_key": (str, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True), "source": (str, False),
-                   "fields": (dict, False)},
+                   "fields": (dict, False), "identity": (dict, False)},
     CANCEL: {"assign_id": (_INT, True)},
     SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
               "skipped": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True),
-                 "ignored": (dict, False)},
+                 "ignored": (dict, False), "identity": (dict, False)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
@@ -546,8 +549,30 @@ MAX_SUFFIX_CHARS = 64
 IGNORED_OTHER = "(other)"
 
 
+#: SHARD_DONE's optional `identity`: the reader's copy of the shard as it walked it whole, {"size":
+#: tar bytes, "headers": hex digest of its header blocks} (`pipeline.tario.ShardIdentity`); absent
+#: when the walk did not reach the archive's end.
+SHARD_IDENTITY = {"size": int, "headers": str}
+MAX_IDENTITY_CHARS = 64
+
+
+def _check_identity(type_: str, identity: dict | None) -> None:
+    if identity is not None and (
+            set(identity) != set(SHARD_IDENTITY)
+            or not all(type(identity[k]) is t for k, t in SHARD_IDENTITY.items())
+            or identity["size"] < 0 or len(identity["headers"]) > MAX_IDENTITY_CHARS):
+        raise ProtocolError(f"{type_}: malformed identity (size >= 0 and a digest of at most "
+                            f"{MAX_IDENTITY_CHARS} characters)")
+
+
+def _check_shard_assign(fields: dict, payloads: list) -> None:
+    _no_payload(fields, payloads)
+    _check_identity(SHARD_ASSIGN, fields.get("identity"))
+
+
 def _check_shard_done(fields: dict, payloads: list) -> None:
     _no_payload(fields, payloads)
+    _check_identity(SHARD_DONE, fields.get("identity"))
     fields["skipped"] = _skip_records(fields["skipped"])
     ignored = fields.get("ignored")
     if ignored is not None and (
@@ -711,6 +736,7 @@ def _timings_problem(timings: list) -> str | None:
 
 
 _CHECKS = {HELLO: _check_hello, SAMPLES: _check_samples, SHARD_DONE: _check_shard_done,
+           SHARD_ASSIGN: _check_shard_assign,
            STEP: _check_step, CREDIT: _check_credit, WELCOME: _check_table,
            READERS: _check_table, FETCH: _check_fetch, PAYLOADS: _check_payloads}
 

@@ -26,6 +26,11 @@ class ReplaySource:
         self.committed = journal.last_committed if journal is not None else -1
         self.replay: dict[int, StepEntry] = {}
         self.took: dict[int, list] = {}  # arrival mode: step -> its journaled `took` runs
+        # Shard positions skipped as unopenable (the journal's, across restarts): a rewind or a
+        # restart re-plans the steps after them without them, as they were planned.
+        self.unopenable: set[int] = set(journal.unopenable) if journal is not None else set()
+        # shard URL -> the identity of its copy first read whole (the journal's, across restarts)
+        self.identities: dict[str, dict] = dict(journal.identities) if journal is not None else {}
 
     @property
     def last_step(self) -> int:
@@ -147,6 +152,20 @@ class ReplaySource:
                 del self.cursors[s]
         self.committed = step
         return True
+
+    def record_unopenable(self, pos: int, url: str) -> None:
+        """Remember that shard position `pos` was skipped because no reader could open it
+        (OSError if the journal cannot)."""
+        if self.journal is not None:
+            self.journal.record_unopenable(pos, url)
+        self.unopenable.add(pos)
+
+    def record_identity(self, url: str, identity: dict) -> None:
+        """Remember the identity of the copy of shard `url` first read whole (OSError if the
+        journal cannot)."""
+        if self.journal is not None:
+            self.journal.record_identity(url, identity)
+        self.identities.setdefault(url, identity)
 
     def record_skipped(self, url: str, skipped: list) -> None:
         """Journal skipped samples ((key, reason, index) records) for the audit."""

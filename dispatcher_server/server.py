@@ -87,6 +87,11 @@ def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
+def _node_of(reader_name: str) -> str:
+    """The node part of a reader's name (`read` names its workers node/worker)."""
+    return reader_name.rpartition("/")[0] or reader_name
+
+
 class Dispatcher:
     """Bind, then `run()` (blocking) or `start()` (background thread); `stop()` ends the loop.
 
@@ -423,6 +428,8 @@ class Dispatcher:
             self._settle_unopened(time.monotonic())
         if not self.finished():
             self.assembler.open_window()
+        if self.replay.unopenable:
+            self._skip_known_unopenable()
         self._assign()
         while not self.finished() and self.delivery.has_room():
             t0 = thread_time()
@@ -470,7 +477,8 @@ class Dispatcher:
             prog.assignment = a.id
             self._send_reader(reader, P.SHARD_ASSIGN, assign_id=a.id, shard=prog.url, pos=a.pos,
                               epoch=self.assembler.epoch_of(a.pos), start_index=prog.next_index,
-                              **self._source_fields[a.pos % len(self._source_fields)])
+                              **self._source_fields[a.pos % len(self._source_fields)],
+                              **self._copy_to_check(reader, prog.url))
             event("shard_assigned", shard=prog.url, pos=a.pos, start=prog.next_index,
                   reader=reader.name)
         if made:
@@ -953,6 +961,7 @@ class Dispatcher:
             return
         if msg["count"] != a.received:
             self.metrics.error("count_mismatch", shard=prog.url, sent=msg["count"], got=a.received)
+        self._check_copy(reader, prog.url, msg.get("identity"))
         if a.pos in self._unopened:  # another reader opened it after all
             self._forget_unopened(a.pos)
         # The skips first (journaled), then the state: a failed journal write stops the
@@ -961,6 +970,46 @@ class Dispatcher:
         self._ignored(self.assembler.stream_of(a.pos).name, prog.url, msg.get("ignored"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
+
+    def _copy_to_check(self, reader: Reader, url: str) -> dict:
+        """SHARD_ASSIGN's `identity`: the copy of `url` another reader read first, which a
+        reader with a local copy checks before it sends a sample of it (`_check_copy` alone
+        stops the job only once the shard is read, after steps may have carried its samples)."""
+        known = self.replay.identities.get(url)
+        # Readers are named node/worker (`read --name`, else the host's): a node's workers
+        # share its files, so only another node's copy is walked to be checked.
+        if known is None or _node_of(known.get("reader", "")) == _node_of(reader.name):
+            return {}
+        return {"identity": {k: known[k] for k in P.SHARD_IDENTITY}}
+
+    def _check_copy(self, reader: Reader, url: str, identity: dict | None) -> None:
+        """The first copy of shard `url` read whole defines it (journaled); any later read of it,
+        by any reader, in any epoch, replay or restart, must find the same copy, or the job stops
+        before the shard counts as read (its samples still buffered are never planned).
+
+        Stopping, rather than giving the shard to another reader: a node whose copy differs
+        (a stale sync, a dataset regenerated there) was also the first to read other shards,
+        whose copies then define them, and nothing tells which copy is right; serving on would
+        train on two datasets under one set of keys, and break replays and exactly-once."""
+        if identity is None:  # a walk cut short (stalled): nothing to compare
+            return
+        known = self.replay.identities.get(url)
+        if known is None:
+            try:
+                self.replay.record_identity(url, {**identity, "reader": reader.name})
+            except OSError as e:
+                raise Fatal(f"journal write failed recording the copy of {url} read ({e}); "
+                            "stopping. Free the space and start the dispatcher again: it resumes "
+                            "from the journal") from e
+            return
+        differs = [f"{k} {identity[k]} where reader {known.get('reader', '?')!r} read {known.get(k)}"
+                   for k in P.SHARD_IDENTITY if known.get(k) != identity[k]]
+        if differs:  # counted; event=fatal is the one line
+            self.metrics.errors.labels("shard_copy_differs").inc()
+            raise Fatal(f"reader {reader.name!r} read another copy of shard {url} than the one "
+                        f"first read: its tar {', its '.join(differs)}. Make every node's copy of "
+                        "the dataset the same (sync them from one source) and start the job "
+                        "again (a dispatcher with --journal-dir resumes where it stopped)")
 
     def _open_failed(self, reader: Reader, a: Assignment, skipped: list[P.SkipRecord]) -> bool:
         """A reader that could not open its shard leaves it to the others (a node missing a
@@ -997,10 +1046,35 @@ class Dispatcher:
             self._unopened_none_at = time.monotonic()
 
     def _give_up_unopened(self, pos: int, skipped: list[P.SkipRecord]) -> None:
-        """Skip shard `pos` as unreadable (`open_failed`), journaled like any skip."""
+        """Skip shard `pos` as unreadable (`open_failed`), journaled like any skip, and the
+        decision too (`_skip_known_unopenable`)."""
         self._forget_unopened(pos)
-        self._skip(self.assembler.url(pos), self.assembler.unheard(pos, skipped))
+        url = self.assembler.url(pos)
+        self._skip(url, self.assembler.unheard(pos, skipped))
+        try:
+            self.replay.record_unopenable(pos, url)
+        except OSError as e:
+            raise Fatal(f"journal write failed recording that no reader could open {url} ({e}); "
+                        "stopping. Free the space and start the dispatcher again: it resumes "
+                        "from the journal and the shard is tried again") from e
         self.assembler.reader_done(pos)
+
+    def _skip_known_unopenable(self) -> None:
+        """Skip again, at once, the shard positions a rewind or a restart reopens that were
+        skipped as unopenable before (the journal keeps that decision; skipped.mmd is never
+        read at a restart): the steps after them were planned without their samples, so a
+        replay that read them would differ from what trainers saw, and trying them again cost
+        another OPEN_RETRY_S wait. A position is a shard in one epoch: later epochs try the
+        shard afresh."""
+        progress = self.assembler.progress
+        for pos in self.replay.unopenable.intersection(progress):
+            prog = progress[pos]
+            if prog.reader_done or prog.assignment is not None:
+                continue
+            self.assembler.reader_done(pos)
+            event("shard_skipped_again", shard=prog.url, pos=pos, reason="open_failed",
+                  why="no reader could open it in this epoch before the restart or rewind "
+                      "(journaled); its next epoch tries it again")
 
     def _settle_unopened(self, now: float) -> None:
         """Shards every connected reader failed to open, OPEN_RETRY_S after the first of them

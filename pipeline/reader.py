@@ -24,9 +24,9 @@ from pipeline.counting import (
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
-from pipeline.shards import open_shard
+from pipeline.shards import MappedShard, open_shard
 from pipeline.tario import (
-    Link, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
+    Link, ShardIdentity, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
 )
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
@@ -414,6 +414,28 @@ def sample_builder(config: ReaderConfig) -> SampleBuilder:
     return builder
 
 
+def mapped_identity(url: str) -> dict | None:
+    """The identity (`tario.ShardIdentity`, wire form) of a local uncompressed shard, from a
+    walk of its headers through a memory map (members are views, never read): about a
+    microsecond a member. None for another kind of shard (a stream cannot be walked twice
+    without reading it twice) or one that cannot be walked whole (its own read reports why)."""
+    try:
+        stream = open_shard(url, mapped=True)
+    except OSError:
+        return None
+    try:
+        if not isinstance(stream, MappedShard):
+            return None
+        identity = ShardIdentity()
+        for _ in tar_members(stream, identity=identity):
+            pass
+        return identity.to_wire() if identity.complete else None
+    except (TarError, OSError):
+        return None
+    finally:
+        stream.close()
+
+
 def iter_shard(
     url: str,
     config: ReaderConfig | None = None,
@@ -424,6 +446,7 @@ def iter_shard(
     on_skip: SkipSink | None = None,
     ignored: Tally | None = None,
     on_open: Callable[[BinaryIO], BinaryIO] | None = None,
+    identity: ShardIdentity | None = None,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
@@ -439,7 +462,8 @@ def iter_shard(
     Members no kind of `config.fields` maps are counted by `ignored_label` in
     `stats.ignored_members`, and also in `ignored` when given (this shard's alone). They are
     counted over the whole shard, samples before `start_index` included, so a shard resumed by
-    another reader is counted whole by the one that finishes it.
+    another reader is counted whole by the one that finishes it. `identity` is built over the
+    whole walk likewise (`tario.ShardIdentity`), complete once the archive's end is read.
     """
     config = config or ReaderConfig()
     if start_index < 0:
@@ -480,7 +504,7 @@ def iter_shard(
         offsets: dict[str, int] | None = {} if spans else None
         members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes,
                                  None if offsets is None else offsets.__setitem__,
-                                 on_unterminated=unterminated.append)
+                                 on_unterminated=unterminated.append, identity=identity)
         for key, members, problem in group_samples(members_of, unnamed, config.max_sample_bytes):
             if offsets is not None:
                 where = {sfx: offsets.pop(f"{key}.{sfx}", -1) for sfx in members}

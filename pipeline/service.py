@@ -40,11 +40,12 @@ from pipeline.counting import CountingConfig, placeholder_identity
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
-    ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, reader_config_from_args,
-    sample_builder,
+    ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_identity,
+    reader_config_from_args, sample_builder,
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
+from pipeline.tario import ShardIdentity
 from pipeline.tokenize import ChatTemplate, chat_template_identity, tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
@@ -109,6 +110,8 @@ class _Assignment:
     ref_path: bytes | None = None  # reference payload mode: the shard file references name
     stamp: int = 0  # that file's version as opened (protocol.file_stamp; 0: a remote object)
     ignored: Counter = field(default_factory=Counter)  # members no field map kind names
+    # this copy of the shard, as walked (SHARD_DONE): the dispatcher compares every node's copy
+    identity: ShardIdentity = field(default_factory=ShardIdentity)
     # This shard's error counters: its reading thread's own (the worker's totals add them up
     # when it ends), so two shards read at once never share a run of consecutive errors.
     stats: ErrorStats = field(default_factory=ErrorStats)
@@ -278,6 +281,8 @@ class ReaderWorker:
 
     # -- assignments ---------------------------------------------------------------------
     def _assign(self, msg: P.Message) -> None:
+        if not self._same_copy(msg):
+            return
         ref_path = None
         if self.payloads != "inline":
             ref_path = P.reference_path(msg["shard"], self.payloads).encode("utf-8", "surrogateescape")
@@ -291,7 +296,8 @@ class ReaderWorker:
         records = iter_shard(msg["shard"], self._reader_config(msg.get("fields")),
                              start_index=msg["start_index"], stats=a.stats,
                              spans=ref_path is not None, on_skip=ahead.skip, ignored=a.ignored,
-                             on_open=opened if ref_path is not None else ahead.watch)
+                             on_open=opened if ref_path is not None else ahead.watch,
+                             identity=a.identity)
         if self.config.preprocess_on == "datanode":
             records = self._preprocessed(ahead.skip, a.stats, records)
         if ref_path is None or self.payloads == "direct":  # payload bytes leave this reader
@@ -300,6 +306,25 @@ class ReaderWorker:
                 records = self._within_frames(ahead.skip, a.stats, records)
         ahead.start(records)
         self.assignments.append(a)
+
+    def _same_copy(self, msg: P.Message) -> bool:
+        """Whether this node's copy of the assigned shard may be read: the dispatcher names the
+        copy another reader read first (SHARD_ASSIGN `identity`), and a local mapped copy is
+        checked against it before any sample of it leaves. Another copy is reported at once
+        (SHARD_DONE of no samples, with its identity), which stops the job before a step
+        carries any of it. Other shards are compared when read whole (SHARD_DONE)."""
+        expected = msg.get("identity")
+        if expected is None or not self.config.reader.map_shards:
+            return True
+        mine = mapped_identity(msg["shard"])
+        if mine is None or mine == expected:
+            return True
+        log.error("mmdispatch event=shard_copy_differs shard=%s size=%s expected_size=%s: this "
+                  "node's copy is not the one another reader read; not reading it",
+                  msg["shard"], mine["size"], expected["size"])
+        self.session.send(P.SHARD_DONE, assign_id=msg["assign_id"], count=0, skipped=[],
+                          identity=mine)
+        return False
 
     def _reader_config(self, fields: dict | None) -> ReaderConfig:
         """This reader's rules with a source's field map (SHARD_ASSIGN `fields`), if it has one."""
@@ -415,8 +440,11 @@ class ReaderWorker:
             a.count += len(headers)
             self.num_samples_sent += len(headers)
         if done:
+            # the identity only of a walk that reached the archive's end (a failed one is not
+            # the copy's)
+            whole = {"identity": a.identity.to_wire()} if a.identity.complete else {}
             self.session.send(P.SHARD_DONE, assign_id=a.id, count=a.count,
-                              skipped=a.take_unsent(), **ignored_field(a.ignored))
+                              skipped=a.take_unsent(), **ignored_field(a.ignored), **whole)
             self._drop_assignment(a)
             self._request_shards()
 

@@ -13,6 +13,7 @@ a file is gzip when its name says so (any case), a `pipe:` command's output when
 from __future__ import annotations
 
 import gzip
+import hashlib
 import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
@@ -66,6 +67,31 @@ class TarError(ValueError):
         self.reason = reason
         self.member = member  # name of the member being read when the archive failed, if known
         self.dropped_key: str | None = None  # set by readers: the partly read sample they dropped
+
+
+class ShardIdentity:
+    """A shard copy's identity, built as its tar is walked: a digest of every 512-byte header
+    block (the name, size, mode and time of each member, so a copy written otherwise differs)
+    and the tar bytes walked. One hash update per member; member bytes are not hashed (a copy
+    that differs only inside a member's bytes, at the same sizes, passes). `complete` once the
+    walk reached the archive's end: only then is it the whole copy's."""
+
+    __slots__ = ("_hash", "size", "complete")
+
+    def __init__(self) -> None:
+        self._hash = hashlib.blake2b(digest_size=8)
+        self.size = 0
+        self.complete = False
+
+    def add(self, header: bytes) -> None:
+        self._hash.update(header)
+
+    def finish(self, size: int) -> None:
+        self.size, self.complete = size, True
+
+    def to_wire(self) -> dict:
+        """SHARD_DONE's `identity` field."""
+        return {"size": self.size, "headers": self._hash.hexdigest()}
 
 
 def _number(field: bytes, offset: int) -> int:
@@ -250,7 +276,7 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
 
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
-    *, on_unterminated: Callable[[int], None] | None = None,
+    *, on_unterminated: Callable[[int], None] | None = None, identity: ShardIdentity | None = None,
 ) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
     (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each
@@ -262,7 +288,8 @@ def tar_members(
     archive file, just before the member is yielded; a gzip inflater has no such offsets and
     raises `TarError`. An archive that ends right after a member's padding, without its
     end-of-archive blocks, ends there and calls `on_unterminated(bytes read)` if given; one cut
-    anywhere else raises `TarError("truncated_tar")`.
+    anywhere else raises `TarError("truncated_tar")`. `identity`, if given, digests each header
+    block as it is read and is finished at the archive's end.
     """
     if on_member is not None and isinstance(stream, gzip.GzipFile):
         raise TarError("bad_tar", "member offsets asked of a gzip-compressed shard: they are not file "
@@ -286,13 +313,19 @@ def tar_members(
                     # as such by the reader), or an archive whose writer never wrote its end.
                     if offset and on_unterminated is not None:
                         on_unterminated(offset)
+                    if identity is not None:
+                        identity.finish(offset)
                     return
                 raise TarError(
                     "truncated_tar",
                     f"archive ends at byte {offset + len(header)} without an end-of-archive block",
                 )
             if header == _ZERO_BLOCK:
+                if identity is not None:
+                    identity.finish(offset)
                 return
+            if identity is not None:
+                identity.add(header)
             stored = _number(header[148:156], offset)
             if stored != sum(header) - sum(header[148:156]) + 8 * 32:
                 raise TarError("bad_tar", f"header checksum mismatch at byte {offset}: not a tar, or corrupt")

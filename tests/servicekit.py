@@ -369,6 +369,13 @@ class ScriptedRouter:
         assert msg.type == type_, f"expected {type_}, got {msg.type} {msg.header}"
         return msg
 
+    def expect_any(self, types: tuple[str, ...], timeout_s: float = 5.0):
+        """The next message, which must be of one of `types`."""
+        msg = self.recv(timeout_s)
+        assert msg is not None, f"none of {types} within {timeout_s} s"
+        assert msg.type in types, f"expected one of {types}, got {msg.type} {msg.header}"
+        return msg
+
     def send(self, type_: str, *, ident: bytes | None = None, **fields) -> None:
         from dispatcher_server import protocol as P
 

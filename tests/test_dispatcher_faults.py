@@ -118,6 +118,75 @@ def test_skips_reach_the_journal_when_they_arrive_not_at_shard_done(tmp_path):
         d._close()
 
 
+def _shard_done(assign_id: int, count: int, headers: str) -> P.Message:
+    return P.decode(P.encode(P.SHARD_DONE, assign_id=assign_id, count=count, skipped=[],
+                             identity={"size": 10240, "headers": headers}))
+
+
+def test_a_reader_whose_copy_of_a_shard_differs_stops_the_job(tmp_path):
+    """Readers on two nodes whose copies of one shard differ (a stale sync, a dataset regenerated
+    on one node) were taken as one shard: a replay after a restart, the next epoch or a take-back
+    then delivered other samples under the same shard and index. The copy first read whole is
+    journaled; a later read of another copy, here a replay after a restart, stops the job with
+    the shard, the readers and the fix named, before the shard counts as read."""
+    d = Dispatcher(_config(tmp_path, max_epochs=2))
+    try:
+        reader, a = _with_reader(d)
+        d._on_reader(reader.ident, _samples_msg(a.id, [_header("k0", 0)]), 0.0)
+        d._on_reader(reader.ident, _shard_done(a.id, 1, "aa"), 0.0)
+        d._pump()  # step 0 planned
+        d._pump()  # the shard's next epoch assigned
+        (again,) = reader.assignments
+        d._on_reader(reader.ident, _samples_msg(again.id, [_header("k0", 0)]), 0.0)
+        d._on_reader(reader.ident, _shard_done(again.id, 1, "aa"), 0.0)  # the same copy: read
+        assert d.journal.identities["/data/shard-0.tar"]["headers"] == "aa"
+    finally:
+        d._close()
+    d = Dispatcher(_config(tmp_path, max_epochs=2))  # restarted: step 0 replays
+    try:
+        reader, a = _with_reader(d)
+        d._on_reader(reader.ident, _samples_msg(a.id, [_header("k0", 0)]), 0.0)
+        with pytest.raises(Fatal) as stopped:
+            d._on_reader(reader.ident, _shard_done(a.id, 1, "bb"), 0.0)
+        why = str(stopped.value)
+        assert "reader 'r' read another copy of shard /data/shard-0.tar" in why
+        assert "headers bb where reader 'r' read aa" in why and "copy of the dataset the same" in why
+        assert not d.progress[0].reader_done  # never counted as read: nothing more is planned
+    finally:
+        d._close()
+
+
+def test_a_shard_read_by_one_node_is_assigned_to_another_with_the_copy_to_check(tmp_path):
+    """SHARD_ASSIGN names the copy first read to a reader of another node (which checks its
+    own before reading), not to a worker of the node that read it (the same files)."""
+    d = Dispatcher(_config(tmp_path, max_epochs=3))
+    sent = []
+    d._send_reader = lambda reader, type_, **f: sent.append((reader.name, type_, f))
+    try:
+        first = d.pool.join(b"a0", "nodeA/0", 0.0)
+        d._on_reader(first.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=1)), 0.0)
+        d._pump()
+        (a,) = first.assignments
+        assert "identity" not in sent[-1][2]  # nothing read yet
+        d._on_reader(first.ident, _samples_msg(a.id, [_header("k0", 0)]), 0.0)
+        d._on_reader(first.ident, _shard_done(a.id, 1, "aa"), 0.0)
+        d._drop_reader(first, "timeout")
+        for name, expected in (("nodeA/1", None), ("nodeB/0", {"size": 10240, "headers": "aa"})):
+            sent.clear()
+            reader = d.pool.join(name.encode(), name, 0.0)
+            d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=1)), 0.0)
+            d._pump()
+            d._pump()
+            (assign,) = [f for who, t, f in sent if who == name and t == P.SHARD_ASSIGN]
+            assert assign.get("identity") == expected, name
+            (a,) = reader.assignments
+            d._on_reader(reader.ident, _samples_msg(a.id, [_header("k0", 0)]), 0.0)
+            d._on_reader(reader.ident, _shard_done(a.id, 1, "aa"), 0.0)
+            d._drop_reader(reader, "timeout")
+    finally:
+        d._close()
+
+
 # -- defect 5: a huge commit without a journal ------------------------------------------------
 def test_a_commit_of_a_step_never_planned_is_refused_with_or_without_a_journal(tmp_path):
     for directory in (None, tmp_path):
@@ -1003,6 +1072,25 @@ def test_shards_failing_after_the_wait_wait_no_more(tmp_path, monkeypatch):
             bad.cannot_open(bad.assigned())
         K.wait_for(lambda: len(d.skip_log.keys) == 4, 5, "every unopenable shard skipped")
         assert time.monotonic() - t0 < 3.0, "each shard waited its own OPEN_RETRY_S"
+
+
+def test_a_restarted_dispatcher_keeps_the_open_failed_skips_its_journal_holds(tmp_path, monkeypatch):
+    """A dispatcher restarted on its journal tried again the shards it had skipped as
+    open_failed, waiting OPEN_RETRY_S for each once more (and a replay that then read one would
+    differ from the steps trainers saw). The journaled decision now holds for the epoch it was
+    made in; the next epoch tries the shard afresh."""
+    shards = ["/data/shard-0.tar", "/data/shard-1.tar"]
+    with _one_reader(monkeypatch, 0.2, tmp_path=tmp_path, shards=shards) as (d, bad):
+        for _ in range(2):  # its first failure, then its last try's
+            assign = bad.assigned()
+            assert assign is not None and assign["pos"] == 0
+            bad.cannot_open(assign)
+        K.wait_for(lambda: d.skip_log.keys, 5, "the unopenable shard skipped")
+        assert bad.assigned()["pos"] == 1  # held unread: the epoch goes on, no step planned
+    with _one_reader(monkeypatch, 30.0, tmp_path=tmp_path, shards=shards) as (d, bad):
+        first = bad.assigned()
+        assert first is not None, "the restarted dispatcher assigned nothing"
+        assert first["pos"] == 1, "the journaled skip was tried again"
 
 
 def test_ranks_unheard_since_a_restart_count_as_finished_only_after_the_grace(caplog):

@@ -804,3 +804,17 @@ def test_a_restart_on_the_journal_holds_peers_to_the_jobs_input_rules(tmp_path):
     fresh = InputRules()
     fresh.keep_beside(str(tmp_path), resume=False)  # a new job in the directory
     assert fresh.admit("reader 'c'", {"placeholders": "none"}) is None
+
+
+def test_unopenable_shards_survive_a_reopen_and_a_checkpoint(tmp_path):
+    """Shard positions skipped because no reader could open them are a decision a restart must
+    keep (skipped.mmd is never read then): journaled, and carried over a checkpoint."""
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j.record_unopenable(3, "/data/shard-3.tar")
+    j.record_unopenable(3, "/data/shard-3.tar")  # once is enough
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    assert j.unopenable == {3}
+    j._checkpoint(j._first)
+    j.close()
+    assert Journal(str(tmp_path), _fp(), fsync=False).unopenable == {3}

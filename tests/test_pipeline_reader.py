@@ -389,3 +389,26 @@ def test_empty_and_truncated_files_read_through_the_map_fail_as_streams_do(tmp_p
         assert stats.by_reason == {"empty_shard": 1, "truncated_tar": 1}
         cut_line = next(r[3] for r in stats.recent if r[0] == "truncated_tar")
         assert "declares 9000 bytes but the archive ends" in cut_line and "bytes into it" in cut_line
+
+
+@pytest.mark.parametrize("start_index", [0, 1])
+def test_a_shards_identity_tells_copies_apart_over_its_whole_walk(tmp_path, start_index):
+    """Two nodes' copies of one shard: the same bytes give the same identity, whichever sample
+    a reader starts at (a shard taken over is walked whole); other members or sizes another.
+    Complete only once the archive's end was read."""
+    from pipeline.tario import ShardIdentity
+
+    def identity(path, start=start_index) -> ShardIdentity:
+        ident = ShardIdentity()
+        list(iter_shard(path, start_index=start, identity=ident))
+        return ident
+
+    one = [("a.txt", b"hello"), ("b.txt", b"world"), ("c.txt", b"again")]
+    first = identity(write_tar(tmp_path / "one.tar", one), 0)
+    same = identity(write_tar(tmp_path / "same.tar", one))
+    other = identity(write_tar(tmp_path / "other.tar", one[:2] + [("c.txt", b"changed")]))
+    assert first.complete and same.complete
+    assert same.to_wire() == first.to_wire() and other.to_wire() != first.to_wire()
+    cut = ShardIdentity()
+    next(iter_shard(str(tmp_path / "one.tar"), identity=cut))  # a walk stopped midway
+    assert not cut.complete

@@ -250,3 +250,29 @@ def test_a_reader_its_error_policy_stops_stops_the_job_with_its_line(tmp_path, m
     assert "reader 'r" in srv.fatal and shard in srv.fatal and "bad_image" in srv.fatal
     fix = "--errors skip" if mode == "raise" else "--max-consecutive-errors"
     assert fix in srv.fatal and "--journal-dir" in srv.fatal
+
+
+def test_a_local_copy_other_than_the_one_read_first_is_reported_before_any_sample(tmp_path):
+    """The dispatcher names the copy another node read first (SHARD_ASSIGN `identity`): a
+    reader whose mapped copy differs reports its own identity with no sample (the dispatcher
+    then stops the job before a step carries any of it); the same copy is read as usual."""
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 12)]))
+    with ScriptedRouter() as router, _reader(router) as (_, errors):
+        first = _read_shard(router, shard)[-1]["identity"]
+        router.expect(P.SHARD_REQUEST)
+        router.send(P.SHARD_ASSIGN, assign_id=2, shard=shard, pos=0, epoch=1, start_index=0,
+                    identity=first)
+        router.send(P.CREDIT, assign_id=2, samples=1000)
+        assert router.expect(P.SAMPLES)["assign_id"] == 2  # the same copy: read
+        while (msg := router.expect_any((P.SAMPLES, P.SHARD_DONE))).type != P.SHARD_DONE:
+            pass
+        assert msg["identity"] == first and msg["count"] == 12
+        router.expect(P.SHARD_REQUEST)
+        tar_of(shard, good_and_bad([("good", 11), ("bad", 1)]))  # this node's copy, rewritten
+        router.send(P.SHARD_ASSIGN, assign_id=3, shard=shard, pos=0, epoch=2, start_index=0,
+                    identity=first)
+        router.send(P.CREDIT, assign_id=3, samples=1000)
+        done = router.expect(P.SHARD_DONE)  # no SAMPLES before it
+        assert done["assign_id"] == 3 and done["count"] == 0 and done["skipped"] == []
+        assert done["identity"] != first
+    assert not errors
