@@ -88,6 +88,9 @@ class Metrics:
                                        "Shard members no field map kind names, by source and "
                                        "suffix (their extension; '' for names without one)",
                                        ["source", "suffix"], registry=r)
+        self.samples_truncated = Counter("mmdispatch_samples_truncated",
+                                         "Samples whose text readers cut to their --max-seq-len "
+                                         "(--over-length truncate), by source", ["source"], registry=r)
         self.slowest_rank = Gauge("mmdispatch_phase_slowest_rank",
                                   "Last measured step: slowest rank per phase, summed over "
                                   "micro-batches (predicted: cost-model units; measured: seconds)",

@@ -41,6 +41,7 @@ import msgpack
 #:     SHARD_DONE says the identity of the reader's copy of the shard (`identity`, see
 #:     SHARD_IDENTITY; a v8 dispatcher refuses the field), and SHARD_ASSIGN the identity of
 #:     the copy another reader read first, for a local copy to be checked before it is read.
+#:     SHARD_DONE's `truncated`: samples cut to --max-seq-len (--over-length truncate).
 VERSION = 9
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -106,7 +107,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
     SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
               "skipped": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True),
-                 "ignored": (dict, False), "identity": (dict, False)},
+                 "ignored": (dict, False), "identity": (dict, False), "truncated": (_INT, False)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
              "upto": (_INT, False), "received": (_INT, False), "timings": (list, False)},
     STEP: {"step": (_INT, True), "epoch": (_INT, True), "rank": (_INT, True),
@@ -581,6 +582,9 @@ def _check_shard_done(fields: dict, payloads: list) -> None:
                        for k, n in ignored.items())):
         raise ProtocolError(f"shard_done: malformed ignored counts (at most {MAX_IGNORED_SUFFIXES} "
                             f"suffixes of at most {MAX_SUFFIX_CHARS} characters, counts > 0)")
+    # samples of the shard sent with their text cut to the readers' --max-seq-len; absent: none
+    if fields.get("truncated", 1) < 1:
+        raise ProtocolError(f"shard_done: truncated={fields['truncated']} must be > 0 (absent: none)")
 
 
 #: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then

@@ -132,6 +132,8 @@ class Dispatcher:
         self.skip_log = SkipLog(self.metrics)
         # members no field map names, by source, then suffix (the step log shows the totals)
         self.ignored_members: dict[str, Counter] = {}
+        # samples readers cut to their --max-seq-len, by source (the step log shows the totals)
+        self.truncated_samples: Counter = Counter()
         one = len(config.sources) == 1
         orders = [ShardOrder(src.shards, config.seed, config.max_epochs, salt="" if one else src.name)
                   for src in config.sources]
@@ -645,6 +647,8 @@ class Dispatcher:
             if self.ignored_members:  # so far in this run, by source and suffix
                 record["ignored_members"] = {src: dict(sorted(c.items()))
                                              for src, c in sorted(self.ignored_members.items())}
+            if self.truncated_samples:  # so far in this run, by source
+                record["truncated_samples"] = dict(sorted(self.truncated_samples.items()))
             self.step_log.write(record)
         m = self.metrics
         m.steps_served.inc()
@@ -968,6 +972,7 @@ class Dispatcher:
         # dispatcher before the shard counts as read, so a restart reads it again.
         self._skip(prog.url, self.assembler.unheard(a.pos, msg["skipped"]))
         self._ignored(self.assembler.stream_of(a.pos).name, prog.url, msg.get("ignored"))
+        self._truncated(self.assembler.stream_of(a.pos).name, prog.url, msg.get("truncated"))
         self.assembler.reader_done(a.pos)
         self._release(reader, a)
 
@@ -1100,6 +1105,15 @@ class Dispatcher:
         self.ignored_members.setdefault(source, Counter()).update(ignored)
         event("members_ignored", source=source, shard=url,
               suffixes=",".join(f"{s or '(no suffix)'}={n}" for s, n in sorted(ignored.items())))
+
+    def _truncated(self, source: str, url: str, truncated: int | None) -> None:
+        """Samples of a finished shard sent with their text cut to the readers' --max-seq-len:
+        trained on, but not whole, so a run says how many (metrics, log, step log)."""
+        if not truncated:
+            return
+        self.metrics.samples_truncated.labels(source).inc(truncated)
+        self.truncated_samples[source] += truncated
+        event("samples_truncated", source=source, shard=url, samples=truncated)
 
     def _skip(self, url: str, skipped: list[P.SkipRecord]) -> None:
         """Bad samples: reported by key (log, metrics, journal), so none is silently lost."""

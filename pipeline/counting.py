@@ -184,6 +184,10 @@ class AudioConfig:
             )
 
 
+#: What a reader does with a sample longer than `TextConfig.max_seq_len`.
+OVER_LENGTH = ("skip", "truncate")
+
+
 @dataclass(kw_only=True, slots=True)
 class TextConfig:
     """Text members and how they become token ids.
@@ -227,8 +231,21 @@ class TextConfig:
     image_placeholder: str | None = None
     video_placeholder: str | None = None
     audio_placeholder: str | None = None
+    # The longest sample in LLM tokens (text plus every item's), as the model's context
+    # (HF `model_max_length`); unset, no limit. A longer one is skipped (`over_length` "skip")
+    # or loses text from its end (`truncate`, HF's right side): see `kept_text_len`.
+    max_seq_len: int | None = None
+    over_length: str = "skip"
 
     def __post_init__(self) -> None:
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 1 LLM tokens (unset: no limit)")
+        if self.over_length not in OVER_LENGTH:
+            raise ValueError(f"over_length={self.over_length!r} must be one of {', '.join(OVER_LENGTH)}")
+        if self.over_length == "truncate" and self.max_seq_len is None:
+            # refused, not warned: a job asking to truncate would otherwise run with no limit at all
+            raise ValueError("over_length='truncate' needs max_seq_len: give the longest sample in "
+                             "LLM tokens (e.g. max_seq_len=4096), or drop over_length")
         given = list(self.placeholders.values())
         for modality, token in self.placeholders.items():
             if not token:
@@ -271,6 +288,56 @@ def placeholder_identity(text: TextConfig) -> str:
     text), so readers placing items by other tokens are refused like another tokenizer."""
     marks = text.placeholders
     return ";".join(f"{m}={t}" for m, t in marks.items()) if marks else "none"
+
+
+def length_identity(text: TextConfig) -> str:
+    """The `max_seq_len` input rule ("none", or e.g. "4096 truncate"): readers cutting samples
+    at another length, or skipping where others truncate, send trainers other sequences."""
+    return "none" if text.max_seq_len is None else f"{text.max_seq_len} {text.over_length}"
+
+
+def item_ends(items: list) -> list[int]:
+    """Where each item ends in its sample's LLM sequence, in `items` order: items without an
+    anchor come first, then the text, each anchored item after the text tokens before its
+    placeholder (its anchor less the anchored items before it: their placeholders were removed)."""
+    ends = [0] * len(items)
+    first = 0  # LLM tokens of the items before the text
+    for k, it in enumerate(items):
+        if ANCHOR not in it.meta:
+            first += it.llm_len
+            ends[k] = first
+    placed = 0  # LLM tokens of the anchored items up to this one
+    anchored = sorted((k for k, it in enumerate(items) if ANCHOR in it.meta),
+                      key=lambda k: items[k].meta[ANCHOR])
+    for n, k in enumerate(anchored):
+        placed += items[k].llm_len
+        ends[k] = first + placed + items[k].meta[ANCHOR] - n
+    return ends
+
+
+def kept_text_len(text_len: int, items: list, limit: int, policy: str) -> int:
+    """The text tokens a sample keeps within `limit` LLM tokens: all of them when it fits; with
+    `policy` "truncate" the first `limit` less its items' tokens, as long as no item reaches
+    past the limit (an item is never cut nor dropped). CountError `too_long` otherwise."""
+    items_llm = sum(it.llm_len for it in items)
+    total = text_len + items_llm
+    if total <= limit:
+        return text_len
+    if policy == "skip":
+        raise CountError("too_long", f"the sample is {total} LLM tokens, over --max-seq-len "
+                                     f"{limit}: raise --max-seq-len, or keep its start with "
+                                     "--over-length truncate")
+    ends = item_ends(items)
+    past = next((k for k, end in enumerate(ends) if end > limit), None)
+    if past is not None:
+        it = items[past]
+        start = ends[past] - it.llm_len
+        where = "inside" if start < limit else "before"
+        raise CountError("too_long", f"the sample is {total} LLM tokens, over --max-seq-len {limit}, "
+                                     f"and the cut would fall {where} {it.modality} member "
+                                     f"{it.member!r} (its LLM tokens {start} to {ends[past]}), which "
+                                     "is never cut nor dropped: raise --max-seq-len")
+    return limit - items_llm
 
 
 def _video_config() -> VideoConfig:
@@ -707,7 +774,7 @@ def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) ->
 
 __all__ = [
     "AudioConfig", "Conversation", "CountError", "Counter", "CountingConfig", "FieldText", "ImageConfig",
-    "PLACEHOLDER_FLAGS", "TextConfig",
-    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "placeholder_identity", "smart_resize",
-    "wav_header",
+    "OVER_LENGTH", "PLACEHOLDER_FLAGS", "TextConfig",
+    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "item_ends", "kept_text_len",
+    "length_identity", "placeholder_identity", "smart_resize", "wav_header",
 ]

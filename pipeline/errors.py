@@ -56,6 +56,9 @@ REASONS: dict[str, str] = {
                      "tokens cannot be located exactly",
     "placeholder_mismatch": "a text holding placeholders of a modality (--image-placeholder...) "
                             "in another number than the sample has members of it",
+    "too_long": "a sample over --max-seq-len LLM tokens: under --over-length skip any, under "
+                "truncate one whose cut would fall inside or before an item, or leave none of its "
+                "trained (loss) tokens",
     "bad_gzip": "a .gz member that is corrupt or truncated",
     "count_failed": "counting the sample raised an unexpected error (a defect: please report it "
                     "with the sample; the reader logs its traceback once)",
@@ -146,6 +149,7 @@ class ErrorStats:
     num_samples: int = 0  # samples yielded
     num_errors: int = 0
     num_shards: int = 0  # shards opened
+    num_truncated: int = 0  # samples yielded with their text cut to --max-seq-len
     # members no field map kind names, by extension ("cls"; "" for a name without a suffix)
     ignored_members: Counter = field(default_factory=Counter)
     by_reason: Counter = field(default_factory=Counter)
@@ -184,6 +188,7 @@ class ErrorStats:
         self.num_samples += other.num_samples
         self.num_errors += other.num_errors
         self.num_shards += other.num_shards
+        self.num_truncated += other.num_truncated
         self.ignored_members.update(other.ignored_members)
         self.by_reason.update(other.by_reason)
         self.recent.extend(other.recent)
@@ -193,6 +198,7 @@ class ErrorStats:
             "num_samples": self.num_samples,
             "num_errors": self.num_errors,
             "num_shards": self.num_shards,
+            "num_truncated": self.num_truncated,
             "num_ignored_members": self.ignored_members.total(),
             "ignored_members": dict(sorted(self.ignored_members.items())),
             "by_reason": dict(sorted(self.by_reason.items())),

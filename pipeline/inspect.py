@@ -237,8 +237,11 @@ def render(report: dict, console: Console) -> None:
     console.print("images per sample: " + ", ".join(f"{k}: {v}" for k, v in per.items()))
     errors = report["errors"]
     reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
+    truncated = (f"; samples truncated to --max-seq-len: {errors['num_truncated']}"
+                 if errors["num_truncated"] else "")
     console.print(f"errors: {errors['num_errors']} ({reasons}); "
-                  f"ignored members: {format_ignored(errors['ignored_members'])}", highlight=False)
+                  f"ignored members: {format_ignored(errors['ignored_members'])}{truncated}",
+                  highlight=False)
     if report["bad_shards"]:
         bad = Table(title="shards with errors")
         for col in ("shard", "samples read", "errors", "reasons", "first error"):

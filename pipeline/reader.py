@@ -19,7 +19,8 @@ from typing import BinaryIO
 
 from dispatcher_server.cliopts import finite_float, named_by_flags
 from pipeline.counting import (
-    PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, ImageConfig, TextConfig, gunzip,
+    OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, ImageConfig,
+    TextConfig, gunzip, kept_text_len,
 )
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -97,6 +98,12 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"token of the tokenizer (an added or special one) marking in the text where "
                  f"each {modality} member goes, in member order; removed from the ids (unset: a "
                  f"sample's items come before its text)")
+    add("--max-seq-len", type=int, default=text.max_seq_len,
+        help="the longest sample in LLM tokens (text plus every item's), as the model's context "
+             "(unset: no limit)")
+    add("--over-length", choices=OVER_LENGTH, default=text.over_length,
+        help="a sample over --max-seq-len: skip it (as too_long), or truncate it: keep its text's "
+             "first tokens (items are never cut: a sample whose cut falls in one is skipped)")
     add("--max-text-bytes", type=int, default=text.max_text_bytes, help="skip text members larger than this")
     add("--max-member-bytes", type=int, default=ReaderConfig().max_member_bytes,
         help="skip samples with a member larger than this (read through, never held)")
@@ -118,6 +125,7 @@ COUNTING_FLAGS = {
     "video fps": "--video-fps", "encoder_frames_per_s": "--audio-frames-per-s",
     "llm_tokens_per_s": "--audio-tokens-per-s", "pad_window_s": "--audio-pad-window",
     "max_text_bytes": "--max-text-bytes", "max_member_bytes": "--max-member-bytes",
+    "max_seq_len": "--max-seq-len", "over_length": "--over-length",
     "max_consecutive": "--max-consecutive-errors",
 }
 
@@ -139,6 +147,8 @@ def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig
     text_kwargs: dict = {"tokenizer_path": args.tokenizer, "max_text_bytes": args.max_text_bytes,
                          "chat_template": getattr(args, "chat_template", None),
                          "estimate": getattr(args, "estimate_text", False),
+                         "max_seq_len": getattr(args, "max_seq_len", None),
+                         "over_length": getattr(args, "over_length", "skip"),
                          **{f"{m}_placeholder": getattr(args, f"{m}_placeholder", None)
                             for m in PLACEHOLDER_FLAGS}}
     if args.json_field:
@@ -374,6 +384,9 @@ class SampleBuilder:
                    f"{', '.join(fields)} (see --json-field)") if no_text else ""
             raise CountError("empty_sample",
                              f"no countable text, image, video or audio among members {sorted(members)}{why}")
+        whole = text_len
+        if self.config.counting.text.max_seq_len is not None:
+            tokens, text_len = self._within_length(tokens, text_len, items)
         return SampleRecord(
             key=key,
             shard=shard,
@@ -383,7 +396,27 @@ class SampleBuilder:
             llm_len=text_len + items_llm,
             tokens=tokens,
             members=members if self.config.keep_members else {},
+            truncated=whole - text_len,
         )
+
+    def _within_length(self, tokens: TextTokens, text_len: int,
+                       items: list[Item]) -> tuple[TextTokens, int]:
+        """(tokens, text_len) of a sample within --max-seq-len (`kept_text_len`): its text's
+        first tokens where it is truncated. A cut that leaves none of the text's loss tokens
+        is `too_long` too: the sample would train on nothing."""
+        text = self.config.counting.text
+        keep = kept_text_len(text_len, items, text.max_seq_len, text.over_length)
+        if keep == text_len or self.counter.encoder is None:  # an estimate: a count, no ids
+            return tokens, keep
+        kept = TextTokens(tokens.ids[:keep], tokens.mask[:keep])
+        if tokens.mask.any() and not kept.mask.any():
+            first = int(tokens.mask.argmax())
+            raise CountError("too_long", f"the sample is {text_len + sum(it.llm_len for it in items)} "
+                                         f"LLM tokens, over --max-seq-len {text.max_seq_len}, and "
+                                         f"truncating it keeps {keep} text tokens, none of its "
+                                         f"trained ones (the first is text token {first}): nothing "
+                                         "would be left to learn from; raise --max-seq-len")
+        return kept, keep
 
 
 _BUILDERS: dict[str, SampleBuilder] = {}
@@ -453,8 +486,9 @@ def iter_shard(
     With `spans`, each record also says where its items' bytes lie in the shard file
     (`SampleRecord.spans`); only uncompressed shards have such offsets (ValueError otherwise).
 
-    Pass an `ErrorStats` to read the counters afterwards, and `on_skip` to hear of every
-    skipped sample as it happens, with its index (-1: the rest of the shard). `on_open` gets the
+    Pass an `ErrorStats` to read the counters afterwards (samples cut to --max-seq-len count
+    in `num_truncated`), and `on_skip` to hear of every skipped sample as it happens, with its
+    index (-1: the rest of the shard). `on_open` gets the
     opened shard stream and returns the stream to read through (a watcher). A shard holding
     fewer than `start_index` samples is reported as `shard_changed`: it is not the file that
     was read before.
@@ -540,6 +574,8 @@ def iter_shard(
                                  f"counting raised {type(e).__name__}: {e}"[:500]), index)
                 continue
             stats.ok()
+            if record.truncated:
+                stats.num_truncated += 1
             yield record
         if unterminated:  # nothing is lost, but the writer may have stopped inside a sample
             last = f"its last sample {quoted_name(last_key)}" if last_key is not None else "its last member"

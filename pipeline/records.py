@@ -51,6 +51,8 @@ class SampleRecord:
     # suffix -> (offset, size) of each item's bytes in the shard file; filled on request
     # (`iter_shard(spans=True)`) for payloads sent by reference.
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # text tokens cut from the end to fit --max-seq-len (`--over-length truncate`); 0: whole
+    truncated: int = 0
 
     @property
     def modality_mix(self) -> str:

@@ -36,7 +36,7 @@ from dispatcher_server.cliopts import (
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
-from pipeline.counting import CountingConfig, placeholder_identity
+from pipeline.counting import CountingConfig, length_identity, placeholder_identity
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
@@ -444,7 +444,8 @@ class ReaderWorker:
             # the copy's)
             whole = {"identity": a.identity.to_wire()} if a.identity.complete else {}
             self.session.send(P.SHARD_DONE, assign_id=a.id, count=a.count,
-                              skipped=a.take_unsent(), **ignored_field(a.ignored), **whole)
+                              skipped=a.take_unsent(), **ignored_field(a.ignored), **whole,
+                              **_truncated_field(a.stats.num_truncated))
             self._drop_assignment(a)
             self._request_shards()
 
@@ -465,7 +466,8 @@ def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) 
     """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
     tokenizer's identity and the chat template's (`chat_template`: readers render
     conversations into the ids they send; trainers, which receive ids, do not state it) and
-    the placeholders items are placed at (`placeholders`: "none", or e.g. "image=<image>"),
+    the placeholders items are placed at (`placeholders`: "none", or e.g. "image=<image>")
+    and the length samples are held to (`max_seq_len`: "none", or e.g. "4096 truncate"),
     unless text is only estimated (then no ids are sent). `template`: the one the reader
     loaded, if it has (else it is resolved from `counting`)."""
     from pipeline.preprocess import PreprocessConfig
@@ -476,6 +478,7 @@ def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) 
         rules.update({"chat_template": template.identity} if template is not None else
                      chat_template_identity(counting.text.chat_template, counting.text.tokenizer_path))
         rules["placeholders"] = placeholder_identity(counting.text)
+        rules["max_seq_len"] = length_identity(counting.text)
     return rules
 
 
@@ -492,6 +495,11 @@ def ignored_field(ignored: Counter) -> dict:
         else:
             other += n
     return {"ignored": {**named, P.IGNORED_OTHER: other} if other else named}
+
+
+def _truncated_field(truncated: int) -> dict:
+    """SHARD_DONE's optional `truncated` field: absent when no sample was truncated."""
+    return {"truncated": truncated} if truncated else {}
 
 
 def _skipped_field(skipped: list) -> dict:
