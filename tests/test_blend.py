@@ -117,6 +117,36 @@ def test_the_blend_schedule_follows_the_weights_in_every_window():
     assert [again.run(1)[0] for _ in range(1)] == seq[:1]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_weights_equal_to_source_sizes_draw_every_sample_once_before_any_source_twice(seed):
+    """With --max-epochs 1 the job ends when a source would be drawn into its second epoch.
+    Phases spread over [0, 1) let a source of 2 samples beside sources of 8000 run a whole
+    sample ahead: seed 6 of this mix ended the epoch at 91% of the larger sources. At whole
+    quotas every source now holds exactly its quota, so the first overdraw comes only after
+    every sample of every source was drawn."""
+    sizes = [2000, 8000, 500, 600, 10, 10, 200, 200, 8000, 2, 40, 10, 6, 2, 10, 10, 2000, 8000, 15, 10]
+    blend = Blend([float(n) for n in sizes], seed)
+    for _ in range(sum(sizes)):
+        s = blend.next_source()
+        assert blend.drawn[s] < sizes[s], f"source {s} drawn past its size at draw {blend.total}"
+        blend.draw(s, 1)
+    assert blend.drawn == sizes
+
+
+def test_sources_of_equal_weight_take_turns_in_a_seeded_order():
+    def first_draws(seed: int) -> list[int]:
+        blend, out = Blend([1.0] * 4, seed), []
+        for _ in range(8):
+            out.append(blend.next_source())
+            blend.draw(out[-1], 1)
+        return out
+
+    for seed in range(10):
+        draws = first_draws(seed)
+        assert sorted(draws[:4]) == [0, 1, 2, 3] and draws[4:] == draws[:4], draws
+    assert len({tuple(first_draws(seed)) for seed in range(10)}) > 1, "the seed orders nothing"
+
+
 def test_huge_weights_whose_sum_overflows_keep_their_ratio():
     """1.5e308 + 0.5e308 is inf: normalizing by the sum made every weight 0 and the blend even."""
     b = Blend([1.5e308, 0.5e308], seed=1)
