@@ -139,7 +139,7 @@ class SourceStream:
         # Epochs read whole from here on, and the samples each yielded: one that yields none
         # (every shard empty, every sample skipped) ends the job instead of looping over epochs.
         self.kept_by_epoch: dict[int, int] = {}
-        self.one_shard_blocks = 0  # complete blocks whose samples all came from one shard
+        self.one_shard_blocks = 0  # full blocks whose samples all came from one shard
         self.empty_epoch: int | None = None
         epoch = self.order.epoch_of(cursor.base)
         touched = any(self.order.epoch_of(p) == epoch for p in (*cursor.partial, *cursor.done))
@@ -371,7 +371,9 @@ class SourceStream:
                 and not self.drained_positions(self.epoch_of_sample(block[0]))):
             return False
         first = block[0]
-        if self.mix == 1 and len(block) > 1 and first.pos == block[-1].pos:  # pulled in order
+        # Pulled in order, a full block from one shard: the shard is as large as the block. (A
+        # block the epoch's end cut short holds all its source has left: nothing to mix with.)
+        if self.mix == 1 and len(block) == self.block_size > 1 and first.pos == block[-1].pos:
             self.one_shard_blocks += 1
         self.perm = block_permutation(self.seed, self.name, first.pos, first.index, len(block))
         self.next_start = self.cursor.copy()

@@ -175,7 +175,7 @@ class Dispatcher:
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
         self._rank_lost = False  # the latest trainer to go left without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
-        self._one_shard_warned = False  # shuffle blocks drawn from one shard each (_plan)
+        self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._uncommitted_said: tuple[int, int] | None = None  # (_say_uncommitted_skipped)
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
@@ -555,7 +555,7 @@ class Dispatcher:
     def _plan(self) -> None:
         c0 = thread_time()
         filled = self.assembler.take_step()
-        if not self._one_shard_warned:
+        if len(self._one_shard_warned) < len(self.assembler.streams):
             self._warn_one_shard_blocks()
         step, batch = self.next_plan, build_batch(filled.samples)
         digest = batch.digest()
@@ -752,16 +752,21 @@ class Dispatcher:
         return held
 
     def _warn_one_shard_blocks(self) -> None:
-        """Once: a source's shuffle blocks keep coming from one shard each (its shards are as
-        large as its block), so its steps hold one or two shards, the same groups every epoch."""
+        """Once a source: its full shuffle blocks keep coming from one shard each (its shards
+        are as large as its block), so its steps hold one or two shards, the same groups every
+        epoch. A source of one shard can only be written as more (or shuffled in larger blocks)."""
         for st in self.assembler.streams:
-            if st.one_shard_blocks >= ONE_SHARD_BLOCKS_WARN:
-                self._one_shard_warned = True
-                event("shuffle_blocks_of_one_shard", logging.WARNING, source=st.name,
-                      blocks=st.one_shard_blocks, block_size=st.block_size,
-                      fix="--shuffle-shards N draws each block from N shards side by side (give "
-                          "the readers N slots per source), or write shards smaller than the block")
-                return
+            if st.one_shard_blocks < ONE_SHARD_BLOCKS_WARN or st.name in self._one_shard_warned:
+                continue
+            self._one_shard_warned.add(st.name)
+            fix = ("--shuffle-shards N draws each block from N shards side by side (give the "
+                   "readers N slots per source), or write shards smaller than the block"
+                   if st.order.num_shards > 1 else
+                   "its one shard is shuffled only within blocks of block_size samples read in "
+                   "order: write it as several shards (then --shuffle-shards N), or raise "
+                   "--shuffle-buffer")
+            event("shuffle_blocks_of_one_shard", logging.WARNING, source=st.name,
+                  blocks=st.one_shard_blocks, block_size=st.block_size, fix=fix)
 
     def _warn_block_bytes(self, nbytes: int) -> None:
         """Once: shuffle blocks hold more bytes than --max-buffered-bytes. A block is emitted only

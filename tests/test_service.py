@@ -291,6 +291,32 @@ def test_shuffle_blocks_drawn_from_one_shard_each_are_said_once(tmp_path, caplog
 
 
 @pytest.mark.timeout(120)
+def test_each_source_whose_blocks_hold_one_shard_is_named_with_a_fix_that_fits_it(tmp_path, caplog):
+    """In a blend, the warning named the first source it found (a source of one shard of 3
+    samples, shuffled whole: nothing to fix, and --shuffle-shards cannot apply) and none other.
+    Each source whose full blocks come from one shard is now named once; one of a single shard
+    is told to write more shards."""
+    from dispatcher_server.config import Source
+
+    tiny = [_text_shard(tmp_path / "tiny.tar", "t", 3)]
+    giant = [_text_shard(tmp_path / "giant.tar", "g", 200)]
+    mix = [_text_shard(tmp_path / f"m{i}.tar", f"m{i}-", 60) for i in range(4)]
+    config = make_config([], sources=[Source(name="tiny", shards=tiny, weight=1.0),
+                                      Source(name="giant", shards=giant, weight=6.0),
+                                      Source(name="mix", shards=mix, weight=6.0)],
+                         world_size=2, global_batch=12, max_epochs=None, max_steps=30,
+                         shuffle_buffer=130)  # blocks by weight: tiny 10 (its whole shard), 60
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"), dispatcher(config) as srv, \
+            readers(srv.reader_endpoint, 2):
+        consume(srv.trainer_endpoint, 2)
+    said = {m.split("source=")[1].split()[0]: m for m in
+            (r.message for r in caplog.records if "event=shuffle_blocks_of_one_shard" in r.message)}
+    assert sorted(said) == ["giant", "mix"], said
+    assert "--shuffle-shards N draws" in said["mix"]
+    assert "write it as several shards" in said["giant"]
+
+
+@pytest.mark.timeout(120)
 def test_ranks_restarted_without_state_start_at_one_step_while_old_processes_take_steps(shards):
     """A job restarted before its first checkpoint, while its old processes are still
     connected: each new rank started at the oldest step not yet received by every rank, and an
