@@ -269,8 +269,10 @@ class Journal:
                                 for f in diff)
             raise _OtherConfig(
                 f"cannot resume from journal {self.path!r}: it was written for a different "
-                f"configuration ({details}). Restore the original settings or use a new "
-                "journal directory.")
+                f"configuration ({details}). Restore the original settings to resume: these "
+                "settings make another sample sequence, so no position in this one carries "
+                "over. To start that sequence anew, give a new journal directory and start "
+                "the trainers without their data state (step 0).")
 
     def _apply_step(self, rec: dict, offset: int) -> None:
         entry = _entry(rec)

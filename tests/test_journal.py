@@ -80,8 +80,11 @@ def test_journal_survives_a_torn_record_and_refuses_another_config(tmp_path):
         j2.cursor_after(8)
     j2.close()
     assert os.path.getsize(j2.path) > 0
-    with pytest.raises(JournalError, match="seed: journal has 0, config has 5"):
+    with pytest.raises(JournalError, match="seed: journal has 0, config has 5") as refused:
         Journal(str(tmp_path), _fp(seed=5))
+    # The way out it names must work: a new journal directory is a new sequence, from step 0
+    # (it said "or use a new journal directory", and trainers resuming there were refused).
+    assert "new journal directory and start the trainers without their data state" in str(refused.value)
 
 
 def test_a_changed_shard_list_is_refused_naming_the_difference(tmp_path):
