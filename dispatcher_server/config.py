@@ -253,6 +253,11 @@ class ServerConfig:
         # Only when on: journals and checkpoints written before the option match as they did.
         return {"shuffle_shards": self.shuffle_shards} if self.shuffle_shards > 1 else {}
 
+    def plan_settings(self) -> dict:
+        """What a step's plan depends on besides its samples and the world size: journaled with
+        the steps, so a restart under other settings plans its journaled steps anew."""
+        return {"ranks_per_node": self.ranks_per_node, **self.planner.settings()}
+
     def fingerprint(self) -> dict:
         """What the journal must have been written for: the sample sequence's inputs, and each
         source's field map (it decides what is counted, so which samples are skipped)."""

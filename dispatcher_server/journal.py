@@ -22,13 +22,17 @@ the file is counted); `skipped_keys()` reads them back for audits. A restart the
 journal.mmd, about `journal_file_bytes` (more only while commits lag), and the uncommitted
 steps' plans. journal.mmd also keeps, a record each and carried over checkpoints, the shard
 positions skipped because no reader could open them and each shard's copy identity as first
-read whole, so a restart decides and checks as the run before it did. Journals in the layout before the magic are read and rewritten in this one.
+read whole, so a restart decides and checks as the run before it did; and each set of plan
+settings (micro-batches, capacities, cost model...) a step was planned under, once, which step
+records name by digest, so a restart knows the journaled plans made under other settings. Journals in the layout before the magic are read and rewritten in this one.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
+import json
 import logging
 import mmap
 import os
@@ -72,6 +76,12 @@ class SkippedKey(NamedTuple):
     index: int | None  # the sample's index in its shard, when the reader said
 
 
+def settings_id(settings: dict) -> str:
+    """The digest a step record names its plan settings by (`Journal.plan_settings`)."""
+    text = json.dumps(settings, sort_keys=True, default=repr)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
 def pack_cursor(cursor: dict) -> bytes:
     """A wire cursor as kept in memory: msgpack bytes, ~15x smaller than the dict."""
     return msgpack.packb(cursor, use_bin_type=True)
@@ -94,6 +104,9 @@ class StepEntry:
     digest: str  # hash of the step's sample keys, to catch data that changed under a replay
     plan: dict | None = None
     plan_at: tuple[int, int] | None = None  # (plan file, offset) where the plan was written
+    # `settings_id` of the plan settings it was planned under; None in journals before they
+    # were recorded
+    settings: str | None = None
 
 
 class Journal:
@@ -140,6 +153,8 @@ class Journal:
         #: shard URL -> the identity of the copy first read whole ({size, headers, reader}):
         #: every later read, by any reader, restart or epoch, must find the same copy
         self.identities: dict[str, dict] = {}
+        #: settings_id -> plan settings, for the steps journal.mmd keeps
+        self.plan_settings: dict[str, dict] = {}
         self._legacy_skipped: list[tuple[str, list]] = []
         self.records_read = 0  # records read while opening
         self._gen = 0  # the plan file being written
@@ -238,6 +253,7 @@ class Journal:
             self.num_skipped, self._skipped_end = int(rec["num_skipped"]), int(rec["skipped_end"])
             self.unopenable = set(rec.get("unopenable", ()))  # absent in older journals
             self.identities = dict(rec.get("identities", {}))
+            self.plan_settings = dict(rec.get("plan_settings", {}))
         elif kind == "step":
             self._apply_step(rec, offset)
         elif kind == "commit":
@@ -252,6 +268,8 @@ class Journal:
             self.unopenable.add(int(rec["pos"]))
         elif kind == "identity":
             self.identities.setdefault(rec["shard"], rec["identity"])
+        elif kind == "plan_settings":
+            self.plan_settings.setdefault(rec["id"], rec["settings"])
         elif kind == "skipped":
             if "keys" in rec:  # a legacy journal's keys, inline
                 self.num_skipped += len(rec["keys"])
@@ -436,7 +454,8 @@ class Journal:
         at = plans.append(frame({"step": entry.step, "plan": entry.plan}))
         rec = {"kind": "step", "step": entry.step, "epoch": entry.epoch,
                "world_size": entry.world_size, "cursor_after": entry.cursor_after,
-               "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at]}
+               "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at],
+               **({"settings": entry.settings} if entry.settings is not None else {})}
         try:
             offset = self._append(rec)
         except JournalWriteError:
@@ -495,6 +514,17 @@ class Journal:
         rec = {"kind": "identity", "shard": shard, "identity": identity}
         self._apply(rec, self._append(rec))
 
+    def record_plan_settings(self, settings: dict) -> str:
+        """Record a set of plan settings unless journal.mmd holds it; its `settings_id`, for
+        the step records planned under it. Raises JournalWriteError (nothing recorded) if the
+        write fails."""
+        key = settings_id(settings)
+        if key not in self.plan_settings:
+            self._check_directory()
+            rec = {"kind": "plan_settings", "id": key, "settings": settings}
+            self._apply(rec, self._append(rec))
+        return key
+
     # -- checkpoints -------------------------------------------------------------------
     def _maybe_checkpoint(self) -> None:
         """After a commit: rewrite journal.mmd from the oldest kept commit on, once it is large
@@ -522,15 +552,20 @@ class Journal:
     def _checkpoint(self, first: int) -> None:
         """Replace journal.mmd by: config, checkpoint, the records of steps `first`.. (atomic:
         a crash at any point leaves the old journal or the new one)."""
+        steps = [self._kept_record(s) for s in range(first, self.last_step + 1)]
+        # Only the settings the kept steps name: those of steps checkpointed away go with them.
+        named = {r["settings"] for r in steps if r.get("settings") in self.plan_settings}
+        settings = {k: v for k, v in self.plan_settings.items() if k in named}
         records = [{"kind": "config", **self.fingerprint},
                    {"kind": "checkpoint", "first_step": first, "last_committed": self.last_committed,
                     "commits": list(self._commits), "num_skipped": self.num_skipped,
                     "skipped_end": self._skipped_end, "unopenable": sorted(self.unopenable),
-                    "identities": self.identities}]
-        records += [self._kept_record(s) for s in range(first, self.last_step + 1)]
+                    "identities": self.identities, "plan_settings": settings}]
+        records += steps
         frames = [frame(r) for r in records]
         old, self._file = self._file, self._replace_file(b"".join(frames))
         old.close()
+        self.plan_settings = settings
         at = len(frames[0]) + len(frames[1])
         self._first, self._offsets = first, array("q")
         for framed in frames[2:]:
@@ -569,7 +604,8 @@ class Journal:
                 "world_size": entry.world_size, "cursor_after": unpack_cursor(entry.cursor_after),
                 "num_samples": entry.num_samples, "digest": entry.digest,
                 **({"plan_at": list(entry.plan_at)} if entry.plan_at is not None
-                   else {"plan": entry.plan})}
+                   else {"plan": entry.plan}),
+                **({"settings": entry.settings} if entry.settings is not None else {})}
 
     def _sync_dir_if_owed(self) -> None:
         """Make a checkpoint's rename durable before anything is appended to the new file."""
@@ -628,7 +664,8 @@ def _entry(rec: dict) -> StepEntry:
     return StepEntry(step=int(rec["step"]), epoch=rec["epoch"], world_size=rec["world_size"],
                      cursor_after=rec["cursor_after"], num_samples=rec["num_samples"],
                      digest=rec["digest"], plan=rec.get("plan"),
-                     plan_at=None if plan_at is None else (int(plan_at[0]), int(plan_at[1])))
+                     plan_at=None if plan_at is None else (int(plan_at[0]), int(plan_at[1])),
+                     settings=rec.get("settings"))
 
 
 def _skip_entry(s: tuple) -> list:

@@ -1,9 +1,11 @@
 """The replay source: what the dispatcher remembers of planned steps, durable or not.
 
 With a journal, every step's cursor and plan are persisted before any rank sees the step, and
-the uncommitted steps replay verbatim after a restart or a rewind. Without one, only the
-cursors after the last commit are kept in memory (a rewind within the run still works, a
-restart starts over). Both refuse a commit of a step never planned, the same way.
+the uncommitted steps replay verbatim after a restart or a rewind: those journaled under the
+world size and plan settings in force; the others are planned anew from the same samples, so a
+restart with more micro-batches or a lower capacity (after running out of memory) gets them.
+Without one, only the cursors after the last commit are kept in memory (a rewind within the run
+still works, a restart starts over). Both refuse a commit of a step never planned, the same way.
 """
 
 from __future__ import annotations
@@ -11,26 +13,36 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dispatcher_server.batching import DIGEST_PREFIX
-from dispatcher_server.journal import Journal, JournalError, StepEntry, pack_cursor, unpack_cursor
+from dispatcher_server.journal import (Journal, JournalError, StepEntry, pack_cursor,
+                                       settings_id, unpack_cursor)
 from dispatcher_server.planner.plan import StepPlan
 
 
 class ReplaySource:
     """Cursors before each step, the plans to replay, and commits."""
 
-    def __init__(self, journal: Journal | None, world_size: int) -> None:
+    def __init__(self, journal: Journal | None, world_size: int,
+                 plan_settings: dict | None = None) -> None:
+        """`plan_settings`: what plans depend on besides their samples and the world size
+        (`ServerConfig.plan_settings`), recorded with every step journaled."""
         self.journal = journal
         self.world_size = world_size
+        self.plan_settings = plan_settings or {}
+        self.settings = settings_id(self.plan_settings)
         # Without a journal: step -> cursor after it, packed, from the last commit on.
         self.cursors: dict[int, bytes] = {}
         self.committed = journal.last_committed if journal is not None else -1
         self.replay: dict[int, StepEntry] = {}
+        self._as_journaled: dict[int, str | None] = {}  # step replayed verbatim -> its settings
         self.took: dict[int, list] = {}  # arrival mode: step -> its journaled `took` runs
         # Shard positions skipped as unopenable (the journal's, across restarts): a rewind or a
         # restart re-plans the steps after them without them, as they were planned.
         self.unopenable: set[int] = set(journal.unopenable) if journal is not None else set()
         # shard URL -> the identity of its copy first read whole (the journal's, across restarts)
         self.identities: dict[str, dict] = dict(journal.identities) if journal is not None else {}
+        #: (first step, how its settings differ) of the journaled steps planned anew because
+        #: they were planned under another world size or other plan settings; None: none is
+        self.anew = self._planned_otherwise()
 
     @property
     def last_step(self) -> int:
@@ -101,39 +113,72 @@ class ReplaySource:
         return self.journal is None or not verbatim or step > self.journal.last_step
 
     def reset(self, step: int) -> None:
-        """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim."""
-        self.replay = {}
+        """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim
+        (those planned as this dispatcher plans, `journaled_plan`)."""
+        self.replay, self._as_journaled = {}, {}
         if self.journal is not None:
             # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
             # another) drops the journal's entries up to it, and the step must still replay.
             self.replay = {s: e for s, e in self.journal.pending.items()
-                           if s >= step and (e.plan is not None or e.plan_at is not None)
-                           and e.world_size == self.world_size}
+                           if s >= step and (e.plan is not None or e.plan_at is not None)}
 
     def journaled_plan(self, step: int, digest: str,
                        keys_digest: Callable[[], str] | None = None) -> tuple[dict | None, bool]:
         """(plan to replay or None, whether a journaled plan was dropped because the step's
         samples, or the lengths they were counted with, differ from what was journaled). A
-        journal written before digests covered lengths is compared by `keys_digest()`."""
+        journal written before digests covered lengths is compared by `keys_digest()`. A step
+        journaled under another world size or other plan settings is planned anew (None) from
+        the same samples: its plan would break the settings in force (a capacity lowered after
+        running out of memory)."""
         entry = self.replay.pop(step, None)
         if entry is None:
             return None, False
         if not entry.digest.startswith(DIGEST_PREFIX) and keys_digest is not None:
             digest = keys_digest()
-        if entry.digest == digest:
-            return self.journal.plan_of(entry), False
-        return None, True
+        if entry.digest != digest:
+            return None, True
+        if not self._planned_alike(entry):
+            return None, False
+        self._as_journaled[step] = entry.settings
+        return self.journal.plan_of(entry), False
+
+    def _planned_alike(self, entry: StepEntry) -> bool:
+        """Whether a journaled step was planned under the world size and plan settings in
+        force (a journal from before settings were recorded is taken to be)."""
+        return entry.world_size == self.world_size and entry.settings in (None, self.settings)
+
+    def _planned_otherwise(self) -> tuple[int, list[str]] | None:
+        """The first uncommitted journaled step planned under another world size or other
+        plan settings, and how they differ from those in force (`anew`)."""
+        if self.journal is None:
+            return None
+        entry = next((e for s, e in sorted(self.journal.pending.items())
+                      if (e.plan is not None or e.plan_at is not None)
+                      and not self._planned_alike(e)), None)
+        if entry is None:
+            return None
+        diff = [] if entry.world_size == self.world_size else [
+            f"world_size: journal {entry.world_size}, now {self.world_size}"]
+        if entry.settings not in (None, self.settings):
+            theirs = self.journal.plan_settings.get(entry.settings)
+            diff += (["plan settings (not in the journal)"] if theirs is None
+                     else setting_differences(theirs, self.plan_settings))
+        return entry.step, diff
 
     def record(self, entry: StepEntry, plan: StepPlan, *, verbatim: bool) -> None:
         """Remember a planned step before it is sent (OSError if the journal cannot)."""
+        settings = self._as_journaled.pop(entry.step, self.settings) if verbatim else self.settings
         if self.journal is None:
             self.cursors[entry.step] = pack_cursor(entry.cursor_after)
         elif self.records(entry.step, verbatim=verbatim):
             # A verbatim replay is journaled already: recording it again would supersede the
             # journaled steps after it, which ranks ahead of the others may be committing. Unless
             # an earlier step planned anew superseded it: then it is journaled again, or the
-            # journal's steps would not follow one another.
+            # journal's steps would not follow one another. Verbatim, it keeps the settings it
+            # was planned under: those in force, or None (a journal from before they were kept).
             entry.plan = plan.to_dict()
+            if settings is not None:
+                entry.settings = self.journal.record_plan_settings(self.plan_settings)
             self.journal.record_step(entry)
 
     def commit(self, step: int) -> bool:
@@ -171,3 +216,21 @@ class ReplaySource:
         """Journal skipped samples ((key, reason, index) records) for the audit."""
         if self.journal is not None and skipped:
             self.journal.record_skipped(url, skipped)
+
+
+def setting_differences(journal: dict, now: dict) -> list[str]:
+    """'name: journal X, now Y' for each plan setting that differs, nested ones by dotted name
+    (`cost.llm.a`), so the line names what changed rather than a whole cost model."""
+    theirs, ours = _flat(journal), _flat(now)
+    return [f"{k}: journal {theirs.get(k)!r}, now {ours.get(k)!r}"
+            for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
+
+
+def _flat(settings: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in settings.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + str(k)] = v
+    return out

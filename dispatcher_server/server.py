@@ -154,7 +154,14 @@ class Dispatcher:
                                for src in config.sources]
         self.pool = ReaderPool()
         self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
-        self.replay = ReplaySource(journal, config.world_size)
+        # Before any refit moves the cost model: the settings as started, as a restart compares.
+        self.replay = ReplaySource(journal, config.world_size, config.plan_settings())
+        if self.replay.anew is not None:
+            step, diff = self.replay.anew
+            event("journaled_steps_planned_anew", logging.WARNING, from_step=step,
+                  settings="; ".join(diff),
+                  detail="the journal's steps from there on were planned under other settings: "
+                         "each is planned anew from the same samples as it is replayed")
         self.measurements = StepMeasurements(config.world_size, config.refit)
         # Loop CPU by part, in plain floats on the hot path; exported once a poll interval.
         self._cpu = dict.fromkeys(self.metrics.cpu_of, 0.0)
@@ -1210,6 +1217,9 @@ class Dispatcher:
         resumed = want if msg.get("resume") else None
         if resumed is not None and self._resumed_elsewhere(ident, msg, slot, resumed, now):
             return
+        if (want is not None and resumed is None and not slot.heard
+                and self._holds_plans_made_otherwise(ident, msg, want)):
+            return
         # A process without a position (a trainer restarted before its first checkpoint) starts
         # at the oldest step some rank has not received, or where another rank of its restart
         # started so (held for it): ranks restarted together (torchrun restarts them all) start
@@ -1266,6 +1276,21 @@ class Dispatcher:
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset, ranks_per_node=g,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
+
+    def _holds_plans_made_otherwise(self, ident: bytes, msg: P.Message, want: int) -> bool:
+        """Refuse a rank that kept running through this dispatcher's restart holding journaled
+        steps this one plans anew (`ReplaySource.anew`): its peers would get those steps planned
+        otherwise, and their collectives would pair two plans of one step."""
+        anew = self.replay.anew
+        if anew is None or want <= anew[0]:
+            return False
+        why = (f"rank {msg['rank']} holds steps {anew[0]}..{want - 1} as the journal planned "
+               f"them ({'; '.join(anew[1])}), and this dispatcher plans them anew: restart the "
+               "trainers from their last checkpoint, or this dispatcher with the journal's "
+               "settings")
+        self.metrics.error("resume", role="trainer", detail=why)
+        self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+        return True
 
     def _fresh_step(self, slot: TrainerSlot) -> int:
         """Where a rank without a position starts when no rank of its restart is held: the

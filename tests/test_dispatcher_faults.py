@@ -1116,3 +1116,137 @@ def test_ranks_unheard_since_a_restart_count_as_finished_only_after_the_grace(ca
         assert not d._finished_before(None)  # no clock, no grace over
     finally:
         d._close()
+
+
+# -- a restart under other plan settings plans the journaled steps anew ---------------------------
+#: LLM tokens of the 32 samples (4 steps of 8, two ranks): uneven, so that an uncapped plan
+#: crowds some (rank, micro-batch) past what a lowered capacity allows.
+_SIZES = [5 + (7 * i) % 23 for i in range(32)]
+_LOWERED = 40  # LLM tokens per (rank, micro-batch): above each step's mean of 4 slots, with room
+
+
+def _settings_config(tmp_path, planner: PlannerConfig) -> ServerConfig:
+    return _config(tmp_path, world_size=2, gb=8, planner=planner)
+
+
+def _plan_all(d: Dispatcher) -> dict[int, tuple[list[str], object]]:
+    """Feed the 32 samples and plan; step -> (its keys, its plan)."""
+    reader, a = _with_reader(d)
+    for start in range(0, len(_SIZES), 8):  # a step at a time, within the reader's credits
+        d._on_samples(reader, _samples_msg(a.id, [_header(f"k{i}", i, llm=_SIZES[i])
+                                                  for i in range(start, start + 8)]))
+        d._pump()
+    return {rs.step: (list(rs.batch.keys), rs.plan) for rs in d.retained}
+
+
+def _fullest(plan) -> int:
+    """The most LLM tokens one (rank, micro-batch) of `plan` holds."""
+    import numpy as np
+
+    W = plan.topology.world_size
+    return int(np.bincount(plan.sample_mb * W + plan.sample_rank,
+                           weights=plan.inputs.llm_len).max())
+
+
+def _planned_anew_events(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if "event=journaled_steps_planned_anew" in r.getMessage()]
+
+
+@pytest.mark.parametrize("changed, differs", [
+    (PlannerConfig(num_microbatches=4), "num_microbatches: journal 2, now 4"),
+    (PlannerConfig(num_microbatches=2, llm_capacity=_LOWERED),
+     f"llm_capacity: journal None, now {_LOWERED}"),
+])
+def test_a_restart_under_other_plan_settings_plans_the_journaled_steps_anew(
+        tmp_path, caplog, changed, differs):
+    """Restarted with more micro-batches or a lower capacity (after running out of memory), the
+    dispatcher replayed the journaled steps with their old plans, silently: 2 micro-batches,
+    or micro-batches over the new capacity, until the first step past the journal. Now each is
+    planned anew from the same samples under the settings in force, journaled under them (a
+    third start replays those verbatim), and one line says so at start."""
+    from dispatcher_server.planner import validate
+
+    d = Dispatcher(_settings_config(tmp_path, PlannerConfig(num_microbatches=2)))
+    try:
+        before = _plan_all(d)
+    finally:
+        d._close()
+    assert sorted(before) == [0, 1, 2, 3]
+    if changed.llm_capacity is not None:  # the old plans break the new capacity
+        assert max(_fullest(plan) for _, plan in before.values()) > _LOWERED
+    caplog.set_level(logging.INFO, logger="mmdispatch")
+    config = _settings_config(tmp_path, changed)
+    d = Dispatcher(config)
+    try:
+        (said,) = _planned_anew_events(caplog)
+        assert "from_step=0" in said and differs in said
+        after = _plan_all(d)
+        assert sorted(after) == sorted(before)
+        for step, (keys, plan) in after.items():
+            assert keys == before[step][0]  # the same samples, in the same order
+            assert plan.num_microbatches == (changed.num_microbatches or 2)
+            validate(plan, d.retained[step].batch.inputs)  # capacities held
+            assert _fullest(plan) <= (changed.llm_capacity or _fullest(plan))
+            entry = d.journal.read_entry(step)  # journaled under the settings in force
+            assert entry.plan == plan.to_dict()
+            assert d.journal.plan_settings[entry.settings] == config.plan_settings()
+    finally:
+        d._close()
+    caplog.clear()
+    d = Dispatcher(_settings_config(tmp_path, changed))
+    try:
+        assert not _planned_anew_events(caplog)
+        again = _plan_all(d)
+        assert {s: (k, p.to_dict()) for s, (k, p) in again.items()} == {
+            s: (k, p.to_dict()) for s, (k, p) in after.items()}
+    finally:
+        d._close()
+
+
+def test_a_restart_under_the_same_plan_settings_replays_the_journaled_plans_verbatim(
+        tmp_path, caplog):
+    planner = PlannerConfig(num_microbatches=2, llm_capacity=_LOWERED)
+    d = Dispatcher(_settings_config(tmp_path, planner))
+    try:
+        before = _plan_all(d)
+        journaled = {s: d.journal.read_entry(s).plan for s in before}
+    finally:
+        d._close()
+    size = (tmp_path / "journal.mmd").stat().st_size
+    caplog.set_level(logging.INFO, logger="mmdispatch")
+    d = Dispatcher(_settings_config(tmp_path, planner))
+    try:
+        after = _plan_all(d)
+        assert {s: p.to_dict() for s, (_, p) in after.items()} == journaled
+        assert (tmp_path / "journal.mmd").stat().st_size == size  # replayed, not planned anew
+        assert not _planned_anew_events(caplog)
+    finally:
+        d._close()
+
+
+def test_a_rank_holding_steps_the_restart_plans_anew_is_refused_by_name(tmp_path):
+    """A trainer that kept running through the restart holds the journal's plans of the steps
+    before its next one; its peers would get those steps planned anew, and their collectives
+    would pair two plans of one step. It is told to resume from its checkpoint instead."""
+    d = Dispatcher(_settings_config(tmp_path, PlannerConfig(num_microbatches=2)))
+    try:
+        _plan_all(d)
+    finally:
+        d._close()
+    d = Dispatcher(_settings_config(tmp_path, PlannerConfig(num_microbatches=4)))
+    try:
+        s0, s1 = d.slots
+        _trainer_says(d, b"t0", P.HELLO, role="trainer", rank=0, world_size=2, next_step=2,
+                      prefetch=2)
+        assert s0.ident is None
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
+                                                   {"kind": "resume"}) == 1
+        # Restored from its checkpoint (or holding none of them), a rank is served.
+        _trainer_says(d, b"t0", P.HELLO, role="trainer", rank=0, world_size=2, next_step=0,
+                      prefetch=2, resume=True)
+        _trainer_says(d, b"t1", P.HELLO, role="trainer", rank=1, world_size=2, next_step=0,
+                      prefetch=2)
+        assert (s0.ident, s1.ident) == (b"t0", b"t1")
+    finally:
+        d._close()

@@ -821,3 +821,29 @@ def test_unopenable_shards_survive_a_reopen_and_a_checkpoint(tmp_path):
     j._checkpoint(j._first)
     j.close()
     assert Journal(str(tmp_path), _fp(), fsync=False).unopenable == {3}
+
+
+def test_plan_settings_are_recorded_once_and_survive_a_reopen_and_a_checkpoint(tmp_path):
+    """Each step names the plan settings it was planned under, so a restart knows which
+    journaled plans were made under others; a checkpoint keeps the settings its steps name."""
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    two, four = {"num_microbatches": 2}, {"num_microbatches": 4}
+    for step, settings in ((0, two), (1, two), (2, four)):
+        entry = _entry(step)
+        entry.settings = j.record_plan_settings(settings)
+        j.record_step(entry)
+    records = j.records_read
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    assert j.records_read - records == 1 + 2 + 3  # the config, each settings once, the steps
+    assert [j.plan_settings[j.pending[s].settings] for s in range(3)] == [two, two, four]
+    assert j.commit(1)
+    j._checkpoint(2)  # step 2 alone is kept: the settings only steps 0-1 named go
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert list(j.plan_settings.values()) == [four]
+        assert j.plan_settings[j.pending[2].settings] == four
+        assert j.read_entry(2).settings == j.pending[2].settings
+    finally:
+        j.close()

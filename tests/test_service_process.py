@@ -76,9 +76,9 @@ def test_reader_killed_mid_shard_loses_and_duplicates_nothing(shards):
     assert sorted(flat_keys(got)) == sorted(all_keys(shards))
 
 
-def _serve_args(shards, journal, world_size):
+def _serve_args(shards, journal, world_size, microbatches=2):
     return ["--shards", *shards, "--world-size", str(world_size), "--global-batch", "8",
-            "--num-microbatches", "2", "--journal-dir", journal, "--heartbeat", "0.2",
+            "--num-microbatches", str(microbatches), "--journal-dir", journal, "--heartbeat", "0.2",
             "--timeout", "1.5", "--max-retained-steps", "3", "--inflight-shards", "3",
             "--max-buffered-samples", "256", "--credit-batch", "8", "--seed", "5",
             "--shuffle-buffer", "64"]
@@ -132,6 +132,37 @@ def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(sha
     expected = {s: keys for s, keys in step_sets(reference).items() if s > commit_at}
     assert step_sets(third) == expected
     assert all(len(third[r]) == len(expected) for r in range(3))
+
+
+def test_a_dispatcher_restarted_with_more_microbatches_replans_the_journaled_steps(shards,
+                                                                                  tmp_path):
+    """Killed after a commit with steps journaled past it, restarted with --num-microbatches 4:
+    the replayed steps come with 4 micro-batches (they came with the journal's 2), each with
+    the samples it had."""
+    journal = str(tmp_path / "journal")
+    commit_at = 2
+    proc, ready = start_serve(_serve_args(shards, journal, 2))
+    try:
+        with readers(ready["readers"], 2):
+            first = consume(ready["trainers"], 2, commit_at=commit_at)
+    finally:
+        kill(proc)
+    states = {r: {"next_step": commit_at + 1, "rank": r, "world_size": 2} for r in range(2)}
+    proc, ready = start_serve(_serve_args(shards, journal, 2, microbatches=4))
+    try:
+        with readers(ready["readers"], 2):
+            second = consume(ready["trainers"], 2, states=states)
+    finally:
+        kill(proc)
+
+    def samples(per_rank, step):
+        return sorted(k for steps in per_rank.values() for s, mbs in steps if s == step
+                      for keys in mbs for k in keys)
+
+    replayed = sorted({s for s, _ in second[0]})
+    assert replayed[0] == commit_at + 1 and len(replayed) == len(first[0]) - commit_at - 1
+    assert all(len(mbs) == 4 for steps in second.values() for _, mbs in steps)
+    assert all(samples(second, s) == samples(first, s) for s in replayed)
 
 
 def test_restore_with_another_seed_fails_loudly(shards, tmp_path):

@@ -7,7 +7,7 @@ encoder tokens as the encoder processes them, i.e. padded for windowed encoders)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .cost import CostModel
 from .types import ENCODER_PHASES, StepInputs, Topology
@@ -90,6 +90,15 @@ class PlannerConfig:
                              f"{self.coarse_items_per_rank}")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize must be one of {OVERSIZE_POLICIES}, got {self.oversize!r}")
+
+    def settings(self) -> dict:
+        """Every setting plans depend on, as plain values (msgpack and JSON ready): a journal
+        records them, so a restart knows which journaled plans were made under other ones."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["cost"] = self.cost.to_dict()
+        out["encoder_capacity"] = dict(self.encoder_capacity)
+        out["bytes_per_token"] = dict(self.bytes_per_token)
+        return out
 
     def bytes_for(self, phase: str) -> int:
         return self.bytes_per_token.get(phase, DEFAULT_BYTES_PER_TOKEN)
