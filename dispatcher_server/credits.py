@@ -3,7 +3,7 @@
 Samples held anywhere in the dispatcher plus credits outstanding never exceed
 `max_buffered_samples`; new credits stop at `max_buffered_bytes` (estimated from the average
 sample size so far). Before any sample has arrived, that size is unknown, and the credits
-outstanding stop at one credit batch in all. One exception keeps the stream from deadlocking:
+outstanding stop at two credit batches in all (one assignment's grant). One exception keeps the stream from deadlocking:
 the shard at the head of a source's order, when it has nothing buffered and no credit, may
 always get samples, since every other buffer of that source waits for it (and a shuffle block
 fills from it).
@@ -44,7 +44,7 @@ def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *,
         if avg_sample_bytes <= 0:
             # No sample yet says how large they are: two batches for every assignment of every
             # reader held ten times --max-buffered-bytes of 1 MB images before the first arrived.
-            room = min(room, flow.credit_batch - outstanding)
+            room = min(room, 2 * flow.credit_batch - outstanding)
         elif not starving:
             room = min(room, int((flow.max_buffered_bytes - held.nbytes) / avg_sample_bytes)
                        - outstanding)
