@@ -183,7 +183,6 @@ class Dispatcher:
         self._rank_lost = False  # the latest trainer to go left without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
-        self._uncommitted_said: tuple[int, int] | None = None  # (_say_uncommitted_skipped)
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
@@ -1221,14 +1220,15 @@ class Dispatcher:
                 and self._holds_plans_made_otherwise(ident, msg, want)):
             return
         # A process without a position (a trainer restarted before its first checkpoint) starts
-        # at the oldest step some rank has not received, or where another rank of its restart
-        # started so (held for it): ranks restarted together (torchrun restarts them all) start
-        # together, where their own positions would part them.
+        # after the last commit, or where another rank of its restart started so (held for
+        # it): ranks restarted together (torchrun restarts them all) start together, where
+        # their own positions would part them.
         fresh = want is None
         if fresh:
             start = self.delivery.fresh_start(slot, now - 2 * self.config.liveness.heartbeat_s)
             want = start if start is not None and start >= self.delivery.lowest else self._fresh_step(slot)
-            self._say_uncommitted_skipped(rank, want)
+            if self._unservable_fresh(ident, msg, rank, want):
+                return
         target = want
         if want > self.next_plan:
             # A reset moves every rank to its step: never past a connected rank that is behind.
@@ -1293,28 +1293,37 @@ class Dispatcher:
         return True
 
     def _fresh_step(self, slot: TrainerSlot) -> int:
-        """Where a rank without a position starts when no rank of its restart is held: the
-        oldest step some rank has not received. A rank this dispatcher has not heard from since
-        it started may be one that never started: the steps from the one this dispatcher
-        started at wait for it, as they waited in the dispatcher before a restart, and the
-        journal replays them. A peer's rewind to its own position had moved that rank past
-        them: they were trained by its peers alone, and their samples never by it."""
-        lowest, first = self.delivery.lowest, self._first_step
-        if slot.heard or first >= lowest or not self.replay.resumable(first):
-            return lowest
-        return first
+        """Where a rank without a position starts when no rank of its restart is held: the step
+        after the last commit (the job's first step when there is none). A process without a
+        checkpoint trained nothing a commit does not cover, whatever its previous process was
+        sent: steps prefetched, or trained and lost with it, are served again (journaled, or
+        re-planned from the cursors kept since the commit). A rank this dispatcher has not
+        heard from since it started may be one that never started: the steps from the one this
+        dispatcher started at wait for it, as they waited in the dispatcher before a restart,
+        and the journal replays them."""
+        start, first = self.replay.committed + 1, self._first_step
+        if not slot.heard and first < start and self.replay.resumable(first):
+            return first
+        return start
 
-    def _say_uncommitted_skipped(self, rank: int, start: int) -> None:
-        """A trainer without a position starts at `start`: the steps after the last commit and
-        before it went to the rank's previous process and were never committed; say so once per
-        such range (every rank of a restarted job joins with it)."""
-        first = self.replay.committed + 1
-        if start > first and self._uncommitted_said != (first, start):
-            self._uncommitted_said = (first, start)
-            event("uncommitted_steps_not_served_again", logging.WARNING, rank=rank,
-                  steps=f"{first}-{start - 1}", next_step=start,
-                  fix="a trainer that restores its checkpoint's data state (client or pool "
-                      "state_dict) gets them again; one without state starts after them")
+    def _unservable_fresh(self, ident: bytes, msg: P.Message, rank: int, start: int) -> bool:
+        """Refuse a rank without a position whose start (`_fresh_step`) can no longer be served:
+        skipping to the oldest step still held would silently leave the steps between untrained.
+        The trainer's error names the steps and the fix."""
+        lowest = self.delivery.lowest
+        if start >= lowest:
+            return False
+        try:
+            self.replay.cursor_before(start)
+        except JournalError as e:
+            why = (f"rank {rank} has no checkpoint (no state_dict() loaded), so it starts at step "
+                   f"{start}, the first after the last commit, but steps {start}-{lowest - 1} "
+                   f"cannot be served again: {e}")
+            event("fresh_start_refused", logging.WARNING, rank=rank, steps=f"{start}-{lowest - 1}")
+            self.metrics.error("resume", role="trainer", detail=why)
+            self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+            return True
+        return False
 
     def _resumed_elsewhere(self, ident: bytes, msg: P.Message, slot: TrainerSlot, step: int,
                            now: float) -> bool:

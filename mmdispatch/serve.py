@@ -316,9 +316,11 @@ def _check_flags(v: dict) -> None:
     if m is None and v["microbatch_token_budget"] is None:
         m = 1  # the default M (build_config sets it): its empty ranks are as empty
     if m is not None and m * v["world_size"] > v["global_batch"]:
-        event("empty_microbatches", logging.WARNING, num_microbatches=m,
-              world_size=v["world_size"], global_batch=v["global_batch"],
-              why="more micro-batches than samples: some ranks run empty ones every step")
+        w, gb = v["world_size"], v["global_batch"]
+        fix = f"--global-batch {m * w}" + (f" or --num-microbatches {gb // w}" if gb >= w else "")
+        event("empty_microbatches", logging.WARNING, num_microbatches=m, world_size=w,
+              global_batch=gb, why=f"{gb} samples a step for {w} ranks x {m} micro-batches: "
+                                   "ranks run empty micro-batches every step", fix=fix)
     if bool(v["curve_secret"]) != bool(v["curve_allowed_dir"]):
         raise ValueError("--curve-secret and --curve-allowed-dir go together: the dispatcher's "
                          "NAME.key_secret and the directory of the peers' allowed NAME.key files")

@@ -151,6 +151,19 @@ def test_load_state_dict_refuses_what_state_dict_did_not_return():
     assert c.state_dict()["next_step"] == 7
 
 
+def test_load_state_dict_takes_a_step_number_as_commit_does():
+    """A next_step that went through numpy or torch (np.int64, a 0-d tensor) was refused,
+    while commit() took the same value."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    for number in (np.int64(5), torch.tensor(6)):
+        c.load_state_dict({"next_step": number})
+        assert c.state_dict()["next_step"] == int(number)
+        assert type(c.state_dict()["next_step"]) is int  # msgpack packs only int
+    for bad in (3.0, torch.tensor(0.5), np.int64(-1)):
+        with pytest.raises(ValueError, match="next_step must be a non-negative int"):
+            c.load_state_dict({"next_step": bad})
+
+
 def test_commit_refuses_what_is_not_a_step_number_at_once():
     """A float or string waited out the whole commit timeout (the dispatcher's 'malformed' went
     to a log), and a tensor killed the client thread, which could not send it."""
@@ -359,3 +372,9 @@ def test_a_commit_the_dispatcher_halted_before_answering_fails_with_the_reason()
                 client.commit(24, timeout=5)
         finally:
             client.close()
+
+
+def test_an_address_without_a_transport_is_refused_naming_the_form():
+    """'127.0.0.1:5555' got ZeroMQ's 'Invalid argument' from the client thread."""
+    with pytest.raises(ValueError, match=r"address '127.0.0.1:5555': an endpoint looks like tcp://HOST:PORT"):
+        DispatcherClient("127.0.0.1:5555", 0, 1, 1)

@@ -490,8 +490,9 @@ def test_a_second_claim_of_a_rank_wins_and_the_first_is_told_to_stop(caplog):
 def test_ranks_restarted_without_a_checkpoint_start_at_one_step(caplog):
     """Ranks restarted before their first checkpoint (no state to resume) each started at the
     step their own last connection had received: 2 and 4 here, so their collectives would
-    pair different steps' plans. They start at the oldest step a rank has not received, and
-    the steps before it that no commit covers are named once (they are not served again)."""
+    pair different steps' plans. Then at the oldest step a rank had not received (2): steps
+    0-1, sent to the old processes and never committed, were never trained by the job. They
+    start together after the last commit: with none, at the job's first step."""
     from dispatcher_server.delivery import RetainedStep
 
     d = Dispatcher(_config(world_size=2))
@@ -504,16 +505,41 @@ def test_ranks_restarted_without_a_checkpoint_start_at_one_step(caplog):
         d.delivery.credit(s0, 4, received=2)
         d.delivery.credit(s1, 4, received=4)
         d.delivery.evict()
+        assert d.delivery.lowest == 2
         for rank in (1, 0):  # fresh processes: no next_step
             d._on_trainer(b"new%d" % rank, P.decode(P.encode(
                 P.HELLO, seq=1, role="trainer", rank=rank, world_size=2, next_step=None,
                 prefetch=2)), 0.0)
-        assert (s0.next_send, s1.next_send) == (2, 2)
-        said = [r.getMessage() for r in caplog.records
-                if "uncommitted_steps_not_served_again" in r.getMessage()]
-        assert len(said) == 1 and "steps=0-1 next_step=2" in said[0], said
+        assert (s0.next_send, s1.next_send) == (0, 0) and d.next_plan == 0  # re-planned from 0
     finally:
         d._close()
+
+
+def test_a_rank_without_a_checkpoint_is_told_which_steps_cannot_be_served_again(caplog):
+    """A start after the last commit that the dispatcher can no longer serve (no journal, and
+    not among the steps it keeps) was skipped to the oldest step held, silently. The trainer
+    is refused naming the steps and --journal-dir."""
+    from dispatcher_server.delivery import RetainedStep
+
+    d = Dispatcher(_config())
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        for step in range(4, 6):
+            d.delivery.next_plan = step
+            d.delivery.add(RetainedStep(step=step, epoch=0, batch=None, plan=None, messages=None,
+                                        num_samples=1, nbytes=0))
+        d.replay.committed = 1  # as if the cursors after it were gone
+        d.slots[0].heard = True  # its earlier process took steps from this dispatcher
+        d.start()
+        seq = _hello(peer)
+        err = peer.expect(P.ERROR)
+        assert err["code"] == "resume" and err["ack"] == seq
+        assert "steps 2-3 cannot be served again" in err["message"]
+        assert "--journal-dir" in err["message"]
+        assert d.slots[0].ident is None
+    finally:
+        peer.close()
+        d.stop()
 
 
 def _topology_warnings(caplog, ranks_per_node: int, hellos: list[tuple[int, int]]) -> list[str]:
@@ -650,6 +676,11 @@ def _arrival_life(d: Dispatcher, order: list[tuple[int, int]]) -> list[list[str]
     d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=3)), 0.0)
     d._pump()
     by_shard = {d.progress[a.pos].url: a for a in reader.assignments}
+    for a in reader.assignments:
+        # A reader holding credit on all three shards at once (the dispatcher grants one
+        # batch in all until a first sample says how large they are): flow control is not
+        # what this tests, the order samples arrive in is.
+        a.credits = max(a.credits, 6 - d.progress[a.pos].next_index)
     for shard, n in order:
         a = by_shard.get(_ARRIVAL_SHARDS[shard])
         if a is None:
@@ -743,7 +774,10 @@ def test_arrival_mode_replay_is_not_stalled_by_a_reader_full_of_other_shards(tmp
         d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=4)), 0.0)
         d._pump()
         last = max(reader.assignments, key=lambda a: a.pos)
-        feed(d, reader, last, 4)  # the highest position arrives first: step 0 is all of it
+        # Its reader holds credit there (before a first sample says how large samples are,
+        # only the lowest position is granted any): the highest position arrives first.
+        last.credits = max(last.credits, 4)
+        feed(d, reader, last, 4)  # step 0 is all of it
         (first,) = [list(rs.batch.keys) for rs in d.retained]
     finally:
         d._close()

@@ -172,11 +172,33 @@ def _forward_per_phase(model, rmb, item_input, text_ids, exchanger):
     return model.llm(packed, cu, pos, packed_labels(rmb, ids))
 
 
+class _BareEmpty:
+    """`model` with encoders that return `torch.zeros(0, H)` for no items, as a user's may (the
+    protocol allows it): an output without grad on the ranks that encode nothing."""
+
+    def __init__(self, model) -> None:
+        self.model, self.hidden_size, self.empty_calls = model, model.hidden_size, 0
+        self.embed_text, self.llm = model.embed_text, model.llm
+
+    def _bare(self, encode, items, llm_len):
+        if items:
+            return encode(items, llm_len)
+        self.empty_calls += 1
+        return torch.zeros(0, self.hidden_size, dtype=self.model.tok_embed.weight.dtype)
+
+    def encode_vision(self, items, llm_len):
+        return self._bare(self.model.encode_vision, items, llm_len)
+
+    def encode_audio(self, items, llm_len):
+        return self._bare(self.model.encode_audio, items, llm_len)
+
+
 def balanced_step(ctx, model, plan: StepPlan, seed: int, dtype, exchanger, num_targets: int,
-                  per_phase: bool = False, staged: bool = False):
+                  per_phase: bool = False, staged: bool = False, forward_model=None):
     import torch.distributed as dist
 
     from trainer_client.calibrate import PhaseTimer
+    from trainer_client.dist import all_reduce_gradients
     from trainer_client.model import forward_microbatch, train_microbatch
 
     item_input, text_ids = _feeds(seed, plan.inputs, dtype)
@@ -195,14 +217,12 @@ def balanced_step(ctx, model, plan: StepPlan, seed: int, dtype, exchanger, num_t
         if per_phase:
             out = _forward_per_phase(model, rmb, item_input, text_ids, exchanger)
         else:
-            out = forward_microbatch(model, rmb, item_input=item_input, text_ids=text_ids, exchanger=exchanger)
+            out = forward_microbatch(forward_model or model, rmb, item_input=item_input,
+                                     text_ids=text_ids, exchanger=exchanger)
         (out.loss_sum / num_targets).backward()
         loss += out.loss_sum.detach() / num_targets
         targets += out.num_targets
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
+    all_reduce_gradients(model)  # the loop's gradient sync (DDP cannot wrap the model)
     dist.all_reduce(loss)
     t = torch.tensor([targets])
     dist.all_reduce(t)
@@ -223,12 +243,15 @@ def _train_case(ctx, name: str, plan: StepPlan, seed: int, dtype, mode: str) -> 
     model = _model(dtype)
     ref_model = copy.deepcopy(model)
     per_phase, staged = mode.endswith("+per_phase"), mode.endswith("+staged")
+    bare = _BareEmpty(model) if mode.endswith("+bare_empty") else None
     exchanger = Exchanger(ExchangeConfig(mode=mode.split("+")[0]), ctx)
     ref = reference_step(ref_model, plan.inputs, seed, dtype) if ctx.rank == 0 else None
     num_targets = torch.tensor([ref.num_targets if ref is not None else 0])
     dist.broadcast(num_targets, 0)
     loss, targets = balanced_step(ctx, model, plan, seed, dtype, exchanger, int(num_targets), per_phase,
-                                  staged)
+                                  staged, bare)
+    empty_calls = torch.tensor([bare.empty_calls if bare is not None else 0])
+    dist.all_reduce(empty_calls)
     stats = [None] * ctx.world_size
     dist.all_gather_object(stats, exchanger.stats.as_dict())
     if ctx.rank != 0:
@@ -243,6 +266,7 @@ def _train_case(ctx, name: str, plan: StepPlan, seed: int, dtype, mode: str) -> 
         "name": name, "mode": mode, "dtype": str(dtype), "loss": float(loss),
         "ref_loss": float(ref.loss_sum.detach() / ref.num_targets), "targets": targets, "ref_targets": ref.num_targets,
         "grads": _grads(model), "ref_grads": _grads(ref_model), "stats": stats, "predicted": predicted,
+        "empty_calls": int(empty_calls),
     }
 
 
@@ -304,6 +328,7 @@ def _error_cases(ctx, plan: StepPlan) -> dict[str, str]:
     attempt("world_size_local", lambda: local.exchange(torch.zeros(int(short.send_tokens.sum()), 8), short))
     attempt("extra_row_local_all", lambda: local.exchange(torch.zeros(n + 1, 8), px))
     attempt("not_2d", lambda: collective.exchange(torch.zeros(n), px))
+    attempt("grad_one_rank", lambda: collective.exchange(torch.zeros(n, 8, requires_grad=ctx.rank != 1), px))
     # the group must still work after all of that
     out = collective.exchange(torch.ones(n, 8), px)
     msgs["healthy_after"] = "ok" if out.shape == (int(px.recv_tokens.sum()), 8) and bool((out == 1).all()) else "bad"
@@ -344,6 +369,7 @@ def _cases() -> list[tuple]:
     cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "two_stage"))
     cases.append(("train", "random-3", random_plan(inputs, 3, b64), 3, torch.float64, "single+staged"))
     cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "two_stage+staged"))
+    cases.append(("train", "edge", edge_plan(b64), 4, torch.float64, "single+bare_empty"))
     cases.append(("train", "text-only", planner_plan(make_inputs(5, 8, modalities=False), b64), 5,
                   torch.float64, "two_stage"))
     cases.append(("train", "planner-f32", planner_plan(make_inputs(6, 12), b32), 6, torch.float32, "single"))
@@ -368,7 +394,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 def test_loss_and_every_gradient_match_unbalanced_reference(results):
     train = results["train"]
-    assert len(train) == 13
+    assert len(train) == 14
     for r in train:
         tol = 1e-5 if r["dtype"] == "torch.float64" else F32_REL_TOL
         where = f"{r['name']} {r['mode']} {r['dtype']}"
@@ -381,6 +407,15 @@ def test_loss_and_every_gradient_match_unbalanced_reference(results):
         if r["name"] != "text-only":
             assert np.abs(r["grads"]["patch_embed.weight"]).sum() > 0, where
             assert np.abs(r["grads"]["frame_embed.weight"]).sum() > 0, where
+
+
+def test_forward_microbatch_trains_ranks_whose_encoder_output_is_a_bare_empty_tensor(results):
+    """Encoders returning torch.zeros(0, H) (no grad) on the ranks with no item of a phase:
+    forward_microbatch's exchange refused on every rank ('rank 1 has requires_grad=True but
+    this rank False'). Such an output takes part in backward now; gradients are the reference's
+    (checked with every train case above)."""
+    (r,) = [r for r in results["train"] if r["mode"] == "single+bare_empty"]
+    assert r["empty_calls"] > 0  # ranks did encode nothing with a bare empty tensor
 
 
 def test_float64_agreement_is_tight(results):
@@ -423,4 +458,6 @@ def test_plan_tensor_mismatch_raises_on_every_rank_instead_of_hanging(results):
     assert "rank 0 will send" in msgs["plans_disagree"] or "ranks [0" in msgs["plans_disagree"]
     assert "world size is 4" in msgs["world_size_local"]
     assert "plan sends" in msgs["extra_row_local_all"]
+    assert "rank 1 has requires_grad=False but this rank True" in msgs["grad_one_rank"]
+    assert "torch.zeros(0, H)" in msgs["grad_one_rank"] and "forward_microbatch" in msgs["grad_one_rank"]
     assert msgs["healthy_after"] == "ok"

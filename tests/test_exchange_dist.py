@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 from trainer_client.dist import INTER_NODE, INTRA_NODE, SAME_RANK, RankContext, run_local_group  # noqa: E402
 
@@ -48,3 +48,38 @@ def _fail_on_rank_one(ctx):
 def test_local_group_reports_a_failing_rank_with_its_traceback():
     with pytest.raises(RuntimeError, match="(?s)rank 1 failed.*boom from rank one"):
         run_local_group(_fail_on_rank_one, world_size=2, local_world_size=1, timeout_s=60)
+
+
+def _sync_gradients(ctx, bucket_bytes: int):
+    import trainer_client.dist as tdist
+
+    tdist.GRAD_BUCKET_BYTES = bucket_bytes  # small: several buckets per dtype
+    model = torch.nn.ModuleDict({
+        "a": torch.nn.Linear(3, 2), "b": torch.nn.Linear(2, 2).to(torch.float64),
+        "unused": torch.nn.Linear(2, 2), "frozen": torch.nn.Linear(2, 2)})
+    model["frozen"].requires_grad_(False)
+    for name in ("a", "b"):
+        for p in model[name].parameters():
+            p.grad = torch.full_like(p, float(ctx.rank + 1))
+    if ctx.rank == 1:  # this rank had no item for it: no gradient, its peers have one
+        model["unused"].weight.grad = torch.ones_like(model["unused"].weight)
+    tdist.all_reduce_gradients(model, divide_by=2.0)
+    return {n: (None if p.grad is None else p.grad.tolist(), str(p.grad.dtype) if p.grad is not None else None)
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bucket_bytes", [1, 25 * 2**20])
+def test_all_reduce_gradients_sums_every_rank_s_gradients_as_ddp_would(bucket_bytes):
+    """The loop's gradient sync with forward_microbatch (DDP cannot wrap the model): every
+    trainable gradient summed over ranks and divided, one missing on a rank counted as zeros
+    (the ranks' collectives stay in step), a frozen parameter left alone, dtypes kept."""
+    got = run_local_group(_sync_gradients, world_size=3, local_world_size=3, args=(bucket_bytes,),
+                          timeout_s=60)
+    assert got[0] == got[1] == got[2]
+    grads = got[0]
+    assert grads["a.weight"] == ([[3.0] * 3] * 2, "torch.float32")  # (1 + 2 + 3) / 2
+    assert grads["b.bias"] == ([3.0, 3.0], "torch.float64")
+    assert grads["unused.weight"] == ([[0.5, 0.5]] * 2, "torch.float32")  # rank 1's alone
+    assert grads["unused.bias"] == ([0.0, 0.0], "torch.float32")
+    assert grads["frozen.weight"] == (None, None)

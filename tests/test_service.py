@@ -634,6 +634,24 @@ def test_empty_microbatches_are_warned_whether_or_not_m_is_typed(shards, caplog,
     assert ("event=empty_microbatches" in caplog.text) is warned, caplog.text
 
 
+def test_empty_microbatches_warning_names_the_fix(shards, caplog):
+    """serve --world-size 2 --global-batch 4 --num-microbatches 4: 2 empty micro-batches per
+    rank every step; the warning says which settings end that."""
+    import argparse
+    import logging
+
+    from mmdispatch import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    values = serve.resolve(parser.parse_args(["--shards", shards[0], "--world-size", "2",
+                                              "--global-batch", "4", "--num-microbatches", "4"]))
+    with caplog.at_level(logging.WARNING):
+        serve.build_config(values)
+    (line,) = [r.getMessage() for r in caplog.records if "empty_microbatches" in r.getMessage()]
+    assert "--global-batch 8 or --num-microbatches 2" in line, line
+
+
 def test_step_log_records_every_planned_step(shards, tmp_path):
     import json
 
@@ -764,6 +782,45 @@ def test_a_closed_prefetch_pool_gives_its_prepared_steps_back_to_the_client(shar
         finally:
             client.close()
     assert first + rest == list(range(NUM_SAMPLES // 8 + 1))  # every step once, in order
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rewind", ["client", "pool"])
+def test_a_rewind_under_an_open_prefetch_pool_serves_the_rewound_steps_next(shards, rewind):
+    """client.load_state_dict(saved) while a PrefetchPool over the client was open: the pool
+    handed out the steps it had prepared ahead (5-9) before the rewound ones (3...). Either
+    load_state_dict now drops them, and the next step is the saved one."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    cfg = make_config(shards, world_size=1, max_epochs=1)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        try:
+            with PrefetchPool(client, PrefetchConfig(workers=2, ahead=4)) as pool:
+                first = {}
+                for step in pool:
+                    first[step.step] = step
+                    if step.step == 1:
+                        saved = pool.state_dict()
+                    if step.step == 3:
+                        break
+                deadline = time.monotonic() + 20
+                while pool._ready.qsize() < 2 and time.monotonic() < deadline:
+                    time.sleep(0.02)  # the feeder takes steps ahead of the loop
+                assert pool._ready.qsize() >= 2
+                (client if rewind == "client" else pool).load_state_dict(saved)
+                assert pool.state_dict()["next_step"] == 2
+                again = [next(pool) for _ in range(4)]
+        finally:
+            client.close()
+    assert [s.step for s in again] == [2, 3, 4, 5]
+    for step in again[:2]:  # the same steps, with their inputs prepared
+        assert _step_keys(step) == _step_keys(first[step.step])
+        assert all(mb.inputs is not None for mb in step.microbatches)
+
+
+def _step_keys(step) -> list[list[str]]:
+    return [list(mb.keys) for mb in step.microbatches]
 
 
 def test_a_reader_leaving_with_no_shard_says_no_shards_field(tmp_path, caplog):

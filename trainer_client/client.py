@@ -27,6 +27,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dispatcher_server import protocol as P
 from dispatcher_server.blend import differing
+from dispatcher_server.cliopts import check_endpoint
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig
@@ -43,6 +44,12 @@ class DispatcherError(RuntimeError):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"dispatcher refused trainer ({code}): {message}")
         self.code = code
+
+
+class Rewound(RuntimeError):
+    """`DispatcherClient.load_state_dict` moved the client while another thread (a
+    `PrefetchPool`'s feeder) waited in `__next__`: the step it waited for is not one of the new
+    position's, so it gets none."""
 
 
 @dataclass(slots=True)
@@ -346,6 +353,20 @@ class ClientConfig:
                                                  backoff_max_s=self.backoff_max_s))
 
 
+def _step_number(step) -> int | None:
+    """A saved `next_step` as an int: a numpy or tensor integer (a checkpoint that went through
+    either) is one, as `commit` takes it; ValueError for anything else."""
+    if step is None:
+        return None
+    try:
+        number = -1 if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        number = -1
+    if number < 0:
+        raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
+    return number
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     if value is None:
@@ -607,7 +628,8 @@ class DispatcherClient:
     def __init__(self, address: str, rank: int | None = None, world_size: int | None = None,
                  local_world_size: int | None = None, *, config: ClientConfig | None = None,
                  context: zmq.Context | None = None, inputs: dict | None = None) -> None:
-        self.address = address
+        # ZeroMQ's own word for an address without a transport is "Invalid argument".
+        self.address = check_endpoint("DispatcherClient address", address)
         self.inputs = inputs
         self.rank = _env_int("RANK", 0) if rank is None else rank
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
@@ -637,6 +659,10 @@ class DispatcherClient:
         self._session: PeerSession | None = None
         self._ended = False
         self._returned: deque[Step] = deque()  # handed out, then given back (`unread`)
+        # Consumers holding steps taken ahead (a PrefetchPool), told before a rewind; while it
+        # runs, a `__next__` waiting in their thread gives up (`Rewound`).
+        self._rewind_listeners: list = []
+        self._rewinding = threading.Event()
 
     @property
     def num_reconnects(self) -> int:
@@ -673,6 +699,8 @@ class DispatcherClient:
         limit = self.config.step_timeout_s
         deadline = None if limit is None else time.monotonic() + limit
         while True:
+            if self._rewinding.is_set():
+                raise Rewound("load_state_dict moved the client while this thread waited for a step")
             try:
                 item = self._steps.get(timeout=0.1)
             except queue.Empty:
@@ -741,8 +769,10 @@ class DispatcherClient:
     def load_state_dict(self, state: dict) -> None:
         """Resume at `state['next_step']` (replayed exactly as the first run delivered it);
         a state of another dataset is refused with DispatcherError naming the difference.
-        `{}` (no checkpoint yet) starts where the job is: at the oldest step some rank has not
-        received, the same step for every rank restarted that way."""
+        `{}` (no checkpoint yet) starts after the job's last commit (none: at its first step),
+        the same step for every rank restarted that way. Also a rewind while running: a
+        `PrefetchPool` over this client drops the steps it prepared ahead, and its next step
+        is `state['next_step']` (`PrefetchPool.load_state_dict` does the same)."""
         if not isinstance(state, dict):
             raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
                              f"{type(state).__name__}")
@@ -753,18 +783,32 @@ class DispatcherClient:
         if state.get("world_size") not in (None, self.world_size):
             log.warning("mmdispatch event=resume_world_size_changed saved=%s now=%s: the dispatcher "
                         "re-plans from the same sample position", state["world_size"], self.world_size)
-        step = state.get("next_step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
+        step = _step_number(state.get("next_step"))
         dataset = state.get("dataset")
         if dataset is not None and not isinstance(dataset, dict):
             raise ValueError(f"state dataset must be a dict (from state_dict()), got {dataset!r}")
-        self._consumed = step
-        self._restored = dataset
-        self._ended = False
-        self._returned.clear()
-        if self._thread is not None:
-            self._commands.put(("resync", step, dataset))
+        self._rewinding.set()
+        try:
+            for listener in list(self._rewind_listeners):
+                listener()  # steps taken ahead belong to the old position: dropped first
+            self._consumed = step
+            self._restored = dataset
+            self._ended = False
+            self._returned.clear()
+            if self._thread is not None:
+                self._commands.put(("resync", step, dataset))
+        finally:
+            self._rewinding.clear()
+
+    def add_rewind_listener(self, listener) -> None:
+        """Call `listener()` at the start of every `load_state_dict`, before the position moves:
+        a consumer that took steps ahead (a `PrefetchPool`) stops taking and drops them. A
+        `__next__` it waits in meanwhile raises `Rewound`."""
+        self._rewind_listeners.append(listener)
+
+    def remove_rewind_listener(self, listener) -> None:
+        if listener in self._rewind_listeners:
+            self._rewind_listeners.remove(listener)
 
     def commit(self, step: int, timeout: float | None = None) -> None:
         """Tell the dispatcher `step` is checkpointed (a step this client handed out: the

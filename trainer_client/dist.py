@@ -173,6 +173,51 @@ def node_groups(ctx: RankContext) -> NodeGroups:
     return groups
 
 
+#: Gradient bytes summed in one all_reduce (DDP's default bucket): fewer collectives than one
+#: per parameter, and a bounded extra copy.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def all_reduce_gradients(model: torch.nn.Module, *, divide_by: float = 1.0, group=None) -> None:
+    """Sum every trainable parameter's gradient over the data-parallel ranks, then divide it by
+    `divide_by` (with summed losses, `LLMOutput.loss_sum`: the global number of targets).
+
+    The gradient sync DistributedDataParallel does in its backward hooks, called by the loop
+    after the step's micro-batches: DDP cannot wrap a model run by `forward_microbatch`
+    (the wrapper hides `encode_vision`..., and its `.module` skips the sync), and each rank's
+    share of a balanced step differs. Every rank must call it with the same model; a
+    parameter without a gradient on this rank (no item of its encoder here) counts as zeros,
+    so the ranks' collectives stay in step. FSDP, which reduces in its own hooks, needs none.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for grads in _buckets([p.grad for p in params]):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        if divide_by != 1.0:
+            flat /= divide_by
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` in runs of one dtype and device, each of about GRAD_BUCKET_BYTES; the same runs
+    on every rank (parameters come in one order)."""
+    out: list[list[torch.Tensor]] = []
+    open_runs: dict[tuple, tuple[list[torch.Tensor], int]] = {}
+    for g in grads:
+        key = (g.dtype, g.device)
+        run, size = open_runs.get(key, (None, 0))
+        if run is None or size >= GRAD_BUCKET_BYTES:
+            run, size = [], 0
+            out.append(run)
+        run.append(g)
+        open_runs[key] = (run, size + g.numel() * g.element_size())
+    return out
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

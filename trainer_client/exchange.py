@@ -210,6 +210,17 @@ class _Exchange(torch.autograd.Function):
         return (None, None, *_execute(ctx.plan.transposed(), grads, ctx.stats.backward_wire_bytes))
 
 
+#: What to do when ranks' encoder outputs disagree on requires_grad.
+_GRAD_FIX = ("an encoder output without grad, e.g. torch.zeros(0, H) for a rank with no items of "
+             "a phase, or a frozen encoder, must still take part in backward: pass "
+             "t.requires_grad_() for it, or run the micro-batch with forward_microbatch or "
+             "train_microbatch, which do")
+
+
+def _phases_without_grad(phases: Sequence[str]) -> str:
+    return f" (its {', '.join(phases)} output{'s' * (len(phases) > 1)})" if phases else ""
+
+
 def _as_splits(a, what: str, world_size: int) -> tuple[int, ...]:
     arr = np.asarray(a, dtype=np.int64).reshape(-1)
     if arr.shape[0] != world_size:
@@ -289,7 +300,8 @@ class Exchanger:
         row_bytes = tensors[0].shape[1] * tensors[0].element_size() if not problems else -1
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors) if not problems else False
         if self.config.validate == "collective":
-            self._check_collective(sends, recvs, row_bytes, needs_grad, problems)
+            no_grad = [p for p, t in zip(phases, tensors) if not problems and not t.requires_grad]
+            self._check_collective(sends, recvs, row_bytes, needs_grad, problems, no_grad)
         elif problems:
             raise ValueError(f"rank {self.ctx.rank}: " + "; ".join(problems))
 
@@ -326,7 +338,8 @@ class Exchanger:
             )
         return send, recv
 
-    def _check_collective(self, sends, recvs, row_bytes: int, needs_grad: bool, problems: list[str]) -> None:
+    def _check_collective(self, sends, recvs, row_bytes: int, needs_grad: bool, problems: list[str],
+                          no_grad: Sequence[str] = ()) -> None:
         """Every rank tells every peer what it will send it; all ranks learn who disagrees."""
         W, P = self.ctx.world_size, len(sends)
         device = self._meta_device()
@@ -350,7 +363,9 @@ class Exchanger:
                 if got[src, P] != row_bytes:
                     mine.append(f"rank {src} sends rows of {got[src, P]} bytes but this rank's rows are {row_bytes} bytes (hidden size or dtype differ)")
                 if bool(got[src, P + 1]) != needs_grad:
-                    mine.append(f"rank {src} has requires_grad={bool(got[src, P + 1])} but this rank {needs_grad}: backward would hang")
+                    mine.append(f"rank {src} has requires_grad={bool(got[src, P + 1])} but this rank "
+                                f"{needs_grad}{'' if needs_grad else _phases_without_grad(no_grad)}: "
+                                f"backward would hang ({_GRAD_FIX})")
         flag = torch.tensor([1 if mine else 0], dtype=torch.int64, device=device)
         flags = [torch.empty_like(flag) for _ in range(W)]
         dist.all_gather(flags, flag)

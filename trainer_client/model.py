@@ -278,11 +278,23 @@ def forward_microbatch(
     sample's token ids and `loss_mask(sample_id)` (optional: all targets) which of them are
     targets. Every item input must have exactly the planned encoder length of rows (ValueError
     naming the item by `item_name(phase, item_id)`, e.g. its sample key, otherwise). Every rank
-    of the world must call this for the same micro-batch.
+    of the world must call this for the same micro-batch. An encoder output without grad (a
+    `torch.zeros(0, H)` for no items, a frozen encoder) still takes part in the backward.
     """
-    enc = _encode(model, rank_mb, item_input, _untimed, item_name)
+    enc = _with_grad(_encode(model, rank_mb, item_input, _untimed, item_name))
     exchanged = exchanger.exchange_phases(enc, rank_mb.exchanges) if enc else {}
     return _llm(model, rank_mb, text_ids, loss_mask, exchanged)
+
+
+def _with_grad(enc: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Encoder outputs that all require grad while grad is enabled. The exchange's backward is a
+    collective: a rank whose output has no grad (no item of a phase here, returned as a bare
+    `torch.zeros(0, H)`; a frozen encoder) would sit it out while its peers wait, so the
+    exchange refuses it on every rank. A leaf copy takes part, as train_microbatch's cut
+    copies do; its gradient goes nowhere."""
+    if not torch.is_grad_enabled():
+        return enc
+    return {p: t if t.requires_grad else t.detach().requires_grad_() for p, t in enc.items()}
 
 
 def check_item_lengths(phase: str, items: Sequence[Tensor], item_ids, enc_len, item_name=None) -> None:

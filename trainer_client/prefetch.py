@@ -49,7 +49,7 @@ from pipeline.preprocess import (
     PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
     check_rows, preprocess_item, row_dim,
 )
-from trainer_client.client import Microbatch, Step
+from trainer_client.client import Microbatch, Rewound, Step
 from trainer_client.options import ERROR_MODES, POOL_KINDS
 
 log = logging.getLogger("mmdispatch.prefetch")
@@ -214,6 +214,10 @@ class PrefetchPool:
     feeder thread and the workers; the source is not closed, and the steps taken from it ahead
     of the loop go back to it (a `DispatcherClient`'s `unread`), so a later loop over the source
     loses none.
+
+    Rewind with `pool.load_state_dict(state)`, or the client's own `load_state_dict`: either
+    way the steps prepared ahead (of the old position) are dropped, and the pool's next step is
+    `state['next_step']`.
     """
 
     def __init__(self, steps: Iterable[Step], config: PrefetchConfig | None = None) -> None:
@@ -229,6 +233,9 @@ class PrefetchPool:
         self._feeder: threading.Thread | None = None
         self._held: Step | None = None  # taken from the source, waiting for preparation slots
         self._ended = False
+        add_listener = getattr(self.source, "add_rewind_listener", None)
+        if add_listener is not None:
+            add_listener(self._drop_prepared)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> PrefetchPool:
@@ -278,16 +285,19 @@ class PrefetchPool:
     def _start(self) -> None:
         if self._feeder is not None:
             return
+        if self._executor is None:
+            self._executor = self._new_executor()
+        self._feeder = threading.Thread(target=self._feed, name="mmdispatch-prefetch", daemon=True)
+        self._feeder.start()
+
+    def _new_executor(self) -> Executor:
         if self.config.kind == "process":
             import multiprocessing
 
             # forkserver: the trainer holds threads (ZeroMQ, the client) that fork would copy
-            self._executor = ProcessPoolExecutor(self.config.workers,
-                                                 mp_context=multiprocessing.get_context("forkserver"))
-        else:
-            self._executor = ThreadPoolExecutor(self.config.workers, thread_name_prefix="mmdispatch-preprocess")
-        self._feeder = threading.Thread(target=self._feed, name="mmdispatch-prefetch", daemon=True)
-        self._feeder.start()
+            return ProcessPoolExecutor(self.config.workers,
+                                       mp_context=multiprocessing.get_context("forkserver"))
+        return ThreadPoolExecutor(self.config.workers, thread_name_prefix="mmdispatch-preprocess")
 
     def _submit(self, args, kw) -> Future:
         if self.config.kind == "process":
@@ -335,6 +345,8 @@ class PrefetchPool:
                     futures.append(per_phase)
                 self._ready.put((step, futures, slots))
             self._ready.put(_END)
+        except Rewound:
+            return  # the rewind drops what this thread took; the next step starts another
         except BaseException as e:  # noqa: BLE001 - the loop raises it at its next step
             self._ready.put(e)
 
@@ -347,7 +359,40 @@ class PrefetchPool:
             state["next_step"] = self.next_step
         return state
 
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at `state` (a `state_dict()` of this pool or its client): the steps prepared
+        ahead are dropped, the source is rewound, and the next step is `state['next_step']`."""
+        if not hasattr(self.source, "add_rewind_listener"):
+            self._drop_prepared()  # a client calls it itself, once its waiting __next__ gave up
+        self.source.load_state_dict(state)  # type: ignore[attr-defined]
+
+    def _drop_prepared(self) -> None:
+        """Stop the feeder and forget the steps it took: the source is about to move (its
+        `load_state_dict`), and they belong to the old position. The next step starts a new
+        feeder from the new one."""
+        self._stop_feeder()
+        self._ready = queue.Queue()
+        self._held = None
+        self._slots = threading.Semaphore(self.config.ahead)
+        self._closing.clear()
+        self._ended = False
+        self.next_step = None  # the source's state_dict() says where the pool is until then
+
+    def _stop_feeder(self) -> None:
+        self._closing.set()
+        if self._feeder is not None:
+            self._feeder.join(5)
+            if self._feeder.is_alive():
+                # Only a source that ignores the rewind blocks it this long; steps it takes
+                # later would belong to the old position.
+                raise RuntimeError("the prefetch feeder did not stop within 5 s: its source "
+                                   "does not return a step")
+            self._feeder = None
+
     def close(self) -> None:
+        remove_listener = getattr(self.source, "remove_rewind_listener", None)
+        if remove_listener is not None:
+            remove_listener(self._drop_prepared)
         self._closing.set()
         if self._feeder is not None:
             self._feeder.join(5)

@@ -30,7 +30,7 @@ from mmdispatch.settings import ConfigError, apply_file
 from pipeline.tokenize import load_tokenizer, tokenizer_identity
 from trainer_client.calibrate import PhaseTimer
 from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
-from trainer_client.dist import RankContext
+from trainer_client.dist import RankContext, all_reduce_gradients
 from trainer_client.exchange import ExchangeConfig, Exchanger
 from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
 from trainer_client.model import (
@@ -278,11 +278,7 @@ def train(args: argparse.Namespace) -> int:
                 samples += len(mb.keys)
             totals = torch.tensor([loss_sum, float(targets), float(samples)], dtype=torch.float64)
             dist.all_reduce(totals)
-            for prm in model.parameters():
-                if prm.grad is None:
-                    prm.grad = torch.zeros_like(prm)
-                dist.all_reduce(prm.grad)
-                prm.grad /= max(totals[1].item(), 1.0)
+            all_reduce_gradients(model, divide_by=max(totals[1].item(), 1.0))
             opt.step()
             opt.zero_grad(set_to_none=True)
             client.report_timings(step.step, measured)  # predicted vs measured, per phase
