@@ -629,13 +629,24 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
     log_format = _log_format(args)
     setup_logging(log_format, getattr(args, "log_level", "INFO"))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals: list[str] = []
+
+    def stopped_by(sig: int, _frame) -> None:
+        signals.append(signal.Signals(sig).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, stopped_by)
+    signal.signal(signal.SIGINT, stopped_by)
     faulthandler.enable()  # a worker the kernel kills (SIGBUS, SIGSEGV) leaves its Python stack
     keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
     relax_gc()
     try:
-        ReaderWorker(config_from_args(args, worker)).run(stop)
+        reader = ReaderWorker(config_from_args(args, worker))
+        reader.run(stop)
+        # Its own line: an operator reading the reader's log sees why it ended, not only
+        # the dispatcher's reader_left.
+        log.info("mmdispatch event=stopped worker=%d reason=%s samples_sent=%d", worker,
+                 signals[0] if signals else "done", reader.num_samples_sent)
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.

@@ -549,6 +549,8 @@ def test_mmdispatch_read_starts_again_a_worker_the_kernel_killed_and_sigterm_sto
     assert re.search(r"worker \d was killed by SIGBUS \(.*--no-map-shards.*\); starting it again "
                      r"\(1/5\)", err), err
     assert "Bus error" in err  # the killed worker's own Python stack (faulthandler)
+    # each worker says why it ended in the reader's own log
+    assert sorted(re.findall(r"event=stopped worker=(\d) reason=SIGTERM", err)) == ["0", "1"], err
     for pid in workers:  # none left behind
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
 
