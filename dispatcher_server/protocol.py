@@ -41,7 +41,8 @@ import msgpack
 #:     SHARD_DONE says the identity of the reader's copy of the shard (`identity`, see
 #:     SHARD_IDENTITY; a v8 dispatcher refuses the field), and SHARD_ASSIGN the identity of
 #:     the copy another reader read first, for a local copy to be checked before it is read.
-#:     SHARD_DONE's `truncated`: samples cut to --max-seq-len (--over-length truncate).
+#:     SHARD_DONE's `truncated`: samples cut to --max-seq-len (--over-length truncate). A
+#:     reader's HELLO says its host (`node`): a node's readers share its copy of the shards.
 VERSION = 9
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
@@ -87,7 +88,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
             "dataset": (dict, False), "inputs": (dict, False), "resume": (bool, False),
-            "instance": (str, False)},
+            "instance": (str, False), "node": (str, False)},
     # direct mode: `readers` (trainers) is the live reader table, `shards` (readers) the files
     # whose bytes a reader may serve.
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),

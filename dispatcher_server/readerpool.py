@@ -36,6 +36,7 @@ class Reader:
     assignments: list[Assignment] = field(default_factory=list)  # in the order assigned
     payload: int = -1  # direct payload mode: its entry in ReaderPool.endpoints
     instance: str = ""  # its process's HELLO `instance`: a reconnect of it says the same
+    node: str = ""  # its host (HELLO `node`; "" before v9 HELLOs said it): readers of one node share files
 
 
 def process(reader: Reader) -> str | bytes:
@@ -58,9 +59,10 @@ class ReaderPool:
         # assigned to them again, so a node missing a mount or a file leaves it to the others
         self.refused: dict[int, set] = {}
 
-    def join(self, ident: bytes, name: str, now: float, instance: str = "") -> Reader:
+    def join(self, ident: bytes, name: str, now: float, instance: str = "",
+             node: str = "") -> Reader:
         reader = self.readers[ident] = Reader(ident=ident, name=name, last_seen=now,
-                                              instance=instance)
+                                              instance=instance, node=node or name)
         return reader
 
     def earlier_session(self, ident: bytes, instance: str) -> Reader | None:

@@ -87,11 +87,6 @@ def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
-def _node_of(reader_name: str) -> str:
-    """The node part of a reader's name (`read` names its workers node/worker)."""
-    return reader_name.rpartition("/")[0] or reader_name
-
-
 class Dispatcher:
     """Bind, then `run()` (blocking) or `start()` (background thread); `stop()` ends the loop.
 
@@ -877,7 +872,7 @@ class Dispatcher:
         earlier = self.pool.earlier_session(ident, instance)
         if earlier is not None:  # the same process on a new socket: not a second reader
             self._drop_reader(earlier, "reconnected")
-        reader = self.pool.join(ident, msg.get("name", ""), now, instance)
+        reader = self.pool.join(ident, msg.get("name", ""), now, instance, msg.get("node", ""))
         self._reader_joined_at = now
         self._live_due = 0.0  # it was sent nothing yet: its heartbeat is due at the next check
         self.metrics.peers.labels("reader").set(len(self.pool.readers))
@@ -992,9 +987,8 @@ class Dispatcher:
         reader with a local copy checks before it sends a sample of it (`_check_copy` alone
         stops the job only once the shard is read, after steps may have carried its samples)."""
         known = self.replay.identities.get(url)
-        # Readers are named node/worker (`read --name`, else the host's): a node's workers
-        # share its files, so only another node's copy is walked to be checked.
-        if known is None or _node_of(known.get("reader", "")) == _node_of(reader.name):
+        # A node's readers share its files: only another node's copy is walked to be checked.
+        if known is None or known.get("node", known.get("reader")) == reader.node:
             return {}
         return {"identity": {k: known[k] for k in P.SHARD_IDENTITY}}
 
@@ -1012,7 +1006,7 @@ class Dispatcher:
         known = self.replay.identities.get(url)
         if known is None:
             try:
-                self.replay.record_identity(url, {**identity, "reader": reader.name})
+                self.replay.record_identity(url, {**identity, "reader": reader.name, "node": reader.node})
             except OSError as e:
                 raise Fatal(f"journal write failed recording the copy of {url} read ({e}); "
                             "stopping. Free the space and start the dispatcher again: it resumes "

@@ -177,7 +177,7 @@ class ReaderWorker:
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
         return {"role": "reader", "name": self.config.name or f"pid{os.getpid()}",
-                "inputs": self.inputs, "instance": self.instance}
+                "inputs": self.inputs, "instance": self.instance, "node": os.uname().nodename}
 
     def reset(self) -> None:
         for a in list(self.assignments):

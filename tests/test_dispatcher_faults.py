@@ -157,13 +157,14 @@ def test_a_reader_whose_copy_of_a_shard_differs_stops_the_job(tmp_path):
 
 
 def test_a_shard_read_by_one_node_is_assigned_to_another_with_the_copy_to_check(tmp_path):
-    """SHARD_ASSIGN names the copy first read to a reader of another node (which checks its
-    own before reading), not to a worker of the node that read it (the same files)."""
+    """SHARD_ASSIGN names the copy first read to a reader of another node (HELLO `node`),
+    which checks its own before reading, not to another reader of the node that read it (the
+    same files: two `read` processes of one host, or workers of one)."""
     d = Dispatcher(_config(tmp_path, max_epochs=3))
     sent = []
     d._send_reader = lambda reader, type_, **f: sent.append((reader.name, type_, f))
     try:
-        first = d.pool.join(b"a0", "nodeA/0", 0.0)
+        first = d.pool.join(b"a0", "nodeA/0", 0.0, node="nodeA")
         d._on_reader(first.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=1)), 0.0)
         d._pump()
         (a,) = first.assignments
@@ -173,7 +174,7 @@ def test_a_shard_read_by_one_node_is_assigned_to_another_with_the_copy_to_check(
         d._drop_reader(first, "timeout")
         for name, expected in (("nodeA/1", None), ("nodeB/0", {"size": 10240, "headers": "aa"})):
             sent.clear()
-            reader = d.pool.join(name.encode(), name, 0.0)
+            reader = d.pool.join(name.encode(), name, 0.0, node=name.split("/")[0])
             d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=1)), 0.0)
             d._pump()
             d._pump()

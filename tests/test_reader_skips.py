@@ -276,3 +276,23 @@ def test_a_local_copy_other_than_the_one_read_first_is_reported_before_any_sampl
         assert done["assign_id"] == 3 and done["count"] == 0 and done["skipped"] == []
         assert done["identity"] != first
     assert not errors
+
+
+def test_a_readers_hello_names_its_node_so_readers_of_one_host_share_its_copies():
+    """Two `read` processes of one host are named host:pid (their logs must differ), so the
+    name cannot say they read the same files: the HELLO says the host, and the dispatcher walks
+    a copy to check it only when another node read the shard first."""
+    import os
+
+    stop = threading.Event()
+    with ScriptedRouter() as router:
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=router.endpoint, name="host:123/0",
+                                                  timeout_s=5.0, reader=_config()))
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            hello = router.expect(P.HELLO)
+        finally:
+            stop.set()
+            thread.join(10)
+    assert hello["name"] == "host:123/0" and hello["node"] == os.uname().nodename
