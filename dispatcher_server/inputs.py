@@ -78,9 +78,16 @@ class InputRules:
             gone = sorted({self.stated_by[k] for k in differ} - here) if here is not None else []
             fix = "give data nodes and trainers the same [counting] table (or flags) and tokenizer"
             if any(self.stated_by[k] == FROM_JOURNAL for k in differ):
-                fix += (f" as the job had; to go on by the new rules, stop the dispatcher, remove "
+                # The rules decide which samples are kept, and shuffle blocks are filled with
+                # the kept ones: other rules that keep or skip other samples move every block
+                # after the commit, so a resume trains some committed samples again and never
+                # others. Only rules that keep the same samples resume.
+                fix += (f" as the job had; to resume by new rules that keep and skip the same "
+                        f"samples (another tokenizer or template), stop the dispatcher, remove "
                         f"{self.path} and start it again (the uncommitted steps are then planned "
-                        "anew)")
+                        "anew); rules that keep or skip other samples (--max-seq-len, "
+                        "placeholders, fields) make another sample sequence: start a new job (a "
+                        "new --journal-dir, trainers without their data state)")
             elif gone:
                 fix += (f"; {' and '.join(gone)} left, but the session keeps the rules first "
                         "stated (what was sent was counted by them) until the dispatcher "

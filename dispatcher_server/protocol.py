@@ -522,10 +522,14 @@ def check_stamp(ref: Ref, size: int, mtime_ns: int) -> None:
     """OSError unless the file `ref` points into (now `size` bytes, modified at `mtime_ns`) is
     the version its reader read; a reference of unknown version passes."""
     if ref.stamp and file_stamp(size, mtime_ns) != ref.stamp:
+        # The version is size and modification time: a copy of the file on another node
+        # differs too unless copied with its times (cp -p, rsync -a), however like its bytes.
         raise OSError(f"shard {ref.path.decode(errors='replace')!r} changed on disk since its "
                       f"reader read it (replaced or rewritten: it is {size} bytes, modified at "
-                      f"{mtime_ns / 1e9:.3f}): its bytes at the reader's offsets are others; "
-                      "leave shards in place while a job reads them")
+                      f"{mtime_ns / 1e9:.3f}): its bytes at the reader's offsets may be others; "
+                      "leave shards in place while a job reads them. A node's own copy of the "
+                      "shards counts as another version unless copied with its modification "
+                      "times (cp -p, rsync -a): copy them so, or mount one shared copy")
 
 
 def refs_point_into(views: list, path: bytes) -> bool:

@@ -803,6 +803,9 @@ def test_a_restart_on_the_journal_holds_peers_to_the_jobs_input_rules(tmp_path):
     why = again.admit("reader 'b'", {"tokenizer": "t1", "placeholders": "none"})
     assert why is not None and "placeholders: reader 'b' 'none', this job's journal 'image=<image>'" in why
     assert str(tmp_path / INPUTS_FILE) in why  # the way to go on by the new rules
+    # ... only for rules that keep the same samples: removing it after a --max-seq-len change
+    # trained committed samples again and others never (shuffle blocks hold the kept samples)
+    assert "keep and skip the same samples" in why and "start a new job" in why
     assert again.admit("rank 0", {"tokenizer": "t1"}) is None
     fresh = InputRules()
     fresh.keep_beside(str(tmp_path), resume=False)  # a new job in the directory

@@ -231,8 +231,10 @@ def test_a_shard_replaced_after_its_reader_read_it_is_refused_not_read(tmp_path,
         assert bytes(held) == png.getvalue()
         files.close()
         files = ShardFiles(mapped=mapped)
-    with pytest.raises(OSError, match=r"changed on disk since its reader read it"):
+    with pytest.raises(OSError, match=r"changed on disk since its reader read it") as refused:
         files.read(memoryview(frames[0]), [len(frames[0])])
+    # a node's own copy made without its times fails the same way: the line says how to copy
+    assert "cp -p, rsync -a" in str(refused.value)
     with pytest.raises(OSError, match=r"changed on disk since its reader read it"):
         read_range(str(path), ref.offset, ref.size, ref.stamp)  # a direct-mode cache miss
     files.close()
