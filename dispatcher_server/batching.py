@@ -123,8 +123,15 @@ class StepBatch:
         where items are anchored): a journaled plan
         replays only over the same samples counted the same way (readers restarted with other
         counting rules or another tokenizer send other lengths, which the plan would not fit)."""
+        return self.digests()[0]
+
+    def digests(self) -> tuple[str, str]:
+        """(`digest()`, `keys_digest()`), the keys joined once for both: the journal keeps the
+        second to tell a replay over other samples from one over the same samples counted
+        otherwise."""
+        keys = self._keys_bytes()
         h = hashlib.blake2b(digest_size=16)
-        h.update(self._keys_bytes())
+        h.update(keys)
         columns = [self.inputs.text_len, self.inputs.llm_len]
         for phase in sorted(self.inputs.encoders):
             e = self.inputs.encoders[phase]
@@ -134,7 +141,7 @@ class StepBatch:
                 columns.append(e.anchor)
         for column in columns:
             h.update(np.ascontiguousarray(column, dtype=np.int64).tobytes())
-        return DIGEST_PREFIX + h.hexdigest()
+        return DIGEST_PREFIX + h.hexdigest(), hashlib.blake2b(keys, digest_size=16).hexdigest()
 
     def keys_digest(self) -> str:
         """The digest journals kept before `DIGEST_PREFIX`: a hash of the keys alone, each

@@ -107,6 +107,9 @@ class StepEntry:
     # `settings_id` of the plan settings it was planned under; None in journals before they
     # were recorded
     settings: str | None = None
+    # `StepBatch.keys_digest` (the keys alone): a replay over other samples, not only other
+    # lengths, is told apart; None in journals before it was kept
+    keys: str | None = None
 
 
 class Journal:
@@ -455,7 +458,8 @@ class Journal:
         rec = {"kind": "step", "step": entry.step, "epoch": entry.epoch,
                "world_size": entry.world_size, "cursor_after": entry.cursor_after,
                "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at],
-               **({"settings": entry.settings} if entry.settings is not None else {})}
+               **({"settings": entry.settings} if entry.settings is not None else {}),
+               **({"keys": entry.keys} if entry.keys is not None else {})}
         try:
             offset = self._append(rec)
         except JournalWriteError:
@@ -605,7 +609,8 @@ class Journal:
                 "num_samples": entry.num_samples, "digest": entry.digest,
                 **({"plan_at": list(entry.plan_at)} if entry.plan_at is not None
                    else {"plan": entry.plan}),
-                **({"settings": entry.settings} if entry.settings is not None else {})}
+                **({"settings": entry.settings} if entry.settings is not None else {}),
+                **({"keys": entry.keys} if entry.keys is not None else {})}
 
     def _sync_dir_if_owed(self) -> None:
         """Make a checkpoint's rename durable before anything is appended to the new file."""
@@ -665,7 +670,7 @@ def _entry(rec: dict) -> StepEntry:
                      cursor_after=rec["cursor_after"], num_samples=rec["num_samples"],
                      digest=rec["digest"], plan=rec.get("plan"),
                      plan_at=None if plan_at is None else (int(plan_at[0]), int(plan_at[1])),
-                     settings=rec.get("settings"))
+                     settings=rec.get("settings"), keys=rec.get("keys"))
 
 
 def _skip_entry(s: tuple) -> list:

@@ -18,6 +18,11 @@ from dispatcher_server.journal import (Journal, JournalError, StepEntry, pack_cu
 from dispatcher_server.planner.plan import StepPlan
 
 
+#: Why a journaled plan was not replayed (`ReplaySource.journaled_plan`).
+OTHER_LENGTHS = "lengths"
+OTHER_SAMPLES = "samples"
+
+
 class ReplaySource:
     """Cursors before each step, the plans to replay, and commits."""
 
@@ -123,24 +128,27 @@ class ReplaySource:
                            if s >= step and (e.plan is not None or e.plan_at is not None)}
 
     def journaled_plan(self, step: int, digest: str,
-                       keys_digest: Callable[[], str] | None = None) -> tuple[dict | None, bool]:
-        """(plan to replay or None, whether a journaled plan was dropped because the step's
-        samples, or the lengths they were counted with, differ from what was journaled). A
-        journal written before digests covered lengths is compared by `keys_digest()`. A step
+                       keys_digest: Callable[[], str] | None = None) -> tuple[dict | None, str]:
+        """(plan to replay or None, why a journaled plan was dropped: "" when none was,
+        `OTHER_LENGTHS` when the step's samples were counted otherwise, `OTHER_SAMPLES` when
+        its samples are others than journaled (journals that keep `keys`)). A journal written
+        before digests covered lengths is compared by `keys_digest()`. A step
         journaled under another world size or other plan settings is planned anew (None) from
         the same samples: its plan would break the settings in force (a capacity lowered after
         running out of memory)."""
         entry = self.replay.pop(step, None)
         if entry is None:
-            return None, False
+            return None, ""
         if not entry.digest.startswith(DIGEST_PREFIX) and keys_digest is not None:
             digest = keys_digest()
         if entry.digest != digest:
-            return None, True
+            if entry.keys is not None and keys_digest is not None and entry.keys != keys_digest():
+                return None, OTHER_SAMPLES
+            return None, OTHER_LENGTHS
         if not self._planned_alike(entry):
-            return None, False
+            return None, ""
         self._as_journaled[step] = entry.settings
-        return self.journal.plan_of(entry), False
+        return self.journal.plan_of(entry), ""
 
     def _planned_alike(self, entry: StepEntry) -> bool:
         """Whether a journaled step was planned under the world size and plan settings in

@@ -41,7 +41,7 @@ from dispatcher_server.planner import OversizeWarning, PlanError, plan_step
 from dispatcher_server.planner.plan import StepPlan
 from dispatcher_server.planner.types import Topology
 from dispatcher_server.readerpool import Assignment, Reader, ReaderPool, process
-from dispatcher_server.replay import ReplaySource
+from dispatcher_server.replay import OTHER_SAMPLES, ReplaySource
 from dispatcher_server.steplog import StepLog, plan_record
 
 log = logging.getLogger("mmdispatch.server")
@@ -559,11 +559,13 @@ class Dispatcher:
         if len(self._one_shard_warned) < len(self.assembler.streams):
             self._warn_one_shard_blocks()
         step, batch = self.next_plan, build_batch(filled.samples)
-        digest = batch.digest()
+        digest, keys = batch.digests()
         c1 = thread_time()
         self._cpu["assemble"] += c1 - c0
         t0 = time.perf_counter()
-        journaled, mismatch = self.replay.journaled_plan(step, digest, batch.keys_digest)
+        journaled, mismatch = self.replay.journaled_plan(step, digest, lambda: keys)
+        if mismatch == OTHER_SAMPLES and self.config.mode == "deterministic":
+            self._other_samples(step)
         if mismatch and self.config.mode == "deterministic":
             self.metrics.error("replay_mismatch", step=step,
                                detail="samples, or the lengths they were counted with, differ "
@@ -594,7 +596,7 @@ class Dispatcher:
                 self.assembler.journaled(self.replay.took_of(step))
         entry = StepEntry(step=step, epoch=filled.epoch, world_size=self.config.world_size,
                           cursor_after=cursor,
-                          num_samples=len(batch.samples), digest=digest)
+                          num_samples=len(batch.samples), digest=digest, keys=keys)
         try:
             self.replay.record(entry, plan, verbatim=journaled is not None)
         except OSError as e:
@@ -751,6 +753,20 @@ class Dispatcher:
         self.metrics.buffered_bytes.set(held.nbytes)
         self.metrics.retained_steps.set(len(self.delivery.retained))
         return held
+
+    def _other_samples(self, step: int) -> None:
+        """Stop the job: journaled step `step` comes back with other samples than it was
+        planned with. Its samples follow from the shards and the readers' rules (which they
+        keep and skip, and so how shuffle blocks fill), so one of those changed since: the
+        steps after the last commit would train some samples a second time and others never.
+        Planning it anew, as for other lengths, broke exactly-once without a word."""
+        why = (f"journaled step {step} comes back with other samples than it was planned with: "
+               "the readers keep or skip other samples than then (their rules changed, e.g. "
+               "--max-seq-len, placeholders or fields after inputs.json was removed, or the "
+               "shards changed), so resuming would train some samples again and others never. "
+               "Give the readers the job's rules and shards and start the dispatcher again, or "
+               "start a new job (a new --journal-dir, trainers without their data state)")
+        raise Fatal(why)  # not a halt (halted.json): the same settings resume once readers agree
 
     def _warn_one_shard_blocks(self) -> None:
         """Once a source: its full shuffle blocks keep coming from one shard each (its shards

@@ -221,7 +221,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
 
 
 def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_feed=None,
-                    longer: int = 0, **flow) -> Dispatcher:
+                    longer: int = 0, prefix: str = "k", **flow) -> Dispatcher:
     """A one-rank dispatcher of one shard whose reader delivered all 8 samples and whose rank 0
     is connected with credits for 10 steps; `before_feed(d)` runs first (after a restart).
     `longer`: text tokens each sample counts beyond the usual (a reader counting otherwise)."""
@@ -238,7 +238,7 @@ def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_fe
         d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST)), 0.0)
         d._pump()
         (a,) = reader.assignments
-        samples = [{"key": f"k{i}", "index": i, "text_len": 5 + i + longer, "llm_len": 9 + i + longer,
+        samples = [{"key": f"{prefix}{i}", "index": i, "text_len": 5 + i + longer, "llm_len": 9 + i + longer,
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
         d._on_samples(reader, _message(d, a.id, samples, True))
         d.delivery.connect(d.slots[0], b"t")
@@ -255,6 +255,27 @@ def _serve_steps(d: Dispatcher, n: int) -> None:
         d._pump()
         d.delivery.credit(d.slots[0], d.slots[0].upto, received=acked)
     d._pump()
+
+
+def test_a_journaled_step_replayed_with_other_samples_stops_the_job_naming_why(tmp_path):
+    """Readers that keep other samples after a restart (rules that skip others, changed shards)
+    refill the shuffle blocks otherwise: a journaled step came back with other keys and was
+    planned anew like one counted otherwise, and the resumed job trained committed samples
+    again and others never. Other keys now stop the job; other lengths are still planned anew."""
+    from dispatcher_server.server import Fatal
+
+    d = _fed_dispatcher(4, str(tmp_path))
+    try:
+        _serve_steps(d, 2)
+        assert d.journal.read_entry(0).keys is not None
+    finally:
+        d._close()
+    d = _fed_dispatcher(4, str(tmp_path), prefix="other")
+    try:
+        with pytest.raises(Fatal, match=r"journaled step 0 comes back with other samples"):
+            d._pump()
+    finally:
+        d._close()
 
 
 def test_a_commit_after_a_restart_leaves_the_steps_to_replay_intact(tmp_path):

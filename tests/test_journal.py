@@ -730,7 +730,7 @@ def test_a_changed_field_map_is_refused_and_a_journal_from_before_field_maps_res
 def test_a_journal_from_before_length_digests_replays_by_its_keys(tmp_path):
     """Steps journaled with the keys-only digest still replay verbatim over the same keys (and
     not over others); new digests cover the counted lengths too."""
-    from dispatcher_server.replay import ReplaySource
+    from dispatcher_server.replay import OTHER_LENGTHS, ReplaySource
 
     j = Journal(str(tmp_path), _fp(), fsync=False)
     for s in (0, 1):
@@ -739,8 +739,29 @@ def test_a_journal_from_before_length_digests_replays_by_its_keys(tmp_path):
     r = ReplaySource(j, world_size=2)
     try:
         r.reset(0)
-        assert r.journaled_plan(0, "2:new", lambda: "keys0") == ({"p": 0}, False)
-        assert r.journaled_plan(1, "2:new", lambda: "other") == (None, True)
+        assert r.journaled_plan(0, "2:new", lambda: "keys0") == ({"p": 0}, "")
+        # Journals that old kept no keys of their own: other keys are planned anew, as before.
+        assert r.journaled_plan(1, "2:new", lambda: "other") == (None, OTHER_LENGTHS)
+    finally:
+        j.close()
+
+
+def test_a_journal_that_keeps_keys_tells_other_samples_from_other_lengths(tmp_path):
+    from dispatcher_server.replay import OTHER_LENGTHS, OTHER_SAMPLES, ReplaySource
+
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in (0, 1, 2):
+        j.record_step(StepEntry(step=s, epoch=0, world_size=2, num_samples=8, keys=f"keys{s}",
+                                cursor_after={"base": s + 1}, digest=f"2:d{s}", plan={"p": s}))
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)  # kept across a reopen
+    r = ReplaySource(j, world_size=2)
+    try:
+        r.reset(0)
+        assert j.pending[1].keys == "keys1"
+        assert r.journaled_plan(0, "2:d0", lambda: "keys0") == ({"p": 0}, "")
+        assert r.journaled_plan(1, "2:other", lambda: "keys1") == (None, OTHER_LENGTHS)
+        assert r.journaled_plan(2, "2:other", lambda: "other") == (None, OTHER_SAMPLES)
     finally:
         j.close()
 
