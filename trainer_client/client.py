@@ -358,13 +358,19 @@ def _step_number(step) -> int | None:
     either) is one, as `commit` takes it; ValueError for anything else."""
     if step is None:
         return None
-    try:
-        number = -1 if isinstance(step, bool) else operator.index(step)
-    except TypeError:
-        number = -1
+    number = _integral(step)
     if number < 0:
         raise ValueError(f"state next_step must be a non-negative int, got {step!r}")
     return number
+
+
+def _integral(step) -> int:
+    """`step` as an int if it is an integer other than a bool (numpy and tensor integers
+    included), else -1."""
+    try:
+        return -1 if isinstance(step, bool) else operator.index(step)
+    except TypeError:
+        return -1
 
 
 def _env_int(name: str, default: int) -> int:
@@ -817,10 +823,7 @@ class DispatcherClient:
         `timeout` seconds, by default as long as for a step (`step_timeout_s`): a dispatcher
         restarting from its journal must not end a job at its checkpoint that it would have
         survived between two."""
-        try:
-            number = -1 if isinstance(step, bool) else operator.index(step)
-        except TypeError:
-            number = -1
+        number = _integral(step)
         if number < 0:
             # A float or string came back as a malformed-message warning after the whole timeout,
             # and a tensor could not be sent at all: the client thread died with it.
