@@ -478,8 +478,8 @@ class _TrainerPeer:
                     "ranks_per_node=%s why='the dispatcher plans node-local exchanges for nodes of "
                     "%s ranks: training stays correct, but bytes planned to stay on a node cross "
                     "nodes' fix='restart the dispatcher with --ranks-per-node %s, or launch the "
-                    "trainers with torchrun --nproc-per-node %s'", self.hello["rank"], local, ranks_per_node,
-                    ranks_per_node, local, ranks_per_node)
+                    "trainers with torchrun --nproc-per-node %s'",
+                    self.hello["rank"], local, ranks_per_node, ranks_per_node, local, ranks_per_node)
 
     def on_message(self, session: PeerSession, msg: P.Message) -> bool:
         if msg.type == P.STEP and session.welcomed:
