@@ -84,6 +84,18 @@ def _serve_args(shards, journal, world_size, microbatches=2):
             "--shuffle-buffer", "64"]
 
 
+def _served(shards, journal: str, world_size: int, num_readers: int = 2, microbatches: int = 2,
+            **consume_kw) -> dict:
+    """What `world_size` trainers receive from one `mmdispatch serve` run on `journal` (killed
+    after: no clean shutdown, the journal is all that survives) fed by `num_readers` readers."""
+    proc, ready = start_serve(_serve_args(shards, journal, world_size, microbatches=microbatches))
+    try:
+        with readers(ready["readers"], num_readers):
+            return consume(ready["trainers"], world_size, **consume_kw)
+    finally:
+        kill(proc)
+
+
 def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(shards, tmp_path):
     journal = str(tmp_path / "journal")
     # serve's planner defaults, as the `mmdispatch serve` runs below have them
@@ -93,12 +105,7 @@ def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(sha
         reference = consume(srv.trainer_endpoint, 2)
     commit_at = 4
 
-    proc, ready = start_serve(_serve_args(shards, journal, 2))
-    try:
-        with readers(ready["readers"], 2):
-            first = consume(ready["trainers"], 2, max_steps=commit_at + 1, commit_at=commit_at)
-    finally:
-        kill(proc)  # SIGKILL: no clean shutdown, the journal is all that survives
+    first = _served(shards, journal, 2, max_steps=commit_at + 1, commit_at=commit_at)
     for r in range(2):
         assert first[r] == reference[r][:commit_at + 1]
 
@@ -115,12 +122,7 @@ def test_dispatcher_restart_replays_exactly_and_replans_for_a_new_world_size(sha
 
     # Three ranks now: same samples per step from the same position, planned for 3 ranks.
     states = {r: {"next_step": commit_at + 1, "rank": r, "world_size": 2} for r in range(3)}
-    proc, ready = start_serve(_serve_args(shards, journal, 3))
-    try:
-        with readers(ready["readers"], 2):
-            third = consume(ready["trainers"], 3, states=states)
-    finally:
-        kill(proc)
+    third = _served(shards, journal, 3, states=states)
 
     def step_sets(per_rank):
         out: dict[int, set] = {}
@@ -141,19 +143,9 @@ def test_a_dispatcher_restarted_with_more_microbatches_replans_the_journaled_ste
     the samples it had."""
     journal = str(tmp_path / "journal")
     commit_at = 2
-    proc, ready = start_serve(_serve_args(shards, journal, 2))
-    try:
-        with readers(ready["readers"], 2):
-            first = consume(ready["trainers"], 2, commit_at=commit_at)
-    finally:
-        kill(proc)
+    first = _served(shards, journal, 2, commit_at=commit_at)
     states = {r: {"next_step": commit_at + 1, "rank": r, "world_size": 2} for r in range(2)}
-    proc, ready = start_serve(_serve_args(shards, journal, 2, microbatches=4))
-    try:
-        with readers(ready["readers"], 2):
-            second = consume(ready["trainers"], 2, states=states)
-    finally:
-        kill(proc)
+    second = _served(shards, journal, 2, microbatches=4, states=states)
 
     def samples(per_rank, step):
         return sorted(k for steps in per_rank.values() for s, mbs in steps if s == step
