@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -142,9 +143,34 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A free loopback port below the kernel's ephemeral range. One from bind(0) lies in that
+    range, where every outgoing connection (dozens of ZeroMQ ones here) takes a port too, so it
+    could be gone before the process meant to bind it did (torch's TCPStore then failed with
+    EADDRINUSE); below it, only an explicit bind takes a port."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(_LOW_PORT, low), min(64, max(0, low - _LOW_PORT))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # none free there: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+#: The lowest port `_free_port` picks: above the well-known and most registered services.
+_LOW_PORT = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _read_new(path: Path, offset: int) -> tuple[list[dict], int]:

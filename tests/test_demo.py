@@ -208,3 +208,19 @@ def test_demo_refuses_data_holding_other_files_and_leaves_them_alone(tmp_path, m
     assert all(word in str(refused.value) for word in words), str(refused.value)
     assert sorted(str(p.relative_to(data)) for p in data.rglob("*")) == ["nested", "nested/mine.tar", "notes.txt"]
     assert not (tmp_path / "reports").exists()
+
+
+def test_the_ports_the_demo_picks_lie_below_the_ephemeral_range_and_are_free():
+    """A port from bind(0) is in the range outgoing connections take theirs from: between the
+    pick and torch's TCPStore binding it, one of the run's ZeroMQ connections took it
+    (EADDRINUSE, a failed bench.feed run). Picked below that range, it stays free."""
+    import socket
+
+    from mmdispatch.demo import _LOW_PORT, _ephemeral_low, _free_port
+
+    low = _ephemeral_low()
+    for _ in range(20):
+        port = _free_port()
+        assert _LOW_PORT <= port < low, port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free
