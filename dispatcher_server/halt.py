@@ -8,13 +8,12 @@ message; once the settings change (a larger capacity, `--oversize isolate`), it 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
 
 from dispatcher_server.batching import StepBatch
 from dispatcher_server.files import replace_file
+from dispatcher_server.journal import settings_id
 from dispatcher_server.planner import PlannerConfig
 
 HALT_FILE = "halted.json"
@@ -24,17 +23,13 @@ class HaltedJob(RuntimeError):
     """The journal's job was ended by the planner and the planner settings did not change."""
 
 
-def _settings_digest(config: PlannerConfig) -> str:
-    text = json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
-    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-
-
 class Halt:
     """Reads and writes `halted.json` in the journal directory."""
 
     def __init__(self, directory: str, planner: PlannerConfig) -> None:
         self.path = os.path.join(directory, HALT_FILE)
-        self.settings = _settings_digest(planner)
+        # the digest the journal names a step's plan settings by: one notion of "the same"
+        self.settings = settings_id(planner.settings())
 
     def check(self) -> None:
         """HaltedJob if the job was halted under these planner settings; forget an older halt."""

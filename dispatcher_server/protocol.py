@@ -556,7 +556,7 @@ IGNORED_OTHER = "(other)"
 
 
 #: SHARD_DONE's optional `identity`: the reader's copy of the shard as it walked it whole, {"size":
-#: tar bytes, "headers": hex digest of its header blocks} (`pipeline.tario.ShardIdentity`); absent
+#: tar bytes, "headers": hex digest of its header blocks} (`pipeline.tario.CopyIdentity`); absent
 #: when the walk did not reach the archive's end.
 SHARD_IDENTITY = {"size": int, "headers": str}
 MAX_IDENTITY_CHARS = 64

@@ -1248,9 +1248,7 @@ class Dispatcher:
             try:
                 self._reset(target)
             except JournalError as e:
-                self.metrics.error("resume", role="trainer", detail=str(e))
-                self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=str(e),
-                           ack=msg.seq)
+                self._refuse_resume(ident, msg, str(e))
                 return
             event("rewind", step=target, requested_by=rank)
         if slot.ident is not None and slot.ident != ident:
@@ -1287,6 +1285,11 @@ class Dispatcher:
                    payloads=self.config.payloads, dataset=self.dataset, ranks_per_node=g,
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
 
+    def _refuse_resume(self, ident: bytes, msg: P.Message, why: str) -> None:
+        """Answer a trainer's HELLO with ERROR `resume` (it stops with `why`), counted."""
+        self.metrics.error("resume", role="trainer", detail=why)
+        self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+
     def _holds_plans_made_otherwise(self, ident: bytes, msg: P.Message, want: int) -> bool:
         """Refuse a rank that kept running through this dispatcher's restart holding journaled
         steps this one plans anew (`ReplaySource.anew`): its peers would get those steps planned
@@ -1298,8 +1301,7 @@ class Dispatcher:
                f"them ({'; '.join(anew[1])}), and this dispatcher plans them anew: restart the "
                "trainers from their last checkpoint, or this dispatcher with the journal's "
                "settings")
-        self.metrics.error("resume", role="trainer", detail=why)
-        self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+        self._refuse_resume(ident, msg, why)
         return True
 
     def _fresh_step(self, slot: TrainerSlot) -> int:
@@ -1330,8 +1332,7 @@ class Dispatcher:
                    f"{start}, the first after the last commit, but steps {start}-{lowest - 1} "
                    f"cannot be served again: {e}")
             event("fresh_start_refused", logging.WARNING, rank=rank, steps=f"{start}-{lowest - 1}")
-            self.metrics.error("resume", role="trainer", detail=why)
-            self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+            self._refuse_resume(ident, msg, why)
             return True
         return False
 
@@ -1351,8 +1352,7 @@ class Dispatcher:
                "saved state_dict()['next_step'] must be the same)")
         event("resume_mismatch", logging.WARNING, rank=slot.rank, step=step, peer=other.rank,
               peer_step=other.resumed)
-        self.metrics.error("resume", role="trainer", detail=why)
-        self._send(self.trainer_sock, ident, P.ERROR, code="resume", message=why, ack=msg.seq)
+        self._refuse_resume(ident, msg, why)
         self._send(self.trainer_sock, other.ident, P.ERROR, code="resume", message=why)
         self.delivery.disconnect(other)
         self.metrics.peers.labels("trainer").set(self.delivery.connected())

@@ -25,9 +25,9 @@ from pipeline.counting import (
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
-from pipeline.shards import MappedShard, open_shard
+from pipeline.shards import MappedShard, open_shard, reads_can_wait
 from pipeline.tario import (
-    Link, ShardIdentity, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
+    Link, CopyIdentity, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
 )
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
@@ -447,11 +447,15 @@ def sample_builder(config: ReaderConfig) -> SampleBuilder:
     return builder
 
 
-def mapped_identity(url: str) -> dict | None:
-    """The identity (`tario.ShardIdentity`, wire form) of a local uncompressed shard, from a
+def mapped_copy_identity(url: str) -> dict | None:
+    """The identity (`tario.CopyIdentity`, wire form) of a local uncompressed shard, from a
     walk of its headers through a memory map (members are views, never read): about a
     microsecond a member. None for another kind of shard (a stream cannot be walked twice
-    without reading it twice) or one that cannot be walked whole (its own read reports why)."""
+    without reading it twice) or one that cannot be walked whole (its own read reports why).
+    Such a shard is not opened: a `pipe:` command would run, a remote one be requested, only to
+    be dropped."""
+    if reads_can_wait(url) or gzip_named(url):
+        return None
     try:
         stream = open_shard(url, mapped=True)
     except OSError:
@@ -459,7 +463,7 @@ def mapped_identity(url: str) -> dict | None:
     try:
         if not isinstance(stream, MappedShard):
             return None
-        identity = ShardIdentity()
+        identity = CopyIdentity()
         for _ in tar_members(stream, identity=identity):
             pass
         return identity.to_wire() if identity.complete else None
@@ -479,7 +483,7 @@ def iter_shard(
     on_skip: SkipSink | None = None,
     ignored: Tally | None = None,
     on_open: Callable[[BinaryIO], BinaryIO] | None = None,
-    identity: ShardIdentity | None = None,
+    identity: CopyIdentity | None = None,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
@@ -497,7 +501,7 @@ def iter_shard(
     `stats.ignored_members`, and also in `ignored` when given (this shard's alone). They are
     counted over the whole shard, samples before `start_index` included, so a shard resumed by
     another reader is counted whole by the one that finishes it. `identity` is built over the
-    whole walk likewise (`tario.ShardIdentity`), complete once the archive's end is read.
+    whole walk likewise (`tario.CopyIdentity`), complete once the archive's end is read.
     """
     config = config or ReaderConfig()
     if start_index < 0:

@@ -40,12 +40,12 @@ from pipeline.counting import CountingConfig, length_identity, placeholder_ident
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
-    ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_identity,
+    ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_copy_identity,
     reader_config_from_args, sample_builder,
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
-from pipeline.tario import ShardIdentity
+from pipeline.tario import CopyIdentity
 from pipeline.tokenize import ChatTemplate, chat_template_identity, tokenizer_identity
 
 log = logging.getLogger("mmdispatch.reader")
@@ -111,7 +111,7 @@ class _Assignment:
     stamp: int = 0  # that file's version as opened (protocol.file_stamp; 0: a remote object)
     ignored: Counter = field(default_factory=Counter)  # members no field map kind names
     # this copy of the shard, as walked (SHARD_DONE): the dispatcher compares every node's copy
-    identity: ShardIdentity = field(default_factory=ShardIdentity)
+    identity: CopyIdentity = field(default_factory=CopyIdentity)
     # This shard's error counters: its reading thread's own (the worker's totals add them up
     # when it ends), so two shards read at once never share a run of consecutive errors.
     stats: ErrorStats = field(default_factory=ErrorStats)
@@ -316,7 +316,7 @@ class ReaderWorker:
         expected = msg.get("identity")
         if expected is None or not self.config.reader.map_shards:
             return True
-        mine = mapped_identity(msg["shard"])
+        mine = mapped_copy_identity(msg["shard"])
         if mine is None or mine == expected:
             return True
         log.error("mmdispatch event=shard_copy_differs shard=%s size=%s expected_size=%s: this "

@@ -69,7 +69,7 @@ class TarError(ValueError):
         self.dropped_key: str | None = None  # set by readers: the partly read sample they dropped
 
 
-class ShardIdentity:
+class CopyIdentity:
     """A shard copy's identity, built as its tar is walked: a digest of every 512-byte header
     block (the name, size, mode and time of each member, so a copy written otherwise differs)
     and the tar bytes walked. One hash update per member; member bytes are not hashed (a copy
@@ -276,7 +276,7 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
 
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
-    *, on_unterminated: Callable[[int], None] | None = None, identity: ShardIdentity | None = None,
+    *, on_unterminated: Callable[[int], None] | None = None, identity: CopyIdentity | None = None,
 ) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
     (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each

@@ -396,10 +396,10 @@ def test_a_shards_identity_tells_copies_apart_over_its_whole_walk(tmp_path, star
     """Two nodes' copies of one shard: the same bytes give the same identity, whichever sample
     a reader starts at (a shard taken over is walked whole); other members or sizes another.
     Complete only once the archive's end was read."""
-    from pipeline.tario import ShardIdentity
+    from pipeline.tario import CopyIdentity
 
-    def identity(path, start=start_index) -> ShardIdentity:
-        ident = ShardIdentity()
+    def identity(path, start=start_index) -> CopyIdentity:
+        ident = CopyIdentity()
         list(iter_shard(path, start_index=start, identity=ident))
         return ident
 
@@ -409,6 +409,6 @@ def test_a_shards_identity_tells_copies_apart_over_its_whole_walk(tmp_path, star
     other = identity(write_tar(tmp_path / "other.tar", one[:2] + [("c.txt", b"changed")]))
     assert first.complete and same.complete
     assert same.to_wire() == first.to_wire() and other.to_wire() != first.to_wire()
-    cut = ShardIdentity()
+    cut = CopyIdentity()
     next(iter_shard(str(tmp_path / "one.tar"), identity=cut))  # a walk stopped midway
     assert not cut.complete

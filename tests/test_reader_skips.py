@@ -296,3 +296,15 @@ def test_a_readers_hello_names_its_node_so_readers_of_one_host_share_its_copies(
             stop.set()
             thread.join(10)
     assert hello["name"] == "host:123/0" and hello["node"] == os.uname().nodename
+
+
+def test_a_copy_that_cannot_be_mapped_is_not_opened_to_be_checked(tmp_path):
+    """Only a local mapped copy is walked before it is read: a `pipe:` shard's command ran (and
+    a remote one would be requested) only for its stream to be dropped unread."""
+    from pipeline.reader import mapped_copy_identity
+
+    shard = tar_of(str(tmp_path / "s.tar"), good_and_bad([("good", 3)]))
+    ran = tmp_path / "ran"
+    assert mapped_copy_identity(f"pipe:touch {ran} && cat {shard}") is None
+    assert not ran.exists(), "the pipe: command ran"
+    assert mapped_copy_identity(shard)["size"] > 0
