@@ -213,6 +213,7 @@ def run_raw(shards: list[str], num_procs: int, epochs: int) -> dict:
 
 
 def _start_serve(args: list[str]) -> tuple[subprocess.Popen, dict]:
+    from mmdispatch.serve import parse_ready  # the planner's imports, in this process only
     errors = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "serve", *args],
                             stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -222,9 +223,10 @@ def _start_serve(args: list[str]) -> tuple[subprocess.Popen, dict]:
     while time.monotonic() < deadline:
         if sel.select(0.2):
             line = proc.stdout.readline()
-            if line.startswith("READY "):
+            ready = parse_ready(line)
+            if ready is not None:
                 proc.errors = errors  # read back if the run fails
-                return proc, json.loads(line[6:])
+                return proc, ready
             if not line:
                 break
     proc.kill()

@@ -387,13 +387,34 @@ def say(line: str, log_format: str | None = None, *, level: str = "ERROR") -> No
                                    getattr(h, "mmdispatch", False)
                                    for h in logging.getLogger().handlers) else "text"
     if log_format == "json":
-        line = json.dumps({"time": _utc(time.time()), "level": level, "logger": "mmdispatch",
-                           "message": line})
+        line = json_line(line, level)
     print(line, file=sys.stderr, flush=True)
 
 
-def run_reporting_errors(fn, prog: str, *, debug: bool = False) -> int:
-    """`fn()`, with a user mistake turned into one line `PROG: error: ...` and exit status 2."""
+def json_line(message: str, level: str = "INFO", **fields) -> str:
+    """A line of ours outside logging (`say`, serve's ready line) as the JSON log lines are."""
+    return json.dumps({"time": _utc(time.time()), "level": level, "logger": "mmdispatch",
+                       "message": message, **fields})
+
+
+#: namespace attribute mmdispatch.settings.apply_file sets: (the settings file, {flag: "key = value in [table]"} for
+#: each option the file gave and the command line did not)
+FROM_FILE = "_from_file"
+
+
+def name_the_file(message: str, args: argparse.Namespace) -> str:
+    """`message` (a mistake naming a flag, `--global-batch must be >= 1`) with where the value
+    came from when the settings file gave it, not the command line: the user edits the file."""
+    path, origins = getattr(args, FROM_FILE, (None, {}))
+    named = [origin for flag, origin in origins.items()
+             if re.search(re.escape(flag) + r"(?![\w-])", message)]
+    return f"{message} (set by {'; '.join(named)} of {path})" if named else message
+
+
+def run_reporting_errors(fn, prog: str, *, debug: bool = False,
+                         args: argparse.Namespace | None = None) -> int:
+    """`fn()`, with a user mistake turned into one line `PROG: error: ...` and exit status 2;
+    a value the settings file gave `args` is named with the file (`name_the_file`)."""
     try:
         return int(fn() or 0)
     except KeyboardInterrupt:
@@ -402,5 +423,6 @@ def run_reporting_errors(fn, prog: str, *, debug: bool = False) -> int:
     except Exception as e:  # noqa: BLE001 - sorted into user mistakes and bugs just below
         if debug or not is_user_error(e):
             raise
-        say(f"{prog}: error: {user_message(e)}")
+        message = user_message(e)
+        say(f"{prog}: error: {name_the_file(message, args) if args else message}")
         return 2

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     setup_logging(args.log_format, getattr(args, "log_level", "INFO"))
     module = importlib.import_module(COMMANDS[ns.command][0])
-    return run_reporting_errors(lambda: module.run(args), parser.prog, debug=args.debug)
+    return run_reporting_errors(lambda: module.run(args), parser.prog, debug=args.debug,
+                                args=args)
 
 
 if __name__ == "__main__":

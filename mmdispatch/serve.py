@@ -2,7 +2,8 @@
 
 Settings come from the `[serve]` table of a TOML file (`--config`, keys named like the options
 below with underscores; `mmdispatch.settings`) and flags, flags winning. On startup one line `READY {json}` on stdout gives the
-bound endpoints (bind to port 0 to let the OS pick), then structured log lines go to stderr.
+bound endpoints (bind to port 0 to let the OS pick; under `--log-format json` a JSON object with
+`"event": "ready"`), then structured log lines go to stderr.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import zmq
 
 from dispatcher_server.cliopts import (
     LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
-    finite_float, named_by_flags, say, setup_logging, unwind_on_sigterm,
+    finite_float, json_line, named_by_flags, say, setup_logging, unwind_on_sigterm,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -462,8 +463,32 @@ def _build_config(v: dict, dataset: tuple[list[Source], int | None] | None) -> S
     )
 
 
+def ready_line(ready: dict, log_format: str) -> str:
+    """The line `serve` prints on stdout once it is bound: `READY {json}`, or under
+    `--log-format json` one JSON object like its log lines (`"event": "ready"` and the same
+    fields), so a collector reading stdout and stderr together parses every line."""
+    if log_format != "json":
+        return "READY " + json.dumps(ready)
+    return json_line("READY", event="ready", **ready)
+
+
+def parse_ready(line: str) -> dict | None:
+    """The endpoints on a `ready_line` (either format); None for any other line."""
+    if line.startswith("READY "):
+        return json.loads(line[len("READY "):])
+    if line.startswith("{"):
+        try:
+            fields = json.loads(line)
+        except ValueError:
+            return None
+        if isinstance(fields, dict) and fields.get("event") == "ready":
+            return {k: v for k, v in fields.items()
+                    if k not in ("time", "level", "logger", "message", "event")}
+    return None
+
+
 def read_ready(stdout, timeout: float = 30.0) -> dict:
-    """The endpoints a `mmdispatch serve` child printed on its `READY {json}` line.
+    """The endpoints a `mmdispatch serve` child printed on its ready line (`ready_line`).
 
     For launchers (demo, tests, benchmarks) that start the dispatcher with port 0; raises
     RuntimeError if the child exits or stays silent for `timeout` seconds.
@@ -475,8 +500,9 @@ def read_ready(stdout, timeout: float = 30.0) -> dict:
         while time.monotonic() < deadline:
             if sel.select(0.2):
                 line = stdout.readline()
-                if line.startswith("READY "):
-                    return json.loads(line[len("READY "):])
+                ready = parse_ready(line)
+                if ready is not None:
+                    return ready
                 if not line:
                     break
     finally:
@@ -559,7 +585,7 @@ def run(args: argparse.Namespace) -> int:
         server.stop_soon()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before READY: it may come at once
         signal.signal(sig, stop)
-    print("READY " + json.dumps(ready), flush=True)
+    print(ready_line(ready, getattr(args, "log_format", "text")), flush=True)
     server.run(until_done=values["exit_when_done"])
     if server.fatal is not None:
         say(f"mmdispatch serve: stopped: {server.fatal}")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, FiniteFloat, ValidationError, create_model
 
-from dispatcher_server.cliopts import add_logging_arguments, finite_float
+from dispatcher_server.cliopts import FROM_FILE, add_logging_arguments, finite_float
 
 #: table -> (module whose `add_arguments(parser)` defines the options, commands that use it)
 TABLES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -140,11 +140,16 @@ def load(path: str) -> dict[str, dict]:
 
 def for_command(path: str, command: str) -> dict[str, Any]:
     """The file's settings one command takes: its own table plus the counting rules it has."""
+    return {dest: value for dest, (_, value) in _settings_of(path, command).items()}
+
+
+def _settings_of(path: str, command: str) -> dict[str, tuple[str, Any]]:
+    """for_command's settings with the table each came from: {dest: (table, value)}."""
     tables = load(path)
-    values: dict[str, Any] = {}
+    values: dict[str, tuple[str, Any]] = {}
     for table, (_, commands) in TABLES.items():
         if command in commands:
-            values.update(tables.get(table, {}))
+            values.update((k, (table, v)) for k, v in tables.get(table, {}).items())
     return values
 
 
@@ -160,16 +165,20 @@ def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -
     known, _ = pre.parse_known_args(argv)
     if not known.config:
         return
-    values = for_command(known.config, command)
+    values = _settings_of(known.config, command)
     by_dest = {a.dest: a for a in parser._actions}
     # Which settings the command line gives, for a command that weighs a flag against the
     # file's other half of a pair (serve: a typed --microbatch-token-budget replaces the file's
     # num_microbatches): past this point a file value and a flag look the same in the namespace.
-    parser.set_defaults(**{ON_COMMAND_LINE: frozenset(typed_dests(parser, argv))})
-    for dest, value in values.items():
+    typed = frozenset(typed_dests(parser, argv))
+    parser.set_defaults(**{ON_COMMAND_LINE: typed})
+    origins: dict[str, str] = {}
+    for dest, (table, value) in values.items():
         action = by_dest.get(dest)
         if action is None:
             continue
+        if dest not in typed and action.option_strings:
+            origins[max(action.option_strings, key=len)] = f"{dest} = {value!r} in [{table}]"
         if (action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)) \
                 and not isinstance(value, list):
             value = [value]
@@ -179,6 +188,9 @@ def apply_file(parser: argparse.ArgumentParser, command: str, argv: list[str]) -
             value = _FileList(value)
         action.required = False
         parser.set_defaults(**{dest: value})
+    parser.set_defaults(**{FROM_FILE: (known.config, origins)})
+
+
 
 
 #: namespace attribute apply_file sets: the dests of the options typed on the command line

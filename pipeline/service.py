@@ -31,7 +31,8 @@ from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import (
-    MAX_MALLOC_KEEP_MB, check_curve_pair, check_endpoint, finite_float, say, setup_logging,
+    MAX_MALLOC_KEEP_MB, check_curve_pair, check_endpoint, finite_float, name_the_file, say,
+    setup_logging,
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
@@ -682,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
         # worker, in this process, finds it loaded (`sample_builder` keeps it).
         sample_builder(config.reader)
     except ValueError as e:
-        say(f"mmdispatch read: error: {e}", _log_format(args))
+        say(f"mmdispatch read: error: {name_the_file(str(e), args)}", _log_format(args))
         return 2
     if not args.name:  # two `read`s on one host must not both log as HOST/0
         args.name = f"{os.uname().nodename}:{os.getpid()}"

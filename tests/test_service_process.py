@@ -19,7 +19,7 @@ from dispatcher_server.planner import DEFAULT_LLM_CAPACITY_FACTOR, PlannerConfig
 from dispatcher_server.security import create_keypair
 from dispatcher_server.server import Dispatcher
 from mmdispatch import cli
-from mmdispatch.serve import read_ready
+from mmdispatch.serve import parse_ready, read_ready
 from tests.test_service import (
     all_keys, client_config, consume, dispatcher, flat_keys, make_config, readers,
     shards,  # noqa: F401 - fixture
@@ -207,3 +207,23 @@ def test_curve_admits_allowed_keys_only(shards, tmp_path):
         finally:
             good.close()
     assert steps == [0, 1]
+
+
+@pytest.mark.timeout(90)
+def test_serve_under_json_logs_writes_only_json_lines(shards, tmp_path):
+    """Its ready line on stdout was `READY {...}` under --log-format json too: a collector
+    reading a container's stdout and stderr together choked on it."""
+    proc = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "serve", "--log-format", "json",
+                             *_serve_args(shards, str(tmp_path / "j"), 2)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # blocks until bound (the test's timeout bounds it)
+        ready = parse_ready(first)
+        assert ready["readers"].startswith("tcp://127.0.0.1:") and ready["next_step"] == 0
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        kill(proc)
+    lines = [first, *(out + err).splitlines()]
+    records = [json.loads(line) for line in lines]  # every line parses
+    assert any(r.get("event") == "planner_ready" for r in records), err

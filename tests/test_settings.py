@@ -214,3 +214,25 @@ def test_a_flag_of_an_exclusive_pair_replaces_the_files_other_half(tmp_path):
     with pytest.raises(ValueError, match=r"mmd.toml: \[serve\] sets both num_microbatches = 2 and "
                                          r"microbatch_token_budget = 9"):
         serve.resolve(_parse("serve", path))
+
+
+@pytest.mark.timeout(120)
+def test_a_range_mistake_from_the_settings_file_names_the_file_and_key(tmp_path):
+    """It named only the flag (`--global-batch must be >= 1`), which the user never typed."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "job.toml"
+    path.write_text("[serve]\nglobal_batch = -3\nworld_size = 2\nshards = ['x.tar']\n"
+                    "[read]\nbatch = 0\n")
+    runs = {"serve": ["serve", "--config", str(path)],
+            "read": ["read", "--config", str(path), "--dispatcher", "tcp://127.0.0.1:9"],
+            "typed": ["read", "--config", str(path), "--dispatcher", "tcp://127.0.0.1:9",
+                      "--batch", "0"]}
+    err = {name: subprocess.run([sys.executable, "-m", "mmdispatch.cli", *argv],
+                                capture_output=True, text=True, timeout=100).stderr.strip()
+           for name, argv in runs.items()}
+    assert err["serve"].endswith(f"(set by global_batch = -3 in [serve] of {path})"), err
+    assert err["read"].endswith(f"(set by batch = 0 in [read] of {path})"), err
+    assert "--batch must be >= 1" in err["typed"] and str(path) not in err["typed"], err
+    assert all(len(e.splitlines()) == 1 for e in err.values()), err

@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     # client says BYE (the dispatcher moves on at once, not after its timeout) and the process
     # group ends, instead of dying where the signal found it.
     unwind_on_sigterm("mmdispatch event=train_stopped signal=SIGTERM")
-    return run_reporting_errors(lambda: train(args), parser.prog, debug=args.debug)
+    return run_reporting_errors(lambda: train(args), parser.prog, debug=args.debug,
+                                args=args)
 
 
 if __name__ == "__main__":
