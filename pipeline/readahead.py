@@ -5,9 +5,11 @@ a shard whose reads can wait (a `pipe:` command, a server that pauses), one read
 liveness timeout would make the dispatcher drop a healthy reader and hand its shard to another,
 and a shard that never answers would hang the reader for good. Such shards are read by a thread
 of their own, ahead and in order, into a bounded queue of chunks; the session takes what is
-ready, waiting at most a poll interval, and keeps serving the dispatcher meanwhile. A local
-file cannot keep a read waiting, so it is read in the session thread as it asks: a thread
-handing records over costs the reader about a quarter more CPU a sample (measured on 2 cores).
+ready, waiting at most a poll interval, and keeps serving the dispatcher meanwhile. So are the
+shards of a reader that preprocesses (`--preprocess-on datanode`): decoding a long clip takes
+seconds. A local file cannot keep a read waiting, so otherwise it is read in the session thread
+as it asks: a thread handing records over costs the reader about a quarter more CPU a sample
+(measured on 2 cores).
 
 Skips travel in the same queue, in order with the records, so a skip is always reported with
 (or before) the samples after it. A shard whose reads make no progress (no byte read, no record

@@ -287,7 +287,11 @@ class ReaderWorker:
         ref_path = None
         if self.payloads != "inline":
             ref_path = P.reference_path(msg["shard"], self.payloads).encode("utf-8", "surrogateescape")
-        ahead = ReadAhead(stall_s=self.config.stall_s, threaded=reads_can_wait(msg["shard"]),
+        # Preprocessing decodes (a long clip: seconds) where a local read never waits: done in
+        # the session thread, it starved the heartbeats and the dispatcher dropped the reader.
+        ahead = ReadAhead(stall_s=self.config.stall_s,
+                          threaded=(reads_can_wait(msg["shard"])
+                                    or self.config.preprocess_on == "datanode"),
                           name=f"mmdispatch-read-{msg['assign_id']}")
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=ahead, ref_path=ref_path)
         def opened(stream):  # before any record: the version of the file its spans are in
@@ -346,12 +350,24 @@ class ReaderWorker:
         """`records` with model inputs in place of member bytes; an item that decodes badly is
         skipped (`skip`) under the error policy, as a bad header is (bad_image/bad_audio/bad_video)."""
         # imported here: scipy's signal module costs a reader that ships bytes a slower start
-        from pipeline.preprocess import PreprocessConfig, PreprocessError, preprocess_record
+        from pipeline.preprocess import (
+            PREPROCESS_DTYPE, PreprocessConfig, PreprocessError, preprocess_record, row_dim,
+        )
 
         counting = self.config.reader.counting
         config = PreprocessConfig.of(counting)
+        limit = P.DEFAULT_LIMITS.max_frame_bytes
         try:
             for rec in records:
+                # An item's input has its counted rows: one too large for a frame is skipped
+                # before it is decoded (a long clip: seconds of work only to be refused).
+                big = [(it.member, n) for it in rec.items
+                       if it.modality in ("image", "video", "audio")
+                       and (n := it.enc_len * row_dim(it.modality, config)
+                            * PREPROCESS_DTYPE.itemsize) > limit]
+                if big:
+                    self._too_large(skip, stats, rec, *big[0])
+                    continue
                 try:
                     preprocess_record(rec, config)
                 except PreprocessError as e:
@@ -371,7 +387,6 @@ class ReaderWorker:
         (`Limits.max_frame_bytes`): the socket it went on would drop this reader, and the shard
         would go from reader to reader. Skipped as `member_too_large` under the error policy."""
         limit = P.DEFAULT_LIMITS.max_frame_bytes
-        made = " as the model input it preprocesses to" if self.config.preprocess_on == "datanode" else ""
         try:
             for rec in records:
                 big = [(it.member, n) for it in rec.items
@@ -379,16 +394,22 @@ class ReaderWorker:
                 if not big:
                     yield rec
                     continue
-                member, n = big[0]
-                error = SampleError("member_too_large", rec.shard, rec.key,
-                                    f"member {member!r} is {n} bytes{made}, over the {limit >> 20} "
-                                    "MiB a message frame carries")
-                stats.handle(error, self.config.reader.errors)  # raises under --errors raise
-                skip(error, rec.index)
+                self._too_large(skip, stats, rec, *big[0])
         finally:
             close = getattr(records, "close", None)
             if close is not None:
                 close()
+
+    def _too_large(self, skip, stats: ErrorStats, rec, member: str, n: int) -> None:
+        """Skip `rec` as `member_too_large` (its `member` is `n` bytes on the wire) under the
+        error policy (which raises under --errors raise)."""
+        limit = P.DEFAULT_LIMITS.max_frame_bytes
+        made = " as the model input it preprocesses to" if self.config.preprocess_on == "datanode" else ""
+        error = SampleError("member_too_large", rec.shard, rec.key,
+                            f"member {member!r} is {n} bytes{made}, over the {limit >> 20} "
+                            "MiB a message frame carries")
+        stats.handle(error, self.config.reader.errors)
+        skip(error, rec.index)
 
     def _drop_assignment(self, a: _Assignment) -> None:
         a.records.close()  # its thread shuts the shard file

@@ -22,6 +22,7 @@ from pipeline.preprocess import (
     array_from_payload, hz_to_mel, log_mel, mel_filters, mel_to_hz, preprocess_item, preprocess_record,
     row_dim,
 )
+from pipeline.reader import ReaderConfig
 from pipeline.records import Item, SampleRecord
 
 pytestmark = pytest.mark.timeout(120)
@@ -588,3 +589,71 @@ def test_log_mel_does_not_depend_on_the_blas_thread_count():
                              env=env, timeout=100, check=True)
         digests.add(out.stdout.strip())
     assert len(digests) == 1
+
+
+def test_preprocessed_inputs_have_the_size_readers_predict_from_counted_rows(records):
+    """The size a datanode reader checks before decoding is the size decoding makes."""
+    from pipeline.preprocess import PREPROCESS_DTYPE, preprocess_record, row_dim
+
+    for rec in records[:8]:
+        rec = SampleRecord(key=rec.key, shard=rec.shard, index=rec.index,
+                           items=[Item(modality=it.modality, member=it.member, enc_len=it.enc_len,
+                                       llm_len=it.llm_len, meta=dict(it.meta)) for it in rec.items],
+                           text_len=rec.text_len, llm_len=rec.llm_len, members=dict(rec.members))
+        preprocess_record(rec, PRE)
+        for it in rec.items:
+            assert rec.members[it.member].nbytes == \
+                it.enc_len * row_dim(it.modality, PRE) * PREPROCESS_DTYPE.itemsize
+
+
+def test_a_datanode_reader_skips_an_item_too_large_for_a_frame_before_decoding_it(monkeypatch):
+    """A 420 s clip was decoded (seconds), then refused as too large for a message frame."""
+    import pipeline.preprocess as pre
+    from pipeline.errors import ErrorStats
+    from pipeline.service import ReaderServiceConfig, ReaderWorker
+
+    big, small = _records(2)
+    big.items[0].enc_len = P.DEFAULT_LIMITS.max_frame_bytes  # rows: far over a frame
+    decoded: list[str] = []
+    real = pre.preprocess_record
+    monkeypatch.setattr(pre, "preprocess_record",
+                        lambda rec, config: (decoded.append(rec.key), real(rec, config)))
+    worker = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:1", name="r",
+                                              preprocess_on="datanode",
+                                              reader=ReaderConfig(counting=DEMO)))
+    skipped = []
+    out = list(worker._preprocessed(lambda e, i: skipped.append((e.reason, e.key, i)),
+                                    ErrorStats(), iter([big, small])))
+    assert [r.key for r in out] == decoded == [small.key]
+    assert skipped == [("member_too_large", big.key, big.index)]
+
+
+@pytest.mark.timeout(120)
+def test_a_datanode_reader_keeps_its_heartbeats_while_an_item_decodes_for_long(tmp_path, monkeypatch,
+                                                                                caplog):
+    """Decoding ran in the session thread: a clip that took longer than the dispatcher's timeout
+    got the reader dropped (three times, then the sample before it was abandoned)."""
+    import logging
+
+    import pipeline.preprocess as pre
+    from pipeline.gendata import generate
+    from tests.test_service import all_keys, consume, dispatcher, flat_keys, make_config, readers
+
+    shards = generate(str(tmp_path), num_samples=16, num_shards=1, seed=4)
+    real = pre.preprocess_record
+    slow = {all_keys(shards)[5]}
+
+    def preprocess_record(rec, config):
+        if rec.key in slow:
+            slow.discard(rec.key)
+            time.sleep(3.0)  # twice the dispatcher's 1.5 s timeout
+        real(rec, config)
+
+    monkeypatch.setattr(pre, "preprocess_record", preprocess_record)
+    caplog.set_level(logging.INFO)
+    with dispatcher(make_config(shards, world_size=1, global_batch=4)) as srv, \
+            readers(srv.reader_endpoint, 1, reader=ReaderConfig(counting=DEMO), preprocess_on="datanode"):
+        got = consume(srv.trainer_endpoint, 1)
+    assert not slow  # the slow item was decoded
+    assert sorted(flat_keys(got)) == sorted(all_keys(shards))
+    assert "reader_left name=r0 why=timeout" not in caplog.text
