@@ -187,9 +187,21 @@ def all_reduce_gradients(model: torch.nn.Module, *, divide_by: float = 1.0, grou
     (the wrapper hides `encode_vision`..., and its `.module` skips the sync), and each rank's
     share of a balanced step differs. Every rank must call it with the same model; a
     parameter without a gradient on this rank (no item of its encoder here) counts as zeros,
-    so the ranks' collectives stay in step. FSDP, which reduces in its own hooks, needs none.
+    so the ranks' collectives stay in step. A parameter FSDP shards (a DTensor, as
+    `shard_model` leaves every one) had its gradient summed by FSDP's reduce-scatter in
+    backward: it is only divided, so one loop serves both.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
+    from torch.distributed.tensor import DTensor
+
+    params, sharded = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (sharded if isinstance(p, DTensor) else params).append(p)
+    if divide_by != 1.0:
+        with torch.no_grad():
+            for p in sharded:
+                if p.grad is not None:
+                    p.grad.div_(divide_by)
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -200,6 +212,57 @@ def all_reduce_gradients(model: torch.nn.Module, *, divide_by: float = 1.0, grou
             flat /= divide_by
         for g, part in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(part.view_as(g))
+
+
+#: The `MultimodalModel` methods `forward_microbatch` and `train_microbatch` call instead of
+#: `forward`: FSDP runs its hooks around these too once `shard_model` registers them.
+FORWARD_METHODS = ("encode_vision", "encode_audio", "embed_text", "llm")
+
+
+def shard_model(model: torch.nn.Module, mesh, *, units=None, **fully_shard_kwargs) -> torch.nn.Module:
+    """Shard `model` with FSDP2 (`torch.distributed.fsdp.fully_shard`) for `forward_microbatch`
+    and `train_microbatch`; returns it (now an `FSDPModule`, sharded in place).
+
+    Each of `units` (default: every module of every `nn.ModuleList` in the model, e.g. the
+    transformer blocks) becomes an FSDP unit, then `model` itself: the root holds what is left
+    (embeddings, projectors, heads). Three things plain `fully_shard` would get wrong here:
+
+    - the four `FORWARD_METHODS` run FSDP's pre/post-forward hooks
+      (`register_fsdp_forward_method`): the loop never calls `model.forward`, so the root's
+      parameters would stay sharded;
+    - a parameter without a gradient on a rank (attention over no item, an encoder with
+      nothing to encode) reduce-scatters zeros (`set_reduce_scatter_unused_params`), so
+      every rank makes the same collectives;
+    - gradients are summed over ranks, not averaged (`set_gradient_divide_factor(1.0)`, sum
+      reductions only: gloo has no PREMUL_SUM), as `all_reduce_gradients` sums: the loop
+      divides by the step's targets with `all_reduce_gradients(model, divide_by=targets)`,
+      which only divides what FSDP reduced.
+
+    Every rank must call every unit the same number of times per micro-batch, and keep each
+    call's output in the loss's graph, also where it has no item of a phase (the reference
+    model does; `forward_microbatch` calls every encoder, on no items too). `mesh`: the
+    data-parallel `DeviceMesh`, e.g. `init_device_mesh("cuda", (world_size,))` ("cpu" with
+    gloo); it and `fully_shard_kwargs` (`reshard_after_forward`, `mp_policy`...) go to every
+    `fully_shard` call.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+    missing = [m for m in FORWARD_METHODS if not callable(getattr(model, m, None))]
+    if missing:
+        raise ValueError(f"{type(model).__name__} has no {', '.join(missing)}: not a MultimodalModel")
+    if units is None:
+        units = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=mesh, **fully_shard_kwargs)
+    for name in FORWARD_METHODS:
+        register_fsdp_forward_method(model, name)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_reduce_scatter_unused_params(True, recurse=False)
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+    return model
 
 
 def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:

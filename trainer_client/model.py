@@ -210,7 +210,9 @@ class ReferenceModel(nn.Module):
             for a, b, k in zip(cu[:-1], cu[1:], llm_len)
             if int(k) > 0
         ]
-        x = torch.cat(pooled) if pooled else x.new_zeros(0, x.shape[1])
+        # x[:0], not a new tensor, where no clip has a token: the blocks stay in the output's
+        # graph, so their backward (FSDP's all-gather and reduce-scatter) runs on every rank
+        x = torch.cat(pooled) if pooled else x[:0]
         return self.audio_proj(x)
 
     def embed_text(self, ids: Tensor) -> Tensor:
