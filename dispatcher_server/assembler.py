@@ -25,6 +25,12 @@ from dispatcher_server.config import BatchConfig
 from dispatcher_server.ordering import Cursor, ShardOrder
 from dispatcher_server.protocol import SampleHeader, SkipRecord, reference_path
 
+#: What the dispatcher holds for each item of a buffered sample beside its payload bytes: its
+#: header (a tuple, its member name and meta dict) and its payload view, about 740 bytes
+#: measured. Counted into a sample's bytes, so --max-buffered-bytes bounds samples of hundreds of
+#: tiny items too (200 82-byte images a sample held 9 times their payload bytes uncounted).
+ITEM_HELD_BYTES = 768
+
 
 @dataclass(slots=True, kw_only=True)
 class ShardProgress:
@@ -699,7 +705,7 @@ class StepAssembler:
             if problem is not None:  # counted as read, reported as skipped: never planned
                 out.skipped.append(SkipRecord(key, problem, index))
                 continue
-            size = len(text) + sum(item_bytes[start:at])
+            size = len(text) + sum(item_bytes[start:at]) + ITEM_HELD_BYTES * (at - start)
             append(record(Sample, (key, pos, index, text_len, llm_len, text, items,
                                    views[start:at], size, holder)))
             nbytes += size

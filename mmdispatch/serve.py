@@ -76,7 +76,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "oversize": (str, "error", "samples over capacity: error or isolate"),
     "cost_model": (str, None, "cost file written by 'mmdispatch calibrate' (default: FLOP-formula costs)"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
-    "max_buffered_bytes": (int, 256 << 20, "payload bytes after which reader credits stop; a "
+    "max_buffered_bytes": (int, 256 << 20, "bytes held (payloads, and 768 a sample item for its "
+                           "header and view) after which reader credits stop; a "
                            "shuffle block is emitted whole, so with --shuffle-buffer the bound is "
                            "at least one block of each source (about --shuffle-buffer samples)"),
     "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank"),

@@ -185,6 +185,8 @@ def test_retained_step_messages_count_against_the_byte_bound():
     """A rank's STEP message copies its items' payloads and is kept until every rank acked the
     step: it holds the step's bytes in the samples' place (their payloads are let go, so no
     byte is held twice) and counts against max_buffered_bytes until eviction."""
+    from dispatcher_server.assembler import ITEM_HELD_BYTES
+
     config = ServerConfig(
         shuffle_buffer=0, shards=["/data/shard-0.tar"], world_size=1, batch=BatchConfig(global_batch=4),
         planner=PlannerConfig(num_microbatches=1), max_epochs=1,
@@ -201,7 +203,7 @@ def test_retained_step_messages_count_against_the_byte_bound():
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [bytes([i]) * 1000]}
                    for i in range(4)]
         d._on_samples(reader, _message(d, a.id, samples, True))
-        samples_bytes = 4 * (P.tokens_size(5, 1) + 1000)  # text tokens + payload
+        samples_bytes = 4 * (P.tokens_size(5, 1) + 1000 + ITEM_HELD_BYTES)  # tokens, payload, item
         assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
         d.delivery.connect(slot, b"t")

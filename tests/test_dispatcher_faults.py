@@ -1285,3 +1285,18 @@ def test_a_rank_holding_steps_the_restart_plans_anew_is_refused_by_name(tmp_path
         assert (s0.ident, s1.ident) == (b"t0", b"t1")
     finally:
         d._close()
+
+
+def test_buffered_bytes_count_what_each_item_holds_beside_its_payload():
+    """Samples of 200 82-byte images held 9 times their payload bytes, and --max-buffered-bytes
+    counted only the payload: memory grew past every bound the operator set."""
+    from dispatcher_server.assembler import ITEM_HELD_BYTES
+
+    a = _assembler()
+    items = [P.ItemHeader("image", f"{j}.png", 16, 4, {"anchor": j}) for j in range(200)]
+    headers = [P.SampleHeader(f"s{i}", i, 5, 5 + 4 * 200, P.blank_tokens(5), items) for i in range(3)]
+    a.receive(0, headers, [memoryview(b"x" * 82)] * 600, [82] * 600)
+    samples, nbytes = a.held()
+    assert samples == 3
+    assert nbytes >= 3 * 200 * (82 + ITEM_HELD_BYTES) >= 3 * 200 * 700  # what one item holds
+    assert a.avg_sample_bytes == nbytes / 3
