@@ -160,9 +160,24 @@ class OneLineParser(argparse.ArgumentParser):
     numpy), where a larger one failed far from its flag with an OverflowError."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+        line = f"{self.prog}: error: {message} (--help lists the options)"
+        self.exit(2, (json_line(redact(line), "ERROR") if self._json_wanted() else line) + "\n")
+
+    def _json_wanted(self) -> bool:
+        """Whether the command line (or the settings file's default) asks for JSON logs: a
+        mistake argparse finds comes before logging is set up."""
+        argv = getattr(self, "_argv", None) or []
+        given = [a.split("=", 1)[1] for a in argv if a.startswith("--log-format=")]
+        given += [b for a, b in zip(argv, argv[1:]) if a == "--log-format"]
+        if given:
+            return given[-1] == "json"
+        try:
+            return self.get_default("log_format") == "json"
+        except AttributeError:
+            return False
 
     def parse_known_args(self, args=None, namespace=None):
+        self._argv = list(sys.argv[1:] if args is None else args)
         ns, extra = super().parse_known_args(args, namespace)
         for action in self._actions:
             value = getattr(ns, action.dest, None)

@@ -212,8 +212,9 @@ class Journal:
                     raise JournalError(str(other)) from None
                 end = None
         if end is None:
-            log.info("journal: %s held only the configuration of a start that recorded no "
-                     "step; it now records this one", self.path)
+            log.info("mmdispatch event=journal_reset journal=%s why='it held only the "
+                     "configuration of a start that recorded no step; it now records this one'",
+                     self.path)
             os.truncate(self.path, 0)
             return False
         if torn := size - end:

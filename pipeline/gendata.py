@@ -16,14 +16,13 @@ import gzip
 import io
 import json
 import os
-import sys
 import tarfile
 
 import numpy as np
 import soundfile
 from PIL import Image
 
-from dispatcher_server.cliopts import finite_float
+from dispatcher_server.cliopts import finite_float, say
 from dispatcher_server.files import replace_file
 from pipeline.shards import SHARD_SUFFIXES
 
@@ -539,9 +538,6 @@ def run(args: argparse.Namespace) -> int:
                          seed=args.seed, video_share=args.video_share)
     total = sum(os.path.getsize(p) for p in paths)
     tokenizer = write_tokenizer(args.out, paths)
-    print(
-        f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) and their "
-        f"tokenizer {tokenizer} to {args.out}",
-        file=sys.stderr,
-    )
+    say(f"wrote {args.samples} samples in {len(paths)} shards ({total / 1e6:.1f} MB) and their "
+        f"tokenizer {tokenizer} to {args.out}", level="INFO")  # JSON under --log-format json
     return 0

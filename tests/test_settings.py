@@ -167,7 +167,10 @@ def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
     for argv in (["serve", "--log-format", "json", "--shards", str(tmp_path / "none.tar"),
                   "--world-size", "1", "--global-batch", "8"],
                  ["read", "--log-format", "json", "--dispatcher", "tcp://127.0.0.1:1",
-                  "--connect-timeout", "1", "--workers", "2"]):
+                  "--connect-timeout", "1", "--workers", "2"],
+                 # a mistake argparse finds, before logging is set up (it was plain text)
+                 ["serve", "--log-format", "json", "--mode", "bogus"],
+                 ["gen-data", "--log-format=json", "--samples", "x", str(tmp_path / "g")]):
         out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", *argv], capture_output=True,
                              text=True, timeout=60, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
         lines = out.stderr.splitlines()

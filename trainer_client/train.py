@@ -115,7 +115,12 @@ class Progress:
             self.live.update(self.task, line=self.line())
         elif self.every_s > 0 and now - self.last >= self.every_s:
             self.last = now
-            log.info("mmdispatch event=train_progress %s", self.line().replace(" | ", " "))
+            elapsed = max(now - self.start, 1e-9)
+            # fields, so a JSON log has them as keys (the rich line above is for a terminal)
+            log.info("mmdispatch event=train_progress step=%s steps_this_run=%d steps_per_s=%.2f "
+                     "samples_per_s=%.1f data_wait_pct=%.0f",
+                     self.step if self.step is not None else self.steps, self.steps,
+                     self.steps / elapsed, self.samples / elapsed, 100 * self.wait_s / elapsed)
 
     def close(self) -> None:
         if self.live is not None:
