@@ -718,8 +718,13 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     killed. SIGTERM or SIGINT stops them all (each says BYE). The exit code is the worst."""
     stopping = threading.Event()
     log_format = _log_format(args)
+    stopped_by = [signal.SIGTERM]  # what the workers are stopped with: the signal `read` got
+
+    def stop(sig: int, _frame) -> None:
+        stopped_by[0] = sig
+        stopping.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopping.set())
+        signal.signal(sig, stop)
 
     def start(w: int) -> multiprocessing.Process:
         p = mp.Process(target=_process_main, args=(args, w, os.getpid()), name=f"reader-{w}")
@@ -762,8 +767,11 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 procs[w] = start(w)
     finally:
         for p in procs.values():
-            if p.is_alive():
-                p.terminate()  # SIGTERM: the worker says BYE and leaves
+            if p.is_alive():  # the worker says BYE and leaves, logging the signal `read` got
+                try:
+                    os.kill(p.pid, stopped_by[0])
+                except ProcessLookupError:
+                    pass
         for w, p in procs.items():
             p.join(10)
             if p.is_alive():

@@ -614,3 +614,21 @@ def test_two_reads_on_one_host_have_names_the_dispatcher_tells_apart():
                 proc.kill()
                 proc.wait(10)
     assert names == {f"{os.uname().nodename}:{p.pid}/0" for p in procs}
+
+
+@pytest.mark.timeout(120)
+def test_sigint_to_mmdispatch_read_stops_its_workers_saying_sigint():
+    """The supervisor stopped its workers with SIGTERM whatever it got, so their lines said
+    reason=SIGTERM after a Ctrl-C sent to `read` alone."""
+    with ScriptedRouter() as router:
+        proc = _read_process(router.endpoint, "--workers", "2")
+        try:
+            _welcome_hellos(router, 2)
+            wait_for(lambda: len(_workers_of(proc.pid)) == 2, 30, "two workers")
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert sorted(re.findall(r"event=stopped worker=(\d) reason=SIGINT", err)) == ["0", "1"], err
