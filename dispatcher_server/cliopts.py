@@ -280,6 +280,9 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
                          "or neither for a plain connection")
     if server_key:
         _warn_if_secret(server_key)
+    if secret:
+        from dispatcher_server.security import warn_if_readable
+        warn_if_readable(secret)
 
 
 #: --curve-server-key files already said to hold a secret (said once per process)

@@ -21,6 +21,7 @@ import os
 from collections.abc import Callable
 
 from dispatcher_server.files import replace_file
+from dispatcher_server.recordlog import write_error
 
 INPUTS_FILE = "inputs.json"
 #: Who stated a rule the journal kept, in refusals.
@@ -67,7 +68,8 @@ class InputRules:
         """Why `peer`'s rules conflict with the session's (one line), or None once its rules
         have joined the session's. `present` gives the peers connected now: a rule stated by
         one that left is still the session's (what it sent was counted by it), and the line
-        says that only a restart of the dispatcher changes it."""
+        says that only a restart of the dispatcher changes it. Raises JournalWriteError when the
+        journal cannot keep the new rules (disk full): then nothing of them was admitted."""
         if not theirs:
             return None
         differ = [k for k in sorted(theirs) if k in self.rules and theirs[k] != self.rules[k]]
@@ -98,5 +100,10 @@ class InputRules:
             for k, v in new.items():
                 self.rules[k], self.stated_by[k] = v, peer
             if self.path is not None:
-                replace_file(self.path, json.dumps(self.rules, sort_keys=True).encode())
+                try:
+                    replace_file(self.path, json.dumps(self.rules, sort_keys=True).encode())
+                except OSError as e:
+                    for k in new:
+                        del self.rules[k], self.stated_by[k]
+                    raise write_error(e, self.path) from e
         return None

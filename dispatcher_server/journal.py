@@ -640,7 +640,11 @@ class Journal:
 def _lock(directory: str) -> int:
     """An exclusive lock on `directory`'s LOCK_FILE, held while the journal is open (two
     dispatchers appending to one journal would interleave their steps); its fd."""
-    fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # not writable by this user, a read-only filesystem
+        raise JournalError(f"--journal-dir {directory!r} cannot be written ({e.strerror or e}): "
+                           "give a directory the dispatcher can write") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -77,6 +77,9 @@ class Metrics:
         self.bytes_in_of = {role: self.bytes_in.labels(role) for role in ("reader", "trainer")}
         self.bytes_out_of = {role: self.bytes_out.labels(role) for role in ("reader", "trainer")}
         self.peers = Gauge("mmdispatch_peers_connected", "Connected peers", ["role"], registry=r)
+        self.halted = Gauge("mmdispatch_halted", "1 once the job stopped on an error (the log's "
+                            "event=fatal says why): the dispatcher only tells ranks why, then "
+                            "exits", registry=r)
         self.errors = Counter("mmdispatch_errors", "Errors by kind", ["kind"], registry=r)
         self.skipped = Counter("mmdispatch_samples_skipped",
                                "Skip records: a bad sample each (skipped by a reader, or by the "

@@ -1,10 +1,12 @@
-"""Create CurveZMQ key pairs (`mmdispatch keygen`), and apply CurveZMQ to the sockets.
+"""Create a CurveZMQ key pair: NAME.key (public, copied to the peers or the allow-list that trust
+it) and NAME.key_secret (kept by its owner only).
 
-The dispatcher authenticates peers against a directory of allowed public keys (pyzmq's
-ThreadAuthenticator, ZAP): a reader or trainer whose key is not listed never completes the
-handshake, so it cannot send or receive a single message. The peer itself hears nothing, so the
-dispatcher logs each refused (address, key) once, rate-limited. Secret keys are written owner-only
-(0600), public keys readable by all (0644).
+This module also applies CurveZMQ to the sockets. The dispatcher authenticates peers against a
+directory of allowed public keys (pyzmq's ThreadAuthenticator, ZAP): a reader or trainer whose
+key is not listed never completes the handshake, so it cannot send or receive a single message.
+The peer itself hears nothing, so the dispatcher logs each refused (address, key) once,
+rate-limited. Secret keys are written owner-only (0600), public keys readable by all (0644); a
+secret key file readable by every user is warned of once, by each command that loads it.
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ def create_keypair(directory: str, name: str, *, force: bool = False) -> tuple[s
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"--dir {directory!r} cannot be created ({e.strerror})") from None
+        raise ValueError(f"--dir {directory!r} cannot be created ({e.strerror}): give a "
+                         "directory this user can write") from None
     # pyzmq writes the files with the process umask: the secret would be readable by others
     # until the chmod below; an owner-only umask closes that window.
     umask = os.umask(0o077)
     try:
         public, secret = zmq.auth.create_certificates(directory, name)
+    except OSError as e:
+        raise ValueError(f"--dir {directory!r} cannot be written ({e.strerror or e}): give a "
+                         "directory this user can write") from None
     finally:
         os.umask(umask)
     os.chmod(secret, 0o600)
@@ -98,12 +104,51 @@ def _load(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read CurveZMQ key file {path!r}: {e}") from None
 
 
+def load_secret(path: str, flag: str = "--curve-secret") -> tuple[bytes, bytes]:
+    """(public, secret) keys of a NAME.key_secret file; ValueError, one line naming `flag`, the
+    file and the fix, when it cannot be read or holds no secret key."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror or e}): give a "
+                         "NAME.key_secret file the user running this command can read (its "
+                         "owner: chown it, or create it as that user with mmdispatch keygen)"
+                         ) from None
+    except ValueError:  # pyzmq's "No public key found in ...": not a key file at all
+        raise ValueError(f"{flag} {path!r} is no CurveZMQ key file: pass the NAME.key_secret "
+                         "file mmdispatch keygen NAME wrote") from None
+    if secret is None:
+        raise ValueError(f"{flag} {path!r} holds no secret key: pass NAME.key_secret, not the "
+                         "public NAME.key")
+    return public, secret
+
+
+#: secret key files already said to be readable by every user, in the environment: a command's
+#: worker processes (`read --workers N`, spawned) inherit it and do not say it again
+_OPEN_SECRETS_SAID = "MMDISPATCH_OPEN_SECRETS_SAID"
+
+
+def warn_if_readable(path: str | None, flag: str = "--curve-secret") -> None:
+    """A secret key file every user of the machine may read: said once per command (from rank
+    0 under torchrun), naming the file and the fix; the command goes on."""
+    said = os.environ.get(_OPEN_SECRETS_SAID, "").split("\n")
+    if not path or path in said or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # a missing or unreadable file is named where it is loaded
+    if mode & 0o004:
+        os.environ[_OPEN_SECRETS_SAID] = "\n".join([*filter(None, said), path])
+        log.warning("mmdispatch event=curve_secret_readable file=%s mode=%s fix=%r", path,
+                    oct(mode & 0o777), f"every user of this machine can read the secret key "
+                    f"{flag} names: chmod 600 {path}")
+
+
 def apply_server_curve(sock: zmq.Socket, secret_file: str) -> bytes:
     """Make a bound socket a CURVE server with the key pair in `secret_file` (the dispatcher's,
     or a reader's for its payload socket), reporting failed handshakes; returns the public key."""
-    public, secret = zmq.auth.load_certificate(secret_file)
-    if secret is None:
-        raise ValueError(f"{secret_file!r} holds no secret key")
+    public, secret = load_secret(secret_file)
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.curve_server = True

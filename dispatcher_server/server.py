@@ -31,9 +31,10 @@ from dispatcher_server.blend import as_drawn, differing
 from dispatcher_server.config import ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
+from dispatcher_server.endpoint import allow_ipv6
 from dispatcher_server.halt import Halt, oversize_report
 from dispatcher_server.inputs import InputRules
-from dispatcher_server.journal import Journal, JournalError, StepEntry
+from dispatcher_server.journal import Journal, JournalError, JournalWriteError, StepEntry
 from dispatcher_server.measure import StepMeasurements
 from dispatcher_server.metrics import Metrics, SkipLog, event
 from dispatcher_server.ordering import ShardOrder
@@ -79,6 +80,7 @@ def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
+            allow_ipv6(sock, addr)
             sock.bind(addr)
             return
         except zmq.ZMQError as e:
@@ -118,12 +120,14 @@ class Dispatcher:
         try:
             if journal is not None:
                 self.inputs.keep_beside(config.journal_dir, resume=journal.last_step >= 0)
+            self.step_log = StepLog(config.step_log) if config.step_log else None
             self.metrics = Metrics(config.metrics_port, config.metrics_host)
         except BaseException:
             if journal is not None:
                 journal.close()
+            if getattr(self, "step_log", None) is not None:
+                self.step_log.close()
             raise
-        self.step_log = StepLog(config.step_log) if config.step_log else None
         self.skip_log = SkipLog(self.metrics)
         # members no field map names, by source, then suffix (the step log shows the totals)
         self.ignored_members: dict[str, Counter] = {}
@@ -407,6 +411,7 @@ class Dispatcher:
     def _halt_now(self, why: str) -> None:
         if self.fatal is None:
             self.fatal = why
+            self.metrics.halted.set(1)  # /metrics still answers while ranks are told why
             log.error("mmdispatch event=fatal %s", why)
             self._send_ends()
 
@@ -830,6 +835,14 @@ class Dispatcher:
             handler(ident, msg, time.monotonic())
         except Fatal:
             raise
+        except JournalWriteError as e:
+            # Disk full or a broken journal directory (a HELLO keeping the input rules): the
+            # job stops as it does on a plan's write, and the peer hears why, not "internal".
+            why = (f"journal write failed handling {msg.type} ({e}); stopping. Free the space "
+                   "(or fix the journal directory) and start the dispatcher again: it "
+                   "resumes from the journal")
+            self._send(sock, ident, P.ERROR, code="halted", ack=msg.seq, message=why[:4000])
+            raise Fatal(why) from e
         except Exception as e:  # noqa: BLE001 - one odd message must not stop the service
             log.exception("handling %s failed", msg.type)
             self.metrics.error("internal", role=role, type=msg.type, detail=repr(e)[:200])

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import zmq
 
 from dispatcher_server import protocol as P
+from dispatcher_server.endpoint import allow_ipv6
 from dispatcher_server.security import PeerCurve
 
 log = logging.getLogger("mmdispatch.session")
@@ -166,6 +167,7 @@ class PeerSession:
         try:
             if self.config.curve is not None:
                 self.config.curve.apply(sock)
+            allow_ipv6(sock, self.config.address)
             sock.connect(self.config.address)
         except zmq.ZMQError as e:
             sock.close(linger=0)

@@ -83,9 +83,13 @@ class StepLog:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_tail(self.path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _drop_torn_tail(self.path)
+            self._f = open(self.path, "a", encoding="utf-8")
+        except OSError as e:  # not writable by this user, a read-only filesystem
+            raise ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): "
+                             "give a file in a directory the dispatcher can write") from None
         self.failed: str | None = None  # why the log stopped, if it did
 
     def write(self, record: dict) -> None:

@@ -34,6 +34,7 @@ from dispatcher_server.planner import PlannerConfig, Topology
 from dispatcher_server.planner.config import DEFAULT_LLM_CAPACITY_FACTOR, OVERSIZE_POLICIES
 from dispatcher_server.planner.warm import warm_up
 from dispatcher_server.protocol import PAYLOAD_MODES
+from dispatcher_server.security import load_secret, warn_if_readable
 from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
@@ -341,6 +342,9 @@ def _check_flags(v: dict) -> None:
     if secret and os.path.isdir(secret):
         raise ValueError(f"--curve-secret {secret!r} is a directory, not a file: give the "
                          f"dispatcher's NAME.key_secret file")
+    if secret:
+        load_secret(secret)  # unreadable, not a key file, the public key: one line, now
+        warn_if_readable(secret)
     if v["step_log"] and os.path.isdir(v["step_log"]):
         raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
                          f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")
@@ -552,6 +556,19 @@ def _buffer_that_shuffles(weight: float) -> int | None:
     return enough + (round(enough * weight) < 2)
 
 
+def _unbindable(e: zmq.ZMQError, config: ServerConfig) -> str:
+    """A bind ZeroMQ refused (a host that does not resolve, an address or interface this
+    machine lacks): one line naming the flag and its value. pyzmq adds the endpoint as
+    `(addr='...')` to the error's text."""
+    binds = (("--reader-bind", config.reader_bind), ("--trainer-bind", config.trainer_bind))
+    flag, addr = next(((f, a) for f, a in binds if repr(a) in str(e)), binds[0])
+    if len({a for _, a in binds}) == 1 or not any(repr(a) in str(e) for _, a in binds):
+        flag = "--reader-bind / --trainer-bind"
+    return (f"{flag} {addr!r} cannot be bound ({os.strerror(e.errno)}): give an address or "
+            f"interface of this machine (tcp://0.0.0.0:PORT for every interface, "
+            f"tcp://[::]:PORT for every IPv6 one, tcp://eth0:PORT for an interface by name)")
+
+
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
@@ -573,10 +590,12 @@ def run(args: argparse.Namespace) -> int:
     except HaltedJob as e:
         raise ValueError(str(e)) from None  # one line: the planner ended this job before
     except zmq.ZMQError as e:
-        if e.errno != errno.EADDRINUSE:
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"{e}: another process holds that port; choose another port in "
+                             f"--reader-bind / --trainer-bind (port 0 lets the OS pick)") from None
+        if e.errno not in (errno.ENODEV, errno.EINVAL, errno.EADDRNOTAVAIL):
             raise
-        raise ValueError(f"{e}: another process holds that port; choose another port in "
-                         f"--reader-bind / --trainer-bind (port 0 lets the OS pick)") from None
+        raise ValueError(_unbindable(e, config)) from None
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     signals: list[str] = []

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from dispatcher_server import protocol as P
+from dispatcher_server.endpoint import allow_ipv6
 from pipeline.shards import read_range
 
 log = logging.getLogger("mmdispatch.payloads")
@@ -74,12 +75,13 @@ def local_address(dispatcher: str) -> str:
     parts = urlsplit(dispatcher)
     if parts.scheme != "tcp" or not parts.hostname:
         return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    v6 = ":" in parts.hostname  # tcp://[::1]:5555 (an endpoint, so bracketed again)
+    with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((parts.hostname, parts.port or 9))  # UDP: nothing is sent
-            return s.getsockname()[0]
+            return f"[{s.getsockname()[0]}]" if v6 else s.getsockname()[0]
         except OSError:
-            return "127.0.0.1"
+            return "[::1]" if v6 else "127.0.0.1"
 
 
 def bind_address(bind: str | None, dispatcher: str, worker: int) -> str:
@@ -90,7 +92,8 @@ def bind_address(bind: str | None, dispatcher: str, worker: int) -> str:
         return f"tcp://{local_address(dispatcher)}:0"
     parts = urlsplit(bind)
     if parts.scheme == "tcp" and parts.port:
-        return f"tcp://{parts.hostname}:{parts.port + worker}"
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        return f"tcp://{host}:{parts.port + worker}"
     return bind
 
 
@@ -138,6 +141,7 @@ class PayloadServer:
                                                  allow_list="this reader's --payload-allowed-dir",
                                                  peers="trainers'")
                 self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
+            allow_ipv6(self.sock, bind)
             self.sock.bind(bind)
         except BaseException:
             self.close()

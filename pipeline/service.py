@@ -251,6 +251,9 @@ class ReaderWorker:
             if msg["code"] in ("version", "role", "inputs"):
                 raise FatalReaderError(f"dispatcher at {self.config.dispatcher} refused this "
                                        f"reader: {msg['message']}")
+            if msg["code"] == "halted":  # it stopped the job (its journal's disk is full)
+                raise FatalReaderError(f"dispatcher at {self.config.dispatcher} stopped the "
+                                       f"job: {msg['message']}")
             log.warning("mmdispatch event=reader_error dispatcher=%s code=%s message=%r",
                         self.config.dispatcher, msg["code"], msg["message"])
         return True

@@ -57,8 +57,18 @@ def files(small_shards, tmp_path_factory):
     keys = d / "keys"
     keys.mkdir()
     (keys / "reader.key").write_text("existing")
+    from dispatcher_server.security import create_keypair
+    pair = d / "pair"
+    create_keypair(str(pair), "dispatcher")
+    # unreadable and unwritable by anyone but root (the cases run without root's overrides)
+    (d / "closed").mkdir(mode=0o555)
+    (d / "closed").chmod(0o555)
+    (d / "hidden.key_secret").write_bytes((pair / "dispatcher.key_secret").read_bytes())
+    (d / "hidden.key_secret").chmod(0)
+    (d / "open.key_secret").write_bytes((pair / "dispatcher.key_secret").read_bytes())
+    (d / "open.key_secret").chmod(0o666)
     return {"dir": d, "shard": small_shards[0], "shards_dir": str(Path(small_shards[0]).parent),
-            "tgz": str(gz), "keys": str(keys)}
+            "tgz": str(gz), "keys": str(keys), "pair": str(pair)}
 
 
 SERVE_OK = ["--world-size", "2", "--global-batch", "4"]
@@ -100,6 +110,14 @@ CASES = {
                                          ["10.1.2.3", "give --metrics-host an address of this machine"]),
     "curve secret alone": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                          "--curve-secret", "d.key_secret"], ["--curve-allowed-dir"]),
+    "curve secret a shard": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                           "--curve-secret", f["shard"], "--curve-allowed-dir", f["keys"]],
+                             ["--curve-secret", "is no CurveZMQ key file", "NAME.key_secret"]),
+    "curve secret the public key": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                  "--curve-secret", f"{f['pair']}/dispatcher.key",
+                                                  "--curve-allowed-dir", f["keys"]],
+                                    ["--curve-secret", "dispatcher.key'", "holds no secret key",
+                                     "not the public NAME.key"]),
     "curve secret missing": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                            "--curve-secret", "nope.key_secret", "--curve-allowed-dir", f["keys"]],
                              ["nope.key_secret", "keygen"]),
@@ -189,7 +207,12 @@ CASES = {
                                         ["--num-microbatches 1000", "--global-batch 4"]),
     "bind address not of this machine": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                                        "--reader-bind", "tcp://10.1.2.3:0"],
-                                         ["10.1.2.3", "no address of this machine"]),
+                                         ["--reader-bind", "10.1.2.3", "an address or interface of this machine",
+                                          "tcp://0.0.0.0:PORT"]),
+    "bind host that does not resolve": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                      "--trainer-bind", "tcp://no-such-host.invalid:5555"],
+                                        ["--trainer-bind", "no-such-host.invalid",
+                                         "an address or interface of this machine", "tcp://0.0.0.0:PORT"]),
     "bind with another scheme": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                                "--trainer-bind", "http://127.0.0.1:5"],
                                  ["--trainer-bind", "not http", "tcp://HOST:PORT"]),
@@ -341,6 +364,80 @@ CASES = {
 }
 
 
+#: id -> (argv from files, words every message must contain): mistakes of permissions, run by
+#: a user without root's overrides of file modes
+UNPRIVILEGED = {
+    "journal dir not writable": (lambda f: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                            "--journal-dir", f"{f['dir']}/closed"],
+                                 ["--journal-dir", "closed'", "cannot be written", "Permission denied",
+                                  "give a directory the dispatcher can write"]),
+    "step log in a directory not writable": (lambda f: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                        "--step-log", f"{f['dir']}/closed/steps.jsonl"],
+                                             ["--step-log", "steps.jsonl", "cannot be written",
+                                              "Permission denied"]),
+    "curve secret not readable": (lambda f: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                             "--curve-secret", f"{f['dir']}/hidden.key_secret",
+                                             "--curve-allowed-dir", f["keys"]],
+                                  ["--curve-secret", "hidden.key_secret", "cannot be read",
+                                   "Permission denied"]),
+    "keygen dir not writable": (lambda f: [*MMD, "keygen", "x", "--dir", f"{f['dir']}/closed"],
+                                ["--dir", "closed'", "cannot be written", "Permission denied",
+                                 "give a directory this user can write"]),
+}
+
+_NO_OVERRIDES = "--drop=cap_dac_override,cap_dac_read_search,cap_fowner"
+
+
+def _unprivileged(argv: list[str], files) -> list[str]:
+    """`argv` run without root's overrides of file modes (as root: under capsh); skips where
+    that cannot be had."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return argv
+    capsh = shutil.which("capsh")
+    if capsh is None:
+        pytest.skip("root without capsh: file modes cannot be made to refuse")
+    wrapped = [capsh, _NO_OVERRIDES, "--", "-c", 'exec "$@"', "capsh"]
+    probe = subprocess.run([*wrapped, "test", "-w", f"{files['dir']}/closed"], capture_output=True)
+    if probe.returncode != 1:
+        pytest.skip("capsh cannot drop root's overrides of file modes here")
+    return [*wrapped, *argv]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", list(UNPRIVILEGED))
+def test_a_file_this_user_may_not_use_is_one_line_naming_the_flag(case, files):
+    make_argv, words = UNPRIVILEGED[case]
+    out = _run(_unprivileged(make_argv(files), files))
+    assert out.returncode != 0, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    message = [line for line in out.stderr.splitlines() if "error:" in line]
+    assert len(message) == 1, out.stderr
+    assert "[Errno" not in message[0], message[0]
+    for word in words:
+        assert word in message[0], message[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", ["serve", "read", "train"])
+def test_a_secret_key_every_user_can_read_is_warned_of_once(command, files):
+    """Each command that loads a secret key says once that others can read it (the mistake
+    after it stops the command before it connects or binds)."""
+    secret, public = f"{files['dir']}/open.key_secret", f"{files['pair']}/dispatcher.key"
+    argv = {"serve": [*MMD, "serve", "--shards", files["shard"], *SERVE_OK, "--curve-secret", secret,
+                      "--curve-allowed-dir", files["keys"], "--heartbeat", "0"],
+            "read": [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9", "--curve-secret", secret,
+                     "--curve-server-key", public, "--timeout", "0"],
+            "train": [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9", "--curve-secret", secret,
+                      "--curve-server-key", public, "--steps", "-1"]}[command]
+    out = _run(argv)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    warned = [line for line in out.stderr.splitlines() if "curve_secret_readable" in line]
+    assert len(warned) == 1 and f"chmod 600 {secret}" in warned[0], out.stderr
+
+
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
     """The command's result; a command that waits on a peer or a timeout instead of refusing
     the mistake at once runs into `timeout` and fails the test."""
@@ -415,6 +512,12 @@ def _help(command: str) -> str:
     from mmdispatch.cli import build_parser
 
     return " ".join(build_parser(command).format_help().split())
+
+
+def test_keygen_help_says_what_keygen_does_not_what_its_module_does():
+    text = _help("keygen")
+    assert "Create a CurveZMQ key pair" in text and "NAME.key_secret" in text
+    assert "apply CurveZMQ to the sockets" not in text and "(`mmdispatch keygen`)" not in text
 
 
 def test_help_shows_choices_and_no_meaningless_defaults():

@@ -328,6 +328,17 @@ def test_a_halted_dispatcher_fails_the_trainer_loop_instead_of_ending_it(reason)
             client.close()
 
 
+def test_a_halt_whose_reason_says_how_to_restart_is_not_followed_by_the_same_advice():
+    from trainer_client.client import halted_error
+    why = ("journal write failed at step 36 ([Errno 28] No space left on device); stopping. Free "
+           "the space (or fix the journal directory) and start the dispatcher again: it resumes "
+           "from the journal")
+    text = str(halted_error(36, why))
+    assert text.count("start the dispatcher") == 1 and "resume the trainers from the last commit" in text
+    other = str(halted_error(0, "step 0: sample 'giant' fits no capacity"))
+    assert "Fix it and restart the dispatcher, then resume from the last commit" in other
+
+
 @pytest.mark.timeout(60)
 def test_a_commit_the_dispatcher_halted_before_answering_fails_with_the_reason():
     """A dispatcher whose journal write failed (disk full) sends END with the reason and exits

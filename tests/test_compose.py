@@ -116,6 +116,26 @@ def test_compose_file_is_valid_and_wires_services_together():
     assert "torch" not in datanode.split("ENTRYPOINT")[0].replace("no torch", "")
 
 
+def test_the_dispatchers_healthcheck_fails_once_the_job_halted():
+    """A halted dispatcher answers /metrics while it tells its ranks why (up to 120 s): the
+    healthcheck reads `mmdispatch_halted`, not only that the endpoint answers."""
+    from dispatcher_server.metrics import Metrics
+
+    port = _free_port()
+    check = _resolved({**os.environ, "MMD_METRICS_PORT": str(port)})["services"]["dispatcher"][
+        "healthcheck"]["test"]
+    metrics = Metrics(port)
+    try:
+        def healthy() -> bool:
+            return subprocess.run([sys.executable, "-c", check[3]], capture_output=True,
+                                  timeout=10).returncode == 0
+        assert healthy()
+        metrics.halted.set(1)
+        assert not healthy()
+    finally:
+        metrics.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
 def test_compose_topology_runs_as_plain_processes(tmp_path, curve):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -395,6 +396,107 @@ def test_a_failed_skip_write_ends_the_run_loop_with_the_reason(tmp_path):
         K.wait_for(lambda: not d._thread.is_alive(), 5, "the dispatcher exiting once told")
     finally:
         reader_sock.close(linger=0)
+        d.stop()
+
+
+class _FullDisk:
+    """`os` for dispatcher_server.files, on a disk that is full: every fsync fails."""
+
+    def __getattr__(self, name):
+        import os
+        return getattr(os, name)
+
+    def fsync(self, fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_at_a_readers_hello_stops_the_job_and_tells_the_reader(tmp_path, monkeypatch,
+                                                                            caplog):
+    """The input rules a HELLO states are kept beside the journal (inputs.json): that write
+    failing on a full disk was an internal error with a traceback, the dispatcher went on, the
+    reader was told only `internal`, and an empty temporary file stayed in the journal."""
+    from dispatcher_server import files
+    d = Dispatcher(_config(tmp_path, gb=64)).start()
+    assert d.metrics.registry.get_sample_value("mmdispatch_halted") == 0
+    monkeypatch.setattr(files, "os", _FullDisk())
+    reader = _Peer(d.reader_endpoint)
+    try:
+        with caplog.at_level(logging.INFO):
+            seq = reader.send(P.HELLO, role="reader", name="r", inputs={"tokenizer": "t"})
+            err = reader.expect(P.ERROR)
+            K.wait_for(lambda: d.fatal is not None, 5, "the failed inputs write ending the job")
+        assert err["code"] == "halted" and err["ack"] == seq
+        assert "No space left on device" in err["message"]
+        assert "Free the space" in err["message"] and "resumes from the journal" in err["message"]
+        assert "No space left on device" in d.fatal and "Free the space" in d.fatal
+        assert d.metrics.registry.get_sample_value("mmdispatch_halted") == 1
+        assert not any(r.exc_info for r in caplog.records), "a traceback was logged"
+        assert "kind=internal" not in caplog.text and "event=fatal" in caplog.text
+        # Nothing left behind, nothing half-admitted.
+        assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
+        assert d.inputs.rules == {}
+    finally:
+        reader.close()
+        d.stop()
+
+
+def test_a_reader_told_the_job_halted_stops_with_the_dispatchers_reason():
+    from pipeline.service import FatalReaderError, ReaderWorker
+    svc = ReaderWorker.__new__(ReaderWorker)
+    svc.config = type("C", (), {"dispatcher": "tcp://d:1"})()
+    msg = P.decode(P.encode(P.ERROR, code="halted", message="journal write failed (disk full)"))
+    with pytest.raises(FatalReaderError, match="tcp://d:1 stopped the job: journal write failed"):
+        svc.on_message(None, msg)
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+def test_a_dispatcher_bound_to_an_ipv6_address_welcomes_a_peer_connecting_over_ipv6():
+    """ZeroMQ sockets speak IPv4 only unless told: binding tcp://[::1]:PORT failed with "No such
+    device", and a peer could not connect to one."""
+    from dispatcher_server.session import PeerSession, SessionConfig
+
+    d = Dispatcher(_config(reader_bind="tcp://[::1]:0", trainer_bind="tcp://[::1]:0")).start()
+    welcomed, stop = threading.Event(), threading.Event()
+
+    class Role:
+        def hello_fields(self):
+            return {"role": "reader", "name": "v6"}
+
+        def reset(self):
+            pass
+
+        def on_welcome(self, session, msg):
+            welcomed.set()
+            session.finish()
+
+        def on_message(self, session, msg):
+            return True
+
+        def tick(self, session):
+            return False
+
+    try:
+        assert d.reader_endpoint.startswith("tcp://[::1]:")
+        assert d.trainer_endpoint.startswith("tcp://[::1]:")
+        session = PeerSession(SessionConfig(address=d.reader_endpoint, connect_timeout_s=5.0), Role())
+        t = threading.Thread(target=session.run, args=(stop,), daemon=True)
+        t.start()
+        assert welcomed.wait(5), "no WELCOME over IPv6"
+        t.join(5)
+    finally:
+        stop.set()
         d.stop()
 
 

@@ -417,3 +417,55 @@ def test_a_secret_key_given_as_the_server_key_works_and_is_warned_once(tmp_path,
         cliopts.check_curve_pair(str(tmp_path / "reader.key_secret"), secret)
     assert caplog.text.count("event=curve_server_key_is_secret") == 1
     assert "public NAME.key" in caplog.text and "need not be copied" in caplog.text
+
+
+def test_a_secret_key_readable_by_every_user_is_warned_of_once_naming_chmod_600(
+        tmp_path, caplog, monkeypatch):
+    from dispatcher_server import cliopts
+
+    monkeypatch.delenv("MMDISPATCH_OPEN_SECRETS_SAID", raising=False)
+    public, secret = create_keypair(str(tmp_path), "dispatcher")
+    _, mine = create_keypair(str(tmp_path), "reader")
+    with caplog.at_level("WARNING", logger="mmdispatch"):
+        cliopts.check_curve_pair(mine, public)  # 0600, as keygen writes it: nothing said
+        assert "curve_secret_readable" not in caplog.text
+        os.chmod(mine, 0o666)
+        for _ in range(3):
+            cliopts.check_curve_pair(mine, public)
+    lines = [r.getMessage() for r in caplog.records if "curve_secret_readable" in r.getMessage()]
+    assert len(lines) == 1 and mine in lines[0] and f"chmod 600 {mine}" in lines[0]
+
+
+@pytest.mark.parametrize("given,words", [
+    ("tar", ["--curve-secret", "shard.tar", "is no CurveZMQ key file", "NAME.key_secret"]),
+    ("public", ["--curve-secret", "dispatcher.key'", "holds no secret key",
+                "pass NAME.key_secret, not the public NAME.key"]),
+])
+def test_a_wrong_file_as_the_servers_secret_is_named_with_the_fix(tmp_path, given, words):
+    from dispatcher_server.security import apply_server_curve
+
+    public, _ = create_keypair(str(tmp_path), "dispatcher")
+    (tmp_path / "shard.tar").write_bytes(b"\0" * 1024)
+    path = {"tar": str(tmp_path / "shard.tar"), "public": public}[given]
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    try:
+        with pytest.raises(ValueError) as e:
+            apply_server_curve(sock, path)
+    finally:
+        sock.close(linger=0)
+    for word in words:
+        assert word in str(e.value)
+
+
+def test_an_unreadable_secret_key_names_the_flag_and_the_fix(tmp_path, monkeypatch):
+    from dispatcher_server import security
+
+    _, secret = create_keypair(str(tmp_path), "dispatcher")
+
+    def denied(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(security.zmq.auth, "load_certificate", denied)
+    with pytest.raises(ValueError, match=r"--curve-secret '.*dispatcher.key_secret' cannot be read "
+                                         r"\(Permission denied\): give a NAME.key_secret file"):
+        security.load_secret(secret)

@@ -384,7 +384,17 @@ def _env_int(name: str, default: int) -> int:
 
 
 #: ERROR codes a reconnect cannot fix: the training loop sees them as DispatcherError.
-_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "inputs", "replaced")
+_FATAL_CODES = ("version", "world_size", "rank", "role", "resume", "dataset", "inputs", "replaced",
+                "halted")
+
+
+def halted_error(step: int, why: str) -> DispatcherError:
+    """The error a rank's loop raises when the dispatcher halted the job before `step`."""
+    # The reason usually says how to start the dispatcher again (a full journal disk): not twice.
+    fix = ("Then resume the trainers from the last commit" if "dispatcher again" in why
+           else "Fix it and restart the dispatcher, then resume from the last commit")
+    return DispatcherError("halted", f"the dispatcher stopped the job on an error before step "
+                                     f"{step}: {why}. {fix}")
 
 
 def dataset_difference(saved: dict, served: dict) -> str:
@@ -496,10 +506,7 @@ class _TrainerPeer:
             if msg["reason"] != "halted":
                 self._deliver(_END)
             else:
-                halted = DispatcherError(
-                    "halted", f"the dispatcher stopped the job on an error before step "
-                              f"{self.next_expected}: {why}. Fix it and restart the dispatcher, "
-                              f"then resume from the last commit")
+                halted = halted_error(self.next_expected, why)
                 self._deliver(halted)
                 # A commit it did not answer before END goes unanswered: a halted dispatcher
                 # exits once every rank was told, and the caller of commit() waited out its

@@ -27,6 +27,7 @@ from typing import Callable
 import zmq
 
 from dispatcher_server import protocol as P
+from dispatcher_server.endpoint import allow_ipv6
 from dispatcher_server.security import PeerCurve
 
 
@@ -276,6 +277,7 @@ class PayloadFetcher:
                     raise FetchError(f"reader {reader.endpoint} requires CurveZMQ: give the "
                                      "trainer its key pair (ClientConfig.secret_file)")
                 self.curve.apply(sock, reader.key.encode("ascii"))
+            allow_ipv6(sock, reader.endpoint)
             sock.connect(reader.endpoint)
             self._socks[reader] = sock
         return sock
