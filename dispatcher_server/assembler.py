@@ -44,6 +44,9 @@ class ShardProgress:
     assignment: int | None = None
     reader_done: bool = False
     lost_at: int = -1  # next_index when a reader reading this shard was last lost
+    # (index, tar offset) where the latest reader of this shard would resume it (SAMPLES
+    # `resume`): a reassignment at next_index == index starts its walk at the offset
+    resume: tuple[int, int] | None = None
     losses: int = 0  # readers lost in a row at lost_at
 
     @property

@@ -43,7 +43,11 @@ import msgpack
 #:     the copy another reader read first, for a local copy to be checked before it is read.
 #:     SHARD_DONE's `truncated`: samples cut to --max-seq-len (--over-length truncate). A
 #:     reader's HELLO says its host (`node`): a node's readers share its copy of the shards.
-VERSION = 9
+#: v10: SAMPLES says where its reader would resume the shard (`resume`: [index, offset], see
+#:     RESUME), and SHARD_ASSIGN may carry that `offset` with `start_index` == its index: the
+#:     reader starts its tar walk there instead of walking the shard from byte 0 (a v9 peer
+#:     refuses the fields; a v9 reader would drop the offset and walk from 0 anyway).
+VERSION = 10
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -103,10 +107,10 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
                     "payload_key": (str, False)},
     SHARD_ASSIGN: {"assign_id": (_INT, True), "shard": (str, True), "pos": (_INT, True),
                    "epoch": (_INT, True), "start_index": (_INT, True), "source": (str, False),
-                   "fields": (dict, False), "identity": (dict, False)},
+                   "fields": (dict, False), "identity": (dict, False), "offset": (_INT, False)},
     CANCEL: {"assign_id": (_INT, True)},
     SAMPLES: {"assign_id": (_INT, True), "samples": (list, True), "sizes": (list, False),
-              "skipped": (list, False)},
+              "skipped": (list, False), "resume": (list, False)},
     SHARD_DONE: {"assign_id": (_INT, True), "count": (_INT, True), "skipped": (list, True),
                  "ignored": (dict, False), "identity": (dict, False), "truncated": (_INT, False)},
     CREDIT: {"assign_id": (_INT, False), "samples": (_INT, False),
@@ -388,6 +392,10 @@ def _check_samples(fields: dict, payloads: list) -> None:
     fields["samples"] = headers
     if "skipped" in fields:
         fields["skipped"] = _skip_records(fields["skipped"])
+    resume = fields.get("resume")
+    if resume is not None and (len(resume) != 2 or type(resume[0]) is not int
+                               or type(resume[1]) is not int or resume[0] < 1 or resume[1] < 1):
+        raise ProtocolError("samples: malformed resume (want [index > 0, offset > 0])")
     sizes = fields.get("sizes")
     if sizes is None:
         if num_items != len(payloads):
@@ -571,9 +579,20 @@ def _check_identity(type_: str, identity: dict | None) -> None:
                             f"{MAX_IDENTITY_CHARS} characters)")
 
 
+#: SAMPLES' optional `resume`: [index, offset]: every sample of the shard before `index` has been
+#: sent or reported skipped, and sample `index` begins at byte `offset` of the shard's tar (its
+#: first header block, extension headers included). The dispatcher keeps the latest one of the
+#: assignment, and a reassignment of the shard at `start_index` == index carries SHARD_ASSIGN
+#: `offset`: the reader starts walking the tar there (and walks from byte 0 if it finds no
+#: header there). Absent when the reader cannot tell (a `pipe:` or gzip shard).
+RESUME = ("index", "offset")
+
+
 def _check_shard_assign(fields: dict, payloads: list) -> None:
     _no_payload(fields, payloads)
     _check_identity(SHARD_ASSIGN, fields.get("identity"))
+    if fields.get("offset", 1) < 1 or ("offset" in fields and fields["start_index"] < 1):
+        raise ProtocolError("shard_assign: offset must be > 0, with start_index > 0")
 
 
 def _check_shard_done(fields: dict, payloads: list) -> None:

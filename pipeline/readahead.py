@@ -70,7 +70,8 @@ class ReadAhead:
     caller's thread as `take` asks; see the module docstring.
 
     Use: `skip` as the shard reader's `on_skip` and `watch` as its `on_open`, then `start(records)`.
-    `take` returns entries in shard order: a `SampleRecord`, or `(SampleError, index)` for a skip.
+    `take` returns entries in shard order: a `SampleRecord`, or `(SampleError, index)` for a skip
+    (`(SampleError, index, next_at)` where the skip says where the next sample begins).
     """
 
     def __init__(self, *, stall_s: float, threaded: bool = True,
@@ -89,8 +90,10 @@ class ReadAhead:
         self._records: Iterator | None = None  # read in the caller's thread (threaded=False)
 
     # -- the reading thread's side -------------------------------------------------------
-    def skip(self, error: SampleError, index: int) -> None:
-        (self._chunk if self.threaded else self._ready).append((error, index))
+    def skip(self, error: SampleError, index: int, at: int = -1) -> None:
+        """A skipped sample's entry; `at`: where the next sample begins (`SampleRecord.next_at`),
+        kept in the entry when known."""
+        (self._chunk if self.threaded else self._ready).append((error, index) if at < 0 else (error, index, at))
 
     def watch(self, stream: Any) -> Any:
         """The shard stream to read through (its reads mark progress); kept to kill on a stall."""

@@ -28,6 +28,7 @@ from pipeline.records import Item, SampleRecord
 from pipeline.shards import MappedShard, open_shard, reads_can_wait
 from pipeline.tario import (
     Link, CopyIdentity, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
+    valid_header,
 )
 from pipeline.tokenize import TextTokens
 from pipeline.video import VideoConfig, count_video, video_config
@@ -41,8 +42,9 @@ NO_TEXT_FIELD = "(no text field)"
 DOT_FILE = ".* (dot file)"
 
 #: Hears of each skipped sample: the error and the sample's index in the shard (-1 when the
-#: rest of the shard is lost: a shard-level failure).
-SkipSink = Callable[[SampleError, int], None]
+#: rest of the shard is lost: a shard-level failure). With `iter_shard(resume_points=True)` it
+#: is also given a third argument: where the next sample begins (as `SampleRecord.next_at`).
+SkipSink = Callable[..., None]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -484,6 +486,8 @@ def iter_shard(
     ignored: Tally | None = None,
     on_open: Callable[[BinaryIO], BinaryIO] | None = None,
     identity: CopyIdentity | None = None,
+    offset: int | None = None,
+    resume_points: bool = False,
 ) -> Iterator[SampleRecord]:
     """Counted samples of one shard from sample `start_index` on; failures per `config.errors`.
 
@@ -499,9 +503,21 @@ def iter_shard(
 
     Members no kind of `config.fields` maps are counted by `ignored_label` in
     `stats.ignored_members`, and also in `ignored` when given (this shard's alone). They are
-    counted over the whole shard, samples before `start_index` included, so a shard resumed by
-    another reader is counted whole by the one that finishes it. `identity` is built over the
+    counted over the whole walk, samples before `start_index` included, so a shard resumed by
+    index by another reader is counted whole by the one that finishes it (a walk from `offset`
+    counts from there on). `identity` is built over the
     whole walk likewise (`tario.CopyIdentity`), complete once the archive's end is read.
+
+    Resume points: with `resume_points`, a shard that can be read at an offset (a local or
+    remote plain tar; not a `pipe:` command or gzip) says where each next sample begins: a
+    record's `next_at`, and `on_skip`'s third argument (-1: not known, e.g. past a damaged
+    member). `offset`, with `start_index` > 0, is where sample `start_index` begins (one of
+    those, reported by an earlier read of the same shard): the walk starts there and numbers
+    samples from `start_index`, so resuming costs nothing for the samples before. Such a walk
+    covers only the rest of the shard: `identity` is never complete (the copy is not compared),
+    members ignored and keys repeated before `offset` are not seen. An offset that does not hold
+    a tar header (the file changed, or it is a gzip or `pipe:` shard) is logged and the shard
+    walked from its start, as without one: no sample is lost or repeated.
     """
     config = config or ReaderConfig()
     if start_index < 0:
@@ -513,10 +529,13 @@ def iter_shard(
     builder = sample_builder(config)
     stats.num_shards += 1
 
-    def skip(error: SampleError, index: int) -> None:
+    def skip(error: SampleError, index: int, at: list[int] | None = None) -> None:
         stats.handle(error, policy)  # raises under mode="raise"
         if on_skip is not None:
-            on_skip(error, index)
+            if resume_points:
+                on_skip(error, index, at[0] if at is not None and index >= 0 else -1)
+            else:
+                on_skip(error, index)
 
     try:
         stream = open_shard(url, mapped=config.map_shards)
@@ -527,13 +546,23 @@ def iter_shard(
         return
     if on_open is not None:
         stream = on_open(stream)
+    seekable = not url.startswith("pipe:") and not gzip_named(url)
+    at: list[int] | None = [-1] if resume_points and seekable else None
+    start = 0
+    if offset is not None and offset > 0 and start_index > 0:
+        start = _resume_at(stream, url, offset, start_index) if seekable else 0
+        if not start:
+            log.warning("mmdispatch event=resume_offset_refused shard=%s index=%d offset=%d: %s; "
+                        "walking the shard from its start", url, start_index, offset,
+                        "no tar header there (the file changed?)" if seekable
+                        else "a pipe: or gzip shard is not read at an offset")
 
     shard_ignored = ignored if ignored is not None else Tally()
 
     def unnamed(name: str) -> None:  # a member without a key (no suffix, or a dot file)
         shard_ignored[unkeyed_label(name)] += 1
 
-    index = -1
+    index = start_index - 1 if start else -1
     last_key: str | None = None
     seen: set[str] = set()
     failure: SampleError | None = None
@@ -542,7 +571,8 @@ def iter_shard(
         offsets: dict[str, int] | None = {} if spans else None
         members_of = tar_members(open_decompressed(stream, url), config.max_member_bytes,
                                  None if offsets is None else offsets.__setitem__,
-                                 on_unterminated=unterminated.append, identity=identity)
+                                 on_unterminated=unterminated.append,
+                                 identity=None if start else identity, start=start, at=at)
         for key, members, problem in group_samples(members_of, unnamed, config.max_sample_bytes):
             if offsets is not None:
                 where = {sfx: offsets.pop(f"{key}.{sfx}", -1) for sfx in members}
@@ -562,7 +592,7 @@ def iter_shard(
             if index < start_index:
                 continue
             if problem is not None:
-                skip(SampleError(problem[0], url, printable_key(key), problem[1]), index)
+                skip(SampleError(problem[0], url, printable_key(key), problem[1]), index, at)
                 continue
             try:
                 record = builder.build(key, members, url, index, shard_ignored)
@@ -570,13 +600,15 @@ def iter_shard(
                     record.spans = {it.member: (where[it.member], len(members[it.member]))
                                     for it in record.items}
             except CountError as e:
-                skip(SampleError(e.reason, url, key, str(e)), index)
+                skip(SampleError(e.reason, url, key, str(e)), index, at)
                 continue
             except Exception as e:  # noqa: BLE001 - a defect on one sample must not stop the reader
                 _log_defect_once(e, url, key)
                 skip(SampleError("count_failed", url, printable_key(key),
-                                 f"counting raised {type(e).__name__}: {e}"[:500]), index)
+                                 f"counting raised {type(e).__name__}: {e}"[:500]), index, at)
                 continue
+            if at is not None:
+                record.next_at = at[0]
             stats.ok()
             if record.truncated:
                 stats.num_truncated += 1
@@ -612,6 +644,41 @@ def iter_shard(
                          f"resumes at sample {start_index}: rewritten since it was read"), -1)
     elif index < 0:
         skip(SampleError("empty_shard", url, None, "shard holds no samples"), -1)
+
+
+def _resume_at(stream, url: str, offset: int, start_index: int) -> int:
+    """`offset` once `stream` is positioned there, if a tar header lies there; else 0 (the
+    stream back at its start)."""
+    try:
+        stream.seek(offset)
+        head = stream.read(512)
+        ok = valid_header(head) or _archive_end(stream, head)
+        stream.seek(offset if ok else 0)
+    except (OSError, ValueError, TarError) as e:
+        log.warning("mmdispatch event=resume_offset_failed shard=%s index=%d offset=%d: %s",
+                    url, start_index, offset, e)
+        stream.seek(0)
+        return 0
+    return offset if ok else 0
+
+
+def _archive_end(stream, head: bytes | memoryview, most: int = 1 << 20) -> bool:
+    """Whether `head`, the block at a resume offset, and all that follows it are zeros (or it is
+    the file's end): the end of the archive, where a reader that sent every sample but was not
+    heard finishing the shard stopped. Zeros inside a member (silence) are not the end: more
+    bytes follow them. (An archive that ends without its zero blocks is walked again: an
+    offset past a file's end reads as nothing too.)"""
+    if len(head) != 512 or bytes(head).strip(b"\0"):
+        return False
+    read = 0
+    while read < most:
+        chunk = stream.read(64 << 10)
+        if not chunk:
+            return True
+        if bytes(chunk).strip(b"\0"):
+            return False
+        read += len(chunk)
+    return False
 
 
 def iter_samples(

@@ -53,6 +53,9 @@ class SampleRecord:
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)
     # text tokens cut from the end to fit --max-seq-len (`--over-length truncate`); 0: whole
     truncated: int = 0
+    # where the next sample (index + 1) begins in the shard's tar, or the archive's end; -1:
+    # unknown (asked of `iter_shard(resume_points=True)`: a resumed read starts there)
+    next_at: int = -1
 
     @property
     def modality_mix(self) -> str:

@@ -359,6 +359,16 @@ class RemoteShard:
                 raise ConnectionError(f"stream ended at byte {done} on the way to {self.pos}")
             done += len(chunk)
 
+    def seek(self, pos: int) -> int:
+        """Read on from byte `pos` (a walk resumed at a sample's offset): a ranged read of an
+        object that takes them; a stream (no ranges, no size) is opened again and read up to it."""
+        if self._file is not None and not self.streaming:
+            self._file.seek(pos)
+        elif pos != self.pos:
+            self._drop()
+        self.pos = pos
+        return pos
+
     def read(self, size: int = -1) -> bytes:
         return self._with_retries(lambda: self._read_once(size))
 

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -116,9 +117,25 @@ class _Assignment:
     # This shard's error counters: its reading thread's own (the worker's totals add them up
     # when it ends), so two shards read at once never share a run of consecutive errors.
     stats: ErrorStats = field(default_factory=ErrorStats)
+    # the last entry taken (a record or a skip): SAMPLES' `resume` is where the sample after
+    # it begins, once the message carrying it is sent
+    last: Any = None
 
-    def skipped(self, error: SampleError, index: int) -> None:
+    def skipped(self, error: SampleError, index: int, at: int = -1) -> None:
         self.unsent.append(P.SkipRecord(error.key or "", error.reason, index))
+
+    def resume_field(self) -> dict:
+        """SAMPLES' optional `resume`: [index, offset] such that every sample before `index` has
+        been sent or reported skipped and sample `index` begins at tar byte `offset`; absent
+        when not known (a `pipe:` or gzip shard, a damaged one, a shard-level skip)."""
+        last = self.last
+        if type(last) is tuple:
+            index, at = last[1], (last[2] if len(last) > 2 else -1)
+        elif last is not None:
+            index, at = last.index, last.next_at
+        else:
+            return {}
+        return {"resume": [index + 1, at]} if index >= 0 and at > 0 else {}
 
     def take_unsent(self) -> list:
         out, self.unsent = self.unsent, []
@@ -305,7 +322,7 @@ class ReaderWorker:
                              start_index=msg["start_index"], stats=a.stats,
                              spans=ref_path is not None, on_skip=ahead.skip, ignored=a.ignored,
                              on_open=opened if ref_path is not None else ahead.watch,
-                             identity=a.identity)
+                             identity=a.identity, offset=msg.get("offset"), resume_points=True)
         if self.config.preprocess_on == "datanode":
             records = self._preprocessed(ahead.skip, a.stats, records)
         if ref_path is None or self.payloads == "direct":  # payload bytes leave this reader
@@ -440,6 +457,7 @@ class ReaderWorker:
             entries = a.records.take(min(a.credits, self.config.batch) - len(headers), wait_s)
             if not entries:
                 break
+            a.last = entries[-1]
             wait_s = 0.0  # send what is ready rather than wait for more
             for entry in entries:
                 if isinstance(entry, tuple):
@@ -460,7 +478,8 @@ class ReaderWorker:
             # I/O threads.
             sizes = [memoryview(f).nbytes for f in frames]
             self.session.send(P.SAMPLES, frames=P.coalesce(frames, sizes), assign_id=a.id,
-                              samples=headers, sizes=sizes, **_skipped_field(a.take_unsent()))
+                              samples=headers, sizes=sizes, **_skipped_field(a.take_unsent()),
+                              **a.resume_field())
             a.credits -= len(headers)
             a.count += len(headers)
             self.num_samples_sent += len(headers)

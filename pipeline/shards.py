@@ -362,6 +362,11 @@ class MappedShard:
             return self._map[start:end] if self._map is not None else b""
         return self._view[start:end]
 
+    def seek(self, pos: int) -> int:
+        """Read on from byte `pos` (a walk resumed at a sample's offset)."""
+        self._pos = pos
+        return pos
+
     def take(self, size: int, pad: int) -> tuple[bytes | memoryview, int]:
         """A tar member's `size` bytes (fewer at end of file) and then its `pad` bytes of
         padding in one step: (data, how many padding bytes the file held)."""

@@ -94,6 +94,18 @@ class CopyIdentity:
         return {"size": self.size, "headers": self._hash.hexdigest()}
 
 
+def valid_header(block: bytes | memoryview) -> bool:
+    """Whether `block` is a whole tar header block with a right checksum (not an end-of-archive
+    block): what a walk resumed at a sample's offset must find there."""
+    block = bytes(block)
+    if len(block) != _BLOCK or block == _ZERO_BLOCK:
+        return False
+    try:
+        return _number(block[148:156], 0) == sum(block) - sum(block[148:156]) + 8 * 32
+    except TarError:
+        return False
+
+
 def _number(field: bytes, offset: int) -> int:
     if field[:1] and field[0] & 0x80:  # GNU base-256 for sizes >= 8 GiB
         return int.from_bytes(field[1:], "big")
@@ -277,6 +289,7 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
     *, on_unterminated: Callable[[int], None] | None = None, identity: CopyIdentity | None = None,
+    start: int = 0, at: list[int] | None = None,
 ) -> Iterator[tuple[str, bytes | TooLarge | Link | Special]]:
     """Yield (member name, member bytes) for each regular file, in archive order, and
     (name, `Link(target)`) for each hard or symbolic link and (name, `Special(kind)`) for each
@@ -290,6 +303,13 @@ def tar_members(
     end-of-archive blocks, ends there and calls `on_unterminated(bytes read)` if given; one cut
     anywhere else raises `TarError("truncated_tar")`. `identity`, if given, digests each header
     block as it is read and is finished at the archive's end.
+
+    `start` is the file offset of the stream's first byte (a walk resumed at a member's header,
+    see `valid_header`): offsets given and raised stay file offsets. `at`, if given, holds in
+    `at[0]` where the member just yielded begins: the first header block after the previous
+    member yielded (its GNU long name or pax headers, and any directory entry between, included);
+    after the archive's end, the end's offset, and -1 once the walk failed (a sample's start is
+    its first member's: a reader resumes a shard there, `reader.iter_shard(offset=...)`).
     """
     if on_member is not None and isinstance(stream, gzip.GzipFile):
         raise TarError("bad_tar", "member offsets asked of a gzip-compressed shard: they are not file "
@@ -297,7 +317,7 @@ def tar_members(
     read = stream.read
     # A mapped shard hands out a member and skips its padding in one call (`MappedShard.take`).
     take = getattr(stream, "take", None)
-    offset = 0
+    offset = chain = start  # chain: where the headers of the next member yielded begin
     after = _NOTHING  # what extended headers said about the next member
     name: str | None = None  # the member being read, for errors raised by the decompressor
     try:
@@ -315,6 +335,8 @@ def tar_members(
                         on_unterminated(offset)
                     if identity is not None:
                         identity.finish(offset)
+                    if at is not None:
+                        at[0] = offset
                     return
                 raise TarError(
                     "truncated_tar",
@@ -323,6 +345,8 @@ def tar_members(
             if header == _ZERO_BLOCK:
                 if identity is not None:
                     identity.finish(offset)
+                if at is not None:
+                    at[0] = offset
                 return
             if identity is not None:
                 identity.add(header)
@@ -372,7 +396,10 @@ def tar_members(
             if name is not None:
                 if on_member is not None:
                     on_member(name, offset + _BLOCK + extensions)
+                if at is not None:
+                    at[0] = chain
                 offset += _BLOCK + extensions + size + pad
+                chain = offset
                 after = _NOTHING
                 yield name, data
                 continue
@@ -390,9 +417,13 @@ def tar_members(
                 raise TarError("bad_tar", f"unknown tar member type {kind!r} at byte {offset}")
             offset += _BLOCK + size + pad
     except TarError as e:
+        if at is not None:
+            at[0] = -1  # no sample's start is known past a failure
         if e.member is None:
             e.member = name  # raised by the stream (a mapped file that changed) inside a member
         raise
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        if at is not None:
+            at[0] = -1
         reason = "truncated_tar" if isinstance(e, EOFError) else "bad_tar"
         raise TarError(reason, f"compressed shard at tar byte {offset}: {e}", name) from None

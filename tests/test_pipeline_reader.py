@@ -412,3 +412,136 @@ def test_a_shards_identity_tells_copies_apart_over_its_whole_walk(tmp_path, star
     cut = CopyIdentity()
     next(iter_shard(str(tmp_path / "one.tar"), identity=cut))  # a walk stopped midway
     assert not cut.complete
+
+
+def _mixed_format_tar(path, members: list[tuple[str, bytes, int]]) -> str:
+    """A tar of (name, bytes, tarfile format) members, each header written in its own format:
+    pax (a long or non-ASCII name takes a pax header), GNU (a long name takes a longname
+    member) or ustar, as archives written by several tools hold them."""
+    out = bytearray()
+    for name, data, fmt in members:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime = len(data), 1_700_000_000
+        out += info.tobuf(fmt, "utf-8", "surrogateescape")
+        out += data + bytes(-len(data) % 512)
+    out += bytes(1024)
+    with open(path, "wb") as f:
+        f.write(out)
+    return str(path)
+
+
+def _resume_corpus(tmp_path) -> str:
+    long_dir = "d" * 120  # past ustar's 100-character name: a pax or GNU longname header
+    pax, gnu, ustar = tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT
+    return _mixed_format_tar(tmp_path / "mixed.tar", [
+        ("a.txt", b"first sample", ustar),
+        (f"{long_dir}/b.txt", b"pax long name", pax),
+        (f"{long_dir}/b.json", b'{"caption": "meta"}', pax),
+        ("c.jpg", b"not an image", ustar),  # skipped: bad_image
+        (f"{long_dir}/e.txt", b"gnu long name", gnu),
+        (f"{long_dir}/e.xyz", b"an ignored member", gnu),
+        ("._f.txt", b"a macOS AppleDouble file", ustar),  # ignored, between two samples
+        ("f.txt", b"after a dot file", ustar),
+        ("g\u00e9.txt", b"non-ascii name, pax", pax),
+        ("h.jpg", b"", ustar),  # skipped: bad_image
+        ("i.txt", b"last but one", gnu),
+        ("j.txt", b"last", ustar),
+    ])
+
+
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_shard_resumed_at_an_offset_reads_as_resumed_at_its_index(tmp_path, mapped):
+    """Resume points (`resume_points`): every sample says where the next one begins (its first
+    header block, pax and GNU longname headers included), skipped ones too; a walk started at
+    such an offset, numbering from that index, yields exactly the records and skips of a walk
+    of the shard from byte 0 resumed at the index, references' file offsets included."""
+    shard = _resume_corpus(tmp_path)
+    base = ReaderConfig(errors=ErrorPolicy(mode="skip"), map_shards=mapped)
+    next_at: dict[int, int] = {}
+    skips: list = []
+
+    def heard(error, index, at=None):
+        skips.append((error.key, error.reason, index))
+        next_at[index] = at
+
+    full = list(iter_shard(shard, base, spans=True, resume_points=True, on_skip=heard))
+    for rec in full:
+        next_at[rec.index] = rec.next_at
+    assert [r.key for r in full] == ["a", "d" * 120 + "/b", "d" * 120 + "/e", "f", "g\u00e9", "i", "j"]
+    assert [s[1:] for s in skips] == [("bad_image", 2), ("bad_image", 6)]
+    assert sorted(next_at) == list(range(9))
+    data = open(shard, "rb").read()
+    # each offset is a header block: b's pax header, e's GNU longname, the end of the archive
+    assert data[next_at[0] + 156:next_at[0] + 157] == b"x"
+    assert data[next_at[2] + 156:next_at[2] + 157] == b"L"
+    assert next_at[8] == len(data) - 1024 and data[next_at[8]:] == bytes(1024)
+
+    def walk(**kw):
+        got_skips: list = []
+        recs = list(iter_shard(shard, base, spans=True, on_skip=lambda e, i: got_skips.append(
+            (e.key, e.reason, i)), **kw))
+        return ([(r.key, r.index, r.text_len, r.llm_len, bytes(r.tokens.ids), r.spans,
+                  {k: bytes(v) for k, v in r.members.items()}) for r in recs], got_skips)
+
+    for index in range(9):  # the last: the archive's end, where nothing is left to read
+        start = index + 1
+        from_offset = walk(start_index=start, offset=next_at[index])
+        assert from_offset == walk(start_index=start), start
+        assert bool(from_offset[0] or from_offset[1]) == (index < 8)
+
+
+def test_a_walk_from_an_offset_starts_there_and_says_no_identity(tmp_path, monkeypatch):
+    """A resumed walk reads no header before its offset (so costs nothing for the samples
+    before it), and, not walking the whole copy, leaves the shard's identity incomplete."""
+    import pipeline.reader as reader
+    from pipeline.tario import CopyIdentity
+
+    shard = _resume_corpus(tmp_path)
+    base = ReaderConfig(errors=ErrorPolicy(mode="skip"))
+    recs = list(iter_shard(shard, base, resume_points=True))
+    f = next(r for r in recs if r.key == "f")
+    starts, walked = [], []
+    real = reader.tar_members
+
+    def spy(stream, *args, **kw):
+        starts.append(kw.get("start", 0))
+        for name, data in real(stream, *args, **kw):
+            walked.append(name)
+            yield name, data
+    monkeypatch.setattr(reader, "tar_members", spy)
+    whole, part = CopyIdentity(), CopyIdentity()
+    list(iter_shard(shard, base, start_index=f.index, identity=whole))
+    assert whole.complete and walked[0] == "a.txt"
+    walked.clear()
+    got = list(iter_shard(shard, base, start_index=f.index + 1, offset=f.next_at, identity=part))
+    assert starts[-1] == f.next_at and walked[0] == "g\u00e9.txt" and not part.complete
+    assert [r.key for r in got] == ["g\u00e9", "i", "j"]
+
+
+def test_an_offset_holding_no_header_walks_the_shard_from_its_start(tmp_path, caplog):
+    """An offset where no tar header lies (the file changed, a stale offset) is logged and the
+    shard walked from byte 0: the same samples, none lost or repeated."""
+    shard = _resume_corpus(tmp_path)
+    base = ReaderConfig(errors=ErrorPolicy(mode="skip"))
+    recs = list(iter_shard(shard, base, resume_points=True))
+    want = [(r.key, r.index) for r in recs[2:]]
+    for bad in (recs[1].next_at + 7, recs[1].next_at + 512, 10 ** 9):
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            got = [(r.key, r.index) for r in iter_shard(shard, base, start_index=recs[1].index + 1,
+                                                          offset=bad)]
+        assert got == want, bad
+    assert caplog.text.count("event=resume_offset_refused") == 3
+    # zeros inside a member (silence) are not the archive's end: more bytes follow them
+    quiet = write_tar(tmp_path / "quiet.tar", [("a.txt", b"one"), ("a.bin", bytes(4096)),
+                                               ("b.txt", b"two")])
+    at = 512 * 3  # a.txt's header and block, a.bin's header: the zeros of a.bin
+    assert [(r.key, r.index) for r in iter_shard(quiet, base, start_index=1, offset=at)] == [("b", 1)]
+    assert caplog.text.count("event=resume_offset_refused") == 4
+    # a gzip shard is not read at an offset: walked from its start, as resumed by index
+    gz = tmp_path / "mixed.tar.gz"
+    gz.write_bytes(gzip.compress(open(shard, "rb").read()))
+    assert [(r.key, r.index) for r in iter_shard(str(gz), base, resume_points=True)] == \
+        [(r.key, r.index) for r in recs]
+    assert all(r.next_at == -1 for r in iter_shard(str(gz), base, resume_points=True))
+    assert [(r.key, r.index) for r in iter_shard(str(gz), base, start_index=recs[1].index + 1,
+                                                 offset=recs[1].next_at)] == want

@@ -860,3 +860,50 @@ def test_a_dispatcher_restarted_from_its_journal_inside_mixed_shuffle_blocks_ser
         assert head[r] + tail[r] == whole[r]
     keys = flat_keys(whole)
     assert sorted(keys) == sorted(f"s{i}-{j:05d}" for i in range(5) for j in range(50))
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_taken_back_is_resumed_at_the_byte_offset_its_reader_reached(tmp_path, monkeypatch):
+    """A blend of three sources with one reader: shards are taken back and given again at the
+    sample next due. Readers say where that sample begins (SAMPLES `resume`), the dispatcher
+    hands it back with the shard (SHARD_ASSIGN `offset`), and the next walk of the shard starts
+    there, at that sample's first header, instead of re-reading the shard from byte 0. Every
+    key arrives exactly once."""
+    import pipeline.reader as reader
+    import pipeline.service as service
+    from dispatcher_server.config import Source
+
+    assigned, walks = [], []
+    real_iter, real_members = service.iter_shard, reader.tar_members
+
+    def iter_spy(url, config, **kw):
+        assigned.append((url, kw["start_index"], kw.get("offset")))
+        return real_iter(url, config, **kw)
+
+    def members_spy(stream, *args, **kw):
+        walk = {"start": kw.get("start", 0), "first": None}
+        walks.append(walk)
+        for name, data in real_members(stream, *args, **kw):
+            walk["first"] = walk["first"] or name
+            yield name, data
+    monkeypatch.setattr(service, "iter_shard", iter_spy)
+    monkeypatch.setattr(reader, "tar_members", members_spy)
+    sources = [Source(name=n, shards=[_text_shard(tmp_path / f"{n}.tar", n, 90)]) for n in "abc"]
+    flow = FlowConfig(max_buffered_samples=120, num_inflight_shards=3, credit_batch=8)
+    config = make_config([], world_size=2, global_batch=12, max_epochs=1, sources=sources, flow=flow)
+    with dispatcher(config) as srv, readers(srv.reader_endpoint, 1):
+        got = consume(srv.trainer_endpoint, 2)
+    keys = [k for r in got for _, mbs in got[r] for mb in mbs for k in mb]
+    assert sorted(keys) == sorted(f"{n}{i:05d}" for n in "abc" for i in range(90))  # once each
+    resumed = [(url, start, offset) for url, start, offset in assigned if start > 0]
+    assert resumed, "no shard was taken back and given again: the test missed its path"
+    assert all(offset is not None for _, _, offset in resumed), resumed
+    for url, start, offset in resumed:
+        # USTAR, one 512-byte header and one block of data per sample: sample i is at 1024 * i
+        assert offset == 1024 * start
+        walk = next(w for w in walks if w["start"] == offset)
+        name = url.rsplit("/", 1)[1][0]
+        # a reader taken back after its last sample, unheard finishing: the archive's end
+        assert walk["first"] == (f"{name}{start:05d}.txt" if start < 90 else None)
+    # no walk from byte 0 but those of shards given from their first sample
+    assert sum(w["start"] == 0 for w in walks) == sum(start == 0 for _, start, _ in assigned)
