@@ -13,6 +13,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from dispatcher_server.cliopts import redact
+
 log = logging.getLogger("mmdispatch.server")
 
 
@@ -176,11 +178,15 @@ class SkipLog:
         self._pending: dict[tuple[str, str], list[str]] = {}  # (shard, reason) -> keys
         self._logged: set[tuple[str, str]] = set()  # logged in the current interval
         self._interval_start = 0.0
+        self.first_shard: dict[str, str] = {}  # reason -> the first shard with it (redacted: for messages)
 
     def add(self, shard: str, skipped: list) -> None:
         """Take (key, reason, index) records of one shard; a (shard, reason) not logged in this
         interval is logged at once."""
         self.keys.extend((s[0], s[1]) for s in skipped)
+        for s in skipped:
+            if s[1] not in self.first_shard:
+                self.first_shard[s[1]] = redact(shard)
         self.metrics.skipped.inc(len(skipped))
         for key, reason, *where in skipped:
             if not key:  # a shard-level failure (index -1) names no sample; an empty key, its index

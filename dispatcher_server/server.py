@@ -466,8 +466,11 @@ class Dispatcher:
         found = (f"; members no field map names: "
                  + ", ".join(f"{s or '(no suffix)'} {n}" for s, n in ignored.most_common(5))
                  if ignored else "")
+        top = reasons.most_common(1)[0][0] if reasons else None
+        first = self.skip_log.first_shard.get(top) if top else None
+        example = (f"; first {top}: shard {first!r}, its reader's log says why" if first else "")
         return (f"{which}epoch {epoch} of the {st.order.num_shards} shards yielded no usable sample "
-                f"(skipped: {why}{found}); check them with `mmdispatch inspect` and the counting "
+                f"(skipped: {why}{found}){example}; check them with `mmdispatch inspect` and the counting "
                 "options (field map, --errors): serving would only loop over empty epochs")
 
     def _assign(self) -> None:

@@ -117,7 +117,8 @@ class SampleError(ValueError):
     def __init__(self, reason: str, shard: str, key: str | None, message: str) -> None:
         assert reason in REASONS, f"undocumented error reason {reason!r}"
         where = f"shard {shard!r}" + (f" key {key!r}" if key is not None else "")
-        super().__init__(f"{reason}: {where}: {message}")
+        # A remote shard's errors name their URL already: the line says it once, not twice.
+        super().__init__(f"{reason}: {where}: {message.removeprefix(f'shard {shard!r}: ')}")
         self.reason = reason
         self.shard = shard
         self.key = key

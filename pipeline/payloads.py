@@ -10,6 +10,11 @@ oldest first past a byte cap); a miss, e.g. a replay after a trainer restarts or
 whose reader died, is read from the shard at its offset (a local file, or a ranged request to
 a remote object), so any live reader serves any reference of a shard of the job (the
 dispatcher's WELCOME lists them; no other shard is read).
+A request with a miss is read back on a worker thread (`READ_BACK_WORKERS`), so a slow read
+(a remote store that trickles) holds neither the socket nor other trainers' requests; while it
+runs, the trainer that asked gets a HEARTBEAT every `KEEPALIVE_S` seconds on the same socket,
+which tells its fetch the reader is working, not gone (`trainer_client.fetch`; a trainer that
+predates this ignores it, and no protocol version changed: HEARTBEAT is any peer's "alive").
 With CurveZMQ the socket is a CURVE server with the reader's key pair and admits only clients
 whose public key is in the allowed directory (the same ZAP handler as the dispatcher's).
 """
@@ -19,12 +24,15 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import zmq
 
 from dispatcher_server import protocol as P
+from dispatcher_server.cliopts import redact
 from dispatcher_server.endpoint import allow_ipv6
 from pipeline.shards import read_range
 
@@ -32,6 +40,11 @@ log = logging.getLogger("mmdispatch.payloads")
 
 #: Default byte cap of a reader's payload cache (`--payload-cache-mb`).
 DEFAULT_CACHE_MB = 256
+#: Threads reading members back from shard files (cache misses) for trainers, per reader.
+READ_BACK_WORKERS = 4
+#: While a request is read back, its trainer gets a HEARTBEAT this often: well inside the
+#: trainer's silence timeout (`FetchConfig.timeout_s`, 5 s).
+KEEPALIVE_S = 1.0
 
 
 class PayloadCache:
@@ -124,6 +137,7 @@ class PayloadServer:
         self.public_key = ""
         self.poll_ms = poll_ms
         self.num_served = self.num_missed = 0
+        self._missed_lock = threading.Lock()  # num_missed counts on the read-back threads
         self.failed_shards: set[str] = set()  # shards a read-back failed for, logged once each
         # Its own context: a ZAP handler is per context, and a reader's session is a client.
         self.ctx = zmq.Context()
@@ -149,6 +163,9 @@ class PayloadServer:
         self.endpoint = advertised(self.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise,
                                    dispatcher)
         self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(READ_BACK_WORKERS, thread_name_prefix="mmdispatch-readback")
+        # Requests being read back: future -> [trainer identity, request id, last HEARTBEAT]
+        self._working: dict[Future, list] = {}
         self._thread = threading.Thread(target=self._run, name="mmdispatch-payloads", daemon=True)
         self._thread.start()
 
@@ -160,13 +177,15 @@ class PayloadServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self.sock.poll(self.poll_ms):
-                    continue
-                for frames in P.pending(self.sock, 64):
-                    try:
-                        self._serve(frames[0].bytes, frames[1:])
-                    except Exception:  # noqa: BLE001 - one odd request must not end serving
-                        log.exception("mmdispatch event=payload_request_failed")
+                wait = min(self.poll_ms, 50) if self._working else self.poll_ms
+                if self.sock.poll(wait):
+                    for frames in P.pending(self.sock, 64):
+                        try:
+                            self._serve(frames[0].bytes, frames[1:])
+                        except Exception:  # noqa: BLE001 - one odd request must not end serving
+                            log.exception("mmdispatch event=payload_request_failed")
+                if self._working:
+                    self._answer_read_backs()
         except zmq.ZMQError:
             if not self._stop.is_set():
                 raise
@@ -181,28 +200,62 @@ class PayloadServer:
             self._send(ident, P.ERROR, code="unexpected", message=f"{msg.type} is not a fetch")
             return
         try:
-            out = [self._bytes(ref) for ref in P.split_payload(msg.frames[0], msg["sizes"])]
-        except (OSError, ValueError, P.ProtocolError) as e:
+            refs = P.split_payload(msg.frames[0], msg["sizes"])
+        except P.ProtocolError as e:
             self._send(ident, P.ERROR, code="fetch", message=str(e), ack=msg["id"])
             return
+        out = [self.cache.take(bytes(ref)) for ref in refs]
+        self.num_served += sum(b is not None for b in out)
+        if all(b is not None for b in out):
+            self._reply(ident, msg["id"], out)
+            return
+        future = self._pool.submit(self._read_back_all, refs, out)
+        self._working[future] = [ident, msg["id"], time.monotonic()]
+
+    def _read_back_all(self, refs: list, out: list) -> list:
+        """`out` with its misses (None) read from their shard files (on a worker thread)."""
+        return [self._read_back(ref) if b is None else b for ref, b in zip(refs, out)]
+
+    def _answer_read_backs(self) -> None:
+        """Answer the requests whose read-back ended; a HEARTBEAT to those still reading."""
+        now = time.monotonic()
+        for future, work in list(self._working.items()):
+            ident, request, beat = work
+            if not future.done():
+                if now - beat >= KEEPALIVE_S:
+                    work[2] = now
+                    self._send(ident, P.HEARTBEAT)
+                continue
+            del self._working[future]
+            try:
+                out = future.result()
+            except (OSError, ValueError, P.ProtocolError) as e:
+                # The trainer's log is no place for a shard URL's password or token either.
+                self._send(ident, P.ERROR, code="fetch", message=redact(str(e)), ack=request)
+                continue
+            except Exception as e:  # noqa: BLE001 - answered all the same: the trainer asks elsewhere
+                log.exception("mmdispatch event=payload_request_failed")
+                self._send(ident, P.ERROR, code="fetch", message=redact(f"{type(e).__name__}: {e}"),
+                           ack=request)
+                continue
+            self._reply(ident, request, out)
+
+    def _reply(self, ident: bytes, request: int, out: list) -> None:
         # Coalesced frames (one unless past a frame's limit): a memcpy of the members costs
         # less than a zero-copy frame per item, each of whose release wakes pyzmq's
         # garbage-collector thread (and the trainer receives one frame, not one per item).
         sizes = [memoryview(b).nbytes for b in out]
-        self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=msg["id"], sizes=sizes)
+        self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=request, sizes=sizes)
 
-    def _bytes(self, ref: memoryview):
-        """A reference's bytes: from the cache, else read from its shard file."""
-        cached = self.cache.take(bytes(ref))
-        if cached is not None:
-            self.num_served += 1
-            return cached
+    def _read_back(self, ref: memoryview):
+        """A reference's bytes read from its shard file (a cache miss; on a worker thread)."""
         path, offset, size, stamp = P.unpack_ref(ref)
         if path not in self.servable:
             raise ValueError(f"{path.decode(errors='replace')!r} is not a shard of this job")
         if size > P.DEFAULT_LIMITS.max_frame_bytes or offset >= 1 << 62:
             raise ValueError(f"{size} bytes at offset {offset} is no member of a shard")
-        self.num_missed += 1
+        with self._missed_lock:
+            self.num_missed += 1
         url = path.decode("utf-8", "surrogateescape")
         try:
             return read_range(url, offset, size, stamp)
@@ -223,6 +276,9 @@ class PayloadServer:
         if stop is not None:
             stop.set()
             self._thread.join(5)
+        pool = getattr(self, "_pool", None)
+        if pool is not None:  # a read-back under way ends at its own timeout, unanswered
+            pool.shutdown(wait=False, cancel_futures=True)
         self.sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

@@ -6,7 +6,10 @@ dispatcher could tell. The probe reads the first samples of the first shards (bo
 at start) and stops at the first usable sample. It classifies members only (no counting), so a
 usable member that later fails to count is the readers' `--errors` business, not the probe's.
 A source whose every shard the probe read whole without finding one sample (empty tars,
-zero-byte files, members with no key) is refused too: its readers would wait forever.
+zero-byte files, members with no key) is refused too: its readers would wait forever. So is a
+source naming a remote shard that is missing, denied to this host's credentials, or behind TLS
+that cannot be set up (`remote.NOT_RETRYABLE`): every reader would fail it the same way, and the
+job would lose its samples (a local path that does not exist is refused earlier, as listed).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dispatcher_server.cliopts import redact
+from pipeline import remote
 from pipeline.fieldmap import KINDS, ignored_label
 from pipeline.reader import ReaderConfig, group_samples, sample_builder, unkeyed_label
 from pipeline.shards import open_shard
@@ -38,6 +43,7 @@ class ProbeResult:
     suffixes: Counter = field(default_factory=Counter)  # every member by its extension
     ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
+    missing: list[tuple[str, str]] = field(default_factory=list)  # remote, failing for good: (shard, why)
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
     of: int = 0  # shards the source lists
@@ -58,7 +64,8 @@ class ProbeResult:
 def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_samples: int = 64,
                  max_shards: int = 4, into: ProbeResult | None = None) -> ProbeResult:
     """Read the first shards of `urls` until a sample with a usable member turns up, or
-    `max_samples` samples (default 64) or `max_shards` shards (default 4) were read.
+    `max_samples` samples (default 64) or `max_shards` shards (default 4) were read; the
+    remote ones of the first `max_shards` left are opened only (missing or denied?).
 
     A shard that cannot be opened or breaks is noted in `unreadable` and the next one tried
     (the dispatcher's host may not see the shards its readers see; the readers report such
@@ -70,12 +77,21 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     result.of = len(urls)
     builder = sample_builder(reader_config)
     for url in urls[:max_shards]:
-        if result.usable or result.samples >= max_samples:
-            break
+        seen_enough = result.usable or result.samples >= max_samples
+        if seen_enough and not remote.scheme(url):
+            continue  # a remote shard is still opened (a request or two): is it there at all?
         try:
             stream = open_shard(url, mapped=reader_config.map_shards)
         except (OSError, ValueError) as e:  # ValueError: a URL this host has no backend for
             result.unreadable.append((url, f"cannot open: {e}"))
+            if remote.scheme(url) and isinstance(e, remote.NOT_RETRYABLE):
+                result.missing.append((url, str(e).removeprefix(f"shard {url!r}: ")))
+            continue
+        if seen_enough:
+            try:
+                stream.close()
+            except OSError:
+                pass
             continue
         result.shards.append(url)
         result.reading = stream
@@ -153,7 +169,13 @@ def _example(suffixes: list[str]) -> tuple[str, str, str]:
 
 def refusal(result: ProbeResult, source: str = "default") -> str | None:
     """The one-line refusal of a source in which no probed sample has a usable member, or that
-    holds no sample at all, or None."""
+    holds no sample at all, or that names a remote shard failing for good, or None."""
+    if result.missing:
+        url, why = result.missing[0]
+        more = f" (and {len(result.missing) - 1} more shard(s) likewise)" if len(result.missing) > 1 else ""
+        return redact(f"source {source!r}: shard {url!r} cannot be read: {why}{more}; every reader "
+                      f"would fail it the same way: fix the URL or the access, or leave the shard "
+                      f"out of the source (checked at start; --probe-samples 0 skips the check)")
     if not result.refused:
         return None
     shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"
@@ -180,7 +202,7 @@ def log_unprobed(result: ProbeResult, source: str = "default") -> None:
         log.warning("mmdispatch.pipeline: source %r not probed: gave up waiting on %s (a shard "
                     "command or server that does not answer?); serving without the check, the "
                     "readers will report what they find", source, where)
-    elif result.samples == 0 and result.unreadable:
+    elif result.samples == 0 and result.unreadable and not result.missing:  # missing: refused
         url, why = result.unreadable[0]
         log.warning("mmdispatch.pipeline: source %r not probed: no sample readable here from "
                     "%d shard(s) (first: %s: %s); the readers will report what they find",

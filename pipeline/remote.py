@@ -41,9 +41,10 @@ BLOCK_BYTES = 4 << 20
 #: given up: long enough to ride out a server restart or a short network outage, short enough
 #: that a shard gone for good is reported while the job still runs.
 RETRY_S = 60.0
-#: The same for a member read back by `read_range` for a trainer: it answers (with an error)
-#: before the trainer's fetch gives up on this reader (`FetchConfig.timeout_s`, 5 s), and the
-#: trainer, which retries for minutes, asks again; the payload thread is not held meanwhile.
+#: The same for a member read back by `read_range` for a trainer: a failing read is answered
+#: (with the error) soon, and the trainer asks the next reader (`FetchConfig.attempts`); a slow
+#: read that makes progress is waited for, the reader telling the trainer it is still at work
+#: (`pipeline.payloads.KEEPALIVE_S`). Read-backs run on their own threads, not the payload one.
 READ_BACK_RETRY_S = 3.0
 #: The first backoff, doubled each retry up to BACKOFF_MAX_S.
 BACKOFF_S = 0.5
@@ -131,6 +132,15 @@ def _cause(error: BaseException) -> BaseException:
     return error
 
 
+class TLSError(OSError):
+    """A TLS failure no retry mends (an untrusted certificate, no TLS on the port)."""
+
+
+#: What `diagnose` raises for a shard that fails for good whoever asks again: the object is
+#: missing, access is denied, or TLS cannot be set up (serve's start-up probe refuses these).
+NOT_RETRYABLE = (FileNotFoundError, PermissionError, TLSError)
+
+
 def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
     """What a failed open or read means: (the OSError to raise at once, or None when a retry may
     help; what went wrong, in words)."""
@@ -148,6 +158,9 @@ def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
         if status in (404, 410):
             return FileNotFoundError, f"not found ({said})"
         return OSError, said
+    tls = _tls_problem(cause, names)
+    if tls is not None:
+        return TLSError, tls
     if names & _NO_CREDENTIALS:
         return PermissionError, (f"{cause} (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                                  f"AWS_PROFILE, for s3://; GOOGLE_APPLICATION_CREDENTIALS for gs://)")
@@ -164,6 +177,28 @@ def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
         return OSError, f"{type(cause).__name__}: {cause}"
     said = str(cause) or ("timed out" if isinstance(cause, TimeoutError) else "")
     return None, f"{type(cause).__name__}: {said}" if said else type(cause).__name__
+
+
+def _tls_problem(cause: BaseException, names: set[str]) -> str | None:
+    """What a TLS failure that no retry mends means, in words: a certificate this machine does
+    not trust (self-signed, a private CA), or a handshake the server cannot make (https:// to
+    a plain-HTTP port). None if `cause` is no TLS error, or one that a dropped connection
+    causes (an EOF or reset mid-handshake: retried as any other)."""
+    inner = getattr(cause, "certificate_error", None) or getattr(cause, "os_error", None) or cause
+    inner_names = names | {c.__name__ for c in type(inner).__mro__}
+    said = str(cause)
+    if inner_names & {"SSLCertVerificationError", "ClientConnectorCertificateError", "CertificateError"} \
+            or "CERTIFICATE_VERIFY_FAILED" in said:
+        return (f"TLS certificate not trusted ({said}): trust the server's CA (its PEM file in "
+                "SSL_CERT_FILE for https://, AWS_CA_BUNDLE for s3://), or use http://")
+    if not inner_names & {"SSLError", "ClientSSLError"}:
+        return None
+    if inner_names & {"SSLEOFError", "SSLZeroReturnError", "SSLSyscallError"} or "EOF" in said \
+            or "reset" in said.lower():
+        return None
+    return (f"TLS handshake failed ({said}): does the server speak TLS on that port? use "
+            "http:// for a plain-HTTP server (in the URL, or in AWS_ENDPOINT_URL for s3://), else "
+            "check its TLS setup")
 
 
 def retry_after(error: BaseException) -> float | None:
@@ -217,6 +252,26 @@ def _version(info: dict) -> tuple[str, str] | None:
         if value:
             return name, str(value)
     return None
+
+
+#: Shards already warned about as reporting no version (once per shard and process: every
+#: block and every read-back opens the object again).
+_UNVERSIONED: set[str] = set()
+
+
+def _warn_unversioned(url: str) -> None:
+    """Say once per shard that a store reporting no version (no ETag, VersionId or
+    Last-Modified) leaves a replacement of the same size undetectable: read on, it would splice
+    two objects into one archive."""
+    if url in _UNVERSIONED:
+        return
+    _UNVERSIONED.add(url)
+    from dispatcher_server.cliopts import redact
+
+    log.warning("mmdispatch event=shard_unversioned shard=%s reason=%r", redact(url),
+                "the store reports no version (no ETag or Last-Modified): a replacement of the same "
+                "size while the job reads it cannot be detected, and would be read as this shard; "
+                "leave shards in place while a job reads them, or serve them with ETags")
 
 
 def _same_etag(a: str, b: str) -> bool:
@@ -298,6 +353,8 @@ class RemoteShard:
         if not self._opened:
             self.version = _version(info)
             self._opened = True
+            if self.version is None:
+                _warn_unversioned(self.url)
         elif self.version is not None:
             now = info.get(self.version[0])
             if now is not None and not _same_etag(str(now), self.version[1]):

@@ -735,6 +735,26 @@ def test_an_epoch_without_a_usable_sample_ends_the_job_naming_why():
         d._close()
 
 
+def test_an_empty_epoch_names_a_failing_shard_without_its_credentials():
+    """`skipped: 2 open_failed` alone sent the operator looking for which shard and why."""
+    shard = "http://bob:pw123@127.0.0.1:9/shard-0.tar?token=TOK123"
+    d = Dispatcher(_config(max_epochs=None, shards=[shard]))
+    try:
+        reader = d.pool.join(b"r", "r", 0.0)
+        d._on_reader(reader.ident, P.decode(P.encode(P.SHARD_REQUEST, shards=4)), 0.0)
+        with pytest.raises(Fatal) as caught:
+            for _ in range(12):
+                d._pump()
+                for a in list(reader.assignments):
+                    d._on_shard_done(reader, P.decode(P.encode(
+                        P.SHARD_DONE, assign_id=a.id, count=0, skipped=[["", "shard_failed", -1]])))
+        said = str(caught.value)
+        assert "(skipped: 1 shard_failed); first shard_failed: shard 'http://bob:***@127.0.0.1:9/" \
+               "shard-0.tar?token=***', its reader's log says why" in said, said
+    finally:
+        d._close()
+
+
 def test_an_epoch_resumed_midway_is_not_called_empty():
     """A restart inside an epoch saw only its tail: that tail yielding nothing proves nothing."""
     from dispatcher_server.ordering import Cursor

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import threading
+import time
 
 import pytest
 
@@ -313,3 +314,101 @@ def test_an_html_page_served_for_a_shard_is_named_as_one():
         keys, stats = _read(f"{base}/x.tar")
     assert keys == [] and stats.num_errors == 1
     assert "the server sent text/html" in stats.recent[-1][3], stats.recent
+
+
+def _self_signed(tmp_path) -> tuple[str, str]:
+    """(certificate, key) PEM files of a self-signed certificate for 127.0.0.1."""
+    pytest.importorskip("cryptography")
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_file), str(key_file)
+
+
+@pytest.mark.parametrize("server", ["self_signed", "plain_http"])
+def test_a_tls_failure_fails_at_once_naming_it_and_the_fix(small_shards, tmp_path, monkeypatch, server):
+    """An untrusted certificate, or https:// to a port that speaks plain HTTP, is no network
+    blip: it was retried for a minute as one. It fails at the first try, saying what to do."""
+    import ssl
+
+    monkeypatch.setattr(remote, "RETRY_S", 30.0)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=os.path.dirname(small_shards[0]))
+    handler.log_message = lambda *a: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if server == "self_signed":
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*_self_signed(tmp_path))
+        httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{httpd.server_address[1]}/{os.path.basename(small_shards[0])}"
+    try:
+        started = time.monotonic()
+        keys, stats = _read(url)
+        elapsed = time.monotonic() - started
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert keys == [] and stats.by_reason == {"open_failed": 1}
+    said = stats.recent[-1][3]
+    assert elapsed < 5 and not re.search(r"failed \d+ times", said), said  # no retries
+    if server == "self_signed":
+        assert said.startswith("cannot open: TLS certificate not trusted (") and "SSL_CERT_FILE" in said, said
+    else:
+        assert said.startswith("cannot open: TLS handshake failed (") and "use http://" in said, said
+
+
+@pytest.mark.parametrize(("status", "says"), [(404, "not found (HTTP 404 Not Found)"),
+                                              (403, "access denied (HTTP 403 Forbidden)")])
+def test_serve_refuses_a_remote_shard_missing_or_denied_in_one_line(small_shards, faulty, status, says):
+    """A missing local path was refused at start, a missing object only warned about ("not
+    probed") and left to the readers, whose job then stopped on an empty epoch naming no URL."""
+    import subprocess
+    import sys
+
+    base, handler = faulty
+    good, bad = (os.path.basename(p) for p in small_shards[:2])
+    handler.answers[f"{bad}?token=TOK123"] = [status] * 10  # the handler's name keeps the query
+    url = base.replace("http://", "http://bob:pw123@") + f"/{bad}?token=TOK123"
+    shown = base.replace("http://", "http://bob:***@") + f"/{bad}?token=***"
+    # the good shard first: its usable sample ends the read; the next one is still looked at
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", f"{base}/{good}", url,
+         "--world-size", "1", "--global-batch", "4", "--probe-timeout-s", "20"],
+        capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "READY" not in proc.stdout, proc.stdout + proc.stderr
+    # (the good shard's server gives no ETag: a warning says so, once)
+    lines = [line for line in proc.stderr.strip().splitlines() if "event=shard_unversioned" not in line]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"mmdispatch serve: error: source 'default': shard '{shown}' cannot "
+                               f"be read: {says}"), lines[0]
+    assert "leave the shard out" in lines[0] and "pw123" not in lines[0] and "TOK123" not in lines[0]
+
+
+def test_a_shard_failing_for_a_while_is_not_refused_by_the_probe(small_shards, faulty):
+    """Only what no retry mends refuses a source: a server busy at start is the readers' to ride out."""
+    from pipeline.probe import probe_source, refusal
+
+    base, handler = faulty
+    name = os.path.basename(small_shards[0])
+    handler.answers[name] = [503] * 1000
+    result = probe_source([f"{base}/{name}"], ReaderConfig())
+    assert result.unreadable and not result.missing and refusal(result) is None

@@ -454,3 +454,129 @@ def test_a_failed_read_back_is_logged_once_per_shard(small_shards, caplog):
             server.close()
     lines = [r.getMessage() for r in caplog.records if "event=payload_read_failed" in r.getMessage()]
     assert len(lines) == 1 and f"shard={url} " in lines[0] and "not found" in lines[0], lines
+
+
+def test_a_failed_fetch_names_shards_without_their_credentials_and_a_reason_once(small_shards):
+    """Direct mode: a shard URL's password and token reach neither the reader's ERROR answer
+    nor the trainer's FetchError, and a reason every try gave is said once, not per try."""
+    from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
+
+    handler = type("Handler", (_Versions,), {"files": [small_shards[0]] * 2, "gets": 0})
+    with serving(handler) as base:
+        url = base.replace("http://", "http://bob:pw123@") + "/gone.tar?token=TOK123"
+        server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(0))
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        fetcher = None
+        try:
+            server.servable = frozenset({url.encode()})
+            ref = P.pack_ref(url.encode(), 0, 10, 0)
+            sock.connect(server.endpoint)
+            sock.send_multipart(P.encode(P.FETCH, frames=[ref], id=1, sizes=[len(ref)]))
+            assert sock.poll(20_000), "no answer"
+            answer = P.decode(sock.recv_multipart(copy=False))
+            assert answer.type == P.ERROR and "not found" in answer["message"]
+            assert "pw123" not in answer["message"] and "TOK123" not in answer["message"]
+
+            reader = P.ReaderEndpoint(server.endpoint, "")
+            msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+                                    readers=[list(reader)], microbatches=[
+                                        {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
+                                         "items": [["image", "k", "k.jpg", {}]],
+                                         "sizes": [len(ref)], P.HOLDERS: [0]}]))
+            fetcher = PayloadFetcher(decode=lambda m, f: f, out=None, config=FetchConfig(
+                timeout_s=20, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05))
+            fetcher.readers = [reader]
+            with pytest.raises(FetchError) as caught:
+                fetcher.fetch(msg)
+        finally:
+            if fetcher is not None:
+                fetcher.close()
+            sock.close(linger=0)
+            ctx.term()
+            server.close()
+    said = str(caught.value)
+    assert "pw123" not in said and "TOK123" not in said, said
+    assert "bob:***@" in said and "token=***" in said, said
+    assert said.count("not found") == 1 and "(3 tries, the same each time)" in said, said
+
+
+def test_a_shard_error_that_names_its_url_is_not_prefixed_with_it_again():
+    from pipeline.errors import SampleError
+
+    url = "http://127.0.0.1:1/x.tar"
+    error = SampleError("shard_failed", url, None, f"shard {url!r}: failed 3 times")
+    assert str(error) == f"shard_failed: shard {url!r}: failed 3 times"
+
+
+def test_a_store_reporting_no_version_is_warned_about_once_per_shard(small_shards, monkeypatch, caplog):
+    """No ETag and no Last-Modified: a same-size replacement mid-read cannot be told apart and
+    was spliced in silence. Said once per shard (not per block or read-back), credentials hidden."""
+    from tests.test_object_storage import _Shards
+
+    monkeypatch.setattr(remote, "_UNVERSIONED", set())
+    handler = type("Handler", (_Shards,), {"root": os.path.dirname(small_shards[0]), "drops": {},
+                                           "cut": 100, "gets": []})
+    names = [os.path.basename(p) for p in small_shards[:2]]
+    with serving(handler) as base, caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
+        base = base.replace("http://", "http://bob:pw123@")
+        for name in names:
+            keys, stats = _read(f"{base}/{name}")
+            assert keys and stats.num_errors == 0
+        offset, size = _first_member(small_shards[0])
+        for _ in range(2):
+            shards.read_range(f"{base}/{names[0]}", offset, size)
+    assert len([g for g in handler.gets if g[0] == names[0]]) > 2  # several blocks, read twice
+    lines = [r.getMessage() for r in caplog.records if "event=shard_unversioned" in r.getMessage()]
+    shown = base.replace("pw123", "***")
+    assert [line.split()[2] for line in lines] == [f"shard={shown}/{n}" for n in names], lines
+    assert "cannot be detected" in lines[0] and "pw123" not in "".join(lines)
+
+
+def test_a_versioned_object_is_not_warned_about(versions, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_UNVERSIONED", set())
+    handler = type("Handler", (_Versions,), {"files": [versions[0]] * 2, "gets": 0, "swap_after": 10**9})
+    with serving(handler) as base, caplog.at_level(logging.WARNING, logger="mmdispatch.remote"):
+        keys, _ = _read(f"{base}/x.tar")
+    assert keys and not [r for r in caplog.records if "shard_unversioned" in r.getMessage()]
+
+
+def test_a_slow_read_back_that_makes_progress_does_not_fail_the_trainer(small_shards, monkeypatch):
+    """Direct mode, cache miss, a store slower than the trainer's timeout: the reader said
+    nothing until it had the bytes, the trainer gave up on it every try and died with a
+    FetchError. The reader's HEARTBEATs while it reads keep the trainer waiting."""
+    from pipeline import payloads
+    from trainer_client.fetch import FetchConfig, PayloadFetcher
+
+    monkeypatch.setattr(payloads, "KEEPALIVE_S", 0.2)
+
+    class _Slow(_Versions):
+        def do_GET(self) -> None:
+            time.sleep(2.0)  # four of the trainer's timeouts
+            super().do_GET()
+
+    handler = type("Handler", (_Slow,), {"files": [small_shards[0]] * 2, "gets": 0, "swap_after": 10**9})
+    offset, size = _first_member(small_shards[0])
+    with open(small_shards[0], "rb") as f:
+        f.seek(offset)
+        member = f.read(size)
+    with serving(handler) as base:
+        url = f"{base}/x.tar"
+        server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(0))
+        server.servable = frozenset({url.encode()})
+        reader = P.ReaderEndpoint(server.endpoint, "")
+        ref = P.pack_ref(url.encode(), offset, size, 0)
+        msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+                                readers=[list(reader)], microbatches=[
+                                    {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
+                                     "items": [["image", "k", "k.jpg", {}]],
+                                     "sizes": [len(ref)], P.HOLDERS: [0]}]))
+        fetcher = PayloadFetcher(decode=lambda m, f: f, out=None, config=FetchConfig(
+            timeout_s=0.5, attempts=2, backoff_min_s=0.01, backoff_max_s=0.05))
+        try:
+            fetcher.readers = [reader]
+            (views,) = fetcher.fetch(msg)
+        finally:
+            fetcher.close()
+            server.close()
+    assert bytes(views[0]) == member and fetcher.num_retries == 0

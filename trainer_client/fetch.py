@@ -6,13 +6,23 @@ for all of the step's items it holds in one FETCH (the readers of a step in para
 hands the decoded step on: the fetch of step N+1 overlaps the training of step N, and memory
 stays bounded by the steps the client was granted. The thread owns the reader sockets.
 
-A reader that answers with an error, or not within `timeout_s`, is replaced by another live
-reader from the dispatcher's table (any reader serves any reference from the shard file),
+A reader that answers with an error, or says nothing for `timeout_s` (5 s), is replaced by
+another live reader from the dispatcher's table (any reader serves any reference from the shard file),
 after a backoff; after `attempts` tries the step fails with one error naming the shards and
 the readers tried. With no live reader listed at all, a retry waits up to `outage_s` for one. A reader that left a request unanswered, or that the table no longer lists,
 is not asked first again (until it answers, or for SILENT_TIMEOUTS timeouts): after a reader
 dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a
 restarted trainer simply asks again.
+
+Timing. `timeout_s` bounds a reader's silence, not its work: a reader reading a member back
+from its shard file (a cache miss: a replay, `--payload-cache-mb 0`, a remote store that
+trickles) sends a HEARTBEAT every second (`pipeline.payloads.KEEPALIVE_S`) until it answers,
+and each one moves the request's deadline to `timeout_s` from then, up to `busy_max_s` (300 s)
+after the request was sent; a slow store that makes progress is waited for, a dead or hung
+reader is left after `timeout_s`. A reader's own read-back gives up a failing remote read
+after `pipeline.remote.READ_BACK_RETRY_S` (3 s) of retries and answers with the error; the
+trainer then asks the next reader after a backoff of `backoff_min_s` doubling to
+`backoff_max_s`, `attempts` (4) times in all before the step fails with a FetchError.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Callable
 import zmq
 
 from dispatcher_server import protocol as P
+from dispatcher_server.cliopts import redact
 from dispatcher_server.endpoint import allow_ipv6
 from dispatcher_server.security import PeerCurve
 
@@ -36,12 +47,18 @@ SILENT_TIMEOUTS = 6
 
 
 class FetchError(RuntimeError):
-    """No reader served some of a step's payloads within the attempts allowed."""
+    """No reader served some of a step's payloads within the attempts allowed. Its message names
+    shard URLs with their credentials hidden (`cliopts.redact`): a training log is read by more
+    people than the bucket's key."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact(message))
 
 
 @dataclass(kw_only=True, slots=True)
 class FetchConfig:
     timeout_s: float = 5.0  # a reader silent this long on a request: ask another
+    busy_max_s: float = 300.0  # a reader still reading (HEARTBEATs) is waited on this long at most
     attempts: int = 4  # readers asked for one request before the step fails
     backoff_min_s: float = 0.1  # wait before a retry, doubling up to backoff_max_s
     backoff_max_s: float = 2.0
@@ -60,6 +77,7 @@ class _Request:
     endpoint: P.ReaderEndpoint
     id: int = -1
     deadline: float = 0.0
+    sent: float = 0.0  # when the current try was sent (busy_max_s runs from it)
     not_before: float = 0.0
     tried: list = field(default_factory=list)  # (endpoint, why) per failed try
     outage_since: float | None = None  # waiting for a live reader to be listed since then
@@ -71,7 +89,16 @@ def _shards(refs: list) -> str:
 
 
 def _tried(req: _Request) -> str:
-    return "; ".join(f"{e}: {w}" for e, w in req.tried)
+    """The readers asked and what each answered: a reason repeated by several tries is said
+    once, after the readers that gave it ("... (4 tries, the same each time)")."""
+    by_reason: dict[str, list[str]] = {}
+    for endpoint, why in req.tried:
+        by_reason.setdefault(why, []).append(endpoint)
+    parts = []
+    for why, endpoints in by_reason.items():
+        said = f"{', '.join(dict.fromkeys(endpoints))}: {why}"
+        parts.append(f"{said} ({len(endpoints)} tries, the same each time)" if len(endpoints) > 1 else said)
+    return "; ".join(parts)
 
 
 class PayloadFetcher:
@@ -192,7 +219,7 @@ class PayloadFetcher:
             for sock in socks:
                 if sock in ready:
                     for frames in P.pending(sock):
-                        self._receive(frames, pending, waiting)
+                        self._receive(frames, pending, waiting, sock)
             now = time.monotonic()
             for req in [r for r in pending.values() if r.deadline <= now]:
                 del pending[req.id]
@@ -217,16 +244,22 @@ class PayloadFetcher:
         return False
 
     def _send(self, req: _Request, now: float) -> None:
-        req.id, req.deadline = next(self._ids), now + self.config.timeout_s
+        req.id, req.deadline, req.sent = next(self._ids), now + self.config.timeout_s, now
         self._socket(req.endpoint).send_multipart(
             P.encode(P.FETCH, frames=[b"".join(req.refs)], id=req.id,
                      sizes=[r.nbytes for r in req.refs]), copy=False)
 
-    def _receive(self, frames: list, pending: dict, waiting: list) -> None:
+    def _receive(self, frames: list, pending: dict, waiting: list, sock: zmq.Socket | None = None) -> None:
         try:
             msg = P.decode(frames)
         except P.ProtocolError:
             return  # nothing to match it to: the request times out and is asked elsewhere
+        if msg.type == P.HEARTBEAT:  # the reader is still reading what this socket asked it for
+            now, c = time.monotonic(), self.config
+            for req in pending.values():
+                if self._socks.get(req.endpoint) is sock:
+                    req.deadline = max(req.deadline, min(now + c.timeout_s, req.sent + c.busy_max_s))
+            return
         req = pending.pop(msg.get("id", msg.get("ack")), None)
         if req is None:
             return  # the answer to a request already given up on
