@@ -581,10 +581,8 @@ def run(args: argparse.Namespace) -> int:
         _probe(config.sources, values["probe_samples"], values["probe_timeout_s"])
     keep_freed_memory(values["malloc_keep_mb"])
     collect_on_a_clock()
-    t0 = time.monotonic()  # the planner's kernels loaded (or, first time here, compiled)
-    warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
-            config.planner)
-    event("planner_ready", seconds=round(time.monotonic() - t0, 1))
+    # The dispatcher before the planner's warm-up (20 s on a fresh machine): its binds, keys
+    # and journal are mistakes worth a line within seconds.
     try:
         server = Dispatcher(config, context=zmq.Context(io_threads=values["io_threads"]))
     except HaltedJob as e:
@@ -596,6 +594,14 @@ def run(args: argparse.Namespace) -> int:
         if e.errno not in (errno.ENODEV, errno.EINVAL, errno.EADDRNOTAVAIL):
             raise
         raise ValueError(_unbindable(e, config)) from None
+    try:
+        t0 = time.monotonic()  # the planner's kernels loaded (or, first time here, compiled)
+        warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
+                config.planner)
+        event("planner_ready", seconds=round(time.monotonic() - t0, 1))
+    except BaseException:
+        server._close()  # the journal's lock and the ports, before the line that says why
+        raise
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     signals: list[str] = []
