@@ -280,7 +280,8 @@ CONFIG_NOTE = {
                    "of the method's own split",
     "lb_step_time": "mean over steps of sum over micro-batches and phases of that bound",
     "split_free_lb_step_time": "mean over steps of sum_p max(total_p/W, largest_p, "
-                               "s_WM + s_(WM+1)): holds for every split",
+                               "s_WM + s_(WM+1), the busiest rank's whole-step bound over W "
+                               "bins): holds for every split",
     "capped_images": "second mixture, images capped at 2048 patches: bounds set by totals "
                      "rather than by single huge items (the regime where plain LPT ~1.05)",
     "small_worlds": "long-tailed mixture at small W (streaming shape W=4, one node, 512 "

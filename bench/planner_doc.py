@@ -25,10 +25,15 @@ clocks).
 Objective, in order: the slowest rank of every phase of every micro-batch (predicted step time
 = sum over micro-batches and phases of the slowest rank's cost), then bytes crossing nodes, then
 bytes crossing ranks. `solver.py` splits the step into micro-batches (three candidate splits,
-the lowest sum of per-micro-batch bounds wins); `placement.py` places samples on nodes and
+the lowest sum of per-micro-batch bounds wins; the bounds count whole units, ceil(n/W) of a
+micro-batch's n units on its busiest rank, and a fourth split in whole rows of W samples
+replaces the winner where its bound is lower: with near-equal samples that is what decides);
+`placement.py` places samples on nodes and
 ranks, then encoder items by named strategies (node-first, node LPT; home-biased and
 sequential LPT, relabelled onto ranks and then swapped home) chosen by one rule: fewest
 inter-node bytes among the placements within `balance_tolerance` of the best slowest rank.
+A last guard keeps the random baseline's assignment where it is predicted faster and holds
+the capacities (a few near-equal samples a rank, which the draw can pair better).
 `bounds.py` proves the lower bounds; `exact.py` solves small steps exactly (MILP, HiGHS) to
 measure the heuristic's gap.
 
@@ -46,7 +51,8 @@ Under a capacity, `solver._splits` offers splits best first and the first whose 
 it is planned: the cost split, if it leaves every micro-batch under 90% of W x capacity; then,
 in order of their bound, the same greedy held to that room (no micro-batch over it, and at most
 W samples over half a capacity in one, since no two share a rank) and an LPT over all W x M
-(rank, micro-batch) bins whose bins hold the capacity; the held greedy again at 80% and 70%
+(rank, micro-batch) bins whose bins hold the capacity, and the whole-row split where its
+micro-batches pack under the capacity; the held greedy again at 80% and 70%
 (near-capacity samples can fail to pack well under W x capacity); then the older fallbacks.
 Samples are held to the capacity on their ranks before the encoder items are placed, so the
 items follow them and the exchange stays on the node. The regimes below are planned this way,

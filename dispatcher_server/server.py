@@ -675,7 +675,7 @@ class Dispatcher:
             m.imbalance.labels(phase).set(value)
         event("step_planned", step=step, epoch=epoch, samples=plan.inputs.num_samples,
               microbatches=plan.num_microbatches, plan_ms=f"{plan_ms:.2f}",
-              lb_ratio=f"{plan.metrics.get('step_time_over_lb', 0):.3f}",
+              lb_ratio=f"{plan.metrics.get('step_time_over_split_free_lb', 0):.3f}",
               **({"sources": ",".join(f"{k}:{v}" for k, v in sources.items())} if sources else {}))
 
     def _send_steps(self) -> None:

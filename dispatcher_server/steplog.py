@@ -23,7 +23,8 @@ def _method(plan: StepPlan, with_loads: bool) -> dict:
         "max_over_mean": m["max_over_mean"],
         "max_over_lb": m["max_over_lb"],
         "step_time": m["step_time"],
-        "lb_step_time": m["lb_step_time"],
+        "lb_step_time": m["lb_step_time"],  # (and max_over_lb) for the plan's own split
+        "split_free_lb_step_time": m["split_free_lb_step_time"],  # for any split
         "bytes": m["bytes"],
         "peak_tokens": m["peak_tokens"],
     }

@@ -14,6 +14,8 @@ from dispatcher_server.planner import (
     StepInputs, StepPlan,
     Topology, plan_step, validate,
 )
+from dispatcher_server.planner.cost import phase_costs
+from dispatcher_server.planner.types import LLM_PHASE
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,3 +200,46 @@ def test_a_step_over_its_microbatches_room_gets_more_under_isolate(oversize):
         plan = plan_step(inputs, topo, cfg)
     validate(plan, inputs)
     assert plan.num_microbatches == 2 and plan.sample_ptr.shape == (2 * 2 + 1,)
+
+
+def _near_equal_steps():
+    """(W, M, G, spread, seed): equal and near-equal (within +-spread) LLM-only samples, at
+    sample counts around the multiples of W and of W x M, where whole samples decide."""
+    for W in (2, 3, 4, 8):
+        for M in (1, 2, 3, 4):
+            counts = {1, W - 1, W + 1, 2 * W + 1, 3 * W // 2, W * M - 1, W * M + 1,
+                      W * M + W // 2, 2 * W * M - 1, 5 * W + 3, 5 * W * M // 2}
+            for G in sorted(g for g in counts if g >= 1):
+                for spread, seed in ((0.0, 0), (0.01, 1), (0.05, 2), (0.05, 3)):
+                    yield W, M, G, spread, seed
+
+
+def test_planner_is_never_slower_than_random_on_near_equal_samples():
+    """Equal-length samples once planned 1.6x slower than the draw (W=4, M=4, 20 samples:
+    an even 5-a-micro-batch split puts two on some rank in every micro-batch, 8 sample-times,
+    where the draw's 8/4/4/4 takes 5): the split's bounds ignored that samples are whole.
+    Over a grid of (W, M, G), equal and within 1% and 5%, capped (serve's default factor)
+    and not, the plan's predicted step time is at most `plan_random`'s."""
+    worse, not_optimal = [], []
+    for W, M, G, spread, seed in _near_equal_steps():
+        rng = np.random.default_rng(seed)
+        lens = (4096 * (1 + rng.uniform(-spread, spread, G))).astype(np.int64)
+        step = StepInputs(text_len=lens.copy(), llm_len=lens.copy(), encoders={})
+        topo = Topology(world_size=W, ranks_per_node=W)
+        for factor in (None, DEFAULT_LLM_CAPACITY_FACTOR):
+            cfg = PlannerConfig(num_microbatches=M, llm_capacity_factor=factor)
+            ours = plan_step(step, topo, cfg)
+            drawn = BASELINES["random"](step, topo, cfg)
+            if ours.metrics["step_time"] > drawn.metrics["step_time"] * (1 + 1e-9):
+                worse.append((W, M, G, spread, factor,
+                              round(ours.metrics["step_time"] / drawn.metrics["step_time"], 3)))
+            one = phase_costs(step, cfg.cost)[LLM_PHASE][0]
+            if spread == 0.0 and ours.metrics["step_time"] != pytest.approx(-(-G // W) * one):
+                not_optimal.append((W, M, G, factor))  # optimal: ceil(G / W) sample-times
+    assert not worse, f"{len(worse)} steps slower than the draw: {worse[:10]}"
+    assert not not_optimal, f"equal samples planned above ceil(G/W) sample-times: {not_optimal}"
+    # the bound over every split counts whole samples too (10 on 4 ranks: 3, not 2.5)
+    step = StepInputs(text_len=np.full(10, 4096), llm_len=np.full(10, 4096), encoders={})
+    plan = plan_step(step, Topology(world_size=4, ranks_per_node=4),
+                     PlannerConfig(num_microbatches=2))
+    assert plan.metrics["step_time_over_split_free_lb"] == pytest.approx(1.0)

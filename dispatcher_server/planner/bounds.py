@@ -1,8 +1,9 @@
 """Lower bounds on a step's predicted time: no placement can beat them.
 
 One bound per group of units sharing `bins` bins (`unit_bound`), used per micro-batch by the
-plan's metrics and over all W*M (rank, micro-batch) slots by the split-free bound, which holds
-for every micro-batch split and so certifies the split itself. Each term is proven in its
+plan's metrics (a bound for the plan's own split only) and, over all W*M (rank, micro-batch)
+slots and over the W ranks' whole steps, by the split-free bound, which holds for every
+micro-batch split and so certifies the split itself. Each term is proven in its
 docstring; `unit_bound`'s terms are one compiled kernel (`_unit_bound`) over sizes sorted once.
 """
 
@@ -136,17 +137,27 @@ def _round_to_quantum(c, lb):
 
 
 def split_free_bound(costs: dict[str, np.ndarray], W: int, M: int) -> float:
-    """Sum over phases of `unit_bound` over all W*M (rank, micro-batch) slots, but at least
-    total/W: a lower bound on the step time of every split into M micro-batches.
+    """Sum over phases of the largest of total/W, `unit_bound` over all W*M (rank,
+    micro-batch) slots and `unit_bound` over W ranks: a lower bound on the step time of every
+    split into M micro-batches.
 
     Proof: a phase's step time is the sum over micro-batches of its slowest rank, which is at
-    least each micro-batch's total / W, so at least total / W in all; and at least the slowest
-    (rank, micro-batch) slot of the phase, which `unit_bound` bounds over W*M slots."""
+    least each micro-batch's total / W, so at least total / W in all; at least the slowest
+    (rank, micro-batch) slot of the phase, which `unit_bound` bounds over W*M slots; and at
+    least any one rank's work summed over the micro-batches (in each it is at most the
+    slowest), so at least the busiest rank's, which `unit_bound` bounds over W bins. The last
+    counts whole units: 10 equal samples on 4 ranks take 3 units in any split, where
+    total/W says 2.5."""
     out = 0.0
     for p in PHASES:
-        c = costs[p]
-        one = unit_bound(c, np.zeros(len(c), dtype=np.int64), 1, W * M)[0]
-        out += max(float(c.sum()) / W, float(one))
+        c = np.ascontiguousarray(costs[p], dtype=np.float64)
+        if len(c) == 0:
+            continue
+        group = np.zeros(len(c), dtype=np.int64)
+        order = order_by_key_then_size(group, c)
+        slot = unit_bound(c, group, 1, W * M, order)[0]
+        rank = unit_bound(c, group, 1, W, order)[0]
+        out += max(float(c.sum()) / W, float(slot), float(rank))
     return out
 
 

@@ -363,7 +363,11 @@ def compute_metrics(plan: StepPlan) -> dict:
     tokens as processed, padded for windowed encoders) - what its memory must fit.
 
     lb[p][m] = `unit_bound` of micro-batch m's units over W ranks, for the plan's own
-    micro-batch split; the split-free bound is `bounds.split_free_bound` (holds for any split).
+    micro-batch split: `max_over_lb`, `lb_step_time` and `step_time_over_lb` say how well the
+    split was placed, not how good the split is (a poor split can score 1.000). The bound over
+    every split is `bounds.split_free_bound`: `split_free_lb_step_time` and
+    `step_time_over_split_free_lb`, the plan's honest distance from the optimum (an upper
+    bound on it: the bound is not always reachable).
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     costs = phase_costs(plan.inputs, plan.cost)
@@ -405,6 +409,7 @@ def compute_metrics(plan: StepPlan) -> dict:
         "max_over_mean": {p: ratio(mx[p], mean[p]) for p in PHASES},
         "step_time": step, "lb_step_time": lb_step, "split_free_lb_step_time": float(split_free),
         "step_time_over_lb": step / lb_step if lb_step > 0 else 1.0,
+        "step_time_over_split_free_lb": step / split_free if split_free > 0 else 1.0,
         "bytes": byts,
         "peak_tokens": peak,
     }

@@ -1,16 +1,20 @@
 """mmdispatch's per-step planner: micro-batch split, node-aware LLM placement, encoder rebalance.
 
 Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches; vectorised):
-1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit). Three candidate
-   splits, the lowest sum of bounds wins: all samples through a block greedy on all phases
-   (giants first, then largest first; each block goes where it raises the bound least, so the
-   room a giant leaves in its micro-batch fills with every phase's work), and two class passes
-   (giants greedy, then audio, vision and text-only samples to targets that fill the room
-   under giant-set bounds, then level the totals). A polish pass moves a micro-batch's largest
-   unit away when it alone sets that micro-batch's bound. Capacities, when set (or derived by
-   `llm_capacity_factor`, serve's default), can overrule it: `_splits` then offers splits
-   held to them (the greedy with room per micro-batch, an LPT over all rank x micro-batch
-   bins, fallbacks), and the first whose ranks can hold it is planned.
+1. Split to minimise sum_m,p bound_pm, bound = max(total/W, largest unit, ceil(units/W) x
+   smallest unit: units are whole). Three candidate splits, the lowest sum of bounds wins:
+   all samples through a block greedy on all phases (giants first, then largest first; each
+   block goes where it raises the bound least, so the room a giant leaves in its
+   micro-batch fills with every phase's work), and two class passes (giants greedy, then
+   audio, vision and text-only samples to targets that fill the room under giant-set
+   bounds, then level the totals). A polish pass moves a micro-batch's largest unit away
+   when it alone sets that micro-batch's bound; a split in whole rows of W samples
+   (`_split_rows`) replaces the result where its bound is lower (near-equal samples, where
+   an even split puts ceil(n/W) on some rank in every micro-batch). Capacities, when set (or
+   derived by `llm_capacity_factor`, serve's default), can overrule it: `_splits` then
+   offers splits held to them (the greedy with room per micro-batch, an LPT over all rank x
+   micro-batch bins, the whole-row split, fallbacks), and the first whose ranks can hold it
+   is planned.
 2. Per micro-batch, `placement.place_samples`: samples to nodes by class, to ranks by LLM cost.
 3. Per micro-batch and encoder phase, `placement.place_items` (items largest first):
    node-first (items stay home up to the bound, a node's excess goes to the lightest nodes,
@@ -22,6 +26,8 @@ Algorithm (n samples/items, W ranks, g per node, N = W/g nodes, M micro-batches;
    reach the bound, home-biased LPT alone follows node-first. The fewest inter-node bytes
    among the best-balanced wins; off-node items then return home wherever that raises no
    rank above the maximum.
+4. Guard (`_no_slower_than_drawn`): the random baseline's assignment replaces the plan where
+   it is predicted faster and holds the capacities (O(samples + items)).
 Why: plain LPT per phase balances well but ships ~all embeddings across nodes; the node
 strategies move little, and the cluster-wide ones restore balance where they cannot, then
 win most of the bytes back by swaps.
@@ -103,6 +109,39 @@ def sample_phase_costs(inputs: StepInputs, unit_costs: dict[str, np.ndarray]
     return cost, big
 
 
+def sample_unit_counts(inputs: StepInputs, unit_costs: dict[str, np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """(units[P, S]: how many units of positive cost each sample has per phase, smallest[P, S]:
+    the smallest of them, inf where none): what the split's whole-unit term needs (a sample is
+    one LLM unit; each encoder item one unit of its phase)."""
+    S = inputs.num_samples
+    count = np.zeros((len(PHASES), S))
+    small = np.full((len(PHASES), S), np.inf)
+    for k, p in enumerate(PHASES):
+        u = unit_costs[p]
+        if p == LLM_PHASE:
+            pos = u > 0
+            count[k] = pos
+            small[k] = np.where(pos, u, np.inf)
+        else:
+            _unit_stats(np.ascontiguousarray(u, dtype=np.float64),
+                        np.ascontiguousarray(inputs.items(p).sample, dtype=np.int64),
+                        count[k], small[k])
+    return count, small
+
+
+@kernel
+def _unit_stats(u, owner, count, small):
+    """Per sample, in place: how many of the units `u` (owned by `owner`) have positive cost,
+    and the smallest of those."""
+    for i in range(u.shape[0]):
+        if u[i] > 0:
+            s = owner[i]
+            count[s] += 1
+            if u[i] < small[s]:
+                small[s] = u[i]
+
+
 def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
                pad: float) -> np.ndarray:
     """Amount per micro-batch: fill the free room under each micro-batch's bound first (minus
@@ -123,34 +162,65 @@ def _waterfill(total: np.ndarray, largest: np.ndarray, amount: float, W: int,
 
 def split_microbatches(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, M: int, W: int,
                        rng: np.random.Generator, slack: float,
-                       greedy_order: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                       greedy_order: tuple[np.ndarray, np.ndarray] | None = None,
+                       units: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Micro-batch of each sample in `idx` (see module docstring, step 1).
 
     A unit counts as a giant above the mean rank load of the step; a second pass lowers that
     to the lowest mean rank load any micro-batch got in the first (concentrating giants can
     leave other micro-batches so light that mid-size units set their bound), and the pass with
     the smaller sum of bounds wins. `greedy_order`: `_greedy_order` of these samples, if the
-    caller has it."""
+    caller has it. `units`: `sample_unit_counts` of all samples; with them the bounds count
+    whole units (`_split_bound`) and the whole-row split (`_split_rows`, in the greedy's order
+    of the samples) replaces the polished best where its bound is lower: with near-equal
+    units the totals-based candidates tie an even split (5/5 of 10 samples on 4 ranks: two
+    on some rank in both micro-batches) with one that fills whole rows of W (4/6: two once)."""
     if M == 1 or len(idx) == 0:
         return np.zeros(len(idx), dtype=np.int64)
     c, b = cost.take(idx, axis=1), big.take(idx, axis=1)  # C order: row sums 10x faster
+    u = None if units is None else (np.ascontiguousarray(units[0].take(idx, axis=1)),
+                                     np.ascontiguousarray(units[1].take(idx, axis=1)))
     seed = rng.integers(2**63)
     first = _split_pass(c, b, c.sum(axis=1) / (W * M), M, W, np.random.default_rng(seed), slack)
-    best, best_bound = first, _split_bound(c, b, first, M, W)
+    best, best_bound = first, _split_bound(c, b, first, M, W, u)
     T = np.stack([np.bincount(first, weights=ck, minlength=M) for ck in c])
     lowest, tau = T.min(axis=1) / W, c.sum(axis=1) / (W * M)
     if slack < 1 and np.any(lowest < 0.9 * tau):
         second = _split_pass(c, b, lowest, M, W, np.random.default_rng(seed), slack)
-        bound = _split_bound(c, b, second, M, W)
+        bound = _split_bound(c, b, second, M, W, u)
         if bound < best_bound:
             best, best_bound = second, bound
     if slack < 1:
+        if greedy_order is None:
+            greedy_order = _greedy_order(c, b, c.sum(axis=1) / (W * M), M, W)
         third = _split_greedy(c, b, c.sum(axis=1) / (W * M), M, W, order=greedy_order)
-        bound = _split_bound(c, b, third, M, W)
+        bound = _split_bound(c, b, third, M, W, u)
         if bound < best_bound * (1 - 1e-9):
             best, best_bound = third, bound
     _polish_split(c, b, best, M, W, np.zeros((len(best), 0)), 0.0)
+    if u is not None and slack < 1:
+        rows = _split_rows(np.concatenate(greedy_order), M, W)
+        if _split_bound(c, b, rows, M, W, u) < _split_bound(c, b, best, M, W, u) * (1 - 1e-9):
+            best = rows
     return best
+
+
+def _split_rows(order: np.ndarray, M: int, W: int) -> np.ndarray:
+    """Micro-batch of each sample (`order`: largest first) in whole rows of W: of the n // W
+    full rows, micro-batch m gets n // W // M, one more for the first (n // W) % M, and the
+    last, which has the fewest, the n % W samples left too. So every micro-batch but the last
+    holds a multiple of W samples, and the rows a rank's busiest slots hold sum to
+    ceil(n / W) over the micro-batches, the least any split can give. Samples of like size
+    share a micro-batch, the micro-batches with the fewest samples the largest ones (ties:
+    the lower first), so the fullest holds the smallest (its ranks' memory holds it best)."""
+    n = len(order)
+    full, rest = divmod(n, W)
+    count = (full // M + (np.arange(M) < full % M)) * W
+    count[-1] += rest
+    by_count = np.argsort(count, kind="stable")
+    out = np.empty(n, dtype=np.int64)
+    out[order] = np.repeat(by_count, count[by_count])
+    return out
 
 
 def _split_greedy(c: np.ndarray, b: np.ndarray, threshold: np.ndarray, M: int,
@@ -212,9 +282,36 @@ def _giants_then_rest(c, b, threshold, tau):
     return giants[_load_order(-score)], rest[_load_order(-size)]
 
 
-def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int) -> float:
-    """sum_m,p max(total_pm/W, largest unit_pm) of the split `mb`."""
-    return float(np.maximum(_group_sums(c, mb, M) / W, _group_max(b, mb, M)).sum())
+def _split_bound(c: np.ndarray, b: np.ndarray, mb: np.ndarray, M: int, W: int,
+                 units: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+    """sum_m,p max(total_pm/W, largest unit_pm) of the split `mb`; with `units` (per phase
+    and sample: units of positive cost, the smallest of them; `sample_unit_counts` of these
+    samples), also at least ceil(n_pm / W) x smallest unit_pm for the n_pm units of the
+    micro-batch's phase: units are whole, so some rank holds that many of them."""
+    bound = np.maximum(_group_sums(c, mb, M) / W, _group_max(b, mb, M))
+    if units is not None:
+        bound = np.maximum(bound, _whole_units(units[0], units[1], mb, M, W))
+    return float(bound.sum())
+
+
+@kernel
+def _whole_units(count, small, mb, M, W):
+    """Per phase and micro-batch: ceil(n / W) x the smallest unit for its n units (per
+    sample: `count` units of positive cost, the smallest `small`); 0 where it has none."""
+    P = count.shape[0]
+    n, lo = np.zeros((P, M)), np.full((P, M), np.inf)
+    for i in range(count.shape[1]):
+        for k in range(P):
+            if count[k, i] > 0:
+                n[k, mb[i]] += count[k, i]
+                if small[k, i] < lo[k, mb[i]]:
+                    lo[k, mb[i]] = small[k, i]
+    out = np.zeros((P, M))
+    for k in range(P):
+        for m in range(M):
+            if n[k, m] > 0:
+                out[k, m] = np.ceil(n[k, m] / W) * lo[k, m]
+    return out
 
 
 @kernel
@@ -557,6 +654,7 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     rng = np.random.default_rng(config.seed)
     unit_costs = phase_costs(inputs, config.cost)
     cost, big = sample_phase_costs(inputs, unit_costs)
+    units = sample_unit_counts(inputs, unit_costs)
     oversize = find_oversize(inputs, config)
     if len(oversize) and config.oversize == "error":
         s = int(oversize[0])
@@ -581,7 +679,8 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
                    for p, o in by_size.items()}
     at = np.zeros(S, dtype=np.int64)
     at[idx] = np.arange(len(idx))
-    for split in _splits(cost, big, idx, inputs, config, M, W, rng, at[by_size[LLM_PHASE]]):
+    for split in _splits(cost, big, idx, inputs, config, M, W, rng, at[by_size[LLM_PHASE]],
+                         units):
         sample_mb = np.zeros(S, dtype=np.int64)
         sample_mb[idx] = split
         try:
@@ -590,8 +689,78 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
         except PlanError as e:  # its ranks cannot hold it: the next split
             refused = e
             continue
+        if len(oversize) == 0:
+            plan = _no_slower_than_drawn(plan, unit_costs)
         return plan
     raise refused
+
+
+def _step_time(plan: StepPlan, unit_costs: dict[str, np.ndarray], sample_mb: np.ndarray,
+               sample_rank: np.ndarray, item_rank: dict[str, np.ndarray] | None) -> float:
+    """Predicted step time (as `compute_metrics` adds it up) of an assignment of `plan`'s
+    step: per phase, the slowest rank of each micro-batch, summed. `item_rank` None: every
+    encoder item where its sample runs."""
+    W, M = plan.topology.world_size, plan.num_microbatches
+    total = 0.0
+    for p in PHASES:
+        if p == LLM_PHASE:
+            load = np.bincount(sample_mb * W + sample_rank, weights=unit_costs[p],
+                               minlength=W * M)
+        else:
+            it = plan.inputs.items(p)
+            rank = sample_rank if item_rank is None else item_rank[p]
+            load = _slot_loads(np.ascontiguousarray(unit_costs[p], dtype=np.float64),
+                               np.ascontiguousarray(it.sample, dtype=np.int64),
+                               np.ascontiguousarray(sample_mb, dtype=np.int64),
+                               np.ascontiguousarray(rank, dtype=np.int64), item_rank is None,
+                               W, M)
+        total += float(load.reshape(M, W).max(axis=1).sum())
+    return total
+
+
+@kernel
+def _slot_loads(u, owner, sample_mb, rank, by_owner, W, M):
+    """Per (micro-batch, rank) slot, the cost of the units `u` there: unit i runs in its
+    owner's micro-batch, on rank[owner[i]] (`by_owner`: encoders where their sample runs)
+    or rank[i]; added in unit order (what np.bincount gives)."""
+    load = np.zeros(W * M)
+    for i in range(u.shape[0]):
+        s = owner[i]
+        load[sample_mb[s] * W + (rank[s] if by_owner else rank[i])] += u[i]
+    return load
+
+
+def _no_slower_than_drawn(plan: StepPlan, unit_costs: dict[str, np.ndarray]) -> StepPlan:
+    """`plan`, or the random baseline's assignment of its step (`baselines.plan_random`:
+    samples as drawn, encoders where their sample runs) where that is predicted faster and
+    holds the plan's capacities. A guard, O(samples + items): the split's bounds and the
+    placement are heuristics, and on a few near-equal samples a rank (seen: 9 samples within
+    5% on 4 ranks, 1.2% slower) the draw can pair them better."""
+    from .baselines import _as_drawn  # (baselines imports this module)
+
+    inp, topo, M = plan.inputs, plan.topology, plan.num_microbatches
+    W = topo.world_size
+    mb, rank = _as_drawn(inp.num_samples, W, M)
+    ours = _step_time(plan, unit_costs, plan.sample_mb, plan.sample_rank, plan.item_rank)
+    drawn = _step_time(plan, unit_costs, mb, rank, None)
+    if not drawn < ours * (1 - 1e-12):
+        return plan
+    item_rank = {p: rank[inp.items(p).sample] for p in ENCODER_PHASES}
+    if plan.llm_capacity is not None and np.bincount(
+            mb * W + rank, weights=inp.llm_len, minlength=W * M).max() > plan.llm_capacity:
+        return plan
+    for p, cap in plan.encoder_capacity.items():
+        it = inp.items(p)
+        tok = plan.cost.phase(p).padded_len(it.enc_len)
+        if len(it) and np.bincount(mb[it.sample] * W + item_rank[p], weights=tok,
+                                   minlength=W * M).max() > cap:
+            return plan
+    return StepPlan(
+        inputs=inp, topology=topo, num_microbatches=M, sample_mb=mb, sample_rank=rank,
+        item_rank=item_rank, cost=plan.cost, bytes_per_token=plan.bytes_per_token,
+        llm_capacity=plan.llm_capacity, encoder_capacity=plan.encoder_capacity,
+        isolated_microbatches=plan.isolated_microbatches,
+    )
 
 
 def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
@@ -621,21 +790,26 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
 
 def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInputs,
             config: PlannerConfig, M: int, W: int, rng: np.random.Generator,
-            llm_order: np.ndarray) -> Iterator[np.ndarray]:
+            llm_order: np.ndarray, units: tuple[np.ndarray, np.ndarray] | None = None
+            ) -> Iterator[np.ndarray]:
     """Micro-batch of each sample in `idx`, best first: the cost split if it fits the
     capacities (`_split_fits`); else the greedy split held to them (`_split_greedy` with
     shares, filling micro-batches to each of `_HELD_FILLS` in turn; the first and an LPT
     over all rank x micro-batch bins in order of their bound), the split without
     concentrating, and the split by capacity shares alone, each that fits and then, whatever
     fits, the last. `_plan_with` takes the first its ranks can hold. `llm_order`: positions
-    in `idx` by decreasing LLM cost (ties by position)."""
+    in `idx` by decreasing LLM cost (ties by position). `units`: `sample_unit_counts` of all
+    samples (the bounds then count whole units, and the whole-row split joins the held ones
+    where it fits; see `split_microbatches`)."""
     c, b = cost.take(idx, axis=1), big.take(idx, axis=1)  # C order: row sums 10x faster
+    u = None if units is None else (np.ascontiguousarray(units[0].take(idx, axis=1)),
+                                     np.ascontiguousarray(units[1].take(idx, axis=1)))
     # the greedy split's order of the samples: split_microbatches' greedy and the held ones
     # below take them in the same order
     greedy = _greedy_order(c, b, c.sum(axis=1) / (W * M), M, W) \
         if M > 1 and len(idx) and config.room_slack < 1 else None
     mb = split_microbatches(cost, big, idx, M, W, rng, slack=config.room_slack,
-                            greedy_order=greedy)
+                            greedy_order=greedy, units=units)
     share = raw = _capacity_shares(inputs, config, idx)
     if share.shape[1]:
         # Samples over half a capacity cannot share a rank's micro-batch: at most W of them
@@ -646,7 +820,7 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
         yield mb
         if not share.shape[1]:
             return
-    first = []
+    first, rows = [], None
     for fill in _HELD_FILLS:  # fuller micro-batches are harder to pack on ranks: less, then
         scaled = share * (_FILL / fill)
         if greedy is None:
@@ -666,7 +840,20 @@ def _splits(cost: np.ndarray, big: np.ndarray, idx: np.ndarray, inputs: StepInpu
             if all(np.bincount(bins, weights=raw[:, j], minlength=W * M).max() <= 1
                    for j in range(raw.shape[1])):
                 first.append(bins // W)
-            first.sort(key=lambda split: _split_bound(c, b, split, M, W))
+            bounds = [_split_bound(c, b, split, M, W, u) for split in first]
+            if u is not None and M > 1 and len(idx):
+                # the whole-row split, after those its bound ties; its exact fit is checked
+                # only when its turn comes (the ones before it seldom all fail)
+                rows = _split_rows(np.concatenate(greedy), M, W)
+                first.append(rows)
+                bounds.append(_split_bound(c, b, rows, M, W, u))
+            for k in np.argsort(bounds, kind="stable"):
+                if first[k] is rows and not (_split_fits(share, rows, M, W) or _rows_fit(
+                        inputs, config, idx, raw, rows, M, W)):
+                    continue
+                yield first[k]
+            first = []
+            continue
         yield from first
         first = []
     level = split_microbatches(cost, big, idx, M, W, rng, slack=1.0)
@@ -811,6 +998,26 @@ _FILL = 0.9
 #: The fills the capacity-held greedy split tries in turn, when its ranks cannot hold the
 #: previous one (bin packing of near-capacity samples can fail well under W x capacity).
 _HELD_FILLS = (0.9, 0.8, 0.7)
+
+
+def _rows_fit(inputs: StepInputs, config: PlannerConfig, idx: np.ndarray, raw: np.ndarray,
+              mb: np.ndarray, M: int, W: int) -> bool:
+    """Whether the ranks can hold the split exactly where `_split_fits`' room is too coarse
+    (near-equal samples of most of a capacity each, `_split_rows`): under an LLM capacity,
+    each micro-batch's samples pack under it (`_repack`, the packing `_place_microbatch`'s
+    repair falls back to, so placing it cannot fail on it), and the encoder capacities'
+    micro-batch totals within `_FILL` x W (`raw`: `_capacity_shares`)."""
+    if config.llm_capacity is None:
+        return False
+    if not _split_fits(raw[:, 1:], mb, M, W):
+        return False
+    tok = inputs.llm_len[idx].astype(np.float64)
+    cap = config.llm_capacity
+    # what no packing can beat first: W x capacity, and no two over half a capacity on a rank
+    if (np.bincount(mb, weights=tok, minlength=M).max() > W * cap
+            or np.bincount(mb[tok > cap / 2], minlength=M).max(initial=0) > W):
+        return False
+    return all(_repack(tok[mb == m], W, cap) is not None for m in range(M))
 
 
 def _split_fits(share: np.ndarray, mb: np.ndarray, M: int, W: int) -> bool:
