@@ -75,3 +75,20 @@ def test_a_synthetic_step_is_a_valid_multimodal_step():
 def test_warm_up_under_capacities_the_synthetic_step_exceeds_does_not_fail():
     warm_up(Topology(world_size=8, ranks_per_node=8),
             PlannerConfig(num_microbatches=2, llm_capacity=16))
+
+
+@pytest.mark.timeout(120)
+def test_a_services_warm_up_reaches_every_kernel_whatever_its_topology():
+    """warm_up planned synthetic steps at the job's own topology only: a one-node job never
+    reached the multi-node kernels, nor any job the capacity repair's, so a fresh machine
+    compiled them on a later step (375 ms to seconds after READY)."""
+    import subprocess
+    import sys
+
+    code = ("from dispatcher_server.planner import jit, PlannerConfig, Topology\n"
+            "from dispatcher_server.planner.warm import warm_up\n"
+            "warm_up(Topology(world_size=2, ranks_per_node=2), PlannerConfig(num_microbatches=1))\n"
+            "print(jit.not_run())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -31,9 +31,17 @@ def synthetic_step(num_samples: int, seed: int = 0) -> StepInputs:
 
 
 def warm_up(topology: Topology, config: PlannerConfig, samples_per_rank: int = 8) -> None:
-    """Plan synthetic steps at `topology` under `config`: every kernel its plans use is loaded
-    from numba's cache or compiled now (seconds on a fresh machine), not on step 0. A config
-    the synthetic steps do not fit (capacities below their samples) warms what ran."""
+    """Plan synthetic steps at `topology` under `config`, then, for the kernels those did not
+    reach (real steps reach more: a capacity repair, equal lengths, another node count), the
+    steps `warm_everything` plans: every kernel is loaded from numba's cache or compiled now
+    (seconds on a fresh machine), not on a later step. A config the synthetic steps do not
+    fit (capacities below their samples) warms what ran."""
+    _plan_synthetic(topology, config, samples_per_rank)
+    if jit.not_run():
+        _warm_all()
+
+
+def _plan_synthetic(topology: Topology, config: PlannerConfig, samples_per_rank: int) -> None:
     for seed in range(2):
         # The synthetic steps are no one's data: what they do not fit is neither an error nor
         # worth a warning (`oversize="isolate"` warns of each sample it isolates).
@@ -51,11 +59,15 @@ def warm_up(topology: Topology, config: PlannerConfig, samples_per_rank: int = 8
 def warm_everything() -> list[str]:
     """Every kernel loaded or compiled (`make install` and the data-node image fill numba's
     cache with it); returns the kernels still not reached (none, or a warm-up to extend)."""
+    _warm_all()
+    return jit.not_run()
+
+
+def _warm_all() -> None:
     for world in (8, 64):
         for factor in (None, DEFAULT_LLM_CAPACITY_FACTOR):
-            warm_up(Topology(world_size=world, ranks_per_node=8),
-                    PlannerConfig(num_microbatches=2, llm_capacity_factor=factor))
-    return jit.not_run()
+            _plan_synthetic(Topology(world_size=world, ranks_per_node=8),
+                            PlannerConfig(num_microbatches=2, llm_capacity_factor=factor), 8)
 
 
 if __name__ == "__main__":
