@@ -479,11 +479,7 @@ def test_a_failed_fetch_names_shards_without_their_credentials_and_a_reason_once
             assert "pw123" not in answer["message"] and "TOK123" not in answer["message"]
 
             reader = P.ReaderEndpoint(server.endpoint, "")
-            msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
-                                    readers=[list(reader)], microbatches=[
-                                        {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
-                                         "items": [["image", "k", "k.jpg", {}]],
-                                         "sizes": [len(ref)], P.HOLDERS: [0]}]))
+            msg = _one_item_step(ref, reader)
             fetcher = PayloadFetcher(decode=lambda m, f: f, out=None, config=FetchConfig(
                 timeout_s=20, attempts=3, backoff_min_s=0.01, backoff_max_s=0.05))
             fetcher.readers = [reader]
@@ -566,11 +562,7 @@ def test_a_slow_read_back_that_makes_progress_does_not_fail_the_trainer(small_sh
         server.servable = frozenset({url.encode()})
         reader = P.ReaderEndpoint(server.endpoint, "")
         ref = P.pack_ref(url.encode(), offset, size, 0)
-        msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
-                                readers=[list(reader)], microbatches=[
-                                    {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
-                                     "items": [["image", "k", "k.jpg", {}]],
-                                     "sizes": [len(ref)], P.HOLDERS: [0]}]))
+        msg = _one_item_step(ref, reader)
         fetcher = PayloadFetcher(decode=lambda m, f: f, out=None, config=FetchConfig(
             timeout_s=0.5, attempts=2, backoff_min_s=0.01, backoff_max_s=0.05))
         try:
@@ -580,3 +572,12 @@ def test_a_slow_read_back_that_makes_progress_does_not_fail_the_trainer(small_sh
             fetcher.close()
             server.close()
     assert bytes(views[0]) == member and fetcher.num_retries == 0
+
+
+def _one_item_step(ref: bytes, reader) -> P.Message:
+    """A decoded STEP of one micro-batch holding one image item, `ref`, held by `reader`."""
+    return P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+                             readers=[list(reader)], microbatches=[
+                                 {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
+                                  "items": [["image", "k", "k.jpg", {}]],
+                                  "sizes": [len(ref)], P.HOLDERS: [0]}]))
