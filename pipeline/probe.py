@@ -7,9 +7,10 @@ at start) and stops at the first usable sample. It classifies members only (no c
 usable member that later fails to count is the readers' `--errors` business, not the probe's.
 A source whose every shard the probe read whole without finding one sample (empty tars,
 zero-byte files, members with no key) is refused too: its readers would wait forever. So is a
-source naming a remote shard that is missing, denied to this host's credentials, or behind TLS
-that cannot be set up (`remote.NOT_RETRYABLE`): every reader would fail it the same way, and the
-job would lose its samples (a local path that does not exist is refused earlier, as listed).
+source naming a remote shard that does not exist (no such object or bucket): every reader would
+fail it the same way, and the job would lose its samples (a local path that does not exist is
+refused earlier, as listed). Access denied or TLS that fails may be this host's credentials or
+CA bundle alone, not the readers': those are warned of and left to the readers.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ProbeResult:
     suffixes: Counter = field(default_factory=Counter)  # every member by its extension
     ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
-    missing: list[tuple[str, str]] = field(default_factory=list)  # remote, failing for good: (shard, why)
+    missing: list[tuple[str, str]] = field(default_factory=list)  # remote, not found: (shard, why)
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
     of: int = 0  # shards the source lists
@@ -65,7 +66,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                  max_shards: int = 4, into: ProbeResult | None = None) -> ProbeResult:
     """Read the first shards of `urls` until a sample with a usable member turns up, or
     `max_samples` samples (default 64) or `max_shards` shards (default 4) were read; the
-    remote ones of the first `max_shards` left are opened only (missing or denied?).
+    remote ones of the first `max_shards` left are opened only (do they exist?).
 
     A shard that cannot be opened or breaks is noted in `unreadable` and the next one tried
     (the dispatcher's host may not see the shards its readers see; the readers report such
@@ -84,7 +85,9 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
             stream = open_shard(url, mapped=reader_config.map_shards)
         except (OSError, ValueError) as e:  # ValueError: a URL this host has no backend for
             result.unreadable.append((url, f"cannot open: {e}"))
-            if remote.scheme(url) and isinstance(e, remote.NOT_RETRYABLE):
+            # Not found is so on every host; denied or TLS may be this host's credentials or
+            # CA bundle alone (readers may hold others): those are warned of, not refused.
+            if remote.scheme(url) and isinstance(e, FileNotFoundError):
                 result.missing.append((url, str(e).removeprefix(f"shard {url!r}: ")))
             continue
         if seen_enough:
@@ -169,7 +172,7 @@ def _example(suffixes: list[str]) -> tuple[str, str, str]:
 
 def refusal(result: ProbeResult, source: str = "default") -> str | None:
     """The one-line refusal of a source in which no probed sample has a usable member, or that
-    holds no sample at all, or that names a remote shard failing for good, or None."""
+    holds no sample at all, or that names a remote shard that does not exist, or None."""
     if result.missing:
         url, why = result.missing[0]
         more = f" (and {len(result.missing) - 1} more shard(s) likewise)" if len(result.missing) > 1 else ""

@@ -376,9 +376,8 @@ def test_a_tls_failure_fails_at_once_naming_it_and_the_fix(small_shards, tmp_pat
         assert said.startswith("cannot open: TLS handshake failed (") and "use http://" in said, said
 
 
-@pytest.mark.parametrize(("status", "says"), [(404, "not found (HTTP 404 Not Found)"),
-                                              (403, "access denied (HTTP 403 Forbidden)")])
-def test_serve_refuses_a_remote_shard_missing_or_denied_in_one_line(small_shards, faulty, status, says):
+@pytest.mark.parametrize(("status", "says"), [(404, "not found (HTTP 404 Not Found)")])
+def test_serve_refuses_a_remote_shard_missing_in_one_line(small_shards, faulty, status, says):
     """A missing local path was refused at start, a missing object only warned about ("not
     probed") and left to the readers, whose job then stopped on an empty epoch naming no URL."""
     import subprocess
@@ -412,3 +411,18 @@ def test_a_shard_failing_for_a_while_is_not_refused_by_the_probe(small_shards, f
     handler.answers[name] = [503] * 1000
     result = probe_source([f"{base}/{name}"], ReaderConfig())
     assert result.unreadable and not result.missing and refusal(result) is None
+
+
+def test_a_shard_denied_to_the_dispatchers_host_is_left_to_the_readers(small_shards, faulty):
+    """Access denied may be this host's credentials alone (readers may hold others): not a
+    refusal, unlike an object that does not exist anywhere."""
+    from pipeline.probe import probe_source, refusal
+
+    base, handler = faulty
+    good, bad = (os.path.basename(p) for p in small_shards[:2])
+    handler.answers[bad] = [403] * 10
+    result = probe_source([f"{base}/{good}", f"{base}/{bad}"], ReaderConfig())
+    assert result.usable and not result.missing and refusal(result) is None
+    handler.answers[bad] = [404] * 10
+    result = probe_source([f"{base}/{good}", f"{base}/{bad}"], ReaderConfig())
+    assert result.missing and "not found" in refusal(result)
