@@ -450,3 +450,17 @@ def test_excl_sums_are_numpys_exclusive_sums_within_each_key(seed):
         seen[keys[i]] = want[i] + ints[i]
     got, used = group_excl_cumsum(keys, ints)
     assert np.array_equal(got, want) and np.array_equal(used, np.argsort(keys, kind="stable"))
+
+
+def test_an_isolate_warning_lists_a_few_samples_and_carries_them_all():
+    """It listed every sample index: a step of thousands logged a line as long, every step."""
+    from dispatcher_server.planner import OversizeWarning
+
+    L = np.full(32, 24000, dtype=np.int64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_step(StepInputs(text_len=L.copy(), llm_len=L.copy()), Topology(world_size=4, ranks_per_node=4),
+                  PlannerConfig(num_microbatches=2, llm_capacity=100, oversize="isolate"))
+    (w,) = [c.message for c in caught if isinstance(c.message, OversizeWarning)]
+    assert str(w).startswith("samples [0, 1, 2, 3, 4, 5, 6, 7, ... (32 in all)] exceed capacity")
+    assert w.samples == list(range(32))

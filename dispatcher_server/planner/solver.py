@@ -666,7 +666,9 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     idx = np.flatnonzero(regular)
     if len(oversize):
         extra = -(-len(oversize) // W)
-        warnings.warn(OversizeWarning(f"samples {oversize.tolist()} exceed capacity: each runs "
+        shown = oversize[:8].tolist()  # the warning carries them all; its line, a few
+        listed = str(shown) if len(oversize) <= 8 else f"{str(shown)[:-1]}, ... ({len(oversize)} in all)]"
+        warnings.warn(OversizeWarning(f"samples {listed} exceed capacity: each runs "
                                       f"alone on a rank in an extra micro-batch ({M} -> "
                                       f"{M + extra} micro-batches)", oversize.tolist()),
                       stacklevel=2)
