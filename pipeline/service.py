@@ -39,6 +39,7 @@ from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_g
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig, length_identity, placeholder_identity
+from pipeline import remote
 from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
@@ -177,6 +178,7 @@ class ReaderWorker:
         self.num_samples_sent = 0
         self.ended = False  # the dispatcher said the job is done
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
+        self._stall_warned = False
         # stated in HELLO, checked by the dispatcher; the template is the one just loaded
         self.inputs = input_rules(config.reader.counting, encoder.template if encoder else None)
         # Said in every HELLO: a reconnect of this worker replaces its earlier session at once
@@ -304,6 +306,7 @@ class ReaderWorker:
     def _assign(self, msg: P.Message) -> None:
         if not self._same_copy(msg):
             return
+        self._check_stall_timeout(msg["shard"])
         ref_path = None
         if self.payloads != "inline":
             ref_path = P.reference_path(msg["shard"], self.payloads).encode("utf-8", "surrogateescape")
@@ -331,6 +334,18 @@ class ReaderWorker:
                 records = self._within_frames(ahead.skip, a.stats, records)
         ahead.start(records)
         self.assignments.append(a)
+
+    def _check_stall_timeout(self, shard: str) -> None:
+        """Say once that a --stall-timeout shorter than a remote read's retries gives up a
+        remote shard on one hang the retries would ride out (the rest of it: shard_stalled)."""
+        stall_s = self.config.stall_s
+        if self._stall_warned or not stall_s or stall_s > remote.RETRY_S or not remote.scheme(shard):
+            return
+        self._stall_warned = True
+        log.warning("mmdispatch event=stall_timeout_short stall_timeout_s=%g remote_retry_s=%g "
+                    "fix='raise --stall-timeout above %g: a remote read retries for that long "
+                    "before it gives up, and a stall gives up the rest of the shard sooner'",
+                    stall_s, remote.RETRY_S, remote.RETRY_S)
 
     def _same_copy(self, msg: P.Message) -> bool:
         """Whether this node's copy of the assigned shard may be read: the dispatcher names the

@@ -426,3 +426,27 @@ def test_a_shard_denied_to_the_dispatchers_host_is_left_to_the_readers(small_sha
     handler.answers[bad] = [404] * 10
     result = probe_source([f"{base}/{good}", f"{base}/{bad}"], ReaderConfig())
     assert result.missing and "not found" in refusal(result)
+
+
+def test_a_stall_timeout_shorter_than_remote_retries_is_warned_of_once(caplog):
+    """A --stall-timeout under a remote read's retry time turned one transient hang into the
+    rest of the shard lost (shard_stalled), with no word about the mismatch."""
+    import logging
+
+    from pipeline import remote
+    from pipeline.service import ReaderServiceConfig, ReaderWorker
+
+    def warnings_for(stall_s: float, shards: list[str]) -> list[str]:
+        caplog.clear()
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:1", name="r",
+                                                  stall_s=stall_s))
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            for shard in shards:
+                worker._check_stall_timeout(shard)
+        return [r.getMessage() for r in caplog.records if "stall_timeout_short" in r.getMessage()]
+
+    short = remote.RETRY_S / 2
+    said = warnings_for(short, ["http://h/a.tar", "s3://b/c.tar", "http://h/d.tar"])
+    assert len(said) == 1 and f"stall_timeout_s={short:g}" in said[0] and "raise --stall-timeout" in said[0]
+    assert warnings_for(short, ["/data/a.tar", "pipe:cat a.tar"]) == []
+    assert warnings_for(remote.RETRY_S * 2, ["http://h/a.tar"]) == []
