@@ -561,9 +561,9 @@ def _unbindable(e: zmq.ZMQError, config: ServerConfig) -> str:
     machine lacks): one line naming the flag and its value. pyzmq adds the endpoint as
     `(addr='...')` to the error's text."""
     binds = (("--reader-bind", config.reader_bind), ("--trainer-bind", config.trainer_bind))
-    flag, addr = next(((f, a) for f, a in binds if repr(a) in str(e)), binds[0])
-    if len({a for _, a in binds}) == 1 or not any(repr(a) in str(e) for _, a in binds):
-        flag = "--reader-bind / --trainer-bind"
+    named = [(f, a) for f, a in binds if repr(a) in str(e)]  # both when the two are equal
+    flag, addr = (named[0] if len(named) == 1
+                  else ("--reader-bind / --trainer-bind", (named or binds)[0][1]))
     return (f"{flag} {addr!r} cannot be bound ({os.strerror(e.errno)}): give an address or "
             f"interface of this machine (tcp://0.0.0.0:PORT for every interface, "
             f"tcp://[::]:PORT for every IPv6 one, tcp://eth0:PORT for an interface by name)")
