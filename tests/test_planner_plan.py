@@ -464,3 +464,23 @@ def test_an_isolate_warning_lists_a_few_samples_and_carries_them_all():
     (w,) = [c.message for c in caught if isinstance(c.message, OversizeWarning)]
     assert str(w).startswith("samples [0, 1, 2, 3, 4, 5, 6, 7, ... (32 in all)] exceed capacity")
     assert w.samples == list(range(32))
+
+
+@pytest.mark.parametrize("n,M,want", [(32, 2, 8), (3, 2, 2), (4, 1, 1), (9, 2, 3)])
+def test_a_step_of_only_oversize_samples_leaves_no_regular_microbatch_empty(n, M, want):
+    """Every sample over capacity: they took M + ceil(n/W) micro-batches, the first M empty on
+    every rank (an empty collective round each); now they start at micro-batch 0, and the step
+    keeps at least M."""
+    L = np.full(n, 24000, dtype=np.int64)
+    inp = StepInputs(text_len=L.copy(), llm_len=L.copy())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_step(inp, Topology(world_size=4, ranks_per_node=2),
+                         PlannerConfig(num_microbatches=M, llm_capacity=100, oversize="isolate"))
+    validate(plan, inp)
+    assert plan.num_microbatches == want
+    used = -(-n // 4)
+    assert sorted(set(plan.sample_mb.tolist())) == list(range(used))
+    assert list(plan.isolated_microbatches) == list(range(used))
+    (w,) = [str(c.message) for c in caught if "exceed capacity" in str(c.message)]
+    assert f"({M} -> {want} micro-batches)" in w and "micro-batch 0" in w

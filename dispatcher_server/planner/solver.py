@@ -665,12 +665,13 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
     regular[oversize] = False
     idx = np.flatnonzero(regular)
     if len(oversize):
-        extra = -(-len(oversize) // W)
+        first, total = _isolated_span(len(oversize), len(idx), M, W)
         shown = oversize[:8].tolist()  # the warning carries them all; its line, a few
         listed = str(shown) if len(oversize) <= 8 else f"{str(shown)[:-1]}, ... ({len(oversize)} in all)]"
+        where = (f"in an extra micro-batch ({M} -> {total} micro-batches)" if first else
+                 f"from micro-batch 0, as no sample of the step fits ({M} -> {total} micro-batches)")
         warnings.warn(OversizeWarning(f"samples {listed} exceed capacity: each runs "
-                                      f"alone on a rank in an extra micro-batch ({M} -> "
-                                      f"{M + extra} micro-batches)", oversize.tolist()),
+                                      f"alone on a rank {where}", oversize.tolist()),
                       stacklevel=2)
     refused = None
     by_size = {p: _by_decreasing_size(unit_costs[p], inputs.items(p).enc_len) for p in
@@ -774,12 +775,13 @@ def _place_split(inputs: StepInputs, topology: Topology, config: PlannerConfig,
     regular samples' items, largest first (`_place_regular`)."""
     sample_rank, item_rank = _place_regular(inputs, topology, config, cost, unit_costs,
                                             sample_mb, regular, M, by_size)
-    isolated = np.arange(M, M + -(-len(oversize) // topology.world_size), dtype=np.int64)
+    first, total = _isolated_span(len(oversize), int(regular.sum()), M, topology.world_size)
+    isolated = np.arange(first, first + -(-len(oversize) // topology.world_size), dtype=np.int64)
     if len(oversize):
-        _place_isolated(inputs, topology, oversize, M, unit_costs, sample_mb, sample_rank,
+        _place_isolated(inputs, topology, oversize, first, unit_costs, sample_mb, sample_rank,
                         item_rank)
     plan = StepPlan(
-        inputs=inputs, topology=topology, num_microbatches=M + len(isolated),
+        inputs=inputs, topology=topology, num_microbatches=total,
         sample_mb=sample_mb, sample_rank=sample_rank, item_rank=item_rank, cost=config.cost,
         bytes_per_token={p: config.bytes_for(p) for p in ENCODER_PHASES},
         llm_capacity=config.llm_capacity, encoder_capacity=config.encoder_capacity,
@@ -1026,6 +1028,16 @@ def _split_fits(share: np.ndarray, mb: np.ndarray, M: int, W: int) -> bool:
     """Whether the split leaves every micro-batch's tokens comfortably under W x capacity."""
     return all(np.bincount(mb, weights=share[:, k], minlength=M).max(initial=0) <= _FILL * W
                for k in range(share.shape[1]))
+
+
+def _isolated_span(n_oversize: int, n_regular: int, M: int, W: int) -> tuple[int, int]:
+    """The first isolated micro-batch and the step's micro-batches: oversize samples fill
+    micro-batches of their own after the M regular ones, W to each; in a step where no sample
+    is regular, they take the first ones (M stays the least, as every step's)."""
+    extra = -(-n_oversize // W)
+    if n_regular == 0 and n_oversize:
+        return 0, max(M, extra)
+    return M, M + extra
 
 
 def _place_isolated(inputs, topology, oversize, first_mb, unit_costs, sample_mb, sample_rank,
