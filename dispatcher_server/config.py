@@ -260,8 +260,10 @@ class ServerConfig:
 
     def fingerprint(self) -> dict:
         """What the journal must have been written for: the sample sequence's inputs, and each
-        source's field map (it decides what is counted, so which samples are skipped)."""
+        source's field map (it decides what is counted, so which samples are skipped).
+        `shuffle_shards` is always recorded: a journal without it predates the check."""
         return {"shards": list(self.shards), "seed": self.seed, "mode": self.mode,
                 "global_batch": self.batch.global_batch, "token_budget": self.batch.token_budget,
-                "shuffle_buffer": self.shuffle_buffer, **self._mixed(), **self._sources_digest(),
+                "shuffle_buffer": self.shuffle_buffer, "shuffle_shards": self.shuffle_shards,
+                **self._sources_digest(),
                 "field_maps": {s.name: s.fields for s in self.sources if s.fields is not None}}

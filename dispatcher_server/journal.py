@@ -61,8 +61,8 @@ FINGERPRINT_FIELDS = ("shards", "seed", "mode", "global_batch", "token_budget")
 OPTIONAL_FINGERPRINT_FIELDS = ("shuffle_buffer", "sources")
 #: Recorded by journals since they were added, and compared only with a journal that has them
 #: (one written before resumes as it did): `field_maps`, each source's field map, which decides
-#: what is counted and so which samples are skipped.
-RECORDED_FINGERPRINT_FIELDS = ("field_maps",)
+#: what is counted and so which samples are skipped; `shuffle_shards`, which orders them.
+RECORDED_FINGERPRINT_FIELDS = ("field_maps", "shuffle_shards")
 
 
 class _OtherConfig(Exception):

@@ -1224,8 +1224,9 @@ class Dispatcher:
             return "rank", f"rank {rank} is outside [0, {W})"
         theirs = msg.get("dataset")
         if theirs is not None and (fields := differing(theirs, self.dataset)):
-            diff = ", ".join(f"{k}: checkpoint {theirs.get(k)!r}, dispatcher {self.dataset.get(k)!r}"
-                             for k in fields)
+            shown = {"shuffle_shards": 1}  # left out of a fingerprint where it is the default
+            diff = ", ".join(f"{k}: checkpoint {theirs.get(k, shown.get(k))!r}, "
+                             f"dispatcher {self.dataset.get(k, shown.get(k))!r}" for k in fields)
             return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
                                f"({diff}); restore a checkpoint of this job or start the "
                                "dispatcher with that job's settings")

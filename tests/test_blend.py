@@ -367,6 +367,7 @@ def test_shuffle_shards_opens_that_many_shards_and_is_part_of_the_fingerprint():
     assert config(shuffle_shards=6).windows == [6] and config().windows == [2]
     assert config(shuffle_shards=6).fingerprint() != config().fingerprint()
     assert "shuffle_shards" not in config().dataset_fingerprint()  # as before the option
+    assert config().fingerprint()["shuffle_shards"] == 1  # the journal's: recorded, so compared
     with pytest.raises(ValueError, match="shuffle_shards=4 applies to deterministic mode"):
         config(shuffle_shards=4, mode="arrival")
     with pytest.raises(ValueError, match="shuffle_buffer=0 turns the shuffle off"):

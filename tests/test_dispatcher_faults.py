@@ -554,6 +554,8 @@ def test_a_trainer_restored_from_another_dataset_is_refused_naming_the_differenc
         assert err["code"] == "dataset" and err["ack"] == seq
         assert "seed: checkpoint 7, dispatcher 0" in err["message"]
         assert all(s.ident is None for s in d.slots)  # refused before anything moved
+        _hello(peer, dataset=dict(d.dataset, shuffle_shards=3))  # a default is left out: said as 1
+        assert "shuffle_shards: checkpoint 3, dispatcher 1" in peer.expect(P.ERROR)["message"]
         _hello(peer, dataset=dict(d.dataset))
         welcome = peer.expect(P.WELCOME)
         assert welcome["dataset"] == d.dataset

@@ -871,3 +871,19 @@ def test_plan_settings_are_recorded_once_and_survive_a_reopen_and_a_checkpoint(t
         assert j.read_entry(2).settings == j.pending[2].settings
     finally:
         j.close()
+
+
+def test_a_changed_shuffle_shards_is_refused_both_ways_and_a_journal_from_before_resumes(tmp_path):
+    """`--shuffle-shards` orders the sample sequence, but the journal's check left it out: a
+    resume under another value went on with another sequence, as docs/datasets.md says it
+    must not. Journals now record it (the default 1 too); one without it predates the check."""
+    for was, now in ((1, 2), (2, 1), (2, 3)):
+        where = str(tmp_path / f"j{was}{now}")
+        j = Journal(where, _fp(shuffle_shards=was))
+        j.record_step(_entry(0))
+        j.close()
+        with pytest.raises(JournalError, match=rf"shuffle_shards: journal has {was}, config has {now}"):
+            Journal(where, _fp(shuffle_shards=now))
+        Journal(where, _fp(shuffle_shards=was)).close()
+    Journal(str(tmp_path / "old"), _fp()).close()  # written before journals recorded it
+    Journal(str(tmp_path / "old"), _fp(shuffle_shards=2)).close()
