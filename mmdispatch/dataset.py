@@ -95,6 +95,18 @@ def _describe(error: dict, path: str) -> str:
     return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
 
 
+def _beside(base: str, spec: str) -> str:
+    """A shard spec of the dataset file in folder `base`: a relative path (a `file:` URL's too,
+    and one with a colon in a name: `ts/2024-01-01T10:00.tar`) joined to it; an absolute path,
+    a remote URL or a `pipe:` command as written."""
+    if spec.startswith("pipe:") or "://" in spec:
+        return spec
+    if spec.startswith("file:"):
+        path = spec[len("file:"):]
+        return spec if os.path.isabs(path) else "file:" + os.path.join(base, path)
+    return spec if os.path.isabs(spec) else os.path.join(base, spec)
+
+
 def load_dataset(path: str) -> tuple[list[Source], int | None]:
     """The sources a dataset file names (shard specs expanded) and its shuffle buffer, if set.
     DatasetError (one line) for a file that cannot be used."""
@@ -128,8 +140,7 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
         # the home directory's, as in a shell (not a folder named `~` beside the file).
         base = os.path.dirname(os.path.abspath(path))
         specs = [os.path.expanduser(s) if s.startswith("~") else s for s in specs]
-        specs = [os.path.join(base, s) if ":" not in s and not os.path.isabs(s) else s
-                 for s in specs]
+        specs = [_beside(base, s) for s in specs]
         try:
             shards = expand_shards(specs)
         except (ValueError, OSError) as e:

@@ -99,8 +99,11 @@ def _check_suffix(path: str, spec: str, local: bool = True) -> None:
         fix = _compression_fix(path, local)
         if fix is not None:
             raise ValueError(f"shard {path!r} (from spec {spec!r}) {fix}")
+        listed = (" (a file listing shards is not read: give the shards as a glob, a {000..099} "
+                  "range or their directory, or in a --dataset file)"
+                  if path.lower().endswith((".txt", ".lst", ".list")) else "")
         raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES} "
-                         f"(in any case)")
+                         f"(in any case){listed}")
 
 
 def _file_kind(mode: int) -> str:

@@ -57,6 +57,27 @@ shards = ["speech.tar"]
     assert sources[1].fields is None
 
 
+
+def test_relative_file_urls_and_names_with_a_colon_are_relative_to_the_dataset_file(tmp_path, monkeypatch):
+    """Only specs without a colon were joined to the file's folder: `file:a/x.tar` and
+    `ts/2024-01-01T10:00.tar` were read from the working directory, where a file of the same
+    name was served in their place without a word."""
+    data, cwd = tmp_path / "data", tmp_path / "cwd"
+    for root in (data, cwd):
+        (root / "a").mkdir(parents=True)
+        (root / "ts").mkdir()
+        (root / "a" / "x.tar").write_bytes(b"")
+        (root / "ts" / "2024-01-01T10:00.tar").write_bytes(b"")
+    path = _write(data, f"""
+[[sources]]
+name = "s"
+shards = ["file:a/x.tar", "ts/2024-01-01T10:00.tar", "pipe:cat x.tar"]
+""")
+    monkeypatch.chdir(cwd)
+    sources, _ = load_dataset(path)
+    assert sources[0].shards == [f"file:{data / 'a' / 'x.tar'}", str(data / "ts" / "2024-01-01T10:00.tar"),
+                                 "pipe:cat x.tar"]
+
 @pytest.mark.parametrize("body,message", [
     ('[[sources]]\nname = "a"\nshards = "x.tar"\nwieght = 2\n',
      r"sources\[0\]\.wieght: unknown key \(allowed here: name, shards, weight, fields\)"),
