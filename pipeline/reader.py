@@ -384,6 +384,10 @@ class SampleBuilder:
             fields = self.config.counting.text.json_fields
             why = (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "
                    f"{', '.join(fields)} (see --json-field)") if no_text else ""
+            unmapped = sorted(s for s in members if self.classify(s)[0] is None)
+            if unmapped:
+                why += (f"; no kind of the field map names {', '.join(map(repr, unmapped))} (map "
+                        "them in the dataset file's [sources.fields], or `inspect --map`)")
             raise CountError("empty_sample",
                              f"no countable text, image, video or audio among members {sorted(members)}{why}")
         whole = text_len

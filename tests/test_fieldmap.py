@@ -87,6 +87,8 @@ def test_reader_classifies_by_the_field_map(tmp_path):
     assert [r.key for r in recs] == ["k1"]
     assert default_stats.by_reason == {"empty_sample": 1}
     assert default_stats.ignored_members == {"tif": 1, "caption": 1, "cls": 1}
+    (reason, _, key, message), = default_stats.recent  # the skip says what to map
+    assert key == "k0" and "no kind of the field map names 'caption', 'cls', 'tif'" in message
 
     fm = FieldMap.from_dict({"image": ["tif"], "text": ["txt", "caption"], "conversation": []})
     stats = ErrorStats()
