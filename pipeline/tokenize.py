@@ -6,8 +6,9 @@ planned text length is exact by construction. Two tokenizers: an HF `tokenizers`
 rendered through a jinja2 chat template (HF's convention, with the context transformers'
 `apply_chat_template` gives it) and tokenized whole; each turn is located by rendering the
 conversation turn by turn (or, for templates that rewrite earlier turns once later ones follow,
-by locating each assistant content in the whole rendering), and a token is a target when its
-character span covers assistant text.
+by locating each assistant content in the whole rendering; for templates that mark it with
+`{% generation %}`, by those marks), and a token is a target when its character span covers
+assistant text.
 """
 
 from __future__ import annotations
@@ -41,12 +42,25 @@ CHATML = (
 BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
 #: ShareGPT role names (`from`) and the chat-template roles they stand for.
 ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant", "chatgpt": "assistant",
-                                "bot": "assistant", "model": "assistant"}  # model: Gemini's
+                                "bot": "assistant", "model": "assistant",  # model: Gemini's
+                                # LLaMA-Factory's ShareGPT tool use: the model's call, its result
+                                "function_call": "assistant", "observation": "tool"}
 ASSISTANT = "assistant"
 #: Stands for an assistant turn's content while locating it in the rendered turn: letters only,
 #: so that what templates do to content (Llama 3's and Gemma's `| trim`, which also strips
 #: control characters such as \x1e) leaves it whole.
 _SENTINEL = "MMDISPATCHxASSISTANTxCONTENTxSENTINEL"
+#: Stands for an assistant turn's `reasoning_content` (Qwen3's, DeepSeek-R1's) the same way.
+_REASONING_SENTINEL = "MMDISPATCHxASSISTANTxREASONINGxSENTINEL"
+#: Where a turn's reasoning opens: its trained span starts at this tag when the rendering has it
+#: right before the reasoning (the model generates the tag, as SFT trainers train it).
+_THINK = "<think>"
+#: Wrap each `{% generation %}` block's output in the tracked render (`generation_segments`):
+#: letters only, so no whitespace control or escaping changes them.
+_GENERATION_BEGIN = "MMDISPATCHxGENERATIONxBEGIN"
+_GENERATION_END = "MMDISPATCHxGENERATIONxEND"
+#: The render context variable that switches the wrapping on: the list of blocks rendered.
+_GENERATION_TRACK = "_mmdispatch_generation_blocks"
 
 
 #: Role sequences whose marker cut a template keeps (`ChatTemplate._from_skeleton`).
@@ -256,7 +270,9 @@ def special_tokens(config: dict) -> dict:
 
 def _generation_extension():
     """transformers' `{% generation %}...{% endgeneration %}` tag (its assistant-token mask):
-    rendered as its body, so templates that use it parse here too."""
+    rendered as its body; in a render whose context holds a `_GENERATION_TRACK` list, the body
+    is also wrapped in the `_GENERATION_*` markers and counted there, so that the one rendering
+    says where each block's text lands (`ChatTemplate.generation_segments`)."""
     from jinja2 import nodes
     from jinja2.ext import Extension
 
@@ -266,7 +282,16 @@ def _generation_extension():
         def parse(self, parser):
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
+            call = self.call_method("_block", [nodes.ContextReference()], lineno=lineno)
+            return nodes.CallBlock(call, [], [], body, lineno=lineno)
+
+        def _block(self, context, caller):
+            text = caller()
+            blocks = context.get(_GENERATION_TRACK)
+            if not isinstance(blocks, list):
+                return text
+            blocks.append(len(text))
+            return _GENERATION_BEGIN + text + _GENERATION_END
 
     return Generation
 
@@ -294,9 +319,14 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson  # as transformers renders it: not HTML-escaped
         try:
-            self.template = env.from_string(source)
+            tree = env.parse(source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
+        self.template = env.from_string(tree)
+        # A template that marks what the model generates is cut by its marks, not by its turns.
+        self.generation = any(isinstance(block.call.node, jinja2.nodes.ExtensionAttribute)
+                              and block.call.node.name == "_block"
+                              for block in tree.find_all(jinja2.nodes.CallBlock))
         self.specials = {"bos_token": bos_token, "eos_token": eos_token, **(specials or {})}
         self._skeletons: dict[tuple, list | None] = {}  # roles -> cut with marker contents
 
@@ -310,12 +340,13 @@ class ChatTemplate:
         return "sha256:" + hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     def render(self, messages: list[dict], tools: list | None = None,
-               documents: list | None = None) -> str:
+               documents: list | None = None, **extra) -> str:
+        """The conversation's text (`extra`: more context, such as `_GENERATION_TRACK`)."""
         import jinja2
 
         try:
             return self.template.render(messages=messages, tools=tools, documents=documents,
-                                        add_generation_prompt=False, **self.specials)
+                                        add_generation_prompt=False, **self.specials, **extra)
         except ChatTemplateError as e:
             raise ChatTemplateError(f"chat template {self.name!r} refuses the conversation: {e}") from None
         except jinja2.TemplateError as e:
@@ -328,16 +359,21 @@ class ChatTemplate:
                  tools: list | None = None, documents: list | None = None) -> list[tuple[str, int]]:
         """The rendered conversation cut into (text, mask) pieces whose texts concatenate to
         `render(messages)`. An assistant turn is its header (mask 0), then its content and the
-        template's end-of-turn text after it (mask 1); every other piece has mask 0, as has an
-        assistant turn whose `trained` entry is False (ShareGPT's per-turn weight 0).
+        template's end-of-turn text after it (mask 1), from the `<think>` tag that opens its
+        reasoning where the rendering has one (reasoning in the content or in a
+        `reasoning_content` field alike); every other piece has mask 0, as has an assistant turn
+        whose `trained` entry is False (ShareGPT's per-turn weight 0).
 
         A template whose text for earlier turns changes once later turns follow (Qwen3 drops
         past reasoning, Mistral v0.3 moves the system text into the last user turn) cannot be
         cut turn by turn: it is rendered whole and each assistant content located in it
-        (`aligned_segments`)."""
+        (`aligned_segments`). A template that marks what the model generates with
+        `{% generation %}` is cut by those marks alone (`generation_segments`)."""
         ctx = {"tools": tools, "documents": documents}
         if self.chatml:
             return _chatml_segments([_joined(t) for t in messages], trained)
+        if self.generation:
+            return self.generation_segments(messages, trained, **ctx)
         if tools is None and documents is None:
             cut = self._from_skeleton(messages, trained)
             if cut is not None:
@@ -390,11 +426,46 @@ class ChatTemplate:
         index = {m: k for k, m in enumerate(markers)}
         return [([index.get(p, p) for p in split.split(text) if p], mask) for text, mask in cut]
 
+    def generation_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,
+                            tools: list | None = None, documents: list | None = None
+                            ) -> list[tuple[str, int]]:
+        """`segments` of a template that marks the text the model generates with `{% generation
+        %}...{% endgeneration %}` (transformers' `return_assistant_tokens_mask`): one rendering,
+        each block's text wrapped in markers that are then taken out; mask 1 on exactly the
+        blocks' text, 0 elsewhere. Where some assistant turn is untrained, the blocks must be
+        one per assistant turn (the k-th block is the k-th assistant turn's), and an untrained
+        turn's block has mask 0. ChatTemplateError when a text holds a marker, blocks nest or
+        their output is not written where rendered, or the blocks do not pair with the turns."""
+        blocks: list[int] = []  # each rendered block's length, in rendering order
+        raw = self.render(messages, tools, documents, **{_GENERATION_TRACK: blocks})
+        pieces = re.split(f"({_GENERATION_BEGIN}|{_GENERATION_END})", raw)
+        texts, marks = pieces[0::2], pieces[1::2]
+        if (marks != [_GENERATION_BEGIN, _GENERATION_END] * len(blocks)
+                or [len(t) for t in texts[1::2]] != blocks):
+            raise ChatTemplateError(f"chat template {self.name!r}: cannot place its {{% generation %}} "
+                                    f"blocks in the rendering exactly (a text holds {_GENERATION_BEGIN!r} "
+                                    "or its end, or blocks nest or are not written out), so the mask "
+                                    "would be a guess")
+        turns = [k for k, t in enumerate(messages) if t["role"] == ASSISTANT]
+        untrained: set[int] = set()  # blocks of untrained turns
+        if trained is not None and not all(trained[k] for k in turns):
+            if len(blocks) != len(turns):
+                raise ChatTemplateError(f"chat template {self.name!r} renders {len(blocks)} {{% generation "
+                                        f"%}} blocks for {len(turns)} assistant turns, so which block "
+                                        "is the untrained (weight 0) turn's would be a guess")
+            untrained = {b for b, k in enumerate(turns) if not trained[k]}
+        out = [(texts[0], 0)]
+        for b in range(len(blocks)):
+            out += [(texts[2 * b + 1], int(b not in untrained)), (texts[2 * b + 2], 0)]
+        return [(t, m) for t, m in out if t]
+
     def rendered_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,
                           tools: list | None = None, documents: list | None = None
                           ) -> list[tuple[str, int]]:
         """`segments` for any template: each turn's text is what rendering the conversation up
-        to it adds, and an assistant turn's content is located by rendering a sentinel in it."""
+        to it adds, and an assistant turn's targets are located by rendering sentinels for its
+        content and its `reasoning_content`: from the first sentinel (or the `<think>` tag just
+        before the reasoning) to the turn's end."""
         out: list[tuple[str, int]] = []
         prev = ""
         for k, turn in enumerate(messages):
@@ -406,9 +477,17 @@ class ChatTemplate:
             if turn["role"] != ASSISTANT or (trained is not None and not trained[k]):
                 out.append((seg, 0))
                 continue
-            probe = self.render([*messages[:k], {**turn, "content": _SENTINEL}], tools, documents)
+            probe_turn = {**turn, "content": _SENTINEL}
+            if _has_text(turn.get("reasoning_content")):
+                probe_turn["reasoning_content"] = _REASONING_SENTINEL
+            probe = self.render([*messages[:k], probe_turn], tools, documents)
             at = probe.find(_SENTINEL, len(before)) if probe.startswith(before) else -1
-            head, tail = probe[len(before):at], probe[at + len(_SENTINEL):]
+            think = probe.find(_REASONING_SENTINEL, len(before)) if at >= 0 else -1
+            start, end = at, at + len(_SENTINEL)
+            if think >= 0:
+                start = min(start, _think_start(probe, think, len(before)))
+                end = max(end, think + len(_REASONING_SENTINEL))
+            head, tail = probe[len(before):start], probe[end:]
             if at < 0 or not (seg.startswith(head) and seg.endswith(tail) and len(head) + len(tail) <= len(seg)):
                 raise ChatTemplateError(f"chat template {self.name!r}: cannot locate assistant turn "
                                         f"{k}'s content in its rendering, so its mask would be a guess")
@@ -419,28 +498,30 @@ class ChatTemplate:
                          tools: list | None = None, documents: list | None = None
                          ) -> list[tuple[str, int]]:
         """`segments` from one rendering of the whole conversation: the conversation is also
-        rendered with each trained assistant content's text (its reasoning and its answer,
-        when it holds `<think>...</think>`; each text part of a content list) replaced by a
-        marker, and the real rendering must equal that one with the marker texts put back
-        (stripped of edge whitespace: templates trim); the marked texts, from a turn's first to
-        its last, are its targets, with the end-of-turn text the template writes after the
-        turn when it ends the conversation, where exactly that text follows. An assistant
-        turn of tool calls alone is its tool-call text, which must occur once between its
-        neighbours. `_NotAligned` when no such cut exists."""
+        rendered with each trained assistant turn's texts (its content, or its reasoning and
+        answer when it holds `<think>...</think>`; each text part of a content list; its
+        `reasoning_content`) replaced by markers, and the real rendering must equal that one
+        with the marker texts put back (stripped of edge whitespace: templates trim); the
+        marked texts, from a turn's first to its last, are its targets, from the `<think>` tag
+        right before its reasoning where there is one, and with what the template writes after
+        the last one when the turn ends the conversation (its tool calls, its end of turn),
+        where exactly that text follows. An assistant turn of tool calls alone is its tool-call
+        text, located between its located neighbours: once there, or as many times as there
+        are such turns with that same text, which then take the occurrences in order (a
+        repeated call); reasoning may be left out (Qwen3 drops past reasoning), any other
+        text may not. `_NotAligned` when no such cut exists."""
         rendered = self.render(messages, tools, documents)
         marked = list(messages)
         marks: dict[int, list[tuple[str, str, str, str]]] = {}  # turn -> (marker, text, edge spaces)
         for k, turn in enumerate(messages):
             if turn["role"] != ASSISTANT or (trained is not None and not trained[k]):
                 continue
-            content, found = _marked_content(turn.get("content"), k)
-            marks[k] = found
-            if found:
-                marked[k] = {**turn, "content": content}
+            marked[k], marks[k] = _marked_turn(turn, k)
         skeleton = self.render(marked, tools, documents)
         names = {m: (k, text, left) for k, found in marks.items() for m, text, left, _ in found}
         pieces = re.split("(" + "|".join(map(re.escape, names)) + ")", skeleton) if names else [skeleton]
         spans: dict[int, list[int]] = {}  # turn -> [start, end) of its marked texts in `rendered`
+        last: dict[int, str] = {}  # turn -> the marker it ends with in the rendering
         at = 0
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
@@ -453,7 +534,10 @@ class ChatTemplate:
             if not rendered.startswith(text, at):
                 raise _NotAligned(f"cannot locate assistant turn {k}'s content (as rendered)")
             start = at - len(left) if left and rendered.startswith(left, at - len(left)) else at
+            if k not in spans and piece.endswith("xREASONING"):
+                start = _think_start(rendered, start, at - len(pieces[i - 1]))
             spans[k] = [min(spans.get(k, [start])[0], start), at + len(text)]
+            last[k] = piece
             at += len(text)
         if at != len(rendered):
             raise _NotAligned("the rendering is longer than its parts")
@@ -464,22 +548,32 @@ class ChatTemplate:
             main = [m for m, _, _, _ in found if not m.endswith("xREASONING")]  # may be dropped
             if any(m not in seen for m in main):
                 raise _NotAligned(f"the template leaves out assistant turn {k}'s content")
+        calls: dict[int, str] = {}  # turn of tool calls alone -> its tool-call text
+        for k in marks:
+            if k not in spans and messages[k].get("tool_calls"):
+                calls[k] = self._turn_tail(messages, k, {**messages[k], "content": _SENTINEL},
+                                           _SENTINEL, tools, documents)
         cuts: list[tuple[int, int]] = []
         cursor = 0
         for k in sorted(marks):
-            tail = self._turn_tail(messages, k, tools, documents)
             if k in spans:
                 start, end = spans[k]
-                right = marks[k][-1][3]  # the content's trailing space, where the template keeps it
-                if right and rendered.startswith(right + tail, end):
-                    end += len(right)
-                if tail and rendered.startswith(tail, end):
-                    end += len(tail)
-            elif messages[k].get("tool_calls") and tail:
-                bound = min((s for j, (s, _) in spans.items() if j > k), default=len(rendered))
+                after = self._turn_tail(messages, k, marked[k], last[k], tools, documents)
+                if after and rendered.startswith(after, end):
+                    end += len(after)
+            elif calls.get(k):
+                tail = calls[k]
+                later = min((j for j in spans if j > k), default=None)
+                bound = len(rendered) if later is None else spans[later][0]
+                # Identical calls (a retry, a poll) before the next located turn take the text's
+                # occurrences there in order, when there are exactly as many: else one may be
+                # a quote (in a tool result, a user turn) and which is the call would be a guess.
+                same = sum(1 for j, text in calls.items() if k <= j and (later is None or j < later)
+                           and text == tail)
                 start = rendered.find(tail, cursor, bound)
-                if start < 0 or rendered.find(tail, start + 1, bound) >= 0:
-                    raise _NotAligned(f"cannot locate assistant turn {k}'s tool calls once")
+                if start < 0 or _occurrences(rendered, tail, cursor, bound) != same:
+                    raise _NotAligned(f"cannot locate assistant turn {k}'s tool calls once (or once "
+                                      "for each turn of the same calls)")
                 end = start + len(tail)
             else:
                 raise _NotAligned(f"assistant turn {k} has no content to locate")
@@ -495,51 +589,79 @@ class ChatTemplate:
         out.append((rendered[at:], 0))
         return [(t, m) for t, m in out if t]
 
-    def _turn_tail(self, messages: list[dict], k: int, tools: list | None, documents: list | None) -> str:
-        """What the template writes after assistant turn `k`'s content when that turn ends the
-        conversation (its tool calls, its end-of-turn text); "" if that rendering fails."""
+    def _turn_tail(self, messages: list[dict], k: int, turn: dict, marker: str, tools: list | None,
+                   documents: list | None) -> str:
+        """What the template writes after `marker` in `turn` (assistant turn `k`, with `marker`
+        in its texts) when that turn ends the conversation (the rest of its texts, its tool
+        calls, its end-of-turn text); "" if that rendering fails."""
         try:
-            probe = self.render([*messages[:k], {**messages[k], "content": _SENTINEL}], tools, documents)
+            probe = self.render([*messages[:k], turn], tools, documents)
         except ChatTemplateError:
             return ""
-        at = probe.rfind(_SENTINEL)
-        return probe[at + len(_SENTINEL):] if at >= 0 else ""
+        at = probe.rfind(marker)
+        return probe[at + len(marker):] if at >= 0 else ""
 
 
 class _NotAligned(Exception):
     """A conversation whose whole rendering cannot be cut into turns exactly (why, in words)."""
 
 
-def _marked_content(content: object, k: int) -> tuple[object, list[tuple[str, str, str, str]]]:
-    """`content` with each text to locate replaced by a marker that keeps its edge whitespace,
-    and the (marker, text, left and right whitespace) replaced: a string's text, or its
+def _has_text(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _think_start(text: str, at: int, floor: int) -> int:
+    """Where reasoning starting at `at` in `text` is trained from: the `<think>` tag right
+    before it (whitespace between), where there is one after `floor`; else `at`."""
+    tag = len(text[floor:at].rstrip()) + floor - len(_THINK)
+    return tag if tag >= floor and text.startswith(_THINK, tag) else at
+
+
+def _occurrences(text: str, sub: str, start: int, end: int) -> int:
+    """How many times `sub` occurs in `text[start:end]`, overlapping ones included."""
+    count, at = 0, text.find(sub, start, end)
+    while at >= 0:
+        count, at = count + 1, text.find(sub, at + 1, end)
+    return count
+
+
+def _mark(text: str, k: int, part: str, found: list[tuple[str, str, str, str]]) -> str:
+    """`text` with its core replaced by a marker that keeps its edge whitespace, recorded in
+    `found` as (marker, core, left and right whitespace); a blank text as it is."""
+    core = text.strip()
+    if not core:
+        return text
+    left = text[: len(text) - len(text.lstrip())]
+    right = text[len(left) + len(core):]
+    marker = f"MMDISPATCHx{k}x{len(found)}x{part}"
+    found.append((marker, core, left, right))
+    return left + marker + right
+
+
+def _marked_turn(turn: dict, k: int) -> tuple[dict, list[tuple[str, str, str, str]]]:
+    """Assistant turn `k` with its texts to locate marked (`_mark`), and what was marked: its
+    `reasoning_content` (Qwen3's, DeepSeek-R1's), then its content: a string's text, or its
     reasoning and answer around `</think>`, or each text part of a content list."""
     found: list[tuple[str, str, str, str]] = []
-
-    def mark(text: str, part: str) -> str:
-        core = text.strip()
-        if not core:
-            return text
-        left = text[: len(text) - len(text.lstrip())]
-        right = text[len(left) + len(core):]
-        marker = f"MMDISPATCHx{k}x{len(found)}x{part}"
-        found.append((marker, core, left, right))
-        return left + marker + right
-
+    out = dict(turn)
+    if isinstance(turn.get("reasoning_content"), str):
+        out["reasoning_content"] = _mark(turn["reasoning_content"], k, "REASONING", found)
+    content = turn.get("content")
     if isinstance(content, str):
         end = content.rfind("</think>")
-        begin = content.rfind("<think>", 0, end) if end >= 0 else -1
+        begin = content.rfind(_THINK, 0, end) if end >= 0 else -1
         if begin >= 0:
-            head = content[: begin + len("<think>")]
-            reasoning = mark(content[len(head):end], "REASONING")
-            return head + reasoning + "</think>" + mark(content[end + len("</think>"):], "ANSWER"), found
-        return mark(content, "CONTENT"), found
-    if isinstance(content, list):
-        parts = [{**p, "text": mark(p["text"], "PART")}
-                 if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) else p
-                 for p in content]
-        return parts, found
-    return content, found
+            head = content[: begin + len(_THINK)]
+            reasoning = _mark(content[len(head):end], k, "REASONING", found)
+            out["content"] = head + reasoning + "</think>" + _mark(content[end + len("</think>"):], k,
+                                                                  "ANSWER", found)
+        else:
+            out["content"] = _mark(content, k, "CONTENT", found)
+    elif isinstance(content, list):
+        out["content"] = [{**p, "text": _mark(p["text"], k, "PART", found)}
+                          if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                          else p for p in content]
+    return out, found
 
 
 def _joined(turn: dict) -> dict:

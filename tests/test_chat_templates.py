@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.counting import CountError, Counter, CountingConfig, TextConfig
-from pipeline.tokenize import ChatTemplateError, TextEncoder, resolve_chat_template
+from pipeline.tokenize import ChatTemplate, ChatTemplateError, TextEncoder, resolve_chat_template
 
 tokenizers = pytest.importorskip("tokenizers")
 
@@ -390,7 +390,8 @@ def test_a_turns_other_fields_reach_the_template(tmp_path, tokenizer_file):
     got = counter.text(json.dumps(turns).encode(), "json", "m")
     hf = tokenizers.Tokenizer.from_file(tokenizer_file)
     assert "think about it" in hf.decode(got.ids.tolist(), skip_special_tokens=False)
-    _check(counter.encoder, tokenizer_file, QWEN3, turns, {}, ["42.<|im_end|>\n"])
+    _check(counter.encoder, tokenizer_file, QWEN3, turns, {},
+           ["<think>\nthink about it\n</think>\n\n42.<|im_end|>\n"])
 
 
 def test_strftime_now_renders_todays_date(tmp_path, tokenizer_file):
@@ -436,9 +437,9 @@ def test_qwen3_multi_turn_and_reasoning_replies_are_rendered_and_masked(tmp_path
              {"role": "assistant", "content": "<think>think about it</think>the answer is 42."}]
     # The earlier reply's reasoning is dropped by the template; the last one's is rendered.
     _check(enc, tokenizer_file, QWEN3, multi, {},
-           ["a cat.<|im_end|>\n", "think about it\n</think>\n\nthe answer is 42.<|im_end|>\n"])
+           ["a cat.<|im_end|>\n", "<think>\nthink about it\n</think>\n\nthe answer is 42.<|im_end|>\n"])
     one = multi[:3]
-    _check(enc, tokenizer_file, QWEN3, one, {}, ["\nlook\n</think>\n\na cat.<|im_end|>\n"])
+    _check(enc, tokenizer_file, QWEN3, one, {}, ["<think>\nlook\n</think>\n\na cat.<|im_end|>\n"])
     plain = [multi[1], {"role": "assistant", "content": "a cat."}, multi[3], {"role": "assistant", "content": "42"}]
     _check(enc, tokenizer_file, QWEN3, plain, {}, ["a cat.<|im_end|>\n", "42<|im_end|>\n"])
 
@@ -456,6 +457,91 @@ def test_qwen25_parallel_tool_results_and_tool_call_turns_are_rendered_and_maske
     _check(enc, tokenizer_file, QWEN25, turns, {},
            [calls * 2 + "<|im_end|>\n", "Paris is sunny" + calls + "<|im_end|>\n",
             "weather in Paris is sunny<|im_end|>\n"])
+
+
+def test_reasoning_in_a_reasoning_content_field_is_trained_as_inline_reasoning(tmp_path, tokenizer_file):
+    """Qwen3 renders `reasoning_content` as it renders `<think>` in the content: the same ids
+    took a mask without the reasoning (only the answer), and either form's mask began after
+    the `<think>` tag, which the model generates."""
+    enc = TextEncoder.load(_model_dir(tmp_path, tokenizer_file, QWEN3))
+    call = {"type": "function", "function": {"name": "get", "arguments": {"q": "Paris"}}}
+    inline = [{"role": "user", "content": "what is in the image?"},
+              {"role": "assistant", "content": "<think>\nlook\n</think>\n\na cat."},
+              {"role": "user", "content": "and 6*7?"},
+              {"role": "assistant", "content": "<think>\nthink about it\n</think>\n\n", "tool_calls": [call]},
+              {"role": "tool", "content": "sunny"},
+              {"role": "assistant", "content": "<think>\nit is sunny\n</think>\n\nthe answer is 42."}]
+    field = [{**t, "content": t["content"].split("</think>\n\n")[-1],
+              "reasoning_content": t["content"].split("\n")[1]} if "<think>" in t["content"] else t
+             for t in inline]
+    targets = ["a cat.<|im_end|>\n",  # the template drops reasoning before the last user turn
+               '<think>\nthink about it\n</think>\n\n<tool_call>\n{"name": "get", "arguments": '
+               '{"q": "Paris"}}\n</tool_call><|im_end|>\n',
+               "<think>\nit is sunny\n</think>\n\nthe answer is 42.<|im_end|>\n"]
+    for turns in (inline, field, inline[:2], field[:2]):
+        want = targets if len(turns) > 2 else ["<think>\nlook\n</think>\n\na cat.<|im_end|>\n"]
+        _check(enc, tokenizer_file, QWEN3, turns, {}, want)
+    assert enc.conversation(field).mask.tolist() == enc.conversation(inline).mask.tolist()
+
+
+def test_a_repeated_tool_call_takes_its_occurrences_in_order(tmp_path, tokenizer_file):
+    """Two identical tool-call turns (a poll, a retry) were refused, the call text occurring
+    twice between the located turns; a quote of it elsewhere still leaves no exact mask."""
+    enc = TextEncoder.load(_model_dir(tmp_path, tokenizer_file, QWEN25))
+    call = {"type": "function", "function": {"name": "get", "arguments": {"q": "Paris"}}}
+    other = {"type": "function", "function": {"name": "get", "arguments": {"q": "Rome"}}}
+    turns = [{"role": "user", "content": "weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "wait"},
+             {"role": "assistant", "content": "", "tool_calls": [other]}, {"role": "tool", "content": "rain"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "sunny"},
+             {"role": "assistant", "content": "weather in Paris is sunny"}]
+    text = '\n<tool_call>\n{"name": "get", "arguments": {"q": "%s"}}\n</tool_call><|im_end|>\n'
+    _check(enc, tokenizer_file, QWEN25, turns, {},
+           [text % "Paris", text % "Rome", text % "Paris", "weather in Paris is sunny<|im_end|>\n"])
+    quoted = [*turns[:4], {"role": "tool", "content": "you said:" + text % "Paris"}, *turns[5:]]
+    with pytest.raises(ChatTemplateError, match="tool calls once"):
+        enc.conversation(quoted)
+
+
+#: The ChatML template with transformers' `{% generation %}` marks: the reply and its end of
+#: turn are generated, the newline after it is not.
+GENERATION = ("{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+              "{% generation %}{{ m.content }}<|im_end|>{% endgeneration %}\n"
+              "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}")
+
+
+def test_generation_blocks_are_the_mask(tmp_path, tokenizer_file):
+    """A template that marks what the model generates with `{% generation %}` (transformers'
+    `return_assistant_tokens_mask`) is masked by exactly those blocks: the tag was rendered
+    as its body and the mask took the per-turn cut (the newline after `<|im_end|>` too)."""
+    path = _model_dir(tmp_path, tokenizer_file, GENERATION)
+    counter = Counter(CountingConfig(text=TextConfig(tokenizer_path=path)))
+    template = counter.encoder.template
+    turns = [{"role": "user", "content": "what is in the image?"}, {"role": "assistant", "content": "a dog"},
+             {"role": "user", "content": "sure?"}, {"role": "assistant", "content": "a cat on a mat."}]
+    segments = template.segments(turns)
+    assert "".join(t for t, _ in segments) == template.render(turns)
+    assert [t for t, m in segments if m] == ["a dog<|im_end|>", "a cat on a mat.<|im_end|>"]
+    hf = tokenizers.Tokenizer.from_file(tokenizer_file)
+    got = counter.encoder.conversation(turns)
+    assert got.ids.tolist() == hf.encode(template.render(turns), add_special_tokens=False).ids
+    assert hf.decode(got.ids[got.mask == 1].tolist(), skip_special_tokens=False) == \
+        "a dog<|im_end|>a cat on a mat.<|im_end|>"
+    # ShareGPT's weight 0: that turn's block (the k-th block is the k-th reply's) is context.
+    weighted = json.dumps([{"from": "human", "value": "hi"}, {"from": "gpt", "value": "a dog", "weight": 0},
+                           {"from": "human", "value": "sure?"}, {"from": "gpt", "value": "a cat"}])
+    got = counter.text(weighted.encode(), "json", "m")
+    assert hf.decode(got.ids[got.mask == 1].tolist(), skip_special_tokens=False) == "a cat<|im_end|>"
+    untrained = template.segments(turns, (True, False, True, True))
+    assert [t for t, m in untrained if m] == ["a cat on a mat.<|im_end|>"]
+    # Blocks that do not pair with the replies, or a text holding a marker: no exact mask.
+    two = ChatTemplate(GENERATION.replace("{% generation %}", "{% generation %}{% endgeneration %}"
+                                          "{% generation %}"), name="two blocks a reply")
+    with pytest.raises(ChatTemplateError, match="4 .*blocks for 2 assistant turns"):
+        two.segments(turns, (True, False, True, True))
+    assert [t for t, m in two.segments(turns) if m] == ["a dog<|im_end|>", "a cat on a mat.<|im_end|>"]
+    with pytest.raises(ChatTemplateError, match="cannot place"):
+        template.segments([{"role": "user", "content": "MMDISPATCHxGENERATIONxEND"}, turns[1]])
 
 
 def test_mistral_v03_with_a_system_message_is_rendered_and_masked(tmp_path, tokenizer_file):

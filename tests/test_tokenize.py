@@ -420,6 +420,21 @@ def test_reply_roles_by_other_names_are_trained_on_and_a_conversation_without_on
     assert len(warned) == 1 and "roles=user" in warned[0] and "'assistant'" in warned[0]
 
 
+def test_sharegpt_function_call_and_observation_turns_are_the_assistant_and_tool_roles():
+    """LLaMA-Factory's ShareGPT tool use (human, function_call, observation, gpt): the model's
+    call was an unknown role, rendered as such with mask 0, so the call went untrained."""
+    call = '{"name": "get_w", "arguments": {"city": "Paris"}}'
+    raw = {"conversations": [{"from": "human", "value": "weather in Paris?"},
+                             {"from": "function_call", "value": call},
+                             {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}
+    got = Counter(CountingConfig(text=TextConfig())).text(json.dumps(raw).encode(), "json", "m")
+    assert ByteTokenizer.decode(got.ids) == ("<|im_start|>user\nweather in Paris?<|im_end|>\n"
+                                             f"<|im_start|>assistant\n{call}<|im_end|>\n"
+                                             "<|im_start|>tool\nsunny<|im_end|>\n"
+                                             "<|im_start|>assistant\nSunny.<|im_end|>\n")
+    assert ByteTokenizer.decode(got.ids[got.mask == 1]) == f"{call}<|im_end|>\nSunny.<|im_end|>\n"
+
+
 def test_a_tool_call_turn_is_rendered_and_trained_on_not_refused():
     """An OpenAI-style assistant turn of tool calls (content null) refused the whole sample as
     bad_json; `tojson` renders as transformers' does (jinja2's escapes < > & ' for HTML)."""
