@@ -119,7 +119,9 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
            "world_size": (_INT, True), "microbatches": (list, True), "readers": (list, False)},
     END: {"next_step": (_INT, False), "reason": (str, True), "message": (str, False)},
     COMMIT: {"step": (_INT, True)},
-    BYE: {},
+    # a trainer says whether its loop ran to the end of the stream (False: stopped early, by a
+    # signal or a break; its later steps untrained, as a lost rank's)
+    BYE: {"finished": (bool, False)},
     READERS: {"readers": (list, True)},
     FETCH: {"id": (_INT, True), "sizes": (list, True)},
     PAYLOADS: {"id": (_INT, True), "sizes": (list, True)},

@@ -179,7 +179,7 @@ class Dispatcher:
         self._unopened_since = 0.0
         self._unopened_none_at = -math.inf  # when the last of them was settled
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
-        self._rank_lost = False  # the latest trainer to go left without BYE
+        self._rank_lost = False  # a trainer went without BYE, or said BYE before its loop ended
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
@@ -385,9 +385,10 @@ class Dispatcher:
         return None
 
     def _resumable_after_loss(self, now: float) -> bool:
-        """Whether a done job waits (LOST_RANK_GRACE_S) for a restart: its last rank to go
-        was lost, not said BYE, with steps after the checkpoint every rank has. Exiting then
-        left a job restored from its checkpoint no dispatcher to resume those steps from."""
+        """Whether a done job waits (LOST_RANK_GRACE_S) for a restart: a rank was lost (no
+        BYE) or stopped before the end of the stream (a BYE not `finished`: SIGTERM'd while its
+        prefetched steps were untrained), with steps after the checkpoint every rank has.
+        Exiting then left a job restored from its checkpoint no dispatcher to resume from."""
         committed, last = self._checkpointed(), self.next_plan - 1
         if not self._rank_lost or not 0 <= committed < last:
             return False
@@ -395,8 +396,8 @@ class Dispatcher:
             self._done_at = now
             event("waiting_for_resume", logging.WARNING, steps=f"{committed + 1}-{last}",
                   seconds=int(LOST_RANK_GRACE_S),
-                  why="a rank was lost (no BYE) with steps after the last commit: a job "
-                      "restored from its checkpoint resumes them here")
+                  why="a rank was lost or stopped early with steps after the last commit: a "
+                      "job restored from its checkpoint resumes them here")
         return now - self._done_at < LOST_RANK_GRACE_S
 
     def _checkpointed(self) -> int:
@@ -1201,7 +1202,13 @@ class Dispatcher:
         elif msg.type == P.BYE:
             self.delivery.disconnect(slot, bye=True)
             self.metrics.peers.labels("trainer").set(self.delivery.connected())
-            event("trainer_left", rank=slot.rank, why="bye")
+            if msg.get("finished", True):
+                event("trainer_left", rank=slot.rank, why="bye")
+            else:
+                # Stopped before the end of the stream (a SIGTERM, a break): it received steps
+                # it did not train, so a done job waits for it as for a lost rank.
+                self._rank_lost = True
+                event("trainer_left", rank=slot.rank, why="bye", stopped_early=True)
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="trainer", type=msg.type)
             self._send(self.trainer_sock, ident, P.ERROR, code="unexpected",

@@ -81,6 +81,8 @@ class PeerRole(Protocol):
     def tick(self, session: PeerSession) -> bool:
         """Work between polls; True when more is ready at once (the next poll does not wait)."""
 
+    # Optional: `bye_fields() -> dict`, BYE's fields besides the seq (a trainer's `finished`).
+
 
 class PeerSession:
     """`run(stop)` until `stop` is set or the role calls `finish()`; raises what the role raises
@@ -183,7 +185,8 @@ class PeerSession:
         linger = 0
         if bye and self.welcomed:
             try:
-                sock.send_multipart(P.encode(P.BYE, seq=self._seq + 1), zmq.NOBLOCK)
+                fields = getattr(self.role, "bye_fields", dict)()
+                sock.send_multipart(P.encode(P.BYE, seq=self._seq + 1, **fields), zmq.NOBLOCK)
                 linger = _BYE_LINGER_MS  # time for the BYE to leave; never longer
             except zmq.ZMQError:
                 pass

@@ -448,6 +448,9 @@ class _TrainerPeer:
         self.credit_sent: tuple | None = None
         self.timings: list[dict] = []  # measured steps not yet sent (bounded)
         self.topology_warned = False
+        # The training loop ran to the end of the stream (set by DispatcherClient.close): a BYE
+        # without it is a rank that stopped early, its later steps untrained.
+        self.finished = False
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
@@ -460,6 +463,9 @@ class _TrainerPeer:
 
     def reset(self) -> None:
         self.credit_sent = None
+
+    def bye_fields(self) -> dict:
+        return {"finished": self.finished}
 
     def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
         self._check_dataset(msg.get("dataset"))
@@ -866,6 +872,8 @@ class DispatcherClient:
             raise error[0]
 
     def close(self) -> None:
+        if self._peer is not None:  # read by the client thread as it says BYE
+            self._peer.finished = self._ended and not self._returned
         self._closing.set()
         if self._thread is not None:
             self._thread.join(10)
