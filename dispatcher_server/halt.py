@@ -14,7 +14,7 @@ import os
 from dispatcher_server.batching import StepBatch
 from dispatcher_server.files import replace_file
 from dispatcher_server.journal import settings_id
-from dispatcher_server.planner import PlannerConfig
+from dispatcher_server.planner import PlannerConfig, Topology
 
 HALT_FILE = "halted.json"
 
@@ -50,12 +50,23 @@ class Halt:
                                             "settings": self.settings}).encode())
 
 
-def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: Exception) -> str:
-    """One line naming the step, its largest samples by key and the ways out."""
+def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: Exception,
+                    topology: Topology | None = None) -> str:
+    """One line naming the step, its largest samples by key and the ways out; where no sample
+    is over the LLM capacity alone, that the step as a whole does not fit its micro-batches."""
     llm = batch.inputs.llm_len
     order = sorted(range(len(llm)), key=lambda i: -int(llm[i]))[:3]
     largest = ", ".join(f"{batch.keys[i]} ({int(llm[i])} LLM tokens)" for i in order)
     cap = "" if config.llm_capacity is None else f" over --llm-capacity {config.llm_capacity}"
+    if (config.llm_capacity is not None and topology is not None and len(llm)
+            and int(llm.max()) <= config.llm_capacity):
+        W, M = topology.world_size, config.microbatches_for(batch.inputs, topology)
+        return (f"step {step} cannot be planned{cap} ({error}): no sample is over it alone (the "
+                f"largest: {largest}), but the step's {int(llm.sum())} LLM tokens do not pack into "
+                f"{W} rank{'s' * (W != 1)} x {M} micro-batch{'es' * (M != 1)} of {config.llm_capacity} "
+                f"({W * M * config.llm_capacity} in all). Raise --num-microbatches or "
+                "--llm-capacity, or lower --global-batch (--oversize isolate adds micro-batches "
+                "where a step does not fit)")
     return (f"step {step} cannot be planned{cap} ({error}); largest samples: {largest}. Raise "
             "the capacities, or use --oversize isolate to run such samples alone in extra "
             "micro-batches")

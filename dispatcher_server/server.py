@@ -595,7 +595,7 @@ class Dispatcher:
                 for w in isolated:
                     self._isolated(step, batch, w.message)
         except PlanError as e:
-            why = oversize_report(step, batch, self.config.planner, e)
+            why = oversize_report(step, batch, self.config.planner, e, self.topology)
             if self._halt is not None:
                 self._halt.record(step, why)
             raise Fatal(why) from e

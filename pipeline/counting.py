@@ -498,9 +498,9 @@ class Counter:
         anchored at its own (`meta["anchor"]`: its placeholder's position in the text's ids,
         placeholders counted: the items placed before it stand for the placeholders before it).
 
-        The k-th item of a modality (member order, as items are sent) takes the k-th
-        placeholder of that modality; a modality with none in the text keeps its items before
-        the text (no anchor). Other counts cannot be matched: CountError `placeholder_mismatch`.
+        The k-th item of a modality (natural name order of its members, as items are sent)
+        takes the k-th placeholder of that modality; a modality with none in the text keeps its
+        items before the text (no anchor). Other counts cannot be matched: CountError `placeholder_mismatch`.
         """
         ids = tokens.ids
         found, where = [], []

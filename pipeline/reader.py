@@ -98,8 +98,8 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     for modality, flag in PLACEHOLDER_FLAGS.items():
         add(flag, default=None,
             help=f"token of the tokenizer (an added or special one) marking in the text where "
-                 f"each {modality} member goes, in member order; removed from the ids (unset: a "
-                 f"sample's items come before its text)")
+                 f"each {modality} member goes, in natural name order of the members; removed "
+                 f"from the ids (unset: a sample's items come before its text)")
     add("--max-seq-len", type=int, default=text.max_seq_len,
         help="the longest sample in LLM tokens (text plus every item's), as the model's context "
              "(unset: no limit)")

@@ -523,6 +523,22 @@ def test_an_unplannable_step_ends_the_job_once_naming_its_samples(tmp_path):
     d._close()
 
 
+def test_a_step_too_large_for_its_microbatches_is_not_blamed_on_samples_that_fit():
+    """No sample over --llm-capacity, but 2 x 15 tokens in 1 rank x 1 micro-batch of 20: the
+    halt named the 'largest samples' (all fitting) and only --oversize isolate as the way out."""
+    planner = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="error")
+    d = Dispatcher(_config(planner=planner, gb=2))
+    try:
+        reader, a = _with_reader(d)
+        d._on_samples(reader, _samples_msg(a.id, [_header("a", 0, llm=15), _header("b", 1, llm=15)]))
+        with pytest.raises(Fatal) as err:
+            d._pump()
+    finally:
+        d._close()
+    assert "no sample is over it alone" in str(err.value)
+    assert "30 LLM tokens do not pack into 1 rank x 1 micro-batch of 20 (20 in all)" in str(err.value)
+    assert "Raise --num-microbatches or --llm-capacity" in str(err.value)
+
 def test_an_unplannable_step_sends_trainers_end_and_stops_the_loop(tmp_path):
     planner = PlannerConfig(num_microbatches=1, llm_capacity=20, oversize="error")
     d = Dispatcher(_config(tmp_path, planner=planner, gb=2))
