@@ -219,7 +219,7 @@ def test_commit_on_a_closed_or_failed_client_says_so_instead_of_waiting(shards):
     c.load_state_dict({"next_step": 4})
     c.start()
     c.close()
-    with pytest.raises(RuntimeError, match=r"commit\(3\): the dispatcher client is closed"):
+    with pytest.raises(RuntimeError, match=r"commit\(3\) on a closed DispatcherClient"):
         c.commit(3, timeout=20)
     with dispatcher(make_config(shards, world_size=2)) as srv:
         c = DispatcherClient(srv.trainer_endpoint, 0, 3, 3, config=client_config())
@@ -389,3 +389,23 @@ def test_an_address_without_a_transport_is_refused_naming_the_form():
     """'127.0.0.1:5555' got ZeroMQ's 'Invalid argument' from the client thread."""
     with pytest.raises(ValueError, match=r"address '127.0.0.1:5555': an endpoint looks like tcp://HOST:PORT"):
         DispatcherClient("127.0.0.1:5555", 0, 1, 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_closed_or_stopped_client_says_so_instead_of_an_old_error(shards):
+    """After a fatal error, load_state_dict was taken without a word (its thread was gone, so
+    nothing moved) and next() raised that old error again; after close(), next() and commit()
+    raised the last error the client held instead of saying it was closed."""
+    with dispatcher(make_config(shards, world_size=2)) as srv:
+        c = DispatcherClient(srv.trainer_endpoint, 0, 3, 3, config=client_config())
+        try:
+            with pytest.raises(DispatcherError, match="world_size"):
+                next(c)
+            with pytest.raises(RuntimeError, match=r"load_state_dict on a DispatcherClient that "
+                                                   r"stopped \(.*world_size.*\): create a new"):
+                c.load_state_dict({"next_step": 0})
+        finally:
+            c.close()
+        for call in (lambda: next(c), lambda: c.load_state_dict({}), lambda: c.commit(0)):
+            with pytest.raises(RuntimeError, match="on a closed DispatcherClient: create a new one"):
+                call()

@@ -708,6 +708,7 @@ class DispatcherClient:
         return self
 
     def __next__(self) -> Step:
+        self._check_open("next()")
         if self._returned:  # the dispatcher was told of them when they were first handed out
             step = self._returned.popleft()
             self._consumed = step.step + 1
@@ -802,6 +803,10 @@ class DispatcherClient:
         if state.get("world_size") not in (None, self.world_size):
             log.warning("mmdispatch event=resume_world_size_changed saved=%s now=%s: the dispatcher "
                         "re-plans from the same sample position", state["world_size"], self.world_size)
+        self._check_open("load_state_dict")
+        if self._fatal is not None:  # its thread is gone: nothing would move
+            raise RuntimeError(f"load_state_dict on a DispatcherClient that stopped ({self._fatal}): "
+                               "create a new DispatcherClient and load the state into it")
         step = _step_number(state.get("next_step"))
         dataset = state.get("dataset")
         if dataset is not None and not isinstance(dataset, dict):
@@ -836,6 +841,7 @@ class DispatcherClient:
         `timeout` seconds, by default as long as for a step (`step_timeout_s`): a dispatcher
         restarting from its journal must not end a job at its checkpoint that it would have
         survived between two."""
+        self._check_open(f"commit({step!r})")
         number = _integral(step)
         if number < 0:
             # A float or string came back as a malformed-message warning after the whole timeout,
@@ -849,8 +855,6 @@ class DispatcherClient:
                              "the .step of a step the checkpoint holds the training of")
         if self._fatal is not None:
             raise self._fatal
-        if self._closing.is_set():
-            raise RuntimeError(f"commit({number}): the dispatcher client is closed")
         done, error = threading.Event(), []
         thread = self.start()._thread
         self._commands.put(("commit", number, done, error))
@@ -870,6 +874,12 @@ class DispatcherClient:
                                    "ClientConfig(step_timeout_s=...)")
         if error:
             raise error[0]
+
+    def _check_open(self, what: str) -> None:
+        """RuntimeError for `what` called after `close()`: the stopped client would answer with
+        whatever it last held (an old error, a step taken back), not with what happened."""
+        if self._closing.is_set():
+            raise RuntimeError(f"{what} on a closed DispatcherClient: create a new one")
 
     def close(self) -> None:
         if self._peer is not None:  # read by the client thread as it says BYE
