@@ -142,7 +142,8 @@ class Delivery:
         return None
 
     def mark_resumed(self, slot: TrainerSlot, step: int | None, prefetch: int) -> None:
-        """`slot`'s trainer resumed at `step` from a checkpoint (None: it did not)."""
+        """`slot`'s trainer resumed at `step` from a checkpoint (None: it did not); `prefetch`:
+        the steps its credits run ahead of its training loop."""
         self._forget_resume(slot)
         if step is not None:
             # Its credit reaches past this once it takes the step after `step`: trained it.

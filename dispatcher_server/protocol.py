@@ -88,11 +88,13 @@ _OPT_INT = (int, type(None))
 
 #: type -> field -> (accepted python types, required). `v`, `type`, `seq` are always required.
 SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
+    # a trainer's `ahead`: steps a consumer of its client (a PrefetchPool) takes ahead of the
+    # training loop, beyond the client's own `prefetch`
     HELLO: {"role": (str, True), "name": (str, False), "rank": (_INT, False),
             "world_size": (_INT, False), "local_world_size": (_INT, False),
             "next_step": (_OPT_INT, False), "prefetch": (_INT, False),
             "dataset": (dict, False), "inputs": (dict, False), "resume": (bool, False),
-            "instance": (str, False), "node": (str, False)},
+            "instance": (str, False), "node": (str, False), "ahead": (_INT, False)},
     # direct mode: `readers` (trainers) is the live reader table, `shards` (readers) the files
     # whose bytes a reader may serve.
     WELCOME: {"role": (str, True), "ack": (_INT, True), "heartbeat_s": (float, True),

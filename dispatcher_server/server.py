@@ -1296,8 +1296,11 @@ class Dispatcher:
         slot.last_seen = now
         self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check
         self.delivery.rewind_slot(slot, want, msg.get("prefetch", 1))
-        self.delivery.mark_resumed(slot, resumed, msg.get("prefetch", 1))
-        self.delivery.mark_fresh(slot, want if fresh else None, msg.get("prefetch", 1))
+        # Its credits run ahead of its loop by its prefetch and what a pool over its client
+        # takes: a rank still inside its first step is not past it until beyond both.
+        ahead = max(1, msg.get("prefetch", 1)) + max(0, msg.get("ahead", 0))
+        self.delivery.mark_resumed(slot, resumed, ahead)
+        self.delivery.mark_fresh(slot, want if fresh else None, ahead)
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         self._rank_lost, self._done_at = False, None  # a job (re)joined: its own end decides

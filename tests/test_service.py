@@ -393,6 +393,37 @@ def test_ranks_restored_from_different_checkpoints_are_both_stopped_naming_the_s
     assert [s for s, _ in again[0]] == [s for s, _ in again[1]] == [3, 4]
 
 
+@pytest.mark.timeout(60)
+def test_ranks_restored_from_different_checkpoints_are_stopped_also_behind_a_prefetch_pool(shards):
+    """As above, with the README's loop: a PrefetchPool takes steps from the client ahead of
+    the loop, so rank 1's credits passed its resume step at once while it still waited in
+    step 2, and rank 0, restored at step 4 a moment later, was accepted: each trained its own
+    steps, paired in every collective. The client says what its pool takes ahead."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    cfg = make_config(shards, world_size=2)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        consume(srv.trainer_endpoint, 2, max_steps=6)
+        late = DispatcherClient(srv.trainer_endpoint, 1, 2, 2, config=client_config())
+        early = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config())
+        late.load_state_dict({"next_step": 2, "rank": 1, "world_size": 2})
+        pool = PrefetchPool(late, PrefetchConfig(workers=1, kind="thread", ahead=4))
+        try:
+            assert next(pool).step == 2  # and the loop waits in step 2, its pool filling
+            deadline = time.monotonic() + 10
+            while late._consumed < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert late._consumed >= 5, "the pool took no steps ahead"
+            time.sleep(0.5)  # its credits reach the dispatcher
+            early.load_state_dict({"next_step": 4, "rank": 0, "world_size": 2})
+            with pytest.raises(DispatcherError, match=r"rank 0 resumes at step 4 but rank 1 "
+                               r"resumed at step 2"):
+                next(early)
+        finally:
+            pool.close()
+            late.close()
+            early.close()
+
 def test_a_reader_says_once_that_it_connected(shards, caplog):
     """It was silent from start to end: an operator could not tell it had reached anyone."""
     caplog.set_level(logging.INFO, logger="mmdispatch")

@@ -682,6 +682,16 @@ class DispatcherClient:
         # runs, a `__next__` waiting in their thread gives up (`Rewound`).
         self._rewind_listeners: list = []
         self._rewinding = threading.Event()
+        self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
+
+    def taken_ahead(self, steps: int) -> None:
+        """A consumer of this client (a `PrefetchPool`) takes up to `steps` steps from it ahead
+        of the training loop. The dispatcher hears of it: a rank resumed from a checkpoint is
+        at its first step until its credits pass this too (else a peer restored from another
+        checkpoint, joining while this rank waits in that step's collectives, is not refused)."""
+        self._ahead = max(0, int(steps))
+        if self._peer is not None:  # the next HELLO (a reconnect) says it
+            self._peer.hello["ahead"] = self._ahead
 
     @property
     def num_reconnects(self) -> int:
@@ -693,6 +703,7 @@ class DispatcherClient:
             self._peer = _TrainerPeer(
                 hello={"role": "trainer", "name": f"rank{self.rank}", "rank": self.rank,
                        "world_size": self.world_size, "local_world_size": self.local_world_size,
+                       **({"ahead": self._ahead} if self._ahead else {}),
                        **({} if self.inputs is None else {"inputs": self.inputs})},
                 prefetch=self.config.prefetch, map_shards=self.config.map_shards,
                 next_step=self._consumed, dataset=self._restored, steps=self._steps,

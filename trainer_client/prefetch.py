@@ -236,6 +236,9 @@ class PrefetchPool:
         add_listener = getattr(self.source, "add_rewind_listener", None)
         if add_listener is not None:
             add_listener(self._drop_prepared)
+        taken_ahead = getattr(self.source, "taken_ahead", None)
+        if taken_ahead is not None:  # its `ahead` micro-batches, and the step waiting for room
+            taken_ahead(self.config.ahead + 1 if self.config.workers else 0)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> PrefetchPool:
