@@ -27,8 +27,11 @@ class TrainerSlot:
     received: int = 0  # steps below this were received (acknowledged)
     upto: int = 0  # credit: steps below this may be sent
     end_sent: bool = False
-    # Its trainer said BYE: it left on purpose, its last step trained (not lost).
+    # Its trainer said BYE: it left on purpose (not lost); `left_at`, the step after the last its
+    # loop took, where it said (steps from there untrained: it stopped early, if the stream
+    # went on past it).
     said_bye: bool = False
+    left_at: int | None = None
     # The step its trainer resumed at from a checkpoint, until its credit shows it trained
     # that step (`upto` past `resumed_until`): ranks of one restart must resume at one step.
     resumed: int | None = None

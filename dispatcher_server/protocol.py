@@ -47,7 +47,7 @@ import msgpack
 #:     RESUME), and SHARD_ASSIGN may carry that `offset` with `start_index` == its index: the
 #:     reader starts its tar walk there instead of walking the shard from byte 0 (a v9 peer
 #:     refuses the fields; a v9 reader would drop the offset and walk from 0 anyway).
-VERSION = 10
+VERSION = 11
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -121,9 +121,9 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
            "world_size": (_INT, True), "microbatches": (list, True), "readers": (list, False)},
     END: {"next_step": (_INT, False), "reason": (str, True), "message": (str, False)},
     COMMIT: {"step": (_INT, True)},
-    # a trainer says whether its loop ran to the end of the stream (False: stopped early, by a
-    # signal or a break; its later steps untrained, as a lost rank's)
-    BYE: {"finished": (bool, False)},
+    # a trainer's `next_step`: the step after the last its training loop took (a rank leaving
+    # before the end of the stream, by a signal or a break, left the steps after it untrained)
+    BYE: {"next_step": (_OPT_INT, False)},
     READERS: {"readers": (list, True)},
     FETCH: {"id": (_INT, True), "sizes": (list, True)},
     PAYLOADS: {"id": (_INT, True), "sizes": (list, True)},

@@ -179,7 +179,7 @@ class Dispatcher:
         self._unopened_since = 0.0
         self._unopened_none_at = -math.inf  # when the last of them was settled
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
-        self._rank_lost = False  # a trainer went without BYE, or said BYE before its loop ended
+        self._rank_lost = False  # a trainer went without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
@@ -386,11 +386,13 @@ class Dispatcher:
 
     def _resumable_after_loss(self, now: float) -> bool:
         """Whether a done job waits (LOST_RANK_GRACE_S) for a restart: a rank was lost (no
-        BYE) or stopped before the end of the stream (a BYE not `finished`: SIGTERM'd while its
-        prefetched steps were untrained), with steps after the checkpoint every rank has.
-        Exiting then left a job restored from its checkpoint no dispatcher to resume from."""
+        BYE) or left before its loop took the last step (its BYE's `next_step`: SIGTERM'd, or
+        stopped by its own step limit, with steps received ahead untrained), with steps after
+        the checkpoint every rank has. Exiting then left a job restored from its checkpoint no
+        dispatcher to resume those steps from."""
         committed, last = self._checkpointed(), self.next_plan - 1
-        if not self._rank_lost or not 0 <= committed < last:
+        early = any(s.said_bye and s.left_at is not None and s.left_at <= last for s in self.slots)
+        if not (self._rank_lost or early) or not 0 <= committed < last:
             return False
         if self._done_at is None:
             self._done_at = now
@@ -1202,13 +1204,9 @@ class Dispatcher:
         elif msg.type == P.BYE:
             self.delivery.disconnect(slot, bye=True)
             self.metrics.peers.labels("trainer").set(self.delivery.connected())
-            if msg.get("finished", True):
-                event("trainer_left", rank=slot.rank, why="bye")
-            else:
-                # Stopped before the end of the stream (a SIGTERM, a break): it received steps
-                # it did not train, so a done job waits for it as for a lost rank.
-                self._rank_lost = True
-                event("trainer_left", rank=slot.rank, why="bye", stopped_early=True)
+            slot.left_at = msg.get("next_step")  # None: an older client, taken as at the end
+            event("trainer_left", rank=slot.rank, why="bye",
+                  **({} if slot.left_at is None else {"next_step": slot.left_at}))
         elif msg.type != P.HEARTBEAT:
             self.metrics.error("unexpected", role="trainer", type=msg.type)
             self._send(self.trainer_sock, ident, P.ERROR, code="unexpected",
@@ -1304,6 +1302,7 @@ class Dispatcher:
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         self._rank_lost, self._done_at = False, None  # a job (re)joined: its own end decides
+        slot.left_at = None
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
         if local is not None and local != g and not self._topology_warned:
             # The exchange follows the trainers' own topology and stays correct; what was

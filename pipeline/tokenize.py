@@ -430,12 +430,13 @@ class ChatTemplate:
                             tools: list | None = None, documents: list | None = None
                             ) -> list[tuple[str, int]]:
         """`segments` of a template that marks the text the model generates with `{% generation
-        %}...{% endgeneration %}` (transformers' `return_assistant_tokens_mask`): one rendering,
-        each block's text wrapped in markers that are then taken out; mask 1 on exactly the
-        blocks' text, 0 elsewhere. Where some assistant turn is untrained, the blocks must be
-        one per assistant turn (the k-th block is the k-th assistant turn's), and an untrained
-        turn's block has mask 0. ChatTemplateError when a text holds a marker, blocks nest or
-        their output is not written where rendered, or the blocks do not pair with the turns."""
+        %}...{% endgeneration %}` (transformers' `return_assistant_tokens_mask`): a rendering
+        with each block's text wrapped in markers that are then taken out, which must equal the
+        plain rendering; mask 1 on exactly the blocks' text, 0 elsewhere. Where some assistant
+        turn is untrained, the blocks must be one per assistant turn (the k-th block is the k-th
+        assistant turn's), and an untrained turn's block has mask 0. ChatTemplateError when a
+        text holds a marker, blocks nest or their output is not written where rendered, or is
+        changed after (trimmed), or the blocks do not pair with the turns."""
         blocks: list[int] = []  # each rendered block's length, in rendering order
         raw = self.render(messages, tools, documents, **{_GENERATION_TRACK: blocks})
         pieces = re.split(f"({_GENERATION_BEGIN}|{_GENERATION_END})", raw)
@@ -457,6 +458,12 @@ class ChatTemplate:
         out = [(texts[0], 0)]
         for b in range(len(blocks)):
             out += [(texts[2 * b + 1], int(b not in untrained)), (texts[2 * b + 2], 0)]
+        # The markers shield a block's edges from what the template does to its output
+        # afterwards (`{% set %}` it, then `| trim`): the text must be the plain rendering's.
+        if "".join(texts) != self.render(messages, tools, documents):
+            raise ChatTemplateError(f"chat template {self.name!r} changes the text of its {{% generation "
+                                    "%}} blocks after rendering them (a trim or replace of their "
+                                    "output), so the mask would be a guess")
         return [(t, m) for t, m in out if t]
 
     def rendered_segments(self, messages: list[dict], trained: tuple[bool, ...] | None = None,

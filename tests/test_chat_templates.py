@@ -542,6 +542,14 @@ def test_generation_blocks_are_the_mask(tmp_path, tokenizer_file):
     assert [t for t, m in two.segments(turns) if m] == ["a dog<|im_end|>", "a cat on a mat.<|im_end|>"]
     with pytest.raises(ChatTemplateError, match="cannot place"):
         template.segments([{"role": "user", "content": "MMDISPATCHxGENERATIONxEND"}, turns[1]])
+    # A block's output captured and trimmed: the markers kept its edge, so the text differed
+    # from the rendering (ids other than apply_chat_template's, unsaid). Refused instead.
+    trimmed = ChatTemplate("{% for m in messages %}{% if m.role == 'assistant' %}{% set body %}"
+                           "{% generation %}{{ m.content }}<|im_end|>\n{% endgeneration %}{% endset %}"
+                           "<|im_start|>assistant\n{{ body | trim }}{% else %}<|im_start|>{{ m.role }}\n"
+                           "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}", name="trimmed")
+    with pytest.raises(ChatTemplateError, match="changes the text of its"):
+        trimmed.segments(turns[:2])
 
 
 def test_mistral_v03_with_a_system_message_is_rendered_and_masked(tmp_path, tokenizer_file):

@@ -1031,12 +1031,13 @@ def _trainer_says(d: Dispatcher, ident: bytes, type_: str, **fields) -> None:
     d._on_trainer(ident, P.decode(P.encode(type_, seq=1, **fields)), time.monotonic())
 
 
-@pytest.mark.parametrize("finished,waits", [(False, True), (True, False), (None, False)])
-def test_a_done_job_waits_for_a_rank_that_said_bye_before_its_loop_ended(caplog, finished, waits):
+@pytest.mark.parametrize("left_at,waits", [(1, True), (3, True), (4, False), (None, False)])
+def test_a_done_job_waits_for_a_rank_that_said_bye_before_its_loop_ended(caplog, left_at, waits):
     """Trainers SIGTERM'd (preempted) after step 0's commit said BYE with steps 1-3 received
     ahead but untrained, and `--exit-when-done` exited as done: the job restored from its
-    checkpoint found no dispatcher. A BYE that says its loop stopped early now waits as a lost
-    rank does; one that finished, or that says nothing (an older client), ends it at once."""
+    checkpoint found no dispatcher. A BYE saying its loop stopped before the last step now
+    waits as a lost rank does; one past the last step (a loop that broke after it, not
+    waiting for the end), or that says nothing (an older client), ends it at once."""
     d = Dispatcher(_config())
     try:
         _fill_and_plan(d, 16)  # steps 0-3
@@ -1044,10 +1045,10 @@ def test_a_done_job_waits_for_a_rank_that_said_bye_before_its_loop_ended(caplog,
                       prefetch=4)
         _trainer_says(d, b"t0", P.COMMIT, step=0)
         with caplog.at_level(logging.INFO, logger="mmdispatch"):
-            _trainer_says(d, b"t0", P.BYE, **({} if finished is None else {"finished": finished}))
+            _trainer_says(d, b"t0", P.BYE, **({} if left_at is None else {"next_step": left_at}))
             assert d._resumable_after_loss(100.0) is waits
         left = [r.getMessage() for r in caplog.records if "trainer_left" in r.getMessage()]
-        assert len(left) == 1 and ("stopped_early=True" in left[0]) is waits
+        assert len(left) == 1 and (f"next_step={left_at}" in left[0]) is (left_at is not None)
         resume = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
         assert [("steps=1-3" in line) for line in resume] == ([True] if waits else [])
     finally:

@@ -503,6 +503,10 @@ def test_dataset_refuses_dataloader_workers_and_prepares_inputs_in_its_pool(tmp_
     ds = DispatcherDataset("tcp://127.0.0.1:1", rank=0, world_size=1, local_world_size=1)
     with pytest.raises(ValueError, match="runs in the main process"):
         list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+    ds.close()  # closed, it says so, and what to make: not "create a new" client of its own
+    for call in (lambda: iter(ds), lambda: ds.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="on a closed DispatcherDataset: create a new one"):
+            call()
 
 
 def test_datanode_readers_refuse_reference_payloads_and_bad_rates(tmp_path):

@@ -424,6 +424,47 @@ def test_ranks_restored_from_different_checkpoints_are_stopped_also_behind_a_pre
             late.close()
             early.close()
 
+@pytest.mark.timeout(90)
+def test_a_client_s_bye_says_where_its_loop_stopped_not_where_it_read_to(shards):
+    """A SIGTERM'd trainer (or a loop that breaks) said the same BYE as one that trained every
+    step: with the END already prefetched, `serve --exit-when-done` took the job as done and
+    exited with steps after the last commit untrained. The BYE now says the step after the last
+    the loop took: the client's, or its PrefetchPool's (whose steps read ahead are untrained),
+    whichever is closed first."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    def left_at(srv, rank: int = 0) -> int | None:
+        slot = srv.delivery.slots[rank]
+        deadline = time.monotonic() + 10
+        while not slot.said_bye and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert slot.said_bye, "no BYE"
+        return slot.left_at
+
+    with dispatcher(make_config(shards, world_size=1)) as srv, readers(srv.reader_endpoint, 1):
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        assert [next(c).step for _ in range(2)] == [0, 1]
+        c.close()
+        assert left_at(srv) == 2
+        for pool_first in (True, False):
+            c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+            c.load_state_dict({"next_step": 2})
+            pool = PrefetchPool(c, PrefetchConfig(workers=1, ahead=4))
+            assert next(pool).step == 2
+            deadline = time.monotonic() + 10
+            while c._consumed < 5 and time.monotonic() < deadline:
+                time.sleep(0.02)  # the pool reads ahead of the loop
+            assert c._consumed >= 5
+            for closing in ((pool, c) if pool_first else (c, pool)):
+                closing.close()
+            assert left_at(srv) == 3
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        c.load_state_dict({"next_step": 3})
+        steps = [s.step for s in c]  # to the end of the stream
+        c.close()
+        assert left_at(srv) == steps[-1] + 1 == srv.next_plan
+
+
 def test_a_reader_says_once_that_it_connected(shards, caplog):
     """It was silent from start to end: an operator could not tell it had reached anyone."""
     caplog.set_level(logging.INFO, logger="mmdispatch")

@@ -448,9 +448,9 @@ class _TrainerPeer:
         self.credit_sent: tuple | None = None
         self.timings: list[dict] = []  # measured steps not yet sent (bounded)
         self.topology_warned = False
-        # The training loop ran to the end of the stream (set by DispatcherClient.close): a BYE
-        # without it is a rank that stopped early, its later steps untrained.
-        self.finished = False
+        # The step after the last the training loop took (set by DispatcherClient.close): a BYE
+        # before the end of the stream says the steps from there are untrained.
+        self.left_at: int | None = None
 
     # -- PeerRole ------------------------------------------------------------------------
     def hello_fields(self) -> dict:
@@ -465,7 +465,7 @@ class _TrainerPeer:
         self.credit_sent = None
 
     def bye_fields(self) -> dict:
-        return {"finished": self.finished}
+        return {} if self.left_at is None else {"next_step": self.left_at}
 
     def on_welcome(self, session: PeerSession, msg: P.Message) -> None:
         self._check_dataset(msg.get("dataset"))
@@ -683,13 +683,18 @@ class DispatcherClient:
         self._rewind_listeners: list = []
         self._rewinding = threading.Event()
         self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
+        self._loop_position = None  # the consumer's: the step after the last its loop took
 
-    def taken_ahead(self, steps: int) -> None:
+    def taken_ahead(self, steps: int, position=None) -> None:
         """A consumer of this client (a `PrefetchPool`) takes up to `steps` steps from it ahead
-        of the training loop. The dispatcher hears of it: a rank resumed from a checkpoint is
-        at its first step until its credits pass this too (else a peer restored from another
-        checkpoint, joining while this rank waits in that step's collectives, is not refused)."""
+        of the training loop; `position()`, the step after the last it handed to the loop (None
+        before the first). The dispatcher hears of both: a rank resumed from a checkpoint is
+        at its first step until its credits pass these steps too (else a peer restored from
+        another checkpoint, joining while this rank waits in that step's collectives, is not
+        refused), and a rank that leaves says where its loop stopped, not where the consumer
+        had read to."""
         self._ahead = max(0, int(steps))
+        self._loop_position = position
         if self._peer is not None:  # the next HELLO (a reconnect) says it
             self._peer.hello["ahead"] = self._ahead
 
@@ -894,7 +899,8 @@ class DispatcherClient:
 
     def close(self) -> None:
         if self._peer is not None:  # read by the client thread as it says BYE
-            self._peer.finished = self._ended and not self._returned
+            at = self._loop_position() if self._loop_position is not None else None
+            self._peer.left_at = self._consumed if at is None else at
         self._closing.set()
         if self._thread is not None:
             self._thread.join(10)
@@ -953,6 +959,12 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
         self.client: DispatcherClient | None = None
         self.pool = None
         self._restore: dict | None = None  # a state loaded before the client exists
+        self._closed = False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:  # its client is closed: a user never made one to create anew
+            raise RuntimeError(f"{what} on a closed DispatcherDataset: create a new one (load "
+                               "this one's state_dict() into it to resume where it stopped)")
 
     def state_dict(self) -> dict:
         """Where to resume: after the last step handed to the loop. With `preprocess`, the
@@ -970,6 +982,7 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
         if not isinstance(state, dict):
             raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
                              f"{type(state).__name__}")
+        self._check_open("load_state_dict")
         if self.client is None:
             self._restore = dict(state)
             return
@@ -979,12 +992,14 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
         self.client.load_state_dict(state)
 
     def close(self) -> None:
+        self._closed = True
         if self.pool is not None:
             self.pool.close()
         if self.client is not None:
             self.client.close()
 
     def __iter__(self):
+        self._check_open("iterating")
         if torch.utils.data.get_worker_info() is not None:
             raise ValueError("DispatcherDataset runs in the main process: use DataLoader(ds, "
                              "batch_size=None, num_workers=0) and PrefetchConfig(workers=N) to "

@@ -238,7 +238,7 @@ class PrefetchPool:
             add_listener(self._drop_prepared)
         taken_ahead = getattr(self.source, "taken_ahead", None)
         if taken_ahead is not None:  # its `ahead` micro-batches, and the step waiting for room
-            taken_ahead(self.config.ahead + 1 if self.config.workers else 0)
+            taken_ahead(self.config.ahead + 1 if self.config.workers else 0, lambda: self.next_step)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> PrefetchPool:

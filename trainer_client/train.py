@@ -313,8 +313,8 @@ def train(args: argparse.Namespace) -> int:
                 break
     finally:
         progress.close()
+        pool.close()  # first: the steps it prepared go back to the client, untrained
         client.close()
-        pool.close()
         if logf is not None:
             logf.close()
         dist.destroy_process_group()
