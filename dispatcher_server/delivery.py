@@ -273,7 +273,7 @@ class Delivery:
             self._connected += 1
         slot.ident = ident
         slot.heard = True
-        slot.said_bye = False
+        slot.said_bye, slot.left_at = False, None
         self._by_ident[ident] = slot
 
     def disconnect(self, slot: TrainerSlot, *, bye: bool = False) -> None:

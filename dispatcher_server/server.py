@@ -1302,7 +1302,6 @@ class Dispatcher:
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
         self._rank_lost, self._done_at = False, None  # a job (re)joined: its own end decides
-        slot.left_at = None
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
         if local is not None and local != g and not self._topology_warned:
             # The exchange follows the trainers' own topology and stays correct; what was

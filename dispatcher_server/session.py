@@ -81,7 +81,7 @@ class PeerRole(Protocol):
     def tick(self, session: PeerSession) -> bool:
         """Work between polls; True when more is ready at once (the next poll does not wait)."""
 
-    # Optional: `bye_fields() -> dict`, BYE's fields besides the seq (a trainer's `finished`).
+    # Optional: `bye_fields() -> dict`, BYE's fields besides the seq (a trainer's `next_step`).
 
 
 class PeerSession:
