@@ -562,6 +562,7 @@ class ChatTemplate:
                                            _SENTINEL, tools, documents)
         cuts: list[tuple[int, int]] = []
         cursor = 0
+        placed: dict[int, int] = {}  # turn of tool calls alone -> where its text starts
         for k in sorted(marks):
             if k in spans:
                 start, end = spans[k]
@@ -569,19 +570,24 @@ class ChatTemplate:
                 if after and rendered.startswith(after, end):
                     end += len(after)
             elif calls.get(k):
-                tail = calls[k]
-                later = min((j for j in spans if j > k), default=None)
-                bound = len(rendered) if later is None else spans[later][0]
-                # Identical calls (a retry, a poll) before the next located turn take the text's
-                # occurrences there in order, when there are exactly as many: else one may be
-                # a quote (in a tool result, a user turn) and which is the call would be a guess.
-                same = sum(1 for j, text in calls.items() if k <= j and (later is None or j < later)
-                           and text == tail)
-                start = rendered.find(tail, cursor, bound)
-                if start < 0 or _occurrences(rendered, tail, cursor, bound) != same:
-                    raise _NotAligned(f"cannot locate assistant turn {k}'s tool calls once (or once "
-                                      "for each turn of the same calls)")
-                end = start + len(tail)
+                if k not in placed:
+                    # The turns of tool calls alone before the next located turn take their
+                    # texts' occurrences there in order, where only one such placement exists:
+                    # a repeated call (a retry, a poll), one inside a later parallel call. Two
+                    # placements mean one may be a quote (in a tool result, a user turn), and
+                    # which is the call would be a guess.
+                    later = min((j for j in spans if j > k), default=None)
+                    bound = len(rendered) if later is None else spans[later][0]
+                    group = [j for j in sorted(calls) if k <= j and (later is None or j < later)
+                             and calls[j]]
+                    at = _unique_placement(rendered, [calls[j] for j in group], cursor, bound)
+                    if at is None:
+                        raise _NotAligned(f"cannot locate assistant turn {k}'s tool calls once (no "
+                                          "placement, or more than one, of the tool-call turns "
+                                          "before the next reply)")
+                    placed.update(zip(group, at))
+                start = placed[k]
+                end = start + len(calls[k])
             else:
                 raise _NotAligned(f"assistant turn {k} has no content to locate")
             if start < cursor:
@@ -624,12 +630,36 @@ def _think_start(text: str, at: int, floor: int) -> int:
     return tag if tag >= floor and text.startswith(_THINK, tag) else at
 
 
-def _occurrences(text: str, sub: str, start: int, end: int) -> int:
-    """How many times `sub` occurs in `text[start:end]`, overlapping ones included."""
-    count, at = 0, text.find(sub, start, end)
+def _occurrences(text: str, sub: str, start: int, end: int) -> list[int]:
+    """Where `sub` occurs in `text[start:end]`, overlapping occurrences included."""
+    found, at = [], text.find(sub, start, end)
     while at >= 0:
-        count, at = count + 1, text.find(sub, at + 1, end)
-    return count
+        found.append(at)
+        at = text.find(sub, at + 1, end)
+    return found
+
+
+def _unique_placement(text: str, needles: list[str], start: int, end: int) -> list[int] | None:
+    """Where each of `needles` starts in `text[start:end]`, in order, each after the one before
+    ends: the only such placement; None where there is none or more than one."""
+    occ = [_occurrences(text, n, start, end) for n in needles]
+    # ways[i][j]: placements (counted to 2) of needles i.. with needle i at occ[i][j]
+    ways: list[list[int]] = [[] for _ in needles]
+    for i in reversed(range(len(needles))):
+        for p in occ[i]:
+            if i == len(needles) - 1:
+                ways[i].append(1)
+            else:
+                follow = p + len(needles[i])
+                ways[i].append(min(2, sum(w for q, w in zip(occ[i + 1], ways[i + 1]) if q >= follow)))
+    if not needles or sum(ways[0]) != 1:
+        return None if needles else []
+    out, at = [], start
+    for i in range(len(needles)):
+        p = next(p for p, w in zip(occ[i], ways[i]) if p >= at and w)
+        out.append(p)
+        at = p + len(needles[i])
+    return out
 
 
 def _mark(text: str, k: int, part: str, found: list[tuple[str, str, str, str]]) -> str:

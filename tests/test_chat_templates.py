@@ -501,6 +501,14 @@ def test_a_repeated_tool_call_takes_its_occurrences_in_order(tmp_path, tokenizer
     quoted = [*turns[:4], {"role": "tool", "content": "you said:" + text % "Paris"}, *turns[5:]]
     with pytest.raises(ChatTemplateError, match="tool calls once"):
         enc.conversation(quoted)
+    # A call made again inside a later parallel call: its text ends the parallel turn's too,
+    # but only one placement of the two turns in order exists.
+    parallel = [*turns[:2], {"role": "tool", "content": "wait"},
+                {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                {"role": "tool", "content": "rain"}, {"role": "tool", "content": "sunny"}, turns[-1]]
+    both = '\n<tool_call>\n{"name": "get", "arguments": {"q": "Paris"}}\n</tool_call>'
+    _check(enc, tokenizer_file, QWEN25, parallel, {},
+           [text % "Paris", both + text % "Paris", "weather in Paris is sunny<|im_end|>\n"])
 
 
 #: The ChatML template with transformers' `{% generation %}` marks: the reply and its end of
