@@ -628,7 +628,8 @@ def test_metrics_are_served_over_http(shards, caplog):
     # One source (--shards) is counted as 'default' (it had no samples planned by source).
     assert 'mmdispatch_source_samples_total{source="default"} 24.0' in text
     assert sorted(r.getMessage() for r in caplog.records if "trainer_left" in r.getMessage()) == [
-        "mmdispatch event=trainer_left rank=0 why=bye", "mmdispatch event=trainer_left rank=1 why=bye"]
+        "mmdispatch event=trainer_left rank=0 why=bye next_step=3",
+        "mmdispatch event=trainer_left rank=1 why=bye next_step=3"]
 
 
 def test_bad_samples_are_reported_by_key_not_lost(tmp_path):

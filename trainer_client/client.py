@@ -993,10 +993,10 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
 
     def close(self) -> None:
         self._closed = True
+        if self.client is not None:  # first: the pool's feeder waiting on it stops at once
+            self.client.close()
         if self.pool is not None:
             self.pool.close()
-        if self.client is not None:
-            self.client.close()
 
     def __iter__(self):
         self._check_open("iterating")

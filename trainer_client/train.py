@@ -313,8 +313,8 @@ def train(args: argparse.Namespace) -> int:
                 break
     finally:
         progress.close()
-        pool.close()  # first: the steps it prepared go back to the client, untrained
-        client.close()
+        client.close()  # first: a pool's feeder waiting on it for a step stops at once; its BYE
+        pool.close()  # says where the loop stopped (the pool's position), whichever closes first
         if logf is not None:
             logf.close()
         dist.destroy_process_group()
