@@ -43,12 +43,17 @@ class StepMeasurements:
         self.world_size = world_size
         self.refit = refit
         self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> timings record
+        self._summarised: deque[int] = deque(maxlen=2 * PENDING_STEPS)  # recent steps logged
         self._runs: dict[str, deque] = {p: deque(maxlen=refit.window if refit else 1) for p in PHASES}
         self._completed = 0
 
     def add(self, rank: int, record: dict, cost: CostModel) -> list[dict]:
-        """Take one rank's timings of one step; the records of steps now complete."""
+        """Take one rank's timings of one step; the records of steps now complete. A rank's
+        second record of a step, or one of a step already logged, is dropped: it would log the
+        step twice and weigh it twice in the report."""
         step = record["step"]
+        if step in self._summarised or rank in self._pending.get(step, ()):
+            return []
         self._pending.setdefault(step, {})[rank] = record
         if self.refit is not None:
             for mb in record["mb"]:
@@ -58,6 +63,7 @@ class StepMeasurements:
         done = [s for s, ranks in self._pending.items() if len(ranks) == self.world_size]
         if len(self._pending) > PENDING_STEPS:
             done.append(min(self._pending))
+        self._summarised.extend(sorted(set(done)))
         return [summarise(s, self._pending.pop(s), cost, self.world_size)
                 for s in sorted(set(done))]
 
@@ -84,22 +90,25 @@ class StepMeasurements:
 
 def summarise(step: int, by_rank: dict[int, dict], cost: CostModel, world_size: int) -> dict:
     """The step-log record of one step's timings: per phase predicted and measured slowest rank
-    (summed over micro-batches, as the plan's step time is) and the measured max/mean."""
+    (summed over micro-batches, as the plan's step time is) and the measured max/mean (1.0 for a
+    phase no rank ran an item of: its timer noise is no imbalance)."""
     M = max(len(r["mb"]) for r in by_rank.values())
     phases = {}
     for p in PHASES:
         measured = np.zeros((M, world_size))
         predicted = np.zeros((M, world_size))
+        ran = False
         for rank, rec in by_rank.items():
             for m, mb in enumerate(rec["mb"]):
                 if p in mb:
                     measured[m, rank] = mb[p][0]
                     predicted[m, rank] = float(cost.cost(p, mb[p][1]).sum()) if mb[p][1] else 0.0
+                    ran = ran or bool(mb[p][1])
         mean = measured.sum(axis=1) / len(by_rank)
         phases[p] = {"predicted_max": float(predicted.max(axis=1).sum()),
                      "measured_max": float(measured.max(axis=1).sum()),
                      "measured_max_over_mean": (float(measured.max(axis=1).sum() / mean.sum())
-                                                if mean.sum() > 0 else 1.0)}
+                                                if ran and mean.sum() > 0 else 1.0)}
     exchange = np.zeros((M, world_size))
     for rank, rec in by_rank.items():
         for m, mb in enumerate(rec["mb"]):

@@ -748,6 +748,16 @@ def _check_credit(fields: dict, payloads: list) -> None:
         fields["timings"], fields["timings_error"] = [], problem
 
 
+#: Longest phase time a timings record may give (a day): a broken timer's NaN, inf or 1e300
+#: would poison the step log and the refit window.
+MAX_TIMING_S = 86400.0
+
+
+def _seconds(value: Any) -> bool:
+    """A phase time: a finite float in [0, MAX_TIMING_S] (NaN fails every comparison)."""
+    return _is(value, float) and 0.0 <= value <= MAX_TIMING_S
+
+
 def _timings_problem(timings: list) -> str | None:
     for rec in timings:
         if (type(rec) is not dict or set(rec) != {"step", "mb"} or not _is_int(rec["step"])
@@ -756,12 +766,12 @@ def _timings_problem(timings: list) -> str | None:
         for mb in rec["mb"]:
             if type(mb) is not dict or not set(mb) <= {*TIMING_PHASES, "exchange"}:
                 return "malformed micro-batch timings"
-            if not _is(mb.get("exchange", 0.0), float) or mb.get("exchange", 0.0) < 0:
-                return "malformed exchange time"
+            if not _seconds(mb.get("exchange", 0.0)):
+                return f"malformed exchange time (seconds in [0, {MAX_TIMING_S:g}])"
             for phase in TIMING_PHASES:
                 t = mb.get(phase)
-                if t is not None and (type(t) is not list or len(t) != 2 or not _is(t[0], float)
-                                      or t[0] < 0 or type(t[1]) is not list
+                if t is not None and (type(t) is not list or len(t) != 2 or not _seconds(t[0])
+                                      or type(t[1]) is not list
                                       or not all(_is_int(n) and n >= 0 for n in t[1])):
                     return f"malformed {phase} timing"
     return None

@@ -1392,7 +1392,10 @@ class Dispatcher:
         return True
 
     def _measured(self, rank: int, record: dict) -> None:
-        """A rank's timings of one step: log every step now complete, refit when due."""
+        """A rank's timings of one step: log every step now complete, refit when due. Timings
+        of a step not planned yet are dropped: no plan predicted them."""
+        if not 0 <= record["step"] < self.next_plan:
+            return
         planner = self.config.planner
         done = self.measurements.add(rank, record, planner.cost)
         self._log_measured(done)

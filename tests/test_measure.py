@@ -39,6 +39,18 @@ def test_a_step_is_summarised_once_every_rank_reported():
         rec["measured_step_s"] / rec["predicted_step"])
 
 
+def test_a_phase_no_rank_ran_is_not_reported_as_imbalanced():
+    """A dataset without audio: each rank's empty audio phase timed a few microseconds of
+    noise, and the metrics showed it as a 62% measured imbalance."""
+    m = StepMeasurements(world_size=2)
+    noise = [{"step": 3, "mb": [{"vision": [0.2, [100]], "audio": [t, []], "llm": [0.1, [100]]}]}
+             for t in (3e-6, 9e-6)]
+    m.add(0, noise[0], SECONDS)
+    (rec,) = m.add(1, noise[1], SECONDS)
+    assert rec["phases"]["audio"]["measured_max_over_mean"] == 1.0
+    assert rec["phases"]["vision"]["measured_max_over_mean"] == pytest.approx(1.0)
+
+
 def test_a_step_whose_last_rank_never_reports_is_summarised_from_the_others():
     m = StepMeasurements(world_size=2)
     out = []
@@ -82,6 +94,10 @@ def test_timings_on_credit_reach_the_step_log_and_the_metrics(tmp_path):
     try:
         for rank, ident in ((0, b"t0"), (1, b"t1")):
             d.delivery.connect(d.slots[rank], ident)
+            if rank == 0:  # timings of a step not planned yet are dropped: no plan predicted them
+                d._on_trainer(ident, P.decode(P.encode(P.CREDIT, upto=2, received=1, timings=[
+                    _record(0, [999], 9.9)])), 0.0)
+                d.delivery.next_plan = 1
             credit = P.decode(P.encode(P.CREDIT, upto=2, received=1,
                                        timings=[_record(0, [100 * (rank + 1)], 0.1 * (rank + 1))]))
             d._on_trainer(ident, credit, 0.0)
@@ -161,3 +177,32 @@ def test_serve_refit_flag_turns_the_online_refit_on(tmp_path):
     for flags, on in ((base, False), ([*base, "--refit"], True)):
         config = serve.build_config(serve.resolve(build_parser("serve").parse_args(flags)))
         assert (config.refit == RefitConfig()) if on else config.refit is None
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e300, -1.0])
+def test_a_timing_that_is_no_duration_is_refused_at_the_client_and_dropped_at_the_dispatcher(bad):
+    """A broken GPU timer's NaN was accepted: every later refit failed with a traceback (the
+    NaN stayed in its window), the step log held NaN (not JSON) and the report showed perfect
+    balance. The client refuses it in one line; a dispatcher drops such a record, not the credit."""
+    from trainer_client.client import DispatcherClient
+
+    for mb in ({"vision": [bad, [10]]}, {"llm": [0.1, [10]], "exchange": bad}):
+        msg = P.decode(P.encode(P.CREDIT, upto=3, received=1, timings=[{"step": 0, "mb": [mb]}]))
+        assert msg["upto"] == 3 and msg["timings"] == [] and "malformed" in msg["timings_error"]
+        c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+        try:
+            with pytest.raises(ValueError, match=r"report_timings\(0\): malformed"):
+                c.report_timings(0, [mb])
+        finally:
+            c.close()
+
+
+def test_a_step_s_timings_are_logged_once():
+    """A rank that reported a step twice logged it twice (the report's averages weighed it
+    double); one reporting a step already logged logged it again."""
+    m = StepMeasurements(world_size=2)
+    assert m.add(0, _record(5, [100], 0.3), SECONDS) == []
+    assert m.add(0, _record(5, [100], 9.9), SECONDS) == []  # again: dropped, the first stays
+    (rec,) = m.add(1, _record(5, [100], 0.1), SECONDS)
+    assert rec["phases"]["vision"]["measured_max"] == pytest.approx(0.3)
+    assert m.add(1, _record(5, [100], 0.1), SECONDS) == [] and m.drain(SECONDS) == []
