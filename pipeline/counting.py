@@ -151,6 +151,11 @@ class ImageConfig:
             raise ValueError(f"max_header_pixels={self.max_header_pixels} must be >= 1")
 
 
+#: The longest padded audio window, in seconds (real encoders' are 30 s; 1500, a window in
+#: frames given as seconds, is refused).
+MAX_PAD_WINDOW_S = 600.0
+
+
 @dataclass(kw_only=True, slots=True)
 class AudioConfig:
     """Audio encoder rates; defaults are Whisper's encoder with Qwen2-Audio's pooling.
@@ -178,6 +183,14 @@ class AudioConfig:
             )
         if self.pad_window_s is not None and self.pad_window_s <= 0:
             raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 seconds (unset: no padding)")
+        if self.pad_window_s is not None and not (
+                1 <= self.pad_window_s * self.encoder_frames_per_s and self.pad_window_s <= MAX_PAD_WINDOW_S):
+            # A window in frames (a cost file's, calibrate's: Whisper's 1500) given as seconds
+            # padded every clip to 25 minutes of frames; one below a frame padded nothing.
+            raise ValueError(f"pad_window_s={self.pad_window_s} must be seconds, at least one encoder "
+                             f"frame ({1 / self.encoder_frames_per_s:g} s) and at most "
+                             f"{MAX_PAD_WINDOW_S:g}: Whisper's window is 30 (its 1500 frames at "
+                             f"{self.encoder_frames_per_s:g} frames/s)")
         if not 0 < self.min_sample_rate <= self.max_sample_rate:
             raise ValueError(
                 f"need 0 < min_sample_rate={self.min_sample_rate} <= max_sample_rate={self.max_sample_rate}"

@@ -473,3 +473,12 @@ def test_an_image_member_of_another_format_is_refused_naming_it(fmt, name):
     assert err.value.reason == "bad_image"
     with pytest.raises(CountError, match="unreadable image header: cannot identify image file$"):
         Counter(CountingConfig()).image(b"\x00\x01 neither of them" * 4)
+
+
+@pytest.mark.parametrize("window", [1500.0, 1e9, 0.001])
+def test_an_audio_pad_window_outside_seconds_is_refused_naming_the_unit(window):
+    """--audio-pad-window 1e9 planned 50,000,000,000 encoder frames a clip; 1500 (a cost file's
+    window, in frames) 25 minutes a clip; 0.001 under one frame."""
+    with pytest.raises(ValueError, match=r"must be seconds.*Whisper's window is 30"):
+        AudioConfig(pad_window_s=window)
+    assert AudioConfig(pad_window_s=30.0).pad_window_s == 30.0
