@@ -66,7 +66,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "num_microbatches": (int, None, "micro-batches per step per rank (default 1 unless "
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch "
-                                           "(M stops at samples per rank)"),
+                                           "(M stops at samples per rank): it sets M, it does not "
+                                           "cap a micro-batch (--llm-capacity does)"),
     "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
     "llm_capacity_factor": (finite_float, DEFAULT_LLM_CAPACITY_FACTOR,
                             "without --llm-capacity, each rank's micro-batch holds at most this "
@@ -97,7 +98,9 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                       "over to the other (disk: about twice this)"),
     "metrics_port": (int, 0, "Prometheus HTTP port; 0 = off"),
     "metrics_host": (str, "127.0.0.1", "address the metrics endpoint binds"),
-    "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline)"),
+    "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline; a step "
+                 "planned again after a restart or rewind adds a line, the last is its plan), and "
+                 "the trainers' measured phase times (\"kind\": \"measure\")"),
     "payloads": (str, "inline", "inline: member bytes flow reader -> dispatcher -> trainer; "
                                 "reference: only their offsets do, and trainers read the bytes "
                                 "from the shard files (same paths on every host, plain tars); "
