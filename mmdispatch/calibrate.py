@@ -100,7 +100,11 @@ def load_model(spec: str):
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ValueError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory()
+    try:
+        return factory()
+    except Exception as e:  # noqa: BLE001 - the user's code: said in one line, as its other mistakes
+        raise ValueError(f"--model {spec!r}: {attr}() raised {type(e).__name__}: {e} (call it "
+                         f"in Python to see where)") from None
 
 
 def build(args: argparse.Namespace):

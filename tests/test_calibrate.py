@@ -251,6 +251,8 @@ def test_calibrate_takes_a_user_model_by_import_path(tmp_path, capsys):
     ("no.such.module:f", "cannot import 'no.such.module'"),
     ("tests.test_calibrate:nothing_here", "no callable 'nothing_here'"),
     ("tests.test_calibrate:synthetic_model_without_methods", "lacks the MultimodalModel methods"),
+    # a factory that raises: its error, not a traceback of the command
+    ("json:dumps", "dumps() raised TypeError: dumps() missing 1 required positional argument"),
 ])
 def test_calibrate_names_a_bad_model_in_one_line(tmp_path, capsys, spec, match):
     from mmdispatch.cli import main
