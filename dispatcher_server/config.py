@@ -22,6 +22,10 @@ MODES = ("deterministic", "arrival")
 #: 0 (1e-320 beside 1), which neither the blend nor the shuffle buffer's shares can use.
 MAX_WEIGHT_RATIO = 1e12
 
+#: Fields `dataset_fingerprint` leaves out at their default (so that checkpoints written before
+#: the field existed still match), with that default: what a missing one means.
+DATASET_FINGERPRINT_DEFAULTS = {"shuffle_shards": 1}
+
 
 @dataclass(kw_only=True, slots=True)
 class BatchConfig:
@@ -250,8 +254,9 @@ class ServerConfig:
                 **self._mixed(), **self._sources_digest()}
 
     def _mixed(self) -> dict:
-        # Only when on: journals and checkpoints written before the option match as they did.
-        return {"shuffle_shards": self.shuffle_shards} if self.shuffle_shards > 1 else {}
+        # Only when on: checkpoints written before the option match as they did.
+        default = DATASET_FINGERPRINT_DEFAULTS["shuffle_shards"]
+        return {"shuffle_shards": self.shuffle_shards} if self.shuffle_shards != default else {}
 
     def plan_settings(self) -> dict:
         """What a step's plan depends on besides its samples and the world size: journaled with

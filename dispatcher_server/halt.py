@@ -51,15 +51,14 @@ class Halt:
 
 
 def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: Exception,
-                    topology: Topology | None = None) -> str:
+                    topology: Topology) -> str:
     """One line naming the step, its largest samples by key and the ways out; where no sample
     is over the LLM capacity alone, that the step as a whole does not fit its micro-batches."""
     llm = batch.inputs.llm_len
     order = sorted(range(len(llm)), key=lambda i: -int(llm[i]))[:3]
     largest = ", ".join(f"{batch.keys[i]} ({int(llm[i])} LLM tokens)" for i in order)
     cap = "" if config.llm_capacity is None else f" over --llm-capacity {config.llm_capacity}"
-    if (config.llm_capacity is not None and topology is not None and len(llm)
-            and int(llm.max()) <= config.llm_capacity):
+    if config.llm_capacity is not None and len(llm) and int(llm.max()) <= config.llm_capacity:
         W, M = topology.world_size, config.microbatches_for(batch.inputs, topology)
         return (f"step {step} cannot be planned{cap} ({error}): no sample is over it alone (the "
                 f"largest: {largest}), but the step's {int(llm.sum())} LLM tokens do not pack into "

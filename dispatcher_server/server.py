@@ -28,7 +28,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.assembler import StepAssembler
 from dispatcher_server.batching import build_batch, step_messages
 from dispatcher_server.blend import as_drawn, differing
-from dispatcher_server.config import ServerConfig
+from dispatcher_server.config import DATASET_FINGERPRINT_DEFAULTS, ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
 from dispatcher_server.endpoint import allow_ipv6
@@ -1229,7 +1229,7 @@ class Dispatcher:
             return "rank", f"rank {rank} is outside [0, {W})"
         theirs = msg.get("dataset")
         if theirs is not None and (fields := differing(theirs, self.dataset)):
-            shown = {"shuffle_shards": 1}  # left out of a fingerprint where it is the default
+            shown = DATASET_FINGERPRINT_DEFAULTS  # what a field left out stands for
             diff = ", ".join(f"{k}: checkpoint {theirs.get(k, shown.get(k))!r}, "
                              f"dispatcher {self.dataset.get(k, shown.get(k))!r}" for k in fields)
             return "dataset", (f"rank {rank} was restored from a checkpoint of another dataset "
