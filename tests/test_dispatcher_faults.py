@@ -425,6 +425,9 @@ def test_a_full_disk_at_a_readers_hello_stops_the_job_and_tells_the_reader(tmp_p
             seq = reader.send(P.HELLO, role="reader", name="r", inputs={"tokenizer": "t"})
             err = reader.expect(P.ERROR)
             K.wait_for(lambda: d.fatal is not None, 5, "the failed inputs write ending the job")
+            # the dispatcher thread logs the halt after it tells the reader: read the log once
+            # that line is in (it raced the end of this block)
+            K.wait_for(lambda: "event=fatal" in caplog.text, 5, "the halt's log line")
         assert err["code"] == "halted" and err["ack"] == seq
         assert "No space left on device" in err["message"]
         assert "Free the space" in err["message"] and "resumes from the journal" in err["message"]
