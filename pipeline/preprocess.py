@@ -117,7 +117,7 @@ class PreprocessConfig:
 _IMAGE_RULES = ("patch_size", "merge_size", "min_pixels", "max_pixels")
 _AUDIO_RULES = ("encoder_frames_per_s", "llm_tokens_per_s", "pad_window_s")
 _VIDEO_RULES = ("fps", "temporal_patch", "patch_size", "merge_size", "min_pixels", "max_pixels",
-                "max_frames", "total_pixels")
+                "min_frames", "max_frames", "total_pixels")
 
 
 # ---------------------------------------------------------------------------------- images

@@ -85,6 +85,8 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
     add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
     add("--video-fps", type=finite_float, default=video.fps, help="video frames sampled per second")
+    add("--video-min-frames", type=int, default=video.min_frames,
+        help="fewest video frames sampled of a clip that holds them (qwen_vl_utils' min_frames)")
     add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
     add("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
@@ -126,7 +128,7 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
 COUNTING_FLAGS = {
     "min_pixels": "--min-pixels", "max_pixels": "--max-pixels", "patch_size": "--patch-size",
     "merge_size": "--merge-size", "max_header_pixels": "--max-header-pixels",
-    "video fps": "--video-fps", "encoder_frames_per_s": "--audio-frames-per-s",
+    "video fps": "--video-fps", "video min_frames": "--video-min-frames", "encoder_frames_per_s": "--audio-frames-per-s",
     "llm_tokens_per_s": "--audio-tokens-per-s", "pad_window_s": "--audio-pad-window",
     "max_text_bytes": "--max-text-bytes", "max_member_bytes": "--max-member-bytes",
     "max_seq_len": "--max-seq-len", "over_length": "--over-length",
@@ -171,8 +173,9 @@ def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig
             pad_window_s=args.audio_pad_window,
         ),
         text=TextConfig(**text_kwargs),
-        video=video_config(fps=args.video_fps, max_pixels=args.video_max_pixels,
-                           patch_size=args.patch_size, merge_size=args.merge_size),
+        video=video_config(fps=args.video_fps, min_frames=args.video_min_frames,
+                           max_pixels=args.video_max_pixels, patch_size=args.patch_size,
+                           merge_size=args.merge_size),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(

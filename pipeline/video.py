@@ -7,9 +7,10 @@ decode a few frames) and 5-400 ms for a full decode; the parse needs no dependen
 and sees a cut `mdat` that the probe accepts. WebM/MKV, AVI (and fragmented MP4) go through PyAV
 (the optional `[video]` extra), which also decodes frames for the trainer: their video stream's
 packets are demuxed, not decoded, for its span. Either way the duration is the span FFmpeg
-presents, so the frames sampled are real frames. Frames are sampled at `VideoConfig.fps`,
-grouped in temporal patches of 2 and resized with the image `smart_resize` rule within the
-clip's pixel budget, as Qwen2-VL does.
+presents, so the frames sampled are real frames. Frames are counted and picked by
+`qwen_vl_utils`' `smart_nframes` rule (at `VideoConfig.fps`, evenly spread over the clip), grouped
+in temporal patches of 2 and resized with the image `smart_resize` rule within the clip's pixel
+budget, as Qwen2-VL does.
 """
 
 from __future__ import annotations
@@ -36,14 +37,19 @@ _MP4_FIRST = frozenset([b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"
 class VideoConfig:
     """Frame sampling and resize policy for video; defaults are Qwen2-VL's (`qwen_vl_utils`).
 
-    Frames are sampled at `fps` (2 per second), never more than the clip holds, rounded up to
-    a multiple of `temporal_patch` (at least one temporal patch; the last frame repeats) and at
-    most `max_frames` (768). Each frame is resized by `smart_resize` within [min_pixels,
-    max_pixels] (Qwen2-VL's video budget: 128*28*28 to 768*28*28 per frame), and the whole clip
-    within `total_pixels` (128000*28*28*0.9): a frame gets at most total_pixels / frames *
-    temporal_patch, but never under min_pixels * 1.05 (qwen_vl_utils' rule; without it a
-    6-minute clip is 1.1 M encoder rows). Encoder length = (frames / temporal_patch) * (H /
-    patch) * (W / patch), LLM length = that / merge^2.
+    Frames are counted by `qwen_vl_utils`' `smart_nframes`: of a clip's `total` frames
+    (round(duration * native fps)), n = total / native_fps * `fps` (2 per second), raised to
+    `min_frames` (4, rounded up to a multiple of `temporal_patch`), lowered to `max_frames` (768)
+    and to `total` (rounded down to a multiple of `temporal_patch`), then rounded down to a
+    multiple of `temporal_patch`. The frames taken are round(linspace(0, total - 1, n)): evenly
+    spread over the whole clip, first and last included. A clip shorter than one temporal patch
+    (which `qwen_vl_utils` refuses) is one temporal patch, its last frame repeated.
+    Each frame is resized by `smart_resize` within [min_pixels, max_pixels] (Qwen2-VL's video
+    budget: 128*28*28 to 768*28*28 per frame), and the whole clip within `total_pixels`
+    (128000*28*28*0.9): a frame gets at most total_pixels / frames * temporal_patch, but never
+    under min_pixels * 1.05 (qwen_vl_utils' rule; without it a 6-minute clip is 1.1 M encoder
+    rows). Encoder length = (frames / temporal_patch) * (H / patch) * (W / patch), LLM length =
+    that / merge^2.
     Headers outside `max_header_pixels`, `max_fps` or `max_duration_s` are corrupt, not video.
     """
 
@@ -54,6 +60,7 @@ class VideoConfig:
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)
+    min_frames: int = 4
     max_frames: int = 768
     max_aspect_ratio: float = 200.0
     max_header_pixels: int = 16384 * 16384  # HEVC's and AV1's largest level
@@ -73,6 +80,9 @@ class VideoConfig:
         if self.max_frames < self.temporal_patch or self.max_frames % self.temporal_patch:
             raise ValueError(f"max_frames={self.max_frames} must be a positive multiple of "
                              f"temporal_patch={self.temporal_patch}")
+        if not 1 <= self.min_frames <= self.max_frames:
+            raise ValueError(f"video min_frames={self.min_frames} must be from 1 to the most frames "
+                             f"sampled of a clip ({self.max_frames})")
 
     def image_rule(self, frames: int) -> ImageConfig:
         """The resize rule of each of a clip's `frames` sampled frames as an `ImageConfig` (for
@@ -95,26 +105,54 @@ class VideoHeader:
     container: str
 
 
-def video_config(*, fps: float, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
-    """The video rules the `--video-fps`/`--video-max-pixels` and patch options describe (data
-    nodes and trainers build them here, so they cannot disagree): a budget under the default
-    minimum lowers the minimum with it, so a budget under 1 is refused here, by its flag."""
+def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
+    """The video rules the `--video-fps`/`--video-min-frames`/`--video-max-pixels` and patch
+    options describe (data nodes and trainers build them here, so they cannot disagree): a budget
+    under the default minimum lowers the minimum with it, so a budget under 1 is refused here,
+    by its flag."""
     if max_pixels < 1:
         raise ValueError(f"--video-max-pixels must be >= 1 (pixels per sampled frame), got {max_pixels}")
-    return VideoConfig(fps=fps, max_pixels=max_pixels, patch_size=patch_size, merge_size=merge_size,
-                       min_pixels=min(VideoConfig().min_pixels, max_pixels))
+    return VideoConfig(fps=fps, min_frames=min_frames, max_pixels=max_pixels, patch_size=patch_size,
+                       merge_size=merge_size, min_pixels=min(VideoConfig().min_pixels, max_pixels))
 
 
 # -- lengths -------------------------------------------------------------------------------------
 
+def clip_frames(duration_s: float, native_fps: float) -> int:
+    """Frames a clip holds as its header states them: round(duration * native fps), at least 1."""
+    if not (math.isfinite(native_fps) and native_fps > 0):
+        raise _bad(f"video declares {native_fps:g} frames per second: its frames cannot be counted")
+    return max(1, round(duration_s * native_fps))
+
+
 def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> int:
-    """Frames the model sees: ceil(duration * fps), capped by the clip's own frames and
-    `max_frames`, rounded up to whole temporal patches (at least one)."""
-    n = math.ceil(duration_s * cfg.fps - 1e-6)
-    if native_fps > 0:
-        n = min(n, max(1, math.ceil(duration_s * native_fps - 1e-6)))
+    """Frames the model sees, by `qwen_vl_utils`' `smart_nframes` (fps path) with
+    `temporal_patch` as its factor: of the clip's `total` frames (`clip_frames`), total /
+    native_fps * fps, at least `min_frames` rounded up to the factor, at most `max_frames` and
+    `total` rounded down to it, and no more than `total`; then rounded down to the factor.
+    Where `qwen_vl_utils` raises (a clip of fewer frames than one temporal patch: 1 frame at
+    temporal patch 2), one temporal patch, its last frame repeated (`frame_indices`)."""
     t = cfg.temporal_patch
-    return min(cfg.max_frames, max(t, -(-n // t) * t))
+    total = clip_frames(duration_s, native_fps)
+    least = -(-cfg.min_frames // t) * t
+    most = min(cfg.max_frames, total) // t * t
+    n = min(max(total / native_fps * cfg.fps, least), most, total)
+    # A header's rate is frames / seconds, so total / native_fps * fps can come out 3.9999999999
+    # where the clip's 2 s make 4: float noise must not drop a temporal patch.
+    n = math.floor(n / t + 1e-9) * t
+    return n if n >= t else t
+
+
+def frame_indices(duration_s: float, native_fps: float, cfg: VideoConfig) -> np.ndarray:
+    """Indices of the frames the model sees (`sampled_frames` of them), from the clip's first
+    frame: round(linspace(0, total - 1, n)) over its `clip_frames`, as `qwen_vl_utils` picks them
+    (it rounds a float32 `torch.linspace`, which, past ~10^4 frames, can pick a neighbour of the
+    exact index: the count is the same). A clip shorter than one temporal patch repeats its last
+    frame."""
+    n, total = sampled_frames(duration_s, native_fps, cfg), clip_frames(duration_s, native_fps)
+    if n > total:
+        return np.minimum(np.arange(n), total - 1)
+    return np.rint(np.linspace(0, total - 1, n)).astype(np.int64)
 
 
 def frame_size(width: int, height: int, frames: int, cfg: VideoConfig) -> tuple[int, int]:
@@ -361,6 +399,17 @@ def _stream_span(container, stream) -> tuple[float, int]:
     return float((end - first) * stream.time_base), frames
 
 
+def _native_fps(declared, seconds: float, frames: int) -> float:
+    """A stream's frame rate: the one its container declares (FFmpeg's average rate, which
+    `qwen_vl_utils` divides by) where it times the stream's frames, else frames / seconds.
+    Matroska's millisecond timestamps make 18 frames at 6 fps span 2.999 s: 6.002 fps would
+    count 5.998 frames at 2 fps where `qwen_vl_utils` counts 6."""
+    if seconds <= 0:
+        return 0.0
+    rate = float(declared) if declared else 0.0
+    return rate if math.isfinite(rate) and rate > 0 and round(seconds * rate) == frames else frames / seconds
+
+
 def _pyav_header(data: bytes | memoryview) -> VideoHeader:
     try:
         import av
@@ -378,7 +427,7 @@ def _pyav_header(data: bytes | memoryview) -> VideoHeader:
             stream = container.streams.video[0]
             ctx = stream.codec_context
             seconds, frames = _stream_span(container, stream)
-            return VideoHeader(seconds, frames / seconds if seconds > 0 else 0.0, ctx.width, ctx.height,
+            return VideoHeader(seconds, _native_fps(stream.average_rate, seconds, frames), ctx.width, ctx.height,
                                ctx.name, container.format.name.split(",")[0])
     except CountError:
         raise
@@ -425,30 +474,36 @@ def count_video(data: bytes | memoryview, cfg: VideoConfig) -> tuple[int, int, d
 
 
 # -- trainer side: decode, sample, resize, patchify ----------------------------------------------
-def _sample_frames(data: bytes | memoryview, n_real: int, duration_s: float, rows: int, cols: int) -> list[np.ndarray]:
-    """`n_real` RGB frames (rows x cols) shown at times i * duration / n_real, decoded in one pass."""
+def _sample_frames(data: bytes | memoryview, indices: np.ndarray, native_fps: float, rows: int,
+                   cols: int) -> list[np.ndarray]:
+    """The RGB frames (rows x cols) at `indices` (non-decreasing, from the clip's first frame),
+    decoded in one pass: index i is the frame shown at i / native_fps after the first."""
     import av
 
-    targets = [i * duration_s / n_real for i in range(n_real)]
+    step = 1.0 / native_fps
+    targets = indices * step
     picked: list[np.ndarray] = []
-    t0 = None
+    t0 = last = None
     with av.open(io.BytesIO(data), "r") as container:
         stream = container.streams.video[0]
-        step = 1.0 / float(stream.average_rate or stream.guessed_rate or 30)
-        for frame in container.decode(stream):
-            t = frame.time if frame.time is not None else len(picked) * step
+        for k, frame in enumerate(container.decode(stream)):
+            last = frame
+            t = frame.time if frame.time is not None else k * step
             t0 = t if t0 is None else t0
             want = 0
-            while len(picked) + want < n_real and targets[len(picked) + want] < t - t0 + step / 2:
+            # The frame nearest each target: a clip's timestamps are rounded to its timescale.
+            while len(picked) + want < len(targets) and targets[len(picked) + want] < t - t0 + step / 2:
                 want += 1
             if want:
                 rgb = frame.reformat(width=cols, height=rows, format="rgb24", interpolation="BICUBIC").to_ndarray()
                 picked.extend([rgb] * want)
-            if len(picked) == n_real:
+            if len(picked) == len(targets):
                 break
-    if not picked:
-        raise UndecodableError("video decodes to no frames")
-    picked.extend([picked[-1]] * (n_real - len(picked)))  # a header longer than its frames
+        if last is None:
+            raise UndecodableError("video decodes to no frames")
+        if len(picked) < len(targets):  # a header longer than its frames: the last one shown
+            rgb = last.reformat(width=cols, height=rows, format="rgb24", interpolation="BICUBIC").to_ndarray()
+            picked.extend([rgb] * (len(targets) - len(picked)))
     return picked
 
 
@@ -457,8 +512,8 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     """Decode a clip into float32 patches of shape (enc_len, 3 * temporal_patch * patch^2).
 
     `meta` is the item's header facts as counted (`count_video`: duration_s, fps, width, height);
-    frames are sampled, resized and padded exactly as counted, normalized with CLIP's mean/std
-    and laid out as Qwen2-VL's processor does (rows ordered t, h/merge, w/merge, merge, merge;
+    the frames `frame_indices` names are decoded, resized exactly as counted, normalized with
+    CLIP's mean/std and laid out as Qwen2-VL's processor does (rows ordered t, h/merge, w/merge, merge, merge;
     features ordered channel, time, patch row, patch column). Raises ValueError when the rows
     would differ from `enc_len` (the planned length) or the clip does not decode.
     """
@@ -469,7 +524,8 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     cfg = cfg or VideoConfig()
     try:
         duration, fps, width, height = (meta[k] for k in ("duration_s", "fps", "width", "height"))
-        frames = sampled_frames(duration, fps, cfg)
+        indices = frame_indices(duration, fps, cfg)
+        frames = len(indices)
         rows, cols = frame_size(int(width), int(height), frames, cfg)
     except KeyError as e:
         raise ValueError(f"video meta lacks {e.args[0]!r}: pass the counted item's meta") from None
@@ -480,16 +536,14 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     if enc_len is not None and rows_out != enc_len:
         raise ValueError(f"video counts {rows_out} patches under this VideoConfig but enc_len={enc_len} "
                          f"was planned: data node and trainer disagree on the video settings")
-    n_real = min(frames, max(1, math.ceil(duration * cfg.fps - 1e-6)))
     try:
-        picked = _sample_frames(data, n_real, duration, rows, cols)
+        picked = _sample_frames(data, indices, fps, rows, cols)
     except av.error.FFmpegError as e:  # a corrupt stream; some (InvalidDataError) are ValueErrors
         raise UndecodableError(f"video does not decode: {e}") from None
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever else a broken container makes PyAV raise
         raise UndecodableError(f"video does not decode: {e}") from None
-    picked.extend([picked[-1]] * (frames - len(picked)))  # whole temporal patches
     x = (np.stack(picked).astype(np.float32) / 255.0 - _MEAN) / _STD  # (T, H, W, C)
     x = x.transpose(0, 3, 1, 2)  # (T, C, H, W)
     gt, gh, gw = frames // t, rows // p, cols // p
@@ -501,6 +555,6 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
 
 
 __all__ = [
-    "VideoConfig", "VideoHeader", "count_video", "frame_size", "mp4_header", "read_header", "sampled_frames",
-    "video_lengths", "video_patches",
+    "VideoConfig", "VideoHeader", "clip_frames", "count_video", "frame_indices", "frame_size", "mp4_header",
+    "read_header", "sampled_frames", "video_lengths", "video_patches",
 ]

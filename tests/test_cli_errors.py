@@ -565,7 +565,7 @@ def test_serve_help_groups_its_options_and_drops_none():
 #: every numeric counting option of `read` and `inspect` -> a value out of its range
 COUNTING_MISTAKES = {
     "--min-pixels": "0", "--max-pixels": "0", "--patch-size": "0", "--merge-size": "0",
-    "--max-header-pixels": "0", "--video-fps": "0", "--video-max-pixels": "0",
+    "--max-header-pixels": "0", "--video-fps": "0", "--video-min-frames": "0", "--video-max-pixels": "0",
     "--audio-frames-per-s": "0", "--audio-tokens-per-s": "-1", "--audio-pad-window": "0",
     "--max-text-bytes": "0", "--max-member-bytes": "0", "--max-consecutive-errors": "0",
     "--max-seq-len": "0",

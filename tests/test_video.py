@@ -18,29 +18,41 @@ from pipeline.errors import ErrorPolicy, ErrorStats
 from pipeline.gendata import generate, video_clip
 from pipeline.reader import ReaderConfig, iter_samples, iter_shard
 from pipeline.records import MODALITY_PHASE
-from pipeline.video import VideoConfig, count_video, read_header, sampled_frames, video_lengths, video_patches
+from pipeline.video import (
+    VideoConfig, count_video, frame_indices, read_header, sampled_frames, video_lengths, video_patches,
+)
 from tests.badcorpus import _half, jpeg, mp4_with, tar_bytes, wav
 
 av = pytest.importorskip("av")
 
 
+def _qwen_nframes(total: int, native_fps: float, fps: float = 2.0, min_frames: int = 4,
+                  max_frames: int = 768) -> int:
+    """qwen_vl_utils' smart_nframes (fps path, FRAME_FACTOR 2) written out; where it raises (fewer
+    than 2 frames), one pair."""
+    least = math.ceil(min_frames / 2) * 2
+    most = math.floor(min(max_frames, total) / 2) * 2
+    n = min(min(max(total / native_fps * fps, least), most), total)
+    n = math.floor(n / 2) * 2
+    return n if 2 <= n <= total else 2
+
+
 def _expected(duration: float, native_fps: float, width: int, height: int) -> tuple[int, int]:
-    """Qwen2-VL's video rule written out: frames at 2 fps (no more than the clip has), rounded up
-    to pairs, each resized with smart_resize between 128 and 768 merged tokens."""
-    frames = min(math.ceil(round(duration * 2, 6)), math.ceil(round(duration * native_fps, 6)))
-    frames = max(2, frames + frames % 2)
+    """Qwen2-VL's video rule written out: qwen_vl_utils' frame count of the clip's frames, each
+    resized with smart_resize between 128 and 768 merged tokens."""
+    frames = _qwen_nframes(round(duration * native_fps), native_fps)
     h, w = smart_resize(height, width, ImageConfig(min_pixels=128 * 28 * 28, max_pixels=768 * 28 * 28))
     enc = frames // 2 * (h // 14) * (w // 14)
     return enc, enc // 4
 
 
 @pytest.mark.parametrize("fmt, width, height, fps, frames", [
-    ("mp4", 64, 48, 10, 25),     # 2.5 s -> 5 frames -> 6
+    ("mp4", 64, 48, 10, 25),     # 2.5 s -> 5 frames -> 4
     ("mp4", 160, 120, 4, 12),    # 3 s -> 6 frames
-    ("mov", 96, 64, 8, 9),       # 1.125 s -> 3 -> 4
-    ("mp4", 1280, 720, 1, 3),    # 1 fps: only 3 frames exist -> 4; 720p goes over max_pixels
-    ("mkv", 128, 96, 5, 10),
-    ("webm", 80, 60, 6, 18),
+    ("mov", 96, 64, 8, 9),       # 1.125 s -> 2.25 frames, raised to the minimum 4
+    ("mp4", 1280, 720, 1, 3),    # 1 fps: only 3 frames exist -> 2; 720p goes over max_pixels
+    ("mkv", 128, 96, 5, 10),     # 2 s -> 4 frames
+    ("webm", 80, 60, 6, 18),     # 3 s -> 6 frames
 ])
 def test_header_counts_equal_the_formula(fmt, width, height, fps, frames):
     data = video_clip(width, height, fps, frames, seed=1, fmt=fmt)
@@ -57,16 +69,52 @@ def test_header_counts_equal_the_formula(fmt, width, height, fps, frames):
 
 def test_sampling_rules():
     cfg = VideoConfig()
-    assert sampled_frames(0.1, 30, cfg) == 2  # at least one temporal patch
-    assert sampled_frames(2.4, 30, cfg) == 6  # ceil(4.8) = 5 -> 6
+    assert sampled_frames(0.1, 30, cfg) == 2  # 3 frames: the minimum 4 is more than the clip's pairs
+    assert sampled_frames(2.4, 30, cfg) == 4  # 72 frames: 4.8 -> 4
     assert sampled_frames(3.0, 30, cfg) == 6
-    assert sampled_frames(10.0, 0.5, cfg) == 6  # the clip holds only 5 frames
+    assert sampled_frames(10.0, 0.5, cfg) == 4  # the clip holds only 5 frames: 4
     assert sampled_frames(3600.0, 30, cfg) == cfg.max_frames
-    assert sampled_frames(3.0, 30, VideoConfig(fps=1.0)) == 4
+    assert sampled_frames(3.0, 30, VideoConfig(fps=1.0)) == 4  # 3 frames, raised to the minimum
+    assert sampled_frames(3.0, 30, VideoConfig(min_frames=7)) == 8  # 7 rounded up to pairs
+    assert sampled_frames(3.0, 30, VideoConfig(min_frames=1)) == 6
+    assert sampled_frames(1.0, 30, VideoConfig(min_frames=1)) == 2
     with pytest.raises(ValueError, match="fps=0"):
         VideoConfig(fps=0)
     with pytest.raises(ValueError, match="max_frames=7"):
         VideoConfig(max_frames=7)
+    with pytest.raises(ValueError, match="min_frames=0"):
+        VideoConfig(min_frames=0)
+    with pytest.raises(ValueError, match="min_frames=800"):
+        VideoConfig(min_frames=800)
+
+
+@pytest.mark.parametrize("total, native_fps, ours_before, qwen", [
+    (24, 25, 2, 4), (83, 25, 8, 6), (99, 30, 8, 6), (30, 10.714, 6, 4),
+])
+def test_frame_counts_are_qwen_vl_utils(total, native_fps, ours_before, qwen):
+    """The tester's clips, whose counts differed from qwen_vl_utils' (`ours_before`): a dataset
+    preprocessed with it gets the lengths planned."""
+    assert _qwen_nframes(total, native_fps) == qwen != ours_before
+    assert sampled_frames(total / native_fps, native_fps, VideoConfig()) == qwen
+    # the picked indices spread over the whole clip, first and last frame included
+    expected = [round(i * (total - 1) / (qwen - 1)) for i in range(qwen)]
+    assert frame_indices(total / native_fps, native_fps, VideoConfig()).tolist() == expected
+
+
+def test_qwen_rule_over_many_clips():
+    """Counts and indices equal qwen_vl_utils' rule (written out here) over clip lengths and rates
+    a header states, including min/max frames other than the defaults."""
+    for native_fps in (1, 4, 10, 23.976, 24, 25, 29.97, 30, 60):
+        for total in (1, 2, 3, 4, 5, 7, 9, 24, 50, 83, 99, 150, 301, 1800, 4001):
+            for fps, least, most in ((2.0, 4, 768), (1.0, 4, 16), (0.5, 8, 768), (4.0, 1, 12)):
+                cfg = VideoConfig(fps=fps, min_frames=least, max_frames=most)
+                n = sampled_frames(total / native_fps, native_fps, cfg)
+                assert n == _qwen_nframes(total, native_fps, fps, least, most), (total, native_fps, fps)
+                got = frame_indices(total / native_fps, native_fps, cfg).tolist()
+                if total == 1:
+                    assert got == [0, 0]
+                else:
+                    assert got == [round(i * (total - 1) / (n - 1)) for i in range(n)]
 
 
 def test_mp4_header_needs_no_decoder(monkeypatch):
@@ -144,13 +192,17 @@ def test_video_options_change_counts(tmp_path, capsys):
     assert main(["inspect", "--json", "--video-fps", "1", "--video-max-pixels", str(28 * 28 * 64), str(shard)]) == 0
     small = json.loads(capsys.readouterr().out)["modalities"]["video"]["enc_len"]["max"]
     # 4 s: 8 frames -> 4 frames; 640x480 within 64 merged tokens per frame
-    assert small == _expected_at(4.0, 1.0, 640, 480, 28 * 28 * 64) < default
+    assert small == _expected_at(4.0, 10, 1.0, 640, 480, 28 * 28 * 64) < default
+    assert main(["inspect", "--json", "--video-fps", "1", "--video-min-frames", "6", "--video-max-pixels",
+                 str(28 * 28 * 64), str(shard)]) == 0
+    more = json.loads(capsys.readouterr().out)["modalities"]["video"]["enc_len"]["max"]
+    assert more == small // 2 * 3  # 6 frames of the same size: 3 temporal patches for 2
     assert main(["inspect", "--video-fps", "0", str(shard)]) != 0
     assert "--video-fps 0.0" in capsys.readouterr().err
 
 
-def _expected_at(duration: float, fps: float, width: int, height: int, max_pixels: int) -> int:
-    frames = max(2, math.ceil(duration * fps) + math.ceil(duration * fps) % 2)
+def _expected_at(duration: float, native_fps: float, fps: float, width: int, height: int, max_pixels: int) -> int:
+    frames = _qwen_nframes(round(duration * native_fps), native_fps, fps)
     h, w = smart_resize(height, width, ImageConfig(min_pixels=min(128 * 28 * 28, max_pixels), max_pixels=max_pixels))
     return frames // 2 * (h // 14) * (w // 14)
 
@@ -166,6 +218,70 @@ def test_video_patches_rows_equal_enc_len(fmt, frames, fps):
         video_patches(data, meta, enc_len=enc + 4)
     with pytest.raises(ValueError, match="disagree"):
         video_patches(data, meta, VideoConfig(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 4), enc_len=enc)
+
+
+def _numbered_clip(num_frames: int, fps: int, fmt: str = "mp4") -> bytes:
+    """A 64x64 H.264 clip whose frame i is one flat colour saying i: red (i // 16) and green
+    (i % 16) in steps of 16, which the codec's error (a few levels) cannot blur into a neighbour."""
+    out = io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream("libx264", rate=fps, options={"threads": "1"})
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        for i in range(num_frames):
+            rgb = np.empty((64, 64, 3), np.uint8)
+            rgb[...] = (16 * (i // 16) + 8, 16 * (i % 16) + 8, 128)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def _decoded_numbers(x: np.ndarray, frames: int) -> list[int]:
+    """The frame numbers (`_numbered_clip`) of a 56x56 clip's patch rows, frame by frame."""
+    mean, std = np.array([0.48145466, 0.4578275, 0.40821073]), np.array([0.26862954, 0.26130258, 0.27577711])
+    # rows (t, 2, 2, merge, merge) of 4x4 patches; features (channel, time, 14, 14)
+    x = x.reshape(frames // 2, 16, 3, 2, 14 * 14).mean(axis=(1, 4))  # (t, channel, time)
+    rgb = (x.transpose(0, 2, 1).reshape(frames, 3) * std + mean) * 255
+    return [int(round((r - 8) / 16)) * 16 + int(round((g - 8) / 16)) for r, g, _ in rgb]
+
+
+@pytest.mark.parametrize("total, fps, fmt", [(24, 25, "mp4"), (83, 25, "mp4"), (99, 30, "mov"), (61, 10, "mp4")])
+def test_the_trainer_decodes_the_frames_qwen_vl_utils_picks(total, fps, fmt):
+    """A real clip whose frames are numbered by colour: the patch rows hold the frames
+    round(linspace(0, total - 1, n)) names, in order, n by qwen_vl_utils' count."""
+    data = _numbered_clip(total, fps, fmt)
+    cfg = VideoConfig(min_pixels=56 * 56, max_pixels=56 * 56)
+    enc, _, meta = count_video(data, cfg)
+    n = _qwen_nframes(total, fps)
+    assert meta["grid_thw"] == [n // 2, 4, 4]
+    x = video_patches(data, meta, cfg, enc_len=enc)
+    assert x.shape[0] == enc == n // 2 * 16
+    assert _decoded_numbers(x, n) == [round(i * (total - 1) / (n - 1)) for i in range(n)]
+
+
+def test_a_one_frame_clip_is_one_temporal_patch_of_its_frame():
+    """qwen_vl_utils refuses a clip of fewer frames than its factor; here it is one pair, the
+    frame repeated, counted and decoded alike."""
+    data = _numbered_clip(1, 25)
+    cfg = VideoConfig(min_pixels=56 * 56, max_pixels=56 * 56)
+    enc, llm, meta = count_video(data, cfg)
+    assert meta["grid_thw"] == [1, 4, 4] and (enc, llm) == (16, 4)
+    assert sampled_frames(meta["duration_s"], meta["fps"], cfg) == 2
+    x = video_patches(data, meta, cfg, enc_len=enc)
+    assert x.shape[0] == 16 and _decoded_numbers(x, 2) == [0, 0]
+
+
+def test_a_header_longer_than_its_frames_repeats_the_last_decoded_frame():
+    """A header claiming 2 s more than the 20 frames decoded: the indices past them get the
+    last frame, and the rows are still the count."""
+    data = _numbered_clip(20, 10)
+    cfg = VideoConfig(min_pixels=56 * 56, max_pixels=56 * 56)
+    _, _, meta = count_video(data, cfg)
+    longer = {**meta, "duration_s": 4.0}  # 40 frames: 8 of them, indices 0, 6, 11, ..., 39
+    n = _qwen_nframes(40, 10)
+    picked = [min(19, round(i * 39 / (n - 1))) for i in range(n)]
+    x = video_patches(data, longer, cfg, enc_len=n // 2 * 16)
+    assert _decoded_numbers(x, n) == picked and picked[-1] == picked[-2] == 19
 
 
 def test_video_patches_layout_is_qwen2_vl():

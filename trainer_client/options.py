@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="audio encoder padded to windows of this many seconds")
     counting.add_argument("--video-fps", type=finite_float, default=video.fps,
                           help="video frames sampled per second")
+    counting.add_argument("--video-min-frames", type=int, default=video.min_frames,
+                          help="fewest video frames sampled of a clip that holds them (qwen_vl_utils' "
+                               "min_frames)")
     counting.add_argument("--video-max-pixels", type=int, default=video.max_pixels,
                           help="video resize upper pixel budget per frame")
     add_logging_arguments(parser)
@@ -104,6 +107,7 @@ def _preprocess_config(args: argparse.Namespace) -> PreprocessConfig:
                           min_pixels=args.min_pixels, max_pixels=args.max_pixels),
         audio=AudioConfig(encoder_frames_per_s=args.audio_frames_per_s,
                           llm_tokens_per_s=args.audio_tokens_per_s, pad_window_s=args.audio_pad_window),
-        video=video_config(fps=args.video_fps, max_pixels=args.video_max_pixels,
-                           patch_size=args.patch_size, merge_size=args.merge_size),
+        video=video_config(fps=args.video_fps, min_frames=args.video_min_frames,
+                           max_pixels=args.video_max_pixels, patch_size=args.patch_size,
+                           merge_size=args.merge_size),
     )
