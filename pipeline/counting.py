@@ -17,7 +17,7 @@ import os
 import re
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import soundfile
@@ -624,9 +624,9 @@ class Counter:
             raise ValueError("TextConfig.estimate counts text without ids: use estimate_text")
         return self.text_of(self.member_text(data, ext, what, as_json), what)
 
-    def text_of(self, value: str | list[dict] | None, what: str) -> TextTokens:
-        """Token ids and loss mask of a `member_text` value (None: metadata JSON, no text)."""
-        if value is None:
+    def text_of(self, value: str | list[dict] | EmptyField | None, what: str) -> TextTokens:
+        """Token ids and loss mask of a `member_text` value (None, `EmptyField`: JSON without text)."""
+        if value is None or isinstance(value, EmptyField):
             return TextTokens.empty()  # metadata JSON: carried as payload, not text
         if isinstance(value, str):
             return self.encoder.plain(value)
@@ -640,9 +640,9 @@ class Counter:
         """Approximate tokens of a text or JSON member by the estimator (no tokenizer run)."""
         return self.estimate_of(self.member_text(data, ext, what, as_json))
 
-    def estimate_of(self, value: str | list[dict] | None) -> int:
+    def estimate_of(self, value: str | list[dict] | EmptyField | None) -> int:
         """Approximate tokens of a `member_text` value by the estimator."""
-        if value is None:
+        if value is None or isinstance(value, EmptyField):
             return 0
         if isinstance(value, str):
             return estimate_tokens(value, self.config.text)
@@ -661,9 +661,10 @@ class Counter:
         return values
 
     def member_text(self, data: bytes | memoryview, ext: str, what: str,
-                     as_json: bool | None = None) -> str | list[dict] | None:
-        """A member's plain text, its conversation turns ({"role", "content"} strings), or None
-        for JSON that holds none of `json_fields` (metadata: carried as payload, not text).
+                     as_json: bool | None = None) -> str | list[dict] | EmptyField | None:
+        """A member's plain text, its conversation turns ({"role", "content"} strings), None for
+        JSON that holds none of `json_fields` (metadata: carried as payload, not text), or
+        `EmptyField` for JSON whose text fields are there but empty (no text either).
         `as_json`: the member is JSON (a conversation-kind member); None: when `ext` is "json"."""
         cfg = self.config.text
         if len(data) > cfg.max_text_bytes:
@@ -685,18 +686,19 @@ class Counter:
         if isinstance(obj, list):  # a conversation: the list of turns itself
             return Conversation(_turn(turn, what) for turn in obj)
         if not isinstance(obj, dict):
-            raise CountError("bad_json", f"{what} holds a JSON {type(obj).__name__}, expected an "
-                                         "object or a list of turns")
+            raise CountError("bad_json", f"{what} holds {json_kind(obj)}, expected an object or a list of turns")
         # the first of the fields that holds something: {"text": "", "caption": "..."} is a caption
-        value = next((obj[f] for f in cfg.json_fields if obj.get(f) not in (None, "", [])), None)
-        if value is None:
-            return None
+        name = next((f for f in cfg.json_fields if obj.get(f) not in _EMPTY), None)
+        if name is None:
+            empty = next((f for f in cfg.json_fields if f in obj), None)
+            return None if empty is None else EmptyField(empty, json.dumps(obj[empty]))
+        value = obj[name]
         if isinstance(value, str):
             return FieldText(_sendable(value, what))
         if isinstance(value, list):
             return Conversation((_turn(turn, what) for turn in value),
                                 {k: obj[k] for k in _CONTEXT_FIELDS if obj.get(k) is not None})
-        raise CountError("bad_json", f"{what} field holds a {type(value).__name__}, expected text or turns")
+        raise CountError("bad_json", f"{what} field {name!r} holds {json_kind(value)}, expected text or turns")
 
 
 def _sendable(text: str, what: str) -> str:
@@ -708,6 +710,33 @@ def _sendable(text: str, what: str) -> str:
         except UnicodeEncodeError as e:
             raise CountError("bad_text", f"{what} escapes an unpaired surrogate at character {e.start}") from None
     return text
+
+
+_EMPTY = (None, "", [])  # a text field holding these holds no text
+
+
+class EmptyField(NamedTuple):
+    """`member_text` of a JSON member whose text field is there but empty (`{"caption": ""}`,
+    `{"conversations": []}`, null): no text, as for metadata, but the field is named."""
+
+    field: str
+    value: str  # as JSON writes it: "", [] or null
+
+
+def json_kind(value: object) -> str:
+    """What a parsed JSON value is, in words, with its article: "a string", "a number", "an
+    object", "an empty list", "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"[:60]
+    if isinstance(value, str):
+        return "an empty string" if not value else "a string"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    return "an empty object" if not value else "an object"
 
 
 class FieldText(str):
@@ -741,15 +770,15 @@ def _turn(turn: object, what: str) -> dict:
     (`tool_calls`, `tool_call_id`, `name`, `reasoning_content`, ...), as transformers passes
     them; an assistant turn of tool calls alone has content ""."""
     if not isinstance(turn, dict):
-        raise CountError("bad_json", f"{what} conversation turn is a {type(turn).__name__}, expected an object")
+        raise CountError("bad_json", f"{what} conversation turn is {json_kind(turn)}, expected an object")
     role, content = normalize_turn(turn)
     if role is None:
         raise CountError("bad_json", f"{what} conversation turn has no role/from string")
     if isinstance(content, list):  # OpenAI-style parts: {"type": "text", "text": ...}, {"type": "image"}
         for part in content:
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise CountError("bad_json", f"{what} conversation turn's content list holds a "
-                                             f"{type(part).__name__} ({str(part)[:40]!r}), expected "
+                raise CountError("bad_json", f"{what} conversation turn's content list holds "
+                                             f"{json_kind(part)} ({str(part)[:40]!r}), expected "
                                              "parts such as {\"type\": \"text\", \"text\": ...}")
             if part["type"] == "text":
                 if not isinstance(part.get("text"), str):
@@ -786,8 +815,9 @@ def estimate_tokens(text: str, cfg: TextConfig, num_bytes: int | None = None) ->
 
 
 __all__ = [
-    "AudioConfig", "Conversation", "CountError", "Counter", "CountingConfig", "FieldText", "ImageConfig",
+    "AudioConfig", "Conversation", "CountError", "Counter", "CountingConfig", "EmptyField", "FieldText",
+    "ImageConfig",
     "OVER_LENGTH", "PLACEHOLDER_FLAGS", "TextConfig",
-    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "item_ends", "kept_text_len",
+    "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "item_ends", "json_kind", "kept_text_len",
     "length_identity", "placeholder_identity", "smart_resize", "wav_header",
 ]

@@ -19,13 +19,13 @@ from typing import BinaryIO
 
 from dispatcher_server.cliopts import finite_float, named_by_flags
 from pipeline.counting import (
-    OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, ImageConfig,
-    TextConfig, gunzip, kept_text_len,
+    OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, EmptyField,
+    ImageConfig, TextConfig, gunzip, kept_text_len,
 )
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
 from pipeline.records import Item, SampleRecord
-from pipeline.shards import MappedShard, open_shard, reads_can_wait
+from pipeline.shards import MappedShard, open_shard, reads_can_wait, stream_stamp
 from pipeline.tario import (
     Link, CopyIdentity, Special, TarError, TooLarge, gzip_named, open_decompressed, tar_members,
     valid_header,
@@ -37,6 +37,8 @@ log = logging.getLogger("mmdispatch.pipeline")
 #: Tallied with the ignored members, after its extension: a JSON member holding none of the
 #: text fields (metadata), carried as payload but counted as no text.
 NO_TEXT_FIELD = "(no text field)"
+#: ... and those whose text field is there but empty (`{"caption": ""}`) under this one.
+EMPTY_TEXT_FIELD = "(empty text field)"
 #: Ignored members whose basename starts with a dot are tallied under this label: macOS tar
 #: (bsdtar) writes an AppleDouble `._k.jpg` beside each `k.jpg`, and `.DS_Store` files.
 DOT_FILE = ".* (dot file)"
@@ -232,7 +234,8 @@ def group_samples(
 
     `problem` is None or (reason, message) for a sample that must be skipped whole. A group
     still being filled when the member stream fails is dropped (its key is left on the error
-    as `dropped_key`) unless the failure is known to lie in the next sample's first member.
+    as `dropped_key`) unless the failure is known to lie in the next sample's first member, or
+    past the archive's end (`TarError.after_end`).
     """
     key: str | None = None
     group: dict[str, bytes] = {}
@@ -276,7 +279,7 @@ def group_samples(
     except TarError as e:
         # The pending sample is complete if the archive broke inside another sample's member.
         failed = split_name(e.member) if e.member is not None else None
-        if key is not None and failed is not None and failed[0] != key:
+        if key is not None and (e.after_end or failed is not None and failed[0] != key):
             yield key, group, problem
         elif key is not None:
             e.dropped_key = key
@@ -325,8 +328,8 @@ class SampleBuilder:
     def build(self, key: str, members: dict[str, bytes], shard: str, index: int,
               unused: Tally | None = None) -> SampleRecord:
         """Count a sample; raises `CountError` when a member cannot be counted. JSON members
-        that hold no text field (metadata) travel as payload uncounted, and are tallied in
-        `unused` as "<ext> (no text field)"."""
+        that hold no text field (metadata), or hold it empty, travel as payload uncounted, and
+        are tallied in `unused` as "<ext> (no text field)" or "<ext> (empty text field)"."""
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
         videos: list[tuple[str, bytes]] = []
@@ -365,6 +368,7 @@ class SampleBuilder:
         text_len = 0
         tokens = TextTokens.empty()
         no_text: list[str] = []  # JSON members holding none of the text fields
+        empty: list[tuple[str, EmptyField]] = []  # JSON members holding one, empty
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
@@ -373,6 +377,8 @@ class SampleBuilder:
                 value = self.counter.member_text(d, ext, f"member {sfx!r}", js)
                 if value is None:
                     no_text.append(sfx)
+                elif isinstance(value, EmptyField):
+                    empty.append((sfx, value))
                 values.append((value, f"member {sfx!r}"))
             values = self.counter.sample_texts(values)  # a JSON caption beside a text member: once
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
@@ -385,10 +391,14 @@ class SampleBuilder:
         if unused is not None:
             for sfx in no_text:
                 unused[f"{ignored_label(sfx)} {NO_TEXT_FIELD}"] += 1
+            for sfx, _ in empty:
+                unused[f"{ignored_label(sfx)} {EMPTY_TEXT_FIELD}"] += 1
         if not items and not text_len:
             fields = self.config.counting.text.json_fields
-            why = (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "
-                   f"{', '.join(fields)} (see --json-field)") if no_text else ""
+            why = "".join(f"; JSON {sfx!r} field {e.field!r} is empty ({e.value})" for sfx, e in empty)
+            if no_text:
+                why += (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "
+                        f"{', '.join(fields)} (see --json-field)")
             unmapped = sorted(s for s in members if self.classify(s)[0] is None)
             if unmapped:
                 why += (f"; no kind of the field map names {', '.join(map(repr, unmapped))} (map "
@@ -553,6 +563,9 @@ def iter_shard(
         why = str(e).removeprefix(f"shard {url!r}: ")
         skip(SampleError("open_failed", url, None, f"cannot open: {why}"), -1)
         return
+    # A local file read through a buffer shows an append as bytes after the end: the version
+    # opened tells that change from a damaged shard.
+    opened = stream_stamp(stream) if not reads_can_wait(url) and not isinstance(stream, MappedShard) else 0
     if on_open is not None:
         stream = on_open(stream)
     seekable = not url.startswith("pipe:") and not gzip_named(url)
@@ -633,9 +646,13 @@ def iter_shard(
         # A server answering with a page (a login, an error with status 200) sends no tar.
         page = (" (the server sent text/html: an error or login page, not the shard?)"
                 if getattr(stream, "mimetype", None) == "text/html" else "")
-        failure = SampleError(
-            e.reason, url, None, f"{e}{after}{page}; samples from index {index + 1}{lost} on are lost"
-        )
+        lost = ("; every sample before them was read, any after them are lost" if e.after_end
+                else f"; samples from index {index + 1}{lost} on are lost")
+        if e.after_end and opened and stream_stamp(stream) != opened:
+            failure = SampleError("shard_changed", url, None, f"shard file changed while being read "
+                                  f"(appended to or rewritten): {e}{after}{lost}")
+        else:
+            failure = SampleError(e.reason, url, None, f"{e}{after}{page}{lost}")
     except OSError as e:  # a read failing for good (a remote shard after its retries, EIO)
         after = f" after key {quoted_name(last_key)}" if last_key is not None else ""
         failure = SampleError("shard_failed", url, None,

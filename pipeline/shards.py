@@ -13,6 +13,7 @@ import io
 import logging
 import mmap
 import os
+import re
 import shlex
 import signal
 import stat
@@ -45,6 +46,7 @@ _READ_BUFFER = 1 << 20
 #: `MappedShard.read` returns reads up to this size as bytes (tar headers, short text members:
 #: parsed with bytes methods) and longer ones as views of the map.
 _SMALL_READ = 4096
+_NONZERO = re.compile(rb"[^\0]")
 
 
 def absolute_url(url: str) -> str:
@@ -175,13 +177,14 @@ def _listed(spec: str, matches: list[tuple[str, bool]]) -> list[str]:
     return sorted(files)
 
 
-def _other_compressions(names: list[str]) -> str:
-    """A hint naming the first of `names` in a compression readers do not inflate, or ""."""
-    for name in names:
-        fix = _compression_fix(name)
-        if fix is not None:
-            return f"; {name!r} {fix}"
-    return ""
+def _refuse_other_compressions(spec: str, matches: list[tuple[str, bool]]) -> None:
+    """Refuse a directory's or glob's listing ((path, whether it is a regular file)) that holds a
+    tar in a compression readers do not inflate, as if it were named alone: left out, its samples
+    would be lost without a word when it lies beside plain tars."""
+    found = sorted(p for p, regular in matches if regular and _compression_fix(p) is not None)
+    if found:
+        more = f" ({len(found) - 1} more file(s) there are compressed so)" if len(found) > 1 else ""
+        raise ValueError(f"shard {found[0]!r} (from spec {spec!r}) {_compression_fix(found[0])}{more}")
 
 
 def expand_shards(specs: Sequence[str] | str) -> list[str]:
@@ -190,7 +193,8 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
     Local paths are checked now so a typo fails at startup, naming the path, instead of as a
     skipped shard hours later; `~` is expanded. Directories and globs expand to their regular
     shard files in name order (a FIFO would hold a reader in open()); a non-regular file named
-    explicitly is refused.
+    explicitly is refused, and so is a tar in a compression readers do not inflate, named or
+    listed.
     """
     if isinstance(specs, str):
         specs = [specs]
@@ -212,15 +216,15 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
             prefix = expanded[: len(expanded) - len(path)]
             path = os.path.expanduser(path)  # `~/x.tar` as a shell would (quoted, or from a file)
             if _GLOB_CHARS.intersection(path) and not os.path.isfile(path):  # `a[1].tar` exists: itself
-                found = glob.glob(path)
-                matches = _listed(spec, [(p, os.path.isfile(p)) for p in found if is_shard_name(p)])
+                found = [(p, os.path.isfile(p)) for p in glob.glob(path)]
+                _refuse_other_compressions(spec, found)
+                matches = _listed(spec, [(p, regular) for p, regular in found if is_shard_name(p)])
                 if not matches:
                     denied = _glob_denied(path, spec)
                     if denied is not None:
                         raise denied
                     raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r}); a "
-                                            "file whose name holds * ? or [ is named by its exact path"
-                                            f"{_other_compressions(found)}")
+                                            "file whose name holds * ? or [ is named by its exact path")
                 urls.extend(prefix + m for m in matches)
                 continue
             try:
@@ -240,10 +244,10 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                     raise PermissionError(f"directory {path!r} (from spec {spec!r}): permission denied "
                                           "listing it; give this user read (r) and search (x) access "
                                           "to it") from None
+                _refuse_other_compressions(spec, entries)
                 matches = _listed(spec, [(p, regular) for p, regular in entries if is_shard_name(p)])
                 if not matches:
-                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files"
-                                            f"{_other_compressions(sorted(p for p, _ in entries))}")
+                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files")
                 urls.extend(prefix + m for m in matches)
             elif stat.S_ISREG(st.st_mode):
                 _check_suffix(path, spec)
@@ -381,6 +385,17 @@ class MappedShard:
             end = self._len
         self._pos = end
         return data, end - start
+
+    def skip_zeros(self, block: int) -> int:
+        """Move past the whole `block`-sized blocks of zeros from here (a tar's end-of-archive
+        blocks and padding), or to the end if only zeros follow; returns the bytes passed. One
+        scan of the map, up to the first other byte."""
+        if self._map is None:
+            return 0
+        found = _NONZERO.search(self._map, self._pos)
+        end = self._len if found is None else self._pos + (found.start() - self._pos) // block * block
+        passed, self._pos = end - self._pos, end
+        return passed
 
     def _check_unchanged(self) -> None:
         """A read reaches past the map: fine at the end of an unchanged file, which then reads

@@ -5,6 +5,10 @@ member) and because `tarfile` silently ends an archive cut inside a header; here
 inside a header or member, or with a corrupt header, raises `TarError`. One that ends exactly
 after a member, without its end-of-archive blocks (a writer killed or never closed), ends
 there, as it does for webdataset, and says so (`on_unterminated`): its last member is whole.
+End-of-archive blocks end the archive only where nothing but zeros follows them: as `tar
+--ignore-zeros` reads it, a header after them continues it (`cat a.tar b.tar`), and other bytes
+there raise `TarError`. Headers whose checksum is the signed-byte sum (old writers) are taken,
+as by `tarfile` and GNU tar.
 Handles ustar, GNU long names and link targets, pax path, linkpath and size records; sparse
 files (GNU or pax) are named and read through, not expanded. gzip shards are inflated as a stream:
 a file is gzip when its name says so (any case), a `pipe:` command's output when its bytes do.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import struct
 import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NamedTuple
@@ -35,6 +40,7 @@ _SKIPPED = (b"5", b"g", b"D", b"V")  # directories, pax globals, GNU dumpdir and
 _GZIP_MAGIC = b"\x1f\x8b"
 _GZIP_SUFFIXES = (".gz", ".tgz")
 _MAX_DIGITS = 20  # a pax length or size past this is garbage (and int() refuses 4300 digits)
+_SIGNED = struct.Struct("148b8x356b")  # a header's bytes as signed, less its checksum field
 
 
 class TooLarge(NamedTuple):
@@ -60,12 +66,14 @@ class Special(NamedTuple):
 
 class TarError(ValueError):
     """The archive is damaged; `reason` is `truncated_tar`, `bad_tar` or (a mapped file that
-    changed while read) `shard_changed`."""
+    changed while read) `shard_changed`. `after_end`: the damage lies past end-of-archive blocks,
+    so every member before it was read whole."""
 
-    def __init__(self, reason: str, message: str, member: str | None = None) -> None:
+    def __init__(self, reason: str, message: str, member: str | None = None, *, after_end: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.member = member  # name of the member being read when the archive failed, if known
+        self.after_end = after_end
         self.dropped_key: str | None = None  # set by readers: the partly read sample they dropped
 
 
@@ -101,9 +109,20 @@ def valid_header(block: bytes | memoryview) -> bool:
     if len(block) != _BLOCK or block == _ZERO_BLOCK:
         return False
     try:
-        return _number(block[148:156], 0) == sum(block) - sum(block[148:156]) + 8 * 32
+        return _checksum_ok(block, 0)
     except TarError:
         return False
+
+
+def _checksum_ok(header: bytes, offset: int) -> bool:
+    """Whether a header block's stored checksum is the sum of its bytes (its checksum field read
+    as spaces), unsigned as POSIX says or signed as old writers summed them; TarError if the
+    field is not a number."""
+    stored = _number(header[148:156], offset)
+    if stored == sum(header) - sum(header[148:156]) + 8 * 32:
+        return True
+    # Only a header with bytes >= 0x80 (a non-ASCII name) has two sums: computed on failure alone.
+    return stored == sum(_SIGNED.unpack(header)) + 8 * 32
 
 
 def _number(field: bytes, offset: int) -> int:
@@ -246,10 +265,7 @@ class _Prepended:
 def _not_gzip(head: bytes, url: str) -> str:
     """Why a file named as gzip is not read, with the fix (gzip's own words kept)."""
     suffix = next(s for s in (".tar.gz", ".tgz", ".gz") if url.lower().endswith(s))
-    try:
-        tar = len(head) == _BLOCK and _number(head[148:156], 0) == sum(head) - sum(head[148:156]) + 8 * 32
-    except TarError:
-        tar = False
+    tar = valid_header(head)
     if tar:
         return f"Not a gzipped file, though named {suffix}: it is a plain tar; rename it .tar"
     return (f"Not a gzipped file, though named {suffix} (first bytes {head[:8]!r}): rename it .tar "
@@ -286,6 +302,24 @@ def open_decompressed(stream: BinaryIO, url: str) -> BinaryIO:
     return stream
 
 
+def _past_end(stream, read, offset: int) -> tuple[bytes, int]:
+    """After an end-of-archive block, the next block holding other bytes than zeros and its
+    offset, or (b"", offset of the end of the stream) when zeros run to it. A mapped shard finds
+    it with one scan of its bytes (`MappedShard.skip_zeros`); a stream reads its blocks, which
+    for a whole archive are tar's padding of its last record (under 10 KiB as tar writes it)."""
+    skip = getattr(stream, "skip_zeros", None)
+    if skip is not None:
+        offset += skip(_BLOCK)
+    while True:
+        block = read(_BLOCK)
+        if len(block) == _BLOCK and block == _ZERO_BLOCK:
+            offset += _BLOCK
+            continue
+        if len(block) < _BLOCK and not bytes(block).strip(b"\0"):
+            return b"", offset + len(block)  # zeros to the end, whole blocks or not
+        return bytes(block), offset
+
+
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
     *, on_unterminated: Callable[[int], None] | None = None, identity: CopyIdentity | None = None,
@@ -301,8 +335,11 @@ def tar_members(
     archive file, just before the member is yielded; a gzip inflater has no such offsets and
     raises `TarError`. An archive that ends right after a member's padding, without its
     end-of-archive blocks, ends there and calls `on_unterminated(bytes read)` if given; one cut
-    anywhere else raises `TarError("truncated_tar")`. `identity`, if given, digests each header
-    block as it is read and is finished at the archive's end.
+    anywhere else raises `TarError("truncated_tar")`. End-of-archive blocks end it where only
+    zeros follow them to the stream's end; a valid header after them continues it (tars joined
+    with `cat`, read as `tar --ignore-zeros` reads them), other bytes raise `TarError("bad_tar",
+    after_end=True)` once every member before them was yielded. `identity`, if given, digests
+    each header block as it is read and is finished at the archive's end.
 
     `start` is the file offset of the stream's first byte (a walk resumed at a member's header,
     see `valid_header`): offsets given and raised stay file offsets. `at`, if given, holds in
@@ -343,15 +380,24 @@ def tar_members(
                     f"archive ends at byte {offset + len(header)} without an end-of-archive block",
                 )
             if header == _ZERO_BLOCK:
-                if identity is not None:
-                    identity.finish(offset)
-                if at is not None:
-                    at[0] = offset
-                return
+                end = offset
+                after = _NOTHING  # an extended header the end cut off never names an appended member
+                header, offset = _past_end(stream, read, offset + _BLOCK)
+                if not header:
+                    if identity is not None:
+                        identity.finish(end)
+                    if at is not None:
+                        at[0] = end
+                    return
+                if not valid_header(header):
+                    first = offset + len(header) - len(header.lstrip(b"\0"))
+                    raise TarError("bad_tar", f"non-zero bytes at byte {first}, after the end-of-archive "
+                                   f"blocks at byte {end}, are not a tar header (a damaged shard, or other "
+                                   "data appended to it?)", after_end=True)
+                chain = offset  # another archive appended (`cat a.tar b.tar`): read on, as tar -i
             if identity is not None:
                 identity.add(header)
-            stored = _number(header[148:156], offset)
-            if stored != sum(header) - sum(header[148:156]) + 8 * 32:
+            if not _checksum_ok(header, offset):
                 raise TarError("bad_tar", f"header checksum mismatch at byte {offset}: not a tar, or corrupt")
             size = _number(header[124:136], offset)
             kind = header[156:157]

@@ -179,6 +179,20 @@ def test_a_server_that_always_drops_gives_one_error_naming_the_url(shards, http_
         list(iter_shard(url, ReaderConfig(keep_members=False, errors=ErrorPolicy(mode="raise"))))
 
 
+def test_tars_joined_with_cat_read_whole_over_http_and_bytes_after_the_end_are_named(tmp_path):
+    from tests.test_tar_layouts import _JOINED_KEYS, _joined
+
+    _joined(tmp_path, "joined.tar")
+    _, data = _joined(tmp_path, "tail.tar", tail=b"appended notes")
+    handler = type("Handler", (_Shards,), {"root": str(tmp_path), "drops": {}, "cut": 0, "gets": []})
+    with serving(handler) as base:
+        assert _keys([f"{base}/joined.tar"]) == _JOINED_KEYS  # past 16 KiB: over several range requests
+        stats = ErrorStats()
+        records = list(iter_shard(f"{base}/tail.tar", ReaderConfig(errors=ErrorPolicy(mode="skip")), stats=stats))
+    assert [r.key for r in records] == _JOINED_KEYS and stats.by_reason == {"bad_tar": 1}
+    assert f"non-zero bytes at byte {len(data) - 14}, after the end-of-archive" in stats.recent[0][3]
+
+
 def test_a_redirect_loop_is_named_as_one_not_as_http_0(http_server):
     base, _ = http_server
     url = f"{base}/loop-000.tar"

@@ -19,6 +19,7 @@ from pipeline.counting import (
     CountError,
     Counter,
     CountingConfig,
+    EmptyField,
     ImageConfig,
     TextConfig,
     audio_lengths,
@@ -368,7 +369,9 @@ def test_a_byte_order_mark_and_an_empty_first_field_do_not_lose_the_text():
     assert counter.member_text(bom + b'{"caption": "a cat"}', "json", "k.json") == "a cat"
     assert counter.member_text(bom + b"a cat", "txt", "k.txt") == "a cat"
     assert counter.member_text(b'{"text": "", "caption": "a cat"}', "json", "k.json") == "a cat"
-    assert counter.member_text(b'{"text": "", "caption": ""}', "json", "k.json") is None
+    # No text, as for metadata JSON, but with the empty field named (the first one).
+    assert counter.member_text(b'{"text": "", "caption": ""}', "json", "k.json") == EmptyField("text", '""')
+    assert counter.member_text(b'{"url": ""}', "json", "k.json") is None
 
 
 # ------------------------------------------------------- JPEG processes Pillow cannot decode

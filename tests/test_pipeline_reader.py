@@ -239,6 +239,28 @@ def test_json_without_a_text_field_is_tallied_beside_the_ignored_members(tmp_pat
     assert list(texts) == ["a", "b", "c"] and all(texts.values())
 
 
+def test_json_with_its_text_field_empty_or_of_a_wrong_type_says_so(tmp_path):
+    from collections import Counter
+
+    shard = write_tar(tmp_path / "s.tar", [
+        ("cap.json", b'{"caption": ""}'), ("conv.json", b'{"conversations": []}'), ("nul.json", b'{"text": null}'),
+        ("img.jpg", jpeg(32, 32)), ("img.json", b'{"caption": "", "url": "http://x"}'),
+        ("num.json", b'{"caption": 5}'), ("obj.json", b'{"messages": {"role": "user"}}'), ("top.json", b"5"),
+        ("ok.json", b'{"caption": "fine"}')])
+    stats, ignored = ErrorStats(), Counter()
+    records = list(iter_shard(shard, config("skip"), stats=stats, ignored=ignored))
+    assert [r.key for r in records] == ["img", "ok"]
+    assert ignored == {"json (empty text field)": 4}  # present, but no text: not "no text field"
+    got = {key: (reason, message) for reason, _, key, message in stats.recent}
+    for key, field, value in (("cap", "caption", '""'), ("conv", "conversations", "[]"), ("nul", "text", "null")):
+        reason, message = got[key]
+        assert reason == "empty_sample" and f"JSON 'json' field '{field}' is empty ({value})" in message
+        assert "holds none of the text fields" not in message and "--json-field" not in message
+    assert got["num"] == ("bad_json", "member 'json' field 'caption' holds a number (5), expected text or turns")
+    assert got["obj"][1] == "member 'json' field 'messages' holds an object, expected text or turns"
+    assert got["top"][1] == "member 'json' holds a number (5), expected an object or a list of turns"
+
+
 def test_library_messages_name_the_member_not_a_buffer_address(tmp_path):
     shard = write_tar(tmp_path / "s.tar", [("a.jpg", b"junk"), *good("a"), ("b.mp3", b"\x00junk" * 9),
                                            *good("b")])

@@ -1,7 +1,8 @@
 """Tars and shard lists as users make them: macOS tars (AppleDouble `._k.jpg` members and
-`.DS_Store`), archives whose writer never wrote the end blocks, a shard listed twice through a
-hard link, FIFOs and directories named like shards, empty sources, and the one-line messages
-for the mistakes around them. Samples are compared with webdataset's where it reads the tar.
+`.DS_Store`), archives whose writer never wrote the end blocks, tars joined with `cat`, headers
+with old writers' signed checksums, a shard listed twice through a hard link, FIFOs and
+directories named like shards, empty sources, and the one-line messages for the mistakes around
+them. Samples are compared with webdataset's where it reads the tar.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import gzip
 import io
 import logging
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -22,7 +25,7 @@ from PIL import Image
 
 from pipeline.errors import ErrorPolicy, ErrorStats
 from pipeline.probe import probe_source, refusal
-from pipeline.reader import DOT_FILE, ReaderConfig, iter_shard, split_name
+from pipeline.reader import DOT_FILE, ReaderConfig, iter_shard, mapped_copy_identity, split_name
 from pipeline.shards import expand_shards
 
 pytestmark = pytest.mark.timeout(120)
@@ -145,6 +148,105 @@ def test_an_archive_cut_inside_a_member_or_header_is_still_truncated(tmp_path, w
     # Cut inside a header, the member's name is unknown: the pending sample may go on there.
     assert [r.key for r in records] == keys and stats.by_reason == {"truncated_tar": 1}
     assert f"samples from index {len(keys)}" in stats.recent[0][3]
+
+
+# -- 2b. tars joined with cat, bytes after the end ------------------------------------------------
+
+def _joined(tmp_path, name: str = "joined.tar", tail: bytes = b"", image: bytes = b"") -> tuple[str, bytes]:
+    """`cat a.tar b.tar` (as tarfile writes them: each padded to a 10 KiB record), then `tail`;
+    with `image`, each sample has it as its jpg too."""
+    def members(prefix: str, word: str, n: int) -> list[tuple[str, bytes]]:
+        jpg = [[(f"{prefix}{i}.jpg", image)] if image else [] for i in range(n)]
+        return [m for i in range(n) for m in (*jpg[i], (f"{prefix}{i}.txt", f"{word} {i}".encode() * (i + 1) * 40))]
+
+    a = _write(tmp_path / "a.tar", members("a", "first", 3))
+    b = _write(tmp_path / "b.tar", members("b", "second", 2))
+    data = open(a, "rb").read() + open(b, "rb").read() + tail
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(open(a, "rb").read()) + gzip.compress(open(b, "rb").read() + tail)
+                     if name.endswith(".gz") else data)
+    return str(path), data
+
+
+_JOINED_KEYS = ["a0", "a1", "a2", "b0", "b1"]
+
+
+@pytest.mark.parametrize("name, map_shards", [("joined.tar", True), ("joined.tar", False), ("joined.tar.gz", False),
+                                              ("pipe", False)])
+def test_tars_joined_with_cat_are_read_whole_as_tar_ignore_zeros_reads_them(tmp_path, name, map_shards):
+    url, _ = _joined(tmp_path, "joined.tar" if name == "pipe" else name)
+    if name == "pipe":
+        url = f"pipe:cat {url}"
+    records, stats = _read(url, map_shards=map_shards)
+    assert [r.key for r in records] == _JOINED_KEYS and stats.num_errors == 0
+    assert [r.members["txt"] for r in records] == [f"{'first' if k[0] == 'a' else 'second'} {k[1]}".encode()
+                                                   * (int(k[1]) + 1) * 40 for k in _JOINED_KEYS]
+    if shutil.which("tar") and name == "joined.tar":
+        listed = subprocess.run(["tar", "-tif", url], capture_output=True, text=True, check=True).stdout.split()
+        assert [n.removesuffix(".txt") for n in listed] == _JOINED_KEYS
+
+
+@pytest.mark.parametrize("map_shards", [True, False])
+def test_joined_tars_keep_member_offsets_resume_points_and_a_whole_identity(tmp_path, map_shards):
+    url, data = _joined(tmp_path, image=_jpeg())
+    config = _config(map_shards=map_shards)
+    records = list(iter_shard(url, config, spans=True, resume_points=True))
+    assert [r.key for r in records] == _JOINED_KEYS
+    for r in records:  # reference and direct payloads read these byte ranges back
+        (offset, size), = r.spans.values()
+        assert data[offset:offset + size] == r.members["jpg"] == _jpeg()
+        assert data[offset - 512:offset].startswith(f"{r.key}.jpg".encode())
+    # Resumed at the second tar's first sample (where the first ends, past its zero blocks)...
+    second = records[2].next_at
+    assert data[second:second + 512].startswith(b"b0.jpg") and second > data.index(bytes(1024))
+    resumed = list(iter_shard(url, config, start_index=3, offset=second, resume_points=True))
+    assert [r.key for r in resumed] == _JOINED_KEYS[3:]
+    # ...and at the end, which holds only zeros: nothing more, nothing again.
+    end = records[-1].next_at
+    assert not data[end:].strip(b"\0")
+    assert list(iter_shard(url, config, start_index=5, offset=end, resume_points=True)) == []
+    identity = mapped_copy_identity(url)
+    assert identity is not None and identity["size"] == end
+
+
+@pytest.mark.parametrize("name, map_shards", [("tail.tar", True), ("tail.tar", False), ("tail.tar.gz", False)])
+def test_only_zeros_after_the_end_end_the_archive_quietly(tmp_path, caplog, name, map_shards):
+    url, _ = _joined(tmp_path, name, tail=bytes(100 << 10) + bytes(100))  # not even whole blocks
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.pipeline"):
+        records, stats = _read(url, map_shards=map_shards)
+    assert [r.key for r in records] == _JOINED_KEYS and stats.num_errors == 0 and not caplog.records
+
+
+@pytest.mark.parametrize("tail", [b"appended notes", bytes(4096) + b"\x01" + bytes(600), b"\x01" * 512 * 3])
+@pytest.mark.parametrize("name, map_shards", [("bad.tar", True), ("bad.tar", False), ("bad.tar.gz", False)])
+def test_other_bytes_after_the_end_are_a_bad_tar_and_every_sample_before_is_kept(tmp_path, name, map_shards, tail):
+    url, data = _joined(tmp_path, name, tail=tail)
+    records, stats = _read(url, map_shards=map_shards)
+    assert [r.key for r in records] == _JOINED_KEYS and stats.by_reason == {"bad_tar": 1}
+    ((_, shard, key, message),) = stats.recent
+    where = len(data) - len(tail) + len(tail) - len(tail.lstrip(b"\0"))
+    assert shard == url and key is None
+    assert f"non-zero bytes at byte {where}, after the end-of-archive blocks at byte " in message
+    assert "every sample before them was read" in message
+
+
+def test_signed_checksums_of_old_writers_are_taken_as_tarfile_and_gnu_tar_take_them(tmp_path):
+    url = _write(tmp_path / "signed.tar", [("a0.txt", b"first"), ("caf\u00e9.txt", b"signed"), ("a2.txt", b"after")])
+    data = bytearray(open(url, "rb").read())
+    header = data[1024:1536]
+    signed = 256 + sum(struct.unpack("148b8x356b", bytes(header)))
+    assert signed != 256 + sum(header) - sum(header[148:156])  # the name's bytes >= 0x80 differ
+    data[1024 + 148:1024 + 156] = b"%06o\0 " % signed
+    (tmp_path / "signed.tar").write_bytes(bytes(data))
+    assert tarfile.open(url).getnames() == ["a0.txt", "caf\u00e9.txt", "a2.txt"]
+    for map_shards in (True, False):
+        records, stats = _read(url, map_shards=map_shards)
+        assert [r.key for r in records] == ["a0", "caf\u00e9", "a2"] and stats.num_errors == 0
+    data[1024 + 148:1024 + 156] = b"%06o\0 " % (signed + 1)  # neither sum: still refused
+    (tmp_path / "signed.tar").write_bytes(bytes(data))
+    records, stats = _read(url)
+    assert [r.key for r in records] == [] and stats.by_reason == {"bad_tar": 1}
+    assert "header checksum mismatch at byte 1024" in stats.recent[0][3]
 
 
 # -- 3. one shard through a hard link ------------------------------------------------------------
@@ -270,8 +372,16 @@ def test_other_compressions_say_the_way_on(tmp_path, name, cat):
     with pytest.raises(ValueError, match=rf"compressed, which readers do not inflate .*decompress it .* "
                                          rf"'pipe:{cat} {path}'"):
         expand_shards(str(path))
-    with pytest.raises(FileNotFoundError, match=rf"holds no shard files; '{path}' is .*pipe:{cat}"):
-        expand_shards(str(tmp_path))
+    alone = rf"^shard '{path}' \(from spec '{{spec}}'\) is \w+-compressed, .*'pipe:{cat} {path}'$"
+    for spec in (str(tmp_path), str(tmp_path / "*")):
+        with pytest.raises(ValueError, match=alone.format(spec=re.escape(spec))):
+            expand_shards(spec)
+    # Beside plain tars, it is refused the same way: never left out, its samples lost unsaid.
+    _write(tmp_path / "plain.tar", [("a.txt", b"x")])
+    for spec in (str(tmp_path), str(tmp_path / "*"), str(tmp_path / "*.*")):
+        with pytest.raises(ValueError, match=alone.format(spec=re.escape(spec))):
+            expand_shards(spec)
+    assert expand_shards(str(tmp_path / "*.tar")) == [str(tmp_path / "plain.tar")]  # not matched: not named
 
 
 def test_non_utf8_names_are_escaped_once(tmp_path):
