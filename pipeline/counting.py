@@ -25,8 +25,9 @@ from PIL import Image
 
 from dispatcher_server.protocol import ANCHOR
 from pipeline.headers import (
-    JPEG_DECODABLE, HeaderError, flac_header, flac_last_frame_whole, gif_problem, jpeg_problem,
-    jpeg_process_problem, jpeg_size, mp3_header, mp3_xing_problem, png_problem, png_size, wav_header,
+    JPEG_DECODABLE, HeaderError, flac_header, flac_last_frame_whole, gif_problem, id3v2_end,
+    jpeg_problem, jpeg_process_problem, jpeg_size, mp3_header, mp3_xing_problem, png_problem,
+    png_size, wav_header,
 )
 from pipeline.tokenize import (
     BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 def _jpeg_decodable() -> frozenset[int]:
     """The JPEG processes (SOF markers) this Pillow decodes: lossless (SOF3) too where its
-    libjpeg-turbo is 3.0 or newer (checked with Pillow 13 / libjpeg-turbo 3.2)."""
+    libjpeg-turbo is 3.0 or newer (checked with Pillow 13 / libjpeg-turbo 3.2), of which
+    `jpeg_process_problem` accepts grayscale only (colour decodes to wrong colours)."""
     from PIL import features
 
     try:
@@ -128,9 +130,12 @@ def library_message(e: Exception) -> str:
 class ImageConfig:
     """Dynamic-resolution ViT resize policy; defaults are Qwen2-VL's.
 
-    Source: Qwen2-VL `smart_resize` (transformers `image_processing_qwen2_vl.py`): 14 px patches,
-    2x2 patch merge (factor 28), min_pixels 56*56, and max_pixels 28*28*1280 as the model card
-    recommends. Encoder length = (H/patch)*(W/patch) patches, LLM length = that / merge^2.
+    Source: Qwen2-VL's `smart_resize` as `qwen_vl_utils` (`vision_process.py`, the loader of the
+    Qwen-VL model cards) has it: 14 px patches, 2x2 patch merge (factor 28), min_pixels 56*56, and
+    max_pixels 28*28*1280 as the model card recommends. Encoder length = (H/patch)*(W/patch)
+    patches, LLM length = that / merge^2. transformers' Qwen2-VL image processor shares the
+    defaults but not the rule for thin images: it refuses a side under the factor (its newest
+    versions count such images otherwise), where `qwen_vl_utils` rounds the side up to it.
     """
 
     patch_size: int = 14
@@ -139,7 +144,8 @@ class ImageConfig:
     max_pixels: int = 28 * 28 * 1280
     max_aspect_ratio: float = 200.0  # Qwen2-VL refuses more extreme images
     # Decompression-bomb guard on the *declared* size, checked before any pixel is touched;
-    # Pillow's own MAX_IMAGE_PIXELS (~9459x9459).
+    # Pillow's own MAX_IMAGE_PIXELS (~9459x9459). At most twice that (`pillow_pixel_limit`):
+    # Pillow refuses to decode more.
     max_header_pixels: int = 89_478_485
 
     def __post_init__(self) -> None:
@@ -149,6 +155,20 @@ class ImageConfig:
             raise ValueError(f"need 0 < min_pixels={self.min_pixels} <= max_pixels={self.max_pixels}")
         if self.max_header_pixels < 1:  # every image would be skipped as image_too_large
             raise ValueError(f"max_header_pixels={self.max_header_pixels} must be >= 1")
+        decodable = pillow_pixel_limit()
+        if decodable is not None and self.max_header_pixels > decodable:
+            # counted past it, an image would reach the trainer's decoder and be refused there
+            raise ValueError(f"max_header_pixels={self.max_header_pixels} is over {decodable}, the "
+                             "most pixels Pillow decodes (2 x PIL.Image.MAX_IMAGE_PIXELS, its "
+                             "decompression-bomb limit): trainers would get blank inputs for the "
+                             f"images counted past it; give at most {decodable}")
+
+
+def pillow_pixel_limit() -> int | None:
+    """The most pixels an image may have for Pillow to decode it: above 2 x MAX_IMAGE_PIXELS its
+    open raises DecompressionBombError (between 1x and 2x it only warns); None when unset."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return None if limit is None else 2 * int(limit)
 
 
 #: The longest padded audio window, in seconds (real encoders' are 30 s; 1500, a window in
@@ -372,7 +392,9 @@ class CountingConfig:
 def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
     """Qwen2-VL's resize: fit [min_pixels, max_pixels], keep aspect, sides multiple of patch*merge.
 
-    Mirrors the reference including Python's round-half-to-even, so counts match the model's.
+    Mirrors `qwen_vl_utils.smart_resize` (not transformers' image processor, which refuses a side
+    under the factor), including Python's round-half-to-even and a side shorter than the factor
+    rounding up to the factor, so counts match what that loader feeds the model.
     """
     factor = cfg.patch_size * cfg.merge_size
     if min(height, width) < 1:
@@ -456,6 +478,19 @@ def _flac_unreadable(data: bytes | memoryview) -> str | None:
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
         return f"cannot be read to its last sample: {library_message(e)} (truncated or corrupt)"
     return "cannot be read to its last sample (truncated or corrupt)"
+
+
+def _check_flac_tag_readable(data: bytes | memoryview, tag: int) -> None:
+    """CountError unless libsndfile (the trainer's decoder) opens a FLAC stream behind `tag`
+    bytes of ID3v2 tags: it skips one tag without a footer, and refuses a footer or a second tag."""
+    try:
+        soundfile.info(io.BytesIO(data))
+    except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
+        why = library_message(e).strip().rstrip(".")
+        raise CountError("bad_audio", f"FLAC behind {tag} bytes of ID3v2 tags that libsndfile does "
+                                      f"not read ({why}; it reads one tag without a footer): strip "
+                                      "the tags, e.g. ffmpeg -i IN -map_metadata -1 -c:a copy "
+                                      "OUT.flac") from None
 
 
 #: libsndfile's frame count for a stream that does not state its length (a FLAC whose STREAMINFO
@@ -584,9 +619,13 @@ class Counter:
     def audio(self, data: bytes | memoryview) -> tuple[int, int, dict]:
         """(encoder length, LLM length, meta) from the audio header."""
         cfg = self.config.audio
+        # An ID3v2 tag in front of a FLAC stream (taggers write them; libsndfile skips one):
+        # the FLAC checks run on the stream behind it, or a cut file would count at full length.
+        tag = id3v2_end(data)
+        stream = memoryview(data)[tag:] if tag else data
         try:
             header = wav_header(data)
-            flac = header is None and (header := flac_header(data)) is not None
+            flac = header is None and (header := flac_header(stream)) is not None
             if header is None:
                 header = mp3_header(data)
         except HeaderError as e:
@@ -596,7 +635,9 @@ class Counter:
             problem = mp3_xing_problem(data)
             if problem is not None:
                 raise CountError("bad_audio", f"MP3 {problem}")
-        if flac and not flac_last_frame_whole(data):
+        if flac and tag:
+            _check_flac_tag_readable(data, tag)
+        if flac and not flac_last_frame_whole(stream):
             # WAV's data chunk size is checked against the bytes present; a FLAC's frames have no
             # such total, and one cut short would fail the trainer's decoder after planning. A last
             # frame not vouched whole by its CRC is left to libsndfile to read.
@@ -819,5 +860,5 @@ __all__ = [
     "ImageConfig",
     "OVER_LENGTH", "PLACEHOLDER_FLAGS", "TextConfig",
     "audio_lengths", "estimate_tokens", "gunzip", "image_lengths", "item_ends", "json_kind", "kept_text_len",
-    "length_identity", "placeholder_identity", "smart_resize", "wav_header",
+    "length_identity", "pillow_pixel_limit", "placeholder_identity", "smart_resize", "wav_header",
 ]

@@ -25,7 +25,8 @@ def _extension(suffix: str) -> str:
 class FieldMap:
     """Extensions per kind; defaults are the suffixes webdataset datasets use most.
 
-    Defaults: image jpg/jpeg/png/webp/gif, audio wav/flac/mp3/ogg, video mp4/mov/webm/mkv/avi,
+    Defaults: image jpg/jpeg/png/webp/gif, audio wav/flac/mp3/ogg/opus/oga/aiff/aif, video
+    mp4/m4v/mov/webm/mkv/avi,
     text txt/text, conversation json. A conversation member is JSON: an object whose first
     field among `TextConfig.json_fields` (text, caption, conversations, messages) holds a string
     or a list of {role, content} turns. Frozen and made of tuples, so it hashes and its repr
@@ -33,8 +34,8 @@ class FieldMap:
     """
 
     image: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif")
-    audio: tuple[str, ...] = ("wav", "flac", "mp3", "ogg")
-    video: tuple[str, ...] = ("mp4", "mov", "webm", "mkv", "avi")
+    audio: tuple[str, ...] = ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif")
+    video: tuple[str, ...] = ("mp4", "m4v", "mov", "webm", "mkv", "avi")
     text: tuple[str, ...] = ("txt", "text")
     conversation: tuple[str, ...] = ("json",)
 

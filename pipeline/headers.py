@@ -207,7 +207,8 @@ def jpeg_process_problem(data: bytes | memoryview, decodable: frozenset[int] = J
     """Why Pillow cannot decode a JPEG whose size reads, or None: a coding process outside
     `decodable` (SOF markers), samples of other than 8 bits (Pillow opens 8-bit JPEG only: not
     12-bit DCT, nor the 9-bit lossless RGB FFmpeg's ljpeg writes), or other than 1, 3 or 4
-    components. The trainer would otherwise stand a blank input in for a planned image."""
+    components. The trainer would otherwise stand a blank input in for a planned image. A lossless
+    JPEG of more than one component decodes, but to wrong colours: refused too."""
     pos = _jpeg_frame(data)
     if pos < 0:
         return None
@@ -221,6 +222,12 @@ def jpeg_process_problem(data: bytes | memoryview, decodable: frozenset[int] = J
     if components not in (1, 3, 4):
         return (f"{what} with {components} components is not decodable by Pillow (1, 3 or 4: "
                 "grayscale, YCbCr or RGB, CMYK)")
+    if marker == 0xC3 and components != 1:
+        # libjpeg-turbo returns a lossless JPEG's stored planes unconverted (the YCbCr FFmpeg's
+        # ljpeg writes) and Pillow labels them RGB: the model would see wrong colours.
+        return (f"{what} with {components} components decodes to wrong colours (libjpeg-turbo "
+                "returns its stored YCbCr planes unconverted, Pillow reads them as RGB; only "
+                "grayscale lossless JPEG decodes right): convert it, e.g. ffmpeg -i IN OUT.png")
     return None
 
 
@@ -528,8 +535,9 @@ def _mpeg_frame(data, pos: int) -> tuple[int, int, int, int] | None:
     return size, samples, rate, 1 if b3 >> 6 == 3 else 2
 
 
-def _id3v2_end(data) -> int:
-    """Where the audio starts after any ID3v2 tags at the front (0 without one)."""
+def id3v2_end(data) -> int:
+    """Where the audio starts after any ID3v2 tags at the front (0 without one): each tag is its
+    10-byte header, the syncsafe size it states, and a 10-byte footer where its flag says so."""
     pos = 0
     while len(data) >= pos + 10 and bytes(data[pos:pos + 3]) == b"ID3":
         size = 0
@@ -601,7 +609,7 @@ def mp3_xing_problem(data: bytes | memoryview) -> str | None:
     O(1) when the frames end exactly where the tag's byte count says (LAME and libsndfile write it
     so), a walk over frame headers otherwise. None also for a stream without such a frame.
     """
-    start = _id3v2_end(data)
+    start = id3v2_end(data)
     first = _mpeg_frame(data, start)
     if first is None:
         return None
@@ -639,7 +647,7 @@ def mp3_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
     HeaderError where the frames stop before the data ends (junk, or a cut frame), since a
     decoder would resync or stop elsewhere.
     """
-    start = _id3v2_end(data)
+    start = id3v2_end(data)
     first = _mpeg_frame(data, start)
     if first is None:
         return None

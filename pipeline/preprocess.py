@@ -5,7 +5,8 @@ numpy, Pillow, soundfile and scipy only (no torch), so a trainer's prefetch pool
 Every result has exactly one row per encoder position the data node counted (`enc_len`), and
 `preprocess_item` checks that against the plan before anything reaches a model.
 
-Images (Qwen2-VL's image processor): decoded and converted to RGB with Pillow, resized with
+Images (Qwen2-VL's image processor): decoded and converted to RGB with Pillow (16-bit grayscale
+scaled to 8 bits first, where Pillow would clip it), resized with
 BICUBIC to the `(h_bar, w_bar)` that `pipeline.counting.smart_resize` gives for the image's size
 under the same `ImageConfig` the data node counted with, scaled to [0, 1] and normalized with the
 OpenAI CLIP mean/std. Then patchified in Qwen2-VL's layout: the frame is repeated for the
@@ -52,9 +53,10 @@ import soundfile
 from PIL import Image
 
 from pipeline.counting import (
-    AudioConfig, ImageConfig, UndecodableError, audio_lengths, library_message, smart_resize,
+    AudioConfig, Counter, CountingConfig, ImageConfig, TextConfig, UndecodableError, audio_lengths,
+    library_message, smart_resize,
 )
-from pipeline.video import VideoConfig, video_patches
+from pipeline.video import VideoConfig, count_video, video_patches
 
 #: OpenAI CLIP normalization, which Qwen2-VL's image processor uses (`OPENAI_CLIP_MEAN/STD`).
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -77,15 +79,25 @@ class PreprocessError(ValueError):
     """An item that cannot become its model input; the message names sample key and member."""
 
     def __init__(self, message: str, modality: str | None = None, *,
-                 undecodable: bool = False, mismatch: bool = False) -> None:
+                 undecodable: bool = False, mismatch: bool = False,
+                 header_lies: bool | None = None) -> None:
         super().__init__(message)  # args: (message,); the rest pickles in __dict__
         self.modality = modality
         self.undecodable = undecodable  # the payload does not decode (not a rules mismatch)
         self.mismatch = mismatch  # it decodes to other rows than the plan counted
+        # For a mismatch, the item's header recounted here by this side's rules: True, it counts
+        # the planned length (the rules agree, the file lies); False, another one (the rules
+        # differ); None, not recounted (a header these rules refuse).
+        self.header_lies = header_lies
 
 
 class RowsMismatch(ValueError):
     """An item's input has other rows than the plan counted (`check_rows`)."""
+
+    def __init__(self, message: str, rows: int = -1, enc_len: int = -1) -> None:
+        super().__init__(message)  # args: (message,), so it unpickles; the rest in __dict__
+        self.rows = rows
+        self.enc_len = enc_len
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,14 +155,33 @@ def patchify(frames: np.ndarray, cfg: ImageConfig) -> np.ndarray:
     return x.reshape(gt * gh * gw, c * TEMPORAL_PATCH * p * p)
 
 
+#: Pillow's modes of more than 8 bits a sample that `convert` clips at 255 instead of scaling:
+#: a 16-bit grayscale PNG opens as I;16 (as I in older Pillow), every value above 255 white.
+_WIDE_GRAY = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def _wide_gray_rgba(im: Image.Image) -> Image.Image:
+    """A 16-bit grayscale image (`_WIDE_GRAY`) as 8-bit RGBA: each value v in [0, 65535] becomes
+    round(v / 257), so 65535 is 255 (mode I is read as 16-bit values, clipped to that range);
+    the pixels of a PNG tRNS gray value become transparent."""
+    wide = np.asarray(im).astype(np.int64)
+    gray = ((np.clip(wide, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+    alpha = np.full(gray.shape, 255, np.uint8)
+    transparent = im.info.get("transparency")
+    if isinstance(transparent, int):
+        alpha[wide == transparent] = 0
+    return Image.fromarray(np.dstack([gray, gray, gray, alpha]), "RGBA")
+
+
 def decode_image(data: bytes | memoryview) -> Image.Image:
     """The image (first frame of an animation) as RGB; transparency is composited over white,
-    as transformers' `convert_rgb` does for Qwen2-VL."""
+    as transformers' `convert_rgb` does for Qwen2-VL. 16-bit grayscale is scaled to 8 bits
+    (`_wide_gray_rgba`), where Pillow's `convert` would clip it to white."""
     try:
         with Image.open(io.BytesIO(data)) as im:
             if im.mode == "RGB":
                 return im.convert("RGB")  # loads the pixels before the file closes
-            rgba = im.convert("RGBA")
+            rgba = _wide_gray_rgba(im) if im.mode in _WIDE_GRAY else im.convert("RGBA")
     except Exception as e:  # Pillow raises many types on bad input: all mean "not decodable"
         raise UndecodableError(f"image cannot be decoded: {library_message(e)}") from None
     return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba).convert("RGB")
@@ -359,12 +390,17 @@ def preprocess_item(modality: str, data: bytes | memoryview, config: PreprocessC
         check_rows(out, enc_len, key=key, member=member)
     except PreprocessError:
         raise
+    except RowsMismatch as e:
+        raise _recounted(e, modality, data, config, key=key, member=member) from None
     except ValueError as e:
         raise PreprocessError(str(e) if str(e).startswith("sample ")
                               else f"sample {key!r} member {member!r}: {e}", modality,
-                              undecodable=isinstance(e, UndecodableError),
-                              mismatch=isinstance(e, RowsMismatch)) from None
+                              undecodable=isinstance(e, UndecodableError)) from None
     return out
+
+
+_SKIPPED_ON_DATANODE = "`read --preprocess-on datanode` skips such files on the data node, counted"
+_RULE_FLAGS = "--max-pixels, --patch-size, --audio-frames-per-s..."
 
 
 def check_rows(array, enc_len: int, *, key: str, member: str) -> None:
@@ -372,10 +408,42 @@ def check_rows(array, enc_len: int, *, key: str, member: str) -> None:
     rows = int(array.shape[0]) if getattr(array, "ndim", 0) >= 1 else -1
     if rows != int(enc_len):
         raise RowsMismatch(f"sample {key!r} member {member!r}: preprocessed to {rows} rows but the "
-                         f"plan counted enc_len={int(enc_len)}: its header states another length "
-                         f"than it decodes to (then `read --preprocess-on datanode` skips such "
-                         f"files on the data node, counted), or data node and trainer count by "
-                         f"other rules (--max-pixels, --patch-size, --audio-frames-per-s...)")
+                           f"plan counted enc_len={int(enc_len)}: its header states another length "
+                           f"than it decodes to (then {_SKIPPED_ON_DATANODE}), or data node and "
+                           f"trainer count by other rules ({_RULE_FLAGS})", rows, int(enc_len))
+
+
+def header_enc_len(modality: str, data: bytes | memoryview, config: PreprocessConfig) -> int | None:
+    """The encoder length these rules count from an item's own header, by the very function a
+    data node counts with (`Counter.image`/`audio`, `count_video`); None where they refuse it."""
+    try:
+        if modality == "video":
+            return count_video(data, config.video)[0]
+        counter = Counter(CountingConfig(image=config.image, audio=config.audio, video=config.video,
+                                         text=TextConfig(estimate=True)))  # no tokenizer to load
+        count = {"image": counter.image, "audio": counter.audio}.get(modality)
+        return None if count is None else count(data)[0]
+    except ValueError:  # CountError: these rules refuse the header, so they say nothing here
+        return None
+
+
+def _recounted(e: RowsMismatch, modality: str, data: bytes | memoryview, config: PreprocessConfig,
+               *, key: str, member: str) -> PreprocessError:
+    """The PreprocessError of an item that decoded to other rows than planned, decided by
+    recounting its header here: the planned length (the file lies) or another (rules differ)."""
+    counted = header_enc_len(modality, data, config)
+    what = f"sample {key!r} member {member!r}"
+    if counted is None:
+        return PreprocessError(str(e), modality, mismatch=True)
+    if counted == e.enc_len:
+        return PreprocessError(
+            f"{what}: preprocessed to {e.rows} rows but its header counts enc_len={e.enc_len}, "
+            f"here as in the plan: its header states another length than it decodes to "
+            f"({_SKIPPED_ON_DATANODE})", modality, mismatch=True, header_lies=True)
+    return PreprocessError(
+        f"{what}: the plan counted enc_len={e.enc_len} but the rules here count its header as "
+        f"{counted} (it preprocessed to {e.rows} rows): data node and trainer count by other "
+        f"rules ({_RULE_FLAGS})", modality, mismatch=True, header_lies=False)
 
 
 # ------------------------------------------------------------------- tensors on the wire
@@ -413,7 +481,8 @@ __all__ = [
     "IMAGE_MEAN", "IMAGE_STD", "N_MELS", "PREPROCESSORS", "PREPROCESS_DTYPE", "PreprocessConfig",
     "PreprocessError",
     "TEMPORAL_PATCH", "TENSOR_META", "RowsMismatch", "array_from_payload", "audio_features", "check_rows",
-    "image_patches", "log_mel", "mel_filters", "mel_stride", "patchify", "preprocess_item",
+    "header_enc_len", "image_patches", "log_mel", "mel_filters", "mel_stride", "patchify",
+    "preprocess_item",
     "preprocess_record",
     "row_dim", "tensor_meta",
 ]

@@ -20,7 +20,7 @@ from typing import BinaryIO
 from dispatcher_server.cliopts import finite_float, named_by_flags
 from pipeline.counting import (
     OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, EmptyField,
-    ImageConfig, TextConfig, gunzip, kept_text_len,
+    ImageConfig, TextConfig, gunzip, kept_text_len, pillow_pixel_limit,
 )
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -85,7 +85,8 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-pixels", type=int, default=image.max_pixels, help="image resize upper pixel budget")
     add("--patch-size", type=int, default=image.patch_size, help="vision patch side in pixels")
     add("--merge-size", type=int, default=image.merge_size, help="patches merged per side into one LLM token")
-    add("--max-header-pixels", type=int, default=image.max_header_pixels, help="reject images declaring more pixels")
+    add("--max-header-pixels", type=int, default=image.max_header_pixels,
+        help=f"reject images declaring more pixels (at most {pillow_pixel_limit()}: Pillow decodes no more)")
     add("--video-fps", type=finite_float, default=video.fps, help="video frames sampled per second")
     add("--video-min-frames", type=int, default=video.min_frames,
         help="fewest video frames sampled of a clip that holds them (qwen_vl_utils' min_frames)")

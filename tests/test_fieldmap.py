@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 
+import numpy as np
 import pytest
+import soundfile
 
 from pipeline.fieldmap import KINDS, FieldMap, ignored_label
 from pipeline.reader import ReaderConfig, SampleBuilder, iter_shard
@@ -18,8 +21,8 @@ from tests.test_pipeline_reader import write_tar
 def test_defaults_are_the_suffixes_read_before_the_field_map():
     fm = FieldMap()
     assert fm.image == ("jpg", "jpeg", "png", "webp", "gif")
-    assert fm.audio == ("wav", "flac", "mp3", "ogg")
-    assert fm.video == ("mp4", "mov", "webm", "mkv", "avi")
+    assert fm.audio == ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif")
+    assert fm.video == ("mp4", "m4v", "mov", "webm", "mkv", "avi")
     assert fm.text == ("txt", "text") and fm.conversation == ("json",)
     assert ReaderConfig().fields == fm
 
@@ -73,6 +76,49 @@ def test_classify_and_ignored_labels():
     assert fm.classify("jpg.gz") == (None, "jpg")  # compressed images are payload, not images
     assert fm.classify("cls") == (None, "cls")
     assert [ignored_label(s) for s in ("cls", "0.npy", "npy.gz", "")] == ["cls", "npy", "npy.gz", ""]
+
+
+def _clip(fmt: str, subtype: str, rate: int) -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.2 * np.sin(np.arange(rate * 2) * 0.05)).astype(np.float32), rate,
+                    format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def _m4v() -> bytes:
+    """An MP4 as Apple's .m4v (brand M4V), 2 s of 10 fps."""
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="ipod") as out:
+        stream = out.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(20):
+            frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), 10 * i, np.uint8), format="rgb24")
+            out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+def test_default_suffixes_of_the_formats_counted_are_counted_and_decode_as_counted(tmp_path):
+    """.opus, .oga, .aiff/.aif and .m4v members were ignored by default, though their formats
+    (Ogg Opus/Vorbis, AIFF, MP4) are counted and decoded."""
+    from pipeline.preprocess import PreprocessConfig, preprocess_item
+
+    members = [("k.opus", _clip("OGG", "OPUS", 48000)), ("k.oga", _clip("OGG", "VORBIS", 44100)),
+               ("k.aiff", _clip("AIFF", "PCM_16", 44100)), ("k.aif", _clip("AIFF", "PCM_16", 16000)),
+               ("k.m4v", _m4v()), ("k.txt", b"clips")]
+    assert members[4][1][4:12] == b"ftypM4V "
+    stats = ErrorStats()
+    (rec,) = list(iter_shard(write_tar(tmp_path / "a.tar", members), ReaderConfig(), stats=stats))
+    assert not stats.ignored_members and not stats.by_reason
+    kinds = {it.member: it.modality for it in rec.items}
+    assert kinds == {"opus": "audio", "oga": "audio", "aiff": "audio", "aif": "audio", "m4v": "video"}
+    for it in rec.items:
+        rows = preprocess_item(it.modality, rec.members[it.member], PreprocessConfig(), enc_len=it.enc_len,
+                               key=rec.key, member=it.member, meta=it.meta)
+        assert rows.shape[0] == it.enc_len > 0, it.member
+    assert {it.member: it.enc_len for it in rec.items if it.modality == "audio"} == dict.fromkeys(
+        ("opus", "oga", "aiff", "aif"), 100)  # 2 s at 50 encoder frames/s
 
 
 def test_reader_classifies_by_the_field_map(tmp_path):

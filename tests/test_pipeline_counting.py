@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import struct
+import warnings
 import zlib
 
 import numpy as np
@@ -361,6 +363,61 @@ def test_a_whole_flacs_last_frame_is_vouched_and_no_cut_one_is(frames, channels,
     assert err.value.reason == "bad_audio"
 
 
+def test_a_header_pixel_limit_past_what_pillow_decodes_is_refused_naming_it():
+    """--max-header-pixels could be raised past Pillow's decompression-bomb limit: images were
+    counted that the trainer's decoder then refused (blank inputs)."""
+    from pipeline.counting import pillow_pixel_limit
+    from pipeline.reader import add_reader_arguments, reader_config_from_args
+
+    limit = pillow_pixel_limit()
+    assert limit == 2 * Image.MAX_IMAGE_PIXELS == 178956970  # Pillow's default
+    assert ImageConfig(max_header_pixels=limit).max_header_pixels == limit
+    with pytest.raises(ValueError, match=rf"max_header_pixels={limit + 1} is over {limit}, the most "
+                                         r"pixels Pillow decodes \(2 x PIL.Image.MAX_IMAGE_PIXELS"):
+        ImageConfig(max_header_pixels=limit + 1)
+    parser = argparse.ArgumentParser()
+    add_reader_arguments(parser)
+    with pytest.raises(ValueError, match=rf"^--max-header-pixels {10**9} is over {limit}.*give at "
+                                         rf"most {limit}$"):
+        reader_config_from_args(parser.parse_args(["--max-header-pixels", str(10**9)]))
+    # the largest image it lets through decodes (Pillow only warns between 1x and 2x its limit)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        Image._decompression_bomb_check((limit, 1))
+    with pytest.raises(Image.DecompressionBombError):
+        Image._decompression_bomb_check((limit + 1, 1))
+
+
+def _id3v2(size: int, footer: bool = False) -> bytes:
+    """An ID3v2.4 tag of `size` bytes of frames (syncsafe size), with its footer if flagged."""
+    syncsafe = bytes((size >> s) & 0x7F for s in (21, 14, 7, 0))
+    return (b"ID3\x04\x00" + bytes([0x10 if footer else 0]) + syncsafe + bytes(size)
+            + (b"3DI\x04\x00\x10" + syncsafe if footer else b""))
+
+
+def test_a_flac_behind_an_id3v2_tag_is_checked_like_a_plain_flac():
+    """The FLAC checks ran only on files starting with fLaC: one behind an ID3v2 tag (libsndfile
+    reads it), cut short, was counted at full length and failed the trainer's decoder."""
+    flac = _flac(71040, 1, 16000, "PCM_16")
+    tagged = _id3v2(2048) + flac
+    counter = Counter(CountingConfig())
+    assert counter.audio(tagged)[2]["duration_s"] == pytest.approx(71040 / 16000)
+    assert len(soundfile.read(io.BytesIO(tagged))[0]) == 71040
+    for cut in (len(flac) // 3, 7, 1):
+        with pytest.raises(CountError, match="FLAC cannot be read to its last sample") as err:
+            counter.audio(tagged[:-cut])
+        assert err.value.reason == "bad_audio"
+    with pytest.raises(CountError, match=r"flac declares 71040 samples .* holds only"):
+        counter.audio(tagged[:2048 + 10 + 42 + 100])
+    # a tag with a footer, or two tags: libsndfile reads neither, so neither is counted
+    for unread in (_id3v2(500, footer=True) + flac, _id3v2(300) + _id3v2(200) + flac):
+        with pytest.raises(soundfile.LibsndfileError):
+            soundfile.read(io.BytesIO(unread))
+        with pytest.raises(CountError, match=r"ID3v2 tags that libsndfile does not read .*strip") as err:
+            counter.audio(unread)
+        assert err.value.reason == "bad_audio"
+
+
 def test_a_byte_order_mark_and_an_empty_first_field_do_not_lose_the_text():
     """A JSON member saved with a BOM was bad_json, and {"text": "", "caption": ...} an empty
     sample: the BOM is dropped (from plain text too) and the first field holding text counts."""
@@ -404,6 +461,33 @@ def _ljpeg(pix_fmt: str) -> bytes:
     return b"".join(bytes(p) for p in [*cc.encode(frame), *cc.encode(None)])
 
 
+def _ljpeg_gray(pixels: np.ndarray) -> bytes:
+    """A grayscale 8-bit lossless JPEG (SOF3, predictor 1, one Huffman table giving each of the
+    17 difference categories a 5-bit code), as `cjpeg -lossless 1 -grayscale` makes one: PyAV's
+    ljpeg encoder writes colour only."""
+    x = pixels.astype(np.int64)
+    pred = np.empty_like(x)
+    pred[0, 0] = 128
+    pred[0, 1:], pred[1:, 0], pred[1:, 1:] = x[0, :-1], x[:-1, 0], x[1:, :-1]
+    bits = []
+    for d in (x - pred).ravel().tolist():
+        ssss = abs(d).bit_length()
+        bits.append(format(ssss, "05b"))
+        if ssss:
+            bits.append(format(d if d > 0 else d + (1 << ssss) - 1, f"0{ssss}b"))
+    stream = "".join(bits)
+    stream += "1" * (-len(stream) % 8)
+    body = bytes(int(stream[i:i + 8], 2) for i in range(0, len(stream), 8)).replace(b"\xff", b"\xff\x00")
+
+    def segment(marker: int, payload: bytes) -> bytes:
+        return b"\xff" + bytes([marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+    h, w = pixels.shape
+    dht = bytes([0x00, 0, 0, 0, 0, 17] + [0] * 11) + bytes(range(17))
+    return (b"\xff\xd8" + segment(0xC3, struct.pack(">BHHB", 8, h, w, 1) + b"\x01\x11\x00")
+            + segment(0xC4, dht) + segment(0xDA, b"\x01\x01\x00\x01\x00\x00") + body + b"\xff\xd9")
+
+
 def _with_sof(data: bytes, *, marker: int | None = None, bits: int | None = None) -> bytes:
     """A Pillow JPEG whose start-of-frame marker declares another process or precision."""
     d = bytearray(data)
@@ -441,14 +525,15 @@ def test_a_jpeg_whose_process_pillow_cannot_decode_is_refused_naming_it(make, me
     assert err.value.reason == "bad_image"
 
 
-@pytest.mark.parametrize("which", ["arithmetic", "arithmetic progressive", "lossless 8-bit"])
+@pytest.mark.parametrize("which", ["arithmetic", "arithmetic progressive", "lossless grayscale"])
 def test_jpeg_processes_pillow_decodes_are_counted_as_they_decode(which):
     from PIL import features
 
-    from pipeline.preprocess import PreprocessConfig, preprocess_item
+    from pipeline.preprocess import PreprocessConfig, decode_image, preprocess_item
 
+    gray = np.random.default_rng(2).integers(0, 256, (48, 64), np.uint8)
     data = {"arithmetic": lambda: _ARITH_JPEG, "arithmetic progressive": lambda: _ARITH_PROGRESSIVE_JPEG,
-            "lossless 8-bit": lambda: _ljpeg("yuvj420p")}[which]()
+            "lossless grayscale": lambda: _ljpeg_gray(gray)}[which]()
     turbo = int((features.version("libjpeg_turbo") or "0").split(".")[0])
     if which.startswith("lossless") and turbo < 3:  # libjpeg-turbo decodes lossless JPEG from 3.0 on
         assert not _pillow_decodes(data)
@@ -458,6 +543,20 @@ def test_jpeg_processes_pillow_decodes_are_counted_as_they_decode(which):
     enc, _, meta = Counter(CountingConfig()).image(data)
     rows = preprocess_item("image", data, PreprocessConfig(), enc_len=enc, key="k", member="jpg")
     assert rows.shape[0] == enc and meta["format"] == "JPEG"
+    if which.startswith("lossless"):  # lossless: exactly the pixels stored, grey in every channel
+        assert np.array_equal(np.asarray(decode_image(data)), np.repeat(gray[..., None], 3, axis=2))
+
+
+@pytest.mark.parametrize("pix_fmt", ["yuvj420p", "yuvj444p"])
+def test_a_colour_lossless_jpeg_is_refused_for_its_wrong_colours(pix_fmt):
+    """libjpeg-turbo (>= 3) decodes an 8-bit lossless JPEG of 3 components (FFmpeg's ljpeg from
+    YUV) without converting its YCbCr planes, and Pillow labels them RGB: a red image reached the
+    model blue-grey. It is refused, naming the reason and a conversion."""
+    data = _ljpeg(pix_fmt)
+    with pytest.raises(CountError, match=r"lossless JPEG \(SOF3\) with 3 components decodes to "
+                                         r"wrong colours .*ffmpeg -i IN OUT.png") as err:
+        Counter(CountingConfig()).image(data)
+    assert err.value.reason == "bad_image"
 
 
 @pytest.mark.parametrize(("fmt", "name"), [("BMP", "BMP"), ("TIFF", "TIFF"), ("ICO", "ICO"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import io
+import struct
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -19,9 +21,10 @@ from pipeline.counting import AudioConfig, Counter, CountingConfig, ImageConfig,
 from pipeline.gendata import make_sample
 from pipeline.preprocess import (
     IMAGE_MEAN, IMAGE_STD, N_MELS, PREPROCESSORS, TENSOR_META, PreprocessConfig, PreprocessError,
-    array_from_payload, hz_to_mel, log_mel, mel_filters, mel_to_hz, preprocess_item, preprocess_record,
-    row_dim,
+    array_from_payload, decode_image, hz_to_mel, log_mel, mel_filters, mel_to_hz, preprocess_item,
+    preprocess_record, row_dim,
 )
+from pipeline.preprocess import _wide_gray_rgba
 from pipeline.reader import ReaderConfig
 from pipeline.records import Item, SampleRecord
 
@@ -111,6 +114,38 @@ def test_transparent_pixels_become_white_and_grey_stays_grey():
         out = preprocess_item("image", buf.getvalue(), config, enc_len=4, key="k", member="png")
         channels = out.astype(np.float32).reshape(4, 3, 2 * 14 * 14).mean(axis=(0, 2))
         np.testing.assert_allclose(channels, (level - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD), atol=1e-2)
+
+
+def _png16_gray(values: np.ndarray, transparent: int | None = None) -> bytes:
+    """A 16-bit grayscale PNG (Pillow opens it as mode I;16), tRNS gray value optional."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    h, w = values.shape
+    raw = b"".join(b"\0" + row.astype(">u2").tobytes() for row in values)
+    trns = chunk(b"tRNS", struct.pack(">H", transparent)) if transparent is not None else b""
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 0, 0, 0, 0))
+            + trns + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def test_16_bit_grayscale_is_scaled_to_8_bits_not_clipped_to_white():
+    """Pillow's convert("RGBA") clips mode I;16 at 255: every 16-bit value above 255 became white."""
+    levels = np.array([0, 256, 8192, 32768, 65535], dtype=np.uint16)
+    data = _png16_gray(np.repeat(levels, 28)[None].repeat(28, axis=0))
+    with Image.open(io.BytesIO(data)) as im:
+        assert im.mode.startswith("I;16")
+    rgb = np.asarray(decode_image(data))
+    assert rgb[0, ::28, 0].tolist() == [0, 1, 32, 128, 255] and (rgb == rgb[..., :1]).all()
+    assert np.asarray(decode_image(_png16_gray(np.full((4, 4), 65535), transparent=65535))).min() == 255
+    for mode in ("I", "I;16"):  # mode I (older Pillow's 16-bit PNG) is read as 16-bit values too
+        im = Image.fromarray(np.full((2, 2), 32768, np.int32)).convert(mode) if mode == "I" else \
+            Image.frombytes("I;16", (2, 2), np.full(4, 32768, "<u2").tobytes())
+        assert np.asarray(_wide_gray_rgba(im))[0, 0].tolist() == [128, 128, 128, 255], mode
+    config = PreprocessConfig(image=ImageConfig(min_pixels=28 * 28))
+    mid = _png16_gray(np.full((28, 28), 32768, np.uint16))
+    enc, _, meta = Counter(CountingConfig(image=config.image)).image(mid)
+    out = preprocess_item("image", mid, config, enc_len=enc, key="k", member="png", meta=meta)
+    channels = out.astype(np.float32).reshape(enc, 3, -1).mean(axis=(0, 2))
+    np.testing.assert_allclose(channels, (128 / 255 - np.array(IMAGE_MEAN)) / np.array(IMAGE_STD), atol=1e-2)
 
 
 # ------------------------------------------------------------------------------------ audio
@@ -376,37 +411,141 @@ def test_an_item_that_does_not_decode_gets_a_blank_input_or_raises_naming_its_ke
             list(pool)
 
 
-def test_a_file_whose_header_lies_about_its_length_gets_a_blank_input_among_good_ones(caplog):
-    """Other rows than planned, after items of the modality decoded as planned, is one file's
-    header lying (the loop used to stop on it, a job lost to one file); at the modality's first
-    item it is the data nodes' and trainer's rules differing, and the loop stops."""
+def _ogg_crc(page: bytes) -> int:
+    """Ogg's page CRC-32 (polynomial 0x04C11DB7, MSB first, initial 0, no final XOR)."""
+    crc = 0
+    for b in page:
+        crc ^= b << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7) & 0xFFFFFFFF if crc & 0x80000000 else (crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def _ogg_whose_header_lies(seconds: float = 3.0, scale: float = 1.5) -> bytes:
+    """An Ogg Vorbis clip whose last page's granule position claims `scale` times its length
+    (CRC fixed up): libsndfile's header states seconds * scale, its decoder reads `seconds`."""
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.2 * np.sin(np.arange(int(seconds * 44100)) * 0.05)).astype(np.float32),
+                    44100, format="OGG", subtype="VORBIS")
+    data, pos, last = bytearray(buf.getvalue()), 0, 0
+    while pos < len(data):
+        last, segments = pos, data[pos + 26]
+        pos += 27 + segments + sum(data[pos + 27:pos + 27 + segments])
+    (granule,) = struct.unpack_from("<q", data, last + 6)
+    struct.pack_into("<q", data, last + 6, int(granule * scale))
+    struct.pack_into("<I", data, last + 22, 0)
+    struct.pack_into("<I", data, last + 22, _ogg_crc(bytes(data[last:pos])))
+    return bytes(data)
+
+
+def _liar_record(index: int) -> SampleRecord:
+    data = _ogg_whose_header_lies()
+    enc, llm, meta = Counter(DEMO).audio(data)  # counted from its header: 4.5 s
+    return SampleRecord(key="liar", shard="mem", index=index, text_len=3, llm_len=3 + llm,
+                        items=[Item(modality="audio", member="ogg", enc_len=enc, llm_len=llm, meta=meta)],
+                        members={"ogg": data})
+
+
+def test_a_file_whose_header_lies_is_told_from_other_rules_by_recounting_its_header():
+    """Other rows than planned: the trainer recounts the item's header by its own rules. The
+    planned count is a lying file (blank input); another is other rules (the loop stops)."""
+    liar = _liar_record(0)
+    item = liar.items[0]
+    assert item.enc_len == 113  # 4.5 s at 25 frames/s; it decodes to 3.0 s
+    with pytest.raises(PreprocessError, match=r"'liar' member 'ogg': preprocessed to 76 rows but "
+                                              r"its header counts enc_len=113, here as in the plan: "
+                                              r"its header states another length") as err:
+        preprocess_item("audio", liar.members["ogg"], PRE, enc_len=113, key="liar", member="ogg")
+    assert err.value.mismatch and err.value.header_lies is True
+    other = PreprocessConfig(image=PRE.image, audio=AudioConfig(encoder_frames_per_s=50.0))
+    with pytest.raises(PreprocessError, match=r"the plan counted enc_len=113 but the rules here "
+                                              r"count its header as 225 .*count by other rules") as err:
+        preprocess_item("audio", liar.members["ogg"], other, enc_len=113, key="liar", member="ogg")
+    assert err.value.mismatch and err.value.header_lies is False
+    short = PreprocessConfig(image=PRE.image, audio=AudioConfig(
+        encoder_frames_per_s=25.0, llm_tokens_per_s=12.5, max_duration_s=4.0))
+    with pytest.raises(PreprocessError, match="header states another length than it decodes to "
+                                              r"\(then .*or data node and trainer count by other rules") as err:
+        preprocess_item("audio", liar.members["ogg"], short, enc_len=113, key="liar", member="ogg")
+    assert err.value.mismatch and err.value.header_lies is None  # these rules refuse its header
+
+
+def _steps_with(liar: SampleRecord, records: list[SampleRecord], first: bool) -> list:
+    """Steps of `records` and `liar`: first, in a step of its own before every other item."""
+    if not first:
+        return _steps(records + [liar])
+    steps = _steps([liar], per_step=1)
+    for s in _steps(records):
+        s.step += 1
+        steps.append(s)
+    return steps
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["very first item", "among good ones"])
+def test_a_lying_file_gets_a_blank_input_wherever_it_comes(first, caplog):
+    """Whether one lying file stopped the job depended on whether an item of its modality had
+    decoded as planned before it in this process (thread timing, restarts): as the very first
+    item it was taken for other rules, and the loop stopped."""
     torch = pytest.importorskip("torch")
     from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 
     records = _records(12)
+    liar = _liar_record(len(records))
     reference = _inputs_by_item(PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)))
-    with_images = [r for r in records if any(it.modality == "image" for it in r.items)]
-    liar = with_images[-1]
-    item = next(it for it in liar.items if it.modality == "image")
-    original = liar.members[item.member]
-    liar.members[item.member] = _png(100, 60)  # counted as the original, decodes smaller
-    for kind, workers in (("thread", 0), ("thread", 2)):
-        with PrefetchPool(_steps(records), PrefetchConfig(workers=workers, ahead=1, kind=kind,
-                                                          preprocess=PRE)) as pool:
+    for kind, workers in (("thread", 0), ("thread", 2), ("process", 2)):
+        caplog.clear()
+        with PrefetchPool(_steps_with(liar, records, first),
+                          PrefetchConfig(workers=workers, kind=kind, preprocess=PRE)) as pool:
             got = _inputs_by_item(pool)
         assert pool.undecodable.count == 1, kind
-        blank = got.pop((liar.key, item.member))
-        assert blank.shape == (item.enc_len, reference[liar.key, item.member].shape[1]) and not blank.any()
-        assert all(torch.equal(t, reference[k]) for k, t in got.items()), kind
-        assert any("event=undecodable_item" in r.message and liar.key in r.message
-                   and "header states another length" in r.message for r in caplog.records)
-    liar.members[item.member] = original
-    first = with_images[0]
-    item = next(it for it in first.items if it.modality == "image")
-    first.members[item.member] = _png(100, 60)
-    with PrefetchPool(_steps(records), PrefetchConfig(workers=0, preprocess=PRE)) as pool:
-        with pytest.raises(ValueError, match=f"sample '{first.key}'.*count by other rules"):
+        blank = got.pop(("liar", "ogg"))
+        assert blank.shape == (liar.items[0].enc_len, row_dim("audio", PRE)) and not blank.any(), kind
+        assert got.keys() == reference.keys() and all(torch.equal(t, reference[k]) for k, t in got.items())
+        assert any("event=undecodable_item" in r.getMessage() and "'liar'" in r.getMessage()
+                   and "header states another length" in r.getMessage() for r in caplog.records), kind
+    with PrefetchPool(_steps_with(liar, records, first),
+                      PrefetchConfig(workers=0, errors="raise", preprocess=PRE)) as pool:
+        with pytest.raises(PreprocessError, match="'liar'.*header states another length"):
             list(pool)
+
+
+def test_an_item_whose_header_counts_otherwise_here_stops_the_loop_even_after_good_ones():
+    """A file whose own header this trainer counts to another length than the plan: the rules
+    differ, and the loop stops, however many items of its modality decoded as planned before."""
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    records = _records(12)
+    with_images = [r for r in records if any(it.modality == "image" for it in r.items)]
+    for swapped in (with_images[0], with_images[-1]):
+        item = next(it for it in swapped.items if it.modality == "image")
+        original = swapped.members[item.member]
+        swapped.members[item.member] = _png(100, 60)  # the plan counted the original
+        for workers in (0, 2):
+            with PrefetchPool(_steps(records), PrefetchConfig(workers=workers, preprocess=PRE)) as pool:
+                with pytest.raises(ValueError, match=f"sample '{swapped.key}'.*the rules here "
+                                                     "count its header as .*count by other rules"):
+                    list(pool)
+        swapped.members[item.member] = original
+
+
+def test_without_a_recount_a_mismatch_is_a_lying_file_only_after_good_items():
+    """The heuristic kept for a mismatch whose header could not be recounted here."""
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, Undecodable
+
+    undecodable = Undecodable(PrefetchConfig(preprocess=PRE))
+    unknown = PreprocessError("sample 'k' member 'ogg': rows", "audio", mismatch=True)
+    with pytest.raises(PreprocessError):
+        undecodable.blank(unknown, "audio", 5)
+    lies = PreprocessError("sample 'k' member 'ogg': rows", "audio", mismatch=True, header_lies=True)
+    assert undecodable.blank(lies, "audio", 5).shape == (5, row_dim("audio", PRE))
+    undecodable.decoded("audio")
+    assert undecodable.blank(unknown, "audio", 5).shape == (5, row_dim("audio", PRE))
+    differs = PreprocessError("sample 'k' member 'ogg': rows", "audio", mismatch=True, header_lies=False)
+    with pytest.raises(PreprocessError):
+        undecodable.blank(differs, "audio", 5)
+    assert undecodable.count == 2
 
 
 def test_items_counted_by_other_rules_stop_the_loop_whatever_the_error_mode(records):

@@ -13,10 +13,12 @@ exactly its planned rows under `errors="warn"` (the default, as readers do with 
 logged with its key as `event=undecodable_item`: every rank keeps the shapes the plan and the
 exchange expect, and the sample trains with a blank item. More than `max_consecutive_errors`
 in a row, or any item under `errors="raise"`, stops the loop with the error. An item that
-decodes to other rows than the plan counted is one of two things: a file whose header states
-another length than it holds, among items of its modality that decoded as planned (it gets a
-blank input, as an undecodable one), or data nodes and trainer counting by other rules, which
-shows at the first item of the modality (that stops the loop).
+decodes to other rows than the plan counted is recounted from its own bytes by the trainer's
+rules (the function data nodes count with): a header that counts the planned length is a file
+whose header states another length than it holds (it gets a blank input, as an undecodable
+one); one that counts another is data nodes and trainer counting by other rules (that stops
+the loop). Where no recount is possible (a header the trainer's rules refuse), the item is
+taken for a lying file only once items of its modality decoded as planned.
 
 At most `ahead` micro-batches are prepared or being prepared beyond the step the loop holds
 (a step with more micro-batches is still prepared whole), which bounds memory. `workers=0`
@@ -110,9 +112,12 @@ class Undecodable:
 
     def blank(self, error: BaseException, modality: str, enc_len: int) -> torch.Tensor:
         """The stand-in for an item that failed with `error`, or `error` raised (a rules
-        mismatch, errors="raise", or too many in a row). Other rows than planned, once items of
-        the modality decoded as planned, is the file's header lying: a blank input too."""
-        lying = isinstance(error, PreprocessError) and error.mismatch and modality in self._planned
+        mismatch, errors="raise", or too many in a row). Other rows than planned, where this
+        trainer's rules count the item's header as planned (`PreprocessError.header_lies`), is
+        the file's header lying: a blank input too. Where its header could not be recounted,
+        items of the modality that decoded as planned before it say the rules agree."""
+        lying = isinstance(error, PreprocessError) and error.mismatch and (
+            modality in self._planned if error.header_lies is None else error.header_lies)
         if (not (isinstance(error, PreprocessError) and (error.undecodable or lying))
                 or self.config.errors == "raise"):
             raise error
