@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dispatcher_server.cliopts import finite_float
+from dispatcher_server.cliopts import finite_float, redact
 from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.readahead import ReadAhead, stalled_error
@@ -88,6 +88,18 @@ def log_histogram(values: np.ndarray) -> list[dict]:
         {"lo": 2 ** int(k), "hi": 2 ** int(k + 1), "count": int(c)}
         for k, c in zip(range(int(exps.min()), int(exps.max()) + 1), counts)
     ]
+
+
+def redacted(value):
+    """`value` (a report: dicts, lists, strings) with every URL's password and signed-query
+    values hidden (`cliopts.redact`): the report is printed and shared as the log lines are."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {redacted(k): redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redacted(v) for v in value]
+    return value
 
 
 def _bad_shard(url: str, stats: ErrorStats, stopped: str | None) -> dict:
@@ -179,7 +191,7 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool,
     modalities["audio"]["duration_s"] = _summary(durations)
     modalities["text"] = {"count": len(text_lens), "llm_len": _summary(text_lens),
                           "counted_by": text_counted_by(config)}
-    return {
+    return redacted({
         "num_shards": len(urls),
         "num_samples": num_samples,
         "samples": {"llm_len": _summary(sample_lens)},
@@ -192,7 +204,7 @@ def collect(urls: list[str], config: ReaderConfig, *, show_progress: bool,
         "histogram": log_histogram(np.asarray(sample_lens)),
         "elapsed_s": round(elapsed, 3),
         "samples_per_s": round(num_samples / elapsed, 1) if elapsed > 0 else None,
-    }
+    })
 
 
 def format_ignored(counts: dict[str, int]) -> str:

@@ -98,6 +98,8 @@ class ReadAhead:
     def watch(self, stream: Any) -> Any:
         """The shard stream to read through (its reads mark progress); kept to kill on a stall."""
         self._stream = stream
+        if hasattr(stream, "on_bytes"):  # a remote shard: bytes arriving within a read count
+            stream.on_bytes = self._mark
         return _Watched(stream, self._mark, self._closed) if self.threaded else stream
 
     def _mark(self) -> None:

@@ -1,7 +1,9 @@
 """Shards on object storage and HTTP (`s3://`, `gs://`, `http(s)://`), through fsspec.
 
 A remote shard is read front to back like a local one, with bounded memory: fsspec's read-ahead
-cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for. Transient failures
+cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for; over HTTP, bytes
+count as progress (`RemoteShard.on_bytes`, a reader's stall watch) as they arrive within a
+block's request, so a slow server that keeps sending is not taken for a stalled one. Transient failures
 (a dropped or refused connection, no byte for `READ_TIMEOUT_S`, an HTTP 5xx, 408 or 429) are
 retried with capped exponential backoff, or after the server's `Retry-After`, for up to
 `RETRY_S` seconds: the file is reopened and read on from the byte offset reached, so a shard cut
@@ -71,12 +73,26 @@ def scheme(url: str) -> str | None:
     return head.lower() if sep and head.lower() in REMOTE_SCHEMES else None
 
 
+def normalized(url: str) -> str:
+    """`url` with its remote scheme in lower case (schemes are case-insensitive, fsspec knows
+    only `s3`, `http`...): `S3://b/k` and `s3://b/k` are one shard. Other URLs as given."""
+    head, sep, rest = url.partition("://")
+    return f"{head.lower()}://{rest}" if sep and head.lower() in REMOTE_SCHEMES else url
+
+
+def object_name(url: str) -> str:
+    """The object a remote URL names: an HTTP URL without its query; an S3 or GCS key whole
+    (a `?` in a key is part of it)."""
+    return url.split("?", 1)[0] if _is_http(url) else url
+
+
 def _is_http(url: str) -> bool:
     return scheme(url) in ("http", "https")
 
 
 def filesystem(url: str) -> tuple[Any, str]:
     """(fsspec filesystem, path) of a remote URL; ValueError naming the missing package."""
+    url = normalized(url)
     try:
         import fsspec
 
@@ -98,8 +114,8 @@ def expand(url: str, spec: str) -> list[str]:
     bucket; HTTP has no listing, so its URLs are given one by one or as {a..b} ranges. Every
     URL's backend is loaded here, so a missing package refuses the spec at start, not in a
     reader hours later."""
-    path = url.split("?", 1)[0] if _is_http(url) else url  # a query is HTTP's, not a key's
-    if not _GLOB_CHARS.intersection(path):
+    url = normalized(url)
+    if not _GLOB_CHARS.intersection(object_name(url)):  # a query is HTTP's, not a key's
         filesystem(url)
         return [url]
     if _is_http(url):
@@ -143,12 +159,27 @@ NOT_RETRYABLE = (FileNotFoundError, PermissionError, TLSError)
 
 def diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
     """What a failed open or read means: (the OSError to raise at once, or None when a retry may
-    help; what went wrong, in words)."""
+    help; what went wrong, in words, on one line: it ends up in a log line or a table cell)."""
+    permanent, said = _diagnose(error)
+    return permanent, " ".join(said.split())
+
+
+def _malformed(cause: BaseException) -> bool:
+    """aiohttp could not parse the answer (a bad status line, broken headers): it reports that as
+    a ClientResponseError with status 400 though the server sent no status at all."""
+    parsed = cause.__cause__
+    return parsed is not None and "HttpProcessingError" in {c.__name__ for c in type(parsed).__mro__}
+
+
+def _diagnose(error: BaseException) -> tuple[type[OSError] | None, str]:
     cause = _cause(error)
     names = {c.__name__ for c in type(cause).__mro__}
     status = getattr(cause, "status", None)
     if "TooManyRedirects" in names:  # a ClientResponseError with no status (HTTP 0)
         return OSError, "too many redirects (the server redirects in a loop): check the URL"
+    if "ClientResponseError" in names and _malformed(cause):
+        return OSError, (f"the answer is not valid HTTP ({getattr(cause, 'message', '') or cause}): "
+                         "is an HTTP server listening at that host and port?")
     if "ClientResponseError" in names and isinstance(status, int):
         said = f"HTTP {status} {getattr(cause, 'message', '') or ''}".strip()
         if status >= 500 or status in _RETRY_STATUS:
@@ -299,10 +330,33 @@ class _PinnedSession:
         except BaseException:
             answer.release()
             raise
+        answer.content = _Arriving(answer.content, self._shard.progressed)
         return answer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)
+
+
+class _Arriving:
+    """An aiohttp answer's body stream that calls `progress` as each piece of it arrives: a
+    block is one request (read whole by fsspec), and a slow server still sends while it lasts."""
+
+    def __init__(self, stream: Any, progress: Any) -> None:
+        self._stream, self._progress = stream, progress
+
+    async def read(self, n: int = -1) -> bytes:
+        if n >= 0:
+            data = await self._stream.read(n)
+            self._progress()
+            return data
+        parts = []
+        while chunk := await self._stream.readany():
+            parts.append(chunk)
+            self._progress()
+        return b"".join(parts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 class RemoteShard:
@@ -312,7 +366,7 @@ class RemoteShard:
 
     def __init__(self, url: str, *, retry_s: float | None = None, backoff_s: float | None = None,
                  block_bytes: int | None = None, start: int = 0, read_ahead: bool = True) -> None:
-        self.url = url
+        self.url = url = normalized(url)
         self.retry_s = RETRY_S if retry_s is None else retry_s
         self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
         self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
@@ -326,6 +380,9 @@ class RemoteShard:
         self._opened = False  # the version was taken (by the first open that got an answer)
         self._killed = False
         self._file: Any = None
+        #: Called whenever bytes of the shard arrive, also within one block's request (a reader's
+        #: stall watch, `ReadAhead.watch`): a slow server that keeps sending is not stalled.
+        self.on_bytes: Any = None
         self._with_retries(self._open)
 
     @property
@@ -416,6 +473,10 @@ class RemoteShard:
                 raise ConnectionError(f"stream ended at byte {done} on the way to {self.pos}")
             done += len(chunk)
 
+    def progressed(self) -> None:
+        if self.on_bytes is not None:
+            self.on_bytes()
+
     def seek(self, pos: int) -> int:
         """Read on from byte `pos` (a walk resumed at a sample's offset): a ranged read of an
         object that takes them; a stream (no ranges, no size) is opened again and read up to it."""
@@ -437,6 +498,7 @@ class RemoteShard:
             parts = [data]
             while (got := sum(map(len, parts))) < size and (chunk := self._file.read(size - got)):
                 parts.append(chunk)
+                self.progressed()
             data = b"".join(parts)
         short = size > 0 and len(data) < size and self.size is not None and self.pos + len(data) < self.size
         if short:  # the object is longer: the connection ended early

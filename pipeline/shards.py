@@ -177,14 +177,29 @@ def _listed(spec: str, matches: list[tuple[str, bool]]) -> list[str]:
     return sorted(files)
 
 
-def _refuse_other_compressions(spec: str, matches: list[tuple[str, bool]]) -> None:
-    """Refuse a directory's or glob's listing ((path, whether it is a regular file)) that holds a
-    tar in a compression readers do not inflate, as if it were named alone: left out, its samples
-    would be lost without a word when it lies beside plain tars."""
-    found = sorted(p for p, regular in matches if regular and _compression_fix(p) is not None)
+def _refuse_other_compressions(spec: str, matches: list[tuple[str, bool]], local: bool = True) -> None:
+    """Refuse a directory's, glob's or object listing's ((path, whether it is a regular file))
+    that holds a tar in a compression readers do not inflate, as if it were named alone: left
+    out, its samples would be lost without a word when it lies beside plain tars."""
+    found = sorted(p for p, regular in matches if regular and _compression_fix(p, local) is not None)
     if found:
         more = f" ({len(found) - 1} more file(s) there are compressed so)" if len(found) > 1 else ""
-        raise ValueError(f"shard {found[0]!r} (from spec {spec!r}) {_compression_fix(found[0])}{more}")
+        raise ValueError(f"shard {found[0]!r} (from spec {spec!r}) {_compression_fix(found[0], local)}{more}")
+
+
+def _no_match(pattern: str, spec: str, found: list[str], local: bool = True) -> str:
+    """What a glob that matched no shard (`found`: what it matched) says, local or remote."""
+    return (f"no shard file matches {pattern!r} (from spec {spec!r}); a file whose name holds "
+            f"* ? or [ is named by its exact path{_other_compressions(found, local)}")
+
+
+def _other_compressions(names: list[str], local: bool = True) -> str:
+    """A hint naming the first of `names` in a compression readers do not inflate, or ""."""
+    for name in names:
+        fix = _compression_fix(name, local)
+        if fix is not None:
+            return f"; {name!r} {fix}"
+    return ""
 
 
 def expand_shards(specs: Sequence[str] | str) -> list[str]:
@@ -202,11 +217,18 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
     for spec in specs:
         for expanded in braceexpand.braceexpand(spec):
             if remote.scheme(expanded):
-                matches = remote.expand(expanded, spec)
+                expanded = remote.normalized(expanded)
+                found = remote.expand(expanded, spec)
+                if found == [expanded]:  # named by itself: it must be a shard
+                    _check_suffix(remote.object_name(expanded), spec, local=False)
+                    urls.append(expanded)
+                    continue
+                # a listing: other objects beside the shards are left out, as in a directory, but
+                # not tars compressed so that readers cannot inflate them
+                _refuse_other_compressions(spec, [(remote.object_name(u), True) for u in found], local=False)
+                matches = [u for u in found if is_shard_name(remote.object_name(u))]
                 if not matches:
-                    raise FileNotFoundError(f"no shard matches {expanded!r} (from spec {spec!r})")
-                for url in matches:
-                    _check_suffix(url.split("?", 1)[0], spec, local=False)
+                    raise FileNotFoundError(_no_match(expanded, spec, found, local=False))
                 urls.extend(matches)
                 continue
             path = _local_path(expanded)
@@ -223,8 +245,7 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                     denied = _glob_denied(path, spec)
                     if denied is not None:
                         raise denied
-                    raise FileNotFoundError(f"no shard file matches {path!r} (from spec {spec!r}); a "
-                                            "file whose name holds * ? or [ is named by its exact path")
+                    raise FileNotFoundError(_no_match(path, spec, found))
                 urls.extend(prefix + m for m in matches)
                 continue
             try:

@@ -202,6 +202,19 @@ def test_a_redirect_loop_is_named_as_one_not_as_http_0(http_server):
     assert shard == url and "too many redirects" in detail and "HTTP 0" not in detail, detail
 
 
+@pytest.mark.parametrize("as_json", [True, False])
+def test_inspect_hides_url_credentials_in_its_tables_and_json(http_server, capsys, monkeypatch, as_json):
+    from mmdispatch.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # no URL folded across lines in the table
+    base, _ = http_server
+    url = base.replace("://", "://alice:hunter2@") + "/missing-000.tar?X-Amz-Signature=SECRETSIG&token=SECRETTOK"
+    assert main(["inspect", *(["--json"] if as_json else []), url]) == 1
+    out = capsys.readouterr().out
+    assert "missing-000.tar" in out and "X-Amz-Signature=***" in out and "alice:***@" in out, out
+    assert not {"hunter2", "SECRETSIG", "SECRETTOK"} & set(re.findall(r"\w+", out)), out
+
+
 def test_http_specs_that_cannot_work_are_one_line(http_server):
     base, _ = http_server
     with pytest.raises(ValueError, match="cannot be globbed; list the URLs or use a"):
@@ -258,7 +271,7 @@ def test_s3_globs_list_the_bucket_and_read_as_the_local_files_do(shards, s3):
     urls = expand_shards(s3 + "/*.tar")
     assert urls == [f"{s3}/{os.path.basename(s)}" for s in sorted(shards)]
     assert _keys(urls) == _keys(sorted(shards))
-    with pytest.raises(FileNotFoundError, match=r"no shard matches 's3://data/train/val-\*\.tar'"):
+    with pytest.raises(FileNotFoundError, match=r"no shard file matches 's3://data/train/val-\*\.tar'"):
         expand_shards(s3 + "/val-*.tar")
     stats = ErrorStats()
     assert _keys([s3 + "/missing.tar"], stats=stats) == []
@@ -277,8 +290,47 @@ def test_an_s3_key_with_glob_characters_is_named_by_itself(shards, s3):
     url = s3 + "/odd/br[1].tar"
     assert expand_shards(url) == [url]
     assert _keys([url]) == _keys([shards[0]])
-    with pytest.raises(FileNotFoundError, match="no shard matches"):
+    with pytest.raises(FileNotFoundError, match="no shard file matches"):
         expand_shards(s3 + "/odd/br[2].tar")
+
+
+@pytest.mark.timeout(120)
+def test_s3_keys_holding_a_question_mark_and_globs_over_other_objects(shards, s3):
+    """A `?` in an S3 key is the key's (only HTTP has a query); a glob leaves out objects that
+    are no shards (a README), as a local glob does, and refuses, as it does, when none is left."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    client.upload_file(shards[0], "data", "train/q/a?b.tar")
+    client.upload_file(shards[1], "data", "train/q/c.tar")
+    client.put_object(Bucket="data", Key="train/q/README.md", Body=b"not a shard")
+    url = s3 + "/q/a?b.tar"
+    assert expand_shards(url) == [url]
+    assert _keys([url]) == _keys([shards[0]])
+    assert expand_shards(s3 + "/q/*") == [url, s3 + "/q/c.tar"]
+    with pytest.raises(FileNotFoundError, match=r"no shard file matches 's3://data/train/q/\*\.md' "
+                                                r"\(from spec .*\); a file whose name holds"):
+        expand_shards(s3 + "/q/*.md")
+    with pytest.raises(ValueError, match="must end with one of"):
+        expand_shards(s3 + "/q/README.md")  # named by itself: refused, as a local file is
+    # a tar compressed so that readers cannot inflate it is no README: left out, its samples
+    # would be lost, so the listing is refused naming it, as a local directory's is
+    client.upload_file(shards[1], "data", "train/z/c.tar")
+    client.put_object(Bucket="data", Key="train/z/d.tar.zst", Body=b"(\xb5/\xfd")
+    with pytest.raises(ValueError, match=r"d\.tar\.zst.*zstd-compressed.*store it decompressed"):
+        expand_shards(s3 + "/z/*")
+
+
+@pytest.mark.timeout(120)
+def test_an_upper_case_scheme_names_the_same_shard(shards, s3, http_server):
+    base, _ = http_server
+    name = os.path.basename(shards[0])
+    assert expand_shards("HTTP" + base[4:] + "/" + name) == [f"{base}/{name}"]
+    assert _keys(["HTTP" + base[4:] + "/" + name]) == _keys([shards[0]])  # fsspec knows "http" only
+    assert expand_shards("S3" + s3[2:] + "/*.tar") == expand_shards(s3 + "/*.tar")
+    assert _keys(["S3" + s3[2:] + "/" + name]) == _keys([shards[0]])
+    with pytest.raises(ValueError, match="listed more than once"):
+        expand_shards([f"{base}/{name}", "Http" + base[4:] + "/" + name])
 
 
 @pytest.mark.timeout(120)

@@ -450,3 +450,65 @@ def test_a_stall_timeout_shorter_than_remote_retries_is_warned_of_once(caplog):
     assert len(said) == 1 and f"stall_timeout_s={short:g}" in said[0] and "raise --stall-timeout" in said[0]
     assert warnings_for(short, ["/data/a.tar", "pipe:cat a.tar"]) == []
     assert warnings_for(remote.RETRY_S * 2, ["http://h/a.tar"]) == []
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """Files of `root` with Range support, each answer sent steadily but slowly: `piece` bytes
+    every `pause` seconds."""
+
+    protocol_version = "HTTP/1.1"
+    root = ""
+    piece = 8 << 10
+    pause = 0.03
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        with open(os.path.join(self.root, os.path.basename(self.path)), "rb") as f:
+            send_range(self, f.read())
+
+    def do_GET(self) -> None:
+        with open(os.path.join(self.root, os.path.basename(self.path)), "rb") as f:
+            _, body = send_range(self, f.read())
+        for at in range(0, len(body), self.piece):
+            self.wfile.write(body[at:at + self.piece])
+            self.wfile.flush()
+            time.sleep(self.pause)
+
+
+def test_a_slow_server_that_keeps_sending_is_not_given_up_as_stalled(small_shards, monkeypatch):
+    """A block (one request) takes 0.5 s to arrive, longer than the stall timeout, but bytes
+    arrive every 0.03 s: `--stall-timeout` counts seconds without a byte, so nothing is lost."""
+    from pipeline.inspect import records_of
+
+    monkeypatch.setattr(remote, "BLOCK_BYTES", 128 << 10)
+    path = small_shards[1]
+    handler = type("Handler", (_Trickle,), {"root": os.path.dirname(path)})
+    stats = ErrorStats()
+    with serving(handler) as base:
+        records = records_of(f"{base}/{os.path.basename(path)}", ReaderConfig(keep_members=False),
+                             stats, stall_s=0.25)
+        keys = [r.key for r in records]
+    assert stats.by_reason == {} and keys == _local_keys(path)
+
+
+class _NotHttp(http.server.BaseHTTPRequestHandler):
+    """Answers every request with a line that is not HTTP."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def handle(self) -> None:
+        self.rfile.readline()
+        self.wfile.write(b"garbage\r\n\r\n")
+
+
+def test_a_malformed_answer_is_one_line_claiming_no_status():
+    """aiohttp reports an unparsable answer as an HTTP 400 with a message over several lines."""
+    with serving(_NotHttp) as base:
+        url = f"{base}/shard-000000.tar"
+        keys, stats = _read(url)
+    assert keys == [] and stats.by_reason == {"open_failed": 1}
+    detail = stats.recent[-1][3]
+    assert "\n" not in detail and "400" not in detail and "not valid HTTP" in detail, detail
