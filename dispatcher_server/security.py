@@ -275,6 +275,30 @@ class _LoggingAuthenticator(ThreadAuthenticator):
         return allowed, reason
 
 
+def check_allowed_keys(flag: str, directory: str) -> None:
+    """ValueError, one line naming `flag` and the file, when a NAME.key file in the allow-list
+    `directory` is not a public key: pyzmq's authenticator would log an error and configure
+    no key of the directory at all, so every allowed peer would be refused."""
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(".key") or not os.path.isfile(path):
+            continue
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except (OSError, ValueError, UnicodeError) as e:
+            ok, why = False, getattr(e, "strerror", None) or e
+        else:
+            try:
+                ok = len(zmq.utils.z85.decode(public)) == 32
+            except (ValueError, KeyError, IndexError):  # z85.decode's errors for non-Z85 text
+                ok = False
+            why = "a public key is 40 Z85 characters"
+        if not ok:
+            raise ValueError(f"{flag} {directory!r}: {path!r} is no CurveZMQ public key ({why}), and "
+                             f"one bad NAME.key makes the whole directory refused: remove it, or "
+                             f"replace it with a NAME.key written by mmdispatch keygen NAME")
+
+
 def start_authenticator(context: zmq.Context, allowed_keys_dir: str, *,
                         allow_list: str = "the dispatcher's --curve-allowed-dir",
                         peers: str = "readers' and trainers'") -> ThreadAuthenticator:
@@ -282,6 +306,7 @@ def start_authenticator(context: zmq.Context, allowed_keys_dir: str, *,
     `allow_list` in the fixes it logs; `peers`: whose NAME.key files belong there)."""
     if not os.path.isdir(allowed_keys_dir):
         raise ValueError(f"allowed keys directory {allowed_keys_dir!r} does not exist")
+    check_allowed_keys(allow_list, allowed_keys_dir)
     if not any(name.endswith(".key") for name in os.listdir(allowed_keys_dir)):
         log.warning("mmdispatch event=curve_no_allowed_keys dir=%s fix=%r", allowed_keys_dir,
                     f"copy the {peers} NAME.key files there: every peer will be refused")

@@ -34,7 +34,7 @@ from dispatcher_server.planner import PlannerConfig, Topology
 from dispatcher_server.planner.config import DEFAULT_LLM_CAPACITY_FACTOR, OVERSIZE_POLICIES
 from dispatcher_server.planner.warm import warm_up
 from dispatcher_server.protocol import PAYLOAD_MODES
-from dispatcher_server.security import load_secret, warn_if_readable
+from dispatcher_server.security import check_allowed_keys, load_secret, warn_if_readable
 from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
@@ -348,6 +348,8 @@ def _check_flags(v: dict) -> None:
     if secret:
         load_secret(secret)  # unreadable, not a key file, the public key: one line, now
         warn_if_readable(secret)
+    if allowed and os.path.isdir(allowed):
+        check_allowed_keys("--curve-allowed-dir", allowed)
     if v["step_log"] and os.path.isdir(v["step_log"]):
         raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
                          f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")

@@ -22,6 +22,7 @@ whose public key is in the allowed directory (the same ZAP handler as the dispat
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -97,25 +98,79 @@ def local_address(dispatcher: str) -> str:
             return "[::1]" if v6 else "127.0.0.1"
 
 
-def bind_address(bind: str | None, dispatcher: str, worker: int) -> str:
-    """Where worker `worker` binds: `bind` (a fixed port P becomes P + worker, so the workers of
-    one `read --workers N` do not collide), default an ephemeral port on the interface that
-    reaches the dispatcher."""
-    if not bind:
-        return f"tcp://{local_address(dispatcher)}:0"
-    parts = urlsplit(bind)
+#: Hosts that bind every interface: no address a trainer can connect to.
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+#: A host name, an IPv4 address, or an IPv6 address in brackets (what a trainer can connect to).
+_HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Za-z:.%]+\]")
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, str | None]:
+    """(host, port text or None) of a tcp:// endpoint, brackets of an IPv6 host kept."""
+    netloc = endpoint[len("tcp://"):].rstrip("/")
+    if netloc.endswith("]") or ":" not in netloc:
+        return netloc, None
+    host, _, port = netloc.rpartition(":")
+    return host, port
+
+
+def check_bind(bind: str, flag: str = "--payload-bind") -> None:
+    """ValueError, one line naming `flag`, for a tcp:// endpoint without a port (ZeroMQ's bind
+    says only "Invalid argument")."""
+    if not bind.startswith("tcp://"):
+        return
+    port = _tcp_host_port(bind)[1]
+    if port is None or not port.isdigit():
+        what = "no port" if port is None else f"port {port!r} is no number"
+        raise ValueError(f"{flag} {bind!r}: {what}; give tcp://HOST:PORT (worker w of --workers "
+                         f"binds PORT + w), or tcp://HOST:0 for an ephemeral port")
+
+
+def check_advertise(advertise: str, flag: str = "--payload-advertise") -> None:
+    """ValueError, one line naming `flag`, the value and the fix, for a tcp:// endpoint no
+    trainer can connect to: a wildcard host, port 0, or a host no host name or address spells."""
+    if not advertise.startswith("tcp://"):
+        return
+    host, port = _tcp_host_port(advertise)
+    if host in WILDCARD_HOSTS:
+        why = f"host {host} means every interface when binding, and no trainer can connect to it"
+    elif not _HOST.fullmatch(host):
+        why = f"{host!r} is no host name or address"
+    elif port is not None and not (port.isdigit() and 0 < int(port) <= 65535):
+        why = f"port {port} is no port a trainer can connect to (1 to 65535, or none: the bound one)"
+    else:
+        return
+    raise ValueError(f"{flag} {advertise!r}: {why}; give the address trainers reach this host "
+                     f"at, e.g. tcp://10.0.0.5 or tcp://reader-0.example:7555")
+
+
+def worker_endpoint(endpoint: str, worker: int) -> str:
+    """`endpoint` for worker `worker` of one `read --workers N`: a fixed tcp port P becomes
+    P + worker (so the workers do not collide); port 0, no port and other transports stay."""
+    parts = urlsplit(endpoint)
     if parts.scheme == "tcp" and parts.port:
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return f"tcp://{host}:{parts.port + worker}"
-    return bind
+    return endpoint
+
+
+def bind_address(bind: str | None, dispatcher: str, worker: int) -> str:
+    """Where worker `worker` binds: `bind` (a fixed port P becomes P + worker), default an
+    ephemeral port on the interface that reaches the dispatcher."""
+    if not bind:
+        return f"tcp://{local_address(dispatcher)}:0"
+    return worker_endpoint(bind, worker)
 
 
 def advertised(bound: str, advertise: str | None, dispatcher: str) -> str:
-    """The endpoint trainers are told: `advertise` (without a port: the bound one), else the bound
-    endpoint with a wildcard host replaced by the interface that reaches the dispatcher."""
+    """The endpoint trainers are told: `advertise` (without a port: the bound one; ValueError
+    for one no trainer can connect to), else the bound endpoint with a wildcard host replaced
+    by the interface that reaches the dispatcher."""
     port = urlsplit(bound).port
     if advertise:
-        return advertise if urlsplit(advertise).port else f"{advertise.rstrip('/')}:{port}"
+        check_advertise(advertise)
+        if not advertise.startswith("tcp://") or _tcp_host_port(advertise)[1] is not None:
+            return advertise
+        return f"{advertise.rstrip('/')}:{port}"
     host = urlsplit(bound).hostname
     if host in ("0.0.0.0", "*", "::", None) and bound.startswith("tcp://"):
         return f"tcp://{local_address(dispatcher)}:{port}"
@@ -157,11 +212,11 @@ class PayloadServer:
                 self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
             allow_ipv6(self.sock, bind)
             self.sock.bind(bind)
+            self.endpoint = advertised(self.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise,
+                                       dispatcher)
         except BaseException:
             self.close()
             raise
-        self.endpoint = advertised(self.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise,
-                                   dispatcher)
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(READ_BACK_WORKERS, thread_name_prefix="mmdispatch-readback")
         # Requests being read back: future -> [trainer identity, request id, last HEARTBEAT]

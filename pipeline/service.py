@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from dispatcher_server import protocol as P
-from dispatcher_server.security import PeerCurve
+from dispatcher_server.security import PeerCurve, check_allowed_keys
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import (
     MAX_MALLOC_KEEP_MB, check_curve_pair, check_endpoint, finite_float, name_the_file, say,
@@ -40,7 +40,8 @@ from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig, length_identity, placeholder_identity
 from pipeline import remote
-from pipeline.payloads import DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address
+from pipeline.payloads import (DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address,
+                               check_advertise, check_bind, worker_endpoint)
 from pipeline.readahead import ReadAhead, stalled_error
 from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_copy_identity,
@@ -90,6 +91,7 @@ class ReaderServiceConfig:
             if not os.path.isdir(self.allowed_dir):
                 raise ValueError(f"--payload-allowed-dir {self.allowed_dir!r} is not a directory "
                                  "(it holds the trainers' allowed public NAME.key files)")
+            check_allowed_keys("--payload-allowed-dir", self.allowed_dir)
 
     def session(self) -> SessionConfig:
         return SessionConfig(address=self.dispatcher, timeout_s=self.timeout_s,
@@ -245,10 +247,12 @@ class ReaderWorker:
                     cache=PayloadCache(c.payload_cache_mb << 20),
                     advertise=c.payload_advertise, dispatcher=c.dispatcher,
                     secret_file=c.secret_file, allowed_dir=c.allowed_dir)
-            except (zmq.ZMQError, ValueError) as e:
+            except zmq.ZMQError as e:
                 raise FatalReaderError(f"--payloads direct: cannot serve payloads at "
                                        f"{c.payload_bind or 'an ephemeral port'}: {e} "
                                        f"(see --payload-bind)") from None
+            except ValueError as e:  # a setting, not the port: its message names the fix
+                raise FatalReaderError(f"--payloads direct: {e}") from None
             log.info("mmdispatch event=payloads_bound endpoint=%s", self.payload_server.endpoint)
         self.payload_server.servable = frozenset(
             P.reference_path(url, "direct").encode("utf-8", "surrogateescape") for url in shards)
@@ -604,12 +608,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on the wire), for trainers short of CPU; needs --payloads inline")
     parser.add_argument("--payload-bind", default=None,
                         help="--payloads direct: endpoint this reader serves payloads to trainers "
-                             "at (a fixed port P serves worker w at P + w); default an ephemeral "
-                             "port on the interface that reaches the dispatcher")
+                             "at (tcp://HOST:PORT; a fixed port P serves worker w at P + w, 0 an "
+                             "ephemeral port); default an ephemeral port on the interface that "
+                             "reaches the dispatcher")
     parser.add_argument("--payload-advertise", default=None,
                         help="--payloads direct: the endpoint trainers are told to fetch from "
-                             "(tcp://HOST[:PORT], no port: the bound one); default the bound "
-                             "endpoint, a wildcard host replaced by that interface's address")
+                             "(tcp://HOST[:PORT], a host trainers connect to, not a wildcard; "
+                             "a port P is worker w's P + w, no port: the bound one); default "
+                             "the bound endpoint, a wildcard host replaced by that interface's "
+                             "address")
     parser.add_argument("--payload-cache-mb", type=int, default=_DEFAULTS.payload_cache_mb,
                         help="--payloads direct: MiB of sent members held for trainers to fetch "
                              "(each dropped once fetched, oldest first past this cap; a miss is "
@@ -641,11 +648,15 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                         ("--payload-advertise", args.payload_advertise)):
         if value:
             check_endpoint(flag, value)
-    port = urlsplit(args.payload_bind).port if args.payload_bind else None
-    if port and port + args.workers - 1 > 65535:  # worker k binds port + k
-        raise ValueError(f"--payload-bind {args.payload_bind} with --workers {args.workers}: worker "
-                         f"k binds port {port} + k, past 65535 for the last; give a port of at "
-                         f"most {65536 - args.workers}")
+            if flag == "--payload-bind":
+                check_bind(value)
+            else:
+                check_advertise(value)
+            port = urlsplit(value).port
+            if port and port + args.workers - 1 > 65535:  # worker k binds and advertises port + k
+                raise ValueError(f"{flag} {value} with --workers {args.workers}: worker k uses "
+                                 f"port {port} + k, past 65535 for the last; give a port of at "
+                                 f"most {65536 - args.workers}")
     if args.connect_timeout < 0:
         raise ValueError(f"--connect-timeout must be >= 0 (0 = forever), got {args.connect_timeout}")
     if args.stall_timeout <= 0:
@@ -665,7 +676,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                secret_file=args.curve_secret, server_public_file=args.curve_server_key,
                                payload_bind=(bind_address(args.payload_bind, args.dispatcher, worker)
                                              if args.payload_bind else None),
-                               payload_advertise=args.payload_advertise,
+                               payload_advertise=(worker_endpoint(args.payload_advertise, worker)
+                                                  if args.payload_advertise else None),
                                payload_cache_mb=args.payload_cache_mb,
                                allowed_dir=args.payload_allowed_dir)
 

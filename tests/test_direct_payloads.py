@@ -122,13 +122,13 @@ QUICK_FETCH = FetchConfig(timeout_s=0.3, attempts=3, backoff_min_s=0.01, backoff
                           outage_s=0.5)
 
 
-def _step_held_by_the_dead(shard: str) -> tuple[bytes, P.Message]:
-    """(a member's bytes, a one-item STEP whose holder of that member is DEAD)."""
+def _step_held_by_the_dead(shard: str, holder: P.ReaderEndpoint = DEAD) -> tuple[bytes, P.Message]:
+    """(a member's bytes, a one-item STEP whose holder of that member is `holder`)."""
     rec = next(r for r in iter_shard(shard, spans=True) if r.items)
     it = rec.items[0]
     ref = P.pack_ref(shard.encode(), *rec.spans[it.member])
     msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
-                            readers=[list(DEAD)], microbatches=[
+                            readers=[list(holder)], microbatches=[
                                 {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                  "items": [[it.modality, rec.key, it.member, {}]],
                                  "sizes": [len(ref)], P.HOLDERS: [0]}]))
@@ -404,3 +404,167 @@ def test_direct_only_options_under_another_payload_mode_are_warned_once(caplog, 
     with caplog.at_level("WARNING", logger="mmdispatch"):
         plain.on_welcome(None, {"payloads": "reference"})
     assert "options_unused" not in caplog.text
+
+
+# -- endpoints trainers cannot reach ----------------------------------------------------------
+def _read_args(*argv: str):
+    import argparse
+
+    from pipeline.service import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--dispatcher", "tcp://127.0.0.1:9", *argv])
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--payload-advertise", "tcp://*:7555", "every interface"),
+    ("--payload-advertise", "tcp://0.0.0.0", "every interface"),
+    ("--payload-advertise", "tcp://[::]:7555", "every interface"),
+    ("--payload-advertise", "tcp://127.0.0.1:0", "port 0"),
+    ("--payload-advertise", "tcp://no such host", "no host name"),
+    ("--payload-bind", "tcp://127.0.0.1", "no port"),
+    ("--payload-bind", "tcp://127.0.0.1:abc", "is no number"),
+])
+def test_payload_endpoints_no_trainer_can_use_are_refused_at_parse_time(flag, value, says):
+    from pipeline.service import config_from_args
+
+    with pytest.raises(ValueError, match=says) as e:
+        config_from_args(_read_args(flag, value))
+    assert value in str(e.value) and flag in str(e.value) and "\n" not in str(e.value)
+    if flag == "--payload-advertise":  # and where the server is built without the CLI
+        with pytest.raises(ValueError, match=says):
+            advertised("tcp://0.0.0.0:7555", value, "")
+
+
+def test_a_wildcard_payload_advertise_is_one_line_from_the_cli():
+    out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                          "tcp://127.0.0.1:9", "--payload-advertise", "tcp://*:7555"],
+                         capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--payload-advertise 'tcp://*:7555'" in lines[-1]
+
+
+def test_advertised_port_zero_is_not_taken_for_no_port():
+    assert advertised("tcp://0.0.0.0:7002", "tcp://node7:7100", "") == "tcp://node7:7100"
+    with pytest.raises(ValueError, match="port 0"):
+        advertised("tcp://0.0.0.0:7002", "tcp://node7:0", "")
+
+
+def test_each_worker_advertises_the_port_it_binds(shards):
+    """`read --workers 2 --payload-bind tcp://127.0.0.1:P --payload-advertise tcp://127.0.0.1:P`:
+    worker 1 binds P + 1 and must advertise P + 1, not worker 0's P."""
+    from pipeline.service import config_from_args
+
+    port = K.free_port()
+    while port + 1 > 65535:
+        port = K.free_port()
+    with dispatcher(make_config(shards, world_size=1, payloads="direct")) as srv:
+        args = _read_args("--workers", "2", "--payload-bind", f"tcp://127.0.0.1:{port}",
+                          "--payload-advertise", f"tcp://127.0.0.1:{port}")
+        args.dispatcher = srv.reader_endpoint
+        configs = [config_from_args(args, w) for w in range(2)]
+        assert [c.payload_advertise for c in configs] == [f"tcp://127.0.0.1:{port + w}"
+                                                          for w in range(2)]
+        stop = threading.Event()
+        workers = [ReaderWorker(c) for c in configs]
+        threads = [threading.Thread(target=w.run, args=(stop,), daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 20
+            while any(w.payload_server is None for w in workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [w.payload_server.endpoint for w in workers] == [
+                f"tcp://127.0.0.1:{port + w}" for w in range(2)]
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+
+
+def test_a_reader_endpoint_zeromq_cannot_connect_to_is_an_unreachable_reader(shards, caplog):
+    """A reader advertising tcp://*:7555 made ZeroMQ's connect raise in the fetch thread: every
+    trainer died with a raw ZMQError while other readers were healthy. It is now asked last, like
+    a silent reader, said once in the log, and the step fails naming it only if nobody else serves."""
+    bad = P.ReaderEndpoint("tcp://*:7555", "")
+    member, msg = _step_held_by_the_dead(shards[0], bad)
+    server = _payload_server(shards[0])
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=QUICK_FETCH)
+    try:
+        fetcher.readers = [bad, P.ReaderEndpoint(server.endpoint, "")]
+        with caplog.at_level("WARNING", logger="mmdispatch"):
+            for _ in range(3):
+                (views,) = fetcher.fetch(msg)
+                assert bytes(views[0]) == member
+        assert caplog.text.count("event=reader_unreachable") == 1, caplog.text
+        assert "endpoint=tcp://*:7555" in caplog.text and "--payload-advertise" in caplog.text
+        fetcher.readers = [bad]
+        with pytest.raises(FetchError, match=r"tcp://\*:7555: cannot connect"):
+            fetcher.fetch(msg)
+    finally:
+        fetcher.close()
+        server.close()
+
+
+def test_a_silent_reader_is_warned_about_once(shards, caplog):
+    member, msg = _step_held_by_the_dead(shards[0])
+    server = _payload_server(shards[0])
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(), config=QUICK_FETCH)
+    try:
+        fetcher.readers = [DEAD, P.ReaderEndpoint(server.endpoint, "")]
+        with caplog.at_level("WARNING", logger="mmdispatch"):
+            for _ in range(2):
+                fetcher._silent.clear()  # the mark expired: the dead holder is asked first again
+                fetcher.fetch(msg)
+        assert fetcher.num_retries == 2
+        assert caplog.text.count("event=reader_unreachable") == 1, caplog.text
+        assert f"endpoint={DEAD.endpoint}" in caplog.text and "firewall" in caplog.text
+    finally:
+        fetcher.close()
+        server.close()
+
+
+# -- allow-lists ------------------------------------------------------------------------------
+def test_a_bad_key_file_in_an_allow_list_is_refused_at_start(tmp_path):
+    """pyzmq's authenticator logs an error for one unreadable NAME.key and configures none of the
+    directory: every allowed peer was refused, with a fix that sent the user to copy keys."""
+    from dispatcher_server.security import start_authenticator
+
+    keys_dir, allowed = tmp_path / "keys", tmp_path / "allowed"
+    allowed.mkdir()
+    create_keypair(str(keys_dir), "reader")
+    create_keypair(str(keys_dir), "trainer")
+    shutil.copy(keys_dir / "trainer.key", allowed)
+    (allowed / "notes.key").write_text("not a key\n")
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(ValueError, match="notes.key"):
+            start_authenticator(ctx, str(allowed), allow_list="--payload-allowed-dir")
+    finally:
+        ctx.term()
+    with pytest.raises(ValueError, match="--payload-allowed-dir.*notes.key.*keygen"):
+        ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9", secret_file=str(keys_dir / "reader.key_secret"),
+                            allowed_dir=str(allowed))
+    out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", "x.tar",
+                          "--world-size", "1", "--global-batch", "4",
+                          "--curve-secret", str(keys_dir / "reader.key_secret"),
+                          "--curve-allowed-dir", str(allowed)],
+                         capture_output=True, text=True, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "--curve-allowed-dir" in lines[0] and "notes.key" in lines[0]
+
+
+def test_a_curve_reader_without_an_allowed_dir_is_told_just_that(tmp_path):
+    """The reason was wrapped in 'cannot serve payloads at an ephemeral port ... (see
+    --payload-bind)': neither the port nor --payload-bind has anything to do with it."""
+    for name in ("reader", "server"):
+        create_keypair(str(tmp_path), name)
+    worker = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:9",
+                                              secret_file=str(tmp_path / "reader.key_secret"),
+                                              server_public_file=str(tmp_path / "server.key")))
+    with pytest.raises(FatalReaderError) as e:
+        worker._serve_payloads([])
+    assert "--payload-allowed-dir" in str(e.value)
+    assert "ephemeral" not in str(e.value) and "--payload-bind" not in str(e.value)

@@ -11,7 +11,9 @@ another live reader from the dispatcher's table (any reader serves any reference
 after a backoff; after `attempts` tries the step fails with one error naming the shards and
 the readers tried. With no live reader listed at all, a retry waits up to `outage_s` for one. A reader that left a request unanswered, or that the table no longer lists,
 is not asked first again (until it answers, or for SILENT_TIMEOUTS timeouts): after a reader
-dies, only the first request to it waits. Pull keeps the readers stateless toward trainers: a
+dies, only the first request to it waits. An endpoint ZeroMQ cannot connect to counts as a
+silent reader, and the first time a reader is marked silent the log says so (WARNING, once per
+endpoint): a reader no trainer reaches is routed around, never unseen. Pull keeps the readers stateless toward trainers: a
 restarted trainer simply asks again.
 
 Timing. `timeout_s` bounds a reader's silence, not its work: a reader reading a member back
@@ -28,6 +30,7 @@ trainer then asks the next reader after a backoff of `backoff_min_s` doubling to
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -41,6 +44,7 @@ from dispatcher_server.cliopts import redact
 from dispatcher_server.endpoint import allow_ipv6
 from dispatcher_server.security import PeerCurve
 
+log = logging.getLogger("mmdispatch.fetch")
 
 #: How long (in timeouts) a reader that left a request unanswered is asked only as a last resort.
 SILENT_TIMEOUTS = 6
@@ -115,6 +119,7 @@ class PayloadFetcher:
         # left, until it answers or SILENT_TIMEOUTS timeouts passed (a reader restarted at the
         # same endpoint is asked first again); set and read by the fetch thread alone.
         self._silent: dict[str, float] = {}
+        self._warned: set[str] = set()  # endpoints said unreachable in the log (once each)
         self.num_retries = 0
         self._inbox: queue.Queue = queue.Queue()
         self._ctx = zmq.Context()
@@ -208,7 +213,13 @@ class PayloadFetcher:
                 if req.tried and not self._wait_for_a_reader(req, now):
                     waiting.append(req)
                     continue
-                self._send(req, now)
+                try:
+                    self._send(req, now)
+                except zmq.ZMQError as e:  # an endpoint ZeroMQ cannot connect to: unreachable
+                    self._drop_socket(req.endpoint)
+                    self._mark_silent(req.endpoint.endpoint, now, f"cannot connect: {e}")
+                    self._failed(req, f"cannot connect to it ({e})", waiting)
+                    continue
                 pending[req.id] = req
             socks = {self._socks[r.endpoint] for r in pending.values()}
             wake = min([r.deadline for r in pending.values()] + [r.not_before for r in waiting])
@@ -224,8 +235,20 @@ class PayloadFetcher:
             for req in [r for r in pending.values() if r.deadline <= now]:
                 del pending[req.id]
                 self._drop_socket(req.endpoint)
-                self._silent[req.endpoint.endpoint] = now
+                self._mark_silent(req.endpoint.endpoint, now, f"no answer in {self.config.timeout_s} s")
                 self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
+
+    def _mark_silent(self, endpoint: str, now: float, why: str) -> None:
+        """Ask `endpoint` last for a while; the first time, say so in the log: a reader no
+        trainer reaches is routed around, and would otherwise be routed around unseen."""
+        self._silent[endpoint] = now
+        if endpoint not in self._warned:
+            self._warned.add(endpoint)
+            log.warning("mmdispatch event=reader_unreachable endpoint=%s why=%r fix=%r (said once "
+                        "per reader; its payloads are fetched from other readers)", endpoint, why,
+                        "trainers cannot reach this reader's payload endpoint (unless it "
+                        "died): check its --payload-advertise, the firewall between, and with "
+                        "CurveZMQ its --payload-allowed-dir (this trainer's NAME.key)")
 
     def _wait_for_a_reader(self, req: _Request, now: float) -> bool:
         """Whether a retry may go now: a live reader is listed (the one to ask is then chosen
@@ -311,7 +334,11 @@ class PayloadFetcher:
                                      "trainer its key pair (ClientConfig.secret_file)")
                 self.curve.apply(sock, reader.key.encode("ascii"))
             allow_ipv6(sock, reader.endpoint)
-            sock.connect(reader.endpoint)
+            try:
+                sock.connect(reader.endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             self._socks[reader] = sock
         return sock
 
