@@ -278,6 +278,14 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
                                  "NAME.key_secret file"))
         raise ValueError(f"{given} is given without {missing} ({what}): CurveZMQ needs both, "
                          "or neither for a plain connection")
+    for flag, path, what in (("--curve-secret", secret, "this peer's NAME.key_secret file"),
+                             ("--curve-server-key", server_key,
+                              "the dispatcher's public NAME.key file")):
+        if path and os.path.isdir(path):
+            raise ValueError(f"{flag} {path!r} is a directory, not a file: give {what}")
+        if path and not os.path.exists(path):  # said once, before `read` starts its workers
+            raise ValueError(f"{flag} key file {path!r} does not exist (create keys with: "
+                             "mmdispatch keygen NAME)")
     if server_key:
         _warn_if_secret(server_key)
     if secret:
@@ -381,6 +389,28 @@ def check_output_file(flag: str, path: str, *, makes_dirs: bool = False) -> None
                          "denied); give a path this user can write")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise ValueError(f"{flag} {path!r} cannot be written (permission denied)")
+
+
+@contextmanager
+def interrupt_exits(prog: str) -> Iterator[None]:
+    """Within: Ctrl-C ends the process at once with `PROG: interrupted` and status 130. For
+    start-up (imports, parsing), where there is nothing to unwind yet, and where a library's
+    import interrupted halfway can fail in ways that bury the interrupt (torch: RecursionError)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(_signum: int, _frame) -> None:
+        os.write(2, f"{prog}: interrupted\n".encode())
+        os._exit(130)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def unwind_on_sigterm(note: str | None = None) -> None:

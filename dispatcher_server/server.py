@@ -166,6 +166,11 @@ class Dispatcher:
         self._cpu = dict.fromkeys(self.metrics.cpu_of, 0.0)
         self._cpu_mark = thread_time()  # the loop thread's CPU when the parts were last exported
         self._stop = threading.Event()
+        # Set once the planner's kernels are loaded: `serve` compiles them (half a minute on a
+        # fresh install) while this loop already answers HELLO and heartbeats, so peers join
+        # once and wait, instead of timing out and rejoining; steps are planned once it is set.
+        self.planner_ready = threading.Event()
+        self.planner_ready.set()
         self._thread: threading.Thread | None = None
         self._auth = None
         self._seq = 0
@@ -442,7 +447,7 @@ class Dispatcher:
         if self.replay.unopenable:
             self._skip_known_unopenable()
         self._assign()
-        while not self.finished() and self.delivery.has_room():
+        while not self.finished() and self.delivery.has_room() and self.planner_ready.is_set():
             t0 = thread_time()
             self.assembler.fill()
             ready = self.assembler.step_ready()

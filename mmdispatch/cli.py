@@ -7,16 +7,29 @@ and `run(args) -> int`; its docstring's first paragraph is the subcommand's desc
 
 from __future__ import annotations
 
-import argparse
-import importlib
+import re
 import sys
 
-from dispatcher_server.cliopts import (
-    HelpFormatter, OneLineParser, add_config_argument, add_logging_arguments, run_reporting_errors,
-    setup_logging,
-)
-from mmdispatch import __version__
-from mmdispatch.settings import ConfigError, apply_file
+
+def _interrupted_line(argv: list[str]) -> str:
+    """What a Ctrl-C during start-up prints: the command, no traceback (nothing to unwind yet)."""
+    command = argv[0] if argv and re.fullmatch(r"[a-z][a-z-]*", argv[0]) else ""
+    return f"mmdispatch {command}".rstrip() + ": interrupted"
+
+
+try:  # loading the subcommands' libraries takes seconds; a Ctrl-C meanwhile is no bug
+    import argparse
+    import importlib
+
+    from dispatcher_server.cliopts import (
+        HelpFormatter, OneLineParser, add_config_argument, add_logging_arguments, interrupt_exits,
+        run_reporting_errors, say, setup_logging,
+    )
+    from mmdispatch import __version__
+    from mmdispatch.settings import ConfigError, apply_file
+except KeyboardInterrupt:
+    print(_interrupted_line(sys.argv[1:]), file=sys.stderr, flush=True)
+    sys.exit(130)
 
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -57,6 +70,14 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # importing the command's module and reading --config take seconds on a cold host
+        return _main(argv)
+    except KeyboardInterrupt:
+        say(_interrupted_line(argv))
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     top = OneLineParser(
         prog="mmdispatch",
         description="Streaming data service that feeds multimodal LLM trainers with balanced work.",
@@ -70,15 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 2
     ns = top.parse_args(argv[:1])
-    parser = build_parser(ns.command)
-    if ns.command in CONFIGURABLE:
-        try:
-            apply_file(parser, ns.command, argv[1:])
-        except ConfigError as e:
-            parser.error(str(e))
-    args = parser.parse_args(argv[1:])
-    setup_logging(args.log_format, getattr(args, "log_level", "INFO"))
-    module = importlib.import_module(COMMANDS[ns.command][0])
+    # a library interrupted halfway through its import can bury the Ctrl-C in another error
+    with interrupt_exits(f"mmdispatch {ns.command}"):
+        parser = build_parser(ns.command)
+        if ns.command in CONFIGURABLE:
+            try:
+                apply_file(parser, ns.command, argv[1:])
+            except ConfigError as e:
+                parser.error(str(e))
+        args = parser.parse_args(argv[1:])
+        setup_logging(args.log_format, getattr(args, "log_level", "INFO"))
+        module = importlib.import_module(COMMANDS[ns.command][0])
     return run_reporting_errors(lambda: module.run(args), parser.prog, debug=args.debug,
                                 args=args)
 

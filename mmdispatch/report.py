@@ -486,7 +486,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help="figure path: .png, or another format matplotlib writes (.pdf, .svg...); "
                              "default: the first log's path with .png")
-    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as one JSON object (default: off, the tables)")
 
 
 def check_out(path: str) -> None:

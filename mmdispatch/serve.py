@@ -62,13 +62,15 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "world_size": (int, None, "data-parallel ranks (trainers); required"),
     "ranks_per_node": (int, 1, "consecutive ranks per node (LOCAL_WORLD_SIZE)"),
     "global_batch": (int, None, "samples per step; required"),
-    "token_budget": (int, None, "also cut a step at this many LLM tokens"),
+    "token_budget": (int, None, "also cut a step at this many LLM tokens (default: unset, a step is "
+                                     "--global-batch samples whatever their tokens)"),
     "num_microbatches": (int, None, "micro-batches per step per rank (default 1 unless "
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch "
                                            "(M stops at samples per rank): it sets M, it does not "
                                            "cap a micro-batch (--llm-capacity does)"),
-    "llm_capacity": (int, None, "LLM tokens per rank per micro-batch"),
+    "llm_capacity": (int, None, "LLM tokens per rank per micro-batch (default: unset, derived "
+                                 "from --llm-capacity-factor)"),
     "llm_capacity_factor": (finite_float, DEFAULT_LLM_CAPACITY_FACTOR,
                             "without --llm-capacity, each rank's micro-batch holds at most this "
                             "many times the step's mean LLM tokens per rank and micro-batch (at "
@@ -92,7 +94,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                  "shard and index) rather than take down every reader in turn"),
     "reader_bind": (str, "tcp://127.0.0.1:0", "endpoint readers connect to"),
     "trainer_bind": (str, "tcp://127.0.0.1:0", "endpoint trainers connect to"),
-    "journal_dir": (str, None, "journal directory (enables exact resume)"),
+    "journal_dir": (str, None, "journal directory (enables exact resume; default: unset, no "
+                                 "journal: a restarted dispatcher starts the data afresh)"),
     "no_fsync": (bool, False, "skip fsync of journal records (tests only)"),
     "journal_plan_file_mb": (int, 64, "size at which the journal's plan file being written hands "
                                       "over to the other (disk: about twice this)"),
@@ -100,7 +103,7 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "metrics_host": (str, "127.0.0.1", "address the metrics endpoint binds"),
     "step_log": (str, None, "append one JSON line per planned step (plan vs random baseline; a step "
                  "planned again after a restart or rewind adds a line, the last is its plan), and "
-                 "the trainers' measured phase times (\"kind\": \"measure\")"),
+                 "the trainers' measured phase times (\"kind\": \"measure\"); default: unset, no step log"),
     "payloads": (str, "inline", "inline: member bytes flow reader -> dispatcher -> trainer; "
                                 "reference: only their offsets do, and trainers read the bytes "
                                 "from the shard files (same paths on every host, plain tars); "
@@ -116,7 +119,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "curve_secret": (str, None, "require CurveZMQ: the dispatcher's NAME.key_secret"),
     "curve_allowed_dir": (str, None, "require CurveZMQ: directory of allowed public keys"),
     "max_epochs": (int, 1, "epochs to serve; 0 = unbounded"),
-    "max_steps": (int, None, "stop after this many steps"),
+    "max_steps": (int, None, "stop after this many steps (default: unset, when the data ends "
+                                "after --max-epochs)"),
     "exit_when_done": (bool, False, "exit once every rank got the end of the stream"),
     "refit": (bool, False, "refit the cost model online from the trainers' measured phase times "
                            "(the last 512 runs per phase, every 20 steps; each change is logged)"),
@@ -574,6 +578,29 @@ def _unbindable(e: zmq.ZMQError, config: ServerConfig) -> str:
             f"tcp://[::]:PORT for every IPv6 one, tcp://eth0:PORT for an interface by name)")
 
 
+def _warm_in_background(server: Dispatcher, config) -> list[BaseException]:
+    """Load (on a fresh install: compile, half a minute) the planner's kernels in a thread while
+    the server's loop already answers peers; it plans no step before they are ready. Returns
+    the list that receives what the warm-up raised (the server is then stopped)."""
+    failed: list[BaseException] = []
+
+    def warm() -> None:
+        t0 = time.monotonic()
+        try:
+            warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
+                    config.planner)
+        except BaseException as e:  # noqa: BLE001 - raised again by the main thread
+            failed.append(e)
+            server.stop_soon()
+            return
+        event("planner_ready", seconds=round(time.monotonic() - t0, 1))
+        server.planner_ready.set()
+
+    server.planner_ready.clear()
+    threading.Thread(target=warm, name="mmdispatch-planner-warm-up", daemon=True).start()
+    return failed
+
+
 def run(args: argparse.Namespace) -> int:
     values = resolve(args)
     setup_logging(getattr(args, "log_format", "text"), values["log_level"])
@@ -599,14 +626,7 @@ def run(args: argparse.Namespace) -> int:
         if e.errno not in (errno.ENODEV, errno.EINVAL, errno.EADDRNOTAVAIL):
             raise
         raise ValueError(_unbindable(e, config)) from None
-    try:
-        t0 = time.monotonic()  # the planner's kernels loaded (or, first time here, compiled)
-        warm_up(Topology(world_size=config.world_size, ranks_per_node=config.ranks_per_node),
-                config.planner)
-        event("planner_ready", seconds=round(time.monotonic() - t0, 1))
-    except BaseException:
-        server._close()  # the journal's lock and the ports, before the line that says why
-        raise
+    warm_failed = _warm_in_background(server, config)
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     signals: list[str] = []
@@ -618,6 +638,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, stop)
     print(ready_line(ready, getattr(args, "log_format", "text")), flush=True)
     server.run(until_done=values["exit_when_done"])
+    if warm_failed:
+        raise warm_failed[0]
     if server.fatal is not None:
         say(f"mmdispatch serve: stopped: {server.fatal}")
         return 1  # not 2: the settings were fine, the run could not go on

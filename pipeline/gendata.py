@@ -22,7 +22,7 @@ import numpy as np
 import soundfile
 from PIL import Image
 
-from dispatcher_server.cliopts import finite_float, say
+from dispatcher_server.cliopts import check_output_dir, finite_float, say
 from dispatcher_server.files import replace_file
 from pipeline.shards import SHARD_SUFFIXES
 
@@ -522,6 +522,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"output directory {args.out!r} is a file, not a directory: give a "
                          f"directory (created if missing)")
+    check_output_dir("output directory", args.out)  # /proc/nope: one line, not a bare errno
     if args.blend and args.shards < len(BLEND_SOURCES):
         raise ValueError(f"--blend writes {len(BLEND_SOURCES)} sources ({', '.join(BLEND_SOURCES)}), "
                          f"each in its own shards: --shards must be >= {len(BLEND_SOURCES)}, got "

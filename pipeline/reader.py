@@ -95,7 +95,8 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
     add("--audio-pad-window", type=finite_float, default=None,
         help="cost the audio encoder padded to windows of this many seconds (30 for Whisper; a "
-             "cost file's window counts frames)")
+             "cost file's window counts frames; default: unset, no padding, each clip costs "
+             "its own length)")
     add("--tokenizer", default=None,
         help="HF tokenizers JSON file (a model's tokenizer.json) that turns text into the ids "
              "trainers receive (unset: byte-level ids, the 256 UTF-8 byte values)")

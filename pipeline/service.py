@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import secrets
 import signal
 import sys
@@ -578,7 +579,9 @@ PREPROCESS_ON = ("trainer", "datanode")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatcher", required=True,
                         help="the dispatcher's reader endpoint, tcp://HOST:PORT")
-    parser.add_argument("--workers", type=int, default=1, help="reader worker processes")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="reader worker processes, 1 to 4 x this host's CPU count (more only "
+                             "queue for the same CPUs)")
     parser.add_argument("--name", default="",
                         help="name shown in the dispatcher's logs, with /WORKER added (default: "
                              "this host's name and the read process's id, HOST:PID)")
@@ -627,10 +630,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_reader_arguments(parser)  # counting rules and error policy, shared with `inspect`
 
 
+#: `--workers` above this many per CPU only queue for the same CPUs: a typo such as 100000
+#: would fork until the host runs out of processes
+WORKERS_PER_CPU = 4
+
+
+def max_workers() -> int:
+    return WORKERS_PER_CPU * (os.cpu_count() or 1)
+
+
 def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderServiceConfig:
     check_endpoint("--dispatcher", args.dispatcher)
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if not 1 <= args.workers <= max_workers():
+        raise ValueError(f"--workers must be 1 to {max_workers()} (4 x this host's "
+                         f"{os.cpu_count() or 1} CPUs), got {args.workers}")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1 (most samples per message), got {args.batch}")
     if not 0 <= args.prefetch_shards < P.MAX_READER_SHARDS:
@@ -694,8 +707,9 @@ def _log_format(args: argparse.Namespace) -> str:
     return getattr(args, "log_format", "text")
 
 
-def _worker_main(args: argparse.Namespace, worker: int) -> int:
-    """One worker until it is stopped or the job is done (0), or cannot go on (1, one line)."""
+def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
+    """One worker until it is stopped or the job is done (0), or cannot go on (1, one line;
+    put on `failures` instead, when given, for the supervisor to say once for all workers)."""
     # Workers of `--workers N` are fresh processes: they log as the command was told to.
     log_format = _log_format(args)
     setup_logging(log_format, getattr(args, "log_level", "INFO"))
@@ -722,16 +736,19 @@ def _worker_main(args: argparse.Namespace, worker: int) -> int:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
         fix = f" ({stop_fix(e)})" if isinstance(e, (SampleError, TooManyErrors)) else ""
-        say(f"mmdispatch read: worker {worker}: {e}{fix}", log_format)
+        if failures is not None:
+            failures.put(f"{e}{fix}")
+        else:
+            say(f"mmdispatch read: worker {worker}: {e}{fix}", log_format)
         return 1
     return 0
 
 
-def _process_main(args: argparse.Namespace, worker: int, supervisor: int) -> None:
+def _process_main(args: argparse.Namespace, worker: int, supervisor: int, failures) -> None:
     # SIGTERM (BYE, then leave) when the supervisor dies, SIGKILL included: orphaned workers
     # would go on reading beside those of a restarted `mmdispatch read`.
     end_with_parent(supervisor, signal.SIGTERM)
-    sys.exit(_worker_main(args, worker))
+    sys.exit(_worker_main(args, worker, failures))
 
 
 #: A worker the kernel kills (SIGBUS from a mapped shard truncated in place, SIGSEGV in a
@@ -775,17 +792,37 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
 
+    # Workers put why they failed here: N workers that cannot reach the dispatcher are one
+    # line, not N identical ones.
+    failures = mp.Queue()
+    said: set[str] = set()
+
+    def say_failures(w: int) -> None:
+        while True:
+            try:
+                why = failures.get(timeout=0.2)
+            except queue.Empty:
+                return
+            if why not in said:
+                said.add(why)
+                say(f"mmdispatch read: worker {w}: {why}", log_format)
+
     def start(w: int) -> multiprocessing.Process:
-        p = mp.Process(target=_process_main, args=(args, w, os.getpid()), name=f"reader-{w}")
+        p = mp.Process(target=_process_main, args=(args, w, os.getpid(), failures),
+                       name=f"reader-{w}")
         p.start()
         started[w] = time.monotonic()
         return p
 
     started: dict[int, float] = {}
     restarts: Counter = Counter()
-    procs = {w: start(w) for w in range(args.workers)}
+    procs: dict[int, multiprocessing.Process] = {}
     codes: list[int] = []
     try:
+        for w in range(args.workers):  # a signal during start-up starts no more of them
+            if stopping.is_set():
+                break
+            procs[w] = start(w)
         while procs and not stopping.is_set():
             multiprocessing.connection.wait([p.sentinel for p in procs.values()], timeout=0.5)
             for w, p in list(procs.items()):
@@ -794,6 +831,8 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 del procs[w]
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
+                    if p.exitcode and p.exitcode > 0:
+                        say_failures(w)
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure
@@ -831,4 +870,6 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 codes.append(1)
                 continue
             codes.append(max(p.exitcode or 0, 0))
+            if p.exitcode and p.exitcode > 0:
+                say_failures(w)
     return max(codes, default=0)

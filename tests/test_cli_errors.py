@@ -154,6 +154,27 @@ CASES = {
                                       ["--payload-bind", "--workers 2", "at most 65534"]),
     "read workers 0": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9", "--workers", "0"],
                        ["--workers", "got 0"]),
+    "train log a directory": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9",
+                                            "--train-log", f["keys"]],
+                              ["--train-log", "is a directory", "give a file path"]),
+    "train log in no directory": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9",
+                                                "--train-log", "/proc/nope/x.jsonl"],
+                                  ["--train-log '/proc/nope/x.jsonl'", "does not exist"]),
+    "gen-data into no directory": (lambda f, p: [*MMD, "gen-data", "/proc/nope"],
+                                   ["output directory '/proc/nope'", "cannot be created"]),
+    "read curve secret a directory": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                                    "--curve-secret", f["keys"], "--curve-server-key",
+                                                    f["keys"]],
+                                      ["--curve-secret", "is a directory", "NAME.key_secret"]),
+    "read curve secret missing": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                                "--workers", "2", "--curve-secret", "nofile",
+                                                "--curve-server-key", "nofile.key"],
+                                  ["--curve-secret key file 'nofile' does not exist",
+                                   "mmdispatch keygen NAME"]),
+    # 100000 forked until the host ran out of processes
+    "read workers absurd": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
+                                          "--workers", "100000"],
+                            ["--workers must be 1 to", "CPUs", "got 100000"]),
     "inspect missing shard": (lambda f, p: [*MMD, "inspect", "nope.tar"], ["nope.tar"]),
     "report missing log": (lambda f, p: [*MMD, "report", "nope.jsonl"], ["nope.jsonl", "does not exist", "--step-log"]),
     "report of a shard": (lambda f, p: [*MMD, "report", f["tgz"]], ["shard.tgz", "binary", "--step-log"]),
@@ -687,3 +708,48 @@ def test_a_trainer_stopped_with_sigterm_says_bye():
             proc.wait(10)
     assert bye is not None and proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err, err
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("argv", [
+    [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9"],
+    [*MMD, "serve", "--shards", "nope-000.tar", *SERVE_OK],
+    [*TRAIN, "--dispatcher", "tcp://127.0.0.1:9"],
+], ids=["read", "serve", "train"])
+def test_ctrl_c_during_start_up_is_one_quiet_line(argv):
+    """A Ctrl-C while the command still imported its libraries or parsed its options printed
+    a KeyboardInterrupt traceback: main() did that outside run_reporting_errors."""
+    import signal
+    import time
+
+    for delay in (0.15, 0.3, 0.6, 1.2):  # the interpreter, the imports, the parsing
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
+        if proc.returncode == 130:
+            assert err.strip().endswith(": interrupted") and len(err.strip().splitlines()) <= 1, err
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("serve", ["--token-budget", "--llm-capacity", "--max-steps", "--step-log", "--journal-dir"]),
+    ("read", ["--audio-pad-window"]), ("inspect", ["--audio-pad-window"]), ("report", ["--json"]),
+    ("train", ["--audio-pad-window"]),
+])
+def test_an_option_without_a_default_value_says_what_unset_means(command, flags):
+    """Their help (and docs/configuration.md's Default column) said nothing of what leaving
+    them out does."""
+    if command == "train":
+        from trainer_client.train import build_parser as train_parser
+        parser = train_parser()
+    else:
+        from mmdispatch.cli import build_parser
+        parser = build_parser(command)
+    helps = {s: a.help for a in parser._actions for s in a.option_strings}
+    for flag in flags:
+        assert "default: " in helps[flag], (flag, helps[flag])

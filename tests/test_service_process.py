@@ -220,10 +220,67 @@ def test_serve_under_json_logs_writes_only_json_lines(shards, tmp_path):
         first = proc.stdout.readline()  # blocks until bound (the test's timeout bounds it)
         ready = parse_ready(first)
         assert ready["readers"].startswith("tcp://127.0.0.1:") and ready["next_step"] == 0
+        early = []  # the planner warms up while serve already serves: its line comes later
+        while not early or "planner_ready" not in early[-1]:
+            early.append(proc.stderr.readline())
+            assert early[-1], early
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=30)
     finally:
         kill(proc)
-    lines = [first, *(out + err).splitlines()]
+    lines = [first, *early, *(out + err).splitlines()]
     records = [json.loads(line) for line in lines]  # every line parses
     assert any(r.get("event") == "planner_ready" for r in records), err
+
+
+#: `mmdispatch serve` whose planner warm-up takes 6 s, as a cold numba cache makes it take 36
+_SLOW_WARM_SERVE = (
+    "import sys, time\n"
+    "import mmdispatch.serve as s\n"
+    "warm = s.warm_up\n"
+    "s.warm_up = lambda *a, **k: (time.sleep(6), warm(*a, **k))\n"
+    "from mmdispatch.cli import main\n"
+    "sys.exit(main(['serve', *sys.argv[1:]]))\n"
+)
+
+
+@pytest.mark.timeout(120)
+def test_peers_that_join_while_the_planner_compiles_join_once_and_wait(shards, tmp_path):
+    """serve bound its sockets, then compiled the planner (36 s on a fresh install) without
+    answering: readers and trainers timed out and rejoined, and the log showed rank_replaced
+    and reader_left why=reconnected on a normal first start."""
+    from tests.servicekit import free_port
+
+    ready = {"readers": f"tcp://127.0.0.1:{free_port()}",
+             "trainers": f"tcp://127.0.0.1:{free_port()}"}
+    serve = subprocess.Popen([sys.executable, "-c", _SLOW_WARM_SERVE,
+                              *_serve_args(shards, str(tmp_path / "j"), 1),
+                              "--reader-bind", ready["readers"], "--trainer-bind", ready["trainers"]],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reader = None
+    try:  # the peers join once it is bound, while the planner compiles
+        early = []
+        while not early or "event=bound" not in early[-1]:
+            early.append(serve.stderr.readline())
+            assert early[-1], early
+        reader = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                                   ready["readers"], "--timeout", "2"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        client = DispatcherClient(ready["trainers"], 0, 1, 1, config=client_config())
+        try:
+            step = next(iter(client))  # planned once the warm-up ends, on the one connection
+        finally:
+            client.close()
+        assert step.step == 0
+        reader.send_signal(signal.SIGTERM)
+        _, reader_err = reader.communicate(timeout=30)
+        serve.send_signal(signal.SIGTERM)
+        _, serve_err = serve.communicate(timeout=30)
+    finally:
+        for proc in (reader, serve):
+            if proc is not None:
+                kill(proc)
+    assert "planner_ready" in serve_err, serve_err
+    assert "reconnect" not in reader_err, reader_err
+    assert "why=reconnected" not in serve_err and "rank_replaced" not in serve_err, serve_err
+    assert serve_err.count("reader_joined") == 1, serve_err

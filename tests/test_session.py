@@ -632,3 +632,58 @@ def test_sigint_to_mmdispatch_read_stops_its_workers_saying_sigint():
             proc.wait(10)
     assert proc.returncode == 0, err
     assert sorted(re.findall(r"event=stopped worker=(\d) reason=SIGINT", err)) == ["0", "1"], err
+
+
+class _NeverStartedProcess:
+    """A worker process that is only recorded; its first start sends `read` SIGTERM."""
+
+    started: list[int] = []
+
+    def __init__(self, target, args, name) -> None:
+        self.worker = args[1]
+        self.pid, self.exitcode, self.sentinel = -1, 0, None
+
+    def start(self) -> None:
+        _NeverStartedProcess.started.append(self.worker)
+        if len(self.started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a Ctrl-C or `timeout` during start-up
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+def test_a_signal_while_read_starts_its_workers_starts_no_more():
+    """`read --workers 100000` started every worker before it looked at SIGTERM: it ran 18
+    minutes past `timeout` and spawned thousands of processes."""
+    import argparse
+    import queue
+    import types
+
+    from pipeline.service import _supervise
+
+    _NeverStartedProcess.started = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = _supervise(argparse.Namespace(workers=50, log_format="text"),
+                          types.SimpleNamespace(Process=_NeverStartedProcess, Queue=queue.Queue))
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert _NeverStartedProcess.started == [0, 1] and code == 0
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_cannot_reach_the_dispatcher_say_so_once():
+    """`read --workers 4` with no dispatcher printed the same line four times, once per worker,
+    plus the supervisor's."""
+    proc = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
+                           f"tcp://127.0.0.1:{free_port()}", "--connect-timeout", "2",
+                           "--workers", "3"], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    reasons = [line for line in lines if re.search(r"worker \d: ", line)]
+    assert len(reasons) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) <= 2, proc.stderr

@@ -81,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     counting.add_argument("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s,
                           help="audio LLM tokens per second")
     counting.add_argument("--audio-pad-window", type=finite_float, default=None,
-                          help="audio encoder padded to windows of this many seconds")
+                          help="audio encoder padded to windows of this many seconds "
+                               "(default: unset, no padding)")
     counting.add_argument("--video-fps", type=finite_float, default=video.fps,
                           help="video frames sampled per second")
     counting.add_argument("--video-min-frames", type=int, default=video.min_frames,

@@ -18,26 +18,40 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+PROG = "python -m trainer_client.train"
 
-from dispatcher_server.cliopts import (
-    HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, run_reporting_errors, setup_logging,
-    unwind_on_sigterm,
-)
-from dispatcher_server.files import replace_file
-from mmdispatch.settings import ConfigError, apply_file
-from pipeline.tokenize import load_tokenizer, tokenizer_identity
-from trainer_client.calibrate import PhaseTimer
-from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
-from trainer_client.dist import RankContext, all_reduce_gradients
-from trainer_client.exchange import ExchangeConfig, Exchanger
-from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
-from trainer_client.model import (
-    ModelConfig, ReferenceModel, microbatch_timings, train_microbatch,
-)
-from trainer_client.options import add_arguments, preprocess_config_from_args
-from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+try:  # torch takes seconds to load: a Ctrl-C meanwhile is no bug, and has nothing to unwind
+    from contextlib import nullcontext
+
+    from dispatcher_server.cliopts import interrupt_exits
+
+    _starting = interrupt_exits(PROG) if __name__ == "__main__" else nullcontext()
+    _starting.__enter__()
+    import torch
+    import torch.distributed as dist
+
+    from dispatcher_server.cliopts import (
+        HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, check_output_file, run_reporting_errors,
+        say,
+        setup_logging, unwind_on_sigterm,
+    )
+    from dispatcher_server.files import replace_file
+    from mmdispatch.settings import ConfigError, apply_file
+    from pipeline.tokenize import load_tokenizer, tokenizer_identity
+    from trainer_client.calibrate import PhaseTimer
+    from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
+    from trainer_client.dist import RankContext, all_reduce_gradients
+    from trainer_client.exchange import ExchangeConfig, Exchanger
+    from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
+    from trainer_client.model import (
+        ModelConfig, ReferenceModel, microbatch_timings, train_microbatch,
+    )
+    from trainer_client.options import add_arguments, preprocess_config_from_args
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+    _starting.__exit__(None, None, None)
+except KeyboardInterrupt:
+    print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 log = logging.getLogger("mmdispatch.train")
 
@@ -65,7 +79,7 @@ def save_checkpoint(directory: str, state: dict) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
-        prog="python -m trainer_client.train",
+        prog=PROG,
         description="Train the reference multimodal model on micro-batches from an mmdispatch dispatcher "
                     "(run under torchrun; rank and topology come from its environment).",
         formatter_class=HelpFormatter,
@@ -190,9 +204,8 @@ def _check_launched_by_torchrun() -> None:
 def train(args: argparse.Namespace) -> int:
     check_endpoint("--dispatcher", args.dispatcher)
     check_curve_pair(args.curve_secret, args.curve_server_key)
-    for path in (args.curve_secret, args.curve_server_key):
-        if path and not os.path.isfile(path):
-            raise ValueError(f"key file {path!r} does not exist (create keys with: mmdispatch keygen NAME)")
+    if args.train_log:
+        check_output_file("--train-log", args.train_log)
     if args.connect_timeout is not None and args.connect_timeout <= 0:
         raise ValueError(f"--connect-timeout must be > 0 seconds, got {args.connect_timeout}")
     for flag, value, least, meaning in (("--steps", args.steps, 0, "0: until the dispatcher ends"),
@@ -325,13 +338,22 @@ def train(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    try:
-        apply_file(parser, "train", argv)
-    except ConfigError as e:
-        parser.error(str(e))
-    args = parser.parse_args(argv)
-    setup_logging(args.log_format, args.log_level)
+    try:  # reading --config and parsing come before run_reporting_errors
+        return _main(argv)
+    except KeyboardInterrupt:
+        say(f"{PROG}: interrupted")
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    with interrupt_exits(PROG):
+        parser = build_parser()
+        try:
+            apply_file(parser, "train", argv)
+        except ConfigError as e:
+            parser.error(str(e))
+        args = parser.parse_args(argv)
+        setup_logging(args.log_format, args.log_level)
     # torchrun, Kubernetes and compose stop a trainer with SIGTERM: unwind the loop, so the
     # client says BYE (the dispatcher moves on at once, not after its timeout) and the process
     # group ends, instead of dying where the signal found it.
