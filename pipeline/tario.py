@@ -382,7 +382,14 @@ def tar_members(
             if header == _ZERO_BLOCK:
                 end = offset
                 after = _NOTHING  # an extended header the end cut off never names an appended member
-                header, offset = _past_end(stream, read, offset + _BLOCK)
+                try:
+                    header, offset = _past_end(stream, read, offset + _BLOCK)
+                except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                    # a gzip shard's stream past the end (trailing junk, a cut or damaged
+                    # appended part): every member before it was read whole
+                    reason = "truncated_tar" if isinstance(e, EOFError) else "bad_tar"
+                    raise TarError(reason, f"compressed shard after the end-of-archive blocks at tar "
+                                   f"byte {end}: {e}", after_end=True) from None
                 if not header:
                     if identity is not None:
                         identity.finish(end)

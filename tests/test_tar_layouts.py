@@ -230,6 +230,24 @@ def test_other_bytes_after_the_end_are_a_bad_tar_and_every_sample_before_is_kept
     assert "every sample before them was read" in message
 
 
+@pytest.mark.parametrize("after, reason", [(b"NOTGZIPDATA", "bad_tar"), ("cut", "truncated_tar")])
+def test_a_gzip_stream_that_fails_past_the_end_keeps_every_sample_before(tmp_path, after, reason):
+    """Trailing junk after a gzip shard (gzip -t: "trailing garbage ignored"), or a second gzip
+    part cut short (`cat a.tar.gz b.tar.gz`, b cut): the error is past the end, and the first
+    tar's last sample, whole before it, is kept."""
+    a = _write(tmp_path / "a.tar", [(f"a{i}.txt", f"first {i}".encode()) for i in range(3)])
+    data = gzip.compress(open(a, "rb").read())
+    if after == "cut":
+        after = gzip.compress(open(a, "rb").read())[:15]
+    path = tmp_path / "tail.tar.gz"
+    path.write_bytes(data + after)
+    records, stats = _read(str(path))
+    assert [r.key for r in records] == ["a0", "a1", "a2"] and stats.by_reason == {reason: 1}
+    ((_, _, key, message),) = stats.recent
+    assert key is None and "after the end-of-archive blocks" in message
+    assert "every sample before them was read" in message
+
+
 def test_signed_checksums_of_old_writers_are_taken_as_tarfile_and_gnu_tar_take_them(tmp_path):
     url = _write(tmp_path / "signed.tar", [("a0.txt", b"first"), ("caf\u00e9.txt", b"signed"), ("a2.txt", b"after")])
     data = bytearray(open(url, "rb").read())
