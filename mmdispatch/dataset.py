@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from dispatcher_server.config import Source, weight_problem
 from mmdispatch.settings import TOML_TYPES, read_toml
 from pipeline.fieldmap import KINDS as FIELD_KINDS, FieldMap
-from pipeline.shards import expand_shards, shard_identity
+from pipeline.shards import expand_shards, normalized, shard_identity
 
 _Ext = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")]
 
@@ -98,7 +98,8 @@ def _describe(error: dict, path: str) -> str:
 def _beside(base: str, spec: str) -> str:
     """A shard spec of the dataset file in folder `base`: a relative path (a `file:` URL's too,
     and one with a colon in a name: `ts/2024-01-01T10:00.tar`) joined to it; an absolute path,
-    a remote URL or a `pipe:` command as written."""
+    a remote URL or a `pipe:` command as written (their scheme in lower case)."""
+    spec = normalized(spec)
     if spec.startswith("pipe:") or "://" in spec:
         return spec
     if spec.startswith("file:"):

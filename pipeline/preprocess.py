@@ -375,8 +375,10 @@ def row_dim(modality: str, config: PreprocessConfig) -> int:
 
 
 def preprocess_item(modality: str, data: bytes | memoryview, config: PreprocessConfig, *,
-                    enc_len: int, key: str, member: str, meta: dict | None = None) -> np.ndarray:
+                    enc_len: int, key: str, member: str, meta: dict | None = None,
+                    on_datanode: bool = False) -> np.ndarray:
     """The model input of one item, checked to have exactly `enc_len` rows (the plan's count).
+    `on_datanode`: preprocessed by a data node, whose messages leave out the hint to do so.
 
     PreprocessError (a ValueError) naming the sample key and member when the item cannot be
     decoded, no preprocessor handles its modality, or its rows disagree with the plan.
@@ -387,11 +389,12 @@ def preprocess_item(modality: str, data: bytes | memoryview, config: PreprocessC
                               f"{modality!r} (known: {', '.join(sorted(PREPROCESSORS))})", modality)
     try:
         out = fn(data, config, meta or {})
-        check_rows(out, enc_len, key=key, member=member)
+        check_rows(out, enc_len, key=key, member=member, on_datanode=on_datanode)
     except PreprocessError:
         raise
     except RowsMismatch as e:
-        raise _recounted(e, modality, data, config, key=key, member=member) from None
+        raise _recounted(e, modality, data, config, key=key, member=member,
+                         on_datanode=on_datanode) from None
     except ValueError as e:
         raise PreprocessError(str(e) if str(e).startswith("sample ")
                               else f"sample {key!r} member {member!r}: {e}", modality,
@@ -403,14 +406,20 @@ _SKIPPED_ON_DATANODE = "`read --preprocess-on datanode` skips such files on the 
 _RULE_FLAGS = "--max-pixels, --patch-size, --audio-frames-per-s..."
 
 
-def check_rows(array, enc_len: int, *, key: str, member: str) -> None:
+def _datanode_hint(on_datanode: bool, template: str) -> str:
+    """`template` filled with the hint to preprocess on the data node; empty where a data node
+    is the one preprocessing (the flag is already in use there)."""
+    return "" if on_datanode else template.format(_SKIPPED_ON_DATANODE)
+
+
+def check_rows(array, enc_len: int, *, key: str, member: str, on_datanode: bool = False) -> None:
     """RowsMismatch naming the sample and member unless `array` has exactly `enc_len` rows."""
     rows = int(array.shape[0]) if getattr(array, "ndim", 0) >= 1 else -1
     if rows != int(enc_len):
         raise RowsMismatch(f"sample {key!r} member {member!r}: preprocessed to {rows} rows but the "
                            f"plan counted enc_len={int(enc_len)}: its header states another length "
-                           f"than it decodes to (then {_SKIPPED_ON_DATANODE}), or data node and "
-                           f"trainer count by other rules ({_RULE_FLAGS})", rows, int(enc_len))
+                           f"than it decodes to{_datanode_hint(on_datanode, ' (then {})')}, or data "
+                           f"node and trainer count by other rules ({_RULE_FLAGS})", rows, int(enc_len))
 
 
 def header_enc_len(modality: str, data: bytes | memoryview, config: PreprocessConfig) -> int | None:
@@ -428,7 +437,7 @@ def header_enc_len(modality: str, data: bytes | memoryview, config: PreprocessCo
 
 
 def _recounted(e: RowsMismatch, modality: str, data: bytes | memoryview, config: PreprocessConfig,
-               *, key: str, member: str) -> PreprocessError:
+               *, key: str, member: str, on_datanode: bool = False) -> PreprocessError:
     """The PreprocessError of an item that decoded to other rows than planned, decided by
     recounting its header here: the planned length (the file lies) or another (rules differ)."""
     counted = header_enc_len(modality, data, config)
@@ -438,8 +447,8 @@ def _recounted(e: RowsMismatch, modality: str, data: bytes | memoryview, config:
     if counted == e.enc_len:
         return PreprocessError(
             f"{what}: preprocessed to {e.rows} rows but its header counts enc_len={e.enc_len}, "
-            f"here as in the plan: its header states another length than it decodes to "
-            f"({_SKIPPED_ON_DATANODE})", modality, mismatch=True, header_lies=True)
+            f"here as in the plan: its header states another length than it decodes to"
+            f"{_datanode_hint(on_datanode, ' ({})')}", modality, mismatch=True, header_lies=True)
     return PreprocessError(
         f"{what}: the plan counted enc_len={e.enc_len} but the rules here count its header as "
         f"{counted} (it preprocessed to {e.rows} rows): data node and trainer count by other "
@@ -462,7 +471,7 @@ def preprocess_record(rec, config: PreprocessConfig) -> None:
     ValueError naming the sample key and member when an item cannot be preprocessed."""
     for it in rec.items:
         arr = preprocess_item(it.modality, rec.members[it.member], config, enc_len=it.enc_len,
-                              key=rec.key, member=it.member, meta=it.meta)
+                              key=rec.key, member=it.member, meta=it.meta, on_datanode=True)
         rec.members[it.member] = np.ascontiguousarray(arr)
         it.meta = {**it.meta, TENSOR_META: tensor_meta(arr)}
 

@@ -19,8 +19,8 @@ from typing import BinaryIO
 
 from dispatcher_server.cliopts import finite_float, named_by_flags
 from pipeline.counting import (
-    OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, CountError, Counter, CountingConfig, EmptyField,
-    ImageConfig, TextConfig, gunzip, kept_text_len, pillow_pixel_limit,
+    OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, Conversation, CountError, Counter, CountingConfig,
+    EmptyField, FieldText, ImageConfig, TextConfig, gunzip, kept_text_len, pillow_pixel_limit,
 )
 from pipeline.fieldmap import FieldMap, ignored_label, is_gzip
 from pipeline.errors import ERROR_MODES, ErrorPolicy, ErrorStats, SampleError
@@ -371,6 +371,7 @@ class SampleBuilder:
         tokens = TextTokens.empty()
         no_text: list[str] = []  # JSON members holding none of the text fields
         empty: list[tuple[str, EmptyField]] = []  # JSON members holding one, empty
+        blank: list[str] = []  # members with no text at all, in words (a 0-byte .txt, `[]`)
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
@@ -381,6 +382,10 @@ class SampleBuilder:
                     no_text.append(sfx)
                 elif isinstance(value, EmptyField):
                     empty.append((sfx, value))
+                elif isinstance(value, Conversation) and not value:  # `[]`: field ones are EmptyField
+                    blank.append(f"JSON {sfx!r} is an empty list")
+                elif value == "" and not isinstance(value, FieldText):
+                    blank.append(f"text member {sfx!r} is empty")
                 values.append((value, f"member {sfx!r}"))
             values = self.counter.sample_texts(values)  # a JSON caption beside a text member: once
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
@@ -397,7 +402,8 @@ class SampleBuilder:
                 unused[f"{ignored_label(sfx)} {EMPTY_TEXT_FIELD}"] += 1
         if not items and not text_len:
             fields = self.config.counting.text.json_fields
-            why = "".join(f"; JSON {sfx!r} field {e.field!r} is empty ({e.value})" for sfx, e in empty)
+            why = "".join(f"; {said}" for said in blank)
+            why += "".join(f"; JSON {sfx!r} field {e.field!r} is empty ({e.value})" for sfx, e in empty)
             if no_text:
                 why += (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "
                         f"{', '.join(fields)} (see --json-field)")

@@ -25,20 +25,13 @@ import braceexpand
 
 from dispatcher_server.protocol import Ref, check_stamp, file_stamp
 from pipeline import remote
-from pipeline.tario import TarError, gzip_named
+from pipeline.tario import OTHER_COMPRESSIONS, TarError, gzip_named
 
 log = logging.getLogger("mmdispatch.pipeline")
 
 #: File names a shard may have, in any case (`A.TAR` too); gzip-compressed tars are decompressed
 #: while streaming.
 SHARD_SUFFIXES: tuple[str, ...] = (".tar", ".tar.gz", ".tgz")
-#: Compressed tars readers do not inflate: (suffixes, compression, decompress command, cat command).
-_OTHER_COMPRESSIONS = (
-    ((".tar.bz2", ".tbz2", ".tbz", ".tb2"), "bzip2", "bunzip2 -k", "bzcat"),
-    ((".tar.xz", ".txz"), "xz", "unxz -k", "xzcat"),
-    ((".tar.zst", ".tar.zstd", ".tzst"), "zstd", "unzstd", "zstdcat"),
-    ((".tar.lz4",), "lz4", "unlz4", "lz4cat"),
-)
 #: Opened without waiting: a FIFO among the shards must be refused, not wait for a writer.
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _GLOB_CHARS = frozenset("*?[")
@@ -47,6 +40,15 @@ _READ_BUFFER = 1 << 20
 #: parsed with bytes methods) and longer ones as views of the map.
 _SMALL_READ = 4096
 _NONZERO = re.compile(rb"[^\0]")
+
+
+def normalized(url: str) -> str:
+    """`url` with its scheme in lower case, as webdataset and fsspec know them: `FILE:x.tar`,
+    `Pipe:cat x.tar` and `S3://b/k` are `file:`, `pipe:` and `s3://` URLs. Other URLs as given."""
+    for prefix in ("file:", "pipe:"):
+        if url[:len(prefix)].lower() == prefix:
+            return prefix + url[len(prefix):]
+    return remote.normalized(url)
 
 
 def absolute_url(url: str) -> str:
@@ -86,7 +88,7 @@ def is_shard_name(name: str) -> bool:
 def _compression_fix(path: str, local: bool = True) -> str | None:
     """The way on for a tar in a compression readers do not inflate (`x.tar.bz2`), or None."""
     lower = path.lower()
-    for suffixes, name, unpack, cat in _OTHER_COMPRESSIONS:
+    for suffixes, name, _, unpack, cat in OTHER_COMPRESSIONS:
         if lower.endswith(suffixes):
             quoted = shlex.quote(path)
             fix = (f"decompress it ({unpack} {quoted}) or give it as 'pipe:{cat} {quoted}'" if local
@@ -216,8 +218,8 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
     urls: list[str] = []
     for spec in specs:
         for expanded in braceexpand.braceexpand(spec):
+            expanded = normalized(expanded)
             if remote.scheme(expanded):
-                expanded = remote.normalized(expanded)
                 found = remote.expand(expanded, spec)
                 if found == [expanded]:  # named by itself: it must be a shard
                     _check_suffix(remote.object_name(expanded), spec, local=False)

@@ -39,6 +39,23 @@ _NAMED = (*_REGULAR, *_LINKS, *_SPECIAL)
 _SKIPPED = (b"5", b"g", b"D", b"V")  # directories, pax globals, GNU dumpdir and volume headers
 _GZIP_MAGIC = b"\x1f\x8b"
 _GZIP_SUFFIXES = (".gz", ".tgz")
+
+
+class Compression(NamedTuple):
+    """A tar compression readers do not inflate, and the way on for a file in it."""
+    suffixes: tuple[str, ...]
+    name: str
+    magic: bytes  # its stream's first bytes
+    unpack: str  # decompresses a file in place
+    cat: str  # writes it decompressed, for a `pipe:` shard
+
+
+OTHER_COMPRESSIONS = (
+    Compression((".tar.bz2", ".tbz2", ".tbz", ".tb2"), "bzip2", b"BZh", "bunzip2 -k", "bzcat"),
+    Compression((".tar.xz", ".txz"), "xz", b"\xfd7zXZ\x00", "unxz -k", "xzcat"),
+    Compression((".tar.zst", ".tar.zstd", ".tzst"), "zstd", b"\x28\xb5\x2f\xfd", "unzstd", "zstdcat"),
+    Compression((".tar.lz4",), "lz4", b"\x04\x22\x4d\x18", "unlz4", "lz4cat"),
+)
 _MAX_DIGITS = 20  # a pax length or size past this is garbage (and int() refuses 4300 digits)
 _SIGNED = struct.Struct("148b8x356b")  # a header's bytes as signed, less its checksum field
 
@@ -117,12 +134,25 @@ def valid_header(block: bytes | memoryview) -> bool:
 def _checksum_ok(header: bytes, offset: int) -> bool:
     """Whether a header block's stored checksum is the sum of its bytes (its checksum field read
     as spaces), unsigned as POSIX says or signed as old writers summed them; TarError if the
-    field is not a number."""
+    field is not a number, or the file's first block is a compressed stream's (named .tar)."""
+    if offset == 0:
+        _refuse_compressed(header)
     stored = _number(header[148:156], offset)
     if stored == sum(header) - sum(header[148:156]) + 8 * 32:
         return True
     # Only a header with bytes >= 0x80 (a non-ASCII name) has two sums: computed on failure alone.
     return stored == sum(_SIGNED.unpack(header)) + 8 * 32
+
+
+def _refuse_compressed(header: bytes) -> None:
+    """TarError naming the compression of a file whose first bytes are a compressed stream's
+    readers do not inflate (a .tar.bz2 named .tar): its bytes are no tar header's, and a
+    "corrupt numeric field" would not say why."""
+    for c in OTHER_COMPRESSIONS:
+        if header.startswith(c.magic):
+            raise TarError("bad_tar", f"{c.name}-compressed bytes where a tar header belongs, which "
+                           f"readers do not inflate: decompress it ({c.unpack}) or give it as "
+                           f"'pipe:{c.cat} FILE'")
 
 
 def _number(field: bytes, offset: int) -> int:

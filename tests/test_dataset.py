@@ -77,6 +77,8 @@ shards = ["file:a/x.tar", "ts/2024-01-01T10:00.tar", "pipe:cat x.tar"]
     sources, _ = load_dataset(path)
     assert sources[0].shards == [f"file:{data / 'a' / 'x.tar'}", str(data / "ts" / "2024-01-01T10:00.tar"),
                                  "pipe:cat x.tar"]
+    upper = _write(data, '[[sources]]\nname = "u"\nshards = ["FILE:a/x.tar", "PIPE:cat x.tar"]\n', "upper.toml")
+    assert load_dataset(upper)[0][0].shards == [f"file:{data / 'a' / 'x.tar'}", "pipe:cat x.tar"]
 
 @pytest.mark.parametrize("body,message", [
     ('[[sources]]\nname = "a"\nshards = "x.tar"\nwieght = 2\n',

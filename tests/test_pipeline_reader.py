@@ -261,6 +261,20 @@ def test_json_with_its_text_field_empty_or_of_a_wrong_type_says_so(tmp_path):
     assert got["top"][1] == "member 'json' holds a number (5), expected an object or a list of turns"
 
 
+def test_an_empty_text_member_or_an_empty_list_of_turns_is_named(tmp_path):
+    """A 0-byte .txt or a JSON `[]` was only "no countable text ... among members ['txt']",
+    while an empty JSON field was named: each is named too."""
+    shard = write_tar(tmp_path / "s.tar", [
+        ("none.txt", b""), ("bom.txt", b"\xef\xbb\xbf"), ("top.json", b"[]"), ("ok.txt", b"fine")])
+    stats = ErrorStats()
+    assert [r.key for r in iter_shard(shard, config("skip"), stats=stats)] == ["ok"]
+    got = {key: (reason, message) for reason, _, key, message in stats.recent}
+    assert got["none"][0] == got["top"][0] == "empty_sample"
+    assert got["none"][1].endswith("among members ['txt']; text member 'txt' is empty")
+    assert got["top"][1].endswith("among members ['json']; JSON 'json' is an empty list")
+    assert got["bom"][1].endswith("; text member 'txt' is empty")  # a byte-order mark says nothing
+
+
 def test_library_messages_name_the_member_not_a_buffer_address(tmp_path):
     shard = write_tar(tmp_path / "s.tar", [("a.jpg", b"junk"), *good("a"), ("b.mp3", b"\x00junk" * 9),
                                            *good("b")])

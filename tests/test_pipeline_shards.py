@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -53,6 +54,24 @@ def test_expand_errors_name_the_offender(tmp_path):
             expand_shards([dup, spelling])
     with pytest.raises(ValueError, match="ftp://host/a.tar.*s3://, gs:// or http"):
         expand_shards(["ftp://host/a.tar"])  # a scheme nothing reads
+
+
+def test_file_and_pipe_prefixes_are_case_insensitive_as_remote_schemes_are(small_shards, capsys):
+    """`FILE:x.tar` was a missing local file and `PIPE:cat x.tar` an unsupported URL, while
+    `S3://` and `HTTP://` were read: each prefix is known in any case, and spelled lower."""
+    from mmdispatch.cli import main
+
+    plain = os.path.abspath(small_shards[0])
+    assert expand_shards([f"FILE:{plain}"]) == [f"file:{plain}"]
+    assert expand_shards([f"File://{plain}"]) == [f"file://{plain}"]
+    assert expand_shards([f"PIPE:cat {plain}", f"Pipe:cat x.tar"]) == [f"pipe:cat {plain}", "pipe:cat x.tar"]
+    with pytest.raises(ValueError, match="listed more than once"):
+        expand_shards([plain, f"FILE:{plain}"])
+    expected = [(r.key, r.llm_len) for r in iter_shard(plain)]
+    assert [(r.key, r.llm_len) for r in iter_shard(expand_shards(f"PIPE:cat {plain}")[0])] == expected
+    for spelling in (f"FILE:{plain}", f"PIPE:cat {plain}"):
+        assert main(["inspect", "--json", spelling]) == 0
+        assert json.loads(capsys.readouterr().out)["num_samples"] == len(expected)
 
 
 @settings(max_examples=200, deadline=None)

@@ -470,6 +470,21 @@ def test_a_file_whose_header_lies_is_told_from_other_rules_by_recounting_its_hea
     assert err.value.mismatch and err.value.header_lies is None  # these rules refuse its header
 
 
+def test_a_data_node_skipping_a_lying_file_does_not_hint_at_the_flag_it_runs_with():
+    """The hint to preprocess on the data node belongs to the trainer's message only."""
+    liar = _liar_record(0)
+    with pytest.raises(PreprocessError, match="header states another length") as err:
+        preprocess_record(liar, PRE)
+    assert err.value.header_lies is True and "--preprocess-on" not in str(err.value)
+    short = PreprocessConfig(image=PRE.image, audio=AudioConfig(
+        encoder_frames_per_s=25.0, llm_tokens_per_s=12.5, max_duration_s=4.0))
+    with pytest.raises(PreprocessError, match="header states another length") as err:
+        preprocess_record(_liar_record(0), short)
+    assert err.value.header_lies is None and "--preprocess-on" not in str(err.value)
+    with pytest.raises(PreprocessError, match="--preprocess-on datanode"):  # the trainer's
+        preprocess_item("audio", liar.members["ogg"], PRE, enc_len=113, key="liar", member="ogg")
+
+
 def _steps_with(liar: SampleRecord, records: list[SampleRecord], first: bool) -> list:
     """Steps of `records` and `liar`: first, in a step of its own before every other item."""
     if not first:
@@ -591,8 +606,9 @@ def test_a_shipped_tensor_is_checked_against_the_plan():
     pytest.importorskip("torch")
     from trainer_client.prefetch import prepare_item
 
-    with pytest.raises(ValueError, match="sample 'q' member 'jpg'.*6 rows.*enc_len=8"):
+    with pytest.raises(ValueError, match="sample 'q' member 'jpg'.*6 rows.*enc_len=8") as err:
         prepare_item("image", arr.tobytes(), meta, PreprocessConfig(), enc_len=8, key="q", member="jpg")
+    assert "--preprocess-on" not in str(err.value)  # a data node preprocessed it: the flag is in use
 
 
 def test_the_model_boundary_names_the_sample_key(records):

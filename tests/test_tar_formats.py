@@ -115,6 +115,27 @@ def test_local_files_are_still_judged_by_name(tmp_path):
     assert keys == [] and stats.by_reason == {"bad_tar": 1} and "Not a gzipped file" in stats.recent[-1][3]
 
 
+@pytest.mark.parametrize("compression,cat", [("bzip2", "bzcat"), ("xz", "xzcat"), ("zstd", "zstdcat")])
+def test_a_tar_compressed_so_that_readers_do_not_inflate_it_named_tar_is_named_for_what_it_is(
+        tmp_path, compression, cat):
+    """A .tar.bz2 (xz, zstd) named .tar was "corrupt numeric field b'R\\xe7QoN...' in header at
+    byte 0": it is named for its compression and the way on, as gzip bytes named .tar are."""
+    import bz2
+    import lzma
+    import os
+
+    plain = tar_bytes([("a.txt", os.urandom(2048).hex().encode())])  # compresses past one block
+    packed = {"bzip2": bz2.compress, "xz": lzma.compress,
+              "zstd": lambda data: b"\x28\xb5\x2f\xfd" + os.urandom(1024)}[compression](plain)
+    path = tmp_path / "packed.tar"
+    path.write_bytes(packed)
+    for url in (str(path), f"pipe:cat {path}"):
+        keys, stats = _read(url)
+        assert keys == [] and stats.by_reason == {"bad_tar": 1}
+        said = stats.recent[-1][3]
+        assert f"{compression}-compressed bytes where a tar header belongs" in said and f"pipe:{cat}" in said
+
+
 # --- GNU long link targets ('K') and sparse files ('S'), pax size and linkpath records
 
 

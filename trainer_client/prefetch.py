@@ -144,7 +144,7 @@ def prepare_item(modality: str, payload, meta: dict, config: PreprocessConfig, *
             arr = array_from_payload(payload, meta)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"sample {key!r} member {member!r}: {e}") from None
-        check_rows(arr, enc_len, key=key, member=member)
+        check_rows(arr, enc_len, key=key, member=member, on_datanode=True)
         return arr
     return preprocess_item(modality, payload, config, enc_len=enc_len, key=key, member=member,
                            meta=meta)
