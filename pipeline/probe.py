@@ -46,6 +46,7 @@ class ProbeResult:
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
     missing: list[tuple[str, str]] = field(default_factory=list)  # remote, not found: (shard, why)
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
+    gave_up_on: str | None = None  # the shard being read when `probe_within` gave up
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
     of: int = 0  # shards the source lists
 
@@ -78,6 +79,8 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     result.of = len(urls)
     builder = sample_builder(reader_config)
     for url in urls[:max_shards]:
+        if result.timed_out:  # `probe_within` gave up: its thread reads no further shard
+            break
         seen_enough = result.usable or result.samples >= max_samples
         if seen_enough and not remote.scheme(url):
             continue  # a remote shard is still opened (a request or two): is it there at all?
@@ -151,6 +154,7 @@ def probe_within(urls: Sequence[str], reader_config: ReaderConfig, *, timeout_s:
     finally:  # past the limit, or the caller stopped (SIGTERM, Ctrl-C): no command outlives it
         # (after a join an exception interrupted, is_alive() says False: the open stream tells)
         if worker.is_alive() or result.reading is not None:
+            result.gave_up_on = result.shards[-1] if result.shards else None
             result.timed_out = True
             kill = getattr(result.reading, "kill", None)
             if kill is not None:
@@ -201,7 +205,7 @@ def refusal(result: ProbeResult, source: str = "default") -> str | None:
 def log_unprobed(result: ProbeResult, source: str = "default") -> None:
     """Warn when the probe was cut short or could read no sample at all (nothing was checked)."""
     if result.timed_out:
-        where = result.shards[-1] if result.shards else "its first shard"
+        where = result.gave_up_on or "its first shard"
         log.warning("mmdispatch.pipeline: source %r not probed: gave up waiting on %s (a shard "
                     "command or server that does not answer?); serving without the check, the "
                     "readers will report what they find", source, where)

@@ -130,6 +130,10 @@ def test_a_shard_command_that_never_answers_cannot_hold_the_start(tmp_path, unus
     hang = f"pipe:echo $$ > {pidfile}; exec sleep 600"
     result = probe_within([hang, *unusable], ReaderConfig(keep_members=False), timeout_s=1.0)
     assert result.timed_out and not result.refused and refusal(result) is None
+    # The killed command ends the probe's read; its thread must not go on to the next shards
+    # (a loaded host let it open them before the warning named "the shard waited on").
+    time.sleep(1.0)
+    assert result.shards == [hang] and result.gave_up_on == hang
     with caplog.at_level("WARNING", logger="mmdispatch.pipeline"):
         log_unprobed(result, "web")
     assert "source 'web' not probed: gave up waiting on pipe:echo" in caplog.text
