@@ -37,8 +37,9 @@ _MP4_FIRST = frozenset([b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"
 class VideoConfig:
     """Frame sampling and resize policy for video; defaults are Qwen2-VL's (`qwen_vl_utils`).
 
-    Frames are counted by `qwen_vl_utils`' `smart_nframes`: of a clip's `total` frames
-    (round(duration * native fps)), n = total / native_fps * `fps` (2 per second), raised to
+    Frames are counted by `qwen_vl_utils`' `smart_nframes`: of a clip's `total` frames (the
+    container's count: a variable frame rate keeps it from being duration * native fps), n =
+    total / native_fps * `fps` (2 per second), raised to
     `min_frames` (4, rounded up to a multiple of `temporal_patch`), lowered to `max_frames` (768)
     and to `total` (rounded down to a multiple of `temporal_patch`), then rounded down to a
     multiple of `temporal_patch`. The frames taken are round(linspace(0, total - 1, n)): evenly
@@ -99,6 +100,7 @@ class VideoHeader:
 
     duration_s: float
     fps: float  # native frame rate
+    frames: int  # frames the container presents: the clip's total (a variable rate makes it no duration * fps)
     width: int
     height: int
     codec: str
@@ -118,14 +120,19 @@ def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: in
 
 # -- lengths -------------------------------------------------------------------------------------
 
-def clip_frames(duration_s: float, native_fps: float) -> int:
-    """Frames a clip holds as its header states them: round(duration * native fps), at least 1."""
+def clip_frames(duration_s: float, native_fps: float, total: int | None = None) -> int:
+    """Frames a clip holds: `total`, the container's own count, where the header gave it (an
+    item meta without "frames", from an older data node: round(duration * native fps)), at least 1."""
     if not (math.isfinite(native_fps) and native_fps > 0):
         raise _bad(f"video declares {native_fps:g} frames per second: its frames cannot be counted")
+    if total is not None:
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise _bad(f"video declares {total!r} frames: its frames cannot be counted")
+        return total
     return max(1, round(duration_s * native_fps))
 
 
-def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> int:
+def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig, total: int | None = None) -> int:
     """Frames the model sees, by `qwen_vl_utils`' `smart_nframes` (fps path) with
     `temporal_patch` as its factor: of the clip's `total` frames (`clip_frames`), total /
     native_fps * fps, at least `min_frames` rounded up to the factor, at most `max_frames` and
@@ -133,7 +140,7 @@ def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> in
     Where `qwen_vl_utils` raises (a clip of fewer frames than one temporal patch: 1 frame at
     temporal patch 2), one temporal patch, its last frame repeated (`frame_indices`)."""
     t = cfg.temporal_patch
-    total = clip_frames(duration_s, native_fps)
+    total = clip_frames(duration_s, native_fps, total)
     least = -(-cfg.min_frames // t) * t
     most = min(cfg.max_frames, total) // t * t
     n = min(max(total / native_fps * cfg.fps, least), most, total)
@@ -143,13 +150,14 @@ def sampled_frames(duration_s: float, native_fps: float, cfg: VideoConfig) -> in
     return n if n >= t else t
 
 
-def frame_indices(duration_s: float, native_fps: float, cfg: VideoConfig) -> np.ndarray:
+def frame_indices(duration_s: float, native_fps: float, cfg: VideoConfig, total: int | None = None) -> np.ndarray:
     """Indices of the frames the model sees (`sampled_frames` of them), from the clip's first
     frame: round(linspace(0, total - 1, n)) over its `clip_frames`, as `qwen_vl_utils` picks them
     (it rounds a float32 `torch.linspace`, which, past ~10^4 frames, can pick a neighbour of the
     exact index: the count is the same). A clip shorter than one temporal patch repeats its last
     frame."""
-    n, total = sampled_frames(duration_s, native_fps, cfg), clip_frames(duration_s, native_fps)
+    total = clip_frames(duration_s, native_fps, total)
+    n = sampled_frames(duration_s, native_fps, cfg, total)
     if n > total:
         return np.minimum(np.arange(n), total - 1)
     return np.rint(np.linspace(0, total - 1, n)).astype(np.int64)
@@ -164,9 +172,11 @@ def frame_size(width: int, height: int, frames: int, cfg: VideoConfig) -> tuple[
         raise CountError("bad_video", str(e).replace("image", "video frame")) from None
 
 
-def video_lengths(duration_s: float, fps: float, width: int, height: int, cfg: VideoConfig) -> tuple[int, int]:
-    """(encoder patches, LLM tokens) of a clip of `duration_s` at native `fps`, `width`x`height`."""
-    frames = sampled_frames(duration_s, fps, cfg)
+def video_lengths(duration_s: float, fps: float, width: int, height: int, cfg: VideoConfig,
+                  total: int | None = None) -> tuple[int, int]:
+    """(encoder patches, LLM tokens) of a clip of `duration_s` at native `fps`, `width`x`height`
+    (of `total` frames, where known: see `clip_frames`)."""
+    frames = sampled_frames(duration_s, fps, cfg, total)
     h, w = frame_size(width, height, frames, cfg)
     enc = (frames // cfg.temporal_patch) * (h // cfg.patch_size) * (w // cfg.patch_size)
     return enc, enc // (cfg.merge_size * cfg.merge_size)
@@ -244,12 +254,26 @@ def _media_span(data, stts: np.ndarray, ctts: tuple[int, int] | None) -> tuple[i
     return int(shown[:half].min()), int((shown[half:] + deltas[r[half:]]).max())
 
 
+def _shown_times(data, stts: np.ndarray, ctts: tuple[int, int] | None) -> np.ndarray:
+    """Each sample's presentation time in media ticks: its decode time plus its `ctts` offset."""
+    counts, deltas = stts[:, 0], stts[:, 1]
+    shown = np.concatenate(([0], np.cumsum(np.repeat(deltas, counts))[:-1]))
+    if ctts is not None:
+        runs = _runs(data, *ctts, "ctts")
+        # Runs past the samples are cut first: a lying count must not size an array.
+        counts = np.diff(np.minimum(np.cumsum(runs[:, 0]), len(shown)), prepend=0)
+        offsets = np.repeat((runs[:, 1] ^ 0x80000000) - 0x80000000, counts)
+        shown[: len(offsets)] += offsets
+    return shown
+
+
 def _presented(data, elst: tuple[int, int], moov: tuple[int, int], stbl: tuple[int, int], stts: np.ndarray,
-               timescale: int) -> float:
-    """Seconds an edit list presents, as FFmpeg plays it: each segment's duration (movie
-    timescale, `mvhd`) from its media time, within the media's samples; empty segments
-    (a start delay) show no frame. A stream-copy trim (`ffmpeg -ss 3 -c copy`) keeps all the
-    samples from the keyframe on and presents the rest only; x264's edit skips its B-frame delay."""
+               timescale: int) -> tuple[float, int]:
+    """(seconds, frames) an edit list presents, as FFmpeg plays it: each segment's duration (movie
+    timescale, `mvhd`) from its media time, within the media's samples, and the samples shown in
+    it; empty segments (a start delay) show no frame. A stream-copy trim (`ffmpeg -ss 3 -c copy`)
+    keeps all the samples from the keyframe on and presents the rest only; x264's edit skips its
+    B-frame delay."""
     mvhd = _child(data, *moov, b"mvhd")
     if mvhd is None:
         raise _bad("MP4 video track has an edit list but the file has no mvhd box")
@@ -263,16 +287,23 @@ def _presented(data, elst: tuple[int, int], moov: tuple[int, int], stbl: tuple[i
     (count,) = struct.unpack_from(">I", data, body + 4)
     if body + 8 + struct.calcsize(fmt) * count > stop:
         raise _bad("MP4 elst box is shorter than it declares")
-    first, end = _media_span(data, stts, _child(data, *stbl, b"ctts"))
+    ctts = _child(data, *stbl, b"ctts")
+    first, end = _media_span(data, stts, ctts)
     tick = timescale / movie_scale  # media ticks per movie tick
-    seconds = 0.0
+    seconds, spans = 0.0, []
     for duration, media_time, _ in struct.iter_unpack(fmt, data[body + 8 : body + 8 + struct.calcsize(fmt) * count]):
         if media_time < 0:  # an empty edit
             continue
         # A segment within one movie tick of the media's end reaches it (its duration is rounded).
         stop_at = media_time + duration * tick
-        seconds += max(0.0, (end if stop_at >= end - tick else stop_at) - max(media_time, first)) / timescale
-    return seconds
+        lo, hi = max(media_time, first), (end if stop_at >= end - tick else stop_at)
+        seconds += max(0.0, hi - lo) / timescale
+        spans.append((lo, hi))
+    total = int(stts[:, 0].sum())
+    if spans == [(first, end)]:  # x264's edit, or none cut: every sample (no per-sample arrays)
+        return seconds, total
+    shown = _shown_times(data, stts, ctts)
+    return seconds, sum(int(np.count_nonzero((shown >= lo) & (shown < hi))) for lo, hi in spans)
 
 
 def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
@@ -281,7 +312,8 @@ def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
 
     Besides the header, checks that the file is whole: every top-level box up to a whole moov and
     mdat fits the bytes present, and the track's samples fit in `mdat` (a cut or lying file raises
-    `bad_video`). The duration is the span the track's edit list presents, as FFmpeg plays it.
+    `bad_video`). The duration is the span the track's edit list presents, as FFmpeg plays it,
+    and the frames are the samples shown in it.
     """
     if len(data) < 8 or bytes(data[4:8]) not in _MP4_FIRST:
         return None
@@ -344,9 +376,10 @@ def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
         fps = frames / seconds if seconds > 0 else 0.0
         edts = _child(data, body, stop, b"edts")
         elst = edts and _child(data, *edts, b"elst")
-        shown = _presented(data, elst, top[b"moov"], stbl, table, timescale) if elst and ticks else seconds
+        shown, presented = (_presented(data, elst, top[b"moov"], stbl, table, timescale) if elst and ticks
+                            else (seconds, frames))
         brand = bytes(data[top[b"ftyp"][0] : top[b"ftyp"][0] + 4]) if b"ftyp" in top else b"qt  "
-        return VideoHeader(shown, fps, width, height, codec, "mov" if brand == b"qt  " else "mp4")
+        return VideoHeader(shown, fps, presented, width, height, codec, "mov" if brand == b"qt  " else "mp4")
     raise _bad("MP4 has no video track")
 
 
@@ -427,8 +460,8 @@ def _pyav_header(data: bytes | memoryview) -> VideoHeader:
             stream = container.streams.video[0]
             ctx = stream.codec_context
             seconds, frames = _stream_span(container, stream)
-            return VideoHeader(seconds, _native_fps(stream.average_rate, seconds, frames), ctx.width, ctx.height,
-                               ctx.name, container.format.name.split(",")[0])
+            return VideoHeader(seconds, _native_fps(stream.average_rate, seconds, frames), frames, ctx.width,
+                               ctx.height, ctx.name, container.format.name.split(",")[0])
     except CountError:
         raise
     except Exception as e:  # FFmpeg reports every malformed input as some av.error.* / ValueError
@@ -464,10 +497,10 @@ def count_video(data: bytes | memoryview, cfg: VideoConfig) -> tuple[int, int, d
     if h.width < 1 or h.height < 1 or h.width * h.height > cfg.max_header_pixels:
         raise _bad(f"{h.container} declares {h.width}x{h.height} frames, outside [1, "
                    f"max_header_pixels={cfg.max_header_pixels}]")
-    frames = sampled_frames(h.duration_s, h.fps, cfg)
+    frames = sampled_frames(h.duration_s, h.fps, cfg, h.frames)
     rows, cols = frame_size(h.width, h.height, frames, cfg)
     enc = (frames // cfg.temporal_patch) * (rows // cfg.patch_size) * (cols // cfg.patch_size)
-    meta = {"duration_s": h.duration_s, "fps": h.fps, "width": h.width, "height": h.height,
+    meta = {"duration_s": h.duration_s, "fps": h.fps, "frames": h.frames, "width": h.width, "height": h.height,
             "codec": h.codec, "format": h.container,
             "grid_thw": [frames // cfg.temporal_patch, rows // cfg.patch_size, cols // cfg.patch_size]}
     return enc, enc // (cfg.merge_size * cfg.merge_size), meta
@@ -475,9 +508,12 @@ def count_video(data: bytes | memoryview, cfg: VideoConfig) -> tuple[int, int, d
 
 # -- trainer side: decode, sample, resize, patchify ----------------------------------------------
 def _sample_frames(data: bytes | memoryview, indices: np.ndarray, native_fps: float, rows: int,
-                   cols: int) -> list[np.ndarray]:
+                   cols: int, *, by_index: bool) -> list[np.ndarray]:
     """The RGB frames (rows x cols) at `indices` (non-decreasing, from the clip's first frame),
-    decoded in one pass: index i is the frame shown at i / native_fps after the first."""
+    decoded in one pass: index i is the i-th frame decoded where `by_index` (the total is the
+    container's frame count, as `qwen_vl_utils` indexes its decoded frames; a variable rate puts
+    frame i anywhere), else the frame shown at i / native_fps after the first (an older meta's
+    total, round(duration * fps))."""
     import av
 
     step = 1.0 / native_fps
@@ -488,7 +524,7 @@ def _sample_frames(data: bytes | memoryview, indices: np.ndarray, native_fps: fl
         stream = container.streams.video[0]
         for k, frame in enumerate(container.decode(stream)):
             last = frame
-            t = frame.time if frame.time is not None else k * step
+            t = k * step if by_index or frame.time is None else frame.time
             t0 = t if t0 is None else t0
             want = 0
             # The frame nearest each target: a clip's timestamps are rounded to its timescale.
@@ -511,7 +547,8 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
                   enc_len: int | None = None) -> np.ndarray:
     """Decode a clip into float32 patches of shape (enc_len, 3 * temporal_patch * patch^2).
 
-    `meta` is the item's header facts as counted (`count_video`: duration_s, fps, width, height);
+    `meta` is the item's header facts as counted (`count_video`: duration_s, fps, frames, width,
+    height; frames may be absent);
     the frames `frame_indices` names are decoded, resized exactly as counted, normalized with
     CLIP's mean/std and laid out as Qwen2-VL's processor does (rows ordered t, h/merge, w/merge, merge, merge;
     features ordered channel, time, patch row, patch column). Raises ValueError when the rows
@@ -524,7 +561,8 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
     cfg = cfg or VideoConfig()
     try:
         duration, fps, width, height = (meta[k] for k in ("duration_s", "fps", "width", "height"))
-        indices = frame_indices(duration, fps, cfg)
+        total = meta.get("frames")  # absent from an older data node's meta: round(duration * fps)
+        indices = frame_indices(duration, fps, cfg, total)
         frames = len(indices)
         rows, cols = frame_size(int(width), int(height), frames, cfg)
     except KeyError as e:
@@ -537,7 +575,7 @@ def video_patches(data: bytes | memoryview, meta: dict, cfg: VideoConfig | None 
         raise ValueError(f"video counts {rows_out} patches under this VideoConfig but enc_len={enc_len} "
                          f"was planned: data node and trainer disagree on the video settings")
     try:
-        picked = _sample_frames(data, indices, fps, rows, cols)
+        picked = _sample_frames(data, indices, fps, rows, cols, by_index=total is not None)
     except av.error.FFmpegError as e:  # a corrupt stream; some (InvalidDataError) are ValueErrors
         raise UndecodableError(f"video does not decode: {e}") from None
     except ValueError:

@@ -3,6 +3,7 @@ with their reason, video items run in the vision phase, and trainer patches matc
 
 from __future__ import annotations
 
+import fractions
 import io
 import json
 import math
@@ -220,18 +221,24 @@ def test_video_patches_rows_equal_enc_len(fmt, frames, fps):
         video_patches(data, meta, VideoConfig(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 4), enc_len=enc)
 
 
-def _numbered_clip(num_frames: int, fps: int, fmt: str = "mp4") -> bytes:
+def _numbered_clip(num_frames: int, fps: int, fmt: str = "mp4", pts: list[int] | None = None) -> bytes:
     """A 64x64 H.264 clip whose frame i is one flat colour saying i: red (i // 16) and green
-    (i % 16) in steps of 16, which the codec's error (a few levels) cannot blur into a neighbour."""
+    (i % 16) in steps of 16, which the codec's error (a few levels) cannot blur into a neighbour.
+    `pts` (in 1 / fps ticks) gives frame i its time: a variable frame rate."""
     out = io.BytesIO()
     with av.open(out, "w", format=fmt) as container:
         stream = container.add_stream("libx264", rate=fps, options={"threads": "1"})
         stream.width = stream.height = 64
         stream.pix_fmt = "yuv420p"
+        if pts is not None:
+            stream.time_base = fractions.Fraction(1, fps)
         for i in range(num_frames):
             rgb = np.empty((64, 64, 3), np.uint8)
             rgb[...] = (16 * (i // 16) + 8, 16 * (i % 16) + 8, 128)
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+            if pts is not None:
+                frame.pts, frame.time_base = pts[i], fractions.Fraction(1, fps)
+            container.mux(stream.encode(frame))
         container.mux(stream.encode())
     return out.getvalue()
 
@@ -271,17 +278,44 @@ def test_a_one_frame_clip_is_one_temporal_patch_of_its_frame():
     assert x.shape[0] == 16 and _decoded_numbers(x, 2) == [0, 0]
 
 
+@pytest.mark.parametrize("min_frames", [4, 768])
+def test_a_variable_rate_clip_counts_its_own_frames(min_frames):
+    """10 H.264 frames with B-frames at uneven times (0 to 3.03 s): the total is the 10 the
+    container holds, not its edit list's 3.067 s times the sample table's 8.571 fps (26, which
+    repeated frames); qwen_vl_utils' count of them at FFmpeg's average rate, and the trainer's
+    rows are those frames."""
+    pts = [0, 1, 2, 10, 11, 30, 31, 32, 90, 91]
+    data = _numbered_clip(len(pts), 30, pts=pts)
+    with av.open(io.BytesIO(data)) as c:
+        stream = c.streams.video[0]
+        assert sum(1 for _ in c.decode(stream)) == 10
+        rate = float(stream.average_rate)
+    cfg = VideoConfig(min_pixels=56 * 56, max_pixels=56 * 56, min_frames=min_frames)
+    enc, _, meta = count_video(data, cfg)
+    assert read_header(data).frames == meta["frames"] == 10
+    assert meta["fps"] == pytest.approx(rate)
+    n = _qwen_nframes(10, rate, min_frames=min_frames)
+    assert meta["grid_thw"] == [n // 2, 4, 4] and n == (4 if min_frames == 4 else 10)
+    x = video_patches(data, meta, cfg, enc_len=enc)
+    assert x.shape[0] == enc
+    assert _decoded_numbers(x, n) == [round(i * 9 / (n - 1)) for i in range(n)]
+
+
 def test_a_header_longer_than_its_frames_repeats_the_last_decoded_frame():
-    """A header claiming 2 s more than the 20 frames decoded: the indices past them get the
-    last frame, and the rows are still the count."""
+    """A header claiming 20 frames (2 s) more than the 20 decoded: the indices past them get the
+    last frame, and the rows are still the count; so for an older data node's meta, which states
+    no frame count (the total is then duration * fps)."""
     data = _numbered_clip(20, 10)
     cfg = VideoConfig(min_pixels=56 * 56, max_pixels=56 * 56)
     _, _, meta = count_video(data, cfg)
-    longer = {**meta, "duration_s": 4.0}  # 40 frames: 8 of them, indices 0, 6, 11, ..., 39
+    assert meta["frames"] == 20
+    longer = {**meta, "duration_s": 4.0, "frames": 40}  # 8 of them, indices 0, 6, 11, ..., 39
+    older = {k: v for k, v in longer.items() if k != "frames"}
     n = _qwen_nframes(40, 10)
     picked = [min(19, round(i * 39 / (n - 1))) for i in range(n)]
-    x = video_patches(data, longer, cfg, enc_len=n // 2 * 16)
-    assert _decoded_numbers(x, n) == picked and picked[-1] == picked[-2] == 19
+    for claimed in (longer, older):
+        x = video_patches(data, claimed, cfg, enc_len=n // 2 * 16)
+        assert _decoded_numbers(x, n) == picked and picked[-1] == picked[-2] == 19
 
 
 def test_video_patches_layout_is_qwen2_vl():

@@ -105,6 +105,8 @@ def _frames_seen(data: bytes, cfg: VideoConfig = CFG) -> tuple[int, int]:
 def _counted_as_decoded(data: bytes, seconds: float) -> None:
     assert _decoded_s(data) == pytest.approx(seconds, abs=1e-3)
     assert read_header(data).duration_s == pytest.approx(seconds, abs=1e-3)
+    with av.open(io.BytesIO(data)) as c:
+        assert read_header(data).frames == sum(1 for _ in c.decode(c.streams.video[0]))
     distinct, sampled = _frames_seen(data)
     assert distinct == sampled  # no padding copies of the last frame
 
