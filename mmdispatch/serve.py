@@ -1,8 +1,8 @@
 """Run the dispatcher: collect counts from readers, plan every step, stream each rank its part.
 
 Settings come from the `[serve]` table of a TOML file (`--config`, keys named like the options
-below with underscores; `mmdispatch.settings`) and flags, flags winning. On startup one line `READY {json}` on stdout gives the
-bound endpoints (bind to port 0 to let the OS pick; under `--log-format json` a JSON object with
+below with underscores; `mmdispatch.settings`) and flags, flags winning. Once bound and its planner loaded, one line `READY {json}` on stdout
+gives the bound endpoints (peers may connect as soon as `event=bound` is logged; bind to port 0 to let the OS pick; under `--log-format json` a JSON object with
 `"event": "ready"`), then structured log lines go to stderr.
 """
 
@@ -478,7 +478,7 @@ def _build_config(v: dict, dataset: tuple[list[Source], int | None] | None) -> S
 
 
 def ready_line(ready: dict, log_format: str) -> str:
-    """The line `serve` prints on stdout once it is bound: `READY {json}`, or under
+    """The line `serve` prints on stdout once it is bound and its planner loaded: `READY {json}`, or under
     `--log-format json` one JSON object like its log lines (`"event": "ready"` and the same
     fields), so a collector reading stdout and stderr together parses every line."""
     if log_format != "json":
@@ -578,10 +578,11 @@ def _unbindable(e: zmq.ZMQError, config: ServerConfig) -> str:
             f"tcp://[::]:PORT for every IPv6 one, tcp://eth0:PORT for an interface by name)")
 
 
-def _warm_in_background(server: Dispatcher, config) -> list[BaseException]:
+def _warm_in_background(server: Dispatcher, config, on_ready) -> list[BaseException]:
     """Load (on a fresh install: compile, half a minute) the planner's kernels in a thread while
-    the server's loop already answers peers; it plans no step before they are ready. Returns
-    the list that receives what the warm-up raised (the server is then stopped)."""
+    the server's loop already answers peers; it plans no step before they are ready, and calls
+    `on_ready()` then. Returns the list that receives what the warm-up raised (the server is
+    then stopped)."""
     failed: list[BaseException] = []
 
     def warm() -> None:
@@ -595,6 +596,7 @@ def _warm_in_background(server: Dispatcher, config) -> list[BaseException]:
             return
         event("planner_ready", seconds=round(time.monotonic() - t0, 1))
         server.planner_ready.set()
+        on_ready()
 
     server.planner_ready.clear()
     threading.Thread(target=warm, name="mmdispatch-planner-warm-up", daemon=True).start()
@@ -626,7 +628,6 @@ def run(args: argparse.Namespace) -> int:
         if e.errno not in (errno.ENODEV, errno.EINVAL, errno.EADDRNOTAVAIL):
             raise
         raise ValueError(_unbindable(e, config)) from None
-    warm_failed = _warm_in_background(server, config)
     ready = {"readers": server.reader_endpoint, "trainers": server.trainer_endpoint,
              "metrics_port": server.metrics.port, "next_step": server.next_plan}
     signals: list[str] = []
@@ -636,7 +637,10 @@ def run(args: argparse.Namespace) -> int:
         server.stop_soon()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # before READY: it may come at once
         signal.signal(sig, stop)
-    print(ready_line(ready, getattr(args, "log_format", "text")), flush=True)
+    # READY once the planner is loaded too (what a script starting peers after it, and a memory
+    # baseline taken at it, expect); peers that connect before it are answered meanwhile.
+    line = ready_line(ready, getattr(args, "log_format", "text"))
+    warm_failed = _warm_in_background(server, config, lambda: print(line, flush=True))
     server.run(until_done=values["exit_when_done"])
     if warm_failed:
         raise warm_failed[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -256,13 +257,16 @@ def test_peers_that_join_while_the_planner_compiles_join_once_and_wait(shards, t
     serve = subprocess.Popen([sys.executable, "-c", _SLOW_WARM_SERVE,
                               *_serve_args(shards, str(tmp_path / "j"), 1),
                               "--reader-bind", ready["readers"], "--trainer-bind", ready["trainers"]],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     reader = None
     try:  # the peers join once it is bound, while the planner compiles
         early = []
         while not early or "event=bound" not in early[-1]:
             early.append(serve.stderr.readline())
             assert early[-1], early
+        # READY waits for the planner (a script that starts peers after it, or takes a memory
+        # baseline at it, sees a loaded dispatcher); peers connecting before it are answered.
+        assert not select.select([serve.stdout], [], [], 1.0)[0], "READY before the planner was ready"
         reader = subprocess.Popen([sys.executable, "-m", "mmdispatch.cli", "read", "--dispatcher",
                                    ready["readers"], "--timeout", "2"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -275,12 +279,12 @@ def test_peers_that_join_while_the_planner_compiles_join_once_and_wait(shards, t
         reader.send_signal(signal.SIGTERM)
         _, reader_err = reader.communicate(timeout=30)
         serve.send_signal(signal.SIGTERM)
-        _, serve_err = serve.communicate(timeout=30)
+        serve_out, serve_err = serve.communicate(timeout=30)
     finally:
         for proc in (reader, serve):
             if proc is not None:
                 kill(proc)
-    assert "planner_ready" in serve_err, serve_err
+    assert "planner_ready" in serve_err and serve_out.startswith("READY "), (serve_out, serve_err)
     assert "reconnect" not in reader_err, reader_err
     assert "why=reconnected" not in serve_err and "rank_replaced" not in serve_err, serve_err
     assert serve_err.count("reader_joined") == 1, serve_err
