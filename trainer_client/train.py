@@ -25,30 +25,27 @@ try:  # torch takes seconds to load: a Ctrl-C meanwhile is no bug, and has nothi
 
     from dispatcher_server.cliopts import interrupt_exits
 
-    _starting = interrupt_exits(PROG) if __name__ == "__main__" else nullcontext()
-    _starting.__enter__()
-    import torch
-    import torch.distributed as dist
+    with interrupt_exits(PROG) if __name__ == "__main__" else nullcontext():
+        import torch
+        import torch.distributed as dist
 
-    from dispatcher_server.cliopts import (
-        HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, check_output_file, run_reporting_errors,
-        say,
-        setup_logging, unwind_on_sigterm,
-    )
-    from dispatcher_server.files import replace_file
-    from mmdispatch.settings import ConfigError, apply_file
-    from pipeline.tokenize import load_tokenizer, tokenizer_identity
-    from trainer_client.calibrate import PhaseTimer
-    from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
-    from trainer_client.dist import RankContext, all_reduce_gradients
-    from trainer_client.exchange import ExchangeConfig, Exchanger
-    from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
-    from trainer_client.model import (
-        ModelConfig, ReferenceModel, microbatch_timings, train_microbatch,
-    )
-    from trainer_client.options import add_arguments, preprocess_config_from_args
-    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
-    _starting.__exit__(None, None, None)
+        from dispatcher_server.cliopts import (
+            HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, check_output_file,
+            run_reporting_errors, say, setup_logging, unwind_on_sigterm,
+        )
+        from dispatcher_server.files import replace_file
+        from mmdispatch.settings import ConfigError, apply_file
+        from pipeline.tokenize import load_tokenizer, tokenizer_identity
+        from trainer_client.calibrate import PhaseTimer
+        from trainer_client.client import ClientConfig, DispatcherClient, Microbatch
+        from trainer_client.dist import RankContext, all_reduce_gradients
+        from trainer_client.exchange import ExchangeConfig, Exchanger
+        from pipeline.preprocess import TEMPORAL_PATCH, audio_row_dim
+        from trainer_client.model import (
+            ModelConfig, ReferenceModel, microbatch_timings, train_microbatch,
+        )
+        from trainer_client.options import add_arguments, preprocess_config_from_args
+        from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 except KeyboardInterrupt:
     print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
     sys.exit(130)
