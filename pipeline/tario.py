@@ -134,9 +134,7 @@ def valid_header(block: bytes | memoryview) -> bool:
 def _checksum_ok(header: bytes, offset: int) -> bool:
     """Whether a header block's stored checksum is the sum of its bytes (its checksum field read
     as spaces), unsigned as POSIX says or signed as old writers summed them; TarError if the
-    field is not a number, or the file's first block is a compressed stream's (named .tar)."""
-    if offset == 0:
-        _refuse_compressed(header)
+    field is not a number."""
     stored = _number(header[148:156], offset)
     if stored == sum(header) - sum(header[148:156]) + 8 * 32:
         return True
@@ -391,9 +389,11 @@ def tar_members(
         while True:
             name = None
             header = read(_BLOCK)
-            if offset == 0 and header.startswith(_GZIP_MAGIC):
-                raise TarError("bad_tar", "gzip-compressed bytes where a tar header belongs: name a "
-                               "gzip-compressed tar .tar.gz or .tgz, or decompress it")
+            if offset == 0:  # a compressed stream named .tar, however short
+                if header.startswith(_GZIP_MAGIC):
+                    raise TarError("bad_tar", "gzip-compressed bytes where a tar header belongs: name a "
+                                   "gzip-compressed tar .tar.gz or .tgz, or decompress it")
+                _refuse_compressed(header)
             if len(header) < _BLOCK:
                 if not header and after is _NOTHING:
                     # At a member boundary: a zero-byte file (offset 0, an empty shard, reported

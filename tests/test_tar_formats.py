@@ -134,6 +134,10 @@ def test_a_tar_compressed_so_that_readers_do_not_inflate_it_named_tar_is_named_f
         assert keys == [] and stats.by_reason == {"bad_tar": 1}
         said = stats.recent[-1][3]
         assert f"{compression}-compressed bytes where a tar header belongs" in said and f"pipe:{cat}" in said
+    # Shorter than one tar block (a tiny tar compressed): named the same, not "an unterminated tar".
+    path.write_bytes(packed[:100])
+    keys, stats = _read(str(path))
+    assert keys == [] and f"{compression}-compressed bytes where" in stats.recent[-1][3]
 
 
 # --- GNU long link targets ('K') and sparse files ('S'), pax size and linkpath records
