@@ -28,8 +28,9 @@ REASONS: dict[str, str] = {
     "empty_shard": "the shard holds no samples",
     "truncated_tar": "the archive (or its gzip stream) ends inside a header or member; samples from "
                      "the break on are lost (one ending right after a member is read whole, with a warning)",
-    "bad_tar": "a corrupt tar header, pax record or gzip stream, or bytes after the end-of-archive "
-               "blocks that are not a tar header; samples from there on are lost",
+    "bad_tar": "a corrupt tar header, pax record or gzip stream, an extended header (pax, GNU long "
+               "name) the end-of-archive blocks follow instead of a member, or bytes after those blocks "
+               "that are not a tar header; samples from there on are lost",
     "shard_changed": "the shard file changed since it was read or mapped (rewritten, shrunk or "
                      "appended to); samples from the change on are not read",
     "shard_stalled": "the shard read no byte for the reader's --stall-timeout (a pipe: command or "

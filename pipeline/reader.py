@@ -236,8 +236,8 @@ def group_samples(
 
     `problem` is None or (reason, message) for a sample that must be skipped whole. A group
     still being filled when the member stream fails is dropped (its key is left on the error
-    as `dropped_key`) unless the failure is known to lie in the next sample's first member, or
-    past the archive's end (`TarError.after_end`).
+    as `dropped_key`) unless the failure is known to lie in another sample's member, or, naming
+    no member, past the archive's end or in extended headers no member follows (`TarError.after_end`).
     """
     key: str | None = None
     group: dict[str, bytes] = {}
@@ -281,7 +281,7 @@ def group_samples(
     except TarError as e:
         # The pending sample is complete if the archive broke inside another sample's member.
         failed = split_name(e.member) if e.member is not None else None
-        if key is not None and (e.after_end or failed is not None and failed[0] != key):
+        if key is not None and (failed[0] != key if failed is not None else e.after_end):
             yield key, group, problem
         elif key is not None:
             e.dropped_key = key
@@ -654,7 +654,8 @@ def iter_shard(
         # A server answering with a page (a login, an error with status 200) sends no tar.
         page = (" (the server sent text/html: an error or login page, not the shard?)"
                 if getattr(stream, "mimetype", None) == "text/html" else "")
-        lost = ("; every sample before them was read, any after them are lost" if e.after_end
+        lost = ("; every sample before them was read, any after them are lost"
+                if e.after_end and e.dropped_key is None
                 else f"; samples from index {index + 1}{lost} on are lost")
         if e.after_end and opened and stream_stamp(stream) != opened:
             failure = SampleError("shard_changed", url, None, f"shard file changed while being read "

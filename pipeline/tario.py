@@ -37,6 +37,9 @@ _SPARSE = "sparse file (not supported: write shards without tar --sparse)"
 _SPECIAL = {b"3": "character device", b"4": "block device", b"6": "FIFO", b"S": _SPARSE}
 _NAMED = (*_REGULAR, *_LINKS, *_SPECIAL)
 _SKIPPED = (b"5", b"g", b"D", b"V")  # directories, pax globals, GNU dumpdir and volume headers
+#: headers about the members after them, as named in a message about one no member follows
+_HEADERS = {b"x": "pax extended header", b"g": "pax global header", b"L": "GNU long name header",
+            b"K": "GNU long link header"}
 _GZIP_MAGIC = b"\x1f\x8b"
 _GZIP_SUFFIXES = (".gz", ".tgz")
 
@@ -83,8 +86,10 @@ class Special(NamedTuple):
 
 class TarError(ValueError):
     """The archive is damaged; `reason` is `truncated_tar`, `bad_tar` or (a mapped file that
-    changed while read) `shard_changed`. `after_end`: the damage lies past end-of-archive blocks,
-    so every member before it was read whole."""
+    changed while read) `shard_changed`. `after_end`: every member before the damage was read
+    whole: it lies past end-of-archive blocks, or is an extended header that no member follows
+    (then `member` is the name that header gives the member it was written for, if it gives one:
+    that member's sample is not whole)."""
 
     def __init__(self, reason: str, message: str, member: str | None = None, *, after_end: bool = False) -> None:
         super().__init__(message)
@@ -348,6 +353,15 @@ def _past_end(stream, read, offset: int) -> tuple[bytes, int]:
         return bytes(block), offset
 
 
+def _headless(kind: bytes, offset: int, after: _Next, reason: str, lead: str) -> TarError:
+    """The error for extended headers that no member follows, the first of them at `offset`:
+    every member before them was read whole; the one they were written for, named when they
+    name it, is lost."""
+    header = _HEADERS[kind]
+    return TarError(reason, f"{lead} {header} at byte {offset}, not a member it describes "
+                    "(its writer stopped between them?)", after.name, after_end=True)
+
+
 def tar_members(
     stream: BinaryIO, max_member_bytes: int | None = None, on_member: Callable[[str, int], None] | None = None,
     *, on_unterminated: Callable[[int], None] | None = None, identity: CopyIdentity | None = None,
@@ -366,7 +380,9 @@ def tar_members(
     anywhere else raises `TarError("truncated_tar")`. End-of-archive blocks end it where only
     zeros follow them to the stream's end; a valid header after them continues it (tars joined
     with `cat`, read as `tar --ignore-zeros` reads them), other bytes raise `TarError("bad_tar",
-    after_end=True)` once every member before them was yielded. `identity`, if given, digests
+    after_end=True)` once every member before them was yielded. So do extended headers (pax,
+    pax global, GNU long name or link) that no member follows: `bad_tar` where end-of-archive
+    blocks follow them, `truncated_tar` where the stream ends. `identity`, if given, digests
     each header block as it is read and is finished at the archive's end.
 
     `start` is the file offset of the stream's first byte (a walk resumed at a member's header,
@@ -384,6 +400,7 @@ def tar_members(
     take = getattr(stream, "take", None)
     offset = chain = start  # chain: where the headers of the next member yielded begin
     after = _NOTHING  # what extended headers said about the next member
+    pending, pending_kind = -1, b""  # the first extended (or pax global) header since the last member
     name: str | None = None  # the member being read, for errors raised by the decompressor
     try:
         while True:
@@ -395,7 +412,10 @@ def tar_members(
                                    "gzip-compressed tar .tar.gz or .tgz, or decompress it")
                 _refuse_compressed(header)
             if len(header) < _BLOCK:
-                if not header and after is _NOTHING:
+                if not header and pending >= 0:
+                    raise _headless(pending_kind, pending, after,
+                                    "truncated_tar", f"archive ends at byte {offset} after the")
+                if not header:
                     # At a member boundary: a zero-byte file (offset 0, an empty shard, reported
                     # as such by the reader), or an archive whose writer never wrote its end.
                     if offset and on_unterminated is not None:
@@ -411,7 +431,13 @@ def tar_members(
                 )
             if header == _ZERO_BLOCK:
                 end = offset
-                after = _NOTHING  # an extended header the end cut off never names an appended member
+                if pending >= 0:
+                    # Raised before the blocks past the end are read: whatever follows (zeros,
+                    # an appended tar), the header names no member of it. GNU tar drops it
+                    # without a word; a writer that stopped between it and its member may have
+                    # left a sample short, so it is named, as tarfile refuses it.
+                    raise _headless(pending_kind, pending, after,
+                                    "bad_tar", f"end-of-archive blocks at byte {end} follow the")
                 try:
                     header, offset = _past_end(stream, read, offset + _BLOCK)
                 except (EOFError, gzip.BadGzipFile, zlib.error) as e:
@@ -477,6 +503,7 @@ def tar_members(
             if pad and (len(read(pad)) if padded is None else padded) < pad:
                 raise TarError("truncated_tar", f"archive ends inside the padding of member at byte {offset}", name)
             if name is not None:
+                pending = -1
                 if on_member is not None:
                     on_member(name, offset + _BLOCK + extensions)
                 if at is not None:
@@ -486,6 +513,10 @@ def tar_members(
                 after = _NOTHING
                 yield name, data
                 continue
+            if pending < 0 and (kind in _META or kind == b"g"):
+                pending, pending_kind = offset, kind
+            elif kind not in _META and kind != b"g":
+                pending = -1  # a directory entry: the headers were about it
             if kind in _META and after is _NOTHING:
                 after = _Next()
             if kind == b"L":

@@ -259,6 +259,65 @@ def test_a_pax_record_length_of_thousands_of_digits_is_a_bad_tar():
     assert err.value.reason == "bad_tar"
 
 
+
+# --- extended headers that no member follows (a writer stopped between a header and its member)
+
+_HEADLESS = {  # each describes a member of a sample after "b", or every member after it ("g")
+    "pax": (lambda: _pax(b"path=c.txt"), "pax extended header"),
+    "pax without a path": (lambda: _pax(b"mtime=1.5"), "pax extended header"),
+    "pax global": (lambda: tar_member("GlobalHead", _pax(b"comment=x")[512:].rstrip(b"\0"), kind=b"g"),
+                   "pax global header"),
+    "GNU long name": (lambda: tar_member("././@LongLink", b"c" * 120 + b".txt\0", kind=b"L"),
+                      "GNU long name header"),
+    "GNU long link": (lambda: tar_member("././@LongLink", b"t" * 120 + b"\0", kind=b"K"),
+                      "GNU long link header"),
+}
+
+
+@pytest.mark.parametrize("header", list(_HEADLESS))
+@pytest.mark.parametrize("end, name, map_shards", [
+    ("blocks", "x.tar", True), ("blocks", "x.tar", False), ("blocks", "x.tar.gz", False),
+    ("blocks and an appended tar", "x.tar", True), ("eof", "x.tar", True), ("eof", "x.tar", False),
+])
+def test_an_extended_header_no_member_follows_is_reported_after_every_sample_before_it(
+        tmp_path, header, end, name, map_shards):
+    """GNU tar lists such a tar quietly, dropping the header; tarfile refuses it (ReadError).
+    The reader reads every sample before it, then names the shard and the header's byte."""
+    make, kind = _HEADLESS[header]
+    whole = tar_bytes(_texts("a", "b"), end=False)
+    archive = whole + make() + {"blocks": bytes(1024), "eof": b"",
+                                "blocks and an appended tar": bytes(1024) + tar_bytes(_texts("z"))}[end]
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(archive, mtime=0) if name.endswith(".gz") else archive)
+    with pytest.raises(tarfile.ReadError):
+        tarfile.open(fileobj=io.BytesIO(archive)).getmembers()
+    if shutil.which("tar") and not name.endswith(".gz"):
+        listed = subprocess.run(["tar", "-tf", str(path)], capture_output=True, text=True, check=True)
+        assert listed.stdout.split() == ["a.txt", "b.txt"] and not listed.stderr
+    stats = ErrorStats()
+    config = ReaderConfig(errors=ErrorPolicy(mode="skip"), map_shards=map_shards)
+    keys = [r.key for r in iter_shard(str(path), config, stats=stats)]
+    reason = "truncated_tar" if end == "eof" else "bad_tar"
+    assert keys == ["a", "b"] and stats.by_reason == {reason: 1}, stats.recent
+    ((_, shard, key, message),) = stats.recent
+    assert shard == str(path) and key is None
+    lead = (f"archive ends at byte {len(archive)} after the" if end == "eof"
+            else f"end-of-archive blocks at byte {len(whole) + len(make())} follow the")
+    assert f"{lead} {kind} at byte {len(whole)}, not a member it describes" in message
+    assert "after key 'b'; every sample before them was read" in message
+
+
+@pytest.mark.parametrize("end", [bytes(1024), b""])
+def test_an_extended_header_naming_a_member_of_the_last_sample_drops_that_sample_by_key(tmp_path, end):
+    """The long name says the lost member was the last sample's: that sample is not whole."""
+    path = tmp_path / "x.tar"
+    path.write_bytes(tar_bytes(_texts("a", "b"), end=False)
+                     + tar_member("././@LongLink", b"b." + b"j" * 120 + b"\0", kind=b"L") + end)
+    keys, stats = _read(str(path))
+    assert keys == ["a"] and sum(stats.by_reason.values()) == 1, stats.recent
+    assert "samples from index 1 from key 'b' on are lost" in stats.recent[0][3]
+
+
 # --- shard suffixes in any case
 
 
