@@ -1,11 +1,13 @@
 """Shards on object storage and HTTP (`s3://`, `gs://`, `http(s)://`), through fsspec.
 
 A remote shard is read front to back like a local one, with bounded memory: fsspec's read-ahead
-cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for; over HTTP, bytes
-count as progress (`RemoteShard.on_bytes`, a reader's stall watch) as they arrive within a
-block's request, so a slow server that keeps sending is not taken for a stalled one. Transient failures
-(a dropped or refused connection, no byte for `READ_TIMEOUT_S`, an HTTP 5xx, 408 or 429) are
-retried with capped exponential backoff, or after the server's `Retry-After`, for up to
+cache holds one block (`BLOCK_BYTES`) beyond what the tar reader asked for; over HTTP and S3,
+bytes count as progress (`RemoteShard.on_bytes`, a reader's stall watch) as they arrive within a
+block's request, so a slow server that keeps sending is not taken for a stalled one (GCS counts
+a block once it has arrived: gcsfs reads an answer whole, on a session its files share).
+Transient failures (a dropped or refused connection, no byte for `READ_TIMEOUT_S`, an HTTP
+5xx, 408 or 429) are retried with capped exponential backoff, or after the server's
+`Retry-After`, for up to
 `RETRY_S` seconds: the file is reopened and read on from the byte offset reached, so a shard cut
 mid-way loses and repeats nothing. Each block is a request of its own, so every one must come
 from the version of the object first opened (its ETag, else S3 VersionId or Last-Modified: sent
@@ -339,7 +341,8 @@ class _PinnedSession:
 
 class _Arriving:
     """An aiohttp answer's body stream that calls `progress` as each piece of it arrives: a
-    block is one request (read whole by fsspec), and a slow server still sends while it lasts."""
+    block is one request (read whole by fsspec), and a slow server still sends while it lasts.
+    Read whole, it gathers the pieces as aiohttp's own `read()` does: no extra copy."""
 
     def __init__(self, stream: Any, progress: Any) -> None:
         self._stream, self._progress = stream, progress
@@ -357,6 +360,28 @@ class _Arriving:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+class _ArrivingS3:
+    """The S3 filesystem as one s3fs file sees it (`S3File.fs`): its GetObject answers' bodies
+    call `progress` as their bytes arrive. s3fs reads a block as one GetObject whose body it
+    reads whole; botocore's body reads the aiohttp stream wrapped here, so its length check
+    and error translation stay. Per file, not patched into the filesystem: fsspec shares one
+    instance among every shard (and read-back) of a process."""
+
+    def __init__(self, fs: Any, progress: Any) -> None:
+        self._fs, self._progress = fs, progress
+
+    async def _call_s3(self, method: str, *args, **kwargs):
+        answer = await self._fs._call_s3(method, *args, **kwargs)
+        raw = getattr(answer.get("Body") if isinstance(answer, dict) else None, "raw_stream", None)
+        # aiobotocore's aiohttp body; its httpx one has no such stream (progress per block then)
+        if method == "get_object" and hasattr(getattr(raw, "content", None), "readany"):
+            raw.content = _Arriving(raw.content, self._progress)
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
 
 
 class RemoteShard:
@@ -445,6 +470,8 @@ class RemoteShard:
         # The listing a glob left in fsspec's cache may be older than the object now there.
         self.fs.invalidate_cache(self.path)
         self._file = self.fs.open(self.path, "rb", block_size=self.block_bytes, cache_type=self.cache_type)
+        if scheme(self.url) == "s3":
+            self._file.fs = _ArrivingS3(self._file.fs, self.progressed)
         # s3fs reads every block with IfMatch on the ETag of these details (FileExpired if not)
         self._pin({**getattr(self._file, "details", {}), "size": getattr(self._file, "size", None)})
         if self.pos:

@@ -4,11 +4,13 @@ Every server runs here on 127.0.0.1 at a random port; no real cloud."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 
@@ -22,7 +24,7 @@ from pipeline.shards import expand_shards
 pytest.importorskip("fsspec")
 pytest.importorskip("aiohttp")
 
-from tests.test_object_storage import send_range, serving  # noqa: E402 - after the skips
+from tests.test_object_storage import moto_s3, send_range, serving  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -491,6 +493,68 @@ def test_a_slow_server_that_keeps_sending_is_not_given_up_as_stalled(small_shard
                              stats, stall_s=0.25)
         keys = [r.key for r in records]
     assert stats.by_reason == {} and keys == _local_keys(path)
+
+
+
+@contextlib.contextmanager
+def _trickling(target: tuple[str, int], piece: int = 8 << 10, pause: float = 0.03):
+    """A TCP proxy on 127.0.0.1 to `target` for the block, passing requests on at once and
+    answers steadily but slowly, `piece` bytes every `pause` seconds: its endpoint URL."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def pump(src: socket.socket, dst: socket.socket, slow: bool) -> None:
+        with contextlib.suppress(OSError):
+            while not done.is_set() and (data := src.recv(piece)):
+                dst.sendall(data)
+                if slow:
+                    time.sleep(pause)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while not done.is_set():
+                client, _ = listener.accept()
+                server = socket.create_connection(target)
+                for args in ((client, server, False), (server, client, True)):
+                    threading.Thread(target=pump, args=args, daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        done.set()
+        listener.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_s3_server_that_keeps_sending_is_not_given_up_as_stalled(small_shards, monkeypatch):
+    """As over HTTP: S3 answers of 270 KB/s, a block (one GetObject) taking a second, longer
+    than the stall timeout, are read whole: bytes count as they arrive, not per block."""
+    from urllib.parse import urlsplit
+
+    import s3fs
+
+    from pipeline.inspect import records_of
+
+    monkeypatch.setattr(remote, "BLOCK_BYTES", 256 << 10)
+    path = small_shards[1]
+    assert os.path.getsize(path) > 2 * remote.BLOCK_BYTES
+    with moto_s3(monkeypatch) as client:
+        client.upload_file(path, "data", "slow.tar")
+        moto = urlsplit(os.environ["AWS_ENDPOINT_URL"])
+        with _trickling((moto.hostname, moto.port)) as endpoint:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+            s3fs.S3FileSystem.clear_instance_cache()
+            # The client is made once per process (a second on a busy machine), not per read:
+            # made here, it is not taken for a stall of the shard.
+            remote.filesystem("s3://data/slow.tar")[0].info("data/slow.tar")
+            stats = ErrorStats()
+            records = records_of("s3://data/slow.tar", ReaderConfig(keep_members=False), stats, stall_s=0.5)
+            keys = [r.key for r in records]
+    assert stats.by_reason == {} and keys == _local_keys(path), stats.recent
 
 
 class _NotHttp(http.server.BaseHTTPRequestHandler):
