@@ -707,9 +707,14 @@ def _log_format(args: argparse.Namespace) -> str:
     return getattr(args, "log_format", "text")
 
 
+#: A worker's status when Ctrl-C came before it began to read (`mmdispatch read: interrupted`).
+INTERRUPTED = 130
+
+
 def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
     """One worker until it is stopped or the job is done (0), or cannot go on (1, one line;
-    put on `failures` instead, when given, for the supervisor to say once for all workers)."""
+    put on `failures` instead, when given, for the supervisor to say once for all workers), or
+    a SIGINT came while it started (`INTERRUPTED`; said by the supervisor, when there is one)."""
     # Workers of `--workers N` are fresh processes: they log as the command was told to.
     log_format = _log_format(args)
     setup_logging(log_format, getattr(args, "log_level", "INFO"))
@@ -722,11 +727,18 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
 
     signal.signal(signal.SIGTERM, stopped_by)
     signal.signal(signal.SIGINT, stopped_by)
+    # A worker process starts with SIGINT blocked (`_supervise`), so that a Ctrl-C during its
+    # imports waits for this handler instead of printing their traceback: it comes now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     faulthandler.enable()  # a worker the kernel kills (SIGBUS, SIGSEGV) leaves its Python stack
     keep_freed_memory(getattr(args, "malloc_keep_mb", 0))
     relax_gc()
     try:
         reader = ReaderWorker(config_from_args(args, worker))
+        if "SIGINT" in signals:  # Ctrl-C during start-up: one line, as before the handler
+            if failures is None:
+                say("mmdispatch read: interrupted", log_format)
+            return INTERRUPTED
         reader.run(stop)
         # Its own line: an operator reading the reader's log sees why it ended, not only
         # the dispatcher's reader_left.
@@ -810,7 +822,14 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     def start(w: int) -> multiprocessing.Process:
         p = mp.Process(target=_process_main, args=(args, w, os.getpid(), failures),
                        name=f"reader-{w}")
-        p.start()
+        # The signal mask outlives exec: the worker's interpreter holds a Ctrl-C back until
+        # its handler is set (`_worker_main`), where one would interrupt its imports halfway
+        # and print their traceback. This process takes its own once the worker is started.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         started[w] = time.monotonic()
         return p
 
@@ -829,6 +848,9 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 if p.exitcode is None:
                     continue
                 del procs[w]
+                if p.exitcode == INTERRUPTED:  # a worker got Ctrl-C as it started: stop them all
+                    stopped_by[0] = signal.SIGINT
+                    stopping.set()
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
                     if p.exitcode and p.exitcode > 0:
@@ -872,4 +894,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
             codes.append(max(p.exitcode or 0, 0))
             if p.exitcode and p.exitcode > 0:
                 say_failures(w)
+    if INTERRUPTED in codes:  # Ctrl-C while workers started: as a start-up interrupt ends
+        say("mmdispatch read: interrupted", log_format)
+        return INTERRUPTED
     return max(codes, default=0)

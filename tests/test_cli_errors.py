@@ -8,6 +8,7 @@ way out) named in the message. `--debug` is the one way to get the traceback bac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import socket
 import subprocess
@@ -734,6 +735,42 @@ def test_ctrl_c_during_start_up_is_one_quiet_line(argv):
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
         if proc.returncode == 130:
             assert err.strip().endswith(": interrupted") and len(err.strip().splitlines()) <= 1, err
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_read_starts_its_workers_is_one_quiet_line():
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) while `read --workers N`
+    started its worker processes printed a worker's traceback: KeyboardInterrupt inside an
+    import of the new interpreter. Once every worker reads, it stops them as before (status 0)."""
+    import os
+    import signal
+    import time
+
+    from tests.servicekit import wait_for
+    from tests.test_session import _workers_of
+
+    argv = [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9", "--connect-timeout", "60", "--workers", "2"]
+    codes = []
+    for delay in (0.0, 0.2, 0.6, 1.5, 3.0):  # after the first worker process appeared
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+        try:
+            wait_for(lambda: _workers_of(proc.pid), 60, "a worker process")
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=90)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        lines = err.strip().splitlines()
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, (delay, err)
+        assert proc.returncode in (0, 130), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            assert lines[-1] == "mmdispatch read: interrupted" and err.count("interrupted") == 1, (delay, err)
+        assert all("event=stopped" in line for line in lines[:-1 if proc.returncode else None]), (delay, err)
+        codes.append(proc.returncode)
+    assert codes[0] == 130  # a worker just started still imports: the window was hit
 
 
 @pytest.mark.parametrize("command,flags", [
