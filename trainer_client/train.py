@@ -10,17 +10,17 @@ dispatcher balanced it (balancing only rearranges samples inside a step).
 
 from __future__ import annotations
 
-import argparse
-import io
-import json
-import logging
-import os
 import sys
-import time
 
 PROG = "python -m trainer_client.train"
 
 try:  # torch takes seconds to load: a Ctrl-C meanwhile is no bug, and has nothing to unwind
+    import argparse
+    import io
+    import json
+    import logging
+    import os
+    import time
     from contextlib import nullcontext
 
     from dispatcher_server.cliopts import interrupt_exits
