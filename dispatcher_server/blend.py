@@ -16,6 +16,7 @@ epoch, however small a source is.
 from __future__ import annotations
 
 import hashlib
+from fractions import Fraction
 
 import numpy as np
 
@@ -26,12 +27,15 @@ def _unit(*parts: object) -> float:
 
 
 def normalized(weights: list[float]) -> list[float]:
-    """`weights` scaled to sum to 1. Divided by the largest first: finite weights whose sum
-    overflows (1e308 + 1e308) would otherwise all normalize to 0, and the blend ignore them."""
-    top = max(weights)
-    scaled = [w / top for w in weights]
-    total = sum(scaled)
-    return [w / total for w in scaled]
+    """`weights` scaled to sum to 1, each the float nearest its exact share of the weights as
+    written (their shortest decimal form, which is what a dataset file holds): so weights written
+    another way in proportion (6/3/1, 0.6/0.3/0.1, 1.2/0.6/0.2) normalize to the very same
+    floats, draw the same sequence and resume one another's journals. Float division gave
+    0.09999999999999999 for 1/10 of 6/3/1 and 0.1 for 0.1 of 0.6/0.3/0.1. Exact arithmetic
+    also keeps finite weights whose float sum overflows (1e308 + 1e308) apart from 0."""
+    exact = [Fraction(repr(float(w))) for w in weights]
+    total = sum(exact)
+    return [float(w / total) for w in exact]
 
 
 def same_setting(name: str, a: object, b: object) -> bool:

@@ -374,9 +374,15 @@ def test_shuffle_shards_opens_that_many_shards_and_is_part_of_the_fingerprint():
         config(shuffle_shards=4, shuffle_buffer=0)
 
 
-def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("written, rewritten", [
+    ((5, 3, 2), (0.5, 0.3, 0.2)), ((6, 3, 1), (0.6, 0.3, 0.1)), ((7, 2, 1), (0.7, 0.2, 0.1)),
+    ((3, 3, 4), (0.3, 0.3, 0.4)), ((6, 3, 1), (1.2, 0.6, 0.2)), ((1, 1, 3), (0.1, 0.1, 0.3)),
+])
+def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpoints(
+        tmp_path, written, rewritten):
     """5/3/2 and 0.5/0.3/0.2 draw the same sequence: a resume with either is the same job; a
-    resume with weights that draw another sequence is refused, naming the sources."""
+    resume with weights that draw another sequence is refused, naming the sources. Float
+    division made 6/3/1 and 0.6/0.3/0.1 two blends (0.09999999999999999 against 0.1): refused."""
     from dispatcher_server.blend import as_drawn, differing
     from dispatcher_server.journal import Journal, JournalError, StepEntry
     from trainer_client.client import dataset_difference
@@ -386,7 +392,14 @@ def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpo
                                             weight=w) for n, w in zip("abc", weights)],
                             world_size=1, batch=BatchConfig(global_batch=8),
                             planner=PlannerConfig(num_microbatches=1), shuffle_buffer=40)
-    first, again, other = config(5, 3, 2), config(0.5, 0.3, 0.2), config(0.4, 0.4, 0.2)
+    first, again, other = config(*written), config(*rewritten), config(0.4, 0.4, 0.2)
+    def draws(weights):
+        blend, out = Blend(weights, 7), []
+        for _ in range(3000):
+            out.append(blend.next_source())
+            blend.draw(out[-1], 1)
+        return out
+    assert draws(first.weights) == draws(again.weights)
     assert (first.weights, first.windows, first.block_sizes) == (
         again.weights, again.windows, again.block_sizes)
     journal = Journal(str(tmp_path), first.fingerprint())
@@ -396,13 +409,13 @@ def test_weights_written_another_way_are_the_same_blend_for_journals_and_checkpo
     journal = Journal(str(tmp_path), again.fingerprint())
     assert journal.last_step == 0
     journal.close()
-    with pytest.raises(JournalError, match=r"sources: journal has .*'a', 5"):
+    with pytest.raises(JournalError, match=rf"sources: journal has .*'a', {written[0]}"):
         Journal(str(tmp_path), other.fingerprint())
     assert differing(first.dataset_fingerprint(), again.dataset_fingerprint()) == []
     assert differing(first.dataset_fingerprint(), other.dataset_fingerprint()) == ["sources"]
     assert dataset_difference(first.dataset_fingerprint(), again.dataset_fingerprint()) == ""
     renamed = ServerConfig(sources=[Source(name=n, shards=[f"/{m}/s{i}.tar" for i in range(4)],
-                                           weight=w) for n, m, w in zip("xbc", "abc", (5, 3, 2))],
+                                           weight=w) for n, m, w in zip("xbc", "abc", written)],
                            world_size=1, batch=BatchConfig(global_batch=8),
                            planner=PlannerConfig(num_microbatches=1), shuffle_buffer=40)
     assert differing(first.dataset_fingerprint(), renamed.dataset_fingerprint()) == ["sources"]
