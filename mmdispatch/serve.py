@@ -549,11 +549,32 @@ def _warn_unshuffled(config: ServerConfig) -> None:
     for src, weight, block in zip(config.sources, config.weights, config.block_sizes):
         if block <= 1:
             enough = _buffer_that_shuffles(weight)
-            fix = ("its share of the blend is too small for any buffer to shuffle it" if enough is None
-                   else f"--shuffle-buffer {enough} or more shuffles it")
+            held = None if enough is None else _samples_held_with(config, enough)
+            if held is None or held > PRACTICAL_BUFFERED_SAMPLES:
+                fix = ("its share of the blend is too small for any practical buffer to shuffle it"
+                       + ("" if enough is None else f" (--shuffle-buffer {enough}, with "
+                          f"--max-buffered-samples {held}: samples the dispatcher would hold)"))
+            elif held > config.flow.max_buffered_samples:  # the buffer alone would be refused
+                fix = (f"--shuffle-buffer {enough} or more shuffles it, with --max-buffered-samples "
+                       f"{held} or more (the samples the dispatcher holds include the buffer)")
+            else:
+                fix = f"--shuffle-buffer {enough} or more shuffles it"
             event("source_not_shuffled", logging.WARNING, source=src.name, weight=f"{weight:.3g}",
                   shuffle_buffer=config.shuffle_buffer,
                   fix=f"its share of the buffer is under 2 samples: {fix}")
+
+
+#: Past this many samples held, a suggested shuffle buffer is no fix: at about 2 KB a buffered
+#: sample (more with inline payloads), 10^8 of them are hundreds of GB of dispatcher memory.
+PRACTICAL_BUFFERED_SAMPLES = 10**8
+
+
+def _samples_held_with(config: ServerConfig, shuffle_buffer: int) -> int:
+    """The least --max-buffered-samples that `config` with `shuffle_buffer` starts with
+    (ServerConfig.shard_cap at 1): the retained steps, the shuffle blocks and the open shards."""
+    blocks = sum(b for b in (max(1, round(shuffle_buffer * w)) for w in config.weights) if b > 1)
+    return ((config.flow.max_retained_steps + 1) * config.batch.global_batch + blocks
+            + sum(config.windows))
 
 
 def _buffer_that_shuffles(weight: float) -> int | None:

@@ -471,7 +471,7 @@ def test_the_unshuffled_warning_survives_a_share_no_buffer_can_shuffle(weight, c
     with caplog.at_level(logging.WARNING, logger="mmdispatch"):
         serve._warn_unshuffled(config)
     (line,) = [r.getMessage() for r in caplog.records]
-    assert "event=source_not_shuffled source=rare" in line and "too small for any buffer" in line
+    assert "event=source_not_shuffled source=rare" in line and "too small for any practical buffer" in line
 
 
 def test_serve_names_a_bad_shuffle_buffer_in_the_dataset_file_by_its_key(tmp_path):
@@ -492,3 +492,36 @@ def test_serve_names_a_bad_shuffle_buffer_in_the_dataset_file_by_its_key(tmp_pat
     with pytest.raises(ValueError, match=r"^--shuffle-buffer must be >= 0"):
         serve.build_config(serve.resolve(parser.parse_args(
             ["--dataset", path, "--world-size", "1", "--global-batch", "4", "--shuffle-buffer", "-2"])))
+
+
+@pytest.mark.parametrize("weights, practical", [((1999, 1), True), ((47410, 10), True),
+                                                ((1e6, 1e-6), False)])
+def test_the_unshuffled_warnings_fix_starts_and_shuffles_the_source(tmp_path, caplog, weights, practical):
+    """The warning's --shuffle-buffer was refused at start where the buffer alone outgrew
+    --max-buffered-samples (4742 for a source of weight 10 in 47420), and for weights 1e6/1e-6
+    it told a buffer of 1.5e12 samples."""
+    import argparse
+    import logging
+
+    from mmdispatch import serve
+
+    for name in ("a.tar", "b.tar"):
+        (tmp_path / name).write_bytes(b"")
+    path = _write(tmp_path, f'[[sources]]\nname = "big"\nshards = "a.tar"\nweight = {weights[0]!r}\n'
+                            f'[[sources]]\nname = "rare"\nshards = "b.tar"\nweight = {weights[1]!r}\n')
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    base = ["--dataset", path, "--world-size", "1", "--global-batch", "8", "--max-buffered-samples", "4096"]
+    config = serve.build_config(serve.resolve(parser.parse_args(base)))
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        serve._warn_unshuffled(config)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "event=source_not_shuffled source=rare" in line
+    if not practical:
+        assert "too small for any practical buffer" in line, line
+        return
+    fix = line.split("fix=")[1].strip("'")
+    flags = fix[fix.index("--shuffle-buffer"):].replace(" or more", "").split(" (")[0]
+    flags = flags.replace(" shuffles it", "").replace(",", "").replace(" with", "").split()
+    fixed = serve.build_config(serve.resolve(parser.parse_args([*base, *flags])))  # not refused
+    assert fixed.block_sizes[1] >= 2, (flags, fixed.block_sizes)
