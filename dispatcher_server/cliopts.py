@@ -163,6 +163,12 @@ class OneLineParser(argparse.ArgumentParser):
         line = f"{self.prog}: error: {message} (--help lists the options)"
         self.exit(2, (json_line(redact(line), "ERROR") if self._json_wanted() else line) + "\n")
 
+    def refuse(self, argv: list[str], message: str):
+        """`error` for a mistake found before `parse_args` saw `argv` (a settings file's): in
+        JSON where `argv` asks for JSON logs, as argparse's own mistakes are."""
+        self._argv = list(argv)
+        self.error(message)
+
     def _json_wanted(self) -> bool:
         """Whether the command line (or the settings file's default) asks for JSON logs: a
         mistake argparse finds comes before logging is set up."""

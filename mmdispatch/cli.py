@@ -98,7 +98,7 @@ def _main(argv: list[str]) -> int:
             try:
                 apply_file(parser, ns.command, argv[1:])
             except ConfigError as e:
-                parser.error(str(e))
+                parser.refuse(argv[1:], str(e))
         args = parser.parse_args(argv[1:])
         setup_logging(args.log_format, getattr(args, "log_level", "INFO"))
         module = importlib.import_module(COMMANDS[ns.command][0])

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dispatcher_server.blend import normalized
+from dispatcher_server.cliopts import say
 from pipeline import inspect as shards
 from pipeline.fieldmap import FieldMap
 from pipeline.reader import reader_config_from_args
@@ -90,8 +91,8 @@ def run_dataset(args: argparse.Namespace) -> int:
         render_mixture(mix, console)
     empty = [name for name, r in reports.items() if r["num_samples"] == 0]
     if empty:
-        print(f"mmdispatch inspect: error: no readable sample in source(s) {', '.join(map(repr, empty))}; "
-              f"the shards with errors above say why", file=sys.stderr)
+        say(f"mmdispatch inspect: error: no readable sample in source(s) {', '.join(map(repr, empty))}; "
+            f"the shards with errors above say why")  # JSON under --log-format json
         return 1
     return 0
 

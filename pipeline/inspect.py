@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dispatcher_server.cliopts import finite_float, redact
+from dispatcher_server.cliopts import finite_float, redact, say
 from pipeline.errors import DIGEST, ErrorStats, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.readahead import ReadAhead, stalled_error
@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(report, Console())
     if report["num_samples"] == 0:
-        print(f"mmdispatch inspect: error: no readable sample in {len(urls)} shard(s); the "
-              f"shards with errors above say why", file=sys.stderr)
+        say(f"mmdispatch inspect: error: no readable sample in {len(urls)} shard(s); the "
+            f"shards with errors above say why")  # JSON under --log-format json
         return 1
     return 0

@@ -155,13 +155,17 @@ def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     root = Path(__file__).resolve().parents[1]
+    (unknown := tmp_path / "unknown.toml").write_text("[serve]\nbogus_key = 1\n")
+    (empty := tmp_path / "empty.tar").write_bytes(b"")
     out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "inspect", "--log-format", "json", "--json",
                           str(shard)], capture_output=True, text=True, timeout=30,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     logged = [line for line in out.stderr.splitlines() if line.startswith("{")]
     assert logged, out.stderr
     records = [json.loads(line) for line in logged]
-    assert all(r["level"] == "WARNING" and "bad.tar" in r["message"] for r in records)
+    *warnings, closing = records  # every sample is bad: the closing line says no sample read
+    assert warnings and all(r["level"] == "WARNING" and "bad.tar" in r["message"] for r in warnings)
+    assert closing["level"] == "ERROR" and "no readable sample" in closing["message"], closing
     assert json.loads(out.stdout)["bad_shards"][0]["by_reason"] == {"bad_image": 3}
     # the line that ends a command, a mistake's included, is JSON too (it was plain text)
     for argv in (["serve", "--log-format", "json", "--shards", str(tmp_path / "none.tar"),
@@ -170,7 +174,11 @@ def test_log_format_json_makes_every_log_line_a_json_object(tmp_path):
                   "--connect-timeout", "1", "--workers", "2"],
                  # a mistake argparse finds, before logging is set up (it was plain text)
                  ["serve", "--log-format", "json", "--mode", "bogus"],
-                 ["gen-data", "--log-format=json", "--samples", "x", str(tmp_path / "g")]):
+                 ["gen-data", "--log-format=json", "--samples", "x", str(tmp_path / "g")],
+                 # a settings file's mistake, found before argparse reads the line (plain text)
+                 ["serve", "--log-format", "json", "--config", str(unknown), "--world-size", "1"],
+                 # inspect's closing error when no shard has a readable sample (plain text)
+                 ["inspect", "--log-format", "json", str(empty)]):
         out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", *argv], capture_output=True,
                              text=True, timeout=60, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
         lines = out.stderr.splitlines()

@@ -348,7 +348,7 @@ def _main(argv: list[str]) -> int:
         try:
             apply_file(parser, "train", argv)
         except ConfigError as e:
-            parser.error(str(e))
+            parser.refuse(argv, str(e))
         args = parser.parse_args(argv)
         setup_logging(args.log_format, args.log_level)
     # torchrun, Kubernetes and compose stop a trainer with SIGTERM: unwind the loop, so the
