@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import io
 import struct
+import threading
 import time
 import zlib
 
@@ -372,6 +373,68 @@ def test_pool_prepares_only_so_far_ahead_and_reports_waits(records):
         assert first.step == 0 and len(pulled) == 3
         rest = list(pool)
     assert [s.step for s in rest] == list(range(1, 8)) and pool.wait_s > 0
+
+
+@pytest.mark.timeout(30)
+def test_next_on_a_closed_pool_says_so_instead_of_waiting_forever(records):
+    """Its feeder is gone, so next() waited for a prepared step forever (and a feeder started
+    again took a step from the source that nothing gave back)."""
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    pulled = []
+
+    def source():
+        for s in _steps(records):
+            pulled.append(s.step)
+            yield s
+
+    for workers in (0, 1):
+        pool = PrefetchPool(source(), PrefetchConfig(workers=workers, ahead=2, preprocess=PRE))
+        assert next(pool).step == 0
+        pool.close()
+        taken = len(pulled)
+        with pytest.raises(RuntimeError, match=r"next\(\) on a closed PrefetchPool: create a new one"):
+            next(pool)
+        assert len(pulled) == taken
+        pulled.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_a_source_returns_after_the_pool_closed_goes_back_to_it(records):
+    """A source that does not return within close()'s wait (5 s) kept the pool's feeder: the
+    step it returned later was held by a feeder of a closed pool, and given back to nobody."""
+    pytest.importorskip("torch")
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    class Slow:
+        def __init__(self, steps):
+            self.steps, self.back = iter(steps), []
+            self.gate, self.waiting = threading.Event(), threading.Event()
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            step = next(self.steps)
+            if step.step == 1:
+                self.waiting.set()
+                self.gate.wait(30)
+            return step
+
+        def unread(self, steps):
+            self.back.extend(s.step for s in steps)
+
+    source = Slow(_steps(records))
+    pool = PrefetchPool(source, PrefetchConfig(workers=1, ahead=2, preprocess=PRE))
+    assert next(pool).step == 0
+    assert source.waiting.wait(10)
+    pool.close()  # its feeder still waits in the source
+    source.gate.set()
+    deadline = time.monotonic() + 10
+    while not source.back and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert source.back == [1]
 
 
 def test_an_item_that_does_not_decode_gets_a_blank_input_or_raises_naming_its_key(caplog):

@@ -896,6 +896,87 @@ def _step_keys(step) -> list[list[str]]:
     return [list(mb.keys) for mb in step.microbatches]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("via", ["client", "pool"])
+def test_a_rewind_after_the_end_arrived_serves_the_rewound_steps_not_the_old_end(shards, via):
+    """load_state_dict only queues the rewind for the client thread: an END (and steps) already
+    in the client's queue were taken by the next `__next__` as the end of the rewound stream,
+    which then yielded nothing instead of steps 1... Deliveries carry the rewind they follow."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    last = NUM_SAMPLES // 8  # steps 0..last, then END
+    cfg = make_config(shards, world_size=1, max_epochs=1)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        # Credit for every step: the client's queue fills up to the END, a pool's feeder or not.
+        client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config(prefetch=16))
+        pool = PrefetchPool(client, PrefetchConfig(workers=1, ahead=4)) if via == "pool" else None
+        source = pool if pool is not None else client
+        try:
+            first = [next(source) for _ in range(3)]
+            deadline = time.monotonic() + 20
+            while (client._steps.qsize() != last + 2 - client._consumed
+                   and time.monotonic() < deadline):
+                time.sleep(0.02)  # the steps after those taken, and the END
+            assert client._steps.qsize() == last + 2 - client._consumed
+            source.load_state_dict({"next_step": 1})
+            again = [step for step in source]
+        finally:
+            if pool is not None:
+                pool.close()
+            client.close()
+    assert [s.step for s in again] == list(range(1, last + 1))
+    for step in again[:2]:
+        assert _step_keys(step) == _step_keys(first[step.step])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["pool.close", "dataset.load_state_dict"])
+def test_a_pool_closed_while_its_feeder_waits_for_a_step_leaves_that_step_to_the_client(
+        shards, how):
+    """Rank 0's pool feeder waits in the client's __next__ for step 1, which rank 1 (not there
+    yet) holds back. close() gave up on it after 5 s and the feeder, left behind, took step 1
+    once it came and dropped it: rank 0's next loop began at step 2, one step off its peer's
+    collectives. A DispatcherDataset closes its pool on every load_state_dict, so a rewind lost
+    the step too."""
+    from trainer_client.client import DispatcherDataset
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    cfg = make_config(shards, world_size=2, max_epochs=1)
+    with dispatcher(cfg) as srv, readers(srv.reader_endpoint, 2):
+        prefetch = PrefetchConfig(workers=1, ahead=20)
+        if how == "pool.close":
+            client = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config())
+            source = PrefetchPool(client, prefetch)
+        else:
+            source = DispatcherDataset(srv.trainer_endpoint, preprocess=prefetch, rank=0,
+                                       world_size=2, local_world_size=2, config=client_config())
+        try:
+            first = next(iter(source)).step
+            client = source.client if how != "pool.close" else client
+            taken, deadline = None, time.monotonic() + 20
+            while taken != client._consumed and time.monotonic() < deadline:
+                taken = client._consumed
+                time.sleep(1)  # the feeder takes what rank 0 alone gets, then waits for more
+            assert first == 0 and taken == client._consumed and client._steps.empty()
+            assert taken < NUM_SAMPLES // 8  # it waits for a step rank 1 holds back
+            if how == "pool.close":
+                source.close()
+                rest = client
+            else:
+                source.load_state_dict(dict(source.state_dict(), next_step=1))
+                rest = source
+            peer = {}
+            thread = threading.Thread(target=lambda: peer.update(consume(
+                srv.trainer_endpoint, 2, ranks=[1])), daemon=True)
+            thread.start()
+            got = [step.step for step in rest]
+            thread.join(60)
+        finally:
+            source.close()
+            client.close()
+    assert got == [s for s, _ in peer[1]][1:] == list(range(1, NUM_SAMPLES // 8 + 1))
+
+
 def test_a_reader_leaving_with_no_shard_says_no_shards_field(tmp_path, caplog):
     shard_list = [_text_shard(tmp_path / "s0.tar", "s0-", 16)]
     config = make_config(shard_list, world_size=1, global_batch=8, max_epochs=1)

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,13 @@ class DispatcherError(RuntimeError):
         self.code = code
 
 
-class Rewound(RuntimeError):
+class Interrupted(RuntimeError):
+    """A `__next__` waiting in another thread (a `PrefetchPool`'s feeder) gave up: the consumer
+    it took steps for is closing (`DispatcherClient.interrupt_waits`), and the step it waited
+    for stays with the client for whoever iterates it next."""
+
+
+class Rewound(Interrupted):
     """`DispatcherClient.load_state_dict` moved the client while another thread (a
     `PrefetchPool`'s feeder) waited in `__next__`: the step it waited for is not one of the new
     position's, so it gets none."""
@@ -368,9 +375,17 @@ def _integral(step) -> int:
     """`step` as an int if it is an integer other than a bool (numpy and tensor integers
     included), else -1."""
     try:
-        return -1 if isinstance(step, bool) else operator.index(step)
+        return _checked_index(step)
     except TypeError:
         return -1
+
+
+def _checked_index(value) -> int:
+    """`value` as an int if it is an integer other than a bool (numpy and tensor integers
+    included), else TypeError."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{value!r} is a bool")
+    return operator.index(value)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -427,7 +442,7 @@ class _TrainerPeer:
 
     def __init__(self, *, hello: dict, prefetch: int, map_shards: bool, next_step: int | None,
                  dataset: dict | None, steps: queue.Queue, commands: queue.Queue,
-                 fetcher=None) -> None:
+                 fetcher=None, generation: int = 0) -> None:
         self.hello = hello
         self.prefetch = prefetch
         self.map_shards = map_shards
@@ -440,6 +455,9 @@ class _TrainerPeer:
         self.dataset: dict | None = None  # the dispatcher's, from WELCOME
         self.steps = steps
         self.commands = commands
+        # The client's rewind count as of the last resync this thread carried out: stamped on
+        # every item it delivers, so the loop drops what was on its way before a rewind.
+        self.generation = generation
         self.commits: list[_Commit] = []
         self.halted: DispatcherError | None = None  # the END that stopped the job on an error
         self.files: ShardFiles | None = None  # reference payload mode
@@ -542,13 +560,16 @@ class _TrainerPeer:
 
     # -- parts ---------------------------------------------------------------------------
     def _deliver(self, item) -> None:
-        """A STEP message (decoded, payloads read or fetched) or the end, in order."""
+        """A STEP message (decoded, payloads read or fetched) or the end, in order, stamped
+        with the generation it belongs to."""
         if self.fetcher is not None:
-            self.fetcher.put(item)  # it passes the end on after the steps before it
+            # It passes the end on after the steps before it, each with this stamp: a fetch
+            # still running when a rewind comes lands in the queue after the rewind.
+            self.fetcher.put(item, stamp=self.generation)
         elif isinstance(item, P.Message):
-            self.steps.put(decode_step(item, self.files))
+            self.steps.put((self.generation, decode_step(item, self.files)))
         else:
-            self.steps.put(item)
+            self.steps.put((self.generation, item))
 
     def _check_dataset(self, served: dict | None) -> None:
         if self.restored is not None and served is not None and differing(self.restored, served):
@@ -593,10 +614,11 @@ class _TrainerPeer:
                 if self.fetcher is not None:
                     self.fetcher.clear()
                 while not self.steps.empty():
-                    self.steps.get_nowait()
+                    self.steps.get_nowait()  # memory: the loop skips them by their stamp anyway
                 self.next_expected = self.consumed = cmd[1]
                 self.resuming = cmd[1] is not None
                 self.restored = cmd[2]
+                self.generation = cmd[3]
                 session.hello()
 
     def _on_error(self, session: PeerSession, msg: P.Message) -> None:
@@ -656,8 +678,10 @@ class DispatcherClient:
                                  if local_world_size is None else local_world_size)
         for name in ("rank", "world_size", "local_world_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} must be an int")
+            try:  # a numpy or tensor integer is one, as commit() takes it; a bool is not
+                setattr(self, name, _checked_index(value))
+            except TypeError:
+                raise ValueError(f"{name}={value!r} must be an int") from None
         if self.world_size < 1:
             raise ValueError(f"world_size={self.world_size} must be >= 1 (the number of trainer ranks)")
         if not 0 <= self.rank < self.world_size:
@@ -667,6 +691,8 @@ class DispatcherClient:
                              f"world_size={self.world_size} (ranks per node, the same on every node)")
         self.config = config or ClientConfig()
         self.ctx = context or zmq.Context.instance()
+        # (generation, Step | _END | Exception): the client thread's deliveries, stamped with
+        # the rewind they follow (None: the thread died, whatever the position)
         self._steps: queue.Queue = queue.Queue()
         self._commands: queue.Queue = queue.Queue()
         self._consumed: int | None = None  # next step to hand to the trainer
@@ -682,6 +708,11 @@ class DispatcherClient:
         # runs, a `__next__` waiting in their thread gives up (`Rewound`).
         self._rewind_listeners: list = []
         self._rewinding = threading.Event()
+        self._interrupting = threading.Event()  # see interrupt_waits
+        # load_state_dict calls so far: a delivery stamped with an older count belongs to a
+        # position the loop has left (a step, or the END of the stream, queued before a rewind
+        # that the client thread has not carried out yet) and is never handed out
+        self._generation = 0
         self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
         self._loop_position = None  # the consumer's: the step after the last its loop took
 
@@ -712,7 +743,8 @@ class DispatcherClient:
                        **({} if self.inputs is None else {"inputs": self.inputs})},
                 prefetch=self.config.prefetch, map_shards=self.config.map_shards,
                 next_step=self._consumed, dataset=self._restored, steps=self._steps,
-                commands=self._commands, fetcher=self.config.fetcher)
+                commands=self._commands, fetcher=self.config.fetcher,
+                generation=self._generation)
             self._session = PeerSession(self.config.session(self.address), self._peer,
                                         context=self.ctx, name="client")
             self._thread = threading.Thread(target=self._run, name=f"mmdispatch-client-{self.rank}",
@@ -737,8 +769,10 @@ class DispatcherClient:
         while True:
             if self._rewinding.is_set():
                 raise Rewound("load_state_dict moved the client while this thread waited for a step")
+            if self._interrupting.is_set():
+                raise Interrupted("the consumer this thread waited for a step for is closing")
             try:
-                item = self._steps.get(timeout=0.1)
+                generation, item = self._steps.get(timeout=0.1)
             except queue.Empty:
                 if self._fatal is not None:
                     raise self._fatal
@@ -752,13 +786,15 @@ class DispatcherClient:
                         "stopped (its log: event=trainer_lost) or readers that deliver nothing "
                         "hold the others")
                 continue
+            if generation is not None and generation != self._generation:
+                continue  # queued before a rewind: another position's step or END
             if item is _END:
                 self._ended = True
                 raise StopIteration
             if isinstance(item, Exception):
                 raise item
             if self._consumed is not None and item.step != self._consumed:
-                continue  # left over from before a resync
+                continue  # not the step the loop is at: never handed out of order
             self._consumed = item.step + 1
             self._commands.put(("consumed", self._consumed))
             return item
@@ -780,6 +816,8 @@ class DispatcherClient:
         """Send this rank's measured phase times of `step` with the next acknowledgement: per
         micro-batch {phase: [seconds, [sequence lengths run]], ..., "exchange": seconds}
         (phases "vision", "audio", "llm"; see `trainer_client.calibrate.PhaseTimer`)."""
+        # A closed client's thread is gone: queued, the timings would vanish without a word.
+        self._check_open(f"report_timings({step!r})")
         if not isinstance(step, bool) and hasattr(step, "__index__"):
             step = operator.index(step)  # a numpy or tensor integer: msgpack packs only int
         record = {"step": step, "mb": microbatches}
@@ -831,12 +869,13 @@ class DispatcherClient:
         try:
             for listener in list(self._rewind_listeners):
                 listener()  # steps taken ahead belong to the old position: dropped first
+            self._generation += 1
             self._consumed = step
             self._restored = dataset
             self._ended = False
             self._returned.clear()
             if self._thread is not None:
-                self._commands.put(("resync", step, dataset))
+                self._commands.put(("resync", step, dataset, self._generation))
         finally:
             self._rewinding.clear()
 
@@ -845,6 +884,18 @@ class DispatcherClient:
         a consumer that took steps ahead (a `PrefetchPool`) stops taking and drops them. A
         `__next__` it waits in meanwhile raises `Rewound`."""
         self._rewind_listeners.append(listener)
+
+    @contextmanager
+    def interrupt_waits(self):
+        """While in this block, a `__next__` waiting for a step in another thread raises
+        `Interrupted` within a poll: a consumer that takes steps in its own thread (a closing
+        `PrefetchPool`) joins that thread here. Left waiting, it would take the next step once
+        one came, after its consumer closed, and nothing would give that step back."""
+        self._interrupting.set()
+        try:
+            yield
+        finally:
+            self._interrupting.clear()
 
     def remove_rewind_listener(self, listener) -> None:
         if listener in self._rewind_listeners:
@@ -918,7 +969,7 @@ class DispatcherClient:
             self._session.run(self._closing)
         except Exception as e:  # noqa: BLE001 - surfaced to the training loop
             self._fatal = e
-            self._steps.put(e)
+            self._steps.put((None, e))
             self._peer.fail_commits(e)
         finally:
             self._peer.close()

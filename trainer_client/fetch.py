@@ -108,7 +108,9 @@ def _tried(req: _Request) -> str:
 class PayloadFetcher:
     """`put(msg)` STEP messages (or any other item, passed on in order); `decode(msg, fetched)`
     turns a message and its payloads (per micro-batch, one view per item) into what goes
-    into `out`; a step that cannot be fetched goes there as its FetchError."""
+    into `out`; a step that cannot be fetched goes there as its FetchError. An item put with
+    a `stamp` goes out as `(stamp, result)`: the client tells a fetch that was under way when
+    it rewound from the steps of its new position by it."""
 
     def __init__(self, *, decode: Callable, out: queue.Queue, curve: PeerCurve | None = None,
                  config: FetchConfig | None = None) -> None:
@@ -129,8 +131,8 @@ class PayloadFetcher:
         self._thread = threading.Thread(target=self._run, name="mmdispatch-fetch", daemon=True)
         self._thread.start()
 
-    def put(self, item) -> None:
-        self._inbox.put(item)
+    def put(self, item, stamp=None) -> None:
+        self._inbox.put((item, stamp))
 
     def clear(self) -> None:
         """Drop what is queued (a resync: those steps will come again)."""
@@ -151,16 +153,17 @@ class PayloadFetcher:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                item = self._inbox.get(timeout=0.1)
+                item, stamp = self._inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
             if not isinstance(item, P.Message):
-                self.out.put(item)
-                continue
-            try:
-                self.out.put(self.decode(item, self.fetch(item)))
-            except Exception as e:  # noqa: BLE001 - the training loop raises it
-                self.out.put(e)
+                result = item
+            else:
+                try:
+                    result = self.decode(item, self.fetch(item))
+                except Exception as e:  # noqa: BLE001 - the training loop raises it
+                    result = e
+            self.out.put(result if stamp is None else (stamp, result))
 
     def fetch(self, msg: P.Message) -> list[list[memoryview]]:
         """Every item's bytes, per micro-batch in item order, from the readers holding them."""

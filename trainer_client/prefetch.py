@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +52,7 @@ from pipeline.preprocess import (
     PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
     check_rows, preprocess_item, row_dim,
 )
-from trainer_client.client import Microbatch, Rewound, Step
+from trainer_client.client import Interrupted, Microbatch, Step
 from trainer_client.options import ERROR_MODES, POOL_KINDS
 
 log = logging.getLogger("mmdispatch.prefetch")
@@ -218,7 +219,7 @@ class PrefetchPool:
     preprocessing not yet done): the loop's data wait. Close it (or use `with`) to stop the
     feeder thread and the workers; the source is not closed, and the steps taken from it ahead
     of the loop go back to it (a `DispatcherClient`'s `unread`), so a later loop over the source
-    loses none.
+    loses none. A closed pool hands out no more steps (`next()` raises RuntimeError).
 
     Rewind with `pool.load_state_dict(state)`, or the client's own `load_state_dict`: either
     way the steps prepared ahead (of the old position) are dropped, and the pool's next step is
@@ -238,6 +239,10 @@ class PrefetchPool:
         self._feeder: threading.Thread | None = None
         self._held: Step | None = None  # taken from the source, waiting for preparation slots
         self._ended = False
+        self._closed = False
+        # close() gave up waiting for the feeder: it gives back what it took itself on its way out
+        self._orphaned = False
+        self._giving_back = threading.Lock()  # close() and an orphaned feeder, one at a time
         add_listener = getattr(self.source, "add_rewind_listener", None)
         if add_listener is not None:
             add_listener(self._drop_prepared)
@@ -250,6 +255,11 @@ class PrefetchPool:
         return self
 
     def __next__(self) -> Step:
+        if self._closed:
+            # Its feeder is gone: a next step would wait forever (and a feeder started again
+            # would take steps from the source that nothing gives back).
+            raise RuntimeError("next() on a closed PrefetchPool: create a new one over its "
+                               "source (the steps it prepared ahead went back to it)")
         if self._ended:
             raise StopIteration
         t0 = time.perf_counter()
@@ -353,10 +363,18 @@ class PrefetchPool:
                     futures.append(per_phase)
                 self._ready.put((step, futures, slots))
             self._ready.put(_END)
-        except Rewound:
-            return  # the rewind drops what this thread took; the next step starts another
+        except Interrupted:
+            # A rewind drops what this thread took (the next step starts another feeder); a
+            # close gives it back to the source.
+            return
         except BaseException as e:  # noqa: BLE001 - the loop raises it at its next step
             self._ready.put(e)
+        finally:
+            if self._orphaned:  # close() is done: nobody else gives back what this one took
+                try:
+                    self._give_back()
+                except ValueError as e:  # the source moved on meanwhile: say what is lost
+                    log.warning("mmdispatch event=prefetched_steps_dropped %s", e)
 
     # -- lifecycle -----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -401,9 +419,17 @@ class PrefetchPool:
         remove_listener = getattr(self.source, "remove_rewind_listener", None)
         if remove_listener is not None:
             remove_listener(self._drop_prepared)
+        self._closed = True
         self._closing.set()
         if self._feeder is not None:
-            self._feeder.join(5)
+            # A feeder waiting in a client's __next__ (for a step a peer rank holds back) would
+            # take that step after this returned: it gives up now, and the step stays there.
+            interrupt = getattr(self.source, "interrupt_waits", None)
+            with interrupt() if interrupt is not None else nullcontext():
+                self._feeder.join(5)
+            # A source that does not return a step (not a client) keeps its feeder: the step it
+            # takes once the source returns goes back from the feeder, as this one's go below.
+            self._orphaned = self._feeder.is_alive()
             self._feeder = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -414,16 +440,17 @@ class PrefetchPool:
         """Return the steps taken from the source and never handed to the loop: dropped, they
         were lost to every later loop over the source (it had counted them consumed)."""
         steps = []
-        while True:
-            try:
-                got = self._ready.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(got, tuple):
-                steps.append(got[0])
-        if self._held is not None:
-            steps.append(self._held)
-            self._held = None
+        with self._giving_back:
+            while True:
+                try:
+                    got = self._ready.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(got, tuple):
+                    steps.append(got[0])
+            if self._held is not None:
+                steps.append(self._held)
+                self._held = None
         if not steps:
             return
         unread = getattr(self.source, "unread", None)
