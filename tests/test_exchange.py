@@ -329,6 +329,14 @@ def _error_cases(ctx, plan: StepPlan) -> dict[str, str]:
     attempt("extra_row_local_all", lambda: local.exchange(torch.zeros(n + 1, 8), px))
     attempt("not_2d", lambda: collective.exchange(torch.zeros(n), px))
     attempt("grad_one_rank", lambda: collective.exchange(torch.zeros(n, 8, requires_grad=ctx.rank != 1), px))
+    # rank 1 leaves out its audio phase: the metadata collective had other sizes (gloo SIGABRT)
+    both = {p: torch.zeros(int(x.send_tokens.sum()), 8) for p, x in rmb.exchanges.items()}
+    attempt("phases_one_rank", lambda: collective.exchange_phases(
+        {"vision": both["vision"]} if ctx.rank == 1 else both,
+        {"vision": px} if ctx.rank == 1 else rmb.exchanges))
+    # the same rows under another phase's name on ranks 1..3: silently mixed embeddings
+    attempt("phase_name_one_rank", lambda: collective.exchange(
+        torch.zeros(n, 8), px if ctx.rank == 0 else replace(px, phase="audio")))
     # the group must still work after all of that
     out = collective.exchange(torch.ones(n, 8), px)
     msgs["healthy_after"] = "ok" if out.shape == (int(px.recv_tokens.sum()), 8) and bool((out == 1).all()) else "bad"
@@ -384,7 +392,7 @@ def _cases() -> list[tuple]:
 @pytest.fixture(scope="module")
 def results():
     out = run_local_group(worker, world_size=W, local_world_size=G, args=(_cases(),), timeout_s=150)
-    return out[0]
+    return dict(out[0], errors_by_rank=[r["errors"] for r in out])
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -461,3 +469,13 @@ def test_plan_tensor_mismatch_raises_on_every_rank_instead_of_hanging(results):
     assert "rank 1 has requires_grad=False but this rank True" in msgs["grad_one_rank"]
     assert "torch.zeros(0, H)" in msgs["grad_one_rank"] and "forward_microbatch" in msgs["grad_one_rank"]
     assert msgs["healthy_after"] == "ok"
+
+
+def test_ranks_exchanging_other_phases_raise_on_every_rank_naming_them(results):
+    """A rank passing fewer phases aborted its process (gloo SIGABRT: the metadata collective
+    had a row per phase); equal rows under another phase's name were exchanged and mixed."""
+    for case, want in (("phases_one_rank", "ranks [0, 2, 3]: ['vision', 'audio']; ranks [1]: ['vision']"),
+                       ("phase_name_one_rank", "ranks [0]: ['vision']; ranks [1, 2, 3]: ['audio']")):
+        for rank, msgs in enumerate(results["errors_by_rank"]):
+            assert msgs[case].startswith("ValueError: exchange phases differ across ranks"), (case, rank, msgs[case])
+            assert want in msgs[case] and "mb.plan.exchanges" in msgs[case], (case, rank, msgs[case])

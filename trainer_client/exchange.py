@@ -11,6 +11,7 @@ instead of hanging or silently scrambling embeddings.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,12 +39,12 @@ class ExchangeConfig:
 
     mode: "single" (one all_to_all over the world) or "two_stage" (intra-node, then inter-node
     between ranks of the same local rank). Both give bit-identical results.
-    validate: "collective" checks split sizes, row width, dtype size and requires_grad against
-    every peer with a small metadata all_to_all + all_gather before sending data, and raises
-    ValueError on all ranks together. "local" skips it: only what one rank can see alone is
-    checked (tensor rows vs plan, world size, non-negative splits); a plan that is locally
-    consistent but disagrees with a peer's then hangs until the process-group timeout or
-    delivers wrong rows.
+    validate: "collective" checks the phases exchanged (their names), split sizes, row width,
+    dtype size and requires_grad against every peer with small metadata collectives (all_gather,
+    all_to_all, all_gather) before sending data, and raises ValueError on all ranks together.
+    "local" skips it: only what one rank can see alone is checked (tensor rows vs plan, world
+    size, non-negative splits); a plan that is locally consistent but disagrees with a peer's
+    then hangs until the process-group timeout or delivers wrong rows.
     """
 
     mode: Literal["single", "two_stage"] = "single"
@@ -221,6 +222,20 @@ def _phases_without_grad(phases: Sequence[str]) -> str:
     return f" (its {', '.join(phases)} output{'s' * (len(phases) > 1)})" if phases else ""
 
 
+def _phase_header(phases: Sequence[str]) -> list[int]:
+    """A call's phases in three numbers, the same on every rank that passes the same phases:
+    how many, which of ENCODER_PHASES (bits, to name them in errors), a digest of all names."""
+    known = sum(1 << i for i, p in enumerate(ENCODER_PHASES) if p in phases)
+    return [len(phases), known, zlib.crc32("\0".join(phases).encode())]
+
+
+def _phase_names(header: Sequence[int]) -> str:
+    count, known = header[0], header[1]
+    names = [p for i, p in enumerate(ENCODER_PHASES) if known >> i & 1]
+    others = count - len(names)
+    return str(names) + (f" and {others} other{'s' * (others > 1)}" if others else "")
+
+
 def _as_splits(a, what: str, world_size: int) -> tuple[int, ...]:
     arr = np.asarray(a, dtype=np.int64).reshape(-1)
     if arr.shape[0] != world_size:
@@ -301,7 +316,7 @@ class Exchanger:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors) if not problems else False
         if self.config.validate == "collective":
             no_grad = [p for p, t in zip(phases, tensors) if not problems and not t.requires_grad]
-            self._check_collective(sends, recvs, row_bytes, needs_grad, problems, no_grad)
+            self._check_collective(phases, sends, recvs, row_bytes, needs_grad, problems, no_grad)
         elif problems:
             raise ValueError(f"rank {self.ctx.rank}: " + "; ".join(problems))
 
@@ -338,11 +353,12 @@ class Exchanger:
             )
         return send, recv
 
-    def _check_collective(self, sends, recvs, row_bytes: int, needs_grad: bool, problems: list[str],
-                          no_grad: Sequence[str] = ()) -> None:
+    def _check_collective(self, phases: Sequence[str], sends, recvs, row_bytes: int,
+                          needs_grad: bool, problems: list[str], no_grad: Sequence[str] = ()) -> None:
         """Every rank tells every peer what it will send it; all ranks learn who disagrees."""
         W, P = self.ctx.world_size, len(sends)
         device = self._meta_device()
+        self._check_phases(phases, problems, device)
         meta = np.zeros((W, P + 3), dtype=np.int64)
         meta[:, :P] = np.asarray(sends, dtype=np.int64).T
         meta[:, P] = row_bytes
@@ -373,6 +389,26 @@ class Exchanger:
         if bad:
             detail = "; ".join(mine) if mine else "this rank's own plan is consistent"
             raise ValueError(f"exchange plan mismatch on ranks {bad} (rank {self.ctx.rank}: {detail})")
+
+    def _check_phases(self, phases: Sequence[str], problems: list[str], device: torch.device) -> None:
+        """ValueError on every rank unless all pass the same phases. First, in a fixed-size
+        collective: the metadata below has a row per phase, and collectives of other sizes on
+        different ranks abort the process (gloo) or hang; rows of equal counts under other
+        names (one rank's vision outputs to another's audio) were exchanged, silently mixed."""
+        header = torch.tensor(_phase_header(phases), dtype=torch.int64, device=device)
+        headers = [torch.empty_like(header) for _ in range(self.ctx.world_size)]
+        dist.all_gather(headers, header)
+        by_header: dict[tuple[int, ...], list[int]] = {}
+        for r, h in enumerate(headers):
+            by_header.setdefault(tuple(h.cpu().tolist()), []).append(r)
+        if len(by_header) == 1:
+            return
+        ranks = "; ".join(f"ranks {rs}: {_phase_names(h)}" for h, rs in by_header.items())
+        also = f" (rank {self.ctx.rank} also: {'; '.join(problems)})" if problems else ""
+        raise ValueError(f"exchange phases differ across ranks ({ranks}){also}: every rank must "
+                         "exchange the same phases in each call, every phase of the micro-batch's "
+                         "plan (mb.plan.exchanges), with a [0, hidden] tensor for a phase it "
+                         "encodes nothing of")
 
     def _meta_device(self) -> torch.device:
         if dist.get_backend() == "nccl":
