@@ -116,10 +116,22 @@ def test_torchrun_environment_gives_the_defaults(monkeypatch):
     ((0, 2, 0), r"local_world_size=0 must divide world_size=2"),
     ((0, 4, 3), r"local_world_size=3 must divide world_size=4"),
     (("0", 2), r"rank='0' must be an int"),
+    ((True, 2), r"rank=True must be an int"),
+    ((0, 2.0), r"world_size=2.0 must be an int"),
+    ((torch.tensor(False), 2), r"rank=tensor\(False\) must be an int"),
+    ((np.int64(2), np.int64(2)), r"rank=2 must be in \[0, world_size=2\)"),
 ])
 def test_an_impossible_topology_is_one_line_naming_the_value(args, message):
     with pytest.raises(ValueError, match=message):
         DispatcherClient("tcp://127.0.0.1:1", *args)
+
+
+def test_the_topology_takes_integers_as_commit_does():
+    """DispatcherClient(address, np.int64(0), ...) was refused ('must be an int') while commit()
+    took numpy and tensor integers: a rank read from a numpy array or a torch tensor is one."""
+    c = DispatcherClient("tcp://127.0.0.1:1", np.int64(1), torch.tensor(4), np.int32(2))
+    assert (c.rank, c.world_size, c.local_world_size) == (1, 4, 2)
+    assert all(type(v) is int for v in (c.rank, c.world_size, c.local_world_size))  # msgpack
 
 
 @pytest.mark.parametrize("setting,message", [
@@ -406,6 +418,8 @@ def test_a_closed_or_stopped_client_says_so_instead_of_an_old_error(shards):
                 c.load_state_dict({"next_step": 0})
         finally:
             c.close()
-        for call in (lambda: next(c), lambda: c.load_state_dict({}), lambda: c.commit(0)):
+        # report_timings queued the record for the thread that is gone, without a word
+        for call in (lambda: next(c), lambda: c.load_state_dict({}), lambda: c.commit(0),
+                     lambda: c.report_timings(0, [{"llm": [0.1, [3]], "exchange": 0.0}])):
             with pytest.raises(RuntimeError, match="on a closed DispatcherClient: create a new one"):
                 call()

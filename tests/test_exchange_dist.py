@@ -50,6 +50,34 @@ def test_local_group_reports_a_failing_rank_with_its_traceback():
         run_local_group(_fail_on_rank_one, world_size=2, local_world_size=1, timeout_s=60)
 
 
+def _exit_on_rank_one(ctx, collective: bool):
+    import os
+
+    import torch.distributed as dist
+
+    if ctx.rank == 1:
+        os._exit(3)  # no traceback, no report: a crash in native code looks the same
+    if collective:  # blocked on the rank that is gone: fails, or reports nothing
+        dist.all_reduce(torch.ones(1))
+    return ctx.rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("collective", [False, True])
+def test_local_group_says_a_rank_exited_with_its_code_and_keeps_the_others_errors(collective):
+    """A rank that exited with code 3 was reported as 'did not report within 60s (exit codes
+    {1: 3})' seconds after it exited, and once its peers failed on it, only their first error
+    was told: the rank that caused it went unnamed."""
+    with pytest.raises(RuntimeError) as raised:
+        run_local_group(_exit_on_rank_one, world_size=3, local_world_size=3, args=(collective,),
+                        timeout_s=60)
+    message = str(raised.value)
+    assert message.startswith("rank 1 exited with code 3 before it reported"), message
+    assert "did not report" not in message
+    if collective:  # its peers' errors (or their silence) are told after it
+        assert "rank 0" in message and "rank 2" in message, message
+
+
 def _sync_gradients(ctx, bucket_bytes: int):
     import trainer_client.dist as tdist
 

@@ -353,16 +353,34 @@ def run_local_group(
                 deadline = min(deadline, time.monotonic() + 5.0)
         for p in procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
+        # before the kill below: a rank still running now is one that timed out
+        exit_codes = [p.exitcode for p in procs]
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+    # A rank that died without a word is the likely cause of its peers' collective errors: named
+    # first, with how it ended, and with the errors the others reported.
+    silent = [_unreported(r, exit_codes[r], timeout_s, bool(errors)) for r in range(world_size)
+              if r not in results and r not in errors]
     if errors:
         first = next(iter(errors))  # the first to report is the likely cause; peers time out after
-        raise RuntimeError(f"rank {first} failed ({len(errors)} ranks failed):\n{errors[first]}")
-    if len(results) < world_size:
-        missing = sorted(set(range(world_size)) - set(results))
-        codes = {i: procs[i].exitcode for i in missing}
-        raise RuntimeError(f"ranks {missing} did not report within {timeout_s}s (exit codes {codes})")
+        others = "".join(f"\nrank {r}: {tb.strip().splitlines()[-1]}" for r, tb in errors.items()
+                         if r != first)
+        raise RuntimeError("".join(f"{s}; " for s in silent) + f"rank {first} failed ({len(errors)} "
+                           f"ranks failed):\n{errors[first]}{others}")
+    if silent:
+        raise RuntimeError("; ".join(silent))
     return [results[r] for r in range(world_size)]
+
+
+def _unreported(rank: int, exit_code: int | None, timeout_s: float, peer_failed: bool) -> str:
+    """How rank `rank` ended without reporting a result or an error."""
+    if exit_code is None:  # still running: killed at the deadline
+        return (f"rank {rank} had not reported 5 s after a peer failed (killed)" if peer_failed
+                else f"rank {rank} did not report within {timeout_s}s (killed)")
+    if exit_code < 0:
+        return f"rank {rank} was killed by signal {-exit_code} before it reported"
+    return (f"rank {rank} exited with code {exit_code} before it reported (os._exit or a crash "
+            "in native code: its output above says why)")
