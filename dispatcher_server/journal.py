@@ -5,8 +5,12 @@ those 12 bytes) and a msgpack payload, written and fsync'd before a step leaves 
 a torn last write is dropped (with a warning): a tail that is a prefix of a record, cut inside
 its header's magic or inside a payload whose header checks out. Anything else that does not
 check out, anywhere, is corruption: JournalError names the file and byte offset, and the file
-is left byte for byte as it was. A write or fsync that fails is cut back off its file and
-raises JournalWriteError (an OSError); nothing of it is applied, and the call can be retried.
+is left byte for byte as it was. So is a journal.mmd that lost records the directory's other
+files outlived (cut short, emptied, an older copy put back): a plan file with plans of steps
+past the one after its newest step, or plans, input rules or skipped keys beside a journal.mmd
+missing or empty; resumed, it would silently start the job over from an earlier step. A write
+or fsync that fails is cut back off its file and raises JournalWriteError (an OSError);
+nothing of it is applied, and the call can be retried.
 
 Disk and restart cost stay bounded however long the run. `journal.mmd` holds the config, one
 ~180-byte record per step (cursor, digest, where its plan lies) and the commits. Once it passes
@@ -45,8 +49,9 @@ import msgpack
 
 # JournalError and JournalWriteError are raised by the record layer too; users import them here.
 from dispatcher_server.blend import same_setting
-from dispatcher_server.recordlog import (AppendFile, JournalError, JournalWriteError, frame,
-                                         is_legacy, legacy_scan, read_record, scan,
+from dispatcher_server.inputs import INPUTS_FILE
+from dispatcher_server.recordlog import (MAGIC, AppendFile, JournalError, JournalWriteError,
+                                         frame, is_legacy, legacy_scan, read_record, scan,
                                          write_error)
 
 log = logging.getLogger("mmdispatch.journal")
@@ -161,6 +166,7 @@ class Journal:
         self._legacy_skipped: list[tuple[str, list]] = []
         self.records_read = 0  # records read while opening
         self._gen = 0  # the plan file being written
+        self._last_plan_at: tuple[int, int] | None = None  # where the newest step's plan lies
         self._dir_sync_owed = False
         self._base_size = 0  # journal.mmd's size right after its checkpoint
         self._file: AppendFile | None = None
@@ -176,14 +182,18 @@ class Journal:
         tmp = self.path + ".tmp"
         if os.path.exists(tmp):  # a checkpoint cut short: the journal it was to replace stands
             os.unlink(tmp)
-        legacy = self._load()
+        was = _absence(self.path)
+        legacy, cut = self._load()
+        # Nothing is written before the plan files are checked: a journal refused there is left
+        # as it was (a plan file created empty would be refused as cut short, not missing, next).
+        self._check_plans(was)
+        self._cut(cut, legacy)
         self._file = AppendFile(self.path, self.fsync)
         self._plans = [AppendFile(os.path.join(self.directory, n), self.fsync) for n in PLAN_FILES]
         self._skipped = AppendFile(os.path.join(self.directory, SKIPPED_FILE), self.fsync)
         if legacy:  # journals before skipped.mmd never wrote one: any is a cut-short migration's
             self._skipped.empty()
         self._count_unindexed_skips()
-        self._read_pending_plans()
         if self._file.size == 0:
             self._append({"kind": "config", **self.fingerprint})
         elif legacy:
@@ -195,11 +205,12 @@ class Journal:
         return self._first + len(self._offsets) - 1
 
     # -- reading -----------------------------------------------------------------------
-    def _load(self) -> bool:
-        """Apply the records of journal.mmd (a torn last write cut off); True for a journal
-        written before MAGIC, which is then migrated."""
+    def _load(self) -> tuple[bool, int | None]:
+        """Apply the records of journal.mmd: (whether it was written before MAGIC, and is then
+        migrated; the size to cut it to, `_cut`: its intact end before a torn last write, 0 for
+        another start's configuration alone, None to keep it)."""
         if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            return False
+            return False, None
         with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             legacy = is_legacy(data)
             size = len(data)
@@ -210,19 +221,30 @@ class Journal:
                 # step): no step, commit or skip to resume, so no job to protect.
                 if legacy or self.records_read > 1 or self._skips_recorded():
                     raise JournalError(str(other)) from None
-                end = None
+                return False, 0
+        return legacy, (end if end < size else None)
+
+    def _cut(self, end: int | None, legacy: bool) -> None:
+        """Cut journal.mmd to `end` (`_load`), once the journal is known to be resumed."""
         if end is None:
+            return
+        if end == 0:
             log.info("mmdispatch event=journal_reset journal=%s why='it held only the "
                      "configuration of a start that recorded no step; it now records this one'",
                      self.path)
+            # That start's input rules go first: an empty journal.mmd beside them is a lost one.
+            inputs = os.path.join(self.directory, INPUTS_FILE)
+            if os.path.exists(inputs):
+                os.unlink(inputs)
             os.truncate(self.path, 0)
-            return False
-        if torn := size - end:
-            log.warning("journal: dropping a torn last write (%d bytes at byte %d) of %s",
-                        torn, end, self.path)
-            if not legacy:  # a legacy journal is rewritten whole by its migration
-                os.truncate(self.path, end)
-        return legacy
+            return
+        # A torn write is the prefix of one record: the step, commit or skip being written.
+        log.warning("mmdispatch event=journal_torn_write journal=%s dropped_bytes=%d at=%d "
+                    "dropped_records=1 last_step=%d last_committed=%d why='a crash cut the "
+                    "record being written short'", self.path, os.path.getsize(self.path) - end,
+                    end, self.last_step, self.last_committed)
+        if not legacy:  # a legacy journal is rewritten whole by its migration
+            os.truncate(self.path, end)
 
     def _skips_recorded(self) -> bool:
         path = os.path.join(self.directory, SKIPPED_FILE)
@@ -238,10 +260,11 @@ class Journal:
                 self._apply(rec, at)
             except _OtherConfig as e:
                 other = e
+                continue
+            if rec.get("kind") == "checkpoint" or "kept" in rec:
+                self._base_size = end  # its size right after that checkpoint: _maybe_checkpoint
         if other is not None:
             raise other
-            if rec.get("kind") == "checkpoint" or "kept" in rec:
-                self._base_size = end
         return end
 
     def _apply(self, rec: dict, offset: int) -> None:
@@ -309,6 +332,7 @@ class Journal:
         for later in [s for s in self.pending if s > entry.step]:
             del self.pending[later]
         self._offsets.append(offset)
+        self._last_plan_at = entry.plan_at
         if entry.plan_at is not None:
             self._gen = entry.plan_at[0]
         if not rec.get("kept") and (entry.plan is not None or entry.plan_at is not None):
@@ -337,16 +361,90 @@ class Journal:
             self._skipped.cut_back(end)
         self._skipped_end = end
 
-    def _read_pending_plans(self) -> None:
+    def _check_plans(self, was: str | None) -> None:
+        """Read only, before anything is written: every uncommitted step's plan reads back, and
+        the plan files hold no plan journal.mmd lost the record of."""
+        fds: dict[int, int] = {}
+        try:
+            for g, name in enumerate(PLAN_FILES):
+                try:
+                    fds[g] = os.open(os.path.join(self.directory, name), os.O_RDONLY)
+                except FileNotFoundError:
+                    pass
+            self._read_pending_plans(fds)
+            self._check_nothing_lost(fds, was)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _read_pending_plans(self, fds: dict[int, int]) -> None:
         """Check that every uncommitted step's plan reads back (a replay needs it); they stay
-        on disk, read again when replayed (`plan_of`)."""
+        on disk, read again when replayed (`plan_of`). `fds`: the plan files there are."""
         for entry in self.pending.values():
-            if entry.plan is None and entry.plan_at is not None:
-                if self._read_plan(entry.step, entry.plan_at) is None:
-                    g, at = entry.plan_at
-                    raise JournalError(f"journal {self._plans[g].path!r} is corrupted at byte "
-                                       f"{at}: the plan of uncommitted step {entry.step} does not "
-                                       "read back intact")
+            if entry.plan is not None or entry.plan_at is None:
+                continue
+            g, at = entry.plan_at
+            if g in fds and _plan_in(fds[g], entry.step, at) is not None:
+                continue
+            path = os.path.join(self.directory, PLAN_FILES[g])
+            if g not in fds:
+                steps = [s for s, e in self.pending.items() if e.plan_at and e.plan_at[0] == g]
+                why = (f"is missing: it held the plans of uncommitted steps "
+                       f"{_span(min(steps), max(steps))}, which a replay needs")
+            elif (size := os.fstat(fds[g]).st_size) <= at:
+                why = (f"is cut short: it ends at byte {size}, before the plan of uncommitted step "
+                       f"{entry.step} (at byte {at}), which a replay needs")
+            else:
+                why = (f"is corrupted at byte {at}: the plan of uncommitted step {entry.step}, "
+                       "which a replay needs, does not read back intact")
+            raise JournalError(f"journal {path!r} {why}; restore it from a backup, or start a "
+                               "new --journal-dir (and the trainers from step 0)")
+
+    def _check_nothing_lost(self, fds: dict[int, int], was: str | None) -> None:
+        """Refuse a journal.mmd that lost records its directory's other files outlived (cut
+        short, emptied, an older copy put back): resumed, it would plan the lost steps over
+        again, and trainers started afresh would take the epoch from its start. A plan is
+        written just before its step's record, so a crash between them leaves a plan of the
+        step after the newest record (a crash there at each restart, several plans of it): that
+        much follows the journal's last plan legitimately, and no later step."""
+        last, next_ = self.last_step, self.last_step + 1
+
+        def path(name: str) -> str:
+            return os.path.join(self.directory, name)
+
+        if last < 0:
+            found = [(PLAN_FILES[g], _plan_steps(fd, 0)) for g, fd in fds.items()]
+            lost = [f"{path(n)!r} holds plans of steps up to {max(s)}" for n, s in found
+                    if s and max(s) > next_]
+            if was is not None:  # written only once journal.mmd holds a configuration
+                lost += [f"{path(n)!r} {what}" for n, what in (
+                    (INPUTS_FILE, "holds the input rules of the peers of a job"),
+                    (SKIPPED_FILE, "holds skipped keys")) if os.path.exists(path(n))
+                         and os.path.getsize(path(n)) > 0]
+            if lost:
+                raise JournalError(
+                    f"journal {self.path!r} {was or 'records no step'}, but " + ", and ".join(lost)
+                    + ": journal.mmd lost the records of a job that ran there, and starting anew "
+                    "would start that job over from step 0 unnoticed; restore journal.mmd from a "
+                    "backup, or start a new --journal-dir (and the trainers from step 0)")
+            return
+        if self._last_plan_at is None or self._last_plan_at[0] not in fds:
+            return  # a plan inline (a journal before plan files), or a plan no longer needed
+        g, at = self._last_plan_at
+        steps = _plan_steps(fds[g], at)
+        if not steps:
+            return  # not in the current layout, or cut short: nothing to compare
+        later = steps[1:] if steps[0] == last else steps  # all: the file was rewritten since
+        if steps[0] == last and all(s <= next_ for s in later):
+            return
+        commit = f"last commit {self.last_committed}" if self.last_committed >= 0 else "no commit"
+        raise JournalError(
+            f"journal {self.path!r} records steps up to {last} ({commit}), but "
+            f"{path(PLAN_FILES[g])!r} holds {len(later)} plan{'s' * (len(later) > 1)} written "
+            f"after step {last}'s, of steps up to {max(later)}: journal.mmd lost its later records (cut short, or an "
+            "older copy put back), and resuming from it would plan those steps again; "
+            "restore journal.mmd from a backup, or start a new --journal-dir (and the trainers "
+            "from step 0)")
 
     def _read_step(self, step: int) -> dict:
         offset = self._offsets[step - self._first]
@@ -365,10 +463,7 @@ class Journal:
 
     def _read_plan(self, step: int, plan_at: tuple[int, int]) -> dict | None:
         """The plan of `step`, or None if its plan file was reused since (the step is committed)."""
-        rec = read_record(self._plans[plan_at[0]].fd, plan_at[1])
-        if rec is None or rec.get("step") != step:
-            return None
-        return rec["plan"]
+        return _plan_in(self._plans[plan_at[0]].fd, step, plan_at[1])
 
     def _check_known(self, step: int, what: str) -> None:
         if self._first <= step <= self.last_step:
@@ -660,6 +755,43 @@ def _lock(directory: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _absence(path: str) -> str | None:
+    """How journal.mmd is absent before a start ("is missing", "is empty"), or None."""
+    if not os.path.exists(path):
+        return "is missing"
+    return "is empty" if os.path.getsize(path) == 0 else None
+
+
+def _plan_in(fd: int, step: int, at: int) -> dict | None:
+    """The plan of `step` at `at` of a plan file, or None if another record (or none) is there."""
+    rec = read_record(fd, at)
+    if rec is None or rec.get("step") != step:
+        return None
+    return rec["plan"]
+
+
+def _plan_steps(fd: int, start: int) -> list[int]:
+    """The steps of the whole plans of a plan file from byte `start` on, in the current layout,
+    up to a torn last write or anything else that does not read back (left to `plan_of`)."""
+    size = os.fstat(fd).st_size
+    if size <= start:
+        return []
+    steps: list[int] = []
+    with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
+        if data[start:start + len(MAGIC)] != MAGIC:
+            return []
+        try:
+            for _, _, rec in scan(data, "", start):
+                steps.append(int(rec.get("step", -1)))
+        except JournalError:
+            pass
+    return steps
+
+
+def _span(first: int, last: int) -> str:
+    return str(first) if first == last else f"{first}..{last}"
 
 
 def _identity(directory: str) -> tuple[int, int]:

@@ -323,7 +323,8 @@ def test_a_final_record_cut_at_any_byte_is_dropped_and_the_rest_kept(tmp_path, c
             j = Journal(str(tmp_path), _fp(), fsync=False)
         try:
             assert (j.last_step, j.last_committed, sorted(j.pending)) == (5, 1, [2, 3, 4, 5])
-            assert f"torn last write ({cut - at} bytes at byte {at})" in caplog.text
+            assert (f"event=journal_torn_write journal={path} dropped_bytes={cut - at} at={at} "
+                    "dropped_records=1 last_step=5 last_committed=1") in caplog.text
             assert path.read_bytes() == data[:at]  # cut off, and nothing else changed
             assert j.commit(3)  # appending goes on from the intact end
         finally:
@@ -354,9 +355,136 @@ def test_a_pending_steps_corrupt_plan_is_refused_naming_the_plan_file(tmp_path):
     data[at + HEAD + 1] ^= 0x01
     plans.write_bytes(bytes(data))
     with pytest.raises(JournalError, match=f"plans-{g}.mmd' is corrupted at byte {at}: the plan "
-                                           "of uncommitted step 2"):
+                                           "of uncommitted step 2, which a replay needs, does not "
+                                           "read back intact; restore it from a backup"):
         Journal(str(tmp_path), _fp())
     assert plans.read_bytes() == bytes(data)
+
+
+def test_a_missing_or_cut_short_plan_file_is_named_so_and_left_as_it_was(tmp_path):
+    """A deleted plans-0.mmd was refused as 'corrupted at byte N', and the start created it
+    empty, so the next start said the same of an empty file."""
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(4):
+        j.record_step(_entry(s))
+    j.commit(1)
+    at = j.pending[3].plan_at[1]
+    j.close()
+    plans = tmp_path / journal_module.PLAN_FILES[0]
+    data = plans.read_bytes()
+    plans.unlink()
+    for _ in range(2):
+        with pytest.raises(JournalError) as e:
+            Journal(str(tmp_path), _fp())
+        assert str(e.value) == (
+            f"journal '{plans}' is missing: it held the plans of uncommitted steps 2..3, which a "
+            "replay needs; restore it from a backup, or start a new --journal-dir (and the "
+            "trainers from step 0)")
+        assert not plans.exists()
+    plans.write_bytes(data[:at])
+    with pytest.raises(JournalError, match=f"'{plans}' is cut short: it ends at byte {at}, "
+                                           f"before the plan of uncommitted step 3 \\(at byte {at}\\)"):
+        Journal(str(tmp_path), _fp())
+
+
+def _run(directory, steps: int = 10, commit_every: int = 3) -> None:
+    j = Journal(str(directory), _fp(), fsync=False)
+    for s in range(steps):
+        j.record_step(_entry(s))
+        if s % commit_every == commit_every - 1:
+            j.commit(s)
+    j.close()
+
+
+@pytest.mark.parametrize("how", ["half", "config-only", "empty", "missing"])
+def test_a_journal_that_lost_records_its_plan_files_outlived_is_refused(tmp_path, how):
+    """journal.mmd cut in the middle opened at an earlier step (the cut taken for a torn last
+    write), and emptied or removed it started a new job at step 0: fresh trainers would have
+    taken the epoch over, silently. Refused naming what each file knows, files untouched."""
+    _run(tmp_path)
+    path = tmp_path / journal_module.JOURNAL_FILE
+    data = path.read_bytes()
+    frames = _frames(data)
+    if how == "half":
+        path.write_bytes(data[:len(data) // 2])
+    elif how == "config-only":
+        path.write_bytes(data[:frames[0][1]])
+    elif how == "empty":
+        path.write_bytes(b"")
+    else:
+        path.unlink()
+    before = _files(tmp_path)
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp())
+    text = str(e.value)
+    plans = tmp_path / journal_module.PLAN_FILES[0]
+    if how == "half":
+        last = max(int(r["step"]) for r in _records(data[:len(data) // 2]) if r["kind"] == "step")
+        assert text.startswith(f"journal '{path}' records steps up to {last} (last commit ")
+        assert f"but '{plans}' holds {9 - last} plans written after step {last}'s, of steps up to 9" in text
+    else:
+        state = {"config-only": "records no step", "empty": "is empty", "missing": "is missing"}[how]
+        assert text.startswith(f"journal '{path}' {state}, but '{plans}' holds plans of steps up to 9")
+    assert text.endswith("restore journal.mmd from a backup, or start a new --journal-dir (and "
+                         "the trainers from step 0)") and "\n" not in text
+    assert _files(tmp_path) == before  # nothing cut, created or rewritten
+
+
+def _records(data: bytes) -> list[dict]:
+    out = []
+    for at, end in _frames(data):
+        if end > len(data):
+            break
+        out.append(msgpack.unpackb(data[at + HEAD:end], raw=False))
+    return out
+
+
+@pytest.mark.parametrize("file", ["inputs.json", journal_module.SKIPPED_FILE])
+def test_an_emptied_journal_beside_its_jobs_input_rules_or_skipped_keys_is_refused(tmp_path, file):
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j.record_skipped("a.tar", [("k", "bad_image", 4)])
+    j.close()
+    (tmp_path / "inputs.json").write_text('{"tokenizer": "t1"}')
+    if file == "inputs.json":
+        (tmp_path / journal_module.SKIPPED_FILE).unlink()
+    else:
+        (tmp_path / "inputs.json").unlink()
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(b"")
+    with pytest.raises(JournalError, match=f"journal '{tmp_path / journal_module.JOURNAL_FILE}' "
+                                           f"is empty, but '{tmp_path / file}' holds "):
+        Journal(str(tmp_path), _fp())
+    # Beside a journal that holds a configuration, they are a job that planned no step yet.
+    (tmp_path / journal_module.JOURNAL_FILE).write_bytes(recordlog.frame({"kind": "config", **_fp()}))
+    Journal(str(tmp_path), _fp()).close()
+
+
+def test_a_crash_between_a_plan_and_its_record_still_opens_after_every_restart(tmp_path,
+                                                                                monkeypatch):
+    """The one step of slack a crash leaves: the plan of the step after the newest record is
+    written, its record is not (cut short). Again at the next restart: two plans of that step.
+    After a rewind, the superseded steps' plans lie before the newest one's and do not count."""
+    _run(tmp_path, steps=6)
+    for attempt in range(2):
+        j = Journal(str(tmp_path), _fp(), fsync=False)
+        assert j.last_step == 5
+        with monkeypatch.context() as m:
+            _fail(m, "write", journal_module.JOURNAL_FILE, _Crash())
+            with pytest.raises(_Crash):
+                j.record_step(_entry(6))
+        j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    j.record_step(_entry(6))
+    j.commit(6)
+    j.record_step(_entry(4))  # a rewind: plans of steps 5 and 6 lie before step 4's
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    assert j.last_step == 4 and j.plan_of(j.pending[4]) == {"p": 4}
+    j.close()
+    with open(tmp_path / journal_module.PLAN_FILES[0], "ab") as f:  # one plan past the slack
+        f.write(recordlog.frame({"step": 6, "plan": {"p": 6}}))
+    with pytest.raises(JournalError, match="records steps up to 4 \\(last commit 6\\), but .* "
+                                           "holds 1 plan written after step 4's, of steps up to 6"):
+        Journal(str(tmp_path), _fp())
 
 
 def test_skipped_file_tail_torn_is_dropped_and_corrupt_is_refused(tmp_path):
@@ -587,6 +715,26 @@ def test_a_checkpoint_keeps_the_state_and_shrinks_the_file(tmp_path):
         r.close()
 
 
+def test_a_reopened_journal_checkpoints_at_twice_its_size_after_the_last_checkpoint(tmp_path, caplog):
+    """Reopened, journal.mmd's size right after its checkpoint was forgotten (the line that
+    noted it was unreachable): the next commits rewrote it at once, as if it had outgrown
+    journal_file_bytes, instead of at twice its checkpointed size (O(1) a step)."""
+    import logging
+
+    j = _checkpoint_ready(tmp_path)
+    assert j.commit(9)  # checkpointed: steps 9..59 kept, more than half journal_file_bytes
+    assert os.path.getsize(j.path) > 4096 // 2
+    j.close()
+    r = Journal(str(tmp_path), _fp(), journal_file_bytes=4096, keep_commits=2)
+    try:
+        with caplog.at_level(logging.INFO, logger="mmdispatch.journal"):
+            r.record_step(_entry(60))
+            assert r.commit(10) and r.commit(11)
+        assert not [m for m in caplog.messages if "checkpointed" in m], caplog.messages
+    finally:
+        r.close()
+
+
 def test_a_rewind_to_step_0_past_a_checkpoint_starts_the_steps_over(tmp_path):
     j = _checkpoint_ready(tmp_path)
     assert j.commit(9)
@@ -793,9 +941,13 @@ def test_a_journal_holding_only_another_starts_configuration_records_this_one(tm
     configuration behind; the corrected start has nothing to resume and is not refused. Once
     the journal holds a step or a skipped key, another configuration is refused as before."""
     Journal(str(tmp_path / "a"), _fp(seed=1)).close()
+    (tmp_path / "a" / "inputs.json").write_text("{}")  # its peers' rules
     with caplog.at_level("INFO", logger="mmdispatch"):
         j = Journal(str(tmp_path / "a"), _fp(seed=2))
     assert "recorded no step" in caplog.text
+    # Removed before journal.mmd is emptied: a crash between the two left an empty journal
+    # beside input rules, which reads as a journal that lost its records.
+    assert not (tmp_path / "a" / "inputs.json").exists()
     j.record_step(_entry(0))
     j.close()
     j = Journal(str(tmp_path / "a"), _fp(seed=2))
