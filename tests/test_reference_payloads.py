@@ -188,8 +188,13 @@ def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path, mapped):
     with pytest.raises(OSError, match="changed on disk"):
         files.read(memoryview(short), [len(short)])
     gone = P.pack_ref(str(tmp_path / "missing.tar").encode(), 0, 4)
-    with pytest.raises(OSError, match="mounted at the same path"):
+    with pytest.raises(OSError) as e:  # not mounted here, or removed while the job reads it
         files.read(memoryview(gone), [len(gone)])
+    assert str(e.value) == (
+        f"payloads='reference': this trainer cannot open shard '{tmp_path / 'missing.tar'}' (No "
+        "such file or directory): it is not mounted here at the same path as on the data nodes, "
+        "or it was removed or renamed since its reader read it (leave shards in place while a "
+        "job reads them)")
     files.close()
     files.close()  # a second close (client teardown after an error) must not raise
 

@@ -200,8 +200,10 @@ class ShardFiles:
             return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as e:
             raise OSError(f"payloads='reference': this trainer cannot open shard "
-                          f"{path.decode(errors='replace')!r} ({e.strerror}); it must be "
-                          f"mounted at the same path as on the data nodes") from None
+                          f"{path.decode(errors='replace')!r} ({e.strerror}): it is not mounted "
+                          "here at the same path as on the data nodes, or it was removed or "
+                          "renamed since its reader read it (leave shards in place while a job "
+                          "reads them)") from None
 
     def _fd(self, path: bytes) -> int:
         fd = self._fds.pop(path, None)
