@@ -30,7 +30,7 @@ from pipeline.headers import (
     png_size, wav_header,
 )
 from pipeline.tokenize import (
-    BUILTIN_TEMPLATES, ChatTemplateError, TextEncoder, TextTokens, missing_file, normalize_turn,
+    ChatTemplateError, TextEncoder, TextTokens, check_chat_template, missing_file, normalize_turn,
 )
 
 if TYPE_CHECKING:
@@ -228,9 +228,12 @@ class TextConfig:
     Text is tokenized with `tokenizer_path` (an HF `tokenizers` JSON file), or without one by
     the byte-level tokenizer (256 ids, the UTF-8 bytes); either way the count is the number
     of ids the trainer receives. Plain text is all training targets (loss mask 1). A
-    conversation is rendered through `chat_template`: a built-in name (`chatml`), a .jinja
-    file or a tokenizer_config.json; unset, the `chat_template` of the tokenizer_config.json
-    beside the tokenizer file, else ChatML. Only its assistant tokens are targets. Several
+    conversation is rendered through `chat_template`: a built-in name (`chatml`), the name of
+    a template the tokenizer_config.json beside the tokenizer file lists, a .jinja file or a
+    tokenizer_config.json; unset, the `chat_template` of the tokenizer_config.json beside the
+    tokenizer file (of a list of named templates, "tool_use" for a conversation given `tools`
+    where there is one, else "default", as transformers picks), else ChatML. Only its
+    assistant tokens are targets. Several
     text members of one sample are concatenated in natural name order, without separator.
 
     With `estimate` (`mmdispatch inspect --estimate-text` only: no ids, approximate counts)
@@ -298,11 +301,7 @@ class TextConfig:
                              f"{missing_file(self.tokenizer_path)}: pass an HF "
                              f"tokenizers JSON file (a model's tokenizer.json), or leave --tokenizer "
                              f"unset for the byte-level tokenizer")
-        if (self.chat_template is not None and self.chat_template not in BUILTIN_TEMPLATES
-                and not os.path.isfile(self.chat_template)):
-            raise ValueError(f"chat template {self.chat_template!r} is neither a built-in "
-                             f"({', '.join(BUILTIN_TEMPLATES)}) nor a file: pass a name, a .jinja "
-                             f"file or a tokenizer_config.json")
+        check_chat_template(self.chat_template, self.tokenizer_path)
 
     @property
     def placeholders(self) -> dict[str, str]:

@@ -116,7 +116,8 @@ def text_counted_by(config: ReaderConfig) -> dict:
     t = config.counting.text
     if t.estimate:
         return {"exact": False, "how": "approximate (estimator; drop --estimate-text for the exact ids readers send)"}
-    template = resolve_chat_template(t.chat_template, t.tokenizer_path).name
+    chosen = resolve_chat_template(t.chat_template, t.tokenizer_path)
+    template = chosen.name + (f"; {chosen.tool_use.name} for samples with tools" if chosen.tool_use else "")
     return {"exact": True, "how": f"exact ({'tokenizer ' + t.tokenizer_path if t.tokenizer_path else 'byte-level ids'}, "
                                   f"chat template {template})"}
 

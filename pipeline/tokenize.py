@@ -318,26 +318,42 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson  # as transformers renders it: not HTML-escaped
+        # Compiling finds what parsing does not: a filter or test the environment lacks, refused
+        # here as a syntax error is, before any sample is read (jinja2 defers one inside a
+        # conditional to rendering, which refuses each sample it reaches as `chat_template`).
         try:
             tree = env.parse(source)
-        except jinja2.TemplateSyntaxError as e:
+            self.template = env.from_string(tree)
+        except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (unknown filter) too
             raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
-        self.template = env.from_string(tree)
         # A template that marks what the model generates is cut by its marks, not by its turns.
         self.generation = any(isinstance(block.call.node, jinja2.nodes.ExtensionAttribute)
                               and block.call.node.name == "_block"
                               for block in tree.find_all(jinja2.nodes.CallBlock))
         self.specials = {"bos_token": bos_token, "eos_token": eos_token, **(specials or {})}
+        # The tokenizer's template named "tool_use", for conversations given `tools`
+        # (`for_tools`); set by `resolve_chat_template`.
+        self.tool_use: ChatTemplate | None = None
         self._skeletons: dict[tuple, list | None] = {}  # roles -> cut with marker contents
 
     @property
     def identity(self) -> str:
         """What makes this template's text: "chatml" for the built-in, else the SHA-256 (16 hex
-        digits) of its source and the special tokens it is rendered with."""
-        if self.chatml:
+        digits) of its source and the special tokens it is rendered with (and of its `tool_use`
+        template's source, where it has one)."""
+        if self.chatml and self.tool_use is None:
             return "chatml"
-        blob = json.dumps({"source": self.source, "specials": self.specials}, sort_keys=True)
+        fields = {"source": self.source, "specials": self.specials}
+        if self.tool_use is not None:
+            fields["tool_use"] = self.tool_use.source
+        blob = json.dumps(fields, sort_keys=True)
         return "sha256:" + hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+    def for_tools(self, tools: list | None) -> ChatTemplate:
+        """The template a conversation given `tools` is rendered with: the "tool_use" one where
+        the tokenizer names one, as transformers' `get_chat_template` picks it whenever tools
+        are passed (an empty list too); else this one."""
+        return self.tool_use if tools is not None and self.tool_use is not None else self
 
     def render(self, messages: list[dict], tools: list | None = None,
                documents: list | None = None, **extra) -> str:
@@ -728,23 +744,28 @@ _FALLBACK_WARNED: set[str] = set()
 
 
 def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatTemplate:
-    """The chat template to use: `spec` (a built-in name, a tokenizer_config.json or a jinja
+    """The chat template to use: `spec` (a built-in name, the name of one of the templates the
+    tokenizer_config.json beside the tokenizer lists, a tokenizer_config.json or a jinja
     file), else the template beside the tokenizer file (chat_template.jinja, which newer
     transformers saves and reads first, else the `chat_template` of tokenizer_config.json),
     else ChatML (with a warning when a tokenizer was given: its model may expect another
-    format). The special tokens come from the tokenizer_config.json. ValueError, naming the
-    value and the fix, when `spec` is none of these."""
+    format). A config's list of named templates gives its "default", with its "tool_use" as
+    the template's `tool_use` (`ChatTemplate.for_tools`). The special tokens come from the
+    tokenizer_config.json. ValueError, naming the value and the fix, when `spec` is none of
+    these."""
     config: dict = {}
     folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
     beside = os.path.join(folder, "tokenizer_config.json") if folder is not None else None
     if beside and os.path.isfile(beside):
         config = _read_config(beside)
+    tool_use = None  # the config's template named "tool_use", for conversations given tools
     if spec is None:
         jinja = os.path.join(folder, "chat_template.jinja") if folder is not None else None
         if jinja and os.path.isfile(jinja):
             source, name = _read_jinja(jinja), jinja
         elif config.get("chat_template"):
             source, name = _template_of(config, beside), beside
+            tool_use = _named_templates(config).get("tool_use")
         else:
             source, name = CHATML, "chatml"
             if tokenizer_path is not None:
@@ -759,6 +780,8 @@ def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatT
                                 tokenizer_path)
     elif spec in BUILTIN_TEMPLATES:
         source, name = BUILTIN_TEMPLATES[spec], spec
+    elif spec in _named_templates(config):  # as apply_chat_template(chat_template=NAME): always it
+        source, name = _named_templates(config)[spec], f"{beside} ({spec})"
     elif os.path.isfile(spec):
         if spec.endswith(".json"):
             config = _read_config(spec)
@@ -767,12 +790,38 @@ def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatT
                 source, name = _read_jinja(jinja), jinja
             else:
                 source, name = _template_of(config, spec), spec
+                tool_use = _named_templates(config).get("tool_use")
         else:
             source, name = _read_jinja(spec), spec
     else:
-        raise ValueError(f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}) "
-                         f"nor a file: pass a name, a .jinja file or a tokenizer_config.json")
-    return ChatTemplate(source, name=name, specials=special_tokens(config))
+        raise ValueError(_unknown_template(spec, _named_templates(config), beside))
+    specials = special_tokens(config)
+    template = ChatTemplate(source, name=name, specials=specials)
+    if tool_use is not None:
+        template.tool_use = ChatTemplate(tool_use, name=f"{name} (tool_use)", specials=specials)
+    return template
+
+
+def check_chat_template(spec: str | None, tokenizer_path: str | None) -> None:
+    """ValueError in one line, naming `spec`, the names it may take and the fix, unless it is
+    unset, a built-in name, a file, or the name of a template listed by the
+    tokenizer_config.json beside `tokenizer_path`. Checked at start (`TextConfig`): a reader
+    would otherwise fail only once a shard arrives."""
+    if spec is None or spec in BUILTIN_TEMPLATES or os.path.isfile(spec):
+        return
+    folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
+    beside = os.path.join(folder, "tokenizer_config.json") if folder is not None else None
+    named = _named_templates(_read_config(beside)) if beside and os.path.isfile(beside) else {}
+    if spec not in named:
+        raise ValueError(_unknown_template(spec, named, beside))
+
+
+def _unknown_template(spec: str, named: dict[str, str], beside: str | None) -> str:
+    """Why `spec` names no chat template, with the names it may take (`named`: those the
+    tokenizer_config.json `beside` the tokenizer lists)."""
+    listed = f", nor one of the templates {beside!r} names ({', '.join(named)})," if named else ""
+    return (f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}){listed} "
+            f"nor a file: pass a name, a .jinja file or a tokenizer_config.json")
 
 
 def chat_template_identity(spec: str | None, tokenizer_path: str | None) -> dict[str, str]:
@@ -801,13 +850,28 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _template_of(config: dict, path: str | None) -> str:
-    """`chat_template` of a tokenizer config: a string, or a list of {name, template} (the
-    one named "default")."""
+def _named_templates(config: dict) -> dict[str, str]:
+    """A tokenizer config's list of named chat templates ({name, template} each), as
+    transformers reads it: name -> template; {} where `chat_template` is no list."""
     value = config.get("chat_template")
+    if not isinstance(value, list):
+        return {}
+    return {t["name"]: t["template"] for t in value
+            if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+
+
+def _template_of(config: dict, path: str | None) -> str:
+    """`chat_template` of a tokenizer config: a string, or the one named "default" of a list
+    of {name, template} (the one transformers renders when no tools are passed)."""
+    value = config.get("chat_template")
+    named = _named_templates(config)
     if isinstance(value, list):
-        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+        value = named.get("default")
     if not isinstance(value, str):
+        if named:  # transformers refuses it too: "multiple chat templates with no default"
+            raise ValueError(f"tokenizer config {path!r} names chat templates {', '.join(named)} but "
+                             f"none 'default': pass --chat-template with one of these names, a "
+                             f"built-in ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
         raise ValueError(f"tokenizer config {path!r} has no chat_template string: pass --chat-template "
                          f"with a name ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
     return value
@@ -854,17 +918,19 @@ class TextEncoder:
         through the chat template and tokenized whole, as the model sees the conversation at
         inference (`apply_chat_template`); mask 1 on
         exactly the tokens that cover assistant text (see `ChatTemplate.segments`).
-        ChatTemplateError if the template fails.
+        ChatTemplateError if the template fails; no turns are no tokens.
 
         Tokenizing the pieces one by one would not give the same ids: a SentencePiece-style
         tokenizer (Llama 2, Mistral, Gemma) starts every piece with a word boundary, and a merge
         can cross where two pieces meet. A token that straddles an assistant piece's edge is
         masked 1, as transformers' assistant-token mask does."""
+        if not turns:  # no text, under every template alike (one may index messages[0])
+            return TextTokens.empty()
         trained = None
         if any("weight" in t for t in turns):  # ShareGPT's per-turn weight: 0 trains not on it
             trained = tuple(t.get("weight", 1) > 0 for t in turns)
             turns = [{k: v for k, v in t.items() if k != "weight"} for t in turns]
-        segments = self.template.segments(turns, trained, tools, documents)
+        segments = self.template.for_tools(tools).segments(turns, trained, tools, documents)
         if not segments:
             return TextTokens.empty()
         marks = np.array([m for _, m in segments], np.uint8)
@@ -905,5 +971,6 @@ def normalize_turn(turn: dict) -> tuple[str | None, object]:
 __all__ = [
     "ASSISTANT", "BUILTIN_TEMPLATES", "BYTE_VOCAB_SIZE", "ByteTokenizer", "CHATML", "ChatTemplate",
     "ChatTemplateError", "HFTokenizer", "SPECIAL_TOKENS", "TextEncoder", "TextTokens", "Tokenizer",
-    "chat_template_identity", "load_tokenizer", "normalize_turn", "resolve_chat_template",
+    "chat_template_identity", "check_chat_template", "load_tokenizer", "normalize_turn",
+    "resolve_chat_template",
 ]

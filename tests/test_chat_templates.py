@@ -609,3 +609,50 @@ def test_utf16_text_is_named_as_utf16(encoding):
     data = ("\ufeff" + "a cat").encode(encoding)
     with pytest.raises(CountError, match="is UTF-16"):
         Counter(CountingConfig()).text(data, "txt", "member 'txt'")
+
+
+# 5. ---------------------------------------------------------------------------------------
+TURNS_LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+NAMED = [{"name": "default", "template": TURNS_LOOP},
+         {"name": "tool_use", "template": "{{ tools|tojson }}\n" + TURNS_LOOP}]
+
+
+@pytest.mark.parametrize("given", ["beside the tokenizer", "as --chat-template"])
+def test_a_list_of_named_templates_renders_tool_use_for_samples_given_tools(tmp_path, tokenizer_file, given):
+    """transformers' `get_chat_template` takes "tool_use" whenever tools are passed (an empty
+    list too), else "default"; every sample was rendered by "default"."""
+    path = _model_dir(tmp_path, tokenizer_file, NAMED)
+    spec = None if given == "beside the tokenizer" else str(tmp_path / "tokenizer_config.json")
+    counter = Counter(CountingConfig(text=TextConfig(tokenizer_path=path, chat_template=spec)))
+    turns = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get"}}]
+    target = ["sunny<|im_end|>\n"]
+    for context, source in (({}, TURNS_LOOP), ({"tools": tools}, NAMED[1]["template"]),
+                            ({"tools": []}, NAMED[1]["template"])):
+        got = counter.text(json.dumps({"messages": turns, **context}).encode(), "json", "m")
+        assert got.ids.tolist() == counter.encoder.conversation(turns, **context).ids.tolist()
+        _check(counter.encoder, tokenizer_file, source, turns, {}, target, **context)
+    # Readers whose tool_use templates differ render differently: their identities differ.
+    other = _model_dir(tmp_path / "other", tokenizer_file, [NAMED[0], {**NAMED[1], "template": TURNS_LOOP}])
+    assert resolve_chat_template(None, path).identity != resolve_chat_template(None, other).identity
+
+
+def test_chat_template_names_one_of_the_tokenizers_named_templates(tmp_path, tokenizer_file):
+    path = _model_dir(tmp_path, tokenizer_file, NAMED)
+    tools = [{"type": "function", "function": {"name": "get"}}]
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a cat"}]
+    for name, source in (("default", TURNS_LOOP), ("tool_use", NAMED[1]["template"])):
+        enc = TextEncoder.load(path, TextConfig(tokenizer_path=path, chat_template=name).chat_template)
+        assert enc.template.name.endswith(f"tokenizer_config.json ({name})")
+        # A name is that template for every sample, as apply_chat_template(chat_template=NAME).
+        _check(enc, tokenizer_file, source, turns, {}, ["a cat<|im_end|>\n"], tools=tools)
+    with pytest.raises(ValueError, match=r"^chat template 'llama9' is neither a built-in \(chatml\), nor "
+                                         r"one of the templates '.*tokenizer_config.json' names "
+                                         r"\(default, tool_use\), nor a file: pass"):
+        TextConfig(tokenizer_path=path, chat_template="llama9")
+    # No "default": refused as transformers refuses it, naming the names to pick from.
+    alone = _model_dir(tmp_path / "alone", tokenizer_file, NAMED[1:])
+    with pytest.raises(ValueError, match="names chat templates tool_use but none 'default': pass "
+                                         "--chat-template with one of these names"):
+        resolve_chat_template(None, alone)
+    assert resolve_chat_template("tool_use", alone).source == NAMED[1]["template"]

@@ -485,3 +485,40 @@ def test_a_turn_of_weight_zero_is_not_trained_on(template):
     for bad in (-1, "0", True, float("nan")):
         with pytest.raises(Exception, match="weight"):
             _turn({"from": "gpt", "value": "x", "weight": bad}, "k.json")
+
+
+@pytest.mark.parametrize("where", ["jinja file", "tokenizer_config.json"])
+def test_a_template_naming_an_unknown_filter_is_a_one_line_error(tmp_path, where):
+    """Compiling (not parsing) finds the filter missing: it raised a TemplateAssertionError
+    traceback from inspect and read."""
+    source = "{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}"
+    path = tmp_path / ("bad.jinja" if where == "jinja file" else "tokenizer_config.json")
+    path.write_text(source if where == "jinja file" else json.dumps({"chat_template": source}))
+    with pytest.raises(ValueError, match=r"^chat template '.*' is not valid jinja2 \(line 1: No filter "
+                                         r"named 'nosuchfilter'\.\)$"):
+        resolve_chat_template(str(path), None)
+
+
+def test_an_empty_conversation_list_is_an_empty_sample_under_any_template(tmp_path):
+    """`[]` under a template that reads messages[0] was skipped as `chat_template`, naming an
+    internal class; `{"conversations": []}` and ChatML give `empty_sample`."""
+    import io
+    import tarfile
+
+    from pipeline.errors import ErrorStats
+
+    jinja = tmp_path / "first.jinja"
+    jinja.write_text("{{ messages[0].role }}:{% for m in messages %}{{ m.content }}|{% endfor %}")
+    shard = tmp_path / "0.tar"
+    with tarfile.open(shard, "w") as tar:
+        for key, value in (("list", []), ("field", {"conversations": []})):
+            data = json.dumps(value).encode()
+            info = tarfile.TarInfo(f"{key}.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    for template in (str(jinja), "chatml"):
+        assert len(TextEncoder.load(None, template).conversation([])) == 0
+        stats = ErrorStats()
+        config = ReaderConfig(counting=CountingConfig(text=TextConfig(chat_template=template)))
+        assert list(iter_shard(str(shard), config, stats=stats)) == []
+        assert stats.by_reason == {"empty_sample": 2}, list(stats.recent)
