@@ -437,6 +437,46 @@ def test_a_step_a_source_returns_after_the_pool_closed_goes_back_to_it(records):
     assert source.back == [1]
 
 
+def test_a_step_the_loop_let_go_of_frees_its_inputs_without_the_cyclic_collector(records):
+    """A trainer's RSS grew by GBs over a long run: every trained step's input tensors stayed
+    until a full garbage collection, which comes tens of steps apart there. With the collector
+    off, the inputs of every step before the one the loop holds must already be freed."""
+    pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    def source():  # hands each step over and keeps none (a client's queue does the same)
+        steps = _steps(records, per_step=3)
+        while steps:
+            yield steps.pop(0)
+
+    for kind, workers in (("thread", 0), ("thread", 2), ("process", 1)):
+        gc.collect()
+        gc.disable()
+        try:
+            inputs: list[list] = []  # weak references to each step's input tensors
+            with PrefetchPool(source(), PrefetchConfig(workers=workers, ahead=2, kind=kind,
+                                                       preprocess=PRE)) as pool:
+                for step in pool:
+                    held = sum(ref() is not None for refs in inputs for ref in refs)
+                    assert held == 0, (kind, step.step, held)
+                    refs = []
+                    for mb in step.microbatches:  # as the training loop uses them
+                        for phase, eb in mb.encoders.items():
+                            for i in eb.item_ids.tolist():
+                                refs.append(weakref.ref(mb.inputs.item(phase, i)))
+                                assert mb.inputs.name(phase, i).startswith("sample 's")
+                    inputs.append(refs)
+                    del mb
+            del step
+            assert len(inputs) == 8 and sum(map(len, inputs)) >= 12, kind
+            assert not any(ref() is not None for refs in inputs for ref in refs), kind
+        finally:
+            gc.enable()
+
+
 def test_an_item_that_does_not_decode_gets_a_blank_input_or_raises_naming_its_key(caplog):
     """A header that counted over a body that does not decode is found only by the decoder,
     after the sample was planned into every rank's step: the loop died on it."""

@@ -161,10 +161,15 @@ def _prepare_tensor(*args, **kwargs) -> torch.Tensor:
 
 
 class MicrobatchInputs:
-    """The ready model inputs of one micro-batch: per phase, one tensor per item in encode order."""
+    """The ready model inputs of one micro-batch: per phase, one tensor per item in encode order.
+
+    Set as `mb.inputs`, it holds the micro-batch's encoder batches, never `mb` itself: the two
+    would form a reference cycle, and a step's tensors would outlive the loop's use of it until
+    a full garbage collection (tens of steps apart in a trainer: GBs of inputs held meanwhile).
+    """
 
     def __init__(self, mb: Microbatch, tensors: dict[str, list[torch.Tensor]]) -> None:
-        self.mb = mb
+        self.encoders = mb.encoders
         self.tensors = tensors
         self._where = {ph: {int(i): k for k, i in enumerate(eb.item_ids.tolist())}
                        for ph, eb in mb.encoders.items()}
@@ -175,7 +180,7 @@ class MicrobatchInputs:
 
     def name(self, phase: str, item_id: int) -> str:
         """'sample KEY member M' of an item, for error messages (`item_name`)."""
-        eb = self.mb.encoders[phase]
+        eb = self.encoders[phase]
         k = self._where[phase][int(item_id)]
         return f"sample {eb.sample_keys[k]!r} member {eb.members[k]!r}"
 
