@@ -233,11 +233,17 @@ class ServerConfig:
     @property
     def shard_cap(self) -> int:
         """Samples one open shard may hold (buffered plus credited) so the heads never starve."""
-        f = self.flow
-        blocks = sum(b for b in self.block_sizes if b > 1)
-        spare = (f.max_buffered_samples - (f.max_retained_steps + 1) * self.batch.global_batch
-                 - blocks)
+        spare = self.flow.max_buffered_samples - self.least_buffered_samples + sum(self.windows)
         return spare // sum(self.windows)
+
+    @property
+    def least_buffered_samples(self) -> int:
+        """The least max_buffered_samples this configuration starts with (a shard_cap of 1):
+        the retained steps and the one being assembled, the shuffle blocks, a sample for each
+        open shard."""
+        blocks = sum(b for b in self.block_sizes if b > 1)
+        return ((self.flow.max_retained_steps + 1) * self.batch.global_batch + blocks
+                + sum(self.windows))
 
     def _sources_digest(self) -> dict:
         if len(self.sources) == 1 and self.sources[0].name == "default":

@@ -9,6 +9,7 @@ gives the bound endpoints (peers may connect as soon as `event=bound` is logged;
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import json
 import logging
@@ -570,11 +571,10 @@ PRACTICAL_BUFFERED_SAMPLES = 10**8
 
 
 def _samples_held_with(config: ServerConfig, shuffle_buffer: int) -> int:
-    """The least --max-buffered-samples that `config` with `shuffle_buffer` starts with
-    (ServerConfig.shard_cap at 1): the retained steps, the shuffle blocks and the open shards."""
-    blocks = sum(b for b in (max(1, round(shuffle_buffer * w)) for w in config.weights) if b > 1)
-    return ((config.flow.max_retained_steps + 1) * config.batch.global_batch + blocks
-            + sum(config.windows))
+    """The least --max-buffered-samples `config` would start with at `shuffle_buffer`."""
+    trial = copy.copy(config)  # not dataclasses.replace: that validates against the old bound
+    trial.shuffle_buffer = shuffle_buffer
+    return trial.least_buffered_samples
 
 
 def _buffer_that_shuffles(weight: float) -> int | None:
