@@ -399,8 +399,8 @@ class Exchanger:
         headers = [torch.empty_like(header) for _ in range(self.ctx.world_size)]
         dist.all_gather(headers, header)
         by_header: dict[tuple[int, ...], list[int]] = {}
-        for r, h in enumerate(headers):
-            by_header.setdefault(tuple(h.cpu().tolist()), []).append(r)
+        for r, h in enumerate(torch.stack(headers).cpu().tolist()):  # one copy to the host
+            by_header.setdefault(tuple(h), []).append(r)
         if len(by_header) == 1:
             return
         ranks = "; ".join(f"ranks {rs}: {_phase_names(h)}" for h, rs in by_header.items())
