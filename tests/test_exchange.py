@@ -337,6 +337,9 @@ def _error_cases(ctx, plan: StepPlan) -> dict[str, str]:
     # the same rows under another phase's name on ranks 1..3: silently mixed embeddings
     attempt("phase_name_one_rank", lambda: collective.exchange(
         torch.zeros(n, 8), px if ctx.rank == 0 else replace(px, phase="audio")))
+    # names outside the known phases, told apart by name in the message (not "1 other" each)
+    attempt("phase_other_names", lambda: collective.exchange(
+        torch.zeros(n, 8), replace(px, phase="foo" if ctx.rank == 0 else "bar")))
     # the group must still work after all of that
     out = collective.exchange(torch.ones(n, 8), px)
     msgs["healthy_after"] = "ok" if out.shape == (int(px.recv_tokens.sum()), 8) and bool((out == 1).all()) else "bad"
@@ -475,7 +478,8 @@ def test_ranks_exchanging_other_phases_raise_on_every_rank_naming_them(results):
     """A rank passing fewer phases aborted its process (gloo SIGABRT: the metadata collective
     had a row per phase); equal rows under another phase's name were exchanged and mixed."""
     for case, want in (("phases_one_rank", "ranks [0, 2, 3]: ['vision', 'audio']; ranks [1]: ['vision']"),
-                       ("phase_name_one_rank", "ranks [0]: ['vision']; ranks [1, 2, 3]: ['audio']")):
+                       ("phase_name_one_rank", "ranks [0]: ['vision']; ranks [1, 2, 3]: ['audio']"),
+                       ("phase_other_names", "ranks [0]: ['foo']; ranks [1, 2, 3]: ['bar']")):
         for rank, msgs in enumerate(results["errors_by_rank"]):
             assert msgs[case].startswith("ValueError: exchange phases differ across ranks"), (case, rank, msgs[case])
             assert want in msgs[case] and "mb.plan.exchanges" in msgs[case], (case, rank, msgs[case])

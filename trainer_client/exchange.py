@@ -224,16 +224,9 @@ def _phases_without_grad(phases: Sequence[str]) -> str:
 
 def _phase_header(phases: Sequence[str]) -> list[int]:
     """A call's phases in three numbers, the same on every rank that passes the same phases:
-    how many, which of ENCODER_PHASES (bits, to name them in errors), a digest of all names."""
+    how many, which of ENCODER_PHASES (bits), a digest of all names."""
     known = sum(1 << i for i, p in enumerate(ENCODER_PHASES) if p in phases)
     return [len(phases), known, zlib.crc32("\0".join(phases).encode())]
-
-
-def _phase_names(header: Sequence[int]) -> str:
-    count, known = header[0], header[1]
-    names = [p for i, p in enumerate(ENCODER_PHASES) if known >> i & 1]
-    others = count - len(names)
-    return str(names) + (f" and {others} other{'s' * (others > 1)}" if others else "")
 
 
 def _as_splits(a, what: str, world_size: int) -> tuple[int, ...]:
@@ -403,7 +396,11 @@ class Exchanger:
             by_header.setdefault(tuple(h), []).append(r)
         if len(by_header) == 1:
             return
-        ranks = "; ".join(f"ranks {rs}: {_phase_names(h)}" for h, rs in by_header.items())
+        # Every rank is here (each saw the same headers differ): the names themselves, for the
+        # message, where the headers name only the known phases.
+        names: list = [None] * self.ctx.world_size
+        dist.all_gather_object(names, list(phases))
+        ranks = "; ".join(f"ranks {rs}: {names[rs[0]]}" for rs in by_header.values())
         also = f" (rank {self.ctx.rank} also: {'; '.join(problems)})" if problems else ""
         raise ValueError(f"exchange phases differ across ranks ({ranks}){also}: every rank must "
                          "exchange the same phases in each call, every phase of the micro-batch's "
