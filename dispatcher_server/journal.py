@@ -324,7 +324,14 @@ class Journal:
         if entry.step > self.last_step + 1:
             raise JournalError(f"journal {self.path!r} records step {entry.step} after step "
                                f"{self.last_step}: it was not written by this dispatcher")
-        # A re-planned step supersedes every later one (the run rewound to it).
+        # A re-planned step supersedes every later one (the run rewound to it). Below the last
+        # commit, the trainers rewound to a checkpoint before it: the commits after that
+        # checkpoint are of steps that no longer stand, and a restart resumes from it (it
+        # resumed past the steps the journal still knew, and refused to start).
+        if not rec.get("kept") and entry.step <= self.last_committed:
+            self.last_committed = entry.step - 1
+            while self._commits and self._commits[-1] >= entry.step:
+                self._commits.pop()
         if entry.step < self._first:  # a rewind to step 0, past the checkpointed steps
             self._first, self._offsets = entry.step, array("q")
         else:

@@ -121,6 +121,9 @@ class ReplaySource:
         """Steps from `step` on are delivered again: journaled plans of theirs replay verbatim
         (those planned as this dispatcher plans, `journaled_plan`)."""
         self.replay, self._as_journaled = {}, {}
+        # A rewind to a checkpoint before the last commit: the trainers' commits from here on
+        # are of the steps taken again (the journal moves its commit back as it records them).
+        self.committed = min(self.committed, step - 1)
         if self.journal is not None:
             # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
             # another) drops the journal's entries up to it, and the step must still replay.

@@ -482,7 +482,7 @@ def test_a_crash_between_a_plan_and_its_record_still_opens_after_every_restart(t
     j.close()
     with open(tmp_path / journal_module.PLAN_FILES[0], "ab") as f:  # one plan past the slack
         f.write(recordlog.frame({"step": 6, "plan": {"p": 6}}))
-    with pytest.raises(JournalError, match="records steps up to 4 \\(last commit 6\\), but .* "
+    with pytest.raises(JournalError, match="records steps up to 4 \\(last commit 3\\), but .* "
                                            "holds 1 plan written after step 4's, of steps up to 6"):
         Journal(str(tmp_path), _fp())
 
@@ -736,6 +736,26 @@ def test_a_reopened_journal_checkpoints_at_twice_its_size_after_the_last_checkpo
         r.close()
 
 
+def test_a_rewind_below_the_last_commit_takes_the_commits_of_the_steps_taken_again(tmp_path):
+    """Trainers at step 150 (commit 149) rewound to their checkpoint of step 29: the commits of
+    steps 32 and 35 taken again were refused as older than 149, and a dispatcher restarted on
+    the journal resumed at step 150, past the steps it knew (30..37), and refused to start."""
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(150):
+        j.record_step(_entry(s))
+    assert j.commit(149)
+    for s in range(30, 38):  # the steps from the checkpoint on, planned again
+        j.record_step(_entry(s))
+    assert j.last_committed == 29 and j.commit(32) and j.commit(35)
+    j.close()
+    r = Journal(str(tmp_path), _fp(), fsync=False)
+    try:
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (37, 35, [36, 37])
+        assert r.cursor_after(35) == {"base": 36}  # where a restarted dispatcher goes on
+    finally:
+        r.close()
+
+
 def test_a_rewind_to_step_0_past_a_checkpoint_starts_the_steps_over(tmp_path):
     j = _checkpoint_ready(tmp_path)
     assert j.commit(9)
@@ -745,7 +765,8 @@ def test_a_rewind_to_step_0_past_a_checkpoint_starts_the_steps_over(tmp_path):
     j.close()
     r = Journal(str(tmp_path), _fp())
     try:
-        assert (r.last_step, r.last_committed, sorted(r.pending)) == (1, 9, [0, 1])
+        # the commit of step 9 no longer stands: a restart resumes at step 0's replay
+        assert (r.last_step, r.last_committed, sorted(r.pending)) == (1, -1, [0, 1])
         assert [r.cursor_after(s) for s in (0, 1)] == [{"base": 1}, {"base": 2}]
     finally:
         r.close()
