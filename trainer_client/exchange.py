@@ -223,10 +223,9 @@ def _phases_without_grad(phases: Sequence[str]) -> str:
 
 
 def _phase_header(phases: Sequence[str]) -> list[int]:
-    """A call's phases in three numbers, the same on every rank that passes the same phases:
-    how many, which of ENCODER_PHASES (bits), a digest of all names."""
-    known = sum(1 << i for i, p in enumerate(ENCODER_PHASES) if p in phases)
-    return [len(phases), known, zlib.crc32("\0".join(phases).encode())]
+    """A call's phases in two numbers, the same on every rank that passes the same phases: how
+    many, and a digest of their names (a mismatch gathers the names themselves to say so)."""
+    return [len(phases), zlib.crc32("\0".join(phases).encode())]
 
 
 def _as_splits(a, what: str, world_size: int) -> tuple[int, ...]:
