@@ -753,11 +753,8 @@ def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatT
     the template's `tool_use` (`ChatTemplate.for_tools`). The special tokens come from the
     tokenizer_config.json. ValueError, naming the value and the fix, when `spec` is none of
     these."""
-    config: dict = {}
     folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
-    beside = os.path.join(folder, "tokenizer_config.json") if folder is not None else None
-    if beside and os.path.isfile(beside):
-        config = _read_config(beside)
+    beside, config = _config_beside(tokenizer_path)
     tool_use = None  # the config's template named "tool_use", for conversations given tools
     if spec is None:
         jinja = os.path.join(folder, "chat_template.jinja") if folder is not None else None
@@ -809,9 +806,8 @@ def check_chat_template(spec: str | None, tokenizer_path: str | None) -> None:
     would otherwise fail only once a shard arrives."""
     if spec is None or spec in BUILTIN_TEMPLATES or os.path.isfile(spec):
         return
-    folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
-    beside = os.path.join(folder, "tokenizer_config.json") if folder is not None else None
-    named = _named_templates(_read_config(beside)) if beside and os.path.isfile(beside) else {}
+    beside, config = _config_beside(tokenizer_path)
+    named = _named_templates(config)
     if spec not in named:
         raise ValueError(_unknown_template(spec, named, beside))
 
@@ -848,6 +844,15 @@ def _read_config(path: str) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"tokenizer config {path!r} holds a JSON {type(config).__name__}, expected an object")
     return config
+
+
+def _config_beside(tokenizer_path: str | None) -> tuple[str | None, dict]:
+    """(the path of the tokenizer_config.json beside the tokenizer file, or None without a
+    tokenizer; that config, or {} where there is none)."""
+    if not tokenizer_path:
+        return None, {}
+    beside = os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json")
+    return beside, (_read_config(beside) if os.path.isfile(beside) else {})
 
 
 def _named_templates(config: dict) -> dict[str, str]:
