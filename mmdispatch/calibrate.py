@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import sys
 
 from dispatcher_server.cliopts import check_output_file
@@ -220,13 +221,35 @@ def check_options(args: argparse.Namespace) -> None:
     check_output_file("--out", args.out)
 
 
+def warn_poor_fits(args: argparse.Namespace, cal) -> dict[str, float]:
+    """One warning line per phase whose fit explains too little of its timings (R^2 below
+    POOR_FIT_R2): the cost file is written all the same (the measurements are in it), but
+    steps planned by it balance a poor estimate."""
+    from dispatcher_server.metrics import event
+    from trainer_client.calibrate import POOR_FIT_R2
+
+    poor = cal.poor_fits()
+    quiet = ("with --clock cpu --threads 1 (CPU time, which other processes do not inflate)"
+             if args.device == "cpu" and args.clock == "wall" else "on a device no other job shares")
+    for phase, r2 in poor.items():
+        lo, hi = getattr(args, f"{phase}_lengths")
+        event("calibration_poor_fit", logging.WARNING, phase=phase, r2=f"{r2:.3f}",
+              least=POOR_FIT_R2, out=args.out,
+              fix=f"the fit explains too little of the {phase} timings to plan by: measure "
+                  f"{quiet}, with more --repeats (now {args.repeats}) and --runs (now "
+                  f"{args.runs}), and --{phase}-lengths ({lo}:{hi} now) no wider than your "
+                  "data holds, then run calibrate again")
+    return poor
+
+
 def run(args: argparse.Namespace) -> int:
     check_options(args)
     progress = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     cal, meta = measure_and_fit(args, progress)
     save_cost_file(args.out, cal.cost, meta)
+    poor = warn_poor_fits(args, cal)
     if args.json:
-        print(json.dumps({"out": args.out, "units": "seconds",
+        print(json.dumps({"out": args.out, "units": "seconds", "poor_fits": poor,
                           **{k: v for k, v in meta.items() if k != "measurements"}}))
     else:
         print(_table(cal))

@@ -275,3 +275,36 @@ def test_per_item_constant_counts_once_per_item_and_per_window():
     assert list(windowed(np.array([0, 1, 100, 101]))) == [0.0, 105.0, 105.0, 210.0]
     with pytest.raises(ValueError, match="c=-1"):
         PhaseCost(a=1.0, b=0.0, c=-1.0)
+
+
+def test_calibrate_warns_of_a_fit_that_explains_too_little(tmp_path, capsys, monkeypatch):
+    """Timings the cost model cannot follow (noise) still give a cost file, with one warning
+    line per phase naming its R^2 and what to change; a clean fit gives none."""
+    import trainer_client.calibrate as tc
+    from mmdispatch.cli import main
+
+    rng = np.random.default_rng(0)
+
+    def noisy(model, spec, device, **kw):
+        return lambda phase, lengths: float(rng.uniform(1e-3, 2e-3))  # unrelated to the lengths
+
+    def clean(model, spec, device, **kw):
+        return lambda phase, lengths: float(1e-6 * np.sum(lengths) + 1e-4 * len(lengths))
+
+    for measure, expect_poor in ((noisy, True), (clean, False)):
+        monkeypatch.setattr(tc, "model_measure", measure)
+        out = tmp_path / f"{measure.__name__}.json"
+        assert main(["calibrate", "--hidden", "8", "--frame-dim", "8", "--patch-size", "2", *TINY,
+                     "--out", str(out), "--json"]) == 0
+        captured = capsys.readouterr()
+        report = json.loads(captured.out)
+        warned = [line for line in captured.err.splitlines() if "event=calibration_poor_fit" in line]
+        assert out.exists()
+        if expect_poor:
+            assert set(report["poor_fits"]) == {"vision", "audio", "llm"}
+            assert all(r2 < tc.POOR_FIT_R2 for r2 in report["poor_fits"].values())
+            assert len(warned) == 3 and all("--repeats (now 1)" in w and "--clock cpu --threads 1" in w
+                                            for w in warned)
+            assert any("phase=llm" in w and "--llm-lengths (4:32 now)" in w for w in warned)
+        else:
+            assert report["poor_fits"] == {} and warned == []

@@ -280,6 +280,10 @@ def grid_runs(grid: GridConfig, multiple: int, rng: np.random.Generator) -> list
 #: noise hide the per-item constant; relative error (1) lets the many short runs outvote the
 #: long ones, which set the step time (and where caches make real kernels grow faster than l^2).
 FIT_WEIGHT_EXPONENT = 0.5
+#: A phase's fit below this R^2 explains too little of its timings to plan by: `calibrate`
+#: warns (noise on the device, too few repeats, or a grid past what the model's cost follows).
+#: Quiet devices fit 0.99 and more; the reference model on a busy 2-core CPU fits 0.95 and more.
+POOR_FIT_R2 = 0.9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -298,6 +302,10 @@ class Calibration:
     fits: dict[str, PhaseFit]
     runs: dict[str, list[list[int]]]  # phase -> item lengths of each run
     times: dict[str, list[float]]  # phase -> measured seconds of each run
+
+    def poor_fits(self) -> dict[str, float]:
+        """Phase -> R^2 of the phases whose fit is below POOR_FIT_R2."""
+        return {p: f.r2 for p, f in self.fits.items() if not f.r2 >= POOR_FIT_R2}
 
     def summary(self) -> dict:
         """JSON-ready: coefficients and fit quality per phase."""
