@@ -84,6 +84,25 @@ def _utc(seconds: float) -> str:
             + f".{int(seconds * 1000) % 1000:03d}Z")
 
 
+#: Characters of one logged value past which it is cut (a sample key can be any length).
+MAX_FIELD_CHARS = 1000
+
+
+def event_line(kind: str, /, **fields) -> str:
+    """`mmdispatch event=KIND k=v ...`: the line `--log-format json` turns into fields. Values
+    with spaces or anything unprintable (a newline, a terminal escape: keys and names come from
+    the data) are quoted with escapes, so one value never forges a line; values past
+    MAX_FIELD_CHARS are cut, saying how much."""
+    parts = [f"event={kind}"]
+    for k, v in fields.items():
+        text = str(v)
+        if len(text) > MAX_FIELD_CHARS:
+            text = f"{text[:MAX_FIELD_CHARS]}...(+{len(text) - MAX_FIELD_CHARS} chars)"
+        plain = text and text.isprintable() and " " not in text
+        parts.append(f"{k}={text}" if plain else f"{k}={text!r}")
+    return "mmdispatch " + " ".join(parts)
+
+
 class TextFormatter(logging.Formatter):
     """`time LEVEL message` lines, with credentials in URLs redacted (`redact`)."""
 

@@ -13,31 +13,19 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from dispatcher_server.cliopts import redact
+from dispatcher_server.cliopts import event_line, redact
 
 log = logging.getLogger("mmdispatch.server")
 
 
 #: Error lines of one kind logged a minute at most (`Metrics.error`; the counter counts all).
 ERROR_LINES_PER_MINUTE = 20
-#: Characters of one logged value past which it is cut (a sample key can be any length).
-MAX_FIELD_CHARS = 1000
 
 
 def event(kind: str, level: int = logging.INFO, /, **fields) -> None:
-    """Log one structured line. Values with spaces or anything unprintable (a newline, a
-    terminal escape: keys and names come from the data) are quoted with escapes, so one value
-    never forges a line; values past MAX_FIELD_CHARS are cut, saying how much."""
-    if not log.isEnabledFor(level):
-        return
-    parts = [f"event={kind}"]
-    for k, v in fields.items():
-        text = str(v)
-        if len(text) > MAX_FIELD_CHARS:
-            text = f"{text[:MAX_FIELD_CHARS]}...(+{len(text) - MAX_FIELD_CHARS} chars)"
-        plain = text and text.isprintable() and " " not in text
-        parts.append(f"{k}={text}" if plain else f"{k}={text!r}")
-    log.log(level, "mmdispatch %s", " ".join(parts))
+    """Log one structured line (`event_line`) on the dispatcher's logger."""
+    if log.isEnabledFor(level):
+        log.log(level, "%s", event_line(kind, **fields))
 
 
 #: What the loop thread's CPU time is split into (`mmdispatch_loop_cpu_seconds_total{part}`):

@@ -14,6 +14,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from dispatcher_server.cliopts import event_line
+
 log = logging.getLogger("mmdispatch.pipeline")
 
 ERROR_MODES: tuple[str, ...] = ("raise", "skip", "warn")
@@ -102,8 +104,8 @@ class SkipDigest:
             top = ", ".join(f"{shard} {n}" for shard, n in shards.most_common(3))
             more = f", {len(shards) - 3} more shards" if len(shards) > 3 else ""
             parts.append(f"{reason}={sum(shards.values())} ({top}{more})")
-        line = (f"mmdispatch.pipeline: skipped {sum(pending.values())} more samples in the last "
-                f"{seconds:.0f} s: " + "; ".join(parts))
+        line = event_line("samples_skipped", count=sum(pending.values()), seconds=round(seconds),
+                          reasons="; ".join(parts), logged="the first of each reason and shard")
         log.warning("%s", line)
         return line
 
@@ -125,6 +127,13 @@ class SampleError(ValueError):
         self.shard = shard
         self.key = key
         self.detail = message
+
+
+def _skip_line(error: SampleError, **fields) -> str:
+    """A skip as one structured line: reason, shard and key are fields under --log-format json."""
+    where = {"key": error.key} if error.key is not None else {}
+    return event_line("sample_skipped", reason=error.reason, shard=error.shard, **where,
+                      detail=error.detail.removeprefix(f"shard {error.shard!r}: "), **fields)
 
 
 class TooManyErrors(RuntimeError):
@@ -177,9 +186,9 @@ class ErrorStats:
                 DIGEST.note(error.reason, error.shard)
             else:
                 self.warned.add((error.reason, error.shard))
-                log.warning("mmdispatch.pipeline: skipped %s (more like it are counted, not logged)", error)
+                log.warning("%s", _skip_line(error, more="counted, not logged"))
         else:
-            log.debug("mmdispatch.pipeline: skipped %s", error)
+            log.debug("%s", _skip_line(error))
         if self.consecutive > policy.max_consecutive:
             raise TooManyErrors(
                 f"{self.consecutive} consecutive failures (max_consecutive={policy.max_consecutive}); "

@@ -84,7 +84,7 @@ def test_inspect_counts_errors_per_shard_and_reads_the_good_one(small_shards, tm
     # one full line per (reason, shard), the rest in one aggregated line, never one line each
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(lines) <= 3, lines
-    assert any("skipped 40 more samples" in line and "bad_image=40" in line for line in lines), lines
+    assert any("event=samples_skipped count=40 " in line and "bad_image=40" in line for line in lines), lines
 
 
 def test_inspect_fails_only_when_nothing_is_readable(tmp_path, capsys):

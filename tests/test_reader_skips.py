@@ -310,3 +310,32 @@ def test_a_copy_that_cannot_be_mapped_is_not_opened_to_be_checked(tmp_path):
     assert mapped_copy_identity(f"pipe:touch {ran} && cat {shard}") is None
     assert not ran.exists(), "the pipe: command ran"
     assert mapped_copy_identity(shard)["size"] > 0
+
+
+def test_skip_lines_are_structured_so_json_logs_carry_their_fields(caplog):
+    """A reader's skip warning and its digest of later skips are event lines: under
+    --log-format json their reason, shard, key and counts are fields, not prose."""
+    import json
+    import logging
+
+    from dispatcher_server.cliopts import JsonFormatter
+    from pipeline.errors import SkipDigest
+
+    stats, policy = ErrorStats(), ErrorPolicy(mode="warn")
+    digest = SkipDigest(every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.pipeline"):
+        stats.handle(SampleError("bad_image", "s3://b/x 1.tar", "k 7",
+                                 "shard 's3://b/x 1.tar': not a JPEG"), policy)
+        stats.handle(SampleError("bad_image", "s3://b/x 1.tar", "k 8", "not a JPEG"), policy)
+        stats.handle(SampleError("empty_shard", "e.tar", None, "no samples"), policy)
+        digest.note("bad_image", "s3://b/x 1.tar")
+        digest.note("bad_image", "s3://b/x 1.tar")
+        digest.flush()
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records]
+    first = [line for line in lines if line.get("event") == "sample_skipped"]
+    assert [(x["reason"], x["shard"], x.get("key")) for x in first] == [
+        ("bad_image", "s3://b/x 1.tar", "k 7"), ("empty_shard", "e.tar", None)]
+    assert first[0]["detail"] == "not a JPEG"  # the shard is its own field, not said twice
+    assert first[0]["more"] == "counted, not logged"
+    (summary,) = [line for line in lines if line.get("event") == "samples_skipped"]
+    assert summary["count"] == 2 and "bad_image=2 (s3://b/x 1.tar 2)" in summary["reasons"]
