@@ -24,8 +24,8 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: --help section of the logging options
 LOGGING_GROUP = "logging and errors"
-#: Most MiB `--malloc-keep-mb` (serve, read) takes: glibc's mallopt takes its thresholds as a C
-#: int of bytes, and the trim threshold is twice this one, so 1024 wraps around.
+#: Most MiB `--malloc-keep-mb` (serve, read, train) takes: glibc's mallopt takes its thresholds
+#: as a C int of bytes, and the trim threshold is twice this one, so 1024 wraps around.
 MAX_MALLOC_KEEP_MB = 1023
 _FIELD = re.compile(r"(\w+)=('[^']*'|\"[^\"]*\"|\S+)")
 #: Query parameters whose values are credentials: presigned S3 (SigV4 and V2), GCS, Azure SAS,
@@ -292,6 +292,15 @@ def finite_float(text: str) -> float:
 
 #: Transports a ZeroMQ endpoint may name (tcp is the one across machines).
 ZMQ_TRANSPORTS = ("tcp", "ipc", "inproc")
+
+
+def check_malloc_keep_mb(name: str, value: int) -> int:
+    """`value` if `keep_freed_memory` can take it, else ValueError naming `name` (a flag or a
+    config field) and the range: past it glibc would wrap the threshold around."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MALLOC_KEEP_MB:
+        raise ValueError(f"{name} must be from 0 to {MAX_MALLOC_KEEP_MB} (glibc takes the threshold "
+                         f"as a C int of bytes; 0 = off), got {value!r}")
+    return value
 
 
 def check_curve_pair(secret: str | None, server_key: str | None) -> None:

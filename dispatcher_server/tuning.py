@@ -1,7 +1,8 @@
 """Process tuning for the service processes (dispatcher, readers): heap reuse and garbage collection.
 
 Separate from the wire protocol: these change how a process allocates, not what it says.
-Trainer processes never call them; their allocator and GC belong to the training job.
+A trainer's allocator and GC belong to the training job: its client calls only
+`keep_freed_memory`, and only when asked (`ClientConfig.malloc_keep_mb`, off by default).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def keep_freed_memory(threshold_mb: int) -> bool:
     Coalesced payload frames are MBs each; by default glibc serves them with mmap and unmaps
     them on free, so every frame pays page faults on first write (measured: most of the
     dispatcher's copy and free time). With a fixed mmap threshold and trim threshold the heap
-    keeps the pages: RSS stays at the working-set peak, which credits already bound. Returns
-    whether it applied (glibc only; 0 turns it off).
+    keeps the pages: RSS stays at the working-set peak, which credits already bound. A trainer
+    asks for it for the opposite reason: a small threshold hands each larger decoded tensor back
+    to the kernel on free, so a long run's RSS stops creeping, at the price of those page
+    faults. Returns whether it applied (glibc only; 0 turns it off).
     """
     libc = _libc()
     if threshold_mb <= 0 or libc is None:

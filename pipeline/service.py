@@ -33,7 +33,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.security import PeerCurve, check_allowed_keys
 from dispatcher_server.session import Disconnected, PeerSession, SessionConfig, Unreachable
 from dispatcher_server.cliopts import (
-    MAX_MALLOC_KEEP_MB, check_curve_pair, check_endpoint, finite_float, name_the_file, say,
+    check_curve_pair, check_endpoint, check_malloc_keep_mb, finite_float, name_the_file, say,
     setup_logging,
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
@@ -652,9 +652,7 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     check_curve_pair(args.curve_secret, args.curve_server_key)
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    if not 0 <= args.malloc_keep_mb <= MAX_MALLOC_KEEP_MB:  # glibc would wrap it around
-        raise ValueError(f"--malloc-keep-mb must be from 0 to {MAX_MALLOC_KEEP_MB} (glibc takes "
-                         f"the threshold as a C int of bytes; 0 = off), got {args.malloc_keep_mb}")
+    check_malloc_keep_mb("--malloc-keep-mb", args.malloc_keep_mb)
     if args.payload_cache_mb < 0:
         raise ValueError(f"--payload-cache-mb must be >= 0, got {args.payload_cache_mb}")
     for flag, value in (("--payload-bind", args.payload_bind),

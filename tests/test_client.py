@@ -144,10 +144,78 @@ def test_the_topology_takes_integers_as_commit_does():
     ({"fetch_attempts": 0}, r"fetch_attempts >= 1"),
     ({"backoff_min_s": 2.0, "backoff_max_s": 1.0}, r"backoff_min_s \(2.0\) <= backoff_max_s \(1.0\)"),
     ({"prefetch": 0}, r"prefetch must be >= 1, got 0"),
+    # glibc takes the threshold as a C int of bytes: past it, it wraps around
+    ({"malloc_keep_mb": 1024}, r"malloc_keep_mb must be from 0 to 1023 .*0 = off\), got 1024"),
+    ({"malloc_keep_mb": -1}, r"malloc_keep_mb must be from 0 to 1023 .*got -1"),
 ])
 def test_a_client_setting_that_would_hang_or_spin_is_refused_at_once(setting, message):
     with pytest.raises(ValueError, match=message):
         ClientConfig(**setting)
+
+
+class _FakeLibc:
+    """glibc's mallopt, recorded: (parameter, value) per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def mallopt(self, param: int, value: int) -> int:
+        self.calls.append((param, value))
+        return 1
+
+
+def test_the_heap_setting_reaches_glibc_once_per_trainer_process(monkeypatch, caplog):
+    """A trainer's RSS crept over a long run (glibc keeping freed tensor memory) and it had no
+    `--malloc-keep-mb` as serve and read have: the client's setting now reaches mallopt when the
+    first client starts, and a later client's other value is ignored with a warning."""
+    import dispatcher_server.tuning
+    import trainer_client.client as client_module
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(dispatcher_server.tuning, "_libc", lambda: libc)
+    monkeypatch.setattr(client_module, "_heap_setting", None)  # as in a fresh process
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1, config=ClientConfig(malloc_keep_mb=8))
+    assert libc.calls == []  # a client that is not started leaves the process alone
+    try:
+        c.start()
+        assert libc.calls == [(-3, 8 << 20), (-1, 16 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        other = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1, config=ClientConfig(malloc_keep_mb=2))
+        other.start()
+        other.close()
+    finally:
+        c.close()
+    assert libc.calls == [(-3, 8 << 20), (-1, 16 << 20)]
+    assert "event=malloc_keep_ignored malloc_keep_mb=2 applied=8" in caplog.text
+
+
+def test_a_heap_setting_without_glibc_is_said_to_do_nothing(monkeypatch, caplog):
+    import dispatcher_server.tuning
+    import trainer_client.client as client_module
+
+    monkeypatch.setattr(dispatcher_server.tuning, "_libc", lambda: None)  # musl, macOS
+    monkeypatch.setattr(client_module, "_heap_setting", None)
+    DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1, config=ClientConfig(malloc_keep_mb=4)).start().close()
+    assert "event=malloc_keep_ignored malloc_keep_mb=4" in caplog.text
+
+
+def test_a_client_left_at_the_default_heap_setting_calls_no_mallopt(monkeypatch):
+    import dispatcher_server.tuning
+    import trainer_client.client as client_module
+
+    libc = _FakeLibc()
+    monkeypatch.setattr(dispatcher_server.tuning, "_libc", lambda: libc)
+    monkeypatch.setattr(client_module, "_heap_setting", None)
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1).start()
+    c.close()
+    assert libc.calls == []
+
+
+def test_the_trainer_hands_its_malloc_keep_mb_to_its_client():
+    from trainer_client.train import build_parser, client_config
+
+    parse = build_parser().parse_args
+    assert client_config(parse(["--dispatcher", "tcp://d:5556"])).malloc_keep_mb == 0
+    assert client_config(parse(["--dispatcher", "tcp://d:5556", "--malloc-keep-mb", "4"])).malloc_keep_mb == 4
 
 
 def test_load_state_dict_refuses_what_state_dict_did_not_return():

@@ -28,15 +28,38 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dispatcher_server import protocol as P
 from dispatcher_server.blend import differing
-from dispatcher_server.cliopts import check_endpoint
+from dispatcher_server.cliopts import check_endpoint, check_malloc_keep_mb
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig
 from dispatcher_server.stepwire import SAMPLE_ARRAYS, unpack_microbatch
+from dispatcher_server.tuning import keep_freed_memory
 from trainer_client.fetch import FetchConfig, PayloadFetcher
 
 log = logging.getLogger("mmdispatch.client")
 _END = object()
+# The heap setting this process's first starting client applied (None: none yet). mallopt is
+# process-wide: a later client (a rebuilt DataLoader dataset, a second loop) must not change
+# what the training job runs with halfway.
+_heap_setting: int | None = None
+_heap_lock = threading.Lock()
+
+
+def _keep_freed_memory_once(threshold_mb: int) -> None:
+    """Apply `ClientConfig.malloc_keep_mb` once per process; a later client asking for another
+    value is told, in a warning, that it is ignored."""
+    global _heap_setting
+    with _heap_lock:
+        if _heap_setting is None:
+            _heap_setting = threshold_mb
+            if not keep_freed_memory(threshold_mb) and threshold_mb:
+                log.warning("mmdispatch event=malloc_keep_ignored malloc_keep_mb=%d: this process's "
+                            "C library took no glibc mallopt for it, so the heap is as it was",
+                            threshold_mb)
+        elif threshold_mb != _heap_setting:
+            log.warning("mmdispatch event=malloc_keep_ignored malloc_keep_mb=%d applied=%d: this "
+                        "process's first client set it, and glibc's setting is process-wide",
+                        threshold_mb, _heap_setting)
 
 
 class DispatcherError(RuntimeError):
@@ -333,10 +356,16 @@ class ClientConfig:
     # at most `fetch_attempts` readers per request (see fetch.PayloadFetcher).
     fetch_timeout_s: float = 5.0
     fetch_attempts: int = 4
+    # glibc reuses freed heap blocks up to this many MiB instead of fresh pages, set once per
+    # process by the first client that starts (`keep_freed_memory`); 0 leaves glibc's own
+    # thresholds. Off by default, unlike serve's and read's 16: a fixed threshold trades the
+    # trainer's step time for its RSS (see docs/configuration.md, --malloc-keep-mb).
+    malloc_keep_mb: int = 0
 
     def __post_init__(self) -> None:
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        check_malloc_keep_mb("malloc_keep_mb", self.malloc_keep_mb)
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} must be > 0 seconds (or None)")
         if not self.fetch_timeout_s > 0 or self.fetch_attempts < 1:
@@ -738,6 +767,7 @@ class DispatcherClient:
     # -- trainer-facing API --------------------------------------------------------------
     def start(self) -> DispatcherClient:
         if self._thread is None:
+            _keep_freed_memory_once(self.config.malloc_keep_mb)
             self._peer = _TrainerPeer(
                 hello={"role": "trainer", "name": f"rank{self.rank}", "rank": self.rank,
                        "world_size": self.world_size, "local_world_size": self.local_world_size,

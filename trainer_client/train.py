@@ -30,8 +30,8 @@ try:  # torch takes seconds to load: a Ctrl-C meanwhile is no bug, and has nothi
         import torch.distributed as dist
 
         from dispatcher_server.cliopts import (
-            HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, check_output_file,
-            run_reporting_errors, say, setup_logging, unwind_on_sigterm,
+            HelpFormatter, OneLineParser, check_curve_pair, check_endpoint, check_malloc_keep_mb,
+            check_output_file, run_reporting_errors, say, setup_logging, unwind_on_sigterm,
         )
         from dispatcher_server.files import replace_file
         from mmdispatch.settings import ConfigError, apply_file
@@ -198,6 +198,15 @@ def _check_launched_by_torchrun() -> None:
                          f"{', '.join(TORCHRUN_VARIABLES)}")
 
 
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    """The trainer's client settings from its options (the heap setting included: the client
+    applies it once in this process when it starts)."""
+    timeouts = {} if args.connect_timeout is None else {"connect_timeout_s": args.connect_timeout}
+    return ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
+                        server_public_file=args.curve_server_key, map_shards=args.map_shards,
+                        malloc_keep_mb=args.malloc_keep_mb, **timeouts)
+
+
 def train(args: argparse.Namespace) -> int:
     check_endpoint("--dispatcher", args.dispatcher)
     check_curve_pair(args.curve_secret, args.curve_server_key)
@@ -215,6 +224,7 @@ def train(args: argparse.Namespace) -> int:
                                         ("--progress-every", args.progress_every, 0, "seconds; 0: none")):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
+    check_malloc_keep_mb("--malloc-keep-mb", args.malloc_keep_mb)
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0 (the AdamW learning rate, e.g. 3e-3), got {args.lr}")
     if args.checkpoint_dir is not None:
@@ -245,11 +255,8 @@ def train(args: argparse.Namespace) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     exchanger = Exchanger(ExchangeConfig(mode=args.exchange), ctx)
     timer = PhaseTimer("cpu")  # the reference model runs on CPU
-    timeouts = {} if args.connect_timeout is None else {"connect_timeout_s": args.connect_timeout}
     client = DispatcherClient(args.dispatcher, ctx.rank, ctx.world_size, ctx.local_world_size,
-                              config=ClientConfig(prefetch=args.prefetch, secret_file=args.curve_secret,
-                                                  server_public_file=args.curve_server_key,
-                                                  map_shards=args.map_shards, **timeouts),
+                              config=client_config(args),
                               inputs={**preprocess.identity(), **tokenizer_identity(args.tokenizer)})
     if checkpoint is not None:  # every rank loads the one file: all resume at one step
         try:
