@@ -228,11 +228,13 @@ class TextConfig:
     Text is tokenized with `tokenizer_path` (an HF `tokenizers` JSON file), or without one by
     the byte-level tokenizer (256 ids, the UTF-8 bytes); either way the count is the number
     of ids the trainer receives. Plain text is all training targets (loss mask 1). A
-    conversation is rendered through `chat_template`: a built-in name (`chatml`), the name of
-    a template the tokenizer_config.json beside the tokenizer file lists, a .jinja file or a
-    tokenizer_config.json; unset, the `chat_template` of the tokenizer_config.json beside the
-    tokenizer file (of a list of named templates, "tool_use" for a conversation given `tools`
-    where there is one, else "default", as transformers picks), else ChatML. Only its
+    conversation is rendered through `chat_template`: the name of one of the tokenizer's own
+    named templates (a list in its tokenizer_config.json, or additional_chat_templates/*.jinja
+    beside it; a name it shares with a built-in is the tokenizer's), a built-in name
+    (`chatml`), a .jinja file or a tokenizer_config.json; unset, the tokenizer's own template
+    (chat_template.jinja, else the `chat_template` of the tokenizer_config.json beside the
+    tokenizer file; of named templates, "tool_use" for a conversation given `tools` where
+    there is one, else "default", as transformers picks), else ChatML. Only its
     assistant tokens are targets. Several
     text members of one sample are concatenated in natural name order, without separator.
 

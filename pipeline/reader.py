@@ -101,10 +101,12 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
         help="HF tokenizers JSON file (a model's tokenizer.json) that turns text into the ids "
              "trainers receive (unset: byte-level ids, the 256 UTF-8 byte values)")
     add("--chat-template", default=None,
-        help="chat template for conversations: a built-in name (chatml), a name the "
-             "tokenizer_config.json beside --tokenizer lists, a .jinja file or a "
-             "tokenizer_config.json (unset: the tokenizer_config.json beside --tokenizer, its "
-             "'tool_use' template for samples with tools where it lists one, else chatml)")
+        help="chat template for conversations: the name of one of the templates beside "
+             "--tokenizer (listed in its tokenizer_config.json or saved as "
+             "additional_chat_templates/NAME.jinja; it wins over a built-in of that name), a "
+             "built-in name (chatml), a .jinja file or a tokenizer_config.json (unset: the "
+             "tokenizer's own, chat_template.jinja else its tokenizer_config.json's, with its "
+             "'tool_use' template for samples with tools where it names one; else chatml)")
     for modality, flag in PLACEHOLDER_FLAGS.items():
         add(flag, default=None,
             help=f"token of the tokenizer (an added or special one) marking in the text where "

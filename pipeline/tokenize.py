@@ -38,8 +38,14 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-#: Chat templates known by name (`--chat-template chatml`).
+#: Chat templates known by name (`--chat-template chatml`); a tokenizer's own template of the
+#: same name wins (`resolve_chat_template`).
 BUILTIN_TEMPLATES: dict[str, str] = {"chatml": CHATML}
+#: Where newer transformers saves a tokenizer's default chat template, beside its
+#: tokenizer_config.json (`_own_templates`)...
+TEMPLATE_FILE = "chat_template.jinja"
+#: ...and the folder, beside it too, where it saves each other named one as NAME.jinja.
+TEMPLATE_DIR = "additional_chat_templates"
 #: ShareGPT role names (`from`) and the chat-template roles they stand for.
 ROLE_ALIASES: dict[str, str] = {"human": "user", "gpt": "assistant", "chatgpt": "assistant",
                                 "bot": "assistant", "model": "assistant",  # model: Gemini's
@@ -744,25 +750,23 @@ _FALLBACK_WARNED: set[str] = set()
 
 
 def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatTemplate:
-    """The chat template to use: `spec` (a built-in name, the name of one of the templates the
-    tokenizer_config.json beside the tokenizer lists, a tokenizer_config.json or a jinja
-    file), else the template beside the tokenizer file (chat_template.jinja, which newer
-    transformers saves and reads first, else the `chat_template` of tokenizer_config.json),
-    else ChatML (with a warning when a tokenizer was given: its model may expect another
-    format). A config's list of named templates gives its "default", with its "tool_use" as
-    the template's `tool_use` (`ChatTemplate.for_tools`). The special tokens come from the
-    tokenizer_config.json. ValueError, naming the value and the fix, when `spec` is none of
-    these."""
-    folder = os.path.dirname(tokenizer_path) if tokenizer_path else None
+    """The chat template to use: `spec` (the name of one of the tokenizer's own named templates,
+    a built-in name, a tokenizer_config.json or a jinja file), else the tokenizer's default
+    template (`_own_templates`: chat_template.jinja beside it, which newer transformers saves
+    and reads first, else the `chat_template` of its tokenizer_config.json), else ChatML (with a
+    warning when a tokenizer was given: its model may expect another format). A name the
+    tokenizer gives one of its templates wins over the built-in of that name: transformers'
+    `apply_chat_template(chat_template=NAME)` renders the tokenizer's. With named templates,
+    "tool_use" is the template's `tool_use` (`ChatTemplate.for_tools`). The special tokens come
+    from the tokenizer_config.json. ValueError, naming the value and the fix, when `spec` is
+    none of these."""
     beside, config = _config_beside(tokenizer_path)
-    tool_use = None  # the config's template named "tool_use", for conversations given tools
+    own = _own_templates(beside, config)
+    tool_use = None  # the tokenizer's template named "tool_use", for conversations given tools
     if spec is None:
-        jinja = os.path.join(folder, "chat_template.jinja") if folder is not None else None
-        if jinja and os.path.isfile(jinja):
-            source, name = _read_jinja(jinja), jinja
-        elif config.get("chat_template"):
-            source, name = _template_of(config, beside), beside
-            tool_use = _named_templates(config).get("tool_use")
+        if own.default is not None or own.named or config.get("chat_template"):
+            source, name = _default_of(own), own.default_name
+            tool_use = own.named.get("tool_use")
         else:
             source, name = CHATML, "chatml"
             if tokenizer_path is not None:
@@ -775,23 +779,20 @@ def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatT
                                 "which transformers would refuse (\"chat_template is not set\"): "
                                 "pass --chat-template if the model expects another format",
                                 tokenizer_path)
+    elif spec in own.named:  # as apply_chat_template(chat_template=NAME): always it
+        source, name = own.named[spec], own.names[spec]
     elif spec in BUILTIN_TEMPLATES:
         source, name = BUILTIN_TEMPLATES[spec], spec
-    elif spec in _named_templates(config):  # as apply_chat_template(chat_template=NAME): always it
-        source, name = _named_templates(config)[spec], f"{beside} ({spec})"
     elif os.path.isfile(spec):
         if spec.endswith(".json"):
             config = _read_config(spec)
-            jinja = os.path.join(os.path.dirname(spec), "chat_template.jinja")
-            if os.path.isfile(jinja):  # transformers reads it before the config's chat_template
-                source, name = _read_jinja(jinja), jinja
-            else:
-                source, name = _template_of(config, spec), spec
-                tool_use = _named_templates(config).get("tool_use")
+            given = _own_templates(spec, config)
+            source, name = _default_of(given), given.default_name
+            tool_use = given.named.get("tool_use")
         else:
             source, name = _read_jinja(spec), spec
     else:
-        raise ValueError(_unknown_template(spec, _named_templates(config), beside))
+        raise ValueError(_unknown_template(spec, own))
     specials = special_tokens(config)
     template = ChatTemplate(source, name=name, specials=specials)
     if tool_use is not None:
@@ -801,21 +802,19 @@ def resolve_chat_template(spec: str | None, tokenizer_path: str | None) -> ChatT
 
 def check_chat_template(spec: str | None, tokenizer_path: str | None) -> None:
     """ValueError in one line, naming `spec`, the names it may take and the fix, unless it is
-    unset, a built-in name, a file, or the name of a template listed by the
-    tokenizer_config.json beside `tokenizer_path`. Checked at start (`TextConfig`): a reader
-    would otherwise fail only once a shard arrives."""
+    unset, the name of one of the tokenizer's own named templates (`_own_templates`), a
+    built-in name or a file. Checked at start (`TextConfig`): a reader would otherwise fail
+    only once a shard arrives."""
     if spec is None or spec in BUILTIN_TEMPLATES or os.path.isfile(spec):
         return
-    beside, config = _config_beside(tokenizer_path)
-    named = _named_templates(config)
-    if spec not in named:
-        raise ValueError(_unknown_template(spec, named, beside))
+    own = _own_templates(*_config_beside(tokenizer_path))
+    if spec not in own.named:
+        raise ValueError(_unknown_template(spec, own))
 
 
-def _unknown_template(spec: str, named: dict[str, str], beside: str | None) -> str:
-    """Why `spec` names no chat template, with the names it may take (`named`: those the
-    tokenizer_config.json `beside` the tokenizer lists)."""
-    listed = f", nor one of the templates {beside!r} names ({', '.join(named)})," if named else ""
+def _unknown_template(spec: str, own: _OwnTemplates) -> str:
+    """Why `spec` names no chat template, with the names it may take (the tokenizer's own)."""
+    listed = f", nor one of the templates {own.where!r} names ({', '.join(own.named)})," if own.named else ""
     return (f"chat template {spec!r} is neither a built-in ({', '.join(BUILTIN_TEMPLATES)}){listed} "
             f"nor a file: pass a name, a .jinja file or a tokenizer_config.json")
 
@@ -865,21 +864,73 @@ def _named_templates(config: dict) -> dict[str, str]:
             if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
 
 
-def _template_of(config: dict, path: str | None) -> str:
-    """`chat_template` of a tokenizer config: a string, or the one named "default" of a list
-    of {name, template} (the one transformers renders when no tools are passed)."""
-    value = config.get("chat_template")
-    named = _named_templates(config)
-    if isinstance(value, list):
-        value = named.get("default")
-    if not isinstance(value, str):
-        if named:  # transformers refuses it too: "multiple chat templates with no default"
-            raise ValueError(f"tokenizer config {path!r} names chat templates {', '.join(named)} but "
-                             f"none 'default': pass --chat-template with one of these names, a "
-                             f"built-in ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
-        raise ValueError(f"tokenizer config {path!r} has no chat_template string: pass --chat-template "
-                         f"with a name ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
-    return value
+@dataclass(frozen=True, slots=True)
+class _OwnTemplates:
+    """The chat templates a tokenizer's folder holds, as transformers loads them."""
+
+    where: str | None  # what messages name: the config, or the folder where files name templates
+    default: str | None  # rendered when no template is named; None: the folder has none
+    default_name: str | None  # the file (or config) `default` was read from
+    named: dict[str, str]  # name -> template, for `--chat-template NAME`, "default", "tool_use"
+    names: dict[str, str]  # name -> the template's own name: its file, or "CONFIG (NAME)"
+
+
+def _own_templates(config_path: str | None, config: dict) -> _OwnTemplates:
+    """The chat templates of the tokenizer whose tokenizer_config.json is `config_path` (it
+    need not exist) and holds `config`. Newer transformers saves them as files beside it and
+    reads those first: chat_template.jinja replaces the config's `chat_template` (a string or
+    a list), and each additional_chat_templates/NAME.jinja adds a template NAME beside it, the
+    former being "default" then. A config's list form names its templates the same way, so a
+    tokenizer saved either way is read alike."""
+    if config_path is None:
+        return _OwnTemplates(None, None, None, {}, {})
+    folder = os.path.dirname(config_path)
+    jinja = os.path.join(folder, TEMPLATE_FILE)
+    if os.path.isfile(jinja):
+        named, names = {}, {}
+        default, default_name = _read_jinja(jinja), jinja
+    else:
+        value = config.get("chat_template")
+        named = _named_templates(config)
+        names = {n: f"{config_path} ({n})" for n in named}
+        default = value if isinstance(value, str) and value else named.get("default")
+        default_name = config_path
+    extra = _additional_templates(folder)
+    where = folder if extra else config_path
+    if extra:
+        if default is not None:
+            named.setdefault("default", default)
+            names.setdefault("default", default_name)
+        for name, path in extra.items():
+            named[name], names[name] = _read_jinja(path), path
+    if named:
+        default = named.get("default")
+        default_name = names.get("default", default_name)
+    return _OwnTemplates(where, default, default_name, named, names)
+
+
+def _additional_templates(folder: str) -> dict[str, str]:
+    """name -> path of each additional_chat_templates/NAME.jinja in `folder`, by name."""
+    directory = os.path.join(folder, TEMPLATE_DIR)
+    if not os.path.isdir(directory):
+        return {}
+    return {entry.removesuffix(".jinja"): os.path.join(directory, entry)
+            for entry in sorted(os.listdir(directory))
+            if entry.endswith(".jinja") and os.path.isfile(os.path.join(directory, entry))}
+
+
+def _default_of(own: _OwnTemplates) -> str:
+    """The template a tokenizer renders when none is named: `own.default`, else ValueError
+    naming where it looked and the fix (transformers refuses these as well)."""
+    if own.default is not None:
+        return own.default
+    what = "tokenizer config" if str(own.where).endswith(".json") else "tokenizer folder"
+    if own.named:  # transformers: "multiple chat templates with no default"
+        raise ValueError(f"{what} {own.where!r} names chat templates {', '.join(own.named)} but none "
+                         f"'default': pass --chat-template with one of these names, a built-in "
+                         f"({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
+    raise ValueError(f"{what} {own.where!r} has no chat_template string: pass --chat-template "
+                     f"with a name ({', '.join(BUILTIN_TEMPLATES)}) or a .jinja file")
 
 
 class TextEncoder:

@@ -656,3 +656,67 @@ def test_chat_template_names_one_of_the_tokenizers_named_templates(tmp_path, tok
                                          "--chat-template with one of these names"):
         resolve_chat_template(None, alone)
     assert resolve_chat_template("tool_use", alone).source == NAMED[1]["template"]
+
+
+OWN_CHATML = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def test_a_tokenizers_own_template_named_like_a_built_in_wins(tmp_path, tokenizer_file):
+    """`--chat-template chatml` rendered the built-in ChatML though the tokenizer_config.json
+    lists a template of that name (and the refusal of an unknown name listed it): the
+    tokenizer's own wins, as transformers' apply_chat_template(chat_template="chatml") renders
+    it. Without a tokenizer, or one that names no "chatml", the name is the built-in."""
+    path = _model_dir(tmp_path, tokenizer_file, [NAMED[0], {"name": "chatml", "template": OWN_CHATML}])
+    chosen = resolve_chat_template("chatml", path)
+    assert chosen.source == OWN_CHATML and chosen.name.endswith("tokenizer_config.json (chatml)")
+    assert chosen.identity != "chatml"  # readers on the built-in are told they render differently
+    enc = TextEncoder.load(path, TextConfig(tokenizer_path=path, chat_template="chatml").chat_template)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a cat"}]
+    _check(enc, tokenizer_file, OWN_CHATML, turns, {}, [" a cat\n"])
+    assert resolve_chat_template("chatml", None).chatml
+    assert resolve_chat_template("chatml", _model_dir(tmp_path / "named", tokenizer_file, NAMED)).chatml
+
+
+def _saved_as_files(tmp_path, tokenizer_file, default: str | None, **named: str) -> str:
+    """A tokenizer folder as newer transformers saves one: chat_template.jinja (the default)
+    and additional_chat_templates/NAME.jinja, the config's chat_template left out."""
+    path = _model_dir(tmp_path, tokenizer_file, None, jinja=default)
+    (tmp_path / "additional_chat_templates").mkdir()
+    for name, source in named.items():
+        (tmp_path / "additional_chat_templates" / f"{name}.jinja").write_text(source)
+    return path
+
+
+def test_additional_chat_templates_files_are_the_tokenizers_named_templates(tmp_path, tokenizer_file):
+    """additional_chat_templates/NAME.jinja were not read: a sample with tools got the default
+    template, not "tool_use", and `--chat-template NAME` was refused. They are named templates
+    as a list in tokenizer_config.json is, with chat_template.jinja as "default"."""
+    path = _saved_as_files(tmp_path, tokenizer_file, TURNS_LOOP, tool_use=NAMED[1]["template"],
+                           chatml=OWN_CHATML)
+    turns = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "get"}}]
+    enc = TextEncoder.load(path)
+    assert enc.template.name.endswith("chat_template.jinja") and enc.template.source == TURNS_LOOP
+    _check(enc, tokenizer_file, TURNS_LOOP, turns, {}, ["sunny<|im_end|>\n"])
+    _check(enc, tokenizer_file, NAMED[1]["template"], turns, {}, ["sunny<|im_end|>\n"], tools=tools)
+    for name, source in (("default", TURNS_LOOP), ("tool_use", NAMED[1]["template"]), ("chatml", OWN_CHATML)):
+        spec = TextConfig(tokenizer_path=path, chat_template=name).chat_template  # checked at start
+        chosen = resolve_chat_template(spec, path)
+        assert chosen.source == source, name
+    assert resolve_chat_template("chatml", path).name.endswith("additional_chat_templates/chatml.jinja")
+    with pytest.raises(ValueError, match=r"^chat template 'llama9' is neither a built-in \(chatml\), nor "
+                                         r"one of the templates '.*' names \(default, chatml, tool_use\), "
+                                         r"nor a file: pass"):
+        TextConfig(tokenizer_path=path, chat_template="llama9")
+    # The tokenizer_config.json given as --chat-template reads the files beside it alike.
+    given = resolve_chat_template(str(tmp_path / "tokenizer_config.json"), None)
+    assert given.source == TURNS_LOOP and given.for_tools(tools).source == NAMED[1]["template"]
+
+
+def test_additional_chat_templates_without_a_default_are_refused_as_a_list_without_one(tmp_path,
+                                                                                      tokenizer_file):
+    path = _saved_as_files(tmp_path, tokenizer_file, None, tool_use=NAMED[1]["template"])
+    with pytest.raises(ValueError, match=r"^tokenizer folder '.*' names chat templates tool_use but "
+                                         r"none 'default': pass --chat-template"):
+        resolve_chat_template(None, path)
+    assert resolve_chat_template("tool_use", path).source == NAMED[1]["template"]
