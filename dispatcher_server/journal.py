@@ -8,9 +8,12 @@ check out, anywhere, is corruption: JournalError names the file and byte offset,
 is left byte for byte as it was. So is a journal.mmd that lost records the directory's other
 files outlived (cut short, emptied, an older copy put back): a plan file with plans of steps
 past the one after its newest step, or plans, input rules or skipped keys beside a journal.mmd
-missing or empty; resumed, it would silently start the job over from an earlier step. A write
-or fsync that fails is cut back off its file and raises JournalWriteError (an OSError);
-nothing of it is applied, and the call can be retried.
+missing or empty; resumed, it would silently start the job over from an earlier step. Each plan
+carries the plan files' turn (the handovers so far), and each step record its plan's, so plans
+written after the newest recorded one are found in either file, in the one handed over to
+since, and in the newest plan's own file once it was emptied and written anew. A write or fsync
+that fails is cut back off its file and raises JournalWriteError (an OSError); nothing of it is
+applied, and the call can be retried.
 
 Disk and restart cost stay bounded however long the run. `journal.mmd` holds the config, one
 ~180-byte record per step (cursor, digest, where its plan lies) and the commits. Once it passes
@@ -23,12 +26,14 @@ hands over to the other, emptied first, once none of that one's plans is still n
 a commit covers its step). Skipped keys (with their shard index when known) go to
 `skipped.mmd`, append-only, never read at a restart (journal.mmd keeps their count and how far
 the file is counted); `skipped_keys()` reads them back for audits. A restart therefore reads
-journal.mmd, about `journal_file_bytes` (more only while commits lag), and the uncommitted
-steps' plans. journal.mmd also keeps, a record each and carried over checkpoints, the shard
-positions skipped because no reader could open them and each shard's copy identity as first
-read whole, so a restart decides and checks as the run before it did; and each set of plan
-settings (micro-batches, capacities, cost model...) a step was planned under, once, which step
-records name by digest, so a restart knows the journaled plans made under other settings. Journals in the layout before the magic are read and rewritten in this one.
+journal.mmd, about `journal_file_bytes` (more only while commits lag), the uncommitted
+steps' plans and the first plan of each plan file. journal.mmd also keeps, a record each and
+carried over checkpoints, the shard positions skipped because no reader could open them and
+each shard's copy identity as first read whole, so a restart decides and checks as the run
+before it did; and each set of plan settings (micro-batches, capacities, cost model...) a step
+was planned under, once, which step records name by digest, so a restart knows the journaled
+plans made under other settings. Journals in the layout before the magic are read and rewritten
+in this one.
 """
 
 from __future__ import annotations
@@ -109,6 +114,9 @@ class StepEntry:
     digest: str  # hash of the step's sample keys, to catch data that changed under a replay
     plan: dict | None = None
     plan_at: tuple[int, int] | None = None  # (plan file, offset) where the plan was written
+    # the plan files' turn it was written at (`Journal._turn`); None in journals before it was
+    # recorded
+    plan_turn: int | None = None
     # `settings_id` of the plan settings it was planned under; None in journals before they
     # were recorded
     settings: str | None = None
@@ -166,7 +174,12 @@ class Journal:
         self._legacy_skipped: list[tuple[str, list]] = []
         self.records_read = 0  # records read while opening
         self._gen = 0  # the plan file being written
+        #: handovers between the plan files so far, written in each plan: a file's first plan
+        #: tells whether the file was handed over to after another plan was written, which a
+        #: file's bytes alone cannot tell (`_check_nothing_lost`)
+        self._turn = 0
         self._last_plan_at: tuple[int, int] | None = None  # where the newest step's plan lies
+        self._last_plan_turn: int | None = None  # and at which turn
         self._dir_sync_owed = False
         self._base_size = 0  # journal.mmd's size right after its checkpoint
         self._file: AppendFile | None = None
@@ -339,7 +352,7 @@ class Journal:
         for later in [s for s in self.pending if s > entry.step]:
             del self.pending[later]
         self._offsets.append(offset)
-        self._last_plan_at = entry.plan_at
+        self._last_plan_at, self._last_plan_turn = entry.plan_at, entry.plan_turn
         if entry.plan_at is not None:
             self._gen = entry.plan_at[0]
         if not rec.get("kept") and (entry.plan is not None or entry.plan_at is not None):
@@ -379,7 +392,12 @@ class Journal:
                 except FileNotFoundError:
                     pass
             self._read_pending_plans(fds)
-            self._check_nothing_lost(fds, was)
+            turns = {g: _first_turn(fd) for g, fd in fds.items()}
+            self._check_nothing_lost(fds, turns, was)
+            # The newest turn is the first plan's of the file handed over to last, which may be
+            # the file not written on (a crash cut the record of its only plan): plans go on at
+            # that turn, so they count as written after it.
+            self._turn = max((t for t in turns.values() if t is not None), default=0)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -407,20 +425,23 @@ class Journal:
             raise JournalError(f"journal {path!r} {why}; restore it from a backup, or start a "
                                "new --journal-dir (and the trainers from step 0)")
 
-    def _check_nothing_lost(self, fds: dict[int, int], was: str | None) -> None:
+    def _check_nothing_lost(self, fds: dict[int, int], turns: dict[int, int | None],
+                            was: str | None) -> None:
         """Refuse a journal.mmd that lost records its directory's other files outlived (cut
         short, emptied, an older copy put back): resumed, it would plan the lost steps over
         again, and trainers started afresh would take the epoch from its start. A plan is
         written just before its step's record, so a crash between them leaves a plan of the
         step after the newest record (a crash there at each restart, several plans of it): that
-        much follows the journal's last plan legitimately, and no later step."""
+        much follows the journal's last plan legitimately, and no later step. Plans written
+        after the newest recorded one lie after it in its file, or in a file handed over to
+        since: one whose first plan's turn (`turns`, `_first_turn`) is past that plan's."""
         last, next_ = self.last_step, self.last_step + 1
 
         def path(name: str) -> str:
             return os.path.join(self.directory, name)
 
         if last < 0:
-            found = [(PLAN_FILES[g], _plan_steps(fd, 0)) for g, fd in fds.items()]
+            found = [(PLAN_FILES[g], [s for s, _ in _plans_from(fd, 0)]) for g, fd in fds.items()]
             lost = [f"{path(n)!r} holds plans of steps up to {max(s)}" for n, s in found
                     if s and max(s) > next_]
             if was is not None:  # written only once journal.mmd holds a configuration
@@ -438,20 +459,33 @@ class Journal:
         if self._last_plan_at is None or self._last_plan_at[0] not in fds:
             return  # a plan inline (a journal before plan files), or a plan no longer needed
         g, at = self._last_plan_at
-        steps = _plan_steps(fds[g], at)
-        if not steps:
-            return  # not in the current layout, or cut short: nothing to compare
-        later = steps[1:] if steps[0] == last else steps  # all: the file was rewritten since
-        if steps[0] == last and all(s <= next_ for s in later):
+        ours = _plans_from(fds[g], at)
+        turn = self._last_plan_turn
+        if turn is None and ours and ours[0][0] == last:  # a step record before it carried it
+            turn = ours[0][1]
+        # A file handed over to after step last's plan holds only later plans, step last's own
+        # file too once it was emptied and written again. A plan of the previous layout has no
+        # turn (0): in a journal written before plans carried theirs, both files read 0 until
+        # the first handover after the upgrade, and neither is compared whole till then (its
+        # plans cannot be told from older ones).
+        later = {f: [s for s, _ in _plans_from(fd, 0)] for f, fd in fds.items()
+                 if turn is not None and (turns.get(f) or 0) > turn}
+        rewritten = g in later or (bool(ours) and ours[0][0] != last)
+        if g not in later and ours:  # after step last's plan; all of it if another lies there
+            later[g] = [s for s, _ in (ours if ours[0][0] != last else ours[1:])]
+        later = {f: steps for f, steps in later.items() if steps}
+        if not rewritten and all(s <= next_ for steps in later.values() for s in steps):
             return
         commit = f"last commit {self.last_committed}" if self.last_committed >= 0 else "no commit"
+        held = ", and ".join(
+            f"{path(PLAN_FILES[f])!r} holds {len(steps)} plan{'s' * (len(steps) > 1)} written "
+            f"after step {last}'s, of steps up to {max(steps)}"
+            for f, steps in sorted(later.items()))
         raise JournalError(
-            f"journal {self.path!r} records steps up to {last} ({commit}), but "
-            f"{path(PLAN_FILES[g])!r} holds {len(later)} plan{'s' * (len(later) > 1)} written "
-            f"after step {last}'s, of steps up to {max(later)}: journal.mmd lost its later records (cut short, or an "
-            "older copy put back), and resuming from it would plan those steps again; "
-            "restore journal.mmd from a backup, or start a new --journal-dir (and the trainers "
-            "from step 0)")
+            f"journal {self.path!r} records steps up to {last} ({commit}), but {held}: "
+            "journal.mmd lost its later records (cut short, or an older copy put back), and "
+            "resuming from it would plan those steps again; restore journal.mmd from a backup, "
+            "or start a new --journal-dir (and the trainers from step 0)")
 
     def _read_step(self, step: int) -> dict:
         offset = self._offsets[step - self._first]
@@ -527,7 +561,7 @@ class Journal:
         if self._plans[g].size < self.plan_file_bytes or self._oldest_plan_file() == other:
             return g
         self._plans[other].empty()
-        self._gen = other
+        self._gen, self._turn = other, self._turn + 1
         log.info("journal: plan file %s full (%d bytes), writing %s", PLAN_FILES[g],
                  self._plans[g].size, PLAN_FILES[other])
         return other
@@ -557,10 +591,11 @@ class Journal:
         self._check_directory()
         g = self._plan_file_for_next()
         plans = self._plans[g]
-        at = plans.append(frame({"step": entry.step, "plan": entry.plan}))
+        at = plans.append(frame({"step": entry.step, "turn": self._turn, "plan": entry.plan}))
         rec = {"kind": "step", "step": entry.step, "epoch": entry.epoch,
                "world_size": entry.world_size, "cursor_after": entry.cursor_after,
-               "num_samples": entry.num_samples, "digest": entry.digest, "plan_at": [g, at],
+               "num_samples": entry.num_samples, "digest": entry.digest,
+               "plan_at": [g, at, self._turn],
                **({"settings": entry.settings} if entry.settings is not None else {}),
                **({"keys": entry.keys} if entry.keys is not None else {})}
         try:
@@ -710,7 +745,9 @@ class Journal:
         return {"kind": "step", "step": step, "kept": False, "epoch": entry.epoch,
                 "world_size": entry.world_size, "cursor_after": unpack_cursor(entry.cursor_after),
                 "num_samples": entry.num_samples, "digest": entry.digest,
-                **({"plan_at": list(entry.plan_at)} if entry.plan_at is not None
+                **({"plan_at": [*entry.plan_at, *([entry.plan_turn] if entry.plan_turn
+                                                    is not None else [])]}
+                   if entry.plan_at is not None
                    else {"plan": entry.plan}),
                 **({"settings": entry.settings} if entry.settings is not None else {}),
                 **({"keys": entry.keys} if entry.keys is not None else {})}
@@ -779,22 +816,30 @@ def _plan_in(fd: int, step: int, at: int) -> dict | None:
     return rec["plan"]
 
 
-def _plan_steps(fd: int, start: int) -> list[int]:
-    """The steps of the whole plans of a plan file from byte `start` on, in the current layout,
-    up to a torn last write or anything else that does not read back (left to `plan_of`)."""
+def _plans_from(fd: int, start: int) -> list[tuple[int, int]]:
+    """(step, turn) of the whole plans of a plan file from byte `start` on, in the current
+    layout, up to a torn last write or anything else that does not read back (left to
+    `plan_of`); turn 0 for a plan written before plans carried theirs."""
     size = os.fstat(fd).st_size
     if size <= start:
         return []
-    steps: list[int] = []
+    plans: list[tuple[int, int]] = []
     with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:
         if data[start:start + len(MAGIC)] != MAGIC:
             return []
         try:
             for _, _, rec in scan(data, "", start):
-                steps.append(int(rec.get("step", -1)))
+                plans.append((int(rec.get("step", -1)), int(rec.get("turn", 0))))
         except JournalError:
             pass
-    return steps
+    return plans
+
+
+def _first_turn(fd: int) -> int | None:
+    """The turn of a plan file's first plan (0 if written before plans carried theirs), or None
+    for a file with no plan that reads back."""
+    rec = read_record(fd, 0)
+    return None if rec is None else int(rec.get("turn", 0))
 
 
 def _span(first: int, last: int) -> str:
@@ -809,11 +854,13 @@ def _identity(directory: str) -> tuple[int, int]:
 def _entry(rec: dict) -> StepEntry:
     """A step record as an entry; records of journals before plan files carried the plan inline
     (and the cursor before the step, which is the previous step's cursor after)."""
-    plan_at = rec.get("plan_at")
+    plan_at = rec.get("plan_at")  # [file, offset], and the turn since it was recorded
+    turn = plan_at[2] if plan_at is not None and len(plan_at) > 2 else None
     return StepEntry(step=int(rec["step"]), epoch=rec["epoch"], world_size=rec["world_size"],
                      cursor_after=rec["cursor_after"], num_samples=rec["num_samples"],
                      digest=rec["digest"], plan=rec.get("plan"),
                      plan_at=None if plan_at is None else (int(plan_at[0]), int(plan_at[1])),
+                     plan_turn=None if turn is None else int(turn),
                      settings=rec.get("settings"), keys=rec.get("keys"))
 
 

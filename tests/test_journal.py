@@ -487,6 +487,152 @@ def test_a_crash_between_a_plan_and_its_record_still_opens_after_every_restart(t
         Journal(str(tmp_path), _fp())
 
 
+def _run_past_handovers(directory, steps: int) -> list[tuple[int, int]]:
+    """A run whose plan files hand over every ~3 plans: (the last step of a file's turn, the
+    file handed over to) at each handover."""
+    j = Journal(str(directory), _fp(), fsync=False, plan_file_bytes=6_000)
+    handovers = []
+    for s in range(steps):
+        g = j._gen
+        j.record_step(_big_entry(s, {"p": "x" * 2000}))
+        if j._gen != g:
+            handovers.append((s - 1, j._gen))
+        j.commit(s)
+    j.close()
+    return handovers
+
+
+def _cut_after_step(path, step: int) -> None:
+    """Cut journal.mmd right after the record of `step` and the commits that follow it."""
+    data = path.read_bytes()
+    cut = None
+    for (_, end), rec in zip(_frames(data), _records(data)):
+        if rec["kind"] == "step" and rec["step"] == step:
+            cut = end
+        elif cut is not None and rec["kind"] == "commit" and rec["step"] <= step:
+            cut = end
+        elif cut is not None:
+            break
+    path.write_bytes(data[:cut])
+
+
+def test_a_journal_cut_where_the_plans_moved_to_the_other_file_is_refused(tmp_path):
+    """Cut right after the last step whose plan lies in the file that handed over, journal.mmd
+    had lost nothing that file showed, and the later plans lay in the other file, which was
+    not compared: the job resumed from an earlier step, silently. Each plan carries the plan
+    files' turn, so the other file's later plans are told from its older ones."""
+    handovers = _run_past_handovers(tmp_path, steps=41)
+    last, handed = handovers[-1]
+    assert len(handovers) > 5 and 40 - last >= 2  # more than the one plan of slack
+    _cut_after_step(tmp_path / journal_module.JOURNAL_FILE, last)
+    before = _files(tmp_path)
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(), plan_file_bytes=6_000)
+    assert str(e.value) == (
+        f"journal '{tmp_path / journal_module.JOURNAL_FILE}' records steps up to {last} (last "
+        f"commit {last}), but '{tmp_path / journal_module.PLAN_FILES[handed]}' holds {40 - last} "
+        f"plans written after step {last}'s, of steps up to 40: journal.mmd lost its later "
+        "records (cut short, or an older copy put back), and resuming from it would plan those "
+        "steps again; restore journal.mmd from a backup, or start a new --journal-dir (and the "
+        "trainers from step 0)")
+    assert _files(tmp_path) == before  # nothing cut, created or rewritten
+
+
+@pytest.mark.parametrize("back", [2, 3, 4])
+def test_a_journal_cut_before_its_plan_file_was_written_again_is_refused(tmp_path, back):
+    """Cut further back, the newest recorded plan's own file was since handed over to again,
+    emptied and written anew: where that left it shorter than the plan's offset, nothing was
+    compared and the job resumed from an earlier step. The step record keeps the turn its
+    plan was written at, so both files are known to hold only later plans."""
+    handovers = _run_past_handovers(tmp_path, steps=41)
+    last, _ = handovers[-back]
+    _cut_after_step(tmp_path / journal_module.JOURNAL_FILE, last)
+    before = _files(tmp_path)
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(), plan_file_bytes=6_000)
+    text = str(e.value)
+    assert text.startswith(f"journal '{tmp_path / journal_module.JOURNAL_FILE}' records steps up "
+                           f"to {last} (last commit {last}), but '{tmp_path}/plans-")
+    assert f"written after step {last}'s, of steps up to 40: journal.mmd lost" in text
+    assert _files(tmp_path) == before
+
+
+def test_a_checkpoint_keeps_the_turn_of_the_uncommitted_steps_plans(tmp_path):
+    j = _checkpoint_ready(tmp_path)
+    assert j.commit(9)  # checkpointed: steps 10..59 are kept from memory
+    j.close()
+    steps = [r for r in _records((tmp_path / journal_module.JOURNAL_FILE).read_bytes())
+             if r["kind"] == "step"]
+    assert steps and all(len(r["plan_at"]) == 3 for r in steps)
+
+
+def test_a_crash_at_a_handover_leaves_one_plan_of_slack_in_the_other_file(tmp_path, monkeypatch):
+    """The plan of the step after the newest record can be the first of the file handed over
+    to: that journal opens, after every such restart. Started again with a larger plan-file
+    limit, the dispatcher writes on in the file it was writing, after that plan: a rewind below
+    its step then opens too (the plans written on carry the newest turn, not their file's)."""
+    _run_past_handovers(tmp_path, steps=41)
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=6_000)
+    step = j.last_step + 1
+    while j._plans[j._gen].size < 6_000:  # fill the file: the next plan hands over
+        j.record_step(_big_entry(step, {"p": "x" * 2000}))
+        j.commit(step)
+        step += 1
+    g = j._gen
+    j.close()
+    for attempt in range(2):
+        j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=6_000)
+        assert j.last_step == step - 1
+        with monkeypatch.context() as m:
+            _fail(m, "write", journal_module.JOURNAL_FILE, _Crash())
+            with pytest.raises(_Crash):
+                j.record_step(_big_entry(step, {"p": "x" * 2000}))
+        assert j._gen == 1 - g  # the plan went to the file handed over to
+        j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=1 << 20)
+    for s in (step, step + 1):
+        j.record_step(_big_entry(s, {"p": "x" * 2000}))
+        j.commit(s)
+    assert j._gen == g  # not full under the larger limit
+    # A rewind: the plan of `step` in the other file is of a step past it, and older.
+    j.record_step(_big_entry(step - 2, {"p": "rewound"}))
+    j.close()
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=1 << 20)
+    assert j.last_step == step - 2 and j.plan_of(j.pending[step - 2]) == {"p": "rewound"}
+    j.close()
+
+
+def test_a_journal_from_before_plans_carried_their_turn_opens_and_is_checked_after_a_handover(
+        tmp_path, monkeypatch):
+    """Plans written before they carried the plan files' turn read as turn 0 in both files, so
+    the other file cannot be told later and is not compared: such a journal cut where the plans
+    moved opens as it did. From the first handover after the upgrade on, it is compared."""
+    def before(rec: dict) -> bytes:  # neither plans nor step records carry a turn
+        rec = {k: v for k, v in rec.items() if k != "turn"}
+        if "plan_at" in rec:
+            rec["plan_at"] = rec["plan_at"][:2]
+        return recordlog.frame(rec)
+
+    with monkeypatch.context() as m:
+        m.setattr(journal_module, "frame", before)
+        last, _ = _run_past_handovers(tmp_path, steps=41)[-1]
+    assert "turn" not in _records((tmp_path / journal_module.PLAN_FILES[0]).read_bytes())[0]
+    _cut_after_step(tmp_path / journal_module.JOURNAL_FILE, last)
+    j = Journal(str(tmp_path), _fp(), fsync=False, plan_file_bytes=6_000)
+    assert j.last_step == last  # as before: it resumes after the cut
+    g = j._gen
+    for s in (last + 1, last + 2):
+        j.record_step(_big_entry(s, {"p": "x" * 2000}))
+        j.commit(s)
+    assert j._gen == 1 - g  # the first plan after the upgrade handed over, as turn 1
+    j.close()
+    _cut_after_step(tmp_path / journal_module.JOURNAL_FILE, last)
+    with pytest.raises(JournalError, match=f"records steps up to {last} \\(last commit {last}\\), "
+                                           f"but .* holds 2 plans written after step {last}'s, of "
+                                           f"steps up to {last + 2}"):
+        Journal(str(tmp_path), _fp(), plan_file_bytes=6_000)
+
+
 def test_skipped_file_tail_torn_is_dropped_and_corrupt_is_refused(tmp_path):
     j = Journal(str(tmp_path), _fp(), fsync=False)
     j.record_skipped("a.tar", [("k1", "bad_image")])
