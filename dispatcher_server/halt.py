@@ -66,6 +66,18 @@ def oversize_report(step: int, batch: StepBatch, config: PlannerConfig, error: E
                 f"({W * M * config.llm_capacity} in all). Raise --num-microbatches or "
                 "--llm-capacity, or lower --global-batch (--oversize isolate adds micro-batches "
                 "where a step does not fit)")
-    return (f"step {step} cannot be planned{cap} ({error}); largest samples: {largest}. Raise "
-            "the capacities, or use --oversize isolate to run such samples alone in extra "
-            "micro-batches")
+    s = getattr(error, "sample", None)
+    if s is not None:  # named in the service's terms, not the planner API's (oversize='isolate')
+        over = ([f"{int(llm[s])} LLM tokens"] if config.llm_capacity is not None
+                and int(llm[s]) > config.llm_capacity else [])
+        for p, most in config.encoder_capacity.items():
+            it = batch.inputs.items(p)
+            padded = config.cost.phase(p).padded_len(it.enc_len[it.sample == s])
+            if len(padded) and int(padded.max()) > most:
+                over.append(f"a {p} item of {int(padded.max())} tokens, over its capacity {most}")
+        why = (f"sample {batch.keys[s]} fits no micro-batch ({', '.join(over) or 'over a capacity'})"
+               f"; largest samples: {largest}")
+    else:
+        why = f"{error}; largest samples: {largest}"
+    return (f"step {step} cannot be planned{cap}: {why}. Raise the capacities, or use --oversize "
+            "isolate to run such samples alone in extra micro-batches")

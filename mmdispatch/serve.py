@@ -308,7 +308,10 @@ def _check_flags(v: dict) -> None:
             raise ValueError(f"--{dest.replace('_', '-')} must be >= {least} ({meaning}), got {v[dest]}")
     if (problem := _too_large(v)) is not None:
         raise ValueError(problem)
-    if v["ranks_per_node"] < 1 or v["world_size"] % v["ranks_per_node"]:
+    if v["ranks_per_node"] < 1:
+        raise ValueError(f"--ranks-per-node must be >= 1 (trainer ranks on each node), got "
+                         f"{v['ranks_per_node']}")
+    if v["world_size"] % v["ranks_per_node"]:
         raise ValueError(f"--ranks-per-node {v['ranks_per_node']} must divide --world-size "
                          f"{v['world_size']} (trainer ranks on each node, the same on every node)")
     factor = v["llm_capacity_factor"]

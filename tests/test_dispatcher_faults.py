@@ -511,10 +511,14 @@ def test_an_unplannable_step_ends_the_job_once_naming_its_samples(tmp_path):
     try:
         reader, a = _with_reader(d)
         d._on_samples(reader, _samples_msg(a.id, [_header("small", 0), _header("giant", 1, llm=500)]))
-        with pytest.raises(Fatal, match="giant"):
+        with pytest.raises(Fatal, match="giant") as e:
             d._pump()
     finally:
         d._close()
+    # in the service's terms: its flags, not the planner API's (oversize='isolate', {} capacities)
+    assert "step 0 cannot be planned over --llm-capacity 20: sample giant fits no micro-batch " \
+           "(500 LLM tokens); largest samples: giant (500 LLM tokens)" in str(e.value)
+    assert "oversize='isolate'" not in str(e.value) and "{}" not in str(e.value)
     # A restart with the same planner settings refuses at once, with the same reason ...
     with pytest.raises(HaltedJob, match="step 0.*giant"):
         Dispatcher(_config(tmp_path, planner=planner, gb=2))

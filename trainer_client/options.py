@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=0,
         help="stop after this many steps of this run, a resumed one too (0: until the dispatcher ends)")
     add("--lr", type=finite_float, default=3e-3, help="AdamW learning rate")
-    add("--hidden", type=int, default=32, help="hidden size of every reference-model tower")
+    add("--hidden", type=int, default=32, help="hidden size of every reference-model tower (a "
+        "multiple of its 2 attention heads)")
     add("--exchange", choices=("single", "two_stage"), default="single",
         help="one world all-to-all, or intra-node then inter-node stages")
     add("--commit-every", type=int, default=10,

@@ -19,6 +19,7 @@ try:  # torch takes seconds to load: a Ctrl-C meanwhile is no bug, and has nothi
     import io
     import json
     import logging
+    import math
     import os
     import time
     from contextlib import nullcontext
@@ -224,6 +225,11 @@ def train(args: argparse.Namespace) -> int:
                                         ("--progress-every", args.progress_every, 0, "seconds; 0: none")):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
+    towers = ModelConfig.tiny(hidden=args.hidden)
+    heads = math.lcm(*(t.num_heads for t in (towers.vision, towers.audio, towers.llm)))
+    if args.hidden % heads:  # said here, not by every rank's model after torchrun started
+        raise ValueError(f"--hidden must be a multiple of {heads} (the reference model's "
+                         f"attention heads per tower), got {args.hidden}")
     check_malloc_keep_mb("--malloc-keep-mb", args.malloc_keep_mb)
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0 (the AdamW learning rate, e.g. 3e-3), got {args.lr}")

@@ -660,7 +660,8 @@ def _plan_with(inputs: StepInputs, topology: Topology, config: PlannerConfig, M:
         s = int(oversize[0])
         raise PlanError(f"sample {s} fits no capacity (llm_len {inputs.llm_len[s]}, "
                         f"llm_capacity {config.llm_capacity}, encoder capacity "
-                        f"{config.encoder_capacity}); set oversize='isolate' to run it alone")
+                        f"{config.encoder_capacity}); set oversize='isolate' to run it alone",
+                        sample=s)
     regular = np.ones(S, dtype=bool)
     regular[oversize] = False
     idx = np.flatnonzero(regular)

@@ -24,7 +24,13 @@ LOCALITIES: tuple[str, ...] = ("same_rank", "intra_node", "inter_node")
 
 
 class PlanError(ValueError):
-    """A step cannot be planned as configured, or a plan violates its post-conditions."""
+    """A step cannot be planned as configured, or a plan violates its post-conditions.
+    `sample`: the index into the step of a sample that fits no capacity, where that is why (a
+    service names it by key and by its own settings, not by this message's PlannerConfig terms)."""
+
+    def __init__(self, message: str, sample: int | None = None) -> None:
+        super().__init__(message)
+        self.sample = sample
 
 
 class OversizeWarning(UserWarning):
