@@ -174,6 +174,11 @@ class ReadAhead:
                 n += 1
         return out
 
+    def give_back(self, entries: list) -> None:
+        """Put `entries`, the tail of what `take` returned, back in front: the next `take`
+        returns them first, in order."""
+        self._ready.extendleft(reversed(entries))
+
     def _next(self) -> bool:
         """Read the next record in this thread (its skips land in `_ready` first, in order)."""
         try:

@@ -146,9 +146,13 @@ class _Assignment:
         return out
 
 
-#: Text token bytes after which a SAMPLES message is sent without waiting for more samples:
-#: half the protocol's header limit, which one sample within TextConfig.max_text_bytes fits.
+#: Text token bytes a SAMPLES message carries at most (text tokens travel in its header): half
+#: the protocol's header limit. A sample that would pass it goes in the next message, so a run
+#: of long texts never makes a header the dispatcher refuses whole (and loses every sample of).
 _MAX_TOKEN_BYTES = P.DEFAULT_LIMITS.max_header_bytes // 2
+#: Token bytes past which one sample does not fit a message even alone (the rest of the header,
+#: its key and items, gets the remaining MiB): skipped by its reader as text_too_large.
+_MAX_SAMPLE_TOKEN_BYTES = P.DEFAULT_LIMITS.max_header_bytes - (1 << 20)
 
 
 def sample_header(rec: SampleRecord, ref_path: bytes | None = None,
@@ -477,16 +481,25 @@ class ReaderWorker:
             entries = a.records.take(min(a.credits, self.config.batch) - len(headers), wait_s)
             if not entries:
                 break
-            a.last = entries[-1]
             wait_s = 0.0  # send what is ready rather than wait for more
-            for entry in entries:
+            for k, entry in enumerate(entries):
                 if isinstance(entry, tuple):
                     a.skipped(*entry)
+                    a.last = entry
                     continue
                 h, f = sample_header(entry, a.ref_path, a.stamp)
+                n = len(h[4])
+                if headers and token_bytes + n > _MAX_TOKEN_BYTES:
+                    a.records.give_back(entries[k:])  # the next message's, in order
+                    token_bytes = _MAX_TOKEN_BYTES
+                    break
+                a.last = entry
+                if n > _MAX_SAMPLE_TOKEN_BYTES:
+                    self._too_many_tokens(a, entry, n)
+                    continue
                 if self.payloads == "direct":
                     self.payload_server.keep(f, [entry.members[it.member] for it in entry.items])
-                token_bytes += len(h[4])
+                token_bytes += n
                 headers.append(h)
                 frames.extend(f)
         done = a.records.finished
@@ -513,6 +526,16 @@ class ReaderWorker:
             self._drop_assignment(a)
             self._request_shards()
 
+
+    def _too_many_tokens(self, a: _Assignment, rec, nbytes: int) -> None:
+        """Skip a sample whose text tokens alone pass what a SAMPLES header may carry (a text
+        within a raised --max-text-bytes): sent, the dispatcher would refuse its message whole."""
+        error = SampleError("text_too_large", a.shard, rec.key,
+                            f"its {rec.text_len} text tokens take {nbytes} bytes in a reader "
+                            f"message, over the {_MAX_SAMPLE_TOKEN_BYTES} one sample may carry; "
+                            "lower --max-text-bytes, or split such texts into several samples")
+        a.stats.handle(error, self.config.reader.errors)
+        a.skipped(error, rec.index)
 
     def _give_up(self, a: _Assignment) -> bool:
         """A shard whose reads made no progress for `stall_s`: the rest of it is reported as

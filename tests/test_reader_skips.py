@@ -340,3 +340,27 @@ def test_skip_lines_are_structured_so_json_logs_carry_their_fields(caplog):
     (summary,) = [json.loads(JsonFormatter().format(r)) for r in caplog.records
                   if r.getMessage() == ours]
     assert summary["count"] == 2 and "bad_image=2 (s3://b/x 1.tar 2)" in summary["reasons"]
+
+
+def test_long_texts_go_in_as_many_messages_as_their_tokens_need_none_lost(tmp_path, monkeypatch):
+    """Text tokens travel in a SAMPLES header, which the dispatcher refuses whole past its
+    limit: a batch of long texts (40 of 3 MiB under the default limits) lost every sample of
+    such a message. Each message now stops before the sample that would pass its budget, and a
+    sample too long to fit any message is skipped as text_too_large, naming it. The limits are
+    scaled down here (tokens of 1 KiB per message) to keep the shard small."""
+    import pipeline.service as service
+
+    monkeypatch.setattr(service, "_MAX_TOKEN_BYTES", 1024)
+    monkeypatch.setattr(service, "_MAX_SAMPLE_TOKEN_BYTES", 3000)
+    texts = [("a" * 400).encode()] * 9 + [b"b" * 4000] + [("c" * 900).encode()] * 3
+    shard = tar_of(str(tmp_path / "s.tar"), [(f"{i:06d}", {"txt": t}) for i, t in enumerate(texts)])
+    with ScriptedRouter() as router, _reader(router, batch=32) as (_, errors):
+        messages = _read_shard(router, shard)
+    assert not errors
+    batches = [[s.index for s in m["samples"]] for m in messages if m.type == P.SAMPLES]
+    assert [i for b in batches for i in b] == [*range(9), 10, 11, 12]  # in order, each once
+    for b in batches:  # within the budget, or one sample alone
+        assert len(b) == 1 or sum(len(texts[i]) + 1 + (len(texts[i]) + 7) // 8 for i in b) <= 1024
+    assert max(len(b) for b in batches) == 2  # 400-byte texts two a message, not all nine
+    assert _skips(messages) == [P.SkipRecord("000009", "text_too_large", 9)]
+    assert messages[-1]["count"] == 12
