@@ -3,10 +3,12 @@
 Samples held anywhere in the dispatcher plus credits outstanding never exceed
 `max_buffered_samples`; new credits stop at `max_buffered_bytes` (estimated from the average
 sample size so far). Before any sample has arrived, that size is unknown, and the credits
-outstanding stop at two credit batches in all (one assignment's grant). One exception keeps the stream from deadlocking:
-the shard at the head of a source's order, when it has nothing buffered and no credit, may
-always get samples, since every other buffer of that source waits for it (and a shuffle block
-fills from it).
+outstanding stop at two credit batches in all (one assignment's grant): samples of tens of MB
+each can pass the bound then, by that grant at most. One exception keeps
+the stream from deadlocking: the shard at the head of a source's order, when it has nothing
+buffered and no credit, may always get samples, since every other buffer of that source waits
+for it (and a shuffle block fills from it); past the byte bound, as many as a quarter of the
+bound holds (HEAD_OVER_BOUND), and at least one.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from dataclasses import dataclass
 from dispatcher_server.assembler import ShardProgress
 from dispatcher_server.config import FlowConfig
 from dispatcher_server.readerpool import Assignment
+
+
+#: The share of `max_buffered_bytes` a starving head shard may be granted past the byte bound:
+#: two credit batches of 8 MiB images held 240 MB against a 32 MiB bound.
+HEAD_OVER_BOUND = 0.25
 
 
 @dataclass(slots=True, kw_only=True)
@@ -45,9 +52,12 @@ def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *,
             # No sample yet says how large they are: two batches for every assignment of every
             # reader held ten times --max-buffered-bytes of 1 MB images before the first arrived.
             room = min(room, 2 * flow.credit_batch - outstanding)
-        elif not starving:
-            room = min(room, int((flow.max_buffered_bytes - held.nbytes) / avg_sample_bytes)
-                       - outstanding)
+        else:
+            by_bytes = int((flow.max_buffered_bytes - held.nbytes) / avg_sample_bytes) - outstanding
+            if starving:  # never stopped, but past the bound by a share of it at most
+                by_bytes = max(1, by_bytes,
+                               int(HEAD_OVER_BOUND * flow.max_buffered_bytes / avg_sample_bytes))
+            room = min(room, by_bytes)
         want = min(room, 2 * flow.credit_batch - a.credits)
         if want <= 0 or (a.credits > 0 and want < flow.credit_batch):
             continue

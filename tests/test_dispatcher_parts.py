@@ -59,13 +59,18 @@ def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=10, nbytes=1000),
                  avg_sample_bytes=10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 16)]
+    # ... by a share of the byte bound at most: with 8 MiB samples at a 32 MiB bound, one.
+    big = FlowConfig(max_buffered_samples=1000, max_buffered_bytes=32 << 20, credit_batch=64)
+    got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=4, nbytes=32 << 20),
+                 avg_sample_bytes=float(8 << 20), flow=big, shard_cap=500)
+    assert [(a.id, n) for a, n in got] == [(1, 1)]
     # The sample bound is hard, head or not: 5 samples of room are all one shard may get ...
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=95, nbytes=0),
-                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 5)]
     # ... and none at the bound.
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=100, nbytes=0),
-                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
     assert got == []
     # A grant smaller than a batch to an assignment that still has credits is not worth a message.
     a1.credits = 12
