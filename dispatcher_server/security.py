@@ -284,10 +284,15 @@ def check_allowed_keys(flag: str, directory: str) -> None:
         if not name.endswith(".key") or not os.path.isfile(path):
             continue
         try:
-            public, _ = zmq.auth.load_certificate(path)
+            public, secret = zmq.auth.load_certificate(path)
         except (OSError, ValueError, UnicodeError) as e:
             ok, why = False, getattr(e, "strerror", None) or e
         else:
+            if secret is not None:  # a secret key copied where public ones are handed around
+                raise ValueError(
+                    f"{flag} {directory!r}: {path!r} holds a secret key, which must stay with its "
+                    "owner: put the public NAME.key (written beside it by mmdispatch keygen) "
+                    "there instead, and make a new key pair if the directory was shared")
             try:
                 ok = len(zmq.utils.z85.decode(public)) == 32
             except (ValueError, KeyError, IndexError):  # z85.decode's errors for non-Z85 text

@@ -68,6 +68,9 @@ def files(small_shards, tmp_path_factory):
     (d / "hidden.key_secret").chmod(0)
     (d / "open.key_secret").write_bytes((pair / "dispatcher.key_secret").read_bytes())
     (d / "open.key_secret").chmod(0o666)
+    leaked = d / "leaked"  # an allow-list holding a secret key file copied as NAME.key
+    leaked.mkdir()
+    (leaked / "peer.key").write_bytes((pair / "dispatcher.key_secret").read_bytes())
     return {"dir": d, "shard": small_shards[0], "shards_dir": str(Path(small_shards[0]).parent),
             "tgz": str(gz), "keys": str(keys), "pair": str(pair)}
 
@@ -379,6 +382,11 @@ CASES = {
                                                                   "--samples", "5", "--shards", "2"],
                                                     ["--blend writes 3 sources", "--shards must be >= 3",
                                                      "got 2"]),
+    "curve allowed dir holds a secret key": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                           "--curve-secret", f"{f['pair']}/dispatcher.key_secret",
+                                                           "--curve-allowed-dir", f"{f['dir']}/leaked"],
+                                             ["--curve-allowed-dir", "peer.key", "holds a secret key",
+                                              "mmdispatch keygen"]),
     "curve allowed dir is a file": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                                   "--curve-secret", f"{f['keys']}/reader.key",
                                                   "--curve-allowed-dir", f"{f['keys']}/reader.key"],
