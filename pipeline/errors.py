@@ -54,7 +54,8 @@ REASONS: dict[str, str] = {
                          "(install the [video] extra)",
     "bad_audio": "an audio header that is unreadable, inconsistent, or lies about rate or length",
     "bad_text": "text that is not UTF-8 (or escapes an unpaired surrogate)",
-    "text_too_large": "a text member, raw or inflated, over TextConfig.max_text_bytes",
+    "text_too_large": "a text member, raw or inflated, over TextConfig.max_text_bytes, or a text "
+                      "whose tokens alone pass what one reader message may carry",
     "bad_json": "a JSON member that does not parse or has no usable text field",
     "chat_template": "a conversation the chat template refuses, or renders so that its assistant "
                      "tokens cannot be located exactly",
@@ -121,8 +122,9 @@ class SampleError(ValueError):
     def __init__(self, reason: str, shard: str, key: str | None, message: str) -> None:
         assert reason in REASONS, f"undocumented error reason {reason!r}"
         where = f"shard {shard!r}" + (f" key {key!r}" if key is not None else "")
-        # A remote shard's errors name their URL already: the line says it once, not twice.
-        super().__init__(f"{reason}: {where}: {message.removeprefix(f'shard {shard!r}: ')}")
+        # A remote shard's errors name their URL already: the lines say it once, not twice.
+        self.cause = message.removeprefix(f"shard {shard!r}: ")
+        super().__init__(f"{reason}: {where}: {self.cause}")
         self.reason = reason
         self.shard = shard
         self.key = key
@@ -133,7 +135,7 @@ def _skip_line(error: SampleError, **fields) -> str:
     """A skip as one structured line: reason, shard and key are fields under --log-format json."""
     where = {"key": error.key} if error.key is not None else {}
     return event_line("sample_skipped", reason=error.reason, shard=error.shard, **where,
-                      detail=error.detail.removeprefix(f"shard {error.shard!r}: "), **fields)
+                      detail=error.cause, **fields)
 
 
 class TooManyErrors(RuntimeError):
@@ -187,7 +189,7 @@ class ErrorStats:
             else:
                 self.warned.add((error.reason, error.shard))
                 log.warning("%s", _skip_line(error, more="counted, not logged"))
-        else:
+        elif log.isEnabledFor(logging.DEBUG):  # skip mode: a line per sample only when asked
             log.debug("%s", _skip_line(error))
         if self.consecutive > policy.max_consecutive:
             raise TooManyErrors(

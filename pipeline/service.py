@@ -476,8 +476,9 @@ class ReaderWorker:
         finish the shard when exhausted."""
         headers, frames = [], []
         token_bytes = 0  # text tokens travel in the header: keep it well under its size limit
+        full = False  # the next sample's tokens would pass _MAX_TOKEN_BYTES
         wait_s = self.config.poll_ms / 1000
-        while len(headers) < min(a.credits, self.config.batch) and token_bytes < _MAX_TOKEN_BYTES:
+        while len(headers) < min(a.credits, self.config.batch) and not full:
             entries = a.records.take(min(a.credits, self.config.batch) - len(headers), wait_s)
             if not entries:
                 break
@@ -491,7 +492,7 @@ class ReaderWorker:
                 n = len(h[4])
                 if headers and token_bytes + n > _MAX_TOKEN_BYTES:
                     a.records.give_back(entries[k:])  # the next message's, in order
-                    token_bytes = _MAX_TOKEN_BYTES
+                    full = True
                     break
                 a.last = entry
                 if n > _MAX_SAMPLE_TOKEN_BYTES:

@@ -28,7 +28,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from dispatcher_server import protocol as P
 from dispatcher_server.blend import differing
-from dispatcher_server.cliopts import check_endpoint, check_malloc_keep_mb
+from dispatcher_server.cliopts import check_endpoint, check_malloc_keep_mb, event_line
 from dispatcher_server.planner.types import ENCODER_PHASES, RankMicrobatch
 from dispatcher_server.security import PeerCurve
 from dispatcher_server.session import PeerSession, SessionConfig
@@ -53,13 +53,14 @@ def _keep_freed_memory_once(threshold_mb: int) -> None:
         if _heap_setting is None:
             _heap_setting = threshold_mb
             if not keep_freed_memory(threshold_mb) and threshold_mb:
-                log.warning("mmdispatch event=malloc_keep_ignored malloc_keep_mb=%d: this process's "
-                            "C library took no glibc mallopt for it, so the heap is as it was",
-                            threshold_mb)
+                log.warning("%s", event_line(
+                    "malloc_keep_ignored", malloc_keep_mb=threshold_mb,
+                    why="this process's C library took no glibc mallopt for it, so the heap is "
+                        "as it was"))
         elif threshold_mb != _heap_setting:
-            log.warning("mmdispatch event=malloc_keep_ignored malloc_keep_mb=%d applied=%d: this "
-                        "process's first client set it, and glibc's setting is process-wide",
-                        threshold_mb, _heap_setting)
+            log.warning("%s", event_line(
+                "malloc_keep_ignored", malloc_keep_mb=threshold_mb, applied=_heap_setting,
+                why="this process's first client set it, and glibc's setting is process-wide"))
 
 
 class DispatcherError(RuntimeError):
