@@ -2,9 +2,9 @@
 
 Samples held anywhere in the dispatcher plus credits outstanding never exceed
 `max_buffered_samples`; new credits stop at `max_buffered_bytes` (estimated from the average
-sample size so far). Before any sample has arrived, that size is unknown, and the credits
-outstanding stop at two credit batches in all (one assignment's grant): samples of tens of MB
-each can pass the bound then, by that grant at most. One exception keeps
+sample size so far). Before any sample has arrived, that size is unknown, and one sample is
+outstanding in all (the first assignment's) until one arrives: the bound holds from the first
+sample on, at the price of one round trip at start. One exception keeps
 the stream from deadlocking: the shard at the head of a source's order, when it has nothing
 buffered and no credit, may always get samples, since every other buffer of that source waits
 for it (and a shuffle block fills from it); past the byte bound, as many as a quarter of the
@@ -49,9 +49,10 @@ def grants(assignments: list[Assignment], progress: dict[int, ShardProgress], *,
                    flow.max_buffered_samples - held.samples - outstanding)
         starving = a.pos in heads and not prog.buffer and not a.credits
         if avg_sample_bytes <= 0:
-            # No sample yet says how large they are: two batches for every assignment of every
-            # reader held ten times --max-buffered-bytes of 1 MB images before the first arrived.
-            room = min(room, 2 * flow.credit_batch - outstanding)
+            # No sample yet says how large they are: one sample in all until one does. Two
+            # batches for every assignment held ten times --max-buffered-bytes of 1 MB images
+            # before the first arrived; two batches in all, 64 clips of 50 MB (3.2 GB).
+            room = min(room, 1 - outstanding)
         else:
             by_bytes = int((flow.max_buffered_bytes - held.nbytes) / avg_sample_bytes) - outstanding
             if starving:  # never stopped, but past the bound by a share of it at most

@@ -202,7 +202,9 @@ def test_retained_step_messages_count_against_the_byte_bound():
         samples = [{"key": f"k{i}", "index": i, "text_len": 5, "llm_len": 9,
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [bytes([i]) * 1000]}
                    for i in range(4)]
-        d._on_samples(reader, _message(d, a.id, samples, True))
+        d._on_samples(reader, _message(d, a.id, samples[:1], True))  # one outstanding at first
+        d._pump()
+        d._on_samples(reader, _message(d, a.id, samples[1:], True))
         samples_bytes = 4 * (P.tokens_size(5, 1) + 1000 + ITEM_HELD_BYTES)  # tokens, payload, item
         assert d._gauges().nbytes == samples_bytes
         slot = d.slots[0]
@@ -242,7 +244,10 @@ def _fed_dispatcher(global_batch: int, journal_dir: str | None = None, before_fe
         (a,) = reader.assignments
         samples = [{"key": f"{prefix}{i}", "index": i, "text_len": 5 + i + longer, "llm_len": 9 + i + longer,
                     "items": [["image", "jpg", 16, 4, {}]], "payloads": [b"x" * 10]} for i in range(8)]
-        d._on_samples(reader, _message(d, a.id, samples, True))
+        # One sample first: until a sample's size is known, one sample is outstanding in all.
+        d._on_samples(reader, _message(d, a.id, samples[:1], True))
+        d._pump()
+        d._on_samples(reader, _message(d, a.id, samples[1:], True))
         d.delivery.connect(d.slots[0], b"t")
         d.slots[0].upto = 10
     except BaseException:
@@ -443,7 +448,9 @@ def test_a_sample_that_takes_down_every_reader_is_skipped_after_max_shard_losses
 
     try:
         r, a = reader_on_the_shard("r0")
-        d._on_samples(r, _message(d, a.id, samples[:2], True))
+        d._on_samples(r, _message(d, a.id, samples[:1], True))  # one outstanding at first
+        d._pump()
+        d._on_samples(r, _message(d, a.id, samples[1:2], True))
         d._drop_reader(r, "timeout")  # lost at index 2 (first loss there)
         r, a = reader_on_the_shard("r1")
         d._on_samples(r, _message(d, a.id, samples[2:3], True))

@@ -79,19 +79,25 @@ def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
     assert got == []
 
 
-def test_before_any_sample_arrives_the_credits_outstanding_stop_at_one_grant():
+def test_before_any_sample_arrives_one_sample_is_outstanding_in_all():
     """The byte bound needs the average sample size; before the first sample it was skipped,
     and every assignment of every reader got two batches at once (250 MB held against a 32 MiB
-    bound with 1 MB images). Until a size is known, one grant (two batches) is outstanding in all."""
+    bound with 1 MB images); then one grant of two batches in all (64 samples of 50 MB video:
+    3.2 GB against 256 MiB). Until a size is known, one sample is outstanding in all, the first
+    assignment's; once it arrives, grants follow the byte bound."""
     flow = FlowConfig(max_buffered_samples=1000, max_buffered_bytes=1000, credit_batch=8)
     assigned = [Assignment(id=i, pos=i, reader=b"r") for i in range(6)]
     progress = {i: _progress(i) for i in range(6)}
     got = grants(assigned, progress, heads={0, 3}, held=Holdings(samples=0, nbytes=0),
                  avg_sample_bytes=0.0, flow=flow, shard_cap=50)
-    assert [(a.id, n) for a, n in got] == [(0, 16)]
-    assigned[0].credits = 16  # granted, nothing arrived yet: nothing more, heads included
+    assert [(a.id, n) for a, n in got] == [(0, 1)]
+    assigned[0].credits = 1  # granted, nothing arrived yet: nothing more, heads included
     assert grants(assigned, progress, heads={0, 3}, held=Holdings(samples=0, nbytes=0),
                   avg_sample_bytes=0.0, flow=flow, shard_cap=50) == []
+    assigned[0].credits = 0  # it arrived: 10 bytes a sample, so 100 fit the bound
+    got = grants(assigned, progress, heads={0, 3}, held=Holdings(samples=1, nbytes=10),
+                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+    assert [(a.id, n) for a, n in got] == [(i, 16) for i in range(6)]
 
 
 def _retained(step: int) -> RetainedStep:

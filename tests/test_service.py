@@ -762,9 +762,13 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
             recv(sock, P.CREDIT)
             bad = [["k-smell", 0, 1, 5, P.blank_tokens(1), [["smell", "nose", 3, 4, {}]]],
                    ["k-len", 1, 1, 99, P.blank_tokens(1), []]]
-            sock.send_multipart(P.encode(P.SAMPLES, seq=3, frames=[b"x"], assign_id=assign["assign_id"],
-                                         samples=bad))
-            sock.send_multipart(P.encode(P.BYE, seq=4))
+            # one at a time: until a sample's size is known, one sample is granted in all
+            for seq, sample in enumerate(bad, 3):
+                if seq > 3:
+                    recv(sock, P.CREDIT)
+                sock.send_multipart(P.encode(P.SAMPLES, seq=seq, frames=[b"x"] if sample[5] else [],
+                                             assign_id=assign["assign_id"], samples=[sample]))
+            sock.send_multipart(P.encode(P.BYE, seq=5))
             time.sleep(0.3)
         finally:
             sock.close(linger=0)
