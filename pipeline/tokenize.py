@@ -302,6 +302,20 @@ def _generation_extension():
     return Generation
 
 
+def _undefined_names(tree, env) -> list[tuple[str, str, int]]:
+    """("filter" or "test", name, line) of each filter or test the template uses that
+    `env` lacks. jinja2 refuses such a filter at compile time only outside a conditional, and a
+    test never: inside one, the error waits for a conversation that takes the branch."""
+    from jinja2 import nodes
+
+    out = []
+    for kind, node_type, known in (("filter", nodes.Filter, env.filters), ("test", nodes.Test, env.tests)):
+        for node in tree.find_all(node_type):
+            if node.name not in known:
+                out.append((kind, node.name, node.lineno))
+    return sorted(set(out), key=lambda x: (x[2], x[0], x[1]))
+
+
 class ChatTemplate:
     """A jinja2 chat template, rendered in jinja2's sandbox with the context transformers'
     `apply_chat_template` gives it: `messages` (each turn with all its fields), `tools` and
@@ -332,6 +346,12 @@ class ChatTemplate:
             self.template = env.from_string(tree)
         except jinja2.TemplateSyntaxError as e:  # TemplateAssertionError (unknown filter) too
             raise ValueError(f"chat template {name!r} is not valid jinja2 (line {e.lineno}: {e.message})") from None
+        for kind, undefined, line in _undefined_names(tree, env):  # compiled; fails when reached
+            log.warning("mmdispatch event=chat_template_undefined template=%s %s=%s line=%d: "
+                        "jinja2 and transformers define no %s %r, so every conversation that "
+                        "reaches line %d is skipped (reason chat_template); fix the template or "
+                        "choose another (--chat-template)", name or "-", kind, undefined, line,
+                        kind, undefined, line)
         # A template that marks what the model generates is cut by its marks, not by its turns.
         self.generation = any(isinstance(block.call.node, jinja2.nodes.ExtensionAttribute)
                               and block.call.node.name == "_block"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -497,6 +498,32 @@ def test_a_template_naming_an_unknown_filter_is_a_one_line_error(tmp_path, where
     with pytest.raises(ValueError, match=r"^chat template '.*' is not valid jinja2 \(line 1: No filter "
                                          r"named 'nosuchfilter'\.\)$"):
         resolve_chat_template(str(path), None)
+
+
+def test_a_filter_or_test_undefined_inside_a_branch_is_named_once_at_start(tmp_path, caplog):
+    """jinja2 compiles an unknown filter inside a conditional, and an unknown test anywhere, to
+    an error raised when a conversation reaches it: each such sample was skipped with no word
+    at start. Now one line each at start names it and its line; the template still renders
+    the conversations that do not reach it."""
+    from pipeline.tokenize import ChatTemplate
+
+    source = ("{% for m in messages %}{% if m.role == 'tool' %}{{ m.content | nosuchfilter }}"
+              "{% endif %}\n{% if m.content is nosuchtest %}!{% endif %}{{ m.content }}"
+              "{% if m.content is string %}.{% endif %}{% endfor %}")
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.tokenize"):
+        template = ChatTemplate(source, name="mine.jinja")
+    lines = [r.getMessage() for r in caplog.records if "chat_template_undefined" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "template=mine.jinja filter=nosuchfilter line=1" in lines[0]
+    assert "template=mine.jinja test=nosuchtest line=2" in lines[1]
+    assert "skipped (reason chat_template)" in lines[1]
+    assert not any("string" in line for line in lines)  # a test jinja2 defines is not named
+    with pytest.raises(Exception, match="nosuchtest"):  # reached: the sample is refused as before
+        template.render([{"role": "user", "content": "hi"}])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmdispatch.tokenize"):
+        ChatTemplate("{% for m in messages %}{{ m.content | trim | tojson }}{% endfor %}", name="ok")
+    assert not caplog.records
 
 
 def test_an_empty_conversation_list_is_an_empty_sample_under_any_template(tmp_path):
