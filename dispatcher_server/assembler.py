@@ -103,6 +103,9 @@ class SourceStream:
         # another. A stream resumed from a position takes the number the position was written
         # with (the fingerprint refuses a resume with another `shuffle_shards`).
         self.configured_mix = mix if mode == "deterministic" and block_size > 1 else 1
+        # Bytes and samples received from this source's shards: its average sample size, which
+        # credits are granted by (a blend's sources differ by orders of magnitude).
+        self.bytes_seen = self.samples_seen = 0
         self.reset(Cursor(), 0)
 
     def reset(self, cursor: Cursor, emitted: int, pulled: list[list[int]] = (),
@@ -725,6 +728,8 @@ class StepAssembler:
             st.kept_by_epoch[epoch] = st.kept_by_epoch.get(epoch, 0) + out.kept
             if self.mode == "arrival":
                 st.arrived(pos, out.kept)
+            st.bytes_seen += nbytes
+            st.samples_seen += out.kept
         self.bytes_seen += nbytes
         self.samples_seen += out.kept
         return out
@@ -807,6 +812,19 @@ class StepAssembler:
     @property
     def avg_sample_bytes(self) -> float:
         return self.bytes_seen / self.samples_seen if self.samples_seen else 0.0
+
+    def sample_bytes(self, pos: int) -> float:
+        """The bytes a sample of shard `pos` is expected to hold: its source's average so far,
+        or the average of what the shard holds now where that is larger (a source can mix
+        small and large samples by shard); 0 while its source has sent none."""
+        st = self.stream_of(pos)
+        if not st.samples_seen:
+            return 0.0
+        avg = st.bytes_seen / st.samples_seen
+        prog = self.progress.get(pos)
+        if prog is not None and prog.buffer:
+            avg = max(avg, prog.nbytes / len(prog.buffer))
+        return avg
 
 
 def _fitting(buf: deque[Sample], n: int, tokens: int, budget: int, first: bool) -> tuple[int, bool]:

@@ -755,7 +755,7 @@ class Dispatcher:
             return
         todo = grants(self.pool.by_position(), self.assembler.progress,
                       heads=self.assembler.heads(), held=held,
-                      avg_sample_bytes=self.assembler.avg_sample_bytes, flow=self.config.flow,
+                      sample_bytes=self.assembler.sample_bytes, flow=self.config.flow,
                       shard_cap=self._shard_cap)
         for a, n in todo:
             a.credits += n

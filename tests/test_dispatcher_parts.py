@@ -53,29 +53,29 @@ def test_credits_stop_at_the_sample_bound_but_never_starve_the_head():
     progress = {0: _progress(0), 1: _progress(1)}
     # Room for everything: both topped up to two batches.
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=0, nbytes=0),
-                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 16), (2, 16)]
     # The byte bound is reached: only the empty head shard still gets credit (no deadlock).
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=10, nbytes=1000),
-                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 16)]
     # ... by a share of the byte bound at most: with 8 MiB samples at a 32 MiB bound, one.
     big = FlowConfig(max_buffered_samples=1000, max_buffered_bytes=32 << 20, credit_batch=64)
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=4, nbytes=32 << 20),
-                 avg_sample_bytes=float(8 << 20), flow=big, shard_cap=500)
+                 sample_bytes=lambda pos: float(8 << 20), flow=big, shard_cap=500)
     assert [(a.id, n) for a, n in got] == [(1, 1)]
     # The sample bound is hard, head or not: 5 samples of room are all one shard may get ...
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=95, nbytes=0),
-                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(1, 5)]
     # ... and none at the bound.
     got = grants([a0, a1], progress, heads={0}, held=Holdings(samples=100, nbytes=0),
-                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 10.0, flow=flow, shard_cap=50)
     assert got == []
     # A grant smaller than a batch to an assignment that still has credits is not worth a message.
     a1.credits = 12
     got = grants([a1], progress, heads={0}, held=Holdings(samples=0, nbytes=0),
-                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 0.0, flow=flow, shard_cap=50)
     assert got == []
 
 
@@ -89,15 +89,58 @@ def test_before_any_sample_arrives_one_sample_is_outstanding_in_all():
     assigned = [Assignment(id=i, pos=i, reader=b"r") for i in range(6)]
     progress = {i: _progress(i) for i in range(6)}
     got = grants(assigned, progress, heads={0, 3}, held=Holdings(samples=0, nbytes=0),
-                 avg_sample_bytes=0.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 0.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(0, 1)]
     assigned[0].credits = 1  # granted, nothing arrived yet: nothing more, heads included
     assert grants(assigned, progress, heads={0, 3}, held=Holdings(samples=0, nbytes=0),
-                  avg_sample_bytes=0.0, flow=flow, shard_cap=50) == []
+                  sample_bytes=lambda pos: 0.0, flow=flow, shard_cap=50) == []
     assigned[0].credits = 0  # it arrived: 10 bytes a sample, so 100 fit the bound
     got = grants(assigned, progress, heads={0, 3}, held=Holdings(samples=1, nbytes=10),
-                 avg_sample_bytes=10.0, flow=flow, shard_cap=50)
+                 sample_bytes=lambda pos: 10.0, flow=flow, shard_cap=50)
     assert [(a.id, n) for a, n in got] == [(i, 16) for i in range(6)]
+
+
+def test_credits_count_each_source_at_its_own_sample_size():
+    """A blend of captions (1 KB) and clips (1 MiB): one average over both, the captions', granted
+    the clips two batches (16 MiB against a 4 MiB bound) and counted what they had outstanding
+    at a caption's size. Each source's own average bounds its grants now."""
+    from dispatcher_server import protocol as P
+    from dispatcher_server.assembler import StepAssembler
+    from dispatcher_server.config import BatchConfig
+    from dispatcher_server.ordering import ShardOrder
+
+    asm = StepAssembler([ShardOrder(["/d/captions.tar"], 0, 1), ShardOrder(["/d/clips.tar"], 0, 1)],
+                        mode="deterministic", batch=BatchConfig(global_batch=64), num_inflight_shards=1)
+    asm.open_window()
+
+    def headers(n: int, first: int = 0) -> list:
+        return [P.SampleHeader(f"k{i}", i, 5, 9, P.blank_tokens(5), [P.ItemHeader("image", "jpg", 16, 4, {})])
+                for i in range(first, first + n)]
+
+    assert asm.sample_bytes(0) == asm.sample_bytes(1) == 0.0  # nothing seen: unknown
+    asm.receive(0, headers(30), [memoryview(b"c" * 1000)] * 30, [1000] * 30)
+    asm.receive(1, headers(1), [memoryview(b"v" * (1 << 20))], [1 << 20])
+    captions, clips = asm.sample_bytes(0), asm.sample_bytes(1)
+    assert 1000 < captions < 3000 and clips > 1 << 20
+    assert asm.avg_sample_bytes < 40_000  # the one average the clips were granted by
+
+    flow = FlowConfig(max_buffered_samples=1000, max_buffered_bytes=4 << 20, credit_batch=8)
+    a0, a1 = Assignment(id=1, pos=0, reader=b"r"), Assignment(id=2, pos=1, reader=b"r")
+    progress = {0: _progress(0), 1: _progress(1)}
+    got = grants([a0, a1], progress, heads=set(), held=Holdings(samples=0, nbytes=0),
+                 sample_bytes=asm.sample_bytes, flow=flow, shard_cap=100)
+    assert [(a.id, n) for a, n in got] == [(1, 16), (2, 3)]  # 3 clips: what the bound holds
+    a0.credits, a1.credits = 16, 3
+    # Outstanding clips count at their size: the bound is full, no caption credit fits either.
+    a0.credits = 0
+    got = grants([a0, a1], progress, heads=set(), held=Holdings(samples=0, nbytes=1 << 20),
+                 sample_bytes=asm.sample_bytes, flow=flow, shard_cap=100)
+    assert got == []
+    # A source of unknown size gets one sample in all, whatever the others' sizes.
+    got = grants([a0, a1], progress, heads=set(), held=Holdings(samples=0, nbytes=0),
+                 sample_bytes=lambda pos: 0.0 if pos == 0 else asm.sample_bytes(pos), flow=flow,
+                 shard_cap=100)
+    assert [(a.id, n) for a, n in got] == [(1, 1)]
 
 
 def _retained(step: int) -> RetainedStep:
