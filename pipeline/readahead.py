@@ -11,6 +11,12 @@ seconds. A local file cannot keep a read waiting, so otherwise it is read in the
 as it asks: a thread handing records over costs the reader about a quarter more CPU a sample
 (measured on 2 cores).
 
+Records read ahead are bounded in bytes as well as in number: a reader's shard threads share an
+`AheadBudget` (`read --read-ahead-mb`), and a thread that finds it spent waits before its next
+read until the session takes records, unless its own shard has nothing ahead (each shard may
+always hold one record, so no shard waits on another's). 64 records of 50 MB clips from an
+object store were 3.2 GB a shard.
+
 Skips travel in the same queue, in order with the records, so a skip is always reported with
 (or before) the samples after it. A shard whose reads make no progress (no byte read, no record
 produced) for `stall_s` seconds is given up: `take` says so, the shard command is killed, and
@@ -32,6 +38,8 @@ from pipeline.errors import SampleError
 CHUNK = 16
 #: Chunks held ready beyond what the session took: with CHUNK, at most 64 records read ahead.
 DEPTH = 4
+#: MiB a reader worker's shard threads may read ahead in all (`read --read-ahead-mb`).
+DEFAULT_AHEAD_MB = 256
 
 
 def stalled_error(shard: str, stall_s: float, sent: int | None = None) -> SampleError:
@@ -41,6 +49,39 @@ def stalled_error(shard: str, stall_s: float, sent: int | None = None) -> Sample
     return SampleError("shard_stalled", shard, None,
                        f"no byte read for {stall_s:g} s (see --stall-timeout): the rest of the "
                        f"shard{after} is not read")
+
+
+def record_bytes(entry: Any) -> int:
+    """Bytes a read-ahead entry holds: its members' (a skip holds none)."""
+    members = getattr(entry, "members", None)
+    if not members:
+        return 0
+    return sum(v.nbytes if hasattr(v, "nbytes") else len(v) for v in members.values())
+
+
+class AheadBudget:
+    """Bytes of records the shard threads of one reader read ahead of its session: past
+    `limit`, a thread waits before its next read while its own shard has any ahead."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"read-ahead budget must be >= 1 byte, got {limit}")
+        self.limit, self.used = limit, 0
+        self.cond = threading.Condition()
+
+    def wait_for_room(self, ahead: ReadAhead) -> None:
+        with self.cond:
+            while self.used >= self.limit and ahead._ahead > 0 and not ahead._closed.is_set():
+                self.cond.wait(0.1)
+
+    def add(self, ahead: ReadAhead, n: int) -> None:
+        with self.cond:
+            if ahead._closed.is_set():  # `close` gave back all it held; nothing counts since
+                return
+            ahead._ahead += n
+            self.used += n
+            if n < 0:
+                self.cond.notify_all()
 
 
 class Abandoned(Exception):
@@ -75,9 +116,13 @@ class ReadAhead:
     """
 
     def __init__(self, *, stall_s: float, threaded: bool = True,
-                 name: str = "mmdispatch-readahead") -> None:
+                 name: str = "mmdispatch-readahead", budget: AheadBudget | None = None) -> None:
         self.stall_s, self.threaded = stall_s, threaded
         self.name = name
+        # Threaded only: bytes of this shard's records read and not yet taken by the session,
+        # counted in `budget` too (shared by the reader's shards).
+        self.budget = budget if threaded else None
+        self._ahead = 0
         self._queue: queue.Queue = queue.Queue(maxsize=DEPTH)
         self._ready: deque = deque()  # entries taken off the queue, not yet handed out
         self._chunk: list = []  # entries the thread gathers before queueing them
@@ -120,8 +165,11 @@ class ReadAhead:
 
     def _run(self, records: Iterator) -> None:
         end: tuple = ("end", None)
+        budget = self.budget
         try:
             while not self._closed.is_set():
+                if budget is not None:
+                    budget.wait_for_room(self)
                 self._reading_since = time.monotonic()
                 try:
                     rec = next(records)
@@ -131,9 +179,14 @@ class ReadAhead:
                     self._reading_since = None
                 self._mark()
                 self._chunk.append(rec)
-                if len(self._chunk) >= CHUNK or self._queue.empty():
-                    # Full, or the session has nothing ready: hand it over now rather than
-                    # hold records back while the next read may wait on the shard.
+                spent = False
+                if budget is not None:
+                    budget.add(self, record_bytes(rec))
+                    spent = budget.used >= budget.limit
+                if len(self._chunk) >= CHUNK or spent or self._queue.empty():
+                    # Full, out of budget, or the session has nothing ready: hand it over now
+                    # rather than hold records back while the next read may wait (on the
+                    # shard, or for the budget the session frees by taking these).
                     self._put(self._flush())
         except BaseException as e:  # noqa: BLE001 - handed to the session thread, raised there
             end = ("error", e)
@@ -172,12 +225,16 @@ class ReadAhead:
             out.append(entry)
             if not isinstance(entry, tuple):
                 n += 1
+        if self.budget is not None and out:
+            self.budget.add(self, -sum(map(record_bytes, out)))
         return out
 
     def give_back(self, entries: list) -> None:
         """Put `entries`, the tail of what `take` returned, back in front: the next `take`
         returns them first, in order."""
         self._ready.extendleft(reversed(entries))
+        if self.budget is not None and entries:
+            self.budget.add(self, sum(map(record_bytes, entries)))
 
     def _next(self) -> bool:
         """Read the next record in this thread (its skips land in `_ready` first, in order)."""
@@ -214,8 +271,13 @@ class ReadAhead:
 
     def close(self, wait_s: float = 0.0) -> None:
         """Stop reading (a shard command still running is killed); the thread ends on its own,
-        waited for up to `wait_s`."""
+        waited for up to `wait_s`. What it read ahead no longer counts against the budget."""
         self._closed.set()
+        if self.budget is not None:
+            with self.budget.cond:
+                self.budget.used -= self._ahead
+                self._ahead = 0
+                self.budget.cond.notify_all()
         if self._records is not None:
             close = getattr(self._records, "close", None)
             if close is not None:

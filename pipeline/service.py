@@ -43,7 +43,7 @@ from pipeline.counting import CountingConfig, length_identity, placeholder_ident
 from pipeline import remote
 from pipeline.payloads import (DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bind_address,
                                check_advertise, check_bind, worker_endpoint)
-from pipeline.readahead import ReadAhead, stalled_error
+from pipeline.readahead import DEFAULT_AHEAD_MB, AheadBudget, ReadAhead, stalled_error
 from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_copy_identity,
     reader_config_from_args, sample_builder,
@@ -81,10 +81,16 @@ class ReaderServiceConfig:
     payload_advertise: str | None = None
     payload_cache_mb: int = DEFAULT_CACHE_MB
     allowed_dir: str | None = None
+    # MiB of records this worker's shard threads read ahead of what it sends, over all its
+    # shards (remote, `pipe:` and preprocessed ones; local files are read as sent)
+    read_ahead_mb: int = DEFAULT_AHEAD_MB
 
     def __post_init__(self) -> None:
         if self.batch < 1:  # 0 would send no sample ever: the job would wait forever
             raise ValueError(f"batch must be >= 1, got {self.batch}")
+        if self.read_ahead_mb < 1:
+            raise ValueError(f"read_ahead_mb must be >= 1 (MiB read ahead of the session), "
+                             f"got {self.read_ahead_mb}")
         if self.allowed_dir is not None:  # a security option must never be dropped in silence
             if not self.secret_file:
                 raise ValueError("--payload-allowed-dir needs --curve-secret and --curve-server-key: "
@@ -192,6 +198,7 @@ class ReaderWorker:
         # (names may repeat across processes; this does not).
         self.instance = secrets.token_hex(8)
         self.payload_server: PayloadServer | None = None  # direct mode, from the first WELCOME
+        self.ahead_budget = AheadBudget(config.read_ahead_mb << 20)  # shared by its shards' threads
         self._told_unused = False  # the direct-mode options set under another mode, said once
 
     def run(self, stop: threading.Event | None = None) -> None:
@@ -324,7 +331,7 @@ class ReaderWorker:
         ahead = ReadAhead(stall_s=self.config.stall_s,
                           threaded=(reads_can_wait(msg["shard"])
                                     or self.config.preprocess_on == "datanode"),
-                          name=f"mmdispatch-read-{msg['assign_id']}")
+                          name=f"mmdispatch-read-{msg['assign_id']}", budget=self.ahead_budget)
         a = _Assignment(id=msg["assign_id"], shard=msg["shard"], records=ahead, ref_path=ref_path)
         def opened(stream):  # before any record: the version of the file its spans are in
             a.stamp = stream_stamp(stream)
@@ -648,6 +655,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--payloads direct: MiB of sent members held for trainers to fetch "
                              "(each dropped once fetched, oldest first past this cap; a miss is "
                              "read again from the shard)")
+    parser.add_argument("--read-ahead-mb", type=int, default=_DEFAULTS.read_ahead_mb,
+                        help="MiB of samples a worker reads ahead of what it sends, over all its "
+                             "shards (object-store, http, pipe: and --preprocess-on datanode "
+                             "shards are read ahead by a thread each; each may always hold one "
+                             "sample)")
     parser.add_argument("--payload-allowed-dir", default=None,
                         help="CurveZMQ with --payloads direct: directory of the trainers' allowed "
                              "public NAME.key files (the payload socket refuses other clients)")
@@ -679,6 +691,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
     check_malloc_keep_mb("--malloc-keep-mb", args.malloc_keep_mb)
     if args.payload_cache_mb < 0:
         raise ValueError(f"--payload-cache-mb must be >= 0, got {args.payload_cache_mb}")
+    if args.read_ahead_mb < 1:
+        raise ValueError(f"--read-ahead-mb must be >= 1 (MiB), got {args.read_ahead_mb}")
     for flag, value in (("--payload-bind", args.payload_bind),
                         ("--payload-advertise", args.payload_advertise)):
         if value:
@@ -714,7 +728,8 @@ def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderService
                                payload_advertise=(worker_endpoint(args.payload_advertise, worker)
                                                   if args.payload_advertise else None),
                                payload_cache_mb=args.payload_cache_mb,
-                               allowed_dir=args.payload_allowed_dir)
+                               allowed_dir=args.payload_allowed_dir,
+                               read_ahead_mb=args.read_ahead_mb)
 
 
 def stop_fix(e: SampleError | TooManyErrors) -> str:
