@@ -17,6 +17,13 @@ which tells its fetch the reader is working, not gone (`trainer_client.fetch`; a
 predates this ignores it, and no protocol version changed: HEARTBEAT is any peer's "alive").
 With CurveZMQ the socket is a CURVE server with the reader's key pair and admits only clients
 whose public key is in the allowed directory (the same ZAP handler as the dispatcher's).
+
+Memory. The bytes of replies a reader holds (read back, or handed to ZeroMQ and not yet sent)
+are bounded over all trainers by `MAX_REPLY_BYTES`: past it, requests wait their turn (one is
+always served). A trainer that asks and reads nothing gets at most `REPLY_HWM` replies queued;
+more are dropped (its fetch times out and asks again). A request naming a reference twice is
+refused. A client asking the same whole shard 1,500 times in a request, and never reading,
+held 1.2 GB after four requests.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import re
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
@@ -46,6 +54,11 @@ READ_BACK_WORKERS = 4
 #: While a request is read back, its trainer gets a HEARTBEAT this often: well inside the
 #: trainer's silence timeout (`FetchConfig.timeout_s`, 5 s).
 KEEPALIVE_S = 1.0
+#: Reply bytes held at once (being read back, or queued in ZeroMQ), over all trainers.
+MAX_REPLY_BYTES = 1 << 30
+#: Replies queued to one trainer at once: a trainer has one request per step in flight to a
+#: reader (two with prefetch), plus HEARTBEATs; one that reads nothing holds no more.
+REPLY_HWM = 8
 
 
 class PayloadCache:
@@ -191,7 +204,7 @@ class PayloadServer:
         self.servable: frozenset[bytes] = frozenset()
         self.public_key = ""
         self.poll_ms = poll_ms
-        self.num_served = self.num_missed = 0
+        self.num_served = self.num_missed = self.num_dropped = 0
         self._missed_lock = threading.Lock()  # num_missed counts on the read-back threads
         self.failed_shards: set[str] = set()  # shards a read-back failed for, logged once each
         # Its own context: a ZAP handler is per context, and a reader's session is a client.
@@ -200,6 +213,9 @@ class PayloadServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         try:
             P.socket_limits(self.sock)
+            # A full queue to one trainer raises instead of growing (or dropping unseen).
+            self.sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if secret_file:
                 from dispatcher_server.security import apply_server_curve, start_authenticator
 
@@ -219,8 +235,12 @@ class PayloadServer:
             raise
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(READ_BACK_WORKERS, thread_name_prefix="mmdispatch-readback")
-        # Requests being read back: future -> [trainer identity, request id, last HEARTBEAT]
+        # Requests being read back: future -> [trainer identity, request id, last HEARTBEAT,
+        # bytes asked]
         self._working: dict[Future, list] = {}
+        self._waiting: deque[tuple[bytes, int, list, int]] = deque()  # past MAX_REPLY_BYTES
+        self._queued: list[tuple[Any, int]] = []  # (tracker, bytes) of replies handed to ZeroMQ
+        self._deaf: set[bytes] = set()  # trainers a reply was dropped for, logged once each
         self._thread = threading.Thread(target=self._run, name="mmdispatch-payloads", daemon=True)
         self._thread.start()
 
@@ -241,6 +261,8 @@ class PayloadServer:
                             log.exception("mmdispatch event=payload_request_failed")
                 if self._working:
                     self._answer_read_backs()
+                if self._waiting:
+                    self._start_waiting()
         except zmq.ZMQError:
             if not self._stop.is_set():
                 raise
@@ -256,16 +278,37 @@ class PayloadServer:
             return
         try:
             refs = P.split_payload(msg.frames[0], msg["sizes"])
+            asked = sum(P.unpack_ref(ref).size for ref in refs)
         except P.ProtocolError as e:
             self._send(ident, P.ERROR, code="fetch", message=str(e), ack=msg["id"])
             return
-        out = [self.cache.take(bytes(ref)) for ref in refs]
-        self.num_served += sum(b is not None for b in out)
-        if all(b is not None for b in out):
-            self._reply(ident, msg["id"], out)
+        if len(set(map(bytes, refs))) != len(refs):  # a trainer asks each item once
+            self._send(ident, P.ERROR, code="fetch", ack=msg["id"],
+                       message="a request names the same reference more than once")
             return
-        future = self._pool.submit(self._read_back_all, refs, out)
-        self._working[future] = [ident, msg["id"], time.monotonic()]
+        self._waiting.append((ident, msg["id"], refs, asked))
+        self._start_waiting()
+
+    def held_bytes(self) -> int:
+        """Reply bytes held now: being read back, or queued in ZeroMQ and not yet sent."""
+        self._queued = [(t, n) for t, n in self._queued if not t.done]
+        return sum(n for _, n in self._queued) + sum(w[3] for w in self._working.values())
+
+    def _start_waiting(self) -> None:
+        """Serve the waiting requests, in order, while their bytes fit MAX_REPLY_BYTES."""
+        while self._waiting:
+            ident, request, refs, asked = self._waiting[0]
+            held = self.held_bytes()
+            if held and held + asked > MAX_REPLY_BYTES:
+                return
+            self._waiting.popleft()
+            out = [self.cache.take(bytes(ref)) for ref in refs]
+            self.num_served += sum(b is not None for b in out)
+            if all(b is not None for b in out):
+                self._reply(ident, request, out)
+                continue
+            future = self._pool.submit(self._read_back_all, refs, out)
+            self._working[future] = [ident, request, time.monotonic(), asked]
 
     def _read_back_all(self, refs: list, out: list) -> list:
         """`out` with its misses (None) read from their shard files (on a worker thread)."""
@@ -275,7 +318,7 @@ class PayloadServer:
         """Answer the requests whose read-back ended; a HEARTBEAT to those still reading."""
         now = time.monotonic()
         for future, work in list(self._working.items()):
-            ident, request, beat = work
+            ident, request, beat, _ = work
             if not future.done():
                 if now - beat >= KEEPALIVE_S:
                     work[2] = now
@@ -300,7 +343,10 @@ class PayloadServer:
         # less than a zero-copy frame per item, each of whose release wakes pyzmq's
         # garbage-collector thread (and the trainer receives one frame, not one per item).
         sizes = [memoryview(b).nbytes for b in out]
-        self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=request, sizes=sizes)
+        tracker = self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=request,
+                             sizes=sizes, track=True)
+        if tracker is not None:
+            self._queued.append((tracker, sum(sizes)))
 
     def _read_back(self, ref: memoryview):
         """A reference's bytes read from its shard file (a cache miss; on a worker thread)."""
@@ -323,8 +369,27 @@ class PayloadServer:
                             "of this shard are answered, not logged)", url, str(e))
             raise
 
-    def _send(self, ident: bytes, type_: str, **fields) -> None:
-        self.sock.send_multipart([ident, *P.encode(type_, **fields)], copy=False)
+    def _send(self, ident: bytes, type_: str, track: bool = False, **fields):
+        """Send to trainer `ident`; the reply's MessageTracker with `track`. None when the
+        trainer is gone, or its queue is full (it reads nothing: the reply is dropped, and its
+        fetch asks again)."""
+        try:
+            return self.sock.send_multipart([ident, *P.encode(type_, **fields)], copy=False,
+                                            track=track, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+            if ident not in self._deaf:
+                if len(self._deaf) >= 4096:
+                    self._deaf.clear()
+                self._deaf.add(ident)
+                log.warning("mmdispatch event=payload_reply_dropped peer=%s queued=%d: a client "
+                            "of this payload socket reads none of its replies; replies past "
+                            "that many to it are dropped (it is logged once)", ident.hex(),
+                            REPLY_HWM)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:  # gone: nobody is waiting for it
+                raise
+        return None
 
     def close(self) -> None:
         stop = getattr(self, "_stop", None)

@@ -240,6 +240,56 @@ def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
         server.close()
 
 
+def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
+    """A client asking a reader again and again and reading nothing: every reply stayed queued
+    (1.2 GB after four requests naming one shard 1,500 times). A request naming a reference
+    twice is refused now, replies queued to one client stop at REPLY_HWM (the rest are
+    dropped), and a client that reads is served meanwhile."""
+    import io
+    import os
+    import tarfile
+
+    from pipeline.payloads import REPLY_HWM
+
+    member = os.urandom(1 << 20)
+    shard = tmp_path / "big.tar"
+    with tarfile.open(shard, "w") as tar:
+        info = tarfile.TarInfo("k.bin")
+        info.size = len(member)
+        tar.addfile(info, io.BytesIO(member))
+    with tarfile.open(shard) as tar:
+        info = tar.getmember("k.bin")
+    ref = P.pack_ref(str(shard).encode(), info.offset_data, info.size)
+    server = _payload_server(str(shard))
+    ctx = zmq.Context.instance()
+    deaf, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.setsockopt(zmq.RCVBUF, 4096)
+    reader.setsockopt(zmq.RCVTIMEO, 10_000)  # a hang fails the test instead
+    try:
+        deaf.connect(server.endpoint)
+        reader.connect(server.endpoint)
+        reader.send_multipart(P.encode(P.FETCH, frames=[ref + ref], id=1, sizes=[len(ref)] * 2))
+        reply = P.decode(reader.recv_multipart())
+        assert reply.type == P.ERROR and "more than once" in reply["message"]
+        for i in range(40):
+            deaf.send_multipart(P.encode(P.FETCH, frames=[ref], id=i, sizes=[len(ref)]))
+        deadline = time.monotonic() + 30
+        while server.num_dropped == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.num_dropped > 0
+        time.sleep(0.5)
+        # REPLY_HWM replies in its queue, and what the kernel's socket buffers took
+        assert server.held_bytes() <= (REPLY_HWM + 4) * len(member) < 40 * len(member)
+        reader.send_multipart(P.encode(P.FETCH, frames=[ref], id=2, sizes=[len(ref)]))
+        reply = P.decode(reader.recv_multipart())
+        assert reply.type == P.PAYLOADS and reply["id"] == 2 and bytes(reply.frames[0]) == member
+    finally:
+        deaf.close(linger=0)
+        reader.close(linger=0)
+        server.close()
+
+
 def test_dispatcher_tells_trainers_the_live_readers_and_gives_none_a_shard_without_an_endpoint(shards):
     """A reader's endpoint reaches connected trainers (READERS) when it asks for shards, and leaves
     the table when it goes; a reader that names no endpoint gets an ERROR and no shard."""
