@@ -290,6 +290,49 @@ def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
         server.close()
 
 
+def test_reply_bytes_held_over_all_clients_are_bounded_and_requests_wait_their_turn(tmp_path, monkeypatch):
+    """Past MAX_REPLY_BYTES held (read back, or queued to clients), requests wait; they are
+    served in order once the bytes go (here: the client that read nothing leaves)."""
+    import io
+    import os
+    import tarfile
+
+    from pipeline import payloads
+
+    member = os.urandom(8 << 20)  # past what loopback's socket buffers take in
+    monkeypatch.setattr(payloads, "MAX_REPLY_BYTES", len(member) * 3 // 2)
+    shard = tmp_path / "big.tar"
+    with tarfile.open(shard, "w") as tar:
+        info = tarfile.TarInfo("k.bin")
+        info.size = len(member)
+        tar.addfile(info, io.BytesIO(member))
+    with tarfile.open(shard) as tar:
+        info = tar.getmember("k.bin")
+    ref = P.pack_ref(str(shard).encode(), info.offset_data, info.size)
+    server = _payload_server(str(shard))
+    ctx = zmq.Context.instance()
+    deaf, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    deaf.setsockopt(zmq.RCVHWM, 1)
+    deaf.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        deaf.connect(server.endpoint)
+        reader.connect(server.endpoint)
+        for i in range(3):
+            deaf.send_multipart(P.encode(P.FETCH, frames=[ref], id=i, sizes=[len(ref)]))
+        time.sleep(1.0)
+        reader.send_multipart(P.encode(P.FETCH, frames=[ref], id=7, sizes=[len(ref)]))
+        assert not reader.poll(1500)  # waits behind what the deaf client holds
+        assert len(member) <= server.held_bytes() <= payloads.MAX_REPLY_BYTES
+        deaf.close(linger=0)  # its queue goes, and the bytes with it
+        assert reader.poll(20_000), "the waiting request was never served"
+        reply = P.decode(reader.recv_multipart())
+        assert reply.type == P.PAYLOADS and reply["id"] == 7 and bytes(reply.frames[0]) == member
+    finally:
+        deaf.close(linger=0)
+        reader.close(linger=0)
+        server.close()
+
+
 def test_dispatcher_tells_trainers_the_live_readers_and_gives_none_a_shard_without_an_endpoint(shards):
     """A reader's endpoint reaches connected trainers (READERS) when it asks for shards, and leaves
     the table when it goes; a reader that names no endpoint gets an ERROR and no shard."""
