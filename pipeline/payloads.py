@@ -238,7 +238,9 @@ class PayloadServer:
         # Requests being read back: future -> [trainer identity, request id, last HEARTBEAT,
         # bytes asked]
         self._working: dict[Future, list] = {}
-        self._waiting: deque[tuple[bytes, int, list, int]] = deque()  # past MAX_REPLY_BYTES
+        # Requests past MAX_REPLY_BYTES: [trainer identity, request id, refs, bytes asked, last
+        # HEARTBEAT] (a waiting trainer hears the reader is busy, as during a read-back)
+        self._waiting: deque[list] = deque()
         self._queued: list[tuple[Any, int]] = []  # (tracker, bytes) of replies handed to ZeroMQ
         self._deaf: set[bytes] = set()  # trainers a reply was dropped for, logged once each
         self._thread = threading.Thread(target=self._run, name="mmdispatch-payloads", daemon=True)
@@ -252,7 +254,7 @@ class PayloadServer:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                wait = min(self.poll_ms, 50) if self._working else self.poll_ms
+                wait = min(self.poll_ms, 50) if self._working or self._waiting else self.poll_ms
                 if self.sock.poll(wait):
                     for frames in P.pending(self.sock, 64):
                         try:
@@ -286,7 +288,7 @@ class PayloadServer:
             self._send(ident, P.ERROR, code="fetch", ack=msg["id"],
                        message="a request names the same reference more than once")
             return
-        self._waiting.append((ident, msg["id"], refs, asked))
+        self._waiting.append([ident, msg["id"], refs, asked, time.monotonic()])
         self._start_waiting()
 
     def held_bytes(self) -> int:
@@ -297,9 +299,14 @@ class PayloadServer:
     def _start_waiting(self) -> None:
         """Serve the waiting requests, in order, while their bytes fit MAX_REPLY_BYTES."""
         while self._waiting:
-            ident, request, refs, asked = self._waiting[0]
+            ident, request, refs, asked, _ = self._waiting[0]
             held = self.held_bytes()
             if held and held + asked > MAX_REPLY_BYTES:
+                now = time.monotonic()
+                for wait in self._waiting:
+                    if now - wait[4] >= KEEPALIVE_S:
+                        wait[4] = now
+                        self._send(wait[0], P.HEARTBEAT)
                 return
             self._waiting.popleft()
             out = [self.cache.take(bytes(ref)) for ref in refs]
