@@ -11,9 +11,10 @@ import errno
 import logging
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dispatcher_server.cliopts import event_line, redact
+from dispatcher_server.metrics_endpoint import MetricsServer, serve_metrics
 
 log = logging.getLogger("mmdispatch.server")
 
@@ -102,11 +103,11 @@ class Metrics:
         self.messages_of = {(role, d): self.messages.labels(role, d)
                             for role in ("reader", "trainer") for d in ("in", "out")}
         self.port = 0
-        self._server = None
+        self._server: MetricsServer | None = None
         self._error_lines: dict[str, tuple[float, int, int]] = {}  # kind -> (since, logged, held)
         if port:
             try:
-                self._server, _ = start_http_server(port, addr=host, registry=r)
+                self._server = serve_metrics(r, port, host)
             except OSError as e:
                 why = e.strerror or str(e)
                 if e.errno in (errno.EADDRINUSE, errno.EACCES):
@@ -149,8 +150,7 @@ class Metrics:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
 
 
