@@ -304,7 +304,8 @@ def check_malloc_keep_mb(name: str, value: int) -> int:
 
 
 def check_curve_pair(secret: str | None, server_key: str | None) -> None:
-    """ValueError naming the one of a client's two CurveZMQ flags that is missing."""
+    """ValueError naming the one of a client's two CurveZMQ flags that is missing, or the one
+    whose file is missing or holds no key it needs (the secret: no secret key)."""
     if bool(secret) != bool(server_key):
         given, missing, what = (("--curve-secret", "--curve-server-key", "the dispatcher's public "
                                  "NAME.key file") if secret else
@@ -320,11 +321,16 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
         if path and not os.path.exists(path):  # said once, before `read` starts its workers
             raise ValueError(f"{flag} key file {path!r} does not exist (create keys with: "
                              "mmdispatch keygen NAME)")
-    if server_key:
-        _warn_if_secret(server_key)
-    if secret:
-        from dispatcher_server.security import warn_if_readable
-        warn_if_readable(secret)
+    if not secret:
+        return
+    from dispatcher_server.security import load_public, load_secret, warn_if_readable
+
+    # Said here, once, naming the flag: a worker process would say it without the flag, and
+    # a public key given as the secret would first draw advice to chmod it.
+    load_secret(secret)
+    load_public(server_key)
+    _warn_if_secret(server_key)
+    warn_if_readable(secret)
 
 
 #: --curve-server-key files already said to hold a secret (said once per process)
@@ -365,6 +371,23 @@ def check_endpoint(flag: str, address: str) -> str:
         raise ValueError(f"{flag} {address!r}: port {port} is out of range (0 to 65535; 0 lets "
                          "the OS pick when binding)")
     return address
+
+
+def check_ipc_bind(flag: str, address: str) -> None:
+    """ValueError, one line naming `flag`, the value and the fix, for an ipc:// endpoint whose
+    socket file cannot be made: ZeroMQ's bind names neither the flag nor the directory."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):  # @: abstract, no file
+        return
+    parent = os.path.dirname(address[len("ipc://"):]) or "."
+    if not os.path.exists(parent):
+        why = f"the directory {parent!r} does not exist; create it or give another path"
+    elif not os.path.isdir(parent):
+        why = f"{parent!r} is not a directory; give a path in a directory"
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        why = f"the directory {parent!r} is not writable by this user; give a path in one that is"
+    else:
+        return
+    raise ValueError(f"{flag} {address!r}: {why}")
 
 
 def check_output_dir(flag: str, path: str, *, given: str | None = None) -> None:

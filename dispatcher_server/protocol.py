@@ -85,6 +85,12 @@ MAX_READER_SHARDS = 4
 PAYLOAD_MODES = ("inline", "reference", "direct")
 _INT = int
 _OPT_INT = (int, type(None))
+#: Most steps of credit a trainer's HELLO may ask for (`prefetch`; the client sends 2 by
+#: default), and most a consumer of its client may take ahead (`ahead`; a PrefetchPool says
+#: its micro-batches ahead plus one, 5 by default): far past any use, and short of a credit so
+#: far ahead that the dispatcher would hold steps for it without bound.
+MAX_PREFETCH = 4096
+MAX_AHEAD = 4096
 
 #: type -> field -> (accepted python types, required). `v`, `type`, `seq` are always required.
 SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {

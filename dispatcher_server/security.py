@@ -104,23 +104,34 @@ def _load(path: str) -> tuple[bytes, bytes | None]:
         raise ValueError(f"cannot read CurveZMQ key file {path!r}: {e}") from None
 
 
+def _load_key_file(path: str, flag: str, what: str) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) keys of the file `flag` names; ValueError, one line naming the
+    flag, the file and the fix (`what`: the file the flag wants), when it is no key file."""
+    try:
+        return zmq.auth.load_certificate(path)
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror or e}): give {what} the "
+                         "user running this command can read (its owner: chown it, or create "
+                         "it as that user with mmdispatch keygen)") from None
+    except ValueError:  # pyzmq's "No public key found in ...": not a key file at all
+        raise ValueError(f"{flag} {path!r} is no CurveZMQ key file: give {what} mmdispatch "
+                         "keygen NAME wrote") from None
+
+
 def load_secret(path: str, flag: str = "--curve-secret") -> tuple[bytes, bytes]:
     """(public, secret) keys of a NAME.key_secret file; ValueError, one line naming `flag`, the
     file and the fix, when it cannot be read or holds no secret key."""
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except OSError as e:
-        raise ValueError(f"{flag} {path!r} cannot be read ({e.strerror or e}): give a "
-                         "NAME.key_secret file the user running this command can read (its "
-                         "owner: chown it, or create it as that user with mmdispatch keygen)"
-                         ) from None
-    except ValueError:  # pyzmq's "No public key found in ...": not a key file at all
-        raise ValueError(f"{flag} {path!r} is no CurveZMQ key file: pass the NAME.key_secret "
-                         "file mmdispatch keygen NAME wrote") from None
+    public, secret = _load_key_file(path, flag, "a NAME.key_secret file")
     if secret is None:
         raise ValueError(f"{flag} {path!r} holds no secret key: pass NAME.key_secret, not the "
                          "public NAME.key")
     return public, secret
+
+
+def load_public(path: str, flag: str = "--curve-server-key") -> bytes:
+    """The public key of a key file (the dispatcher's NAME.key); ValueError, one line naming
+    `flag`, the file and the fix, when it cannot be read or is no key file."""
+    return _load_key_file(path, flag, "the dispatcher's public NAME.key file")[0]
 
 
 #: secret key files already said to be readable by every user, in the environment: a command's
@@ -145,14 +156,27 @@ def warn_if_readable(path: str | None, flag: str = "--curve-secret") -> None:
                     f"{flag} names: chmod 600 {path}")
 
 
-def apply_server_curve(sock: zmq.Socket, secret_file: str) -> bytes:
+#: The fix a failed handshake on the dispatcher's endpoints is logged with.
+DISPATCHER_HANDSHAKE_FIX = ("readers and trainers need --curve-secret and --curve-server-key "
+                            "(the dispatcher's public key)")
+#: ... and on a reader's payload socket (direct payloads), where the peers are trainers, which
+#: take this reader's key from the dispatcher: theirs is what is missing or not allowed here.
+PAYLOAD_HANDSHAKE_FIX = ("trainers fetching from this reader need CurveZMQ: --curve-secret "
+                         "and --curve-server-key (the dispatcher's public key; the dispatcher "
+                         "tells them this reader's), and their public NAME.key in this reader's "
+                         "--payload-allowed-dir")
+
+
+def apply_server_curve(sock: zmq.Socket, secret_file: str, *,
+                       fix: str = DISPATCHER_HANDSHAKE_FIX) -> bytes:
     """Make a bound socket a CURVE server with the key pair in `secret_file` (the dispatcher's,
-    or a reader's for its payload socket), reporting failed handshakes; returns the public key."""
+    or a reader's for its payload socket), reporting failed handshakes with `fix` (what the
+    socket's peers need); returns the public key."""
     public, secret = load_secret(secret_file)
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.curve_server = True
-    watch_handshakes(sock)
+    watch_handshakes(sock, fix=fix)
     return public
 
 
@@ -173,7 +197,8 @@ def handshake_reason(event: int, value: int) -> str:
     return _HANDSHAKE_ERRORS.get(value, f"handshake error {value:#x}")
 
 
-def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Thread:
+def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0,
+                     fix: str = DISPATCHER_HANDSHAKE_FIX) -> threading.Thread:
     """Log handshakes that fail before ZAP sees a key (plaintext peers, wrong server keys).
 
     ZeroMQ reports them only on the socket's monitor, without the peer's address: one line per
@@ -202,9 +227,7 @@ def watch_handshakes(sock: zmq.Socket, *, every_s: float = 60.0) -> threading.Th
                 now = time.monotonic()
                 if key not in last or now - last[key] >= every_s:
                     log.warning("mmdispatch event=curve_handshake_failed endpoint=%s reason=%r "
-                                "failures=%d fix=%r", endpoint, reason, count[key],
-                                "readers and trainers need --curve-secret and --curve-server-key "
-                                "(the dispatcher's public key)")
+                                "failures=%d fix=%r", endpoint, reason, count[key], fix)
                     last[key], count[key] = now, 0
         except zmq.ZMQError:  # the context is terminating
             return

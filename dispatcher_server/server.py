@@ -902,9 +902,12 @@ class Dispatcher:
 
     def _reader_hello(self, ident: bytes, reader: Reader | None, msg: P.Message, now: float) -> None:
         if msg["role"] != "reader":
-            self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq,
-                       message=f"role {msg['role']!r} connected to the reader endpoint: point it "
-                               "at the dispatcher's trainer endpoint (serve --trainer-bind)")
+            # Logged and counted as a reader at the trainer endpoint is: the peer stops on the
+            # ERROR, and the operator of the dispatcher hears of the miswired one too.
+            why = (f"role {msg['role']!r} connected to the reader endpoint: point it at the "
+                   "dispatcher's trainer endpoint (serve --trainer-bind)")
+            self.metrics.error("role", role="reader", detail=why)
+            self._send(self.reader_sock, ident, P.ERROR, code="role", ack=msg.seq, message=why)
             return
         why = self.inputs.admit(f"reader {msg.get('name', '')!r}", msg.get("inputs"), self._peers)
         if why is not None:
@@ -1232,6 +1235,16 @@ class Dispatcher:
                                   f"or restart the dispatcher with --world-size {world}")
         if not 0 <= rank < W:
             return "rank", f"rank {rank} is outside [0, {W})"
+        # Refused as malformed: the client never sends these, and taken as they came a 0 node
+        # size was advised as --ranks-per-node 0, and a huge prefetch granted unbounded credit.
+        for field, low, high, meaning in (
+                ("local_world_size", 1, W, "ranks on the trainer's node, at most its world_size"),
+                ("prefetch", 1, P.MAX_PREFETCH, "steps of credit ahead of the one being consumed"),
+                ("ahead", 0, P.MAX_AHEAD, "steps a consumer of the client takes ahead")):
+            value = msg.get(field)
+            if value is not None and not low <= value <= high:
+                return "malformed", (f"trainer hello: {field} {value} is outside [{low}, {high}] "
+                                     f"({meaning})")
         theirs = msg.get("dataset")
         if theirs is not None and (fields := differing(theirs, self.dataset)):
             shown = DATASET_FINGERPRINT_DEFAULTS  # what a field left out stands for

@@ -25,7 +25,7 @@ import zmq
 
 from dispatcher_server.cliopts import (
     LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
-    finite_float, json_line, named_by_flags, say, setup_logging, unwind_on_sigterm,
+    check_ipc_bind, finite_float, json_line, named_by_flags, say, setup_logging, unwind_on_sigterm,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -376,8 +376,8 @@ def _check_flags(v: dict) -> None:
                              "directory the dispatcher can write") from None
         for path in made:
             os.rmdir(path)
-    check_endpoint("--reader-bind", v["reader_bind"])
-    check_endpoint("--trainer-bind", v["trainer_bind"])
+    for flag in ("--reader-bind", "--trainer-bind"):
+        check_ipc_bind(flag, check_endpoint(flag, v[flag[2:].replace("-", "_")]))
     if not 0 <= v["metrics_port"] <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
     _check_own_ports(v)

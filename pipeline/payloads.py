@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from dispatcher_server import protocol as P
-from dispatcher_server.cliopts import redact
+from dispatcher_server.cliopts import check_ipc_bind, redact
 from dispatcher_server.endpoint import allow_ipv6
 from pipeline.shards import read_range
 
@@ -128,7 +128,8 @@ def _tcp_host_port(endpoint: str) -> tuple[str, str | None]:
 
 def check_bind(bind: str, flag: str = "--payload-bind") -> None:
     """ValueError, one line naming `flag`, for a tcp:// endpoint without a port (ZeroMQ's bind
-    says only "Invalid argument")."""
+    says only "Invalid argument") or an ipc:// one in no directory it can make a socket in."""
+    check_ipc_bind(flag, bind)
     if not bind.startswith("tcp://"):
         return
     port = _tcp_host_port(bind)[1]
@@ -217,7 +218,9 @@ class PayloadServer:
             self.sock.setsockopt(zmq.SNDHWM, REPLY_HWM)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             if secret_file:
-                from dispatcher_server.security import apply_server_curve, start_authenticator
+                from dispatcher_server.security import (
+                    PAYLOAD_HANDSHAKE_FIX, apply_server_curve, start_authenticator,
+                )
 
                 if not allowed_dir:
                     raise ValueError("CurveZMQ payload sockets need --payload-allowed-dir (the "
@@ -225,7 +228,8 @@ class PayloadServer:
                 self._auth = start_authenticator(self.ctx, allowed_dir,
                                                  allow_list="this reader's --payload-allowed-dir",
                                                  peers="trainers'")
-                self.public_key = apply_server_curve(self.sock, secret_file).decode("ascii")
+                self.public_key = apply_server_curve(self.sock, secret_file,
+                                                     fix=PAYLOAD_HANDSHAKE_FIX).decode("ascii")
             allow_ipv6(self.sock, bind)
             self.sock.bind(bind)
             self.endpoint = advertised(self.sock.getsockopt_string(zmq.LAST_ENDPOINT), advertise,

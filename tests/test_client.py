@@ -143,7 +143,8 @@ def test_the_topology_takes_integers_as_commit_does():
     ({"step_timeout_s": 0}, r"step_timeout_s=0 must be > 0 seconds"),
     ({"fetch_attempts": 0}, r"fetch_attempts >= 1"),
     ({"backoff_min_s": 2.0, "backoff_max_s": 1.0}, r"backoff_min_s \(2.0\) <= backoff_max_s \(1.0\)"),
-    ({"prefetch": 0}, r"prefetch must be >= 1, got 0"),
+    ({"prefetch": 0}, r"prefetch must be 1 to 4096, got 0"),
+    ({"prefetch": 4097}, r"prefetch must be 1 to 4096, got 4097"),  # the dispatcher refuses it
     # glibc takes the threshold as a C int of bytes: past it, it wraps around
     ({"malloc_keep_mb": 1024}, r"malloc_keep_mb must be from 0 to 1023 .*0 = off\), got 1024"),
     ({"malloc_keep_mb": -1}, r"malloc_keep_mb must be from 0 to 1023 .*got -1"),

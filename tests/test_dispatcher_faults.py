@@ -673,6 +673,63 @@ def test_a_rank_without_a_checkpoint_is_told_which_steps_cannot_be_served_again(
         d.stop()
 
 
+def test_a_peer_at_the_other_roles_endpoint_is_refused_logged_and_counted_alike(caplog):
+    """A reader at the trainer endpoint was logged and counted; a trainer at the reader
+    endpoint heard the same ERROR, but the dispatcher's operator heard nothing of it."""
+    d = Dispatcher(_config(world_size=2)).start()
+    at_readers, at_trainers = _Peer(d.reader_endpoint), _Peer(d.trainer_endpoint)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            for peer, role in ((at_readers, "trainer"), (at_trainers, "reader")):
+                seq = peer.send(P.HELLO, role=role, rank=0, world_size=2, name="x")
+                err = peer.expect(P.ERROR)
+                assert err["code"] == "role" and err["ack"] == seq
+        lines = [r.getMessage() for r in caplog.records if "kind=role" in r.getMessage()]
+        assert len(lines) == 2, lines
+        assert any("'trainer' connected to the reader endpoint" in line for line in lines), lines
+        assert any("'reader' connected to the trainer endpoint" in line for line in lines), lines
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total", {"kind": "role"}) == 2
+        assert not d.pool.readers and d.delivery.connected() == 0
+    finally:
+        at_readers.close()
+        at_trainers.close()
+        d.stop()
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("local_world_size", 0, "local_world_size 0 is outside [1, 2]"),
+    ("local_world_size", -3, "local_world_size -3 is outside [1, 2]"),
+    ("local_world_size", 3, "local_world_size 3 is outside [1, 2]"),
+    ("prefetch", -1, f"prefetch -1 is outside [1, {P.MAX_PREFETCH}]"),
+    ("prefetch", 0, f"prefetch 0 is outside [1, {P.MAX_PREFETCH}]"),
+    ("prefetch", 10**12, f"prefetch {10**12} is outside [1, {P.MAX_PREFETCH}]"),
+    ("ahead", -7, f"ahead -7 is outside [0, {P.MAX_AHEAD}]"),
+    ("ahead", P.MAX_AHEAD + 1, f"ahead {P.MAX_AHEAD + 1} is outside [0, {P.MAX_AHEAD}]"),
+])
+def test_a_trainer_hello_with_a_field_out_of_range_is_refused_as_malformed(field, value, words):
+    """Welcomed before: a node of 0 ranks (the log advised --ranks-per-node 0), negative or
+    10**12 steps of credit."""
+    d = Dispatcher(_config(world_size=2)).start()
+    peer = _Peer(d.trainer_endpoint)
+    try:
+        hello = dict(role="trainer", rank=0, world_size=2, local_world_size=2, next_step=None,
+                     prefetch=2, ahead=0)
+        seq = peer.send(P.HELLO, **{**hello, field: value})
+        err = peer.expect(P.ERROR)
+        assert err["code"] == "malformed" and err["ack"] == seq
+        assert words in err["message"], err["message"]
+        assert d.delivery.connected() == 0
+        assert d.metrics.registry.get_sample_value("mmdispatch_errors_total",
+                                                   {"kind": "malformed"}) == 1
+        # the bounds themselves are welcome
+        peer.send(P.HELLO, **{**hello, "local_world_size": 1, "prefetch": P.MAX_PREFETCH,
+                              "ahead": P.MAX_AHEAD})
+        peer.expect(P.WELCOME)
+    finally:
+        peer.close()
+        d.stop()
+
+
 def _topology_warnings(caplog, ranks_per_node: int, hellos: list[tuple[int, int]]) -> list[str]:
     """The topology_mismatch lines a dispatcher for 2 ranks, `ranks_per_node` a node, logs
     while welcoming each (rank, local_world_size) of `hellos` in turn."""

@@ -96,6 +96,38 @@ def test_plaintext_peer_failing_the_handshake_is_logged(tmp_path, caplog):
     ctx.term()
 
 
+@pytest.mark.timeout(30)
+def test_a_plaintext_trainer_at_a_readers_payload_socket_is_logged_with_the_trainers_fix(
+        tmp_path, caplog):
+    """A reader's payload socket (direct payloads) logged a failed handshake with the fix for
+    the dispatcher's peers; the peers there are trainers, allowed by --payload-allowed-dir."""
+    from pipeline.payloads import PayloadCache, PayloadServer
+
+    _, reader_secret = create_keypair(str(tmp_path), "reader")
+    allowed = tmp_path / "trainers"
+    allowed.mkdir()
+    create_keypair(str(allowed), "trainer")
+    (allowed / "trainer.key_secret").unlink()
+    server = PayloadServer("tcp://127.0.0.1:0", cache=PayloadCache(0), secret_file=reader_secret,
+                           allowed_dir=str(allowed))
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch.security"):
+            client.connect(server.endpoint)
+            client.send(b"fetch", zmq.NOBLOCK)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not any(
+                    "curve_handshake_failed" in r.getMessage() for r in caplog.records):
+                time.sleep(0.05)
+        lines = [r.getMessage() for r in caplog.records if "curve_handshake_failed" in r.getMessage()]
+        assert lines and server.endpoint.rsplit(":", 1)[1] in lines[0], lines
+        assert "trainers fetching from this reader" in lines[0], lines[0]
+        assert "--payload-allowed-dir" in lines[0] and "readers and trainers" not in lines[0]
+    finally:
+        client.close(linger=0)
+        server.close()
+
+
 def test_keygen_replaces_a_pair_only_when_forced(tmp_path):
     public, _ = create_keypair(str(tmp_path), "reader")
     before = open(public).read()

@@ -364,8 +364,8 @@ class ClientConfig:
     malloc_keep_mb: int = 0
 
     def __post_init__(self) -> None:
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if not 1 <= self.prefetch <= P.MAX_PREFETCH:  # the dispatcher refuses a HELLO past it
+            raise ValueError(f"prefetch must be 1 to {P.MAX_PREFETCH}, got {self.prefetch}")
         check_malloc_keep_mb("malloc_keep_mb", self.malloc_keep_mb)
         if self.step_timeout_s is not None and not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s={self.step_timeout_s} must be > 0 seconds (or None)")

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dispatcher_server import protocol as P
 from pipeline.preprocess import (
     PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
     check_rows, preprocess_item, row_dim,
@@ -81,8 +82,9 @@ class PrefetchConfig:
     max_consecutive_errors: int = 100
 
     def __post_init__(self) -> None:
-        if self.ahead < 1:
-            raise ValueError(f"preprocess ahead={self.ahead} must be >= 1 micro-batch")
+        if not 1 <= self.ahead < P.MAX_AHEAD:  # the client says ahead + 1; the dispatcher caps it
+            raise ValueError(f"preprocess ahead={self.ahead} must be 1 to {P.MAX_AHEAD - 1} "
+                             "micro-batches")
         if self.workers < 0:
             raise ValueError(f"preprocess workers={self.workers} must be >= 0 (0: in the loop)")
         if self.kind not in POOL_KINDS:

@@ -225,6 +225,13 @@ def train(args: argparse.Namespace) -> int:
                                         ("--progress-every", args.progress_every, 0, "seconds; 0: none")):
         if value < least:
             raise ValueError(f"{flag} must be >= {least} ({meaning}), got {value}")
+    from dispatcher_server.protocol import MAX_AHEAD, MAX_PREFETCH
+
+    # the dispatcher refuses a HELLO asking for more (prefetch, and the pool's ahead + 1)
+    for flag, value, most in (("--prefetch", args.prefetch, MAX_PREFETCH),
+                              ("--preprocess-ahead", args.preprocess_ahead, MAX_AHEAD - 1)):
+        if value > most:
+            raise ValueError(f"{flag} must be at most {most}, got {value}")
     towers = ModelConfig.tiny(hidden=args.hidden)
     heads = math.lcm(*(t.num_heads for t in (towers.vision, towers.audio, towers.llm)))
     if args.hidden % heads:  # said here, not by every rank's model after torchrun started
