@@ -159,6 +159,46 @@ def test_a_dead_holder_is_replaced_by_another_reader(shards):
         server.close()
 
 
+def test_a_reader_timing_out_with_two_requests_pending_fails_both_over(tmp_path):
+    """Request A waits on a silent reader X; B, refused by W, is retried at X. A's timeout
+    dropped X's socket under B, and the next poll raised a bare KeyError out of the training
+    loop. Every request pending on a reader given up on is asked elsewhere now: here, with no
+    reader left that serves it, the step fails with the FetchError naming shard and readers."""
+    from trainer_client.fetch import _Request
+
+    ctx = zmq.Context.instance()
+    silent, refusing = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+    x = P.ReaderEndpoint(f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}", "")
+    w = P.ReaderEndpoint(f"tcp://127.0.0.1:{refusing.bind_to_random_port('tcp://127.0.0.1')}", "")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if silent.poll(20):
+                silent.recv_multipart()  # taken, never answered: a SIGSTOPped reader
+            if refusing.poll(20):
+                ident, *frames = refusing.recv_multipart()
+                refusing.send_multipart([ident, *P.encode(P.ERROR, code="fetch", message="cannot "
+                                                          "read it back", ack=P.decode(frames)["id"])])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    fetcher = PayloadFetcher(decode=lambda m, f: f, out=queue.Queue(),
+                             config=FetchConfig(timeout_s=1.0, attempts=4, backoff_min_s=0.1))
+    ref = memoryview(P.pack_ref(str(tmp_path / "shard.tar").encode(), 0, 10))
+    try:
+        fetcher.readers = [x, w]
+        with pytest.raises(FetchError, match=f"shard.tar.*{x.endpoint}: no answer"):
+            fetcher._complete([_Request(places=[(0, 0)], refs=[ref], endpoint=x),
+                               _Request(places=[(0, 1)], refs=[ref], endpoint=w)])
+    finally:
+        stop.set()
+        thread.join(5)
+        fetcher.close()
+        silent.close(linger=0)
+        refusing.close(linger=0)
+
+
 def test_a_fetch_waits_out_a_time_with_no_live_reader(shards):
     """Every reader gone (one reader, restarted): the retries went to the dead endpoint and the
     step failed after `attempts` tries, about 20 s with the defaults, killing every trainer;

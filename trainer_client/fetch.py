@@ -219,8 +219,7 @@ class PayloadFetcher:
                 try:
                     self._send(req, now)
                 except zmq.ZMQError as e:  # an endpoint ZeroMQ cannot connect to: unreachable
-                    self._drop_socket(req.endpoint)
-                    self._mark_silent(req.endpoint.endpoint, now, f"cannot connect: {e}")
+                    self._give_up_on(req.endpoint, now, f"cannot connect: {e}", pending, waiting)
                     self._failed(req, f"cannot connect to it ({e})", waiting)
                     continue
                 pending[req.id] = req
@@ -236,10 +235,20 @@ class PayloadFetcher:
                         self._receive(frames, pending, waiting, sock)
             now = time.monotonic()
             for req in [r for r in pending.values() if r.deadline <= now]:
-                del pending[req.id]
-                self._drop_socket(req.endpoint)
-                self._mark_silent(req.endpoint.endpoint, now, f"no answer in {self.config.timeout_s} s")
-                self._failed(req, f"no answer in {self.config.timeout_s} s", waiting)
+                if req.id in pending:  # not given up on with an earlier one to its reader
+                    self._give_up_on(req.endpoint, now, f"no answer in {self.config.timeout_s} s",
+                                     pending, waiting)
+
+    def _give_up_on(self, reader: P.ReaderEndpoint, now: float, why: str, pending: dict,
+                    waiting: list) -> None:
+        """Drop `reader`'s socket, mark it silent, and ask elsewhere every request pending on
+        it: their answers cannot arrive on a closed socket. One request timing out while a later
+        one to the same reader waited left that one on a dropped socket (a KeyError)."""
+        self._drop_socket(reader)
+        self._mark_silent(reader.endpoint, now, why)
+        for req in [r for r in pending.values() if r.endpoint == reader]:
+            del pending[req.id]
+            self._failed(req, why, waiting)
 
     def _mark_silent(self, endpoint: str, now: float, why: str) -> None:
         """Ask `endpoint` last for a while; the first time, say so in the log: a reader no
