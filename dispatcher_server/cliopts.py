@@ -473,10 +473,19 @@ def interrupt_exits(prog: str) -> Iterator[None]:
 def unwind_on_sigterm(note: str | None = None) -> None:
     """SIGTERM raises SystemExit(143) in the main thread (logging `note` first): `finally`
     blocks run (a client says BYE, a probe ends its shard command) where the default action
-    would kill the process wherever the signal found it."""
-    def handler(signum: int, _frame) -> None:
+    would kill the process wherever the signal found it. A SIGTERM that arrives once the main
+    thread's code has ended, while the interpreter waits for its other threads
+    (`threading._shutdown`), has nothing left to unwind: the process exits with 143 at once (a
+    SystemExit raised there printed "Exception ignored in: <module 'threading'>" and a traceback)."""
+    def handler(signum: int, frame) -> None:
         if note:
             logging.getLogger("mmdispatch").info(note)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "_shutdown" and code.co_filename.endswith("threading.py"):
+                logging.shutdown()
+                os._exit(128 + signum)
+            frame = frame.f_back
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import socket
 import subprocess
@@ -845,3 +846,25 @@ def test_an_option_without_a_default_value_says_what_unset_means(command, flags)
     helps = {s: a.help for a in parser._actions for s in a.option_strings}
     for flag in flags:
         assert "default: " in helps[flag], (flag, helps[flag])
+
+
+def test_a_sigterm_while_the_interpreter_waits_for_threads_exits_143_without_a_traceback(tmp_path):
+    """torchrun tears down ranks with SIGTERM; one arriving after the main thread's code ended,
+    while the interpreter waited for a non-daemon thread, raised SystemExit inside
+    `threading._shutdown`: "Exception ignored in: <module 'threading'>", a traceback, and the
+    process went on waiting (status 0). It exits with 143 at once now, saying nothing more."""
+    script = tmp_path / "late_sigterm.py"
+    script.write_text(
+        "import os, signal, threading, time\n"
+        "from dispatcher_server.cliopts import unwind_on_sigterm\n"
+        "unwind_on_sigterm()\n"
+        "def late():\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "threading.Thread(target=late).start()\n")
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
