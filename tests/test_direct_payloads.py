@@ -280,18 +280,14 @@ def test_payload_socket_serves_only_the_job_shards(shards, tmp_path):
         server.close()
 
 
-def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
-    """A client asking a reader again and again and reading nothing: every reply stayed queued
-    (1.2 GB after four requests naming one shard 1,500 times). A request naming a reference
-    twice is refused now, replies queued to one client stop at REPLY_HWM (the rest are
-    dropped), and a client that reads is served meanwhile."""
+def _deaf_and_reader(tmp_path, size: int) -> tuple:
+    """(member, its reference, a payload server of the one-member shard holding it, a client
+    that reads nothing (a receive queue of one, a 4 KiB socket buffer), a client that reads)."""
     import io
     import os
     import tarfile
 
-    from pipeline.payloads import REPLY_HWM
-
-    member = os.urandom(1 << 20)
+    member = os.urandom(size)
     shard = tmp_path / "big.tar"
     with tarfile.open(shard, "w") as tar:
         info = tarfile.TarInfo("k.bin")
@@ -300,11 +296,21 @@ def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
     with tarfile.open(shard) as tar:
         info = tar.getmember("k.bin")
     ref = P.pack_ref(str(shard).encode(), info.offset_data, info.size)
-    server = _payload_server(str(shard))
     ctx = zmq.Context.instance()
     deaf, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
     deaf.setsockopt(zmq.RCVHWM, 1)
     deaf.setsockopt(zmq.RCVBUF, 4096)
+    return member, ref, _payload_server(str(shard)), deaf, reader
+
+
+def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
+    """A client asking a reader again and again and reading nothing: every reply stayed queued
+    (1.2 GB after four requests naming one shard 1,500 times). A request naming a reference
+    twice is refused now, replies queued to one client stop at REPLY_HWM (the rest are
+    dropped), and a client that reads is served meanwhile."""
+    from pipeline.payloads import REPLY_HWM
+
+    member, ref, server, deaf, reader = _deaf_and_reader(tmp_path, 1 << 20)
     reader.setsockopt(zmq.RCVTIMEO, 10_000)  # a hang fails the test instead
     try:
         deaf.connect(server.endpoint)
@@ -333,27 +339,11 @@ def test_a_client_that_reads_no_reply_holds_a_bounded_number_of_them(tmp_path):
 def test_reply_bytes_held_over_all_clients_are_bounded_and_requests_wait_their_turn(tmp_path, monkeypatch):
     """Past MAX_REPLY_BYTES held (read back, or queued to clients), requests wait; they are
     served in order once the bytes go (here: the client that read nothing leaves)."""
-    import io
-    import os
-    import tarfile
-
     from pipeline import payloads
 
-    member = os.urandom(8 << 20)  # past what loopback's socket buffers take in
-    monkeypatch.setattr(payloads, "MAX_REPLY_BYTES", len(member) * 3 // 2)
-    shard = tmp_path / "big.tar"
-    with tarfile.open(shard, "w") as tar:
-        info = tarfile.TarInfo("k.bin")
-        info.size = len(member)
-        tar.addfile(info, io.BytesIO(member))
-    with tarfile.open(shard) as tar:
-        info = tar.getmember("k.bin")
-    ref = P.pack_ref(str(shard).encode(), info.offset_data, info.size)
-    server = _payload_server(str(shard))
-    ctx = zmq.Context.instance()
-    deaf, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
-    deaf.setsockopt(zmq.RCVHWM, 1)
-    deaf.setsockopt(zmq.RCVBUF, 4096)
+    size = 8 << 20  # past what loopback's socket buffers take in
+    monkeypatch.setattr(payloads, "MAX_REPLY_BYTES", size * 3 // 2)
+    member, ref, server, deaf, reader = _deaf_and_reader(tmp_path, size)
     try:
         deaf.connect(server.endpoint)
         reader.connect(server.endpoint)
