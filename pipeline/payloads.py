@@ -20,10 +20,10 @@ whose public key is in the allowed directory (the same ZAP handler as the dispat
 
 Memory. The bytes of replies a reader holds (read back, or handed to ZeroMQ and not yet sent)
 are bounded over all trainers by `MAX_REPLY_BYTES`: past it, requests wait their turn (one is
-always served), their trainers getting a HEARTBEAT every `KEEPALIVE_S` meanwhile. A trainer that asks and reads nothing gets at most `REPLY_HWM` replies queued;
-more are dropped (its fetch times out and asks again). A request naming a reference twice is
-refused. A client asking the same whole shard 1,500 times in a request, and never reading,
-held 1.2 GB after four requests.
+always served), their trainers getting a HEARTBEAT every `KEEPALIVE_S` meanwhile. A trainer
+that asks and reads nothing gets at most `REPLY_HWM` replies queued; more are dropped (its
+fetch times out and asks again). A request naming a reference twice is refused. Without these,
+a client that asks and never reads made the reader hold every reply it asked for.
 """
 
 from __future__ import annotations
