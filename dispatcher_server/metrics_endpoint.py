@@ -19,7 +19,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-#: Seconds a connection may take to send its request, or to take the answer, before it is
+#: Seconds a connection may take in all, to send its request and take the answer, before it is
 #: dropped and its thread ends. A scrape of this registry takes milliseconds.
 TIMEOUT_S = 10.0
 #: Connections served at once; Prometheus and a health check need one or two each.
@@ -60,6 +60,14 @@ class _Handler(WSGIRequestHandler):
         pass
 
 
+def _cut(sock: socket.socket) -> None:
+    """End a connection past its time: its handler's next read or write fails."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
+
+
 class MetricsServer(ThreadingMixIn, WSGIServer):
     """A thread per connection, at most `max_connections` of them; each connection's socket
     times out after `timeout_s`. Threads are daemons, so a stuck one never holds up exit."""
@@ -93,9 +101,15 @@ class MetricsServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        # The socket timeout bounds each read and write; a client trickling a byte at a time
+        # would pass every one of them and keep its slot. The whole exchange gets `timeout_s`.
+        deadline = threading.Timer(self.timeout_s, _cut, args=(request,))
+        deadline.daemon = True
+        deadline.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            deadline.cancel()
             self._slots.release()
 
     def handle_error(self, request, client_address) -> None:

@@ -19,10 +19,12 @@ With CurveZMQ the socket is a CURVE server with the reader's key pair and admits
 whose public key is in the allowed directory (the same ZAP handler as the dispatcher's).
 
 Memory. The bytes of replies a reader holds (read back, or handed to ZeroMQ and not yet sent)
-are bounded over all trainers by `MAX_REPLY_BYTES`: past it, requests wait their turn (one is
-always served), their trainers getting a HEARTBEAT every `KEEPALIVE_S` meanwhile. A trainer
-that asks and reads nothing gets at most `REPLY_HWM` replies queued; more are dropped (its
-fetch times out and asks again). A request naming a reference twice is refused. Without these,
+are bounded over all trainers by `MAX_REPLY_BYTES`: past it, a trainer's request waits, its
+trainer getting a HEARTBEAT every `KEEPALIVE_S` meanwhile, unless that trainer holds nothing
+(so at most one reply per trainer passes the bound, and a trainer that stopped reading, whose
+queued replies keep the bytes held, holds up nobody else). A trainer that asks and reads
+nothing gets at most `REPLY_HWM` replies queued; more are dropped (its fetch times out and asks
+again). A request naming a reference twice is refused. Without these,
 a client that asks and never reads made the reader hold every reply it asked for.
 """
 
@@ -245,7 +247,8 @@ class PayloadServer:
         # Requests past MAX_REPLY_BYTES: [trainer identity, request id, refs, bytes asked, last
         # HEARTBEAT] (a waiting trainer hears the reader is busy, as during a read-back)
         self._waiting: deque[list] = deque()
-        self._queued: list[tuple[Any, int]] = []  # (tracker, bytes) of replies handed to ZeroMQ
+        # (trainer identity, tracker, bytes) of replies handed to ZeroMQ and not known sent
+        self._queued: list[tuple[bytes, Any, int]] = []
         self._deaf: set[bytes] = set()  # trainers a reply was dropped for, logged once each
         self._thread = threading.Thread(target=self._run, name="mmdispatch-payloads", daemon=True)
         self._thread.start()
@@ -295,31 +298,47 @@ class PayloadServer:
         self._waiting.append([ident, msg["id"], refs, asked, time.monotonic()])
         self._start_waiting()
 
-    def held_bytes(self) -> int:
-        """Reply bytes held now: being read back, or queued in ZeroMQ and not yet sent."""
-        self._queued = [(t, n) for t, n in self._queued if not t.done]
-        return sum(n for _, n in self._queued) + sum(w[3] for w in self._working.values())
+    def held_bytes(self) -> dict[bytes, int]:
+        """Reply bytes held now, by trainer: being read back, or queued in ZeroMQ and not yet
+        sent."""
+        self._queued = [q for q in self._queued if not q[1].done]
+        held: dict[bytes, int] = {}
+        for ident, _, n in self._queued:
+            held[ident] = held.get(ident, 0) + n
+        for work in self._working.values():
+            held[work[0]] = held.get(work[0], 0) + work[3]
+        return held
 
     def _start_waiting(self) -> None:
-        """Serve the waiting requests, in order, while their bytes fit MAX_REPLY_BYTES."""
-        while self._waiting:
-            ident, request, refs, asked, _ = self._waiting[0]
-            held = self.held_bytes()
-            if held and held + asked > MAX_REPLY_BYTES:
-                now = time.monotonic()
-                for wait in self._waiting:
-                    if now - wait[4] >= KEEPALIVE_S:
-                        wait[4] = now
-                        self._send(wait[0], P.HEARTBEAT)
-                return
-            self._waiting.popleft()
-            out = [self.cache.take(bytes(ref)) for ref in refs]
-            self.num_served += sum(b is not None for b in out)
-            if all(b is not None for b in out):
-                self._reply(ident, request, out)
+        """Serve the waiting requests in order, each while its bytes fit MAX_REPLY_BYTES or
+        its trainer holds nothing; a HEARTBEAT to those left waiting."""
+        held = self.held_bytes()
+        total = sum(held.values())
+        now = time.monotonic()
+        left: deque[list] = deque()
+        for wait in self._waiting:
+            ident, request, refs, asked, beat = wait
+            if held.get(ident) and (total + asked > MAX_REPLY_BYTES
+                                    or any(w[0] == ident for w in left)):  # its order kept
+                if now - beat >= KEEPALIVE_S:
+                    wait[4] = now
+                    self._send(ident, P.HEARTBEAT)
+                left.append(wait)
                 continue
-            future = self._pool.submit(self._read_back_all, refs, out)
-            self._working[future] = [ident, request, time.monotonic(), asked]
+            held[ident] = held.get(ident, 0) + asked
+            total += asked
+            self._serve_now(ident, request, refs, asked)
+        self._waiting = left
+
+    def _serve_now(self, ident: bytes, request: int, refs: list, asked: int) -> None:
+        """Answer from the cache, or read the misses back on a worker thread."""
+        out = [self.cache.take(bytes(ref)) for ref in refs]
+        self.num_served += sum(b is not None for b in out)
+        if all(b is not None for b in out):
+            self._reply(ident, request, out)
+            return
+        future = self._pool.submit(self._read_back_all, refs, out)
+        self._working[future] = [ident, request, time.monotonic(), asked]
 
     def _read_back_all(self, refs: list, out: list) -> list:
         """`out` with its misses (None) read from their shard files (on a worker thread)."""
@@ -357,7 +376,7 @@ class PayloadServer:
         tracker = self._send(ident, P.PAYLOADS, frames=P.coalesce(out, sizes), id=request,
                              sizes=sizes, track=True)
         if tracker is not None:
-            self._queued.append((tracker, sum(sizes)))
+            self._queued.append((ident, tracker, sum(sizes)))
 
     def _read_back(self, ref: memoryview):
         """A reference's bytes read from its shard file (a cache miss; on a worker thread)."""

@@ -71,7 +71,7 @@ def test_idle_connections_past_the_cap_are_closed_at_once_and_threads_stay_bound
     try:
         held = _hold(server.server_port, 40)
         time.sleep(0.3)
-        assert len(_started_since(before)) <= 4 + 1  # the handlers and the accept loop
+        assert len(_started_since(before)) <= 2 * 4 + 1  # handlers, their deadlines, accept loop
         for s in held:
             s.settimeout(0.1)
         refused = [s for s in held if _closed_by_server(s)]
@@ -147,6 +147,34 @@ def test_a_client_that_does_not_read_the_answer_does_not_keep_its_thread(capfd):
             s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             assert _wait(lambda: len(_started_since(before)) == 2, 5)  # serving it (about 1 s)
             assert _wait(lambda: len(_started_since(before)) <= 1, 10), _started_since(before)
+    finally:
+        server.close()
+    assert capfd.readouterr().err == ""
+
+
+def test_a_client_trickling_its_request_is_dropped_after_the_timeout_in_all(registry, capfd):
+    """A byte every 0.3 s passes a 1 s timeout per read for good: each slowloris connection kept
+    its slot, and 16 of them refused every scrape and the compose healthcheck. The whole
+    exchange gets the timeout now."""
+    server = serve_metrics(registry, 0, "127.0.0.1", timeout_s=1.0, max_connections=4)
+    try:
+        s = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+        with s:
+            start, closed = time.monotonic(), False
+            for byte in HALF_SENT * 4:
+                try:
+                    s.sendall(bytes([byte]))
+                except OSError:  # reset: the server closed it
+                    closed = True
+                    break
+                time.sleep(0.3)
+                if time.monotonic() - start > 6:
+                    break
+            if not closed:
+                s.settimeout(2)
+                closed = _closed_by_server(s)
+            assert closed and time.monotonic() - start < 6
+        time.sleep(0.1)
     finally:
         server.close()
     assert capfd.readouterr().err == ""
