@@ -570,7 +570,6 @@ class StepAssembler:
         self.streams = [SourceStream(i, S, names[i], orders[i], mode=mode, window=windows[i],
                                      block_size=block_sizes[i], seed=seed, mix=mixes[i])
                         for i in range(S)]
-        self.bytes_seen = self.samples_seen = 0
         self.reset(None)
 
     def reset(self, position: dict | Cursor | None, replay: list | None = None) -> None:
@@ -730,8 +729,6 @@ class StepAssembler:
                 st.arrived(pos, out.kept)
             st.bytes_seen += nbytes
             st.samples_seen += out.kept
-        self.bytes_seen += nbytes
-        self.samples_seen += out.kept
         return out
 
     def unheard(self, pos: int, skipped: list[SkipRecord]) -> list[SkipRecord]:
@@ -810,8 +807,15 @@ class StepAssembler:
                 + sum(st.block_bytes for st in self.streams))
 
     @property
+    def samples_seen(self) -> int:
+        """Samples received from every source (each stream counts its own)."""
+        return sum(st.samples_seen for st in self.streams)
+
+    @property
     def avg_sample_bytes(self) -> float:
-        return self.bytes_seen / self.samples_seen if self.samples_seen else 0.0
+        """The average sample size over every source (credits use each source's own)."""
+        seen = self.samples_seen
+        return sum(st.bytes_seen for st in self.streams) / seen if seen else 0.0
 
     def sample_bytes(self, pos: int) -> float:
         """The bytes a sample of shard `pos` is expected to hold: its source's average so far,

@@ -83,6 +83,13 @@ class AheadBudget:
             if n < 0:
                 self.cond.notify_all()
 
+    def release(self, ahead: ReadAhead) -> None:
+        """Give back all that `ahead` (closed) holds: nothing of a closed shard counts."""
+        with self.cond:
+            self.used -= ahead._ahead
+            ahead._ahead = 0
+            self.cond.notify_all()
+
 
 class Abandoned(Exception):
     """A read of a shard its reader gave up on: the reading thread unwinds without reporting
@@ -274,10 +281,7 @@ class ReadAhead:
         waited for up to `wait_s`. What it read ahead no longer counts against the budget."""
         self._closed.set()
         if self.budget is not None:
-            with self.budget.cond:
-                self.budget.used -= self._ahead
-                self._ahead = 0
-                self.budget.cond.notify_all()
+            self.budget.release(self)
         if self._records is not None:
             close = getattr(self._records, "close", None)
             if close is not None:
