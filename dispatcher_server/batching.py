@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import ANCHOR, HOLDERS, PARTS, STEP, coalesce, encode
+from dispatcher_server.protocol import ANCHOR, DEFAULT_LIMITS, HOLDERS, STEP, coalesce, encode
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -207,9 +207,9 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     With `endpoints` (direct payload mode: ReaderPool.endpoints) each micro-batch also names
     the holder of each item, as an index into the rank's `readers`: the endpoints it needs.
 
-    The arrays of all ranks are packed at once (`stepwire.pack_step`); each rank's arrays frame
-    is a view of that buffer. Keys, tokens and item headers are put in group order once, so a
-    rank's lists are slices.
+    The arrays of all ranks are packed at once (`stepwire.pack_step`); a rank's data frame joins
+    its micro-batches' views of that buffer and its payloads in one copy. Keys, tokens and item
+    headers are put in group order once, so a rank's lists are slices.
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     packed = pack_step(plan)
@@ -220,7 +220,7 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
                                                                 holders=endpoints is not None)
     out = []
     for rank in range(W):
-        mbs, frames, table = [], [], {}
+        mbs, arrays, data, sizes, table = [], [], [], [], {}
         for m in range(M):
             g = m * W + rank
             s0, s1 = sample_ptr[g], sample_ptr[g + 1]
@@ -230,15 +230,26 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
             if endpoints is not None:
                 mb[HOLDERS] = [table.setdefault(h, len(table)) for h in holders[a:z]]
             mbs.append(mb)
-            frames.append(packed.frame(g))
-            parts = coalesce(buffers[a:z], nbytes[a:z])  # within a frame each: see Limits
-            frames.extend(parts)
-            if len(parts) > 1:
-                mb[PARTS] = len(parts)
+            arrays.append(packed.frame(g))
+            data += buffers[a:z]
+            sizes += nbytes[a:z]
         direct = {} if endpoints is None else {"readers": [list(endpoints[h]) for h in table]}
-        out.append(encode(STEP, seq=seq + rank, frames=frames, step=step, epoch=epoch, rank=rank,
-                          world_size=W, microbatches=mbs, **direct))
+        out.append(encode(STEP, seq=seq + rank, frames=_data_frames(arrays, data, sizes), step=step,
+                          epoch=epoch, rank=rank, world_size=W, microbatches=mbs, **direct))
     return out
+
+
+#: The most bytes a STEP data frame holds (a receiving socket drops a peer sending more).
+FRAME_LIMIT = DEFAULT_LIMITS.max_frame_bytes
+
+
+def _data_frames(arrays: list, payloads: list, sizes: list[int]) -> list:
+    """A STEP's data (see protocol.STEP): the arrays, then the payloads; one frame, unless
+    they exceed a frame's limit, then split at item boundaries (the arrays whole, first)."""
+    head = sum(a.nbytes for a in arrays)
+    if head + sum(sizes) <= FRAME_LIMIT:
+        return [b"".join(arrays + payloads)]
+    return coalesce([b"".join(arrays), *payloads], [head, *sizes], FRAME_LIMIT)
 
 
 def _items_by_group(batch: StepBatch, plan, num_groups: int, *, holders: bool

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import struct
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Iterable, NamedTuple
 
 import msgpack
@@ -47,7 +48,10 @@ import msgpack
 #:     RESUME), and SHARD_ASSIGN may carry that `offset` with `start_index` == its index: the
 #:     reader starts its tar walk there instead of walking the shard from byte 0 (a v9 peer
 #:     refuses the fields; a v9 reader would drop the offset and walk from 0 anyway).
-VERSION = 11
+#: v12: a STEP carries all its micro-batches' arrays and payloads in one coalesced data frame
+#:     (more only past `Limits.max_frame_bytes`), not two frames or more per micro-batch; the
+#:     micro-batch's `parts` is gone (see `_check_step`).
+VERSION = 12
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -418,11 +422,13 @@ def _skip_records(entries: list) -> list[SkipRecord]:
     return [SkipRecord(*_list_of(e, 3, (str, str, int), "skipped entry")) for e in entries]
 
 
-def _check_sizes(sizes: Any, num_items: int, payloads: list, what: str) -> None:
+def _check_sizes(sizes: Any, num_items: int | None, payloads: list, what: str) -> None:
     """Coalesced payload frames (`coalesce`): one frame, or several that each end where an item
-    does, whose bytes are exactly the items' sizes."""
-    if len(sizes) != num_items or not all(type(n) is int and n >= 0 for n in sizes):
-        raise ProtocolError(f"{what}: {len(sizes)} sizes for {num_items} items, or a bad size")
+    does, whose bytes are exactly the items' sizes (`num_items` of them, unless None)."""
+    if ((num_items is not None and len(sizes) != num_items)
+            or not all(type(n) is int and n >= 0 for n in sizes)):
+        raise ProtocolError(f"{what}: {len(sizes)} sizes for "
+                            f"{'its' if num_items is None else num_items} items, or a bad size")
     if len(payloads) == 1 and payloads[0].nbytes == sum(sizes):
         return
     if not payloads or len(_frame_ends(payloads, sizes)) != len(payloads):
@@ -621,10 +627,14 @@ def _check_shard_done(fields: dict, payloads: list) -> None:
         raise ProtocolError(f"shard_done: truncated={fields['truncated']} must be > 0 (absent: none)")
 
 
-#: STEP: per micro-batch header fields; frames per micro-batch: one int64 arrays frame, then
-#: one frame holding the payloads of the encoder items this rank encodes, coalesced in
-#: encode order (phases in ENCODER_PHASES order), `sizes` bytes each; `payloads` counts them.
-#: Each entry of `items` is a StepItemHeader.
+#: STEP: per micro-batch header fields. One data frame follows the header: every micro-batch's
+#: int64 arrays (`arrays` lengths each, in micro-batch order), then every micro-batch's payloads
+#: (those of the encoder items this rank encodes, in encode order, phases in ENCODER_PHASES
+#: order), `sizes` bytes each; `payloads` counts them. Frames past `Limits.max_frame_bytes`
+#: split the data at item boundaries (`coalesce`), the arrays counting as its first item.
+#: Each entry of `items` is a StepItemHeader. One frame, not two per micro-batch: a ZeroMQ frame
+#: costs the sender's and receiver's I/O threads about as much as a kilobyte of payload, and a
+#: dispatcher sends one STEP per rank per step.
 class StepItemHeader(NamedTuple):
     """An encoder item as a trainer receives it: what it is and which sample owns it."""
 
@@ -638,23 +648,15 @@ MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list
                      "sizes": list}
 #: direct mode: a micro-batch also says, per item, which entry of the STEP's `readers` holds it.
 HOLDERS = "holders"
-#: A micro-batch whose payloads exceed one frame (`Limits.max_frame_bytes`) says in how many
-#: frames they follow its arrays frame (absent: one).
-PARTS = "parts"
 
 
 def _check_step(fields: dict, payloads: list) -> None:
-    expected = 0
-    spans = []
     for mb in fields["microbatches"]:
-        if not isinstance(mb, dict) or set(mb) - {HOLDERS, PARTS} != set(MICROBATCH_FIELDS):
+        if not isinstance(mb, dict) or set(mb) - {HOLDERS} != set(MICROBATCH_FIELDS):
             raise ProtocolError("step: malformed micro-batch header")
         for name, t in MICROBATCH_FIELDS.items():
             if not _is(mb[name], t):
                 raise ProtocolError(f"step: micro-batch field {name!r} malformed")
-        parts = mb.get(PARTS, 1)
-        if type(parts) is not int or not 1 <= parts <= len(payloads):
-            raise ProtocolError("step: micro-batch parts malformed")
         _check_holders(mb, fields)
         if not all(_is_int(n) and n >= 0 for n in mb["arrays"]) or mb["payloads"] < 0:
             raise ProtocolError("step: negative counts")
@@ -663,26 +665,29 @@ def _check_step(fields: dict, payloads: list) -> None:
         if not all(isinstance(t, bytes) and (not t or t[0] in _WIDTH_SET) for t in mb["tokens"]):
             raise ProtocolError("step: tokens must be bytes, empty or led by a width of "
                                 f"{'/'.join(map(str, TOKEN_WIDTHS))}")
-        if len(mb["items"]) != mb["payloads"]:
-            raise ProtocolError("step: item headers and payload count disagree")
+        if len(mb["items"]) != mb["payloads"] or len(mb["sizes"]) != mb["payloads"]:
+            raise ProtocolError("step: item headers, sizes and payload count disagree")
         mb["items"] = [StepItemHeader(*_list_of(it, 4, (str, str, str, dict), "step item header"))
                        for it in mb["items"]]
-        spans.append((expected + 1, expected + 1 + parts))
-        expected += 1 + parts
-    if expected != len(payloads):
-        raise ProtocolError(f"step: expected {expected} frames, got {len(payloads)}")
-    for mb, (a, z) in zip(fields["microbatches"], spans):
-        _check_sizes(mb["sizes"], mb["payloads"], payloads[a:z], "step")
+    _check_sizes(step_data_sizes(fields["microbatches"]), None, payloads, "step")
     _check_readers(fields)
 
 
-def microbatch_frames(msg: Message) -> list[tuple[Any, list]]:
-    """Per micro-batch of a checked STEP: (its arrays frame, its payload frames)."""
-    out, at = [], 0
-    for mb in msg["microbatches"]:
-        parts = mb.get(PARTS, 1)
-        out.append((msg.frames[at], msg.frames[at + 1: at + 1 + parts]))
-        at += 1 + parts
+def step_data_sizes(microbatches: list[dict]) -> list[int]:
+    """The items of a STEP's data frames: every micro-batch's arrays as one, then each payload."""
+    return [8 * sum(sum(mb["arrays"]) for mb in microbatches),
+            *chain.from_iterable(mb["sizes"] for mb in microbatches)]
+
+
+def microbatch_frames(msg: Message) -> list[tuple[memoryview, list[memoryview]]]:
+    """Per micro-batch of a checked STEP: (its arrays bytes, its payload views), no copies."""
+    mbs = msg["microbatches"]
+    views = split_frames(msg.frames, step_data_sizes(mbs))
+    out, arrays, at = [], views[0], 1
+    for mb in mbs:
+        n = 8 * sum(mb["arrays"])
+        out.append((arrays[:n], views[at:at + mb["payloads"]]))
+        arrays, at = arrays[n:], at + mb["payloads"]
     return out
 
 

@@ -56,9 +56,11 @@ def test_decoded_step_is_views_over_the_received_frames():
     for rank in range(2):
         frames = [bytearray(memoryview(f)) for f in rank_message(batch, plan, step=3, epoch=0,
                                                                  rank=rank, seq=1)]
-        step = decode_step(P.decode(frames))
+        msg = P.decode(frames)
+        step = decode_step(msg)
         assert (step.step, step.rank, len(step.microbatches)) == (3, rank, 2)
-        at = 1
+        (data,) = frames[1:]  # v12: one data frame, every micro-batch's arrays, then payloads
+        at = 0
         for m, mb in enumerate(step.microbatches):
             ref = plan.rank_microbatch(rank, m)
             np.testing.assert_array_equal(mb.plan.samples, ref.samples)
@@ -70,16 +72,14 @@ def test_decoded_step_is_views_over_the_received_frames():
             assert [t.tolist() for t in mb.loss_mask] == [
                 [j % 2 == 1 for j in range(samples[i].text_len)] for i in ref.samples]
             assert mb.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
-            arrays = frames[at]
             if mb.text_len.numel():
                 # The tensor aliases the received frame: writing the frame shows in the tensor.
                 before = int(mb.tensors["samples"][0])
-                view = np.frombuffer(arrays, dtype=np.int64)
+                view = np.frombuffer(data, dtype=np.int64, count=1, offset=at)
                 view[0] = 12345
                 assert int(mb.tensors["samples"][0]) == 12345
                 view[0] = before
-            coalesced = frames[at + 1]  # v2: one payload frame per micro-batch
-            assert len(coalesced) == sum(p.nbytes for e in mb.encoders.values() for p in e.payloads)
+            at += 8 * sum(msg["microbatches"][m]["arrays"])
             for e in mb.encoders.values():
                 for p, item_id, key in zip(e.payloads, e.item_ids.tolist(), e.sample_keys):
                     si, ii = batch.item_refs[e.phase][item_id]
@@ -88,11 +88,33 @@ def test_decoded_step_is_views_over_the_received_frames():
                 # Payloads are slices of the received frame, not copies.
                 first = next(p for e in mb.encoders.values() for p in e.payloads if p.nbytes)
                 old = first[0]
-                coalesced[coalesced.index(bytes(first))] ^= 0xFF
+                where = (np.frombuffer(first, np.uint8).ctypes.data
+                         - np.frombuffer(data, np.uint8).ctypes.data)
+                assert 0 <= where < len(data)
+                data[where] ^= 0xFF
                 assert first[0] == old ^ 0xFF
-            at += 2
             seen_keys += mb.keys
     assert sorted(seen_keys) == sorted(s.key for s in samples)
+
+
+def test_a_step_past_the_frame_limit_splits_its_data_where_items_end(monkeypatch):
+    import dispatcher_server.batching as batching
+
+    samples = _samples()
+    batch = build_batch(samples)
+    plan = plan_step(batch.inputs, Topology(world_size=2, ranks_per_node=1),
+                     PlannerConfig(num_microbatches=2))
+    whole = [rank_message(batch, plan, step=0, epoch=0, rank=r, seq=1) for r in range(2)]
+    monkeypatch.setattr(batching, "FRAME_LIMIT", 250)  # a 100-byte item, 2 a frame at most
+    split = [rank_message(batch, plan, step=0, epoch=0, rank=r, seq=1) for r in range(2)]
+    for a, b in zip(whole, split):
+        assert len(a) == 2 and len(b) > 3
+        assert all(memoryview(f).nbytes <= 250 for f in b[2:])
+        got_a, got_b = decode_step(P.decode(a)), decode_step(P.decode(b))
+        for ma, mb in zip(got_a.microbatches, got_b.microbatches):
+            assert mb.keys == ma.keys and mb.plan.samples.tolist() == ma.plan.samples.tolist()
+            assert {p: [bytes(x) for x in e.payloads] for p, e in mb.encoders.items()} == {
+                p: [bytes(x) for x in e.payloads] for p, e in ma.encoders.items()}
 
 
 def test_torchrun_environment_gives_the_defaults(monkeypatch):

@@ -41,7 +41,7 @@ def test_step_holders_must_index_the_step_readers():
         if holders is not None:
             mb[P.HOLDERS] = holders
         extra = {} if readers is None else {"readers": readers}
-        return P.encode(P.STEP, frames=[b"", b"x"], step=0, epoch=0, rank=0, world_size=1,
+        return P.encode(P.STEP, frames=[b"x"], step=0, epoch=0, rank=0, world_size=1,
                         microbatches=[mb], **extra)
 
     msg = P.decode(step([0], [["tcp://h:1", ""]]))
@@ -127,7 +127,7 @@ def _step_held_by_the_dead(shard: str, holder: P.ReaderEndpoint = DEAD) -> tuple
     rec = next(r for r in iter_shard(shard, spans=True) if r.items)
     it = rec.items[0]
     ref = P.pack_ref(shard.encode(), *rec.spans[it.member])
-    msg = P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+    msg = P.decode(P.encode(P.STEP, frames=[ref], step=0, epoch=0, rank=0, world_size=1,
                             readers=[list(holder)], microbatches=[
                                 {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                  "items": [[it.modality, rec.key, it.member, {}]],

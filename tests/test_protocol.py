@@ -85,27 +85,38 @@ def test_payloads_past_a_frames_limit_travel_in_frames_of_whole_items():
     assert [bytes(v) for v in P.item_views(reply.frames, reply["sizes"])] == members
 
 
-def test_step_payload_frame_must_match_its_sizes():
+def test_step_data_frame_must_match_its_arrays_and_sizes():
     mb = {"arrays": [0] * 21, "keys": [], "tokens": [], "items": [["image", "k", "png", {}]],
           "payloads": 1, "sizes": [5]}
-    good = P.encode(P.STEP, frames=[b"", b"12345"], step=0, epoch=0, rank=0, world_size=1,
-                    microbatches=[mb])
-    assert P.decode(good).frames[1].nbytes == 5
-    for frames in ([b"", b"1234"], [b""], [b"", b"12", b"345"]):
+    good = P.decode(P.encode(P.STEP, frames=[b"12345"], step=0, epoch=0, rank=0, world_size=1,
+                             microbatches=[mb]))
+    assert [(bytes(a), [bytes(p) for p in items]) for a, items in P.microbatch_frames(good)] == [
+        (b"", [b"12345"])]
+    for frames in ([b"1234"], [], [b"12", b"345"], [b"12345", b""]):
         with pytest.raises(P.ProtocolError):
             P.decode(P.encode(P.STEP, frames=frames, step=0, epoch=0, rank=0, world_size=1,
                               microbatches=[mb]))
-    # Payloads past a frame's limit: the micro-batch says in how many frames they follow.
-    two = {**mb, "items": [["image", "k", "png", {}], ["image", "k", "jpg", {}]], "payloads": 2,
-           "sizes": [2, 3], P.PARTS: 2}
-    split = P.decode(P.encode(P.STEP, frames=[b"A", b"12", b"345", b"B", b"12345"], step=0,
-                              epoch=0, rank=0, world_size=1, microbatches=[two, mb]))
-    assert [(bytes(a), [bytes(p) for p in parts]) for a, parts in P.microbatch_frames(split)] == [
-        (b"A", [b"12", b"345"]), (b"B", [b"12345"])]
-    for frames, parts in (([b"", b"1", b"2345"], 2), ([b"", b"12", b"345"], 1), ([b"", b"12345"], 3)):
+    # Every micro-batch's arrays first (8 bytes an entry), then every micro-batch's payloads.
+    two = {**mb, "arrays": [1] + [0] * 20, "items": [["image", "k", "png", {}]] * 2,
+           "payloads": 2, "sizes": [2, 3]}
+    one = {**mb, "arrays": [0, 2] + [0] * 19}
+    data = b"A" * 8 + b"B" * 16 + b"12" + b"345" + b"xxxxx"
+    split = P.decode(P.encode(P.STEP, frames=[data], step=0, epoch=0, rank=0, world_size=1,
+                              microbatches=[two, one]))
+    assert [(bytes(a), [bytes(p) for p in items]) for a, items in P.microbatch_frames(split)] == [
+        (b"A" * 8, [b"12", b"345"]), (b"B" * 16, [b"xxxxx"])]
+    # Past a frame's limit the data is split where an item ends, the arrays whole and first.
+    parts = P.decode(P.encode(P.STEP, frames=[data[:26], data[26:29], data[29:]], step=0,
+                              epoch=0, rank=0, world_size=1, microbatches=[two, one]))
+    assert [[bytes(p) for p in items] for _, items in P.microbatch_frames(parts)] == [
+        [b"12", b"345"], [b"xxxxx"]]
+    for frames in ([data[:8], data[8:]], [data[:27], data[27:]], [data[:-1]], [data + b"!"]):
         with pytest.raises(P.ProtocolError):
             P.decode(P.encode(P.STEP, frames=frames, step=0, epoch=0, rank=0, world_size=1,
-                              microbatches=[{**two, P.PARTS: parts}]))
+                              microbatches=[two, one]))
+    with pytest.raises(P.ProtocolError, match="sizes"):
+        P.decode(P.encode(P.STEP, frames=[data], step=0, epoch=0, rank=0, world_size=1,
+                          microbatches=[{**two, "sizes": [5]}, one]))
 
 
 def test_keep_freed_memory_is_off_at_zero():

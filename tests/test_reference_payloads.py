@@ -173,7 +173,7 @@ def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path, mapped):
     refs = [P.pack_ref(str(path).encode(), 10, 5), P.pack_ref(str(path).encode(), 600, 0),
             P.pack_ref(str(other).encode(), 7, 3), P.pack_ref(str(path).encode(), 2000, 48)]
     files = ShardFiles(max_open=1, mapped=mapped)  # one file held open at a time: reopened
-    views = files.read(memoryview(b"".join(refs)), [len(r) for r in refs])
+    views = files.read([memoryview(r) for r in refs])
     data = path.read_bytes()
     assert [bytes(v) for v in views] == [data[10:15], b"", b"ttt", data[2000:2048]]
     assert all(v.readonly for v in views) == mapped
@@ -181,15 +181,15 @@ def test_shard_files_read_in_place_and_explain_missing_bytes(tmp_path, mapped):
     assert bytes(views[-1]) == data[2000:2048]  # views outlive the reader
     # A file rewritten since it was opened is read again, not served stale.
     path.write_bytes(b"x" * 4096)
-    (view,) = files.read(memoryview(refs[-1]), [len(refs[-1])])
+    (view,) = files.read([memoryview(refs[-1])])
     assert bytes(view) == b"x" * 48
     path.write_bytes(bytes(range(256)) * 8)
     short = P.pack_ref(str(path).encode(), 2040, 48)
     with pytest.raises(OSError, match="changed on disk"):
-        files.read(memoryview(short), [len(short)])
+        files.read([memoryview(short)])
     gone = P.pack_ref(str(tmp_path / "missing.tar").encode(), 0, 4)
     with pytest.raises(OSError) as e:  # not mounted here, or removed while the job reads it
-        files.read(memoryview(gone), [len(gone)])
+        files.read([memoryview(gone)])
     assert str(e.value) == (
         f"payloads='reference': this trainer cannot open shard '{tmp_path / 'missing.tar'}' (No "
         "such file or directory): it is not mounted here at the same path as on the data nodes, "
@@ -225,19 +225,19 @@ def test_a_shard_replaced_after_its_reader_read_it_is_refused_not_read(tmp_path,
     rec = next(iter_shard(str(path), spans=True))
     _, frames = sample_header(rec, str(path).encode(), stamp)
     files = ShardFiles(mapped=mapped)
-    assert [bytes(v) for v in files.read(memoryview(frames[0]), [len(frames[0])])] == [png.getvalue()]
+    assert [bytes(v) for v in files.read([memoryview(frames[0])])] == [png.getvalue()]
     ref = P.unpack_ref(frames[0])
     assert read_range(str(path), ref.offset, ref.size, ref.stamp) == png.getvalue()
     new = tmp_path / "new.tar"
     new.write_bytes(b"Z" * 8192)
     os.replace(new, path)
     if not mapped:  # a descriptor opened before still reads the version counted: its bytes
-        (held,) = files.read(memoryview(frames[0]), [len(frames[0])])
+        (held,) = files.read([memoryview(frames[0])])
         assert bytes(held) == png.getvalue()
         files.close()
         files = ShardFiles(mapped=mapped)
     with pytest.raises(OSError, match=r"changed on disk since its reader read it") as refused:
-        files.read(memoryview(frames[0]), [len(frames[0])])
+        files.read([memoryview(frames[0])])
     # a node's own copy made without its times fails the same way: the line says how to copy
     assert "cp -p, rsync -a" in str(refused.value)
     with pytest.raises(OSError, match=r"changed on disk since its reader read it"):

@@ -576,7 +576,7 @@ def test_a_slow_read_back_that_makes_progress_does_not_fail_the_trainer(small_sh
 
 def _one_item_step(ref: bytes, reader) -> P.Message:
     """A decoded STEP of one micro-batch holding one image item, `ref`, held by `reader`."""
-    return P.decode(P.encode(P.STEP, frames=[b"", ref], step=0, epoch=0, rank=0, world_size=1,
+    return P.decode(P.encode(P.STEP, frames=[ref], step=0, epoch=0, rank=0, world_size=1,
                              readers=[list(reader)], microbatches=[
                                  {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                   "items": [["image", "k", "k.jpg", {}]],

@@ -232,7 +232,8 @@ def _rogue(endpoint: str, stop: threading.Event, sent: dict, seed: int) -> None:
                     send("unknown_type", [hdr(type=rng.choice(["steal", "x" * 500, "STEP"]))])
                 elif r < 0.8:  # well formed but never said hello
                     send("unknown_peer", rng.choice([
-                        P.encode(P.STEP, step=0, epoch=0, rank=0, world_size=2, microbatches=[]),
+                        P.encode(P.STEP, frames=[b""], step=0, epoch=0, rank=0, world_size=2,
+                                 microbatches=[]),
                         P.encode(P.COMMIT, step=rng.randint(0, 10**6)),
                         P.encode(P.CREDIT, upto=10**9, received=10**9),
                         P.encode(P.SAMPLES, frames=[b"x"], assign_id=1,

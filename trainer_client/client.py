@@ -155,9 +155,9 @@ class ShardFiles:
         # the same for mapped files, with the (inode, size, mtime) they were mapped at
         self._maps: dict[bytes, tuple[memoryview, tuple]] = {}
 
-    def read(self, refs: memoryview, sizes: list[int]) -> list[memoryview]:
+    def read(self, refs: list[memoryview]) -> list[memoryview]:
         """The bytes each reference in `refs` names, one view per item."""
-        spans = [P.unpack_ref(r) for r in P.split_payload(refs, sizes)]
+        spans = [P.unpack_ref(r) for r in refs]
         if self.mapped:
             out, views = [], {}
             for ref in spans:
@@ -289,11 +289,6 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
     return ids, masks
 
 
-def _one(frames: list) -> memoryview:
-    """Coalesced frames as one (references: one frame short of millions of items)."""
-    return frames[0] if len(frames) == 1 else memoryview(b"".join(frames))
-
-
 def decode_step(msg: P.Message, files: ShardFiles | None = None,
                 fetched: list[list[memoryview]] | None = None) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
@@ -302,11 +297,10 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
     `fetched` (direct mode) holds the bytes they name, per micro-batch (`fetch.PayloadFetcher`).
     """
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
-    for m, (mb, (buf, parts)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
-        # Coalesced frames per micro-batch (sizes checked on decode): slices are views.
-        payloads = (fetched[m] if fetched is not None
-                    else P.split_frames(parts, mb["sizes"]) if files is None
-                    else files.read(_one(parts), mb["sizes"]))
+    for m, (mb, (buf, items)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
+        # Views of the coalesced data frame (sizes checked on decode), no copies.
+        payloads = (fetched[m] if fetched is not None else items if files is None
+                    else files.read(items))
         plan = unpack_microbatch(buf, mb["arrays"], rank=msg["rank"], microbatch=m,
                                  world_size=msg["world_size"])
         tensors = _plan_tensors(plan)

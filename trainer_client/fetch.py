@@ -170,8 +170,7 @@ class PayloadFetcher:
         readers, out, groups = msg.get("readers"), [], {}
         if readers is None:
             raise P.ProtocolError("step: direct payloads need the step's readers")
-        for m, (mb, (_, parts)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
-            refs = P.split_frames(parts, mb["sizes"])
+        for m, (mb, (_, refs)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
             out.append([None] * len(refs))
             for k, (ref, h) in enumerate(zip(refs, mb[P.HOLDERS])):
                 places, grouped = groups.setdefault(h, ([], []))
