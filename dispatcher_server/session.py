@@ -141,9 +141,9 @@ class PeerSession:
             while not self._done(stop):
                 try:
                     self._connect()
-                    self._serve(stop)
-                except Disconnected:
-                    pass
+                    why = self._serve(stop)
+                except Disconnected as e:
+                    why = f"{e} could not be sent: no connection to the dispatcher"
                 if self._done(stop):
                     break
                 healthy = self.welcomed
@@ -154,8 +154,8 @@ class PeerSession:
                     backoff = min(2 * backoff, cfg.backoff_max_s)
                 self._check_connect_timeout()
                 self.num_reconnects += 1
-                log.warning("mmdispatch event=%s_reconnect dispatcher=%s backoff_s=%.2f",
-                            self.name, cfg.address, backoff)
+                log.warning("mmdispatch event=%s_reconnect dispatcher=%s backoff_s=%.2f why=%r",
+                            self.name, cfg.address, backoff, why)
                 stop.wait(backoff)
         finally:
             self._close(bye=True)  # leaving on purpose or for a reason: the dispatcher hears it now
@@ -194,24 +194,30 @@ class PeerSession:
         self.welcomed = False
         self.role.reset()
 
-    def _serve(self, stop: threading.Event) -> None:
-        """One connection, until it goes silent, a role drops it, or the session ends."""
+    def _serve(self, stop: threading.Event) -> str:
+        """One connection, until it goes silent, a role drops it, or the session ends; why it
+        ended, for the reconnect line."""
         cfg = self.config
         busy = False
         while not self._done(stop):
             if self.sock.poll(0 if busy else cfg.poll_ms, zmq.POLLIN):
                 for frames in P.pending(self.sock):
                     self._last_recv = time.monotonic()
-                    if not self._handle(frames) or self._finished:
-                        return
+                    if not self._handle(frames):
+                        return "its role dropped the connection on the dispatcher's last message"
+                    if self._finished:
+                        return "finished"
             busy = self.role.tick(self)
             now = time.monotonic()
             if now - self._last_recv > self._silence_s:
-                return
+                heard = "no WELCOME" if not self.welcomed else "nothing"
+                return (f"{heard} from the dispatcher for {self._silence_s:g} s (stopped, "
+                        "restarted, or unreachable)")
             if not self.welcomed:
                 self._check_connect_timeout()
             elif now - self._last_sent > self._heartbeat_s:
                 self.send(P.HEARTBEAT)
+        return "finished"
 
     def _check_connect_timeout(self) -> None:
         """Unreachable once no WELCOME came for `connect_timeout_s` since the session started,

@@ -6,6 +6,7 @@ Every receive has a timeout; processes are killed whatever happens.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -102,7 +103,8 @@ def test_welcome_counts_only_with_the_hellos_seq_then_heartbeats_and_bye():
     assert [m.type for m in role.messages] == [P.CREDIT]
 
 
-def test_a_silent_dispatcher_means_reconnect_and_hello_again():
+def test_a_silent_dispatcher_means_reconnect_and_hello_again(caplog):
+    caplog.set_level(logging.WARNING)
     with ScriptedRouter() as router:
         session, role = _session(router.endpoint, timeout_s=0.5)
         stop = threading.Event()
@@ -116,6 +118,9 @@ def test_a_silent_dispatcher_means_reconnect_and_hello_again():
             assert session.welcomed
             stop.set()
     assert not errors and role.resets >= 1
+    # The reconnect line says why: it heard nothing for the silence it allows.
+    (line, *_) = [r.getMessage() for r in caplog.records if "_reconnect " in r.getMessage()]
+    assert re.search(r"why='nothing from the dispatcher for [\d.]+ s \(stopped", line), line
 
 
 def test_unknown_peer_gets_a_hello_on_the_same_connection():
