@@ -142,8 +142,9 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Limits:
-    """Size limits. `max_frame_bytes` is also set as zmq.MAXMSGSIZE: a socket drops a peer that
-    sends a larger frame, so senders split payloads into frames within it (`coalesce`).
+    """Size limits. `max_frame_bytes` (plus WIRE_SLACK) is also set as zmq.MAXMSGSIZE: a socket
+    drops a peer that sends a larger frame, so senders split payloads into frames within it
+    (`coalesce`).
     `max_message_bytes` bounds a whole message once received: a rank's step of inline media
     may hold many frames (credits bound what is in flight)."""
 
@@ -154,6 +155,11 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+#: What ZMQ_MAXMSGSIZE allows past `max_frame_bytes`: CurveZMQ checks the size of a frame's box
+#: (its MESSAGE command: name, nonce, MAC and flags, 33 bytes more than the frame), so a frame
+#: filled to the limit was dropped, and its sender reconnected for ever, only where it was
+#: encrypted. A peer gains these few bytes a frame, nothing more.
+WIRE_SLACK = 4096
 
 
 class ProtocolError(Exception):
@@ -799,7 +805,7 @@ def socket_limits(sock: Any, limits: Limits = DEFAULT_LIMITS, *, linger_ms: int 
     """Options every mmdispatch socket gets: refuse oversized frames, never block on close."""
     import zmq
 
-    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.max_frame_bytes + WIRE_SLACK)
     sock.setsockopt(zmq.LINGER, linger_ms)
     # Credits bound what is in flight; high-water marks would only add silent drops or stalls.
     sock.setsockopt(zmq.SNDHWM, 0)

@@ -470,3 +470,33 @@ def test_an_unreadable_secret_key_names_the_flag_and_the_fix(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"--curve-secret '.*dispatcher.key_secret' cannot be read "
                                          r"\(Permission denied\): give a NAME.key_secret file"):
         security.load_secret(secret)
+
+
+@pytest.mark.timeout(60)
+def test_a_frame_filled_to_the_limit_passes_curvezmq_too():
+    """CurveZMQ's MAXMSGSIZE check counts a frame's box, 33 bytes more than the frame: senders
+    fill frames up to `max_frame_bytes` (`coalesce`, a STEP's data), and such a frame was
+    dropped with its connection only where it was encrypted (the peer reconnected for ever)."""
+    limits = P.Limits(max_frame_bytes=1000)
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    ctx = zmq.Context()
+    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (server, client):
+            P.socket_limits(sock, limits)
+        server.curve_server, server.curve_secretkey = True, server_secret
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client.curve_serverkey, client.curve_publickey = server_public, client_public
+        client.curve_secretkey = client_secret
+        client.connect(f"tcp://127.0.0.1:{port}")
+        client.send_multipart([b"head", b"x" * limits.max_frame_bytes])
+        assert server.poll(10_000), "the full frame never arrived"
+        ident, head, body = server.recv_multipart()
+        assert (head, len(body)) == (b"head", limits.max_frame_bytes)
+        server.send_multipart([ident, b"y" * limits.max_frame_bytes])  # and the other way
+        assert client.poll(10_000) and len(client.recv()) == limits.max_frame_bytes
+    finally:
+        server.close(linger=0)
+        client.close(linger=0)
+        ctx.term()
