@@ -328,8 +328,8 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
     # Said here, once, naming the flag: a worker process would say it without the flag, and
     # a public key given as the secret would first draw advice to chmod it.
     load_secret(secret)
-    load_public(server_key)
-    _warn_if_secret(server_key)
+    if load_public(server_key)[1]:
+        _warn_secret_server_key(server_key)
     warn_if_readable(secret)
 
 
@@ -337,22 +337,16 @@ def check_curve_pair(secret: str | None, server_key: str | None) -> None:
 _SECRET_SERVER_KEYS: set[str] = set()
 
 
-def _warn_if_secret(path: str) -> None:
+def _warn_secret_server_key(path: str) -> None:
     """A --curve-server-key naming the dispatcher's NAME.key_secret works (it holds the public
     key too), but the secret then sits on every reader and trainer: said once, from rank 0."""
     if path in _SECRET_SERVER_KEYS or os.environ.get("RANK", "0") != "0":
         return
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            holds_secret = any(line.strip().startswith("secret-key") for line in f)
-    except OSError:
-        return  # a missing or unreadable file is named where it is loaded
-    if holds_secret:
-        _SECRET_SERVER_KEYS.add(path)
-        logging.getLogger("mmdispatch").warning(
-            "mmdispatch event=curve_server_key_is_secret file=%s fix=%r", path,
-            "--curve-server-key needs only the dispatcher's public NAME.key: give that file, "
-            "and the secret need not be copied to readers and trainers")
+    _SECRET_SERVER_KEYS.add(path)
+    logging.getLogger("mmdispatch").warning(
+        "mmdispatch event=curve_server_key_is_secret file=%s fix=%r", path,
+        "--curve-server-key needs only the dispatcher's public NAME.key: give that file, "
+        "and the secret need not be copied to readers and trainers")
 
 
 def check_endpoint(flag: str, address: str) -> str:

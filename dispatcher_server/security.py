@@ -128,10 +128,12 @@ def load_secret(path: str, flag: str = "--curve-secret") -> tuple[bytes, bytes]:
     return public, secret
 
 
-def load_public(path: str, flag: str = "--curve-server-key") -> bytes:
-    """The public key of a key file (the dispatcher's NAME.key); ValueError, one line naming
-    `flag`, the file and the fix, when it cannot be read or is no key file."""
-    return _load_key_file(path, flag, "the dispatcher's public NAME.key file")[0]
+def load_public(path: str, flag: str = "--curve-server-key") -> tuple[bytes, bool]:
+    """(the public key, whether the file holds a secret key too) of a key file (the
+    dispatcher's NAME.key); ValueError, one line naming `flag`, the file and the fix, when it
+    cannot be read or is no key file."""
+    public, secret = _load_key_file(path, flag, "the dispatcher's public NAME.key file")
+    return public, secret is not None
 
 
 #: secret key files already said to be readable by every user, in the environment: a command's
