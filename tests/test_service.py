@@ -424,6 +424,55 @@ def test_ranks_restored_from_different_checkpoints_are_stopped_also_behind_a_pre
             late.close()
             early.close()
 
+def _left_at(srv, rank: int = 0) -> int | None:
+    """The `next_step` of rank `rank`'s BYE, once the dispatcher has it."""
+    slot = srv.delivery.slots[rank]
+    deadline = time.monotonic() + 10
+    while not slot.said_bye and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert slot.said_bye, "no BYE"
+    return slot.left_at
+
+
+@pytest.mark.timeout(90)
+def test_a_loop_stopped_by_an_exception_in_a_step_says_it_did_not_finish_that_step(shards):
+    """A SIGTERM (SystemExit), a KeyboardInterrupt or an error raised while the loop trains
+    step s said BYE with next_step s + 1, as if s were trained: in the job's last step the
+    dispatcher took the job as done and exited, leaving a restart from the checkpoint no
+    dispatcher to resume from. Closed under an exception (`with`, or `finally`) with a step in
+    hand, the client (or its PrefetchPool) says next_step s; one stopped while it waits for a
+    step, or closed without an exception, still says s + 1."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    with dispatcher(make_config(shards, world_size=1)) as srv, readers(srv.reader_endpoint, 1):
+        with pytest.raises(SystemExit):
+            with DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config()) as c:
+                for step in c:
+                    if step.step == 1:
+                        raise SystemExit(143)  # what the SIGTERM handler raises mid-step
+        assert _left_at(srv) == 1
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        c.load_state_dict({"next_step": 1})
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                with PrefetchPool(c, PrefetchConfig(workers=1, ahead=2)) as pool:
+                    assert next(pool).step == 1
+                    assert next(pool).step == 2
+                    raise KeyboardInterrupt
+            finally:
+                c.close()  # in the same exception's finally: the pool's position, less its step
+        assert _left_at(srv) == 2
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        c.load_state_dict({"next_step": 2})
+        assert next(c).step == 2
+        try:
+            raise ValueError("handled before the client closes")
+        except ValueError:
+            pass
+        c.close()  # no exception in flight: step 2 counts as trained
+        assert _left_at(srv) == 3
+
+
 @pytest.mark.timeout(90)
 def test_a_client_s_bye_says_where_its_loop_stopped_not_where_it_read_to(shards):
     """A SIGTERM'd trainer (or a loop that breaks) said the same BYE as one that trained every
@@ -433,14 +482,7 @@ def test_a_client_s_bye_says_where_its_loop_stopped_not_where_it_read_to(shards)
     whichever is closed first."""
     from trainer_client.prefetch import PrefetchConfig, PrefetchPool
 
-    def left_at(srv, rank: int = 0) -> int | None:
-        slot = srv.delivery.slots[rank]
-        deadline = time.monotonic() + 10
-        while not slot.said_bye and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert slot.said_bye, "no BYE"
-        return slot.left_at
-
+    left_at = _left_at
     with dispatcher(make_config(shards, world_size=1)) as srv, readers(srv.reader_endpoint, 1):
         c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
         assert [next(c).step for _ in range(2)] == [0, 1]

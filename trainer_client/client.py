@@ -15,6 +15,7 @@ import mmap
 import operator
 import os
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -329,6 +330,17 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
             text_len=tensors["text_len"], sample_llm_len=tensors["sample_llm_len"],
             cu_seqlens=cu, encoders=encoders, tensors=tensors))
     return out
+
+
+def _stopped_at(next_step: int | None, holding: bool) -> int | None:
+    """The step after the last a training loop finished, as a client or its consumer says it
+    leaves: `next_step` (the step after the last handed to the loop), or the step handed last
+    when the loop still `holding` it is closing it under an exception (a SIGTERM's SystemExit,
+    a KeyboardInterrupt, an error in the step: `with` or `finally` around the loop), which did
+    not finish it. The dispatcher waits for a resume of a job left so before it exits."""
+    if next_step is not None and holding and sys.exc_info()[0] is not None:
+        return next_step - 1
+    return next_step
 
 
 @dataclass(kw_only=True, slots=True)
@@ -741,6 +753,7 @@ class DispatcherClient:
         self._generation = 0
         self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
         self._loop_position = None  # the consumer's: the step after the last its loop took
+        self._holding = False  # the loop has a step it took and has not asked past yet
 
     def taken_ahead(self, steps: int, position=None) -> None:
         """A consumer of this client (a `PrefetchPool`) takes up to `steps` steps from it ahead
@@ -784,9 +797,11 @@ class DispatcherClient:
 
     def __next__(self) -> Step:
         self._check_open("next()")
+        self._holding = False  # asking for the next step: the loop is done with the last one
         if self._returned:  # the dispatcher was told of them when they were first handed out
             step = self._returned.popleft()
             self._consumed = step.step + 1
+            self._holding = True
             return step
         if self._ended:
             raise StopIteration
@@ -824,6 +839,7 @@ class DispatcherClient:
                 continue  # not the step the loop is at: never handed out of order
             self._consumed = item.step + 1
             self._commands.put(("consumed", self._consumed))
+            self._holding = True
             return item
 
     def unread(self, steps: list[Step]) -> None:
@@ -900,6 +916,7 @@ class DispatcherClient:
             self._consumed = step
             self._restored = dataset
             self._ended = False
+            self._holding = False
             self._returned.clear()
             if self._thread is not None:
                 self._commands.put(("resync", step, dataset, self._generation))
@@ -977,7 +994,8 @@ class DispatcherClient:
 
     def close(self) -> None:
         if self._peer is not None:  # read by the client thread as it says BYE
-            at = self._loop_position() if self._loop_position is not None else None
+            at = (self._loop_position() if self._loop_position is not None
+                  else _stopped_at(self._consumed, self._holding))
             self._peer.left_at = self._consumed if at is None else at
         self._closing.set()
         if self._thread is not None:

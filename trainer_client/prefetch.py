@@ -53,7 +53,7 @@ from pipeline.preprocess import (
     PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
     check_rows, preprocess_item, row_dim,
 )
-from trainer_client.client import Interrupted, Microbatch, Step
+from trainer_client.client import Interrupted, Microbatch, Step, _stopped_at
 from trainer_client.options import ERROR_MODES, POOL_KINDS
 
 log = logging.getLogger("mmdispatch.prefetch")
@@ -239,6 +239,7 @@ class PrefetchPool:
         self.source: Iterator[Step] = iter(steps)
         self.wait_s = 0.0
         self.next_step: int | None = None  # after the last step handed to the loop
+        self._holding = False  # the loop has a step it took and has not asked past yet
         self._executor: Executor | None = None
         self._ready: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(self.config.ahead)
@@ -255,7 +256,8 @@ class PrefetchPool:
             add_listener(self._drop_prepared)
         taken_ahead = getattr(self.source, "taken_ahead", None)
         if taken_ahead is not None:  # its `ahead` micro-batches, and the step waiting for room
-            taken_ahead(self.config.ahead + 1 if self.config.workers else 0, lambda: self.next_step)
+            taken_ahead(self.config.ahead + 1 if self.config.workers else 0,
+                        lambda: _stopped_at(self.next_step, self._holding))
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> PrefetchPool:
@@ -269,6 +271,7 @@ class PrefetchPool:
                                "source (the steps it prepared ahead went back to it)")
         if self._ended:
             raise StopIteration
+        self._holding = False  # asking for the next step: the loop is done with the last one
         t0 = time.perf_counter()
         try:
             if self.config.workers == 0:
@@ -283,6 +286,7 @@ class PrefetchPool:
         finally:
             self.wait_s += time.perf_counter() - t0
         self.next_step = step.step + 1
+        self._holding = True
         return step
 
     def _next_prepared(self) -> Step:
@@ -410,6 +414,7 @@ class PrefetchPool:
         self._closing.clear()
         self._ended = False
         self.next_step = None  # the source's state_dict() says where the pool is until then
+        self._holding = False
 
     def _stop_feeder(self) -> None:
         self._closing.set()
