@@ -74,6 +74,7 @@ class FilledStep:
     samples: list[Sample]
     epoch: int
     nbytes: int
+    cut: bool = False  # the token budget ended it before the global batch
 
 
 class SourceStream:
@@ -782,7 +783,7 @@ class StepAssembler:
             epoch = self.streams[0].epoch_of_sample(self.acc[0])
         else:
             epoch = min(self.stream_of(s.pos).epoch_of_sample(s) for s in self.acc)
-        step = FilledStep(samples=self.acc, epoch=epoch, nbytes=self.acc_bytes)
+        step = FilledStep(samples=self.acc, epoch=epoch, nbytes=self.acc_bytes, cut=self.acc_cut)
         self.acc, self.acc_tokens, self.acc_bytes, self.acc_cut = [], 0, 0, False
         return step
 

@@ -187,6 +187,7 @@ class Dispatcher:
         self._rank_lost = False  # a trainer went without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
+        self._budget_warned: set[str] = set()  # token-budget events said once a run
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
@@ -596,11 +597,10 @@ class Dispatcher:
             if journaled is not None:
                 plan = StepPlan.from_dict(journaled)
             else:
-                with warnings.catch_warnings(record=True) as isolated:
+                with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always", OversizeWarning)
                     plan = plan_step(batch.inputs, self.topology, self.config.planner)
-                for w in isolated:
-                    self._isolated(step, batch, w.message)
+                self._isolated(step, batch, plan, [w.message for w in caught])
         except PlanError as e:
             why = oversize_report(step, batch, self.config.planner, e, self.topology)
             if self._halt is not None:
@@ -630,15 +630,58 @@ class Dispatcher:
                                        messages=None,
                                        num_samples=len(batch.samples), nbytes=filled.nbytes))
         self._observe(step, filled.epoch, plan, plan_ms, self._by_source(batch.samples))
+        if self.config.batch.token_budget is not None and len(self._budget_warned) < 2:
+            self._check_budget(step, filled, batch, plan)
 
-    def _isolated(self, step: int, batch, warning) -> None:
-        """A planner warning of a step (`oversize="isolate"`), logged by step and sample key."""
-        if not isinstance(warning, OversizeWarning):
-            warnings.warn(warning, stacklevel=2)  # not ours to log: passed on as it came
+    def _check_budget(self, step: int, filled, batch, plan) -> None:
+        """Say once a run what `--token-budget` does that a user would not see otherwise: a
+        sample over it is planned as a step of its own (over the budget), and steps it cuts
+        short of W x M samples leave ranks empty micro-batches (serve's start-up check of
+        --global-batch cannot know)."""
+        budget, W = self.config.batch.token_budget, self.config.world_size
+        tokens = int(batch.inputs.llm_len.sum())
+        if tokens > budget and "over" not in self._budget_warned:
+            self._budget_warned.add("over")
+            event("sample_over_token_budget", logging.WARNING, step=step, key=batch.keys[0],
+                  llm_tokens=tokens, token_budget=budget,
+                  why="a sample with more LLM tokens than the budget is planned as a step of its "
+                      "own, over the budget (it is never dropped); said for the first only",
+                  fix="raise --token-budget above the longest sample (or cap samples with the "
+                      "readers' --max-seq-len)")
+        S, M = len(batch.keys), plan.num_microbatches
+        if filled.cut and S < W * M and "empty" not in self._budget_warned:
+            self._budget_warned.add("empty")
+            event("empty_microbatches", logging.WARNING, step=step, samples=S, llm_tokens=tokens,
+                  token_budget=budget, world_size=W, num_microbatches=M,
+                  why=f"--token-budget {budget} cut the step at {S} samples for {W} ranks x {M} "
+                      "micro-batches: ranks run empty micro-batches in such steps; said once",
+                  fix=f"a --token-budget of about {W * M * -(-tokens // S)} (W x M samples at "
+                      "this step's mean), or fewer --num-microbatches")
+
+    def _isolated(self, step: int, batch, plan, caught: list[Warning]) -> None:
+        """One line for a step `oversize="isolate"` planned in more micro-batches than
+        configured: its isolated samples by key, the micro-batches it has and why. The planner
+        warns at each attempt (each isolation, each retry in more micro-batches), which
+        logged as lines whose counts contradicted each other and the plan."""
+        found = []
+        for warning in caught:
+            if isinstance(warning, OversizeWarning):
+                found.append(warning)
+            else:
+                warnings.warn(warning, stacklevel=2)  # not ours to log: passed on as it came
+        if not found:
             return
-        keys = [batch.keys[i] for i in warning.samples]
-        event("oversize_isolated", logging.WARNING, step=step, keys=",".join(keys[:5]) + (
-            f",... ({len(keys)} samples)" if len(keys) > 5 else "") or None, detail=str(warning))
+        keys = [batch.keys[i] for i in sorted({i for w in found for i in w.samples})]
+        shown = ({"keys": ",".join(keys[:5]) + (f",... ({len(keys)} samples)" if len(keys) > 5
+                                                else "")} if keys else {})
+        reasons = [w.reason for w in found if w.reason]
+        M = self.config.planner.microbatches_for(batch.inputs, self.topology)
+        why = " ".join(filter(None, [
+            "each sample named fits no capacity and runs alone on a rank;" if keys else "",
+            f"the {'other ' if keys else ''}samples did not pack under the capacities in fewer "
+            "micro-batches" if reasons else ""])).rstrip(";")
+        event("oversize_isolated", logging.WARNING, step=step, microbatches=plan.num_microbatches,
+              configured=M, **shown, why=why, **({"detail": reasons[-1]} if reasons else {}))
 
     def _check_commits_lag(self, step: int) -> None:
         """Say once when trainers have not committed for COMMITS_LAG_STEPS steps: what is kept

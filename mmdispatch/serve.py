@@ -64,7 +64,8 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "ranks_per_node": (int, 1, "consecutive ranks per node (LOCAL_WORLD_SIZE)"),
     "global_batch": (int, None, "samples per step; required"),
     "token_budget": (int, None, "also cut a step at this many LLM tokens (default: unset, a step is "
-                                     "--global-batch samples whatever their tokens)"),
+                                     "--global-batch samples whatever their tokens); a sample "
+                                     "over it is a step of its own"),
     "num_microbatches": (int, None, "micro-batches per step per rank (default 1 unless "
                                     "--microbatch-token-budget is set)"),
     "microbatch_token_budget": (int, None, "derive M from LLM tokens per rank per micro-batch "
@@ -334,6 +335,8 @@ def _check_flags(v: dict) -> None:
     if m is not None and m * v["world_size"] > v["global_batch"]:
         w, gb = v["world_size"], v["global_batch"]
         fix = f"--global-batch {m * w}" + (f" or --num-microbatches {gb // w}" if gb >= w else "")
+        if v["token_budget"] is not None:  # it cuts steps shorter still
+            fix += f", with a --token-budget that holds {m * w} samples"
         event("empty_microbatches", logging.WARNING, num_microbatches=m, world_size=w,
               global_batch=gb, why=f"{gb} samples a step for {w} ranks x {m} micro-batches: "
                                    "ranks run empty micro-batches every step", fix=fix)

@@ -1026,8 +1026,35 @@ def test_an_isolated_oversize_sample_is_logged_by_step_and_key_and_the_warm_up_w
     finally:
         d._close()
     (line,) = [r.getMessage() for r in caplog.records if "oversize_isolated" in r.getMessage()]
-    assert "step=0 keys=giant" in line and "exceed capacity" in line
+    assert "step=0 microbatches=2 configured=1 keys=giant" in line and "fits no capacity" in line
     assert not [w for w in recwarn if issubclass(w.category, OversizeWarning)]
+
+
+def test_a_step_isolated_and_planned_again_in_more_microbatches_is_one_line_that_agrees_with_its_plan(
+        caplog):
+    """The planner warns at each attempt: an isolated sample made it warn "2 -> 3", a retry in
+    more micro-batches "3 -> 4", and the retry's own "3 instead of 2" came last, all for a step
+    planned in 4 (probe repro); a step with nothing isolated logged `keys=None`. One line a
+    step now names the isolated keys, the micro-batches the ranks get and why."""
+    import logging
+
+    planner = PlannerConfig(num_microbatches=2, llm_capacity=100, oversize="isolate")
+    d = Dispatcher(_config(planner=planner, gb=8, world_size=3))
+    try:
+        reader, a = _with_reader(d)
+        sizes = [60] * 7 + [6000]
+        d._on_samples(reader, _samples_msg(a.id, [_header(f"t{i:03d}", i, llm=n)
+                                                  for i, n in enumerate(sizes)]))
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            d._pump()
+        (rs,) = d.delivery.retained
+    finally:
+        d._close()
+    lines = [r.getMessage() for r in caplog.records if "oversize_isolated" in r.getMessage()]
+    assert len(lines) == 1, lines
+    M = rs.plan.num_microbatches
+    assert M > 3 and f"step=0 microbatches={M} configured=2 keys=t007 " in lines[0], lines[0]
+    assert "did not pack" in lines[0] and "capacity 100" in lines[0] and "None" not in lines[0]
 
 
 def test_a_peer_unknown_after_a_restart_is_counted_not_warned_of(caplog):
@@ -1530,3 +1557,29 @@ def test_buffered_bytes_count_what_each_item_holds_beside_its_payload():
     assert samples == 3
     assert nbytes >= 3 * 200 * (82 + ITEM_HELD_BYTES) >= 3 * 200 * 700  # what one item holds
     assert a.avg_sample_bytes == nbytes / 3
+
+
+def test_the_token_budget_says_once_when_a_sample_exceeds_it_and_when_its_steps_leave_ranks_empty(
+        caplog):
+    """Probe repros: a sample over --token-budget became a step of its own, far over the budget,
+    with no word; steps the budget cut to one sample left 3 of 4 micro-batches empty on every
+    rank while serve's start-up check (of --global-batch only) advised a larger global batch,
+    which changed nothing. Each is said once a run, with a fix that works."""
+    config = _config(planner=PlannerConfig(num_microbatches=4), world_size=3)
+    config.batch = BatchConfig(global_batch=8, token_budget=100)
+    d = Dispatcher(config)
+    try:
+        reader, a = _with_reader(d)
+        sizes = [60, 60, 6000, 60, 60, 6000, 60]
+        d._on_samples(reader, _samples_msg(a.id, [_header(f"t{i:03d}", i, llm=n)
+                                                  for i, n in enumerate(sizes)]))
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            d._pump()
+        steps = [len(rs.batch.keys) for rs in d.delivery.retained]
+    finally:
+        d._close()
+    assert steps and set(steps) == {1}  # 60 + 60 > 100: one sample a step
+    over = [r.getMessage() for r in caplog.records if "sample_over_token_budget" in r.getMessage()]
+    assert len(over) == 1 and "key=t002 llm_tokens=6000 token_budget=100" in over[0], over
+    empty = [r.getMessage() for r in caplog.records if "event=empty_microbatches" in r.getMessage()]
+    assert len(empty) == 1 and "samples=1" in empty[0] and "--token-budget of about 720" in empty[0]

@@ -765,6 +765,16 @@ def test_empty_microbatches_warning_names_the_fix(shards, caplog):
         serve.build_config(values)
     (line,) = [r.getMessage() for r in caplog.records if "empty_microbatches" in r.getMessage()]
     assert "--global-batch 8 or --num-microbatches 2" in line, line
+    assert "token-budget" not in line
+    caplog.clear()
+    # A token budget cuts steps shorter still: a larger global batch alone may change nothing.
+    values = serve.resolve(parser.parse_args(["--shards", shards[0], "--world-size", "2",
+                                              "--global-batch", "4", "--num-microbatches", "4",
+                                              "--token-budget", "100"]))
+    with caplog.at_level(logging.WARNING):
+        serve.build_config(values)
+    (line,) = [r.getMessage() for r in caplog.records if "empty_microbatches" in r.getMessage()]
+    assert "with a --token-budget that holds 8 samples" in line, line
 
 
 def test_step_log_records_every_planned_step(shards, tmp_path):

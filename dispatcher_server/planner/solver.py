@@ -627,7 +627,8 @@ def plan_step(inputs: StepInputs, topology: Topology, config: PlannerConfig) -> 
                 extra *= 2
                 continue
             warnings.warn(OversizeWarning(f"{refused}: planned the step in {M + extra} "
-                                          f"micro-batches instead of {M}"), stacklevel=2)
+                                          f"micro-batches instead of {M}", reason=str(refused)),
+                          stacklevel=2)
             return plan
         raise
 

@@ -38,9 +38,11 @@ class OversizeWarning(UserWarning):
     (indices into the step) fit no capacity and run alone, or none did and the step did not
     pack in M (empty)."""
 
-    def __init__(self, message: str, samples: list[int] | None = None) -> None:
+    def __init__(self, message: str, samples: list[int] | None = None,
+                 reason: str | None = None) -> None:
         super().__init__(message)
         self.samples = list(samples or [])
+        self.reason = reason  # why the step did not pack in fewer micro-batches (a retry's)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
