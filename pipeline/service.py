@@ -16,7 +16,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import secrets
 import signal
 import sys
@@ -748,10 +747,12 @@ def _log_format(args: argparse.Namespace) -> str:
 INTERRUPTED = 130
 
 
-def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
+def _worker_main(args: argparse.Namespace, worker: int, failures=None,
+                 supervisor: int | None = None) -> int:
     """One worker until it is stopped or the job is done (0), or cannot go on (1, one line;
-    put on `failures` instead, when given, for the supervisor to say once for all workers), or
-    a SIGINT came while it started (`INTERRUPTED`; said by the supervisor, when there is one)."""
+    sent on the `failures` connection instead, when given, for the supervisor to say once for
+    all workers), or a SIGINT came while it started (`INTERRUPTED`; said by the supervisor,
+    when there is one). `supervisor`: its pid, if any (a SIGTERM after its death is its)."""
     # Workers of `--workers N` are fresh processes: they log as the command was told to.
     log_format = _log_format(args)
     setup_logging(log_format, getattr(args, "log_level", "INFO"))
@@ -762,8 +763,9 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
         signals.append(signal.Signals(sig).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, stopped_by)
-    signal.signal(signal.SIGINT, stopped_by)
+    # SIGHUP as SIGTERM: a hangup, or (a worker of `--workers N`) its supervisor's death
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stopped_by)
     # A worker process starts with SIGINT blocked (`_supervise`), so that a Ctrl-C during its
     # imports waits for this handler instead of printing their traceback: it comes now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -779,25 +781,36 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None) -> int:
         reader.run(stop)
         # Its own line: an operator reading the reader's log sees why it ended, not only
         # the dispatcher's reader_left.
+        reason = signals[0] if signals else "done"
+        if reason == "SIGHUP" and supervisor is not None:
+            reason = "read_process_gone"  # end_with_parent's signal: the supervisor died
         log.info("mmdispatch event=stopped worker=%d reason=%s samples_sent=%d", worker,
-                 signals[0] if signals else "done", reader.num_samples_sent)
+                 reason, reader.num_samples_sent)
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
         fix = f" ({stop_fix(e)})" if isinstance(e, (SampleError, TooManyErrors)) else ""
-        if failures is not None:
-            failures.put(f"{e}{fix}")
-        else:
+        if failures is None or not _sent(failures, f"{e}{fix}"):
             say(f"mmdispatch read: worker {worker}: {e}{fix}", log_format)
         return 1
     return 0
 
 
+def _sent(pipe, why: str) -> bool:
+    """Whether `why` reached the supervisor's end of `pipe` (False: the supervisor is gone)."""
+    try:
+        pipe.send(why)
+    except OSError:
+        return False
+    return True
+
+
 def _process_main(args: argparse.Namespace, worker: int, supervisor: int, failures) -> None:
-    # SIGTERM (BYE, then leave) when the supervisor dies, SIGKILL included: orphaned workers
-    # would go on reading beside those of a restarted `mmdispatch read`.
-    end_with_parent(supervisor, signal.SIGTERM)
-    sys.exit(_worker_main(args, worker, failures))
+    # SIGHUP (BYE, then leave) when the supervisor dies, SIGKILL included: orphaned workers
+    # would go on reading beside those of a restarted `mmdispatch read`. Not SIGTERM: the
+    # worker's log says which it was (its parent pid may still read as the supervisor's then).
+    end_with_parent(supervisor, signal.SIGHUP)
+    sys.exit(_worker_main(args, worker, failures, supervisor))
 
 
 #: A worker the kernel kills (SIGBUS from a mapped shard truncated in place, SIGSEGV in a
@@ -841,23 +854,29 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stop)
 
-    # Workers put why they failed here: N workers that cannot reach the dispatcher are one
-    # line, not N identical ones.
-    failures = mp.Queue()
+    # Workers send why they failed on a pipe each: N workers that cannot reach the dispatcher
+    # are one line, not N identical ones. Pipes, not a multiprocessing Queue: a Queue's
+    # semaphores outlive a `read` that is SIGKILLed, and multiprocessing's resource tracker
+    # printed a raw "leaked semaphore objects" warning into its log.
+    failures: dict[int, multiprocessing.connection.Connection] = {}
     said: set[str] = set()
 
     def say_failures(w: int) -> None:
-        while True:
+        pipe = failures.get(w)
+        while pipe is not None and pipe.poll(0.2):
             try:
-                why = failures.get(timeout=0.2)
-            except queue.Empty:
+                why = pipe.recv()
+            except (EOFError, OSError):
                 return
             if why not in said:
                 said.add(why)
                 say(f"mmdispatch read: worker {w}: {why}", log_format)
 
     def start(w: int) -> multiprocessing.Process:
-        p = mp.Process(target=_process_main, args=(args, w, os.getpid(), failures),
+        if w in failures:
+            failures.pop(w).close()
+        failures[w], sending = mp.Pipe(duplex=False)
+        p = mp.Process(target=_process_main, args=(args, w, os.getpid(), sending),
                        name=f"reader-{w}")
         # The signal mask outlives exec: the worker's interpreter holds a Ctrl-C back until
         # its handler is set (`_worker_main`), where one would interrupt its imports halfway
@@ -867,6 +886,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
             p.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            sending.close()  # the worker holds its end: its death reads as the pipe's end
         started[w] = time.monotonic()
         return p
 
