@@ -752,7 +752,8 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None,
     """One worker until it is stopped or the job is done (0), or cannot go on (1, one line;
     sent on the `failures` connection instead, when given, for the supervisor to say once for
     all workers), or a SIGINT came while it started (`INTERRUPTED`; said by the supervisor,
-    when there is one). `supervisor`: its pid, if any (a SIGTERM after its death is its)."""
+    when there is one). `supervisor`: its pid, if any (its death stops the worker with
+    SIGHUP, `_process_main`)."""
     # Workers of `--workers N` are fresh processes: they log as the command was told to.
     log_format = _log_format(args)
     setup_logging(log_format, getattr(args, "log_level", "INFO"))

@@ -332,7 +332,7 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
     return out
 
 
-def _stopped_at(next_step: int | None, holding: bool) -> int | None:
+def loop_stopped_at(next_step: int | None, holding: bool) -> int | None:
     """The step after the last a training loop finished, as a client or its consumer says it
     leaves: `next_step` (the step after the last handed to the loop), or the step handed last
     when the loop still `holding` it is closing it under an exception (a SIGTERM's SystemExit,
@@ -995,7 +995,7 @@ class DispatcherClient:
     def close(self) -> None:
         if self._peer is not None:  # read by the client thread as it says BYE
             at = (self._loop_position() if self._loop_position is not None
-                  else _stopped_at(self._consumed, self._holding))
+                  else loop_stopped_at(self._consumed, self._holding))
             self._peer.left_at = self._consumed if at is None else at
         self._closing.set()
         if self._thread is not None:
