@@ -23,6 +23,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from multiprocessing import resource_tracker
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -872,6 +873,10 @@ def _supervise(args: argparse.Namespace, mp) -> int:
             if why not in said:
                 said.add(why)
                 say(f"mmdispatch read: worker {w}: {why}", log_format)
+
+    # Started now, not by the first worker's start: starting it unblocks SIGINT in this
+    # process (multiprocessing's own signal handling), which would undo the block below.
+    resource_tracker.ensure_running()
 
     def start(w: int) -> multiprocessing.Process:
         if w in failures:
