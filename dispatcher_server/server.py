@@ -67,6 +67,8 @@ SLOTS_WARN_AFTER_S = 5.0
 #: permission, on its node) waits for a reader that can, once every reader here failed on it,
 #: before it is skipped as unreadable.
 OPEN_RETRY_S = 30.0
+#: No reader connected this long while input is left: said once an outage (`_check_readers`).
+NO_READERS_WARN_S = 10.0
 #: Complete shuffle blocks of a source drawn from one shard each before the dispatcher says so.
 ONE_SHARD_BLOCKS_WARN = 3
 
@@ -178,6 +180,8 @@ class Dispatcher:
         self._topology_warned = False  # a trainer's local_world_size differs from ranks_per_node
         self._slots_warned = False  # a blend has more sources than reader slots
         self._reader_joined_at = 0.0  # monotonic: the last reader HELLO
+        self._no_readers_since: float | None = None  # monotonic: no reader connected since then
+        self._no_readers_said = False  # event=no_readers said for this outage
         # position -> [its skip records, last try granted]: shards no reader opened yet, and
         # since when some have waited (a wait counts from then, or from a later reader join)
         self._unopened: dict[int, list] = {}
@@ -352,9 +356,28 @@ class Dispatcher:
         if now - self._checked >= live.poll_ms / 1000:
             # Not after every message burst: that is O(W) each time at thousands of ranks.
             self._liveness(now, self._heard["reader"], self._heard["trainer"])
+            self._check_readers(now)
             self.skip_log.flush(now)
             self._export_cpu()
             self._checked = now
+
+    def _check_readers(self, now: float) -> None:
+        """Say once an outage when no reader has been connected for NO_READERS_WARN_S while
+        input is left: no sample arrives, the ranks wait for steps until their timeouts, and
+        the log said nothing after the last reader_left (or, at start, ever)."""
+        if self.pool.readers:
+            self._no_readers_since, self._no_readers_said = None, False
+            return
+        if self._no_readers_since is None:
+            self._no_readers_since = now
+        elif (not self._no_readers_said and now - self._no_readers_since >= NO_READERS_WARN_S
+              and not self.finished() and not self.assembler.exhausted):
+            self._no_readers_said = True
+            event("no_readers", logging.WARNING, seconds=int(now - self._no_readers_since),
+                  endpoint=self.reader_endpoint,
+                  why="no reader is connected: no sample arrives, and ranks wait for steps",
+                  fix="start (or restart) mmdispatch read --dispatcher pointing at this "
+                      "endpoint (its host's address for readers on other hosts)")
 
     def _export_cpu(self) -> None:
         now = thread_time()

@@ -1583,3 +1583,25 @@ def test_the_token_budget_says_once_when_a_sample_exceeds_it_and_when_its_steps_
     assert len(over) == 1 and "key=t002 llm_tokens=6000 token_budget=100" in over[0], over
     empty = [r.getMessage() for r in caplog.records if "event=empty_microbatches" in r.getMessage()]
     assert len(empty) == 1 and "samples=1" in empty[0] and "--token-budget of about 720" in empty[0]
+
+
+def test_no_reader_connected_is_said_once_an_outage(caplog):
+    """Every reader killed: after their reader_left lines the dispatcher said nothing for as
+    long as none came back, and the ranks only timed out waiting for steps (probe)."""
+    d = Dispatcher(_config())
+    try:
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            for now in (100.0, 105.0, 110.5, 130.0):  # none ever connected: said once
+                d._check_readers(now)
+            reader = d.pool.join(b"r", "r", 131.0)
+            d._check_readers(131.0)
+            d._check_readers(200.0)  # connected: nothing to say
+            d._drop_reader(reader, "timeout")
+            for now in (201.0, 205.0, 211.5, 230.0):  # the next outage: said once again
+                d._check_readers(now)
+    finally:
+        d._close()
+    lines = [r.getMessage() for r in caplog.records if "event=no_readers" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "seconds=10" in lines[0] and f"endpoint={d.reader_endpoint}" in lines[0]
+    assert "mmdispatch read --dispatcher" in lines[1]
