@@ -170,6 +170,9 @@ class ErrorStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (reason, shard, key, message)
     consecutive: int = 0
     warned: set = field(default_factory=set)  # (reason, shard) already logged in full
+    # A reader of a dispatcher: a shard it cannot open is reported, and the dispatcher gives it
+    # to another reader or skips it; its line says so rather than that samples were skipped.
+    dispatcher_decides: bool = False
 
     def ok(self) -> None:
         self.num_samples += 1
@@ -186,6 +189,12 @@ class ErrorStats:
         if policy.mode == "warn":
             if (error.reason, error.shard) in self.warned:
                 DIGEST.note(error.reason, error.shard)
+            elif self.dispatcher_decides and error.reason == "open_failed" and error.key is None:
+                self.warned.add((error.reason, error.shard))
+                log.warning("%s", event_line(
+                    "shard_open_failed", shard=error.shard, detail=error.cause,
+                    then="reported to the dispatcher: another reader reads it, or it is "
+                         "skipped there"))
             else:
                 self.warned.add((error.reason, error.shard))
                 log.warning("%s", _skip_line(error, more="counted, not logged"))

@@ -126,7 +126,7 @@ class _Assignment:
     identity: CopyIdentity = field(default_factory=CopyIdentity)
     # This shard's error counters: its reading thread's own (the worker's totals add them up
     # when it ends), so two shards read at once never share a run of consecutive errors.
-    stats: ErrorStats = field(default_factory=ErrorStats)
+    stats: ErrorStats = field(default_factory=lambda: ErrorStats(dispatcher_decides=True))
     # the last entry taken (a record or a skip): SAMPLES' `resume` is where the sample after
     # it begins, once the message carrying it is sent
     last: Any = None

@@ -364,3 +364,24 @@ def test_long_texts_go_in_as_many_messages_as_their_tokens_need_none_lost(tmp_pa
     assert max(len(b) for b in batches) == 2  # 400-byte texts two a message, not all nine
     assert _skips(messages) == [P.SkipRecord("000009", "text_too_large", 9)]
     assert messages[-1]["count"] == 12
+
+
+def test_a_reader_of_a_dispatcher_says_a_shard_it_cannot_open_is_reported_not_skipped(caplog):
+    """A reader that could not open a shard logged `sample_skipped reason=open_failed` while
+    the dispatcher gave the shard to another reader that read it whole: an operator counting
+    skips in data-node logs counted samples delivered as lost (probe). A reader of a
+    dispatcher says it reported the shard; a standalone read still says it skipped it."""
+    import logging
+
+    from pipeline.service import _Assignment
+
+    error = SampleError("open_failed", "/d/s0.tar", None, "cannot open: [Errno 2] No such file")
+    with caplog.at_level(logging.WARNING):
+        _Assignment(id=1, shard="/d/s0.tar", records=None, ref_path=None).stats.handle(
+            error, ErrorPolicy())
+        reported = caplog.text
+        caplog.clear()
+        ErrorStats().handle(error, ErrorPolicy())
+    assert "event=shard_open_failed" in reported and "another reader reads it" in reported
+    assert "sample_skipped" not in reported and "No such file" in reported
+    assert "event=sample_skipped reason=open_failed" in caplog.text
