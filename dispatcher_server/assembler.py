@@ -247,9 +247,11 @@ class SourceStream:
     def window_end(self) -> int:
         base = self.cursor.base
         end = base + self.window
-        if self.mix > 1 and self.cursor.done:
+        if (self.mix > 1 or self.mode != "deterministic") and self.cursor.done:
             # `window` open positions, however many above base are done: a block's shards
-            # finish in any order, and the next one must open when one does.
+            # finish in any order, and the next one must open when one does. So do shards
+            # taken in arrival order: a slow one at the base held every later one back, and
+            # readers idled while it was read.
             while True:
                 wider = base + self.window + sum(1 for p in self.cursor.done if p < end)
                 if wider == end:
@@ -663,7 +665,8 @@ class StepAssembler:
         pump, it works only when a window moved: nothing but this opens a position, and one
         closed inside the window (finished, or consumed past) stays closed until a reset."""
         # (A source whose blocks draw from several shards also opens one when any ends.)
-        bases = [(st.cursor.base, len(st.cursor.done) if st.mix > 1 else 0) for st in self.streams]
+        bases = [(st.cursor.base, len(st.cursor.done) if st.mix > 1 or st.mode != "deterministic"
+                  else 0) for st in self.streams]
         if bases == self._opened:
             return
         for st in self.streams:

@@ -55,3 +55,29 @@ def test_the_window_opens_what_a_whole_open_would_and_works_only_when_it_moved(
     assert resumed and steps > 3
     # each source's window is walked when its base moved, not on each of the calls
     assert 0 < walks < calls / 2, (walks, calls)
+
+
+def test_arrival_mode_opens_the_next_shard_when_one_above_a_slow_base_ends():
+    """Arrival order has no order to wait for, yet the window was anchored at the lowest
+    unfinished shard: one slow shard there kept every shard past the window closed, and the
+    other readers idled until it ended (45 s in the probe's run). Now a shard ending above the
+    base opens the next one, as in a shuffle block of several shards: `--inflight-shards`
+    shards are read at once."""
+    from dispatcher_server import protocol as P
+    from dispatcher_server.assembler import StepAssembler
+    from dispatcher_server.config import BatchConfig
+    from dispatcher_server.ordering import ShardOrder
+
+    a = StepAssembler(ShardOrder([f"/d/s{i}.tar" for i in range(6)], 0, 1), mode="arrival",
+                      batch=BatchConfig(global_batch=2), num_inflight_shards=2)
+    a.open_window()
+    assert sorted(a.progress) == [0, 1]
+    heads = [P.SampleHeader(f"s1-{i}", i, 5, 5, P.blank_tokens(5), []) for i in range(2)]
+    a.receive(1, heads, [], [])
+    a.reader_done(1)  # shard 1 is read whole while shard 0 (the base) is still being read
+    a.fill()
+    assert a.step_ready()
+    a.take_step()
+    a.fill()
+    a.open_window()
+    assert 0 in a.progress and 1 not in a.progress and 2 in a.progress, sorted(a.progress)
