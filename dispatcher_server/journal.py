@@ -187,6 +187,13 @@ class Journal:
         self._skipped: AppendFile | None = None
         try:
             self._open()
+        except OSError as e:  # a file of it unreadable, or replaced by a directory
+            self.close()
+            where = e.filename or f"a file in {directory}"
+            raise JournalError(f"journal file {where!r} cannot be opened or read "
+                               f"({e.strerror or e}): put back the file the journal wrote "
+                               "(restore it from a backup), or start a new --journal-dir"
+                               ) from None
         except BaseException:
             self.close()
             raise

@@ -1207,3 +1207,20 @@ def test_a_changed_shuffle_shards_is_refused_both_ways_and_a_journal_from_before
         Journal(where, _fp(shuffle_shards=was)).close()
     Journal(str(tmp_path / "old"), _fp()).close()  # written before journals recorded it
     Journal(str(tmp_path / "old"), _fp(shuffle_shards=2)).close()
+
+
+@pytest.mark.parametrize("name", [*journal_module.PLAN_FILES, journal_module.SKIPPED_FILE])
+def test_a_journal_file_replaced_by_a_directory_is_refused_naming_it_and_the_fix(tmp_path, name):
+    """Probe: serve said `error: [Errno 21] Is a directory`, without the path for a plan file
+    and without a fix for any."""
+    j = Journal(str(tmp_path), _fp())
+    j.record_step(_entry(0))
+    j.close()
+    path = tmp_path / name
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(JournalError) as got:
+        Journal(str(tmp_path), _fp())
+    message = str(got.value)
+    assert str(tmp_path) in message and "Is a directory" in message, message
+    assert "start a new --journal-dir" in message
