@@ -920,9 +920,16 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                         say_failures(w)
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
-                        # and `read` would run on with an exit status hiding the failure
-                        say(f"mmdispatch read: worker {w} failed; stopping the other workers",
-                            log_format)
+                        # and `read` would run on with an exit status hiding the failure. A
+                        # moment first for workers failing alike (an unreachable dispatcher
+                        # times out in each) to end so: their reason is the one said.
+                        until = time.monotonic() + 0.5
+                        while (alive := [q.sentinel for q in procs.values() if q.exitcode is None]
+                               ) and time.monotonic() < until:
+                            multiprocessing.connection.wait(alive, until - time.monotonic())
+                        if alive:
+                            say(f"mmdispatch read: worker {w} failed; stopping the other "
+                                "workers", log_format)
                         stopping.set()
                     continue
                 if time.monotonic() - started[w] >= RESTART_RESET_S:
