@@ -187,6 +187,9 @@ class Journal:
         self._skipped: AppendFile | None = None
         try:
             self._open()
+        except JournalWriteError:  # a write failed (disk full): said as such, not as damage
+            self.close()
+            raise
         except OSError as e:  # a file of it unreadable, or replaced by a directory
             self.close()
             where = e.filename or f"a file in {directory}"

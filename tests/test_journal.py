@@ -1224,3 +1224,15 @@ def test_a_journal_file_replaced_by_a_directory_is_refused_naming_it_and_the_fix
     message = str(got.value)
     assert str(tmp_path) in message and "Is a directory" in message, message
     assert "start a new --journal-dir" in message
+
+
+def test_a_write_failing_as_the_journal_opens_stays_a_write_error(tmp_path, monkeypatch):
+    """A file that cannot be opened is refused as damage to put back; a write that fails as a
+    fresh journal starts (a full disk) is not damage, and stays the write error it is."""
+    def full(self, record):
+        raise JournalWriteError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Journal, "_append", full)
+    with pytest.raises(JournalWriteError) as got:
+        Journal(str(tmp_path), _fp())
+    assert not isinstance(got.value, JournalError) and "restore" not in str(got.value)
