@@ -244,14 +244,18 @@ class SourceStream:
         self.owed.clear()
 
     # -- the window --------------------------------------------------------------------
+    @property
+    def opens_past_done(self) -> bool:
+        """Whether positions done above the base widen the window (`window_end`): a block's
+        shards finish in any order, and so do shards taken in arrival order; the next one must
+        open when one does (a slow one at the base held every later one back, readers idle)."""
+        return self.mix > 1 or self.mode != "deterministic"
+
     def window_end(self) -> int:
         base = self.cursor.base
         end = base + self.window
-        if (self.mix > 1 or self.mode != "deterministic") and self.cursor.done:
-            # `window` open positions, however many above base are done: a block's shards
-            # finish in any order, and the next one must open when one does. So do shards
-            # taken in arrival order: a slow one at the base held every later one back, and
-            # readers idled while it was read.
+        if self.opens_past_done and self.cursor.done:
+            # `window` open positions, however many above base are done
             while True:
                 wider = base + self.window + sum(1 for p in self.cursor.done if p < end)
                 if wider == end:
@@ -664,9 +668,9 @@ class StepAssembler:
         """Open every position of each source's window that is not open yet. Called on every
         pump, it works only when a window moved: nothing but this opens a position, and one
         closed inside the window (finished, or consumed past) stays closed until a reset."""
-        # (A source whose blocks draw from several shards also opens one when any ends.)
-        bases = [(st.cursor.base, len(st.cursor.done) if st.mix > 1 or st.mode != "deterministic"
-                  else 0) for st in self.streams]
+        # (A source whose done positions widen its window also opens one when any ends.)
+        bases = [(st.cursor.base, len(st.cursor.done) if st.opens_past_done else 0)
+                 for st in self.streams]
         if bases == self._opened:
             return
         for st in self.streams:
