@@ -493,9 +493,10 @@ class Journal:
             for f, steps in sorted(later.items()))
         raise JournalError(
             f"journal {self.path!r} records steps up to {last} ({commit}), but {held}: "
-            "journal.mmd lost its later records (cut short, or an older copy put back), and "
-            "resuming from it would plan those steps again; restore journal.mmd from a backup, "
-            "or start a new --journal-dir (and the trainers from step 0)")
+            "journal.mmd lost its later records (cut short, or an older copy put back), or "
+            "that plan file came from another copy of the journal, and resuming would plan "
+            "those steps again; restore the directory's files together from one backup, or "
+            "start a new --journal-dir (and the trainers from step 0)")
 
     def _read_step(self, step: int) -> dict:
         offset = self._offsets[step - self._first]
