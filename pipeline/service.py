@@ -845,15 +845,22 @@ def run(args: argparse.Namespace) -> int:
 
 def _supervise(args: argparse.Namespace, mp) -> int:
     """Run `args.workers` worker processes until each has ended; start again one the kernel
-    killed. SIGTERM or SIGINT stops them all (each says BYE). The exit code is the worst."""
+    killed. SIGTERM, SIGINT or SIGHUP stops them all (each says BYE). The exit code is the
+    worst."""
     stopping = threading.Event()
     log_format = _log_format(args)
     stopped_by = [signal.SIGTERM]  # what the workers are stopped with: the signal `read` got
 
     def stop(sig: int, _frame) -> None:
+        if sig == signal.SIGHUP:
+            # Passed on as SIGTERM: a worker takes SIGHUP for its supervisor's death, and
+            # cannot tell the two apart while a dying supervisor's threads still exit.
+            if not stopping.is_set():
+                say("mmdispatch read: hung up (SIGHUP); stopping the workers", log_format)
+            sig = signal.SIGTERM
         stopped_by[0] = sig
         stopping.set()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stop)
 
     # Workers send why they failed on a pipe each: N workers that cannot reach the dispatcher

@@ -237,6 +237,19 @@ def test_workers_of_a_killed_mmdispatch_read_end_with_it():
 
 
 @pytest.mark.timeout(90)
+def test_a_hangup_stops_mmdispatch_read_and_its_workers_as_sigterm_does():
+    """SIGHUP (a closed terminal) killed `read --workers 2` by its default action: its workers,
+    ending with their supervisor, each said reason=read_process_gone, and read exited 129."""
+    with _read_with_workers(2) as (proc, children):
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert err.count("hung up (SIGHUP); stopping the workers") == 1, err
+    assert err.count("reason=SIGTERM") == 2, err  # as the supervisor stopped them
+    assert "read_process_gone" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(90)
 def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
     """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
     still exited 0, as if every worker had said BYE."""
