@@ -2,7 +2,8 @@
 
 Memory is bounded by `FlowConfig` alone: samples held anywhere in the dispatcher (shard
 buffers, the step being filled, steps sent but not yet acknowledged) plus reader credits
-outstanding never exceed `max_buffered_samples`, and new credits stop at `max_buffered_bytes`.
+outstanding never exceed `max_buffered_samples`, and new credits stop at `max_buffered_bytes`,
+as does planning ahead (`Delivery.has_room`: one step is always planned).
 """
 
 from __future__ import annotations

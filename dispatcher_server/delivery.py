@@ -63,7 +63,8 @@ class RetainedStep:
 class Delivery:
     """Trainer slots, the retained steps and the next step to plan."""
 
-    def __init__(self, world_size: int, max_retained_steps: int) -> None:
+    def __init__(self, world_size: int, max_retained_steps: int,
+                 max_bytes: float = float("inf")) -> None:
         self.slots = [TrainerSlot(rank=r) for r in range(world_size)]
         self._by_ident: dict[bytes, TrainerSlot] = {}
         self._connected = 0  # slots with an ident: read on every HELLO (O(W) each was O(W^2))
@@ -71,6 +72,7 @@ class Delivery:
         # costs O(ranks that changed), not O(W), at thousands of ranks.
         self._due: set[int] = set()
         self.max_retained_steps = max_retained_steps
+        self.max_bytes = max_bytes
         self.retained: deque[RetainedStep] = deque()
         self.next_plan = 0
         # Eviction needs the lowest `received` of all ranks. It is recounted (O(W)) only when the
@@ -104,7 +106,12 @@ class Delivery:
         return self.retained[0].step if self.retained else self.next_plan
 
     def has_room(self) -> bool:
-        return len(self.retained) < self.max_retained_steps
+        """Whether another step may be planned: fewer than `max_retained_steps` are retained,
+        and those hold fewer than `max_bytes` (one step always may be: steps of large inline
+        payloads, planned ahead by count alone, held 4 steps' bytes past the credits' bound)."""
+        if len(self.retained) >= self.max_retained_steps:
+            return False
+        return not self.retained or sum(rs.nbytes for rs in self.retained) < self.max_bytes
 
     def add(self, rs: RetainedStep) -> None:
         assert rs.step == self.next_plan, (rs.step, self.next_plan)

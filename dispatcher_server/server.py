@@ -154,7 +154,8 @@ class Dispatcher:
                                | ({"fields": src.fields} if src.fields else {})
                                for src in config.sources]
         self.pool = ReaderPool()
-        self.delivery = Delivery(config.world_size, config.flow.max_retained_steps)
+        self.delivery = Delivery(config.world_size, config.flow.max_retained_steps,
+                                 config.flow.max_buffered_bytes)
         # Before any refit moves the cost model: the settings as started, as a restart compares.
         self.replay = ReplaySource(journal, config.world_size, config.plan_settings())
         if self.replay.anew is not None:

@@ -83,10 +83,13 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
     "cost_model": (str, None, "cost file written by 'mmdispatch calibrate' (default: FLOP-formula costs)"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
     "max_buffered_bytes": (int, 256 << 20, "bytes held (payloads, and 768 a sample item for its "
-                           "header and view) after which reader credits stop; a "
+                           "header and view) after which reader credits stop, and no "
+                           "further step is planned while the steps not yet acknowledged hold "
+                           "that much (one always may be); a "
                            "shuffle block is emitted whole, so with --shuffle-buffer the bound is "
                            "at least one block of each source (about --shuffle-buffer samples)"),
-    "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank"),
+    "max_retained_steps": (int, 4, "steps sent but not yet acknowledged by every rank (fewer "
+                           "while they hold --max-buffered-bytes)"),
     "inflight_shards": (int, 8, "shards read at once (deterministic reorder window)"),
     "credit_batch": (int, 32, "samples per reader credit grant"),
     "heartbeat": (finite_float, 1.0, "heartbeat interval, seconds"),

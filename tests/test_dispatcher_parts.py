@@ -181,6 +181,24 @@ def test_delivery_sends_within_credits_once_and_evicts_what_every_rank_received(
     assert d.ends_due() == [s0] and not d.all_received()
 
 
+def test_delivery_plans_ahead_within_the_byte_bound_and_always_one_step():
+    """Steps of 12.8 MB inline samples were planned 4 ahead by count alone: the dispatcher held
+    680 MB of payloads under --max-buffered-bytes 256 MiB, and as much under 64 MiB (probe)."""
+    d = Delivery(world_size=1, max_retained_steps=4, max_bytes=100)
+    assert d.has_room()
+    big = _retained(0)
+    big.nbytes = 250  # one step over the whole bound: still planned, or nothing would move
+    d.add(big)
+    assert not d.has_room()
+    d.retained.popleft()
+    for step in (1, 2, 3):
+        small = _retained(step)
+        small.nbytes = 40
+        d.add(small)
+        assert d.has_room() is (step < 3)  # 40 and 80 held are under the bound, 120 is not
+    assert Delivery(world_size=1, max_retained_steps=4).has_room()  # no bound given: by count
+
+
 def test_delivery_floor_follows_credits_and_rewinds_without_recounting():
     """The lowest acknowledged step is kept in O(1) per credit and per reconnect (a HELLO storm
     at thousands of ranks must not recount every rank each time): after any sequence of
