@@ -456,9 +456,11 @@ class ReaderWorker:
         error policy (which raises under --errors raise)."""
         limit = P.DEFAULT_LIMITS.max_frame_bytes
         made = " as the model input it preprocesses to" if self.config.preprocess_on == "datanode" else ""
+        fix = ("" if made or self.payloads == "reference" else
+               " (--payloads reference: trainers read it from the shard)")
         error = SampleError("member_too_large", rec.shard, rec.key,
-                            f"member {member!r} is {n} bytes{made}, over the {limit >> 20} "
-                            "MiB a message frame carries")
+                            f"member {f'{rec.key}.{member}'!r} is {n} bytes{made}, over the "
+                            f"{limit >> 20} MiB a message frame carries{fix}")
         stats.handle(error, self.config.reader.errors)
         skip(error, rec.index)
 

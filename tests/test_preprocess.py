@@ -883,11 +883,14 @@ def test_a_datanode_reader_skips_an_item_too_large_for_a_frame_before_decoding_i
     worker = ReaderWorker(ReaderServiceConfig(dispatcher="tcp://127.0.0.1:1", name="r",
                                               preprocess_on="datanode",
                                               reader=ReaderConfig(counting=DEMO)))
-    skipped = []
-    out = list(worker._preprocessed(lambda e, i: skipped.append((e.reason, e.key, i)),
+    skipped, said = [], []
+    out = list(worker._preprocessed(lambda e, i: (skipped.append((e.reason, e.key, i)),
+                                                  said.append(str(e))),
                                     ErrorStats(), iter([big, small])))
     assert [r.key for r in out] == decoded == [small.key]
     assert skipped == [("member_too_large", big.key, big.index)]
+    # the member by its file name in the shard, not its suffix alone
+    assert f"member '{big.key}.{big.items[0].member}' is " in said[0], said
 
 
 @pytest.mark.timeout(120)
