@@ -92,6 +92,8 @@ def test_a_shuffle_block_past_the_byte_bound_is_said_once(shards, caplog):
     (line,) = _block_warnings(50_000, 40, shards, caplog)
     f = _fields(line)
     assert int(f["held_bytes"]) > 1.25 * 50_000 and f["max_buffered_bytes"] == "50000"
+    # and what a whole block holds, which the dispatcher will come to hold
+    assert 40 * 1_000 < int(f["block_bytes"]) < 40 * 100_000, line
     assert f["shuffle_buffer"] == "40"
     for fix in ("--payloads reference or direct", "a smaller --shuffle-buffer",
                 "a larger --max-buffered-bytes"):
