@@ -664,18 +664,20 @@ class StepAssembler:
                 return st.name, st.empty_epoch
         return None
 
-    def open_window(self) -> None:
-        """Open every position of each source's window that is not open yet. Called on every
-        pump, it works only when a window moved: nothing but this opens a position, and one
-        closed inside the window (finished, or consumed past) stays closed until a reset."""
+    def open_window(self) -> bool:
+        """Open every position of each source's window that is not open yet; whether a window
+        moved. Called on every pump, it works only when one did: nothing but this opens a
+        position, and one closed inside the window (finished, or consumed past) stays closed
+        until a reset."""
         # (A source whose done positions widen its window also opens one when any ends.)
         bases = [(st.cursor.base, len(st.cursor.done) if st.opens_past_done else 0)
                  for st in self.streams]
         if bases == self._opened:
-            return
+            return False
         for st in self.streams:
             st.open_window(self.progress)
         self._opened = bases
+        return True
 
     def replay_heads(self) -> set[int]:
         """Arrival mode: the positions the replayed orders wait on (their shards are read before

@@ -480,6 +480,11 @@ class Dispatcher:
             if not ready:
                 break
             self._plan()
+        if not self.finished() and self.assembler.open_window():
+            # The steps just filled consumed past a window's base: its next shard goes out
+            # now, not at the next pump, a poll interval away when no message comes (with
+            # --inflight-shards 1 every shard waited 50 ms for its assignment).
+            self._assign()
         if self.assembler.empty_epoch is not None and self.fatal is None:
             # Once: later pumps still send the steps planned before it, then END with the
             # reason (a rank waiting on a planned step was told nothing, then timed out).

@@ -40,6 +40,26 @@ def _held(reader: Reader) -> list[int]:
     return [a.pos for a in reader.assignments]
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "arrival"])
+def test_a_shard_finished_hands_out_the_next_in_the_same_pump(mode):
+    """The window moved only at the pump after the one whose steps consumed its base: with
+    --inflight-shards 1 each shard waited a poll interval (50 ms) for its assignment, and
+    5,000 tiny shards took 205 s instead of 7 (probe)."""
+    d = _dispatcher(3, mode=mode, inflight=1)
+    try:
+        r1 = _ready(d, "r1", 2)
+        d._pump()
+        assert _held(r1) == [0]
+        for pos in (0, 1):
+            first = r1.assignments[0]
+            d._on_reader(r1.ident, P.decode(P.encode(P.SHARD_DONE, assign_id=first.id, count=0,
+                                                     skipped=[])), 0.0)
+            d._pump()  # one pump: drained, the window moves, and its next shard goes out
+            assert _held(r1) == [pos + 1]
+    finally:
+        d._close()
+
+
 def test_every_reader_gets_one_shard_before_any_gets_a_second():
     d = _dispatcher(6)
     try:
@@ -52,8 +72,7 @@ def test_every_reader_gets_one_shard_before_any_gets_a_second():
         first = r1.assignments[0]
         d._on_reader(r1.ident, P.decode(P.encode(P.SHARD_DONE, assign_id=first.id, count=0,
                                                  skipped=[])), 0.0)
-        d._pump()  # position 0 is drained: the window moves on ...
-        d._pump()  # ... and its new position fills the slot
+        d._pump()  # position 0 is drained: the window moves on, and its new position fills the slot
         assert _held(r1) == [2, 4]
     finally:
         d._close()
