@@ -109,6 +109,11 @@ class SourceStream:
         self.bytes_seen = self.samples_seen = 0
         self.reset(Cursor(), 0)
 
+    @property
+    def mean_sample_bytes(self) -> float:
+        """The mean size of this source's samples so far; 0 before its first."""
+        return self.bytes_seen / self.samples_seen if self.samples_seen else 0.0
+
     def reset(self, cursor: Cursor, emitted: int, pulled: list[list[int]] = (),
               replay: list[list[int]] = (), mix: int | None = None) -> None:
         """Resume at `cursor` with `emitted` samples of its block out (`mix`: the shards that
@@ -827,14 +832,17 @@ class StepAssembler:
         seen = self.samples_seen
         return sum(st.bytes_seen for st in self.streams) / seen if seen else 0.0
 
+    def block_bytes(self) -> int:
+        """What the largest whole shuffle block of a source holds, at its mean sample size."""
+        return int(max((st.block_size * st.mean_sample_bytes for st in self.streams), default=0))
+
     def sample_bytes(self, pos: int) -> float:
         """The bytes a sample of shard `pos` is expected to hold: its source's average so far,
         or the average of what the shard holds now where that is larger (a source can mix
         small and large samples by shard); 0 while its source has sent none."""
-        st = self.stream_of(pos)
-        if not st.samples_seen:
+        avg = self.stream_of(pos).mean_sample_bytes
+        if not avg:
             return 0.0
-        avg = st.bytes_seen / st.samples_seen
         prog = self.progress.get(pos)
         if prog is not None and prog.buffer:
             avg = max(avg, prog.nbytes / len(prog.buffer))

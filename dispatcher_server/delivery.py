@@ -111,7 +111,7 @@ class Delivery:
         payloads, planned ahead by count alone, held 4 steps' bytes past the credits' bound)."""
         if len(self.retained) >= self.max_retained_steps:
             return False
-        return not self.retained or sum(rs.nbytes for rs in self.retained) < self.max_bytes
+        return not self.retained or self.held()[1] < self.max_bytes
 
     def add(self, rs: RetainedStep) -> None:
         assert rs.step == self.next_plan, (rs.step, self.next_plan)

@@ -885,12 +885,10 @@ class Dispatcher:
         self._block_bytes_warned = True
         if self.config.shuffle_buffer <= 1:
             return  # without a shuffle only the heads' credits pass the bound, briefly
-        # What a whole block will hold, at each source's mean sample size so far: the held
-        # bytes at the warning are only how far past the bound the first block had come.
-        block = max((st.block_size * st.bytes_seen // st.samples_seen
-                     for st in self.assembler.streams if st.samples_seen), default=0)
+        # block_bytes: what a whole block will hold; the held bytes at the warning are only
+        # how far past the bound the first block had come.
         event("shuffle_block_over_bytes", logging.WARNING, held_bytes=nbytes,
-              block_bytes=block, max_buffered_bytes=self.config.flow.max_buffered_bytes,
+              block_bytes=self.assembler.block_bytes(), max_buffered_bytes=self.config.flow.max_buffered_bytes,
               shuffle_buffer=self.config.shuffle_buffer,
               fix="a shuffle block holds the bytes of its samples until it is complete: use "
                   "--payloads reference or direct, a smaller --shuffle-buffer, or a larger "

@@ -46,7 +46,7 @@ from pipeline.payloads import (DEFAULT_CACHE_MB, PayloadCache, PayloadServer, bi
 from pipeline.readahead import DEFAULT_AHEAD_MB, AheadBudget, ReadAhead, stalled_error
 from pipeline.reader import (
     ReaderConfig, add_reader_arguments, counting_flag_errors, iter_shard, mapped_copy_identity,
-    reader_config_from_args, sample_builder,
+    quoted_name, reader_config_from_args, sample_builder,
 )
 from pipeline.records import SampleRecord
 from pipeline.shards import reads_can_wait, stream_stamp
@@ -459,7 +459,7 @@ class ReaderWorker:
         fix = ("" if made or self.payloads == "reference" else
                " (--payloads reference: trainers read it from the shard)")
         error = SampleError("member_too_large", rec.shard, rec.key,
-                            f"member {f'{rec.key}.{member}'!r} is {n} bytes{made}, over the "
+                            f"member {quoted_name(f'{rec.key}.{member}')} is {n} bytes{made}, over the "
                             f"{limit >> 20} MiB a message frame carries{fix}")
         stats.handle(error, self.config.reader.errors)
         skip(error, rec.index)
