@@ -435,24 +435,31 @@ def _left_at(srv, rank: int = 0) -> int | None:
 
 
 @pytest.mark.timeout(90)
-def test_a_loop_stopped_by_an_exception_in_a_step_says_it_did_not_finish_that_step(shards):
+def test_a_loop_that_leaves_a_step_in_hand_says_it_did_not_finish_that_step(shards):
     """A SIGTERM (SystemExit), a KeyboardInterrupt or an error raised while the loop trains
     step s said BYE with next_step s + 1, as if s were trained: in the job's last step the
     dispatcher took the job as done and exited, leaving a restart from the checkpoint no
-    dispatcher to resume from. Closed under an exception (`with`, or `finally`) with a step in
-    hand, the client (or its PrefetchPool) says next_step s; one stopped while it waits for a
-    step, or closed without an exception, still says s + 1."""
+    dispatcher to resume from. The client told the two apart by an exception in flight as it
+    closed, and so still said s + 1 when the error had been handled before `close()` (`except`
+    then `finally`), or when another thread closed it. Now a loop that never asked past step s
+    (an exception, handled or not; a `break`) says next_step s, unless it committed s or
+    reported its timings: then s was trained."""
     from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    def client(at):
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+        if at is not None:
+            c.load_state_dict({"next_step": at})
+        return c
 
     with dispatcher(make_config(shards, world_size=1)) as srv, readers(srv.reader_endpoint, 1):
         with pytest.raises(SystemExit):
-            with DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config()) as c:
+            with client(None) as c:
                 for step in c:
                     if step.step == 1:
                         raise SystemExit(143)  # what the SIGTERM handler raises mid-step
         assert _left_at(srv) == 1
-        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
-        c.load_state_dict({"next_step": 1})
+        c = client(1)
         with pytest.raises(KeyboardInterrupt):
             try:
                 with PrefetchPool(c, PrefetchConfig(workers=1, ahead=2)) as pool:
@@ -462,15 +469,39 @@ def test_a_loop_stopped_by_an_exception_in_a_step_says_it_did_not_finish_that_st
             finally:
                 c.close()  # in the same exception's finally: the pool's position, less its step
         assert _left_at(srv) == 2
-        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
-        c.load_state_dict({"next_step": 2})
-        assert next(c).step == 2
+        c = client(2)
         try:
-            raise ValueError("handled before the client closes")
+            for step in c:
+                raise ValueError("an error in step 2, handled before the client closes")
         except ValueError:
             pass
-        c.close()  # no exception in flight: step 2 counts as trained
-        assert _left_at(srv) == 3
+        finally:
+            c.close()
+        assert _left_at(srv) == 2
+        c = client(2)
+        pool = PrefetchPool(c, PrefetchConfig(workers=1, ahead=2))
+        try:
+            for step in pool:
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
+        closer = threading.Thread(target=c.close)  # closed from another thread
+        closer.start()
+        closer.join(20)
+        pool.close()
+        assert _left_at(srv) == 2
+        c = client(2)
+        for step in c:
+            break  # before training it
+        c.close()
+        assert _left_at(srv) == 2
+        for trained in ("report_timings", "commit"):  # a commit forgets the steps before
+            c = client(2)
+            for step in c:
+                c.commit(step.step) if trained == "commit" else c.report_timings(step.step, [])
+                break  # its step limit, after training it
+            c.close()
+            assert _left_at(srv) == 3, trained
 
 
 @pytest.mark.timeout(90)
@@ -487,7 +518,7 @@ def test_a_client_s_bye_says_where_its_loop_stopped_not_where_it_read_to(shards)
         c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
         assert [next(c).step for _ in range(2)] == [0, 1]
         c.close()
-        assert left_at(srv) == 2
+        assert left_at(srv) == 1  # step 1 in hand, neither committed nor timed: untrained
         for pool_first in (True, False):
             c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
             c.load_state_dict({"next_step": 2})
@@ -499,7 +530,7 @@ def test_a_client_s_bye_says_where_its_loop_stopped_not_where_it_read_to(shards)
             assert c._consumed >= 5
             for closing in ((pool, c) if pool_first else (c, pool)):
                 closing.close()
-            assert left_at(srv) == 3
+            assert left_at(srv) == 2  # the pool's loop holds step 2: untrained
         c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
         c.load_state_dict({"next_step": 3})
         steps = [s.step for s in c]  # to the end of the stream

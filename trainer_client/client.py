@@ -335,10 +335,12 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
 def loop_stopped_at(next_step: int | None, holding: bool) -> int | None:
     """The step after the last a training loop finished, as a client or its consumer says it
     leaves: `next_step` (the step after the last handed to the loop), or the step handed last
-    when the loop still `holding` it is closing it under an exception (a SIGTERM's SystemExit,
-    a KeyboardInterrupt, an error in the step: `with` or `finally` around the loop), which did
-    not finish it. The dispatcher waits for a resume of a job left so before it exits."""
-    if next_step is not None and holding and sys.exc_info()[0] is not None:
+    when the loop is still `holding` it: it never asked past that step, so nothing says it
+    trained it (an exception in the step, handled or not, a SIGTERM's SystemExit, a `break`
+    before or after training it). `DispatcherClient.close` counts it trained when the loop
+    committed it or reported its timings. The dispatcher waits for a resume of a job left so
+    before it exits."""
+    if next_step is not None and holding:
         return next_step - 1
     return next_step
 
@@ -754,6 +756,8 @@ class DispatcherClient:
         self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
         self._loop_position = None  # the consumer's: the step after the last its loop took
         self._holding = False  # the loop has a step it took and has not asked past yet
+        # The latest step the loop said it trained: it committed it, or reported its timings.
+        self._trained: int | None = None
 
     def taken_ahead(self, steps: int, position=None) -> None:
         """A consumer of this client (a `PrefetchPool`) takes up to `steps` steps from it ahead
@@ -876,6 +880,7 @@ class DispatcherClient:
                              f"{{phase: [seconds, [sequence lengths]], ..., 'exchange': seconds}} "
                              f"(trainer_client.model.microbatch_timings)")
         self._commands.put(("timings", record))
+        self._said_trained(step)
 
     def state_dict(self) -> dict:
         """Where to resume, and the dataset (fingerprint) this position belongs to."""
@@ -917,6 +922,7 @@ class DispatcherClient:
             self._restored = dataset
             self._ended = False
             self._holding = False
+            self._trained = None  # steps of the old position
             self._returned.clear()
             if self._thread is not None:
                 self._commands.put(("resync", step, dataset, self._generation))
@@ -966,6 +972,7 @@ class DispatcherClient:
                              "the .step of a step the checkpoint holds the training of")
         if self._fatal is not None:
             raise self._fatal
+        self._said_trained(number)
         done, error = threading.Event(), []
         thread = self.start()._thread
         self._commands.put(("commit", number, done, error))
@@ -986,6 +993,13 @@ class DispatcherClient:
         if error:
             raise error[0]
 
+    def _said_trained(self, step: int) -> None:
+        """The loop trained `step` (it commits or times it): its BYE counts it trained, also
+        when it leaves holding it (a `break` after its step limit)."""
+        if self._consumed is not None and step < self._consumed and (
+                self._trained is None or step > self._trained):
+            self._trained = step
+
     def _check_open(self, what: str) -> None:
         """RuntimeError for `what` called after `close()`: the stopped client would answer with
         whatever it last held (an old error, a step taken back), not with what happened."""
@@ -996,6 +1010,8 @@ class DispatcherClient:
         if self._peer is not None:  # read by the client thread as it says BYE
             at = (self._loop_position() if self._loop_position is not None
                   else loop_stopped_at(self._consumed, self._holding))
+            if at is not None and self._trained is not None:
+                at = max(at, self._trained + 1)  # a step committed or timed was trained
             self._peer.left_at = self._consumed if at is None else at
         self._closing.set()
         if self._thread is not None:
