@@ -1559,18 +1559,14 @@ def test_buffered_bytes_count_what_each_item_holds_beside_its_payload():
     assert a.avg_sample_bytes == nbytes / 3
 
 
-def test_the_token_budget_says_once_when_a_sample_exceeds_it_and_when_its_steps_leave_ranks_empty(
-        caplog):
-    """Probe repros: a sample over --token-budget became a step of its own, far over the budget,
-    with no word; steps the budget cut to one sample left 3 of 4 micro-batches empty on every
-    rank while serve's start-up check (of --global-batch only) advised a larger global batch,
-    which changed nothing. Each is said once a run, with a fix that works."""
-    config = _config(planner=PlannerConfig(num_microbatches=4), world_size=3)
-    config.batch = BatchConfig(global_batch=8, token_budget=100)
+def _budget_run(caplog, sizes, *, budget, global_batch, world_size=3, microbatches=4):
+    """The retained steps' sample counts and the budget's warnings, `sizes` (LLM tokens) planned
+    under `budget` on `world_size` ranks x `microbatches`."""
+    config = _config(planner=PlannerConfig(num_microbatches=microbatches), world_size=world_size)
+    config.batch = BatchConfig(global_batch=global_batch, token_budget=budget)
     d = Dispatcher(config)
     try:
         reader, a = _with_reader(d)
-        sizes = [60, 60, 6000, 60, 60, 6000, 60]
         d._on_samples(reader, _samples_msg(a.id, [_header(f"t{i:03d}", i, llm=n)
                                                   for i, n in enumerate(sizes)]))
         with caplog.at_level(logging.WARNING, logger="mmdispatch"):
@@ -1578,11 +1574,48 @@ def test_the_token_budget_says_once_when_a_sample_exceeds_it_and_when_its_steps_
         steps = [len(rs.batch.keys) for rs in d.delivery.retained]
     finally:
         d._close()
+    said = {name: [r.getMessage() for r in caplog.records if f"event={name}" in r.getMessage()]
+            for name in ("sample_over_token_budget", "empty_microbatches")}
+    return steps, said
+
+
+def test_the_token_budget_says_once_when_a_sample_exceeds_it_and_when_its_steps_leave_ranks_empty(
+        caplog):
+    """Probe repros: a sample over --token-budget became a step of its own, far over the budget,
+    with no word; steps the budget cut to one sample left 3 of 4 micro-batches empty on every
+    rank while serve's start-up check (of --global-batch only) advised a larger global batch,
+    which changed nothing. Each is said once a run, with a fix that works."""
+    sizes = [60, 60, 6000, 60, 60, 6000, 60]
+    steps, said = _budget_run(caplog, sizes, budget=100, global_batch=12)
     assert steps and set(steps) == {1}  # 60 + 60 > 100: one sample a step
-    over = [r.getMessage() for r in caplog.records if "sample_over_token_budget" in r.getMessage()]
-    assert len(over) == 1 and "key=t002 llm_tokens=6000 token_budget=100" in over[0], over
-    empty = [r.getMessage() for r in caplog.records if "event=empty_microbatches" in r.getMessage()]
-    assert len(empty) == 1 and "samples=1" in empty[0] and "--token-budget of about 720" in empty[0]
+    (over,) = said["sample_over_token_budget"]
+    assert "key=t002 llm_tokens=6000 token_budget=100" in over
+    (empty,) = said["empty_microbatches"]
+    # Said once BUDGET_MEAN_STEPS steps are planned, at the mean of their samples (1545).
+    assert "step=0 samples=1" in empty and "--token-budget of about 18540" in empty, empty
+
+
+def test_the_token_budget_s_advice_is_a_budget_other_than_the_one_set(caplog):
+    """Probe: with --token-budget 2356 the advice was 'a --token-budget of about 2356', from
+    the cut step's own mean, which lacks the sample that did not fit; and with a global batch
+    below W x M (which serve warns of at start) it was said a second time."""
+    sizes = [500, 500, 1900, 500, 500, 1900, 500, 500, 1900, 500, 500, 1900]
+    steps, said = _budget_run(caplog, sizes, budget=2000, global_batch=4, world_size=2,
+                              microbatches=2)
+    assert steps[:2] == [2, 1]  # 500 + 500 + 1900 > 2000: cut at 2
+    (empty,) = said["empty_microbatches"]  # 4 samples at their mean, 967 tokens
+    assert "step=0 samples=2" in empty and "--token-budget of about 3868" in empty, empty
+    caplog.clear()
+    # W x M samples at the mean fit the budget: only steps of longer samples are cut.
+    steps, said = _budget_run(caplog, [1500, 600, 100, 100] * 3, budget=2000, global_batch=2,
+                              world_size=2, microbatches=1)
+    assert steps[0] == 1
+    (empty,) = said["empty_microbatches"]
+    assert "--token-budget above 2000 with room" in empty and "about 2000" not in empty, empty
+    caplog.clear()
+    steps, said = _budget_run(caplog, sizes, budget=2000, global_batch=3, world_size=2,
+                              microbatches=2)
+    assert said["empty_microbatches"] == []  # below W x M: serve's start-up line says it
 
 
 def test_no_reader_connected_is_said_once_an_outage(caplog):
