@@ -45,6 +45,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -202,6 +203,8 @@ class Journal:
             raise
 
     def _open(self) -> None:
+        for name in (JOURNAL_FILE, *PLAN_FILES, SKIPPED_FILE):
+            _check_regular(os.path.join(self.directory, name))
         tmp = self.path + ".tmp"
         if os.path.exists(tmp):  # a checkpoint cut short: the journal it was to replace stands
             os.unlink(tmp)
@@ -790,6 +793,12 @@ class Journal:
 def _lock(directory: str) -> int:
     """An exclusive lock on `directory`'s LOCK_FILE, held while the journal is open (two
     dispatchers appending to one journal would interleave their steps); its fd."""
+    path = os.path.join(directory, LOCK_FILE)
+    try:
+        _check_regular(path)
+    except OSError as e:
+        raise JournalError(f"journal lock file {path!r} is {e.strerror}: remove it (the "
+                           "dispatcher creates it, and holds it while it runs)") from None
     try:
         fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # not writable by this user, a read-only filesystem
@@ -810,6 +819,19 @@ def _lock(directory: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def _check_regular(path: str) -> None:
+    """OSError naming `path` where it is there but not a regular file: a directory would be
+    refused without its name, and opening a FIFO blocks until something writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # missing (or a dangling link): each file's absence is judged where it is read
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise OSError(errno.EINVAL, f"{kind}, not a regular file", path)
 
 
 def _absence(path: str) -> str | None:

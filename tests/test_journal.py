@@ -1210,21 +1210,39 @@ def test_a_changed_shuffle_shards_is_refused_both_ways_and_a_journal_from_before
     Journal(str(tmp_path / "old"), _fp(shuffle_shards=2)).close()
 
 
-@pytest.mark.parametrize("name", [*journal_module.PLAN_FILES, journal_module.SKIPPED_FILE])
-def test_a_journal_file_replaced_by_a_directory_is_refused_naming_it_and_the_fix(tmp_path, name):
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+@pytest.mark.parametrize("name", [journal_module.JOURNAL_FILE, *journal_module.PLAN_FILES,
+                                  journal_module.SKIPPED_FILE])
+def test_a_journal_file_replaced_by_a_directory_or_a_pipe_is_refused_naming_it_and_the_fix(
+        tmp_path, name, kind):
     """Probe: serve said `error: [Errno 21] Is a directory`, without the path for a plan file
-    and without a fix for any."""
+    and without a fix for any; then 'a file in DIR' for a plan file; and a plan file replaced
+    by a named pipe blocked start-up for good, silent (opening a FIFO waits for a writer)."""
     j = Journal(str(tmp_path), _fp())
     j.record_step(_entry(0))
     j.close()
     path = tmp_path / name
     path.unlink()
-    path.mkdir()
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
     with pytest.raises(JournalError) as got:
         Journal(str(tmp_path), _fp())
     message = str(got.value)
-    assert str(tmp_path) in message and "Is a directory" in message, message
+    said = "a directory" if kind == "directory" else "a named pipe"
+    assert f"'{path}'" in message and f"({said}, not a regular file)" in message, message
     assert "start a new --journal-dir" in message
+
+
+def test_a_lock_file_replaced_by_a_directory_is_named_not_the_directory_s_permissions(tmp_path):
+    """Probe: the refusal said '--journal-dir ... cannot be written', which it could."""
+    Journal(str(tmp_path), _fp()).close()
+    lock = tmp_path / journal_module.LOCK_FILE
+    lock.unlink()
+    lock.mkdir()
+    with pytest.raises(JournalError) as got:
+        Journal(str(tmp_path), _fp())
+    message = str(got.value)
+    assert f"'{lock}' is a directory, not a regular file: remove it" in message, message
+    assert "cannot be written" not in message
 
 
 def test_a_write_failing_as_the_journal_opens_stays_a_write_error(tmp_path, monkeypatch):
