@@ -786,7 +786,7 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None,
         # Its own line: an operator reading the reader's log sees why it ended, not only
         # the dispatcher's reader_left.
         reason = signals[0] if signals else "done"
-        if reason == "SIGHUP" and supervisor is not None:
+        if reason == "SIGHUP" and supervisor is not None and _gone(supervisor):
             reason = "read_process_gone"  # end_with_parent's signal: the supervisor died
         log.info("mmdispatch event=stopped worker=%d reason=%s samples_sent=%d", worker,
                  reason, reader.num_samples_sent)
@@ -798,6 +798,29 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None,
             say(f"mmdispatch read: worker {worker}: {e}{fix}", log_format)
         return 1
     return 0
+
+
+def _gone(supervisor: int, wait_s: float = 0.5) -> bool:
+    """Whether this worker's `supervisor` died (or is dying): a SIGHUP came from its death
+    (`end_with_parent`), not from someone hanging up this worker alone. Its threads may still
+    be exiting as the signal lands, so a supervisor still there is asked again for `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if os.getppid() != supervisor:
+            return True
+        try:
+            with open(f"/proc/{supervisor}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except FileNotFoundError:
+            # Gone; or no /proc at all, where the parent pid above is all there is to ask.
+            return os.path.isdir("/proc/self")
+        except (OSError, IndexError):
+            return True
+        if state in (b"Z", b"X", b"x"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _sent(pipe, why: str) -> bool:

@@ -250,6 +250,23 @@ def test_a_hangup_stops_mmdispatch_read_and_its_workers_as_sigterm_does():
 
 
 @pytest.mark.timeout(90)
+def test_a_hangup_of_one_worker_is_said_as_such_not_as_its_supervisor_s_death():
+    """SIGHUP sent to one worker of `read --workers 2` (its supervisor alive) logged
+    `reason=read_process_gone`, the line of a supervisor that died (probe)."""
+    with _read_with_workers(2) as (proc, children):
+        workers = [pid for pid in children if _is_worker(pid)]
+        os.kill(workers[0], signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while _pid_alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the supervisor ended with one worker"
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert err.count("reason=SIGHUP") == 1 and err.count("reason=SIGTERM") == 1, err
+    assert "read_process_gone" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(90)
 def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
     """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
     still exited 0, as if every worker had said BYE."""
