@@ -154,6 +154,10 @@ class Metrics:
             self._server = None
 
 
+#: How a skip log line names the unread rest of a shard (a skip record of index -1).
+REST_OF_SHARD = "(the rest of the shard)"
+
+
 class SkipLog:
     """Skipped samples: every key kept (and counted in the metrics), but logged as one line per
     (shard, reason): at once the first time, then at most once every `every_s` seconds with the
@@ -179,7 +183,7 @@ class SkipLog:
         for key, reason, *where in skipped:
             if not key:  # a shard-level failure (index -1) names no sample; an empty key, its index
                 index = where[0] if where else -1
-                key = "(the rest of the shard)" if index is None or index < 0 else f"(sample #{index})"
+                key = REST_OF_SHARD if index is None or index < 0 else f"(sample #{index})"
             what = (shard, reason)
             if what in self._logged:
                 self._pending.setdefault(what, []).append(key)
@@ -200,6 +204,11 @@ class SkipLog:
 
     @staticmethod
     def _log(what: tuple[str, str], keys: list[str]) -> None:
+        """`count`: the samples named; the unread rest of a shard (a shard-level failure, its
+        sample count unknown) is said as `rest_of_shard=unread`, not counted as one sample."""
         shown = ",".join(keys[:5]) + (",..." if len(keys) > 5 else "")
-        event("sample_skipped", logging.WARNING, shard=what[0], reason=what[1], count=len(keys),
-              keys=shown)
+        named = sum(key != REST_OF_SHARD for key in keys)
+        rest = named < len(keys)
+        event("sample_skipped", logging.WARNING, shard=what[0], reason=what[1],
+              **({"count": named} if named or not rest else {}),
+              **({"rest_of_shard": "unread"} if rest else {}), keys=shown)

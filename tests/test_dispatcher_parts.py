@@ -276,7 +276,15 @@ def test_skip_log_names_a_new_shard_and_reason_at_once_then_counts_repeats(caplo
         skips.flush(6.0)
         assert "shard=a.tar reason=bad_image count=2 keys=k2,k3" in caplog.records[-1].getMessage()
         skips.add("c.tar", [("", "truncated_tar", -1)])  # shard level: no key to name
-        assert "reason=truncated_tar count=1 keys='(the rest of the shard)'" in caplog.records[-1].getMessage()
+        # Its sample count is unknown: not counted as one sample (probe: 10 lost, count=1).
+        assert ("reason=truncated_tar rest_of_shard=unread keys='(the rest of the shard)'"
+                in caplog.records[-1].getMessage())
+        mixed = SkipLog(Metrics(), every_s=5.0)
+        mixed.add("c.tar", [("k5", "truncated_tar", 5), ("k6", "truncated_tar", 6)])
+        mixed.add("c.tar", [("", "truncated_tar", -1)])
+        mixed.flush(12.0)
+        assert ("reason=truncated_tar count=1 rest_of_shard=unread keys='k6,(the rest of "
+                "the shard)'" in caplog.records[-1].getMessage()), caplog.records[-1].getMessage()
         skips.add("d.tar", [("", "bad_image", 4)])  # a sample whose key is empty: its index
         assert "reason=bad_image count=1 keys='(sample #4)'" in caplog.records[-1].getMessage()
         # Keys come from the data: a newline or a terminal escape cannot forge or colour a line.
