@@ -800,7 +800,7 @@ def _lock(directory: str) -> int:
         raise JournalError(f"journal lock file {path!r} is {e.strerror}: remove it (the "
                            "dispatcher creates it, and holds it while it runs)") from None
     try:
-        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # not writable by this user, a read-only filesystem
         raise JournalError(f"--journal-dir {directory!r} cannot be written ({e.strerror or e}): "
                            "give a directory the dispatcher can write") from None

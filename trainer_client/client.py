@@ -15,7 +15,6 @@ import mmap
 import operator
 import os
 import queue
-import sys
 import threading
 import time
 from collections import deque
