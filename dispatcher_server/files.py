@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 
 
 def replace_file(path: str, data: bytes, *, durable: bool = True) -> None:
@@ -29,3 +31,16 @@ def replace_file(path: str, data: bytes, *, durable: bool = True) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def check_regular_file(path: str) -> None:
+    """OSError naming `path` where it is there but not a regular file: a directory is refused
+    by open() without its name, and opening a FIFO blocks until something writes to it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return  # missing (or a dangling link): each file's absence is judged where it is read
+    if not stat.S_ISREG(mode):
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise OSError(errno.EINVAL, f"{kind}, not a regular file", path)

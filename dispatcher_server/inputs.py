@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Callable
 
-from dispatcher_server.files import replace_file
+from dispatcher_server.files import check_regular_file, replace_file
 from dispatcher_server.recordlog import write_error
 
 INPUTS_FILE = "inputs.json"
@@ -50,13 +50,15 @@ class InputRules:
                 os.unlink(self.path)
             return
         try:
+            check_regular_file(self.path)  # a named pipe would block the start for good
             with open(self.path, encoding="utf-8") as f:
                 kept = json.load(f)
         except FileNotFoundError:
             return  # a journal written before the rules were kept, or before any peer came
         except (OSError, ValueError) as e:
-            raise ValueError(f"{self.path} is unreadable ({e}): remove it, and the first peers "
-                             "to connect state the job's input rules again") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise ValueError(f"{self.path} is unreadable ({why}): remove it, and the first "
+                             "peers to connect state the job's input rules again") from None
         if not isinstance(kept, dict):
             raise ValueError(f"{self.path} holds no rules table: remove it, and the first peers "
                              "to connect state the job's input rules again")

@@ -45,7 +45,6 @@ import json
 import logging
 import mmap
 import os
-import stat
 from array import array
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import msgpack
 
 # JournalError and JournalWriteError are raised by the record layer too; users import them here.
 from dispatcher_server.blend import same_setting
+from dispatcher_server.files import check_regular_file
 from dispatcher_server.inputs import INPUTS_FILE
 from dispatcher_server.recordlog import (MAGIC, AppendFile, JournalError, JournalWriteError,
                                          frame, is_legacy, legacy_scan, read_record, scan,
@@ -204,7 +204,7 @@ class Journal:
 
     def _open(self) -> None:
         for name in (JOURNAL_FILE, *PLAN_FILES, SKIPPED_FILE):
-            _check_regular(os.path.join(self.directory, name))
+            check_regular_file(os.path.join(self.directory, name))
         tmp = self.path + ".tmp"
         if os.path.exists(tmp):  # a checkpoint cut short: the journal it was to replace stands
             os.unlink(tmp)
@@ -795,10 +795,11 @@ def _lock(directory: str) -> int:
     dispatchers appending to one journal would interleave their steps); its fd."""
     path = os.path.join(directory, LOCK_FILE)
     try:
-        _check_regular(path)
-    except OSError as e:
-        raise JournalError(f"journal lock file {path!r} is {e.strerror}: remove it (the "
-                           "dispatcher creates it, and holds it while it runs)") from None
+        check_regular_file(path)
+    except OSError as e:  # not a file (EINVAL, from the check), or a link that leads nowhere
+        state = f"is {e.strerror}" if e.errno == errno.EINVAL else f"cannot be opened ({e.strerror})"
+        raise JournalError(f"journal lock file {path!r} {state}: remove it (the dispatcher "
+                           "creates it, and holds it while it runs)") from None
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # not writable by this user, a read-only filesystem
@@ -819,19 +820,6 @@ def _lock(directory: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def _check_regular(path: str) -> None:
-    """OSError naming `path` where it is there but not a regular file: a directory would be
-    refused without its name, and opening a FIFO blocks until something writes to it."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return  # missing (or a dangling link): each file's absence is judged where it is read
-    if not stat.S_ISREG(mode):
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise OSError(errno.EINVAL, f"{kind}, not a regular file", path)
 
 
 def _absence(path: str) -> str | None:

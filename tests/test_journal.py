@@ -1154,6 +1154,31 @@ def test_a_restart_on_the_journal_holds_peers_to_the_jobs_input_rules(tmp_path):
     assert fresh.admit("reader 'c'", {"placeholders": "none"}) is None
 
 
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_input_rules_replaced_by_a_directory_or_a_pipe_are_refused_naming_them(tmp_path, kind):
+    """Probe: inputs.json replaced by a named pipe blocked the dispatcher's start for good,
+    with no line (opening a FIFO waits for a writer)."""
+    from dispatcher_server.inputs import INPUTS_FILE, InputRules
+
+    path = tmp_path / INPUTS_FILE
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    with pytest.raises(ValueError) as got:
+        InputRules().keep_beside(str(tmp_path), resume=True)
+    said = "a directory" if kind == "directory" else "a named pipe"
+    assert f"{path} is unreadable ({said}, not a regular file): remove it" in str(got.value)
+
+
+def test_a_lock_file_that_is_a_symlink_loop_is_said_as_such(tmp_path):
+    """Probe: 'journal lock file ... is Too many levels of symbolic links'."""
+    lock = tmp_path / journal_module.LOCK_FILE
+    os.symlink(lock, lock)
+    with pytest.raises(JournalError) as got:
+        Journal(str(tmp_path), _fp())
+    assert (f"'{lock}' cannot be opened (Too many levels of symbolic links): remove it"
+            in str(got.value)), got.value
+
+
 def test_unopenable_shards_survive_a_reopen_and_a_checkpoint(tmp_path):
     """Shard positions skipped because no reader could open them are a decision a restart must
     keep (skipped.mmd is never read then): journaled, and carried over a checkpoint."""
