@@ -240,7 +240,9 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
             prefix = expanded[: len(expanded) - len(path)]
             path = os.path.expanduser(path)  # `~/x.tar` as a shell would (quoted, or from a file)
             if _GLOB_CHARS.intersection(path) and not os.path.isfile(path):  # `a[1].tar` exists: itself
-                found = [(p, os.path.isfile(p)) for p in glob.glob(path)]
+                # `**` spans directories, as it does for object storage (fsspec) and shells'
+                # globstar: one level only took a quarter of a nested dataset, silently.
+                found = [(p, os.path.isfile(p)) for p in glob.glob(path, recursive=True)]
                 _refuse_other_compressions(spec, found)
                 matches = _listed(spec, [(p, regular) for p, regular in found if is_shard_name(p)])
                 if not matches:
@@ -270,7 +272,11 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 _refuse_other_compressions(spec, entries)
                 matches = _listed(spec, [(p, regular) for p, regular in entries if is_shard_name(p)])
                 if not matches:
-                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no shard files")
+                    nested = (f"; its subdirectories are not listed: give "
+                              f"'{os.path.join(path, '**', '*.tar')}' for the shards under it"
+                              if any(os.path.isdir(p) for p, _ in entries) else "")
+                    raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no "
+                                            f"shard files{nested}")
                 urls.extend(prefix + m for m in matches)
             elif stat.S_ISREG(st.st_mode):
                 _check_suffix(path, spec)

@@ -32,6 +32,26 @@ def test_expand_brace_glob_dir_and_urls(tmp_path):
     assert expand_shards([gz, tgz]) == [gz, tgz]
 
 
+def test_double_star_spans_directories_locally_as_on_object_storage(tmp_path):
+    """Probe: `data/**/*.tar` took only the shards exactly one directory deep (1 of 4 of a
+    nested dataset, silently), while the same spec on S3 took all 4; a directory holding only
+    subdirectories of shards said it held none, with no way on."""
+    (tmp_path / "train" / "part1").mkdir(parents=True)
+    (tmp_path / "train" / "part2").mkdir()
+    paths = [_touch(tmp_path / "top.tar"), _touch(tmp_path / "train" / "mid.tar"),
+             _touch(tmp_path / "train" / "part1" / "a.tar"),
+             _touch(tmp_path / "train" / "part2" / "b.tar")]
+    assert sorted(expand_shards(str(tmp_path / "**" / "*.tar"))) == sorted(paths)
+    assert expand_shards(str(tmp_path / "train" / "*" / "*.tar")) == paths[2:]  # one level
+    empty = tmp_path / "nested"
+    (empty / "x").mkdir(parents=True)
+    _touch(empty / "x" / "c.tar")
+    with pytest.raises(FileNotFoundError) as got:
+        expand_shards(str(empty))
+    assert f"holds no shard files; its subdirectories are not listed: give '{empty}/**/*.tar'" in str(
+        got.value)
+
+
 def test_expand_errors_name_the_offender(tmp_path):
     missing = str(tmp_path / "nope-007.tar")
     with pytest.raises(FileNotFoundError, match="nope-007.tar"):
