@@ -790,6 +790,11 @@ def _worker_main(args: argparse.Namespace, worker: int, failures=None,
             reason = "read_process_gone"  # end_with_parent's signal: the supervisor died
         log.info("mmdispatch event=stopped worker=%d reason=%s samples_sent=%d", worker,
                  reason, reader.num_samples_sent)
+        if signals and reason != "read_process_gone" and failures is not None:
+            # A signal to this worker alone (the supervisor passes its own stop on as SIGTERM,
+            # and then reads no more of this): it says so, or `read` ran on one short, silent.
+            _sent(failures, f"stopped by {reason} sent to it alone; the other workers read on "
+                            "(a signal to `mmdispatch read` itself stops them all)")
     except (FatalReaderError, Unreachable, SampleError, TooManyErrors, ValueError) as e:
         # Refusals, an unreachable dispatcher and bad input under --errors raise: the reason
         # is the whole story, a traceback would only bury it.
@@ -948,8 +953,9 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     stopping.set()
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
-                    if p.exitcode and p.exitcode > 0:
-                        say_failures(w)
+                    if p.exitcode and p.exitcode > 0 or (p.exitcode == 0 and procs
+                                                         and not stopping.is_set()):
+                        say_failures(w)  # a failure, or a worker stopped on its own
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure. A

@@ -264,6 +264,8 @@ def test_a_hangup_of_one_worker_is_said_as_such_not_as_its_supervisor_s_death():
         _, err = proc.communicate(timeout=60)
     assert err.count("reason=SIGHUP") == 1 and err.count("reason=SIGTERM") == 1, err
     assert "read_process_gone" not in err and "Traceback" not in err, err
+    # ... and `read` says it runs on one short (it said nothing: probe).
+    assert err.count("stopped by SIGHUP sent to it alone; the other workers read on") == 1, err
 
 
 @pytest.mark.timeout(90)
