@@ -257,12 +257,15 @@ class Delivery:
 
     def all_received(self, finished_before: bool = False) -> bool:
         """Every rank acknowledged the last step and was told the stream ended, or said BYE
-        without waiting to be told: a trainer whose earlier dispatcher sent it END comes back
-        to a restarted one only to commit, its position past the steps the restart plans again,
-        and leaves before they end the stream again. `finished_before`: the journal's commit
+        (it left on purpose: what it did not train, its BYE's `next_step` says, and a done job
+        waits for its restart, `Dispatcher._resumable_after_loss`; before, a rank that left
+        before the last steps reached it held the exit for good, saying nothing): a trainer
+        whose earlier dispatcher sent it END comes back to a restarted one only to commit, its
+        position past the steps the restart plans again, and leaves before they end the stream
+        again. `finished_before`: the journal's commit
         covers the last step, so a rank this dispatcher never heard from finished with the one
         before it (it said BYE there and will not come back)."""
-        return all(((s.end_sent or s.said_bye) and s.received >= self.next_plan)
+        return all(s.said_bye or (s.end_sent and s.received >= self.next_plan)
                    or (finished_before and not s.heard) for s in self.slots)
 
     def connected(self) -> int:

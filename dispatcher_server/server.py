@@ -427,7 +427,7 @@ class Dispatcher:
         dispatcher to resume those steps from."""
         committed, last = self._checkpointed(), self.next_plan - 1
         early = any(s.said_bye and s.left_at is not None and s.left_at <= last for s in self.slots)
-        if not (self._rank_lost or early) or not 0 <= committed < last:
+        if not (self._rank_lost or early) or not committed < last:  # -1: no commit yet
             return False
         if self._done_at is None:
             self._done_at = now

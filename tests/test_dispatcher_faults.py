@@ -1148,6 +1148,34 @@ def test_a_done_job_waits_for_a_rank_that_said_bye_before_its_loop_ended(caplog,
     finally:
         d._close()
 
+@pytest.mark.parametrize("received", [4, 2])
+def test_a_done_job_waits_for_a_rank_that_left_early_also_before_any_commit_or_the_end(
+        caplog, received):
+    """Probe: a rank whose loop stopped at step 3 of 0-3 with no commit yet said BYE
+    next_step=3, and `--exit-when-done` exited at once (the wait asked for a commit >= 0): a
+    job restarted from no checkpoint starts at step 0 and found no dispatcher. A rank that left
+    before the last steps even reached it held the exit for good instead, saying nothing. Both
+    now wait LOST_RANK_GRACE_S with event=waiting_for_resume, then exit."""
+    import dispatcher_server.server as server_module
+
+    d = Dispatcher(_config())
+    try:
+        _fill_and_plan(d, 16)  # steps 0-3
+        _trainer_says(d, b"t0", P.HELLO, role="trainer", rank=0, world_size=1, next_step=None,
+                      prefetch=4)
+        d.delivery.credit(d.delivery.slots[0], received + 2, received)
+        _trainer_says(d, b"t0", P.BYE, next_step=min(received, 3))
+        d.finished = lambda: True  # the stream ended after step 3
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            assert d._leaving(True, 100.0) is None
+            assert d._leaving(True, 100.0 + server_module.LOST_RANK_GRACE_S - 1) is None
+            assert d._leaving(True, 100.0 + server_module.LOST_RANK_GRACE_S) is not None
+        (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
+        assert "steps=0-3" in line
+    finally:
+        d._close()
+
+
 def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog):
     """Rank 1 committed step 1, then died; rank 0 committed step 3, the last, and said BYE. The
     job's checkpoint is step 1 (rank 1 has no later one), but the wait looked at the latest
