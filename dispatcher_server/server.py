@@ -54,8 +54,9 @@ COMMITS_LAG_STEPS = 10_000
 #: its last commit waits for a restarted job to resume them from its checkpoint.
 LOST_RANK_GRACE_S = 300.0
 #: Steps planned before the token budget's empty micro-batches are said, with a budget advised
-#: from the mean sample so far (a cut step's own mean lacks the sample that did not fit).
-BUDGET_MEAN_STEPS = 4
+#: from the samples so far (a cut step's own lacks the sample that did not fit; a few steps'
+#: samples gave an estimate that, followed, still cut a fifth to a half of the steps).
+BUDGET_MEAN_STEPS = 16
 #: How long a job that stopped on its own (`fatal`) waits for ranks not yet told why to
 #: connect and be sent END with the reason, before it exits.
 HALT_LINGER_S = 120.0
@@ -196,7 +197,7 @@ class Dispatcher:
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._budget_warned: set[str] = set()  # token-budget events said once a run
-        self._budget_seen = [0, 0, 0]  # steps, samples, LLM tokens planned (until both are)
+        self._budget_seen = [0, 0, 0, 0.0]  # steps, samples, LLM tokens, squares (until said)
         self._budget_cut: tuple | None = None  # (step, samples, M): the first the budget cut
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
@@ -683,8 +684,12 @@ class Dispatcher:
                   fix="raise --token-budget above the longest sample (or cap samples with the "
                       "readers' --max-seq-len)")
         S, M = len(batch.keys), plan.num_microbatches
-        seen = self._budget_seen  # [steps, samples, LLM tokens] planned so far
+        seen = self._budget_seen  # [steps, samples, LLM tokens, their squares] planned so far
+        lens = batch.inputs.llm_len
         seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + S, seen[2] + tokens
+        seen[3] += float((lens.astype("float64") ** 2).sum())
+        if "empty" in self._budget_warned:
+            return
         if (filled.cut and S < W * M and self._budget_cut is None
                 and self.config.batch.global_batch >= W * M):
             # (A global batch below W x M leaves micro-batches empty anyway: serve said so.)
@@ -695,16 +700,21 @@ class Dispatcher:
             self._budget_warned.add("empty")
             cut, cut_samples, cut_M = self._budget_cut
             self._budget_cut = None
-            holds = W * cut_M * -(-seen[2] // seen[1])
-            fix = (f"a --token-budget of about {holds}" if holds > budget else
+            # W x M samples hold n x mean tokens on average, and their sum varies by sqrt(n)
+            # standard deviations of a sample: a budget of the mean alone still cut about half
+            # the steps (probe), two deviations over it hold all but a few.
+            n, mean = W * cut_M, seen[2] / seen[1]
+            std = math.sqrt(max(0.0, seen[3] / seen[1] - mean * mean))
+            holds = math.ceil(n * mean + 2 * math.sqrt(n) * std)
+            fix = (f"a --token-budget of at least about {holds}" if holds > budget else
                    f"a --token-budget above {budget} with room for steps of longer samples")
             event("empty_microbatches", logging.WARNING, step=cut, samples=cut_samples,
                   token_budget=budget, world_size=W, num_microbatches=cut_M,
                   why=f"--token-budget {budget} cut step {cut} at {cut_samples} samples for "
                       f"{W} ranks x {cut_M} micro-batches: ranks run empty micro-batches in "
                       f"such steps; said once",
-                  fix=f"{fix} (W x M samples at the mean of the {seen[1]} planned so far: "
-                      f"{holds} tokens), or fewer --num-microbatches")
+                  fix=f"{fix} (W x M samples in most steps, by the {seen[1]} samples planned so "
+                      f"far: {holds} tokens), or fewer --num-microbatches")
 
     def _isolated(self, step: int, batch, plan, caught: list[Warning]) -> None:
         """One line for a step `oversize="isolate"` planned in more micro-batches than
