@@ -32,6 +32,9 @@ class TrainerSlot:
     # went on past it).
     said_bye: bool = False
     left_at: int | None = None
+    # Its trainer went silent (no BYE) since it last connected: a done job waits for its restart
+    # while steps after the last commit may be untrained there (`Dispatcher._resumable_after_loss`).
+    lost: bool = False
     # The step its trainer resumed at from a checkpoint, until its credit shows it trained
     # that step (`upto` past `resumed_until`): ranks of one restart must resume at one step.
     resumed: int | None = None
@@ -283,7 +286,7 @@ class Delivery:
             self._connected += 1
         slot.ident = ident
         slot.heard = True
-        slot.said_bye, slot.left_at = False, None
+        slot.said_bye, slot.left_at, slot.lost = False, None, False
         self._by_ident[ident] = slot
 
     def disconnect(self, slot: TrainerSlot, *, bye: bool = False) -> None:

@@ -193,7 +193,6 @@ class Dispatcher:
         self._unopened_since = 0.0
         self._unopened_none_at = -math.inf  # when the last of them was settled
         self._commits_lag_warned = False  # no commit for COMMITS_LAG_STEPS steps
-        self._rank_lost = False  # a trainer went without BYE
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._budget_warned: set[str] = set()  # token-budget events said once a run
@@ -428,7 +427,8 @@ class Dispatcher:
         dispatcher to resume those steps from."""
         committed, last = self._checkpointed(), self.next_plan - 1
         early = any(s.said_bye and s.left_at is not None and s.left_at <= last for s in self.slots)
-        if not (self._rank_lost or early) or not committed < last:  # -1: no commit yet
+        lost = any(s.lost for s in self.slots)
+        if not (lost or early) or not committed < last:  # -1: no commit yet
             return False
         if self._done_at is None:
             self._done_at = now
@@ -1422,7 +1422,10 @@ class Dispatcher:
         self.delivery.mark_fresh(slot, want if fresh else None, ahead)
         self.metrics.peers.labels("trainer").set(self.delivery.connected())
         event("trainer_joined", rank=rank, next_step=want)
-        self._rank_lost, self._done_at = False, None  # a job (re)joined: its own end decides
+        # A job (re)joined: its own end decides. A rank lost before and not back yet is still
+        # waited for (before, any rank's HELLO forgot it, and the dispatcher exited as soon as
+        # one restored rank finished, before the lost one came back).
+        self._done_at = None
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
         if local is not None and local != g and not self._topology_warned:
             # The exchange follows the trainers' own topology and stays correct; what was
@@ -1584,7 +1587,7 @@ class Dispatcher:
                 continue
             if t_heard - slot.last_seen > timeout:
                 event("trainer_lost", logging.WARNING, rank=slot.rank)
-                self._rank_lost = True
+                slot.lost = True
                 self.delivery.disconnect(slot)
                 self.metrics.peers.labels("trainer").set(self.delivery.connected())
                 continue

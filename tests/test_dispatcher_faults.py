@@ -1109,7 +1109,7 @@ def test_a_done_job_whose_rank_was_lost_waits_for_its_restart_before_exiting(cap
     try:
         d.replay.committed, d.delivery.next_plan = 0, 4  # steps 1-3 after the last commit
         assert not d._resumable_after_loss(100.0)  # every rank said BYE: exits at once
-        d._rank_lost = True
+        d.delivery.slots[0].lost = True
         with caplog.at_level(logging.WARNING, logger="mmdispatch"):
             assert d._resumable_after_loss(100.0)
             assert d._resumable_after_loss(100.0 + server_module.LOST_RANK_GRACE_S - 1)
@@ -1177,6 +1177,43 @@ def test_a_done_job_waits_for_a_rank_that_left_early_also_before_any_commit_or_t
         d._close()
 
 
+def test_a_done_job_still_waits_for_a_lost_rank_after_another_rank_rejoined_and_finished(caplog):
+    """Probe: rank 0 was SIGKILLed after its commit of step 0 (it had received every step and
+    the end); rank 1 reconnected, trained to the end and said BYE, and the dispatcher exited
+    64 ms later: rank 1's HELLO had forgotten that a rank was lost, and rank 0, restored from
+    its checkpoint a moment later, found no dispatcher for steps 1-3."""
+    d = Dispatcher(_config(world_size=2))
+    try:
+        _fill_and_plan(d, 16)  # steps 0-3
+        assert d.next_plan == 4
+        for rank in (0, 1):
+            _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
+                          next_step=None, prefetch=4)
+            _trainer_says(d, b"t%d" % rank, P.COMMIT, step=0)
+        s0, s1 = d.delivery.slots
+        d.delivery.credit(s0, 6, 4)
+        s0.end_sent = True
+        s0.last_seen = 0.0
+        s1.last_seen = 1000.0
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            d._liveness(1000.0, 1000.0, 1000.0)  # rank 0: silent past its timeout
+            assert s0.lost and "trainer_lost rank=0" in caplog.text
+            _trainer_says(d, b"t1b", P.HELLO, role="trainer", rank=1, world_size=2,
+                          next_step=1, prefetch=4)  # rank 1 reconnects ...
+            d.delivery.credit(s1, 6, 4)
+            s1.end_sent = True
+            _trainer_says(d, b"t1b", P.COMMIT, step=3)
+            _trainer_says(d, b"t1b", P.BYE, next_step=4)  # ... and finishes
+            d.finished = lambda: True
+            d._started_at, d._unheard_said = 0.0, False  # (run() sets them)
+            assert d.done(2000.0)
+            assert d._leaving(True, 2000.0) is None, "exited with rank 0's steps 1-3 untrained"
+        (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
+        assert "steps=1-3" in line
+    finally:
+        d._close()
+
+
 def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog):
     """Rank 1 committed step 1, then died; rank 0 committed step 3, the last, and said BYE. The
     job's checkpoint is step 1 (rank 1 has no later one), but the wait looked at the latest
@@ -1193,7 +1230,7 @@ def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog)
         _trainer_says(d, b"t0", P.COMMIT, step=1)
         _trainer_says(d, b"t0", P.COMMIT, step=3)
         assert d.replay.committed == 3
-        d._rank_lost = True
+        d.delivery.slots[1].lost = True
         with caplog.at_level(logging.WARNING, logger="mmdispatch"):
             assert d._resumable_after_loss(100.0)
         (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
