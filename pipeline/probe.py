@@ -10,11 +10,15 @@ zero-byte files, members with no key) is refused too: its readers would wait for
 source naming a remote shard that does not exist (no such object or bucket): every reader would
 fail it the same way, and the job would lose its samples (a local path that does not exist is
 refused earlier, as listed). Access denied or TLS that fails may be this host's credentials or
-CA bundle alone, not the readers': those are warned of and left to the readers.
+CA bundle alone, not the readers': those are warned of and left to the readers. The member
+names of the first shard (a mapped local tar: no data is read) are walked to its end, bounded,
+and a source whose samples' members lie apart in it is refused: readers group the members of a
+key that lie together, so every sample of such a shard would train in pieces.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mimetypes
 import threading
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 from dispatcher_server.cliopts import redact
 from pipeline import remote
 from pipeline.fieldmap import KINDS, ignored_label
-from pipeline.reader import ReaderConfig, group_samples, sample_builder, unkeyed_label
+from pipeline.reader import (ReaderConfig, group_samples, sample_builder, split_name,
+                             unkeyed_label)
 from pipeline.shards import open_shard
 from pipeline.tario import TarError, open_decompressed, tar_members
 
@@ -45,6 +50,10 @@ class ProbeResult:
     ignored: Counter = field(default_factory=Counter)  # members no kind names, by extension
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (shard, why)
     missing: list[tuple[str, str]] = field(default_factory=list)  # remote, not found: (shard, why)
+    # (shard, key, first member, later member): a key whose members lie apart in a shard (a
+    # tar not written grouped by key, `tar cf x.tar *.jpg *.txt`): readers would take each run
+    # of its members as a sample, and train the samples of such a shard in pieces
+    apart: tuple[str, str, str, str] | None = None
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
     gave_up_on: str | None = None  # the shard being read when `probe_within` gave up
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
@@ -110,8 +119,12 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
 
         whole = False  # read to its end (a loop not left by `break`)
         try:
-            members = tar_members(open_decompressed(stream, url), reader_config.max_member_bytes)
-            for _key, group, problem in group_samples(members, unnamed, reader_config.max_sample_bytes):
+            members = _keys_apart(tar_members(open_decompressed(stream, url),
+                                              reader_config.max_member_bytes), result, url)
+            groups = group_samples(members, unnamed, reader_config.max_sample_bytes)
+            for _key, group, problem in groups:
+                if result.apart is not None:
+                    break
                 if problem is not None:
                     result.problems += 1
                     continue  # its members were not kept; the readers report it
@@ -121,6 +134,12 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                 builder.count_ignored(group, result.ignored)
                 if any(builder.classify(suffix)[0] is not None for suffix in group):
                     result.usable += 1
+                    if len(result.shards) == 1 and _mapped_tar(url, reader_config):
+                        # The rest of the first shard's member names, its data left unread
+                        # (mapped): are its samples' members together? (Bounded.)
+                        for _ in itertools.islice(groups, MAX_KEYS_CHECKED):
+                            if result.apart is not None:
+                                break
                     break
                 if result.samples >= max_samples:
                     break
@@ -137,6 +156,31 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                 if whole:  # a command that failed by itself: its output proves nothing
                     result.unreadable.append((url, str(e)))
     return result
+
+
+#: Samples of a source's first shard whose keys the probe checks for members lying apart.
+MAX_KEYS_CHECKED = 200_000
+
+
+def _keys_apart(members, result: ProbeResult, url: str):
+    """`members`, passed on; notes in `result.apart` the first key whose run of members starts
+    again after other keys' members (the shard is not grouped by key)."""
+    seen: dict[str, str] = {}  # key -> its first member's name
+    last = None
+    for name, data in members:
+        parts = split_name(name)
+        if parts is not None and parts[0] != last:
+            last = parts[0]
+            first = seen.setdefault(last, name)
+            if first is not name and result.apart is None:
+                result.apart = (url, last, first, name)
+        yield name, data
+
+
+def _mapped_tar(url: str, config: ReaderConfig) -> bool:
+    """A local plain tar that readers map: walking its member headers reads no member data."""
+    return (config.map_shards and not remote.scheme(url) and not url.startswith("pipe:")
+            and url.removeprefix("file:").endswith(".tar"))
 
 
 def probe_within(urls: Sequence[str], reader_config: ReaderConfig, *, timeout_s: float,
@@ -183,6 +227,14 @@ def refusal(result: ProbeResult, source: str = "default") -> str | None:
         return redact(f"source {source!r}: shard {url!r} cannot be read: {why}{more}; every reader "
                       f"would fail it the same way: fix the URL or the access, or leave the shard "
                       f"out of the source (checked at start; --probe-samples 0 skips the check)")
+    if result.apart is not None:
+        url, key, first, later = result.apart
+        return redact(f"source {source!r}: shard {url!r} is not grouped by sample key: the "
+                      f"members of key {key!r} lie apart ({first!r}, then {later!r} after other "
+                      f"keys' members); readers take the members of a key that lie together as "
+                      f"one sample, so its samples would train in pieces: write the shard with "
+                      f"its files sorted by name (tar --sort=name -cf, or webdataset's "
+                      f"TarWriter) (checked at start; --probe-samples 0 skips the check)")
     if not result.refused:
         return None
     shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"

@@ -75,6 +75,35 @@ def test_refusal_suggests_a_kind_from_the_mime_type(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def _by_suffix(path, keys: int, suffixes: dict[str, bytes]) -> str:
+    """A shard written `tar cf x.tar *.jpg *.txt`: every key's first suffix, then the next."""
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for suffix, data in suffixes.items():
+            for i in range(keys):
+                info = tarfile.TarInfo(f"s{i}.{suffix}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_a_shard_whose_samples_members_lie_apart_is_refused_naming_them(tmp_path):
+    """Probe: a shard written grouped by extension (`tar cf x.tar *.jpg *.txt`, or a directory
+    tarred in its listing order) was served: every sample trained as its image alone, its
+    caption skipped as duplicate_key. Past the first usable sample the probe walks the rest of
+    the first shard's member names (its data left unread) and refuses such a source."""
+    apart = _by_suffix(tmp_path / "byext.tar", 300, {"jpg": b"x", "txt": b"a caption"})
+    result = probe_source([apart], ReaderConfig())
+    assert result.apart == (apart, "s0", "s0.jpg", "s0.txt")
+    line = refusal(result, "captions")
+    assert line is not None and f"shard {apart!r} is not grouped by sample key" in line
+    assert "'s0.jpg', then 's0.txt'" in line and "tar --sort=name" in line
+    grouped = write_tar(tmp_path / "grouped.tar", 300, {"jpg": b"x", "txt": b"a caption"})
+    result = probe_source([grouped], ReaderConfig())
+    assert result.apart is None and refusal(result) is None
+    result = probe_source([apart], ReaderConfig(map_shards=False))  # its data would be read
+    assert result.apart is None and result.usable == 1
+
+
 def test_serve_refuses_a_dataset_without_usable_members(unusable):
     proc = subprocess.run(
         [sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", *unusable, "--world-size", "1",
