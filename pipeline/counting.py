@@ -666,14 +666,16 @@ class Counter:
             raise ValueError("TextConfig.estimate counts text without ids: use estimate_text")
         return self.text_of(self.member_text(data, ext, what, as_json), what)
 
-    def text_of(self, value: str | list[dict] | EmptyField | None, what: str) -> TextTokens:
-        """Token ids and loss mask of a `member_text` value (None, `EmptyField`: JSON without text)."""
+    def text_of(self, value: str | list[dict] | EmptyField | None, what: str,
+                where: dict | None = None) -> TextTokens:
+        """Token ids and loss mask of a `member_text` value (None, `EmptyField`: JSON without
+        text); `where`, the sample's shard and key, for what its conversation logs."""
         if value is None or isinstance(value, EmptyField):
             return TextTokens.empty()  # metadata JSON: carried as payload, not text
         if isinstance(value, str):
             return self.encoder.plain(value)
         try:
-            return self.encoder.conversation(value, **getattr(value, "context", {}))
+            return self.encoder.conversation(value, **getattr(value, "context", {}), where=where)
         except ChatTemplateError as e:
             raise CountError("chat_template", f"{what}: {e}") from None
 

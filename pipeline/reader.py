@@ -395,7 +395,9 @@ class SampleBuilder:
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
                 text_len = sum(self.counter.estimate_of(v) for v, _ in values)
             else:
-                tokens = TextTokens.concat([self.counter.text_of(v, what) for v, what in values])
+                where = {"shard": shard, "key": key}  # (redacted when logged)
+                tokens = TextTokens.concat([self.counter.text_of(v, what, where)
+                                            for v, what in values])
                 if self.counter.placeholders:
                     tokens = self.counter.place_items(tokens, items)
                 text_len = len(tokens)

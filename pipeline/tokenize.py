@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from dispatcher_server.cliopts import event_line, redact
 from dispatcher_server.protocol import TOKEN_DTYPES, split_tokens, token_width, tokens_ok
 
 log = logging.getLogger("mmdispatch.tokenize")
@@ -989,7 +990,7 @@ class TextEncoder:
         return TextTokens.plain(self.tokenizer.encode(text))
 
     def conversation(self, turns: list[dict], tools: list | None = None,
-                     documents: list | None = None) -> TextTokens:
+                     documents: list | None = None, *, where: dict | None = None) -> TextTokens:
         """Turns of {"role", "content", ...} (and the sample's `tools` and `documents`) rendered
         through the chat template and tokenized whole, as the model sees the conversation at
         inference (`apply_chat_template`); mask 1 on
@@ -999,7 +1000,8 @@ class TextEncoder:
         Tokenizing the pieces one by one would not give the same ids: a SentencePiece-style
         tokenizer (Llama 2, Mistral, Gemma) starts every piece with a word boundary, and a merge
         can cross where two pieces meet. A token that straddles an assistant piece's edge is
-        masked 1, as transformers' assistant-token mask does."""
+        masked 1, as transformers' assistant-token mask does. `where`: the sample's shard and
+        key, for the line that says (once) a conversation has no turn to train on."""
         if not turns:  # no text, under every template alike (one may index messages[0])
             return TextTokens.empty()
         trained = None
@@ -1012,11 +1014,14 @@ class TextEncoder:
         marks = np.array([m for _, m in segments], np.uint8)
         if all(t["role"] != ASSISTANT for t in turns) and not self._untrained_warned:
             self._untrained_warned = True  # once: a dataset's roles are the same throughout
-            log.warning("mmdispatch event=conversation_without_targets roles=%s: no turn is an "
-                        "%r one (or %s), so the sample trains on no token; name the reply "
-                        "role %r in the data", ",".join(sorted({t["role"] for t in turns})),
-                        ASSISTANT, ", ".join(k for k, v in ROLE_ALIASES.items() if v == ASSISTANT),
-                        ASSISTANT)
+            aliases = ", ".join(k for k, v in ROLE_ALIASES.items() if v == ASSISTANT)
+            where = {k: redact(str(v)) if k == "shard" else v for k, v in (where or {}).items()}
+            log.warning("%s", event_line(
+                "conversation_without_targets", **where,
+                roles=",".join(sorted({t["role"] for t in turns})),
+                why=f"no turn is an {ASSISTANT!r} one (or {aliases}), so the sample trains on no "
+                    "token; said for the first such sample",
+                fix=f"name the reply role {ASSISTANT!r} in the data"))
         if isinstance(self.tokenizer, ByteTokenizer):  # one id per byte: nothing merges
             raw = [t.encode("utf-8") for t, _ in segments]
             ids = np.frombuffer(b"".join(raw), dtype=np.uint8).astype(np.int32)

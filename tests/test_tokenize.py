@@ -415,10 +415,13 @@ def test_reply_roles_by_other_names_are_trained_on_and_a_conversation_without_on
         got = enc.conversation(turns)
         assert ByteTokenizer.decode(got.ids[got.mask == 1]) == "yo<|im_end|>\n"
     with caplog.at_level(logging.WARNING, logger="mmdispatch"):
-        for _ in range(3):
-            assert not enc.conversation([{"role": "user", "content": "hi"}]).mask.any()
+        for k in range(3):
+            assert not enc.conversation([{"role": "user", "content": "hi"}],
+                                        where={"shard": "s.tar", "key": f"k{k}"}).mask.any()
     warned = [r.getMessage() for r in caplog.records if "conversation_without_targets" in r.getMessage()]
     assert len(warned) == 1 and "roles=user" in warned[0] and "'assistant'" in warned[0]
+    # the sample it was found in, as every per-sample line names it (probe: neither was said)
+    assert "shard=s.tar key=k0 " in warned[0], warned[0]
 
 
 def test_sharegpt_function_call_and_observation_turns_are_the_assistant_and_tool_roles():
