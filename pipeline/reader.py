@@ -39,6 +39,8 @@ log = logging.getLogger("mmdispatch.pipeline")
 NO_TEXT_FIELD = "(no text field)"
 #: ... and those whose text field is there but empty (`{"caption": ""}`) under this one.
 EMPTY_TEXT_FIELD = "(empty text field)"
+#: ... and text members with no text at all (a 0-byte `.txt`, a JSON `[]`) under this one.
+EMPTY_TEXT = "(empty)"
 #: Ignored members whose basename starts with a dot are tallied under this label: macOS tar
 #: (bsdtar) writes an AppleDouble `._k.jpg` beside each `k.jpg`, and `.DS_Store` files.
 DOT_FILE = ".* (dot file)"
@@ -375,7 +377,7 @@ class SampleBuilder:
         tokens = TextTokens.empty()
         no_text: list[str] = []  # JSON members holding none of the text fields
         empty: list[tuple[str, EmptyField]] = []  # JSON members holding one, empty
-        blank: list[str] = []  # members with no text at all, in words (a 0-byte .txt, `[]`)
+        blank: list[tuple[str, str]] = []  # members with no text at all (a 0-byte .txt, `[]`), in words
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
@@ -387,9 +389,9 @@ class SampleBuilder:
                 elif isinstance(value, EmptyField):
                     empty.append((sfx, value))
                 elif isinstance(value, Conversation) and not value:  # `[]`: field ones are EmptyField
-                    blank.append(f"JSON {sfx!r} is an empty list")
+                    blank.append((sfx, f"JSON {sfx!r} is an empty list"))
                 elif value == "" and not isinstance(value, FieldText):
-                    blank.append(f"text member {sfx!r} is empty")
+                    blank.append((sfx, f"text member {sfx!r} is empty"))
                 values.append((value, f"member {sfx!r}"))
             values = self.counter.sample_texts(values)  # a JSON caption beside a text member: once
             if self.counter.encoder is None:  # inspect's estimate: a count, no ids
@@ -406,9 +408,11 @@ class SampleBuilder:
                 unused[f"{ignored_label(sfx)} {NO_TEXT_FIELD}"] += 1
             for sfx, _ in empty:
                 unused[f"{ignored_label(sfx)} {EMPTY_TEXT_FIELD}"] += 1
+            for sfx, _ in blank:  # said like an empty field (probe: a 0-byte .txt was silent)
+                unused[f"{ignored_label(sfx)} {EMPTY_TEXT}"] += 1
         if not items and not text_len:
             fields = self.config.counting.text.json_fields
-            why = "".join(f"; {said}" for said in blank)
+            why = "".join(f"; {said}" for _, said in blank)
             why += "".join(f"; JSON {sfx!r} field {e.field!r} is empty ({e.value})" for sfx, e in empty)
             if no_text:
                 why += (f"; JSON {', '.join(map(repr, no_text))} holds none of the text fields "

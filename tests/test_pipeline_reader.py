@@ -239,6 +239,22 @@ def test_json_without_a_text_field_is_tallied_beside_the_ignored_members(tmp_pat
     assert list(texts) == ["a", "b", "c"] and all(texts.values())
 
 
+def test_an_empty_text_member_beside_media_is_tallied_as_an_empty_json_field_is(tmp_path):
+    """Probe: a FLAC with a 0-byte .txt transcript (a silence segment) was delivered with no
+    text and no line anywhere, while the same emptiness in a JSON was tallied."""
+    from collections import Counter
+
+    shard = write_tar(tmp_path / "s.tar", [("a.jpg", jpeg(32, 32)), ("a.txt", b""),
+                                           ("b.jpg", jpeg(32, 32)), ("b.txt", b"a caption"),
+                                           ("c.txt", b"")])
+    stats, ignored = ErrorStats(), Counter()
+    records = list(iter_shard(shard, config("skip"), stats=stats, ignored=ignored))
+    assert [(r.key, r.text_len > 0) for r in records] == [("a", False), ("b", True)]
+    assert ignored == {"txt (empty)": 2}  # a's, and c's, which is skipped as empty_sample
+    ((reason, _, key, message),) = stats.recent
+    assert (reason, key) == ("empty_sample", "c") and "text member 'txt' is empty" in message
+
+
 def test_json_with_its_text_field_empty_or_of_a_wrong_type_says_so(tmp_path):
     from collections import Counter
 
