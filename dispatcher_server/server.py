@@ -187,6 +187,7 @@ class Dispatcher:
         self._reader_joined_at = 0.0  # monotonic: the last reader HELLO
         self._no_readers_since: float | None = None  # monotonic: no reader connected since then
         self._no_readers_said = False  # event=no_readers said for this outage
+        self._ranks_gone_said = False  # event=ranks_gone said since a rank last joined
         # position -> [its skip records, last try granted]: shards no reader opened yet, and
         # since when some have waited (a wait counts from then, or from a later reader join)
         self._unopened: dict[int, list] = {}
@@ -363,9 +364,27 @@ class Dispatcher:
             # Not after every message burst: that is O(W) each time at thousands of ranks.
             self._liveness(now, self._heard["reader"], self._heard["trainer"])
             self._check_readers(now)
+            self._check_ranks_gone()
             self.skip_log.flush(now)
             self._export_cpu()
             self._checked = now
+
+    def _check_ranks_gone(self) -> None:
+        """Say once when every rank has left (BYE, or lost) before the end of the data: the
+        dispatcher keeps the job's place for its restart, without a bound, and nothing said
+        so after the ranks' trainer_left lines (probe: a SIGTERM'd job left it silent)."""
+        if (self._ranks_gone_said or self.delivery.connected() or self.finished()
+                or not all(s.heard for s in self.slots)):
+            return
+        self._ranks_gone_said = True
+        left = [s.left_at for s in self.slots if s.said_bye and s.left_at is not None]
+        event("ranks_gone", logging.WARNING, next_step=min(left, default=self.next_plan),
+              last_commit=self._checkpointed(),
+              why="every rank has left before the end of the data: the dispatcher keeps the "
+                  "job's place and waits, without a bound, for the job restored from its "
+                  "checkpoint to resume here",
+              fix="restart the trainers from their checkpoint; or stop the dispatcher "
+                  "(SIGTERM) to end the job here (with --journal-dir it resumes later)")
 
     def _check_readers(self, now: float) -> None:
         """Say once an outage when no reader has been connected for NO_READERS_WARN_S while
@@ -1426,6 +1445,7 @@ class Dispatcher:
         # waited for (before, any rank's HELLO forgot it, and the dispatcher exited as soon as
         # one restored rank finished, before the lost one came back).
         self._done_at = None
+        self._ranks_gone_said = False
         local, g = msg.get("local_world_size"), self.topology.ranks_per_node
         if local is not None and local != g and not self._topology_warned:
             # The exchange follows the trainers' own topology and stays correct; what was

@@ -1214,6 +1214,34 @@ def test_a_done_job_still_waits_for_a_lost_rank_after_another_rank_rejoined_and_
         d._close()
 
 
+def test_every_rank_gone_before_the_end_of_the_data_is_said_once(caplog):
+    """Probe: trainers SIGTERM'd mid-epoch said BYE, and the dispatcher, keeping the job's
+    place for a restart without a bound, said nothing more after their trainer_left lines."""
+    d = Dispatcher(_config(world_size=2))
+    try:
+        _fill_and_plan(d, 16)  # steps 0-3 of more data
+        d.finished = lambda: False
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            for rank in (0, 1):
+                _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
+                              next_step=None, prefetch=2)
+            _trainer_says(d, b"t0", P.BYE, next_step=2)
+            d._check_ranks_gone()  # rank 1 still there: nothing to say
+            _trainer_says(d, b"t1", P.BYE, next_step=2)
+            for _ in range(3):
+                d._check_ranks_gone()
+            said = [r.getMessage() for r in caplog.records if "ranks_gone" in r.getMessage()]
+            assert len(said) == 1 and "next_step=2 last_commit=-1" in said[0], said
+            _trainer_says(d, b"t0b", P.HELLO, role="trainer", rank=0, world_size=2,
+                          next_step=2, prefetch=2)
+            _trainer_says(d, b"t0b", P.BYE, next_step=3)
+            d._check_ranks_gone()  # a rank came back and left again: said again
+        said = [r.getMessage() for r in caplog.records if "ranks_gone" in r.getMessage()]
+        assert len(said) == 2
+    finally:
+        d._close()
+
+
 def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog):
     """Rank 1 committed step 1, then died; rank 0 committed step 3, the last, and said BYE. The
     job's checkpoint is step 1 (rank 1 has no later one), but the wait looked at the latest
