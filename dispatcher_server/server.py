@@ -188,6 +188,9 @@ class Dispatcher:
         self._no_readers_since: float | None = None  # monotonic: no reader connected since then
         self._no_readers_said = False  # event=no_readers said for this outage
         self._ranks_gone_said = False  # event=ranks_gone said since a rank last joined
+        # The steps ("A-B") a done job waited LOST_RANK_GRACE_S for a restart to resume, in
+        # vain: it exits with them untrained, and says so (not as a job done).
+        self.resume_wait_over: str | None = None
         # position -> [its skip records, last try granted]: shards no reader opened yet, and
         # since when some have waited (a wait counts from then, or from a later reader join)
         self._unopened: dict[int, list] = {}
@@ -455,7 +458,10 @@ class Dispatcher:
                   seconds=int(LOST_RANK_GRACE_S),
                   why="a rank was lost or stopped early with steps after the last commit: a "
                       "job restored from its checkpoint resumes them here")
-        return now - self._done_at < LOST_RANK_GRACE_S
+        if now - self._done_at < LOST_RANK_GRACE_S:
+            return True
+        self.resume_wait_over = f"{committed + 1}-{last}"  # serve says so as it exits
+        return False
 
     def _checkpointed(self) -> int:
         """The latest step every rank committed: where a job restored from its checkpoints

@@ -40,7 +40,7 @@ from dispatcher_server.tuning import collect_on_a_clock, keep_freed_memory
 from dispatcher_server.halt import HaltedJob
 from dispatcher_server.measure import RefitConfig
 from dispatcher_server.metrics import event
-from dispatcher_server.server import Dispatcher
+from dispatcher_server.server import LOST_RANK_GRACE_S, Dispatcher
 from mmdispatch.dataset import load_dataset
 from pipeline.shards import absolute_url, expand_shards
 
@@ -677,6 +677,16 @@ def run(args: argparse.Namespace) -> int:
     if server.fatal is not None:
         say(f"mmdispatch serve: stopped: {server.fatal}")
         return 1  # not 2: the settings were fine, the run could not go on
+    if server.resume_wait_over is not None and not signals:
+        # Not "done": an orchestrator reading status 0 took the job as finished.
+        event("stopped", logging.WARNING, reason="resume_wait_over",
+              untrained_steps=server.resume_wait_over, next_step=server.next_plan,
+              last_commit=server.replay.committed,
+              why=f"no job resumed within {LOST_RANK_GRACE_S:.0f} s of the end: a rank left "
+                  "(or was lost) with these steps after the last commit",
+              fix="restart the trainers from their checkpoint with the dispatcher started "
+                  "again on its --journal-dir: the steps are planned again from there")
+        return 1
     # A planned stop reads as one in the log, not as a crash's silence.
     event("stopped", reason=signals[0] if signals else "done", next_step=server.next_plan,
           last_commit=server.replay.committed)

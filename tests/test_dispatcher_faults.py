@@ -1113,9 +1113,12 @@ def test_a_done_job_whose_rank_was_lost_waits_for_its_restart_before_exiting(cap
         with caplog.at_level(logging.WARNING, logger="mmdispatch"):
             assert d._resumable_after_loss(100.0)
             assert d._resumable_after_loss(100.0 + server_module.LOST_RANK_GRACE_S - 1)
+            assert d.resume_wait_over is None
             assert not d._resumable_after_loss(100.0 + server_module.LOST_RANK_GRACE_S)
         (line,) = [r.getMessage() for r in caplog.records if "waiting_for_resume" in r.getMessage()]
         assert "steps=1-3" in line
+        # The wait ran out: serve exits 1 saying so, not as a job done (probe: reason=done, 0).
+        assert d.resume_wait_over == "1-3"
         d.replay.committed = 3  # every step committed: nothing to resume
         assert not d._resumable_after_loss(100.0)
     finally:

@@ -1148,3 +1148,49 @@ def test_a_shard_taken_back_is_resumed_at_the_byte_offset_its_reader_reached(tmp
         assert walk["first"] == (f"{name}{start:05d}.txt" if start < 90 else None)
     # no walk from byte 0 but those of shards given from their first sample
     assert sum(w["start"] == 0 for w in walks) == sum(start == 0 for _, start, _ in assigned)
+
+
+@pytest.mark.timeout(120)
+def test_serve_exits_1_saying_so_when_no_job_resumed_its_untrained_steps(shards, monkeypatch,
+                                                                          capsys, request):
+    """Probe: after the 5 minutes of waiting_for_resume with no resume, serve ended with
+    `event=stopped reason=done` and status 0, and an orchestrator took the job as finished with
+    its last step untrained. It now ends with reason=resume_wait_over, the steps, and status 1."""
+    import logging
+    import signal
+
+    import dispatcher_server.server as server_module
+    from mmdispatch.cli import main
+    from tests.servicekit import free_port
+
+    monkeypatch.setattr(server_module, "LOST_RANK_GRACE_S", 1.0)
+    ports = [free_port(), free_port()]
+    trained: list[int] = []
+
+    def peers() -> None:
+        endpoint = f"tcp://127.0.0.1:{ports[1]}"
+        with readers(f"tcp://127.0.0.1:{ports[0]}", 1):
+            c = DispatcherClient(endpoint, 0, 1, 1, config=client_config(connect_timeout_s=30))
+            for step in c:
+                if step.step == 2:
+                    break  # its own step limit, before training step 2
+                trained.append(step.step)
+            c.close()
+            time.sleep(3)  # the readers stay while the dispatcher waits for a resume
+
+    thread = threading.Thread(target=peers, daemon=True)
+    thread.start()
+    logging.getLogger("mmdispatch").setLevel(logging.INFO)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # serve sets its own
+        previous = signal.getsignal(sig)
+        request.addfinalizer(lambda sig=sig, previous=previous: signal.signal(sig, previous))
+    code = main(["serve", "--shards", *shards[:1], "--world-size", "1", "--global-batch", "5",
+                 "--shuffle-buffer", "0", "--exit-when-done", "--heartbeat", "0.2",
+                 "--timeout", "1.5", "--reader-bind", f"tcp://127.0.0.1:{ports[0]}",
+                 "--trainer-bind", f"tcp://127.0.0.1:{ports[1]}"])
+    thread.join(30)
+    err = capsys.readouterr().err
+    assert trained == [0, 1]
+    assert code == 1, err
+    assert "event=waiting_for_resume steps=0-2" in err, err
+    assert "event=stopped reason=resume_wait_over untrained_steps=0-2" in err, err
