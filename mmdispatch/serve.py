@@ -368,6 +368,13 @@ def _check_flags(v: dict) -> None:
         raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
                          f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")
     journal = v["journal_dir"]
+    if journal and os.path.islink(journal) and not os.path.exists(journal):
+        try:
+            os.stat(journal)
+        except OSError as e:  # a link to nothing, or a loop of links
+            raise ValueError(f"--journal-dir {journal!r} is a symbolic link that leads to no "
+                             f"directory ({e.strerror}): point it at one, or give the directory "
+                             "itself") from None
     if journal and os.path.exists(journal) and not os.path.isdir(journal):
         raise ValueError(f"--journal-dir {journal!r} is not a directory: give the directory the "
                          f"journal lives in (created if missing)")

@@ -50,6 +50,7 @@ def files(small_shards, tmp_path_factory):
     (d / "weight_inf.toml").write_text(f'[[sources]]\nname = "a"\nshards = "{small_shards[0]}"\n'
                                        "weight = inf\n")
     (d / "journal_file").write_text("not a directory")
+    (d / "journal_loop").symlink_to(d / "journal_loop")
     (d / "not_a_tokenizer.json").write_text('{"not": "a tokenizer"}')
     (d / "torn_checkpoint").mkdir()
     (d / "mine").mkdir()
@@ -292,6 +293,10 @@ CASES = {
                                       ["--journal-dir", "/proc/nope/journal", "cannot be created"]),
     "keygen dir a file": (lambda f, p: [*MMD, "keygen", "x", "--dir", f"{f['dir']}/journal_file"],
                           ["--dir", "journal_file", "is a file"]),
+    "journal dir a symlink loop": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                 "--journal-dir", f"{f['dir']}/journal_loop"],
+                                   ["--journal-dir", "journal_loop", "is a symbolic link that leads",
+                                    "Too many levels of symbolic links"]),
     "journal dir is a file": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                             "--journal-dir", f"{f['dir']}/journal_file"],
                               ["--journal-dir", "journal_file", "not a directory"]),
