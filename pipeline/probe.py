@@ -111,7 +111,11 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
         result.shards.append(url)
         result.reading = stream
 
+        tallying = [True]  # members past the probed samples (the key walk) are not tallied
+
         def unnamed(name: str) -> None:
+            if not tallying[0]:
+                return
             label = unkeyed_label(name)
             result.ignored[label] += 1
             if not label:  # a dot file is no suffix the refusal could suggest mapping
@@ -137,6 +141,7 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                     if len(result.shards) == 1 and _mapped_tar(url, reader_config):
                         # The rest of the first shard's member names, its data left unread
                         # (mapped): are its samples' members together? (Bounded.)
+                        tallying[0] = False
                         for _ in itertools.islice(groups, MAX_KEYS_CHECKED):
                             if result.apart is not None:
                                 break
