@@ -1180,6 +1180,15 @@ def test_a_done_job_waits_for_a_rank_that_left_early_also_before_any_commit_or_t
         d._close()
 
 
+def _plan_for_ranks(d: Dispatcher, prefetch: int) -> None:
+    """Steps 0-3 planned, and every rank of `d` connected (socket t<rank>) from the start."""
+    _fill_and_plan(d, 16)
+    assert d.next_plan == 4
+    for rank in range(d.config.world_size):
+        _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank,
+                      world_size=d.config.world_size, next_step=None, prefetch=prefetch)
+
+
 def test_a_done_job_still_waits_for_a_lost_rank_after_another_rank_rejoined_and_finished(caplog):
     """Probe: rank 0 was SIGKILLed after its commit of step 0 (it had received every step and
     the end); rank 1 reconnected, trained to the end and said BYE, and the dispatcher exited
@@ -1187,11 +1196,8 @@ def test_a_done_job_still_waits_for_a_lost_rank_after_another_rank_rejoined_and_
     its checkpoint a moment later, found no dispatcher for steps 1-3."""
     d = Dispatcher(_config(world_size=2))
     try:
-        _fill_and_plan(d, 16)  # steps 0-3
-        assert d.next_plan == 4
+        _plan_for_ranks(d, prefetch=4)
         for rank in (0, 1):
-            _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
-                          next_step=None, prefetch=4)
             _trainer_says(d, b"t%d" % rank, P.COMMIT, step=0)
         s0, s1 = d.delivery.slots
         d.delivery.credit(s0, 6, 4)
@@ -1252,11 +1258,7 @@ def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog)
     from its checkpoint found none to replay steps 2-3."""
     d = Dispatcher(_config(world_size=2))
     try:
-        _fill_and_plan(d, 16)  # steps 0-3
-        assert d.next_plan == 4
-        for rank in (0, 1):
-            _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
-                          next_step=None, prefetch=2)
+        _plan_for_ranks(d, prefetch=2)
         _trainer_says(d, b"t1", P.COMMIT, step=1)
         _trainer_says(d, b"t0", P.COMMIT, step=1)
         _trainer_says(d, b"t0", P.COMMIT, step=3)
