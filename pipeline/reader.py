@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from dispatcher_server.cliopts import finite_float, named_by_flags
+from dispatcher_server.cliopts import event_line, finite_float, named_by_flags, redact
 from pipeline.counting import (
     OVER_LENGTH, PLACEHOLDER_FLAGS, AudioConfig, Conversation, CountError, Counter, CountingConfig,
     EmptyField, FieldText, ImageConfig, TextConfig, gunzip, kept_text_len, pillow_pixel_limit,
@@ -473,6 +473,25 @@ def _log_defect_once(e: Exception, url: str, key: str) -> None:
                   exc_info=e)
 
 
+_TEXTLESS_SAID: list[str] = []  # the shard samples_without_text was said for (once a process)
+
+
+def _say_textless(url: str, samples: int, ignored) -> None:
+    """Once a process: a shard none of whose samples holds text while their JSON members hold
+    none of the text fields (OBELICS' or MMC4's text lists, a transcript under another key):
+    they train as their media alone, on no token, with only a tally to tell (probe)."""
+    labels = sorted(k for k, n in ignored.items() if n and k.endswith(NO_TEXT_FIELD))
+    if not labels or _TEXTLESS_SAID:
+        return
+    _TEXTLESS_SAID.append(url)
+    log.warning("%s", event_line(
+        "samples_without_text", shard=redact(url), samples=samples, members=",".join(labels),
+        why="no sample of the shard holds text, and their JSON members hold none of the text "
+            "fields: they train as their images, video or audio alone, on no token",
+        fix="name the JSON's text field with --json-field (the dataset file's json_fields), or, "
+            "for interleaved documents, see 'Placeholders' in docs/datasets.md"))
+
+
 def sample_builder(config: ReaderConfig) -> SampleBuilder:
     """The SampleBuilder of `config`, built (its tokenizer and chat template loaded) once per
     process: keyed by the config's value, as loading a tokenizer per shard would dominate small
@@ -603,6 +622,7 @@ def iter_shard(
         shard_ignored[unkeyed_label(name)] += 1
 
     index = start_index - 1 if start else -1
+    sent = with_text = 0  # samples counted, and of those with any text
     last_key: str | None = None
     seen: set[str] = set()
     failure: SampleError | None = None
@@ -652,7 +672,11 @@ def iter_shard(
             stats.ok()
             if record.truncated:
                 stats.num_truncated += 1
+            sent += 1
+            with_text += record.text_len > 0
             yield record
+        if sent and not with_text:
+            _say_textless(url, sent, shard_ignored)
         if unterminated:  # nothing is lost, but the writer may have stopped inside a sample
             last = f"its last sample {quoted_name(last_key)}" if last_key is not None else "its last member"
             log.warning("mmdispatch.pipeline: shard %r ends at byte %d without the end-of-archive blocks "

@@ -239,6 +239,34 @@ def test_json_without_a_text_field_is_tallied_beside_the_ignored_members(tmp_pat
     assert list(texts) == ["a", "b", "c"] and all(texts.values())
 
 
+def test_a_shard_whose_samples_hold_no_text_beside_text_less_json_is_said_once(
+        tmp_path, caplog, monkeypatch):
+    """Probe: OBELICS-style documents (images and a JSON of `texts`) trained as their images
+    alone, on no token, with only an INFO tally to tell; the reference trainer ran to its end
+    at loss 0.0."""
+    import pipeline.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_TEXTLESS_SAID", [])
+    doc = b'{"texts": ["A cat", null, "sits."], "images": [null, "u", null]}'
+    shards = [write_tar(tmp_path / f"o{i}.tar", [(f"d{i}{k}.1.jpg", jpeg(32, 32)) if j == 0 else
+                                                  (f"d{i}{k}.json", doc)
+                                                  for k in range(3) for j in range(2)])
+              for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        records = [r for url in shards for r in iter_shard(url, config("skip"))]
+    assert len(records) == 6 and not any(r.text_len for r in records)
+    said = [r.getMessage() for r in caplog.records if "samples_without_text" in r.getMessage()]
+    assert len(said) == 1 and f"shard={shards[0]} samples=3" in said[0], said
+    assert "members='json (no text field)'" in said[0] and "--json-field" in said[0]
+    captioned = write_tar(tmp_path / "c.tar", [("e.jpg", jpeg(32, 32)), ("e.json", doc),
+                                               ("e.txt", b"a caption")])
+    monkeypatch.setattr(reader_module, "_TEXTLESS_SAID", [])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+        assert [r.text_len > 0 for r in iter_shard(captioned, config("skip"))] == [True]
+    assert "samples_without_text" not in caplog.text  # metadata JSON beside a caption
+
+
 def test_an_empty_text_member_beside_media_is_tallied_as_an_empty_json_field_is(tmp_path):
     """Probe: a FLAC with a 0-byte .txt transcript (a silence segment) was delivered with no
     text and no line anywhere, while the same emptiness in a JSON was tallied."""
