@@ -22,6 +22,7 @@ import itertools
 import logging
 import mimetypes
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -142,8 +143,9 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
                         # The rest of the first shard's member names, its data left unread
                         # (mapped): are its samples' members together? (Bounded.)
                         tallying[0] = False
+                        until = time.monotonic() + KEY_WALK_S
                         for _ in itertools.islice(groups, MAX_KEYS_CHECKED):
-                            if result.apart is not None:
+                            if result.apart is not None or time.monotonic() > until:
                                 break
                     break
                 if result.samples >= max_samples:
@@ -163,8 +165,10 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
     return result
 
 
-#: Samples of a source's first shard whose keys the probe checks for members lying apart.
+#: Samples of a source's first shard whose keys the probe checks for members lying apart, and
+#: the seconds it may spend on them (100,000 members take about 0.6 s): within the probe's time.
 MAX_KEYS_CHECKED = 200_000
+KEY_WALK_S = 5.0
 
 
 def _keys_apart(members, result: ProbeResult, url: str):
