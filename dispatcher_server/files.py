@@ -33,9 +33,14 @@ def replace_file(path: str, data: bytes, *, durable: bool = True) -> None:
             os.close(fd)
 
 
+class NotRegularFile(OSError):
+    """A path that is there but is not a regular file (`check_regular_file`)."""
+
+
 def check_regular_file(path: str) -> None:
-    """OSError naming `path` where it is there but not a regular file: a directory is refused
-    by open() without its name, and opening a FIFO blocks until something writes to it."""
+    """NotRegularFile naming `path` where it is there but not a regular file (a directory is
+    refused by open() without its name, and opening a FIFO blocks until something writes to
+    it); OSError where it cannot be looked at (a loop of links)."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -43,4 +48,4 @@ def check_regular_file(path: str) -> None:
     if not stat.S_ISREG(mode):
         kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe" if stat.S_ISFIFO(mode)
                 else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise OSError(errno.EINVAL, f"{kind}, not a regular file", path)
+        raise NotRegularFile(errno.EINVAL, f"{kind}, not a regular file", path)

@@ -54,7 +54,7 @@ import msgpack
 
 # JournalError and JournalWriteError are raised by the record layer too; users import them here.
 from dispatcher_server.blend import same_setting
-from dispatcher_server.files import check_regular_file
+from dispatcher_server.files import NotRegularFile, check_regular_file
 from dispatcher_server.inputs import INPUTS_FILE
 from dispatcher_server.recordlog import (MAGIC, AppendFile, JournalError, JournalWriteError,
                                          frame, is_legacy, legacy_scan, read_record, scan,
@@ -796,8 +796,8 @@ def _lock(directory: str) -> int:
     path = os.path.join(directory, LOCK_FILE)
     try:
         check_regular_file(path)
-    except OSError as e:  # not a file (EINVAL, from the check), or a link that leads nowhere
-        state = f"is {e.strerror}" if e.errno == errno.EINVAL else f"cannot be opened ({e.strerror})"
+    except OSError as e:  # not a file, or a link that leads nowhere
+        state = f"is {e.strerror}" if isinstance(e, NotRegularFile) else f"cannot be opened ({e.strerror})"
         raise JournalError(f"journal lock file {path!r} {state}: remove it (the dispatcher "
                            "creates it, and holds it while it runs)") from None
     try:

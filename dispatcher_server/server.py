@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from time import thread_time
 
 import zmq
@@ -93,6 +94,27 @@ def _bind_retrying(sock: zmq.Socket, addr: str, timeout_s: float = 5.0) -> None:
             if e.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+@dataclass(slots=True)
+class _LengthTally:
+    """Steps planned, and the count, sum and sum of squares of their samples' LLM lengths."""
+
+    steps: int = 0
+    samples: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+
+    def add(self, lengths) -> None:
+        values = lengths.astype("float64")
+        self.steps += 1
+        self.samples += len(values)
+        self.total += float(values.sum())
+        self.squares += float(values @ values)
+
+    def mean_std(self) -> tuple[float, float]:
+        mean = self.total / self.samples
+        return mean, math.sqrt(max(0.0, self.squares / self.samples - mean * mean))
 
 
 class Dispatcher:
@@ -200,7 +222,7 @@ class Dispatcher:
         self._done_at: float | None = None  # when done() was first seen with that grace due
         self._one_shard_warned: set[str] = set()  # sources whose shuffle blocks hold one shard each
         self._budget_warned: set[str] = set()  # token-budget events said once a run
-        self._budget_seen = [0, 0, 0, 0.0]  # steps, samples, LLM tokens, squares (until said)
+        self._budget_seen = _LengthTally()  # steps planned and their samples' LLM lengths
         self._budget_cut: tuple | None = None  # (step, samples, M): the first the budget cut
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
@@ -709,17 +731,15 @@ class Dispatcher:
                   fix="raise --token-budget above the longest sample (or cap samples with the "
                       "readers' --max-seq-len)")
         S, M = len(batch.keys), plan.num_microbatches
-        seen = self._budget_seen  # [steps, samples, LLM tokens, their squares] planned so far
-        lens = batch.inputs.llm_len
-        seen[0], seen[1], seen[2] = seen[0] + 1, seen[1] + S, seen[2] + tokens
-        seen[3] += float((lens.astype("float64") ** 2).sum())
+        seen = self._budget_seen
+        seen.add(batch.inputs.llm_len)
         if "empty" in self._budget_warned:
             return
         if (filled.cut and S < W * M and self._budget_cut is None
                 and self.config.batch.global_batch >= W * M):
             # (A global batch below W x M leaves micro-batches empty anyway: serve said so.)
             self._budget_cut = (step, S, M)
-        if self._budget_cut is not None and seen[0] >= BUDGET_MEAN_STEPS:
+        if self._budget_cut is not None and seen.steps >= BUDGET_MEAN_STEPS:
             # Said from the mean of several steps: a cut step's own mean lacks the sample that
             # did not fit, and advised about the budget already set.
             self._budget_warned.add("empty")
@@ -728,8 +748,7 @@ class Dispatcher:
             # W x M samples hold n x mean tokens on average, and their sum varies by sqrt(n)
             # standard deviations of a sample: a budget of the mean alone still cut about half
             # the steps (probe), two deviations over it hold all but a few.
-            n, mean = W * cut_M, seen[2] / seen[1]
-            std = math.sqrt(max(0.0, seen[3] / seen[1] - mean * mean))
+            n, (mean, std) = W * cut_M, seen.mean_std()
             holds = math.ceil(n * mean + 2 * math.sqrt(n) * std)
             fix = (f"a --token-budget of at least about {holds}" if holds > budget else
                    f"a --token-budget above {budget} with room for steps of longer samples")
@@ -738,7 +757,7 @@ class Dispatcher:
                   why=f"--token-budget {budget} cut step {cut} at {cut_samples} samples for "
                       f"{W} ranks x {cut_M} micro-batches: ranks run empty micro-batches in "
                       f"such steps; said once",
-                  fix=f"{fix} (W x M samples in most steps, by the {seen[1]} samples planned so "
+                  fix=f"{fix} (W x M samples in most steps, by the {seen.samples} samples planned so "
                       f"far: {holds} tokens), or fewer --num-microbatches")
 
     def _isolated(self, step: int, batch, plan, caught: list[Warning]) -> None:

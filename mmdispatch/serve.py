@@ -368,7 +368,7 @@ def _check_flags(v: dict) -> None:
         raise ValueError(f"--step-log {v['step_log']!r} is a directory: give a file to append "
                          f"one JSON line per step to (e.g. {os.path.join(v['step_log'], 'steps.jsonl')})")
     journal = v["journal_dir"]
-    if journal and os.path.islink(journal) and not os.path.exists(journal):
+    if journal and os.path.islink(journal):
         try:
             os.stat(journal)
         except OSError as e:  # a link to nothing, or a loop of links
@@ -691,8 +691,10 @@ def run(args: argparse.Namespace) -> int:
               last_commit=server.replay.committed,
               why=f"no job resumed within {LOST_RANK_GRACE_S:.0f} s of the end: a rank left "
                   "(or was lost) with these steps after the last commit",
-              fix="restart the trainers from their checkpoint with the dispatcher started "
-                  "again on its --journal-dir: the steps are planned again from there")
+              fix=("restart the trainers from their checkpoint with the dispatcher started "
+                   "again on its --journal-dir: the steps are planned again from there"
+                   if config.journal_dir else "run serve with --journal-dir, so that a restart "
+                   "of the dispatcher can resume such steps"))
         return 1
     # A planned stop reads as one in the log, not as a crash's silence.
     event("stopped", reason=signals[0] if signals else "done", next_step=server.next_plan,

@@ -473,16 +473,18 @@ def _log_defect_once(e: Exception, url: str, key: str) -> None:
                   exc_info=e)
 
 
-_TEXTLESS_SAID: list[str] = []  # the shard samples_without_text was said for (once a process)
+_TEXTLESS_SAID: list[str] = []  # the first shard samples_without_text was said for
 
 
-def _say_textless(url: str, samples: int, ignored) -> None:
-    """Once a process: a shard none of whose samples holds text while their JSON members hold
+def _no_text_fields(ignored) -> dict[str, int]:
+    """The tallies of JSON members holding none of the text fields, by label."""
+    return {k: n for k, n in ignored.items() if n and k.endswith(NO_TEXT_FIELD)}
+
+
+def _say_textless(url: str, samples: int, labels: list[str]) -> None:
+    """Said once a process (the caller checks `_TEXTLESS_SAID`): a shard none of whose samples holds text while their JSON members hold
     none of the text fields (OBELICS' or MMC4's text lists, a transcript under another key):
     they train as their media alone, on no token, with only a tally to tell (probe)."""
-    labels = sorted(k for k, n in ignored.items() if n and k.endswith(NO_TEXT_FIELD))
-    if not labels or _TEXTLESS_SAID:
-        return
     _TEXTLESS_SAID.append(url)
     log.warning("%s", event_line(
         "samples_without_text", shard=redact(url), samples=samples, members=",".join(labels),
@@ -623,6 +625,8 @@ def iter_shard(
 
     index = start_index - 1 if start else -1
     sent = with_text = 0  # samples counted, and of those with any text
+    # (`ignored` may hold earlier shards' tallies: this shard's are what it adds)
+    no_text_before = _no_text_fields(shard_ignored)
     last_key: str | None = None
     seen: set[str] = set()
     failure: SampleError | None = None
@@ -675,8 +679,11 @@ def iter_shard(
             sent += 1
             with_text += record.text_len > 0
             yield record
-        if sent and not with_text:
-            _say_textless(url, sent, shard_ignored)
+        if sent and not with_text and not _TEXTLESS_SAID:
+            added = sorted(k for k, n in _no_text_fields(shard_ignored).items()
+                           if n > no_text_before.get(k, 0))
+            if added:
+                _say_textless(url, sent, added)
         if unterminated:  # nothing is lost, but the writer may have stopped inside a sample
             last = f"its last sample {quoted_name(last_key)}" if last_key is not None else "its last member"
             log.warning("mmdispatch.pipeline: shard %r ends at byte %d without the end-of-archive blocks "

@@ -953,9 +953,9 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     stopping.set()
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
-                    if p.exitcode and p.exitcode > 0 or (p.exitcode == 0 and procs
-                                                         and not stopping.is_set()):
-                        say_failures(w)  # a failure, or a worker stopped on its own
+                    alone = p.exitcode == 0 and procs and not stopping.is_set()
+                    if p.exitcode > 0 or alone:
+                        say_failures(w)  # a failure, or a worker stopped by its own signal
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure. A
