@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from dispatcher_server.batching import Sample, header_problem
 from dispatcher_server.blend import Blend, block_permutation
@@ -712,6 +713,7 @@ class StepAssembler:
         next_index = prog.next_index
         append, at, nbytes = prog.buffer.append, 0, 0
         record = tuple.__new__  # a Sample without the Python-level __new__ of a NamedTuple
+        before = [0, *accumulate(item_bytes)]  # payload bytes of the items before each
         for key, index, text_len, llm_len, text, items in headers:
             start, at = at, at + len(items)
             if index < next_index:
@@ -725,7 +727,7 @@ class StepAssembler:
             if problem is not None:  # counted as read, reported as skipped: never planned
                 out.skipped.append(SkipRecord(key, problem, index))
                 continue
-            size = len(text) + sum(item_bytes[start:at]) + ITEM_HELD_BYTES * (at - start)
+            size = len(text) + before[at] - before[start] + ITEM_HELD_BYTES * (at - start)
             append(record(Sample, (key, pos, index, text_len, llm_len, text, items,
                                    views[start:at], size, holder)))
             nbytes += size

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import ANCHOR, DEFAULT_LIMITS, HOLDERS, STEP, coalesce, encode
+from dispatcher_server.protocol import (ANCHOR, DEFAULT_LIMITS, HOLDERS, STEP, VERSION, coalesce,
+                                        packer)
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -207,35 +208,45 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     With `endpoints` (direct payload mode: ReaderPool.endpoints) each micro-batch also names
     the holder of each item, as an index into the rank's `readers`: the endpoints it needs.
 
-    The arrays of all ranks are packed at once (`stepwire.pack_step`); a rank's data frame joins
-    its micro-batches' views of that buffer and its payloads in one copy. Keys, tokens and item
-    headers are put in group order once, so a rank's lists are slices.
+    The arrays of all ranks are packed at once, rank by rank (`stepwire.pack_step`); keys,
+    tokens and item headers are put in order once, items rank by rank too, so a rank's lists
+    are slices and its data frame is one join of its arrays and its payloads. The headers are
+    packed by one reused packer (`protocol.packer`): this runs for every rank of every step.
     """
     W, M = plan.topology.world_size, plan.num_microbatches
     packed = pack_step(plan)
     order = plan.sample_order.tolist()
     keys, tokens = take(batch.keys, order), take(batch.tokens, order)
     sample_ptr = plan.sample_ptr.tolist()
-    heads, buffers, nbytes, holders, item_ptr = _items_by_group(batch, plan, W * M,
-                                                                holders=endpoints is not None)
+    heads, buffers, nbytes, holders, item_ptr, rank_bytes = _items_by_rank(
+        batch, plan, holders=endpoints is not None)
+    lengths, rank_starts, arrays = packed.lengths, packed.rank_starts, packed.buffer
+    pack = packer().pack
     out = []
     for rank in range(W):
-        mbs, arrays, data, sizes, table = [], [], [], [], {}
+        mbs, table = [], {}
         for m in range(M):
-            g = m * W + rank
+            g, p = m * W + rank, rank * M + m
             s0, s1 = sample_ptr[g], sample_ptr[g + 1]
-            a, z = item_ptr[g], item_ptr[g + 1]
-            mb = {"arrays": packed.lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
+            a, z = item_ptr[p], item_ptr[p + 1]
+            mb = {"arrays": lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
                   "items": heads[a:z], "payloads": z - a, "sizes": nbytes[a:z]}
             if endpoints is not None:
                 mb[HOLDERS] = [table.setdefault(h, len(table)) for h in holders[a:z]]
             mbs.append(mb)
-            arrays.append(packed.frame(g))
-            data += buffers[a:z]
-            sizes += nbytes[a:z]
-        direct = {} if endpoints is None else {"readers": [list(endpoints[h]) for h in table]}
-        out.append(encode(STEP, seq=seq + rank, frames=_data_frames(arrays, data, sizes), step=step,
-                          epoch=epoch, rank=rank, world_size=W, microbatches=mbs, **direct))
+        header = {"v": VERSION, "type": STEP, "seq": seq + rank, "step": step, "epoch": epoch,
+                  "rank": rank, "world_size": W, "microbatches": mbs}
+        if endpoints is not None:
+            header["readers"] = [list(endpoints[h]) for h in table]
+        r0, r1 = rank_starts[rank], rank_starts[rank + 1]
+        a, z = item_ptr[rank * M], item_ptr[rank * M + M]
+        data = buffers[a:z]
+        if 8 * (r1 - r0) + rank_bytes[rank] <= FRAME_LIMIT:
+            data.insert(0, arrays[r0:r1])
+            out.append([pack(header), b"".join(data)])
+        else:  # split at item boundaries, the arrays whole and first
+            out.append([pack(header), *coalesce([arrays[r0:r1].tobytes(), *data],
+                                                [8 * (r1 - r0), *nbytes[a:z]], FRAME_LIMIT)])
     return out
 
 
@@ -243,34 +254,33 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
 FRAME_LIMIT = DEFAULT_LIMITS.max_frame_bytes
 
 
-def _data_frames(arrays: list, payloads: list, sizes: list[int]) -> list:
-    """A STEP's data (see protocol.STEP): the arrays, then the payloads; one frame, unless
-    they exceed a frame's limit, then split at item boundaries (the arrays whole, first)."""
-    head = sum(a.nbytes for a in arrays)
-    if head + sum(sizes) <= FRAME_LIMIT:
-        return [b"".join(arrays + payloads)]
-    return coalesce([b"".join(arrays), *payloads], [head, *sizes], FRAME_LIMIT)
-
-
-def _items_by_group(batch: StepBatch, plan, num_groups: int, *, holders: bool
-                    ) -> tuple[list, list, list, list | None, list[int]]:
+def _items_by_rank(batch: StepBatch, plan, *, holders: bool
+                   ) -> tuple[list, list, list, list | None, list[int], list[int]]:
     """(header, payload, size, holder) of every item in the order the STEP messages list them:
-    by group g = mb * W + rank, then phase, then the phase's send order; and the CSR pointer
-    over groups. Each column is gathered once in that order, so a group's items are one slice
-    each; holders only if asked (direct mode), else None."""
+    by rank, then micro-batch, then phase, then the phase's send order; the CSR pointer over
+    the rank-major groups p = rank * M + mb, and each rank's payload bytes. Each column is
+    gathered once in that order, so a rank's items are one slice each; holders only if asked
+    (direct mode), else None."""
+    W, M = plan.topology.world_size, plan.num_microbatches
     groups, ids = [], []
     for phase in ENCODER_PHASES:
         ex = plan._exchange(phase)
-        groups.append(np.repeat(np.arange(num_groups), np.diff(ex.send_ptr)))
+        groups.append(np.repeat(np.arange(W * M), np.diff(ex.send_ptr)))
         ids.append(batch.phase_items[phase][ex.send_order])
     group = np.concatenate(groups)
+    position = (group % W) * M + group // W  # rank-major
     # stable: phases stay in order, each in its send order
-    order = np.concatenate(ids)[np.argsort(group, kind="stable")].tolist()
-    ptr = np.zeros(num_groups + 1, dtype=np.int64)
-    np.cumsum(np.bincount(group, minlength=num_groups), out=ptr[1:])
-    return (take(batch.item_headers, order), take(batch.item_payloads, order),
-            take(batch.item_sizes, order), take(batch.item_holders, order) if holders else None,
-            ptr.tolist())
+    by_position = np.argsort(position, kind="stable")
+    order = np.concatenate(ids)[by_position].tolist()
+    ptr = np.zeros(W * M + 1, dtype=np.int64)
+    np.cumsum(np.bincount(position, minlength=W * M), out=ptr[1:])
+    sizes = take(batch.item_sizes, order)
+    cum = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(sizes, dtype=np.int64), out=cum[1:])
+    rank_bytes = np.diff(cum[ptr[::M]])
+    return (take(batch.item_headers, order), take(batch.item_payloads, order), sizes,
+            take(batch.item_holders, order) if holders else None, ptr.tolist(),
+            rank_bytes.tolist())
 
 
 def rank_message(batch: StepBatch, plan, *, step: int, epoch: int, rank: int, seq: int) -> list:

@@ -33,15 +33,28 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 @dataclass(slots=True)
 class PackedStep:
-    """Every (rank, micro-batch)'s arrays of one step in one int64 buffer: group g = mb*W + rank
-    is `buffer[starts[g]:starts[g + 1]]`, holding `lengths[g]` (the header's `arrays`)."""
+    """Every (rank, micro-batch)'s arrays of one step in one int64 buffer, rank by rank: group
+    g = mb*W + rank is `buffer[starts[g]:stops[g]]`, holding `lengths[g]` (the header's
+    `arrays`), and a rank's M groups lie one after another, micro-batch 0 first (`rank_frame`):
+    its STEP's data frame starts with them in one piece."""
 
     buffer: np.ndarray
     starts: list[int]
+    stops: list[int]
     lengths: list[list[int]]
+    rank_starts: list[int]  # rank r's groups: buffer[rank_starts[r]:rank_starts[r + 1]]
 
     def frame(self, group: int) -> np.ndarray:
-        return self.buffer[self.starts[group]:self.starts[group + 1]]
+        return self.buffer[self.starts[group]:self.stops[group]]
+
+    def rank_frame(self, rank: int) -> np.ndarray:
+        return self.buffer[self.rank_starts[rank]:self.rank_starts[rank + 1]]
+
+
+def rank_major(world_size: int, num_microbatches: int) -> np.ndarray:
+    """The group g = mb*W + rank at each rank-major position p = rank*M + mb."""
+    p = np.arange(world_size * num_microbatches)
+    return (p % num_microbatches) * world_size + p // num_microbatches
 
 
 def pack_step(plan: StepPlan) -> PackedStep:
@@ -55,14 +68,19 @@ def pack_step(plan: StepPlan) -> PackedStep:
     W, M = plan.topology.world_size, plan.num_microbatches
     columns = _columns(plan, W * M)
     counts = np.stack([np.diff(ptr) for _, ptr in columns])  # [arrays, groups]
-    starts = np.zeros(W * M + 1, dtype=np.int64)
-    np.cumsum(counts.sum(axis=0), out=starts[1:])
-    at = starts[:-1] + (np.cumsum(counts, axis=0) - counts)  # where each array starts
-    buffer = np.empty(int(starts[-1]), dtype=np.int64)
+    sizes = counts.sum(axis=0)
+    group_at = rank_major(W, M)
+    ends = np.zeros(W * M + 1, dtype=np.int64)  # rank-major
+    np.cumsum(sizes[group_at], out=ends[1:])
+    starts = np.empty(W * M, dtype=np.int64)
+    starts[group_at] = ends[:-1]
+    at = starts + (np.cumsum(counts, axis=0) - counts)  # where each array starts
+    buffer = np.empty(int(ends[-1]), dtype=np.int64)
     for k, (values, ptr) in enumerate(columns):
         if len(values):
             buffer[np.repeat(at[k] - ptr[:-1], counts[k]) + np.arange(len(values))] = values
-    return PackedStep(buffer=buffer, starts=starts.tolist(), lengths=counts.T.tolist())
+    return PackedStep(buffer=buffer, starts=starts.tolist(), stops=(starts + sizes).tolist(),
+                      lengths=counts.T.tolist(), rank_starts=ends[::M].tolist())
 
 
 def _columns(plan: StepPlan, num_groups: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -288,6 +288,49 @@ def test_microbatch_wire_round_trip_is_exact():
                           microbatch=0, world_size=16)
 
 
+def test_a_ranks_frames_lie_together_micro_batch_0_first():
+    """STEP's data frame starts with the rank's M groups in one piece (`rank_frame`)."""
+    for world, m in ((1, 1), (3, 2), (16, 3)):
+        plan = _plan(world_size=world, num_microbatches=m)
+        packed = pack_step(plan)
+        assert packed.rank_starts[0] == 0 and packed.rank_starts[-1] == len(packed.buffer)
+        for rank in range(world):
+            groups = [packed.frame(mb * world + rank) for mb in range(m)]
+            np.testing.assert_array_equal(packed.rank_frame(rank), np.concatenate(groups))
+            assert [len(g) for g in groups] == [sum(packed.lengths[mb * world + rank])
+                                                for mb in range(m)]
+
+
+def test_encode_packs_exactly_from_many_threads_at_once():
+    """`encode` reuses one packer per thread: headers packed at once on several threads, and
+    one after a header that could not be packed, are exactly msgpack's."""
+    import threading
+
+    import msgpack
+
+    with pytest.raises(TypeError):
+        P.encode(P.HEARTBEAT, note=object())
+    assert P.encode(P.HEARTBEAT, seq=3)[0] == msgpack.packb(
+        {"v": P.VERSION, "type": P.HEARTBEAT, "seq": 3}, use_bin_type=True)
+    wrong = []
+
+    def run(t: int) -> None:
+        for i in range(2_000):
+            keys = [f"t{t}-{i}-{j}" * (i % 7) for j in range(i % 5)]
+            got = P.encode(P.CREDIT, seq=i, upto=t * i, received=i, keys=keys)[0]
+            want = msgpack.packb({"v": P.VERSION, "type": P.CREDIT, "seq": i, "upto": t * i,
+                                  "received": i, "keys": keys}, use_bin_type=True)
+            if got != want:
+                wrong.append((t, i))
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not wrong and not any(th.is_alive() for th in threads)
+
+
 def test_microbatch_wire_size_does_not_grow_with_the_world():
     """Per-peer token counts travel as pairs: a rank's frame holds O(its items), not O(W)."""
     sizes = {}
