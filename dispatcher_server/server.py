@@ -853,7 +853,7 @@ class Dispatcher:
             send(sock, [slot.ident, *frames])
             slot.last_sent = now
             count += 1
-            nbytes += sum(memoryview(f).nbytes for f in frames)
+            nbytes += sum(map(len, frames))  # bytes (the packed header, the joined data)
         if count:  # counted once per pump, as _send_frames counts each other message
             self.metrics.bytes_out_of["trainer"].inc(nbytes)
             self.metrics.messages_of["trainer", "out"].inc(count)
@@ -974,7 +974,7 @@ class Dispatcher:
         try:
             for frames in P.pending(sock, budget):
                 count += 1
-                nbytes += sum(len(f) for f in frames) - len(frames[0])
+                nbytes += sum(map(len, frames)) - len(frames[0])
                 self._take(sock, role, frames[0].bytes, frames[1:], handler)
         finally:  # counted once per drain: two metric updates a message cost ~1 us each
             self.metrics.bytes_in_of[role].inc(nbytes)
