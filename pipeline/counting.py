@@ -523,6 +523,30 @@ def _sndfile_header(data: bytes | memoryview) -> tuple[int, int, float]:
     return rate, channels, frames / rate
 
 
+def _check_mp3_read_whole(data: bytes | memoryview, header: tuple[int, int, float],
+                          cfg: AudioConfig) -> None:
+    """CountError unless libsndfile, the trainers' decoder, reads an MP3 without a Xing/Info
+    frame to as many encoder rows as its frames hold (`header`, from walking them). Without such
+    a frame it reads up to its own estimate of the length, made from the bytes and the first
+    frame's bitrate, and stops there: a variable bitrate stream whose first frame is richer than
+    the rest (its header stripped, a stream rip) would decode to a prefix, and train on a blank
+    input in its planned place."""
+    rate, _, duration = header
+    try:
+        info = soundfile.info(io.BytesIO(data))
+    except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
+        raise CountError("bad_audio", f"MP3 that libsndfile (the trainers' decoder) cannot open: "
+                                      f"{library_message(e)}") from None
+    read = info.frames / info.samplerate if info.samplerate > 0 else 0.0
+    # An estimate above the frames is harmless: the decoder stops at the last one.
+    if read < duration and audio_lengths(read, cfg) != audio_lengths(duration, cfg):
+        raise CountError("bad_audio", f"MP3 without a Xing/Info header: libsndfile (the trainers' "
+                                      f"decoder) reads only its estimate of {read:.2f} s of the "
+                                      f"{duration:.2f} s its frames hold (a variable bitrate "
+                                      f"stream without its header); give it one: ffmpeg -i in.mp3 -c:a "
+                                      f"copy out.mp3")
+
+
 class Counter:
     """Counts members under one `CountingConfig`; holds the loaded tokenizer and chat template."""
 
@@ -627,10 +651,11 @@ class Counter:
         try:
             header = wav_header(data)
             flac = header is None and (header := flac_header(stream)) is not None
-            if header is None:
-                header = mp3_header(data)
+            walked = header is None and (header := mp3_header(data)) is not None
         except HeaderError as e:
             raise CountError(e.reason, str(e)) from None
+        if walked:
+            _check_mp3_read_whole(data, header, cfg)
         if header is None and not flac:
             # libsndfile states the length a Xing/Info frame claims, however much of it is there
             problem = mp3_xing_problem(data)

@@ -552,13 +552,18 @@ def _mpeg_walk(data, start: int, rate: int) -> tuple[int, int, int, str | None]:
     or None) of the MPEG audio frames from `start`: a clean walk ends at the end of the data or
     at a trailing tag (or zero padding), which no decoder reads."""
     pos, frames, samples, end = start, 0, 0, len(data)
+    known: dict[bytes, tuple[int, int]] = {}  # a stream repeats a few headers: parse each once
     while pos < end:
-        frame = _mpeg_frame(data, pos)
-        if frame is None or frame[2] != rate:
-            rest = bytes(data[pos:pos + 11])
-            if rest.startswith(_MPEG_TRAILERS) or not bytes(data[pos:]).strip(b"\0"):
-                break  # zero padding must run to the end: a decoder resyncs after a gap of zeros
-            return frames, samples, pos, "junk"
+        head = bytes(data[pos:pos + 4])
+        frame = known.get(head)
+        if frame is None:
+            parsed = _mpeg_frame(data, pos)
+            if parsed is None or parsed[2] != rate:
+                rest = bytes(data[pos:pos + 11])
+                if rest.startswith(_MPEG_TRAILERS) or not bytes(data[pos:]).strip(b"\0"):
+                    break  # zero padding must run to the end: a decoder resyncs after a gap of zeros
+                return frames, samples, pos, "junk"
+            frame = known[head] = parsed[:2]
         if pos + frame[0] > end:
             return frames, samples, pos, "cut"
         frames += 1
@@ -606,8 +611,10 @@ def mp3_xing_problem(data: bytes | memoryview) -> str | None:
     """Why an MP3 whose first frame is a Xing/Info frame does not hold the frames it claims (cut
     short: libsndfile states the uncut length, its decoder reads what is there), or None.
 
-    O(1) when the frames end exactly where the tag's byte count says (LAME and libsndfile write it
-    so), a walk over frame headers otherwise. None also for a stream without such a frame.
+    A walk over the frame headers (headers only): a partial download that its downloader
+    preallocated (aria2, BitTorrent clients) is as long as the whole file, so its byte count
+    matches the file while zeros stand where the later frames should be. None also for a
+    stream without such a frame.
     """
     start = id3v2_end(data)
     first = _mpeg_frame(data, start)
@@ -616,12 +623,7 @@ def mp3_xing_problem(data: bytes | memoryview) -> str | None:
     claims = _xing_claims(bytes(data[start:start + min(first[0], 200)]))
     if claims is None:
         return None
-    tag, frames, size = claims
-    if size is not None:  # the frames end where it says, and only tags or padding follow
-        stop = start + size
-        if stop == len(data) or stop < len(data) and (
-                bytes(data[stop:stop + 11]).startswith(_MPEG_TRAILERS) or not bytes(data[stop:]).strip(b"\0")):
-            return None
+    tag, frames, _ = claims
     present, _, pos, stop = _mpeg_walk(data, start, first[2])
     present -= 1  # the tag's own frame is no audio
     if frames is not None and present < frames:

@@ -183,6 +183,75 @@ def test_an_mp3_with_a_xing_frame_cut_short_is_refused(writer):
         assert err.value.reason == "bad_audio"
 
 
+@pytest.mark.parametrize("writer", ["lame 44100", "libsndfile 22050"])
+@pytest.mark.parametrize("missing", ["half", "a tenth", "2000 bytes"])
+def test_a_preallocated_partial_mp3_download_is_refused(writer, missing):
+    """aria2, BitTorrent clients and other preallocating downloaders leave an interrupted file
+    at its full size, zeros where the later frames should be: its Xing/Info byte count matched
+    the file, so it was counted whole and trained on a blank input (the decoder fails or
+    stops at the zeros)."""
+    name, rate = writer.split()
+    data = _mp3(int(rate), 3 * int(rate), xing=True) if name == "lame" else _sf_mp3(3 * int(rate), int(rate))
+    cut = {"half": len(data) // 2, "a tenth": len(data) * 9 // 10, "2000 bytes": len(data) - 2000}[missing]
+    partial = data[:cut] + bytes(len(data) - cut)
+    with pytest.raises(CountError, match=r"MP3 is truncated: its (Xing|Info) header claims \d+ "
+                                         r"frames but only \d+ are whole") as err:
+        COUNTER.audio(partial)
+    assert err.value.reason == "bad_audio"
+
+
+def _vbr_mp3(xing: bool, rate: int = 44100) -> bytes:
+    """4 s of a VBR MP3 (LAME -q:a 4): 2 s of loud noise, then 2 s of silence, so its first
+    frames are far richer than its mean; with FFmpeg's Info frame first, or without
+    (`-write_xing 0`, as a stripped header or a stream rip leaves)."""
+    av = pytest.importorskip("av")
+    out = io.BytesIO()
+    try:
+        container = av.open(out, "w", format="mp3",
+                            options={"id3v2_version": "0", **({} if xing else {"write_xing": "0"})})
+        stream = container.add_stream("libmp3lame", rate=rate, layout="mono")
+    except (av.error.FFmpegError, ValueError) as e:
+        pytest.skip(f"no MP3 encoder in this PyAV: {e}")
+    stream.codec_context.qscale = 4
+    stream.codec_context.flags |= av.codec.context.Flags.qscale
+    t = np.arange(4 * rate) / rate
+    noise = np.random.default_rng(0).standard_normal(t.size)
+    wave = np.where(t < 2, 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * noise, 0).astype(np.float32)
+    fmt = stream.codec_context.format.name
+    for pos in range(0, wave.size, 1152):
+        chunk = wave[None, pos:pos + 1152]
+        if fmt.startswith("s16"):
+            chunk = (chunk * 32767).astype(np.int16)
+        elif fmt.startswith("s32"):
+            chunk = (chunk * (2**31 - 1)).astype(np.int32)
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout="mono")
+        frame.sample_rate, frame.pts = rate, pos
+        for packet in stream.encode(frame):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+    container.close()
+    return out.getvalue()
+
+
+def test_a_vbr_mp3_without_its_xing_frame_is_refused_where_libsndfile_reads_a_prefix():
+    """Without a Xing/Info frame libsndfile reads up to its estimate of the length, from the
+    first frame's bitrate: 1.28 s of the 4.05 s a VBR stream that starts loud holds. It was
+    counted by its frames and trained on a blank input; it is refused naming the fix. With its
+    Info frame the same audio counts as it decodes."""
+    plain = _vbr_mp3(xing=False)
+    assert _decoded_s(plain) < 2.0  # what the trainers' decoder reads of it
+    with pytest.raises(CountError, match=r"MP3 without a Xing/Info header: libsndfile \(the "
+                                         r"trainers' decoder\) reads only its estimate of 1\.\d+ s "
+                                         r"of the 4\.\d+ s its frames hold.*ffmpeg -i in\.mp3 "
+                                         r"-c:a copy out\.mp3") as err:
+        COUNTER.audio(plain)
+    assert err.value.reason == "bad_audio"
+    tagged = _vbr_mp3(xing=True)
+    enc, rows = _rows_as_planned(tagged)
+    assert enc == rows and COUNTER.audio(tagged)[2]["duration_s"] == pytest.approx(_decoded_s(tagged))
+
+
 def test_an_mp3_with_a_vbri_frame_is_counted_by_its_frames():
     """libsndfile's decoder reads no VBRI frame (Fraunhofer's Xing): it estimated the length from
     the bytes (3.05 s for 3.03 s of frames, 153 rows counted, 152 decoded) and decodes the VBRI
