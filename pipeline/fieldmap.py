@@ -17,6 +17,12 @@ KINDS: tuple[str, ...] = ("image", "audio", "video", "text", "conversation")
 GZIP_KINDS: frozenset[str] = frozenset({"text", "conversation"})
 
 
+#: Extensions of image and audio formats the counters refuse by name (pipeline.counting): in
+#: the default map, so that a sample holding one is refused, not trained without it.
+REFUSED_IMAGE: tuple[str, ...] = ("bmp", "tif", "tiff", "ico", "heic", "heif", "avif", "jp2", "jxl")
+REFUSED_AUDIO: tuple[str, ...] = ("m4a", "m4b", "aac", "wma", "amr")
+
+
 def _extension(suffix: str) -> str:
     return suffix[suffix.rfind(".") + 1 :].lower()
 
@@ -27,14 +33,19 @@ class FieldMap:
 
     Defaults: image jpg/jpeg/png/webp/gif, audio wav/flac/mp3/ogg/opus/oga/aiff/aif, video
     mp4/m4v/mov/webm/mkv/avi,
-    text txt/text, conversation json. A conversation member is JSON: an object whose first
+    text txt/text, conversation json. Images and audio in formats the trainers do not decode
+    (`REFUSED_IMAGE`, `REFUSED_AUDIO`: BMP, TIFF, HEIC, M4A, AAC...) are mapped too, so that
+    such a member is refused naming its format and the fix (convert it) instead of ignored: its
+    sample would train without it (a transcript without its clip). Mapping a kind's extensions
+    yourself leaves them out unless listed. A conversation member is JSON: an object whose first
     field among `TextConfig.json_fields` (text, caption, conversations, messages) holds a string
     or a list of {role, content} turns. Frozen and made of tuples, so it hashes and its repr
     is stable (the reader caches its sample builders by the config's repr).
     """
 
-    image: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif")
-    audio: tuple[str, ...] = ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif")
+    image: tuple[str, ...] = ("jpg", "jpeg", "png", "webp", "gif", *REFUSED_IMAGE)
+    audio: tuple[str, ...] = ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif",
+                              *REFUSED_AUDIO)
     video: tuple[str, ...] = ("mp4", "m4v", "mov", "webm", "mkv", "avi")
     text: tuple[str, ...] = ("txt", "text")
     conversation: tuple[str, ...] = ("json",)
@@ -122,4 +133,4 @@ def ignored_label(suffix: str) -> str:
     return ext
 
 
-__all__ = ["FieldMap", "GZIP_KINDS", "KINDS", "ignored_label", "is_gzip"]
+__all__ = ["FieldMap", "GZIP_KINDS", "KINDS", "REFUSED_AUDIO", "REFUSED_IMAGE", "ignored_label", "is_gzip"]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from pipeline.fieldmap import KINDS, FieldMap, ignored_label
+from pipeline.fieldmap import KINDS, REFUSED_AUDIO, REFUSED_IMAGE, FieldMap, ignored_label
 from pipeline.reader import ReaderConfig, SampleBuilder, iter_shard
 from pipeline.errors import ErrorStats
 from pipeline.gendata import make_sample
@@ -20,8 +20,8 @@ from tests.test_pipeline_reader import write_tar
 
 def test_defaults_are_the_suffixes_read_before_the_field_map():
     fm = FieldMap()
-    assert fm.image == ("jpg", "jpeg", "png", "webp", "gif")
-    assert fm.audio == ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif")
+    assert fm.image == ("jpg", "jpeg", "png", "webp", "gif", *REFUSED_IMAGE)
+    assert fm.audio == ("wav", "flac", "mp3", "ogg", "opus", "oga", "aiff", "aif", *REFUSED_AUDIO)
     assert fm.video == ("mp4", "m4v", "mov", "webm", "mkv", "avi")
     assert fm.text == ("txt", "text") and fm.conversation == ("json",)
     assert ReaderConfig().fields == fm
@@ -124,26 +124,51 @@ def test_default_suffixes_of_the_formats_counted_are_counted_and_decode_as_count
 def test_reader_classifies_by_the_field_map(tmp_path):
     sample = make_sample(4, 0)  # some real image/audio/text members
     image_suffix = next(s for s in sample if s in ("jpg", "png"))
-    members = [("k0.tif", sample[image_suffix]), ("k0.caption", b"a caption of some words"),
+    members = [("k0.pic", sample[image_suffix]), ("k0.caption", b"a caption of some words"),
                ("k0.cls", b"3"), ("k1.txt", b"plain text here"), ("k1.json", json.dumps({"text": "hi"}).encode())]
     shard = write_tar(tmp_path / "a.tar", members)
     default_stats = ErrorStats()
     recs = list(iter_shard(shard, ReaderConfig(), stats=default_stats))
-    # Default map: tif, caption and cls unmapped, so k0 has nothing usable; k1 reads.
+    # Default map: pic, caption and cls unmapped, so k0 has nothing usable; k1 reads.
     assert [r.key for r in recs] == ["k1"]
     assert default_stats.by_reason == {"empty_sample": 1}
-    assert default_stats.ignored_members == {"tif": 1, "caption": 1, "cls": 1}
+    assert default_stats.ignored_members == {"pic": 1, "caption": 1, "cls": 1}
     (reason, _, key, message), = default_stats.recent  # the skip says what to map
-    assert key == "k0" and "no kind of the field map names 'caption', 'cls', 'tif'" in message
+    assert key == "k0" and "no kind of the field map names 'caption', 'cls', 'pic'" in message
 
-    fm = FieldMap.from_dict({"image": ["tif"], "text": ["txt", "caption"], "conversation": []})
+    fm = FieldMap.from_dict({"image": ["pic"], "text": ["txt", "caption"], "conversation": []})
     stats = ErrorStats()
     recs = list(iter_shard(shard, ReaderConfig(fields=fm), stats=stats))
     assert [r.key for r in recs] == ["k0", "k1"]
-    assert [it.member for it in recs[0].items] == ["tif"]
+    assert [it.member for it in recs[0].items] == ["pic"]
     assert ByteTokenizer.decode(recs[0].tokens.ids) == "a caption of some words"
     assert ByteTokenizer.decode(recs[1].tokens.ids) == "plain text here"  # json now ignored
     assert stats.ignored_members == {"cls": 1, "json": 1}
+
+
+@pytest.mark.parametrize(("member", "data", "says"), [
+    ("m4a", b"\0\0\0\x20ftypM4A \0\0\0\0" + bytes(64), "this is an MP4/M4A container"),
+    ("aac", b"\xff\xf1\x50\x80" + bytes(64), "this is raw AAC (ADTS)"),
+    ("bmp", b"BM" + bytes(4) + bytes(4) + bytes(64), "this is BMP"),
+    ("tiff", b"II*\0" + bytes(64), "this is TIFF"),
+    ("heic", b"\0\0\0\x18ftypheic" + bytes(64), "this is HEIC"),
+])
+def test_media_in_formats_not_decoded_refuse_their_sample_naming_the_format(tmp_path, member, data, says):
+    """A transcript beside its .m4a clip (or a caption beside a .bmp) trained as text alone: the
+    suffix was no kind's, so the member was ignored, counted at INFO, and the docs' "refused
+    naming the container" was true only after mapping it."""
+    shard = write_tar(tmp_path / "a.tar", [(f"k.{member}", data), ("k.txt", b"the words said")])
+    stats = ErrorStats()
+    assert list(iter_shard(shard, ReaderConfig(), stats=stats)) == []
+    assert not stats.ignored_members
+    (reason, _, key, message), = stats.recent
+    assert key == "k" and reason in ("bad_audio", "bad_image") and says in message, message
+    assert "convert it" in message
+    # Mapped away by the user, the member is ignored again and the text trains.
+    kind = "audio" if member in REFUSED_AUDIO else "image"
+    mapped = ReaderConfig(fields=FieldMap.from_dict({kind: ["wav" if kind == "audio" else "jpg"]}))
+    (rec,) = list(iter_shard(shard, mapped, stats=ErrorStats()))
+    assert rec.items == []
 
 
 def test_a_conversation_member_under_any_suffix_is_parsed_as_json(tmp_path):

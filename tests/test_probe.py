@@ -69,9 +69,9 @@ def test_unreadable_shards_are_not_refused(tmp_path):
 
 
 def test_refusal_suggests_a_kind_from_the_mime_type(tmp_path):
-    shard = write_tar(tmp_path / "tif.tar", 3, {"tif": b"II*\0", "cls": b"1"})
+    shard = write_tar(tmp_path / "ppm.tar", 3, {"ppm": b"P6 1 1 255\n\0\0\0", "cls": b"1"})
     line = refusal(probe_source([shard], ReaderConfig()))
-    assert "found suffixes cls, tif" in line and "e.g. image: [tif]" in line
+    assert "found suffixes cls, ppm" in line and "e.g. image: [ppm]" in line
 
 
 @pytest.mark.timeout(90)
