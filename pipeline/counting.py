@@ -181,7 +181,8 @@ class AudioConfig:
     """Audio encoder rates; defaults are Whisper's encoder with Qwen2-Audio's pooling.
 
     Whisper: 16 kHz, 10 ms hop = 100 mel frames/s, conv stride 2 -> 50 encoder frames/s, 30 s
-    windows. Qwen2-Audio pools by 2 -> 25 LLM tokens/s. With `pad_window_s` set the encoder is
+    windows. Qwen2-Audio pools by 2 -> 25 LLM tokens/s: floor(frames / 2) of them, as its own
+    processor counts the clip's <|AUDIO|> tokens (`audio_lengths`). With `pad_window_s` set the encoder is
     costed as padded (every window started is full: Whisper processes 1500 frames per 30 s),
     while the LLM length follows the real duration (padding is masked out before the LLM).
     """
@@ -422,13 +423,31 @@ def image_lengths(width: int, height: int, cfg: ImageConfig) -> tuple[int, int]:
     return patches, patches // (cfg.merge_size * cfg.merge_size)
 
 
+def _ceil(x: float) -> int:
+    """ceil of a duration times a rate, without its floating-point noise: 35520 samples at
+    16 kHz are 2.22 s, and 2.22 * 50 is 111.00000000000001 (111 frames: Whisper's 35520 / 320)."""
+    return math.ceil(round(x, 9))
+
+
 def audio_lengths(duration_s: float, cfg: AudioConfig) -> tuple[int, int]:
-    """(encoder frames, LLM tokens) of a clip; the encoder is costed padded when configured."""
-    llm = max(1, math.ceil(duration_s * cfg.llm_tokens_per_s))
+    """(encoder frames, LLM tokens) of a clip; the encoder is costed padded when configured.
+
+    Encoder frames are the clip's duration at `encoder_frames_per_s`, rounded up: Whisper's
+    mel frames are ceil(samples / 160) at 16 kHz, its encoder's ceil(mel / 2). Where the encoder
+    rate is a whole multiple k of `llm_tokens_per_s` the LLM tokens are those frames pooled by
+    k, rounded down, as Qwen2-Audio's average pool of 2 (`_get_feat_extract_output_lengths`:
+    (frames - 2) // 2 + 1) gives them; otherwise the duration at `llm_tokens_per_s`, rounded up.
+    At least one of each."""
+    enc = max(1, _ceil(duration_s * cfg.encoder_frames_per_s))
+    pool = cfg.encoder_frames_per_s / cfg.llm_tokens_per_s
+    if pool >= 1 and pool == int(pool):
+        llm = max(1, enc // int(pool))
+    else:
+        llm = max(1, _ceil(duration_s * cfg.llm_tokens_per_s))
     if cfg.pad_window_s is not None:
-        windows = max(1, math.ceil(duration_s / cfg.pad_window_s))
-        return math.ceil(windows * cfg.pad_window_s * cfg.encoder_frames_per_s), llm
-    return max(1, math.ceil(duration_s * cfg.encoder_frames_per_s)), llm
+        windows = max(1, _ceil(duration_s / cfg.pad_window_s))
+        return _ceil(windows * cfg.pad_window_s * cfg.encoder_frames_per_s), llm
+    return enc, llm
 
 
 def _utf8(data: bytes | memoryview, what: str) -> str:

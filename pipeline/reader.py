@@ -94,7 +94,7 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
         help="fewest video frames sampled of a clip that holds them (qwen_vl_utils' min_frames)")
     add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
     add("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
-    add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second")
+    add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second; a whole divisor of the frame rate pools the frames (50 / 25: floor(frames / 2), as Qwen2-Audio)")
     add("--audio-pad-window", type=finite_float, default=None,
         help="cost the audio encoder padded to windows of this many seconds (30 for Whisper; a "
              "cost file's window counts frames; default: unset, no padding, each clip costs "

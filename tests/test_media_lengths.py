@@ -216,14 +216,15 @@ def _vbr_mp3(xing: bool, rate: int = 44100) -> bytes:
     stream.codec_context.flags |= av.codec.context.Flags.qscale
     t = np.arange(4 * rate) / rate
     noise = np.random.default_rng(0).standard_normal(t.size)
-    wave = np.where(t < 2, 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * noise, 0).astype(np.float32)
+    wave = np.clip(np.where(t < 2, 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * noise, 0), -1, 1)
+    wave = wave.astype(np.float32)
     fmt = stream.codec_context.format.name
     for pos in range(0, wave.size, 1152):
         chunk = wave[None, pos:pos + 1152]
         if fmt.startswith("s16"):
             chunk = (chunk * 32767).astype(np.int16)
         elif fmt.startswith("s32"):
-            chunk = (chunk * (2**31 - 1)).astype(np.int32)
+            chunk = (chunk.astype(np.float64) * (2**31 - 1)).astype(np.int32)
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout="mono")
         frame.sample_rate, frame.pts = rate, pos
         for packet in stream.encode(frame):

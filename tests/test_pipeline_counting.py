@@ -105,13 +105,35 @@ def test_wav_header_duration_and_lying_header():
     rate, channels, duration = wav_header(data)
     assert (rate, channels) == (16000, 2) and duration == pytest.approx(2.5)
     enc, llm, meta = Counter(CountingConfig()).audio(data)
-    assert (enc, llm) == (125, 63) and meta["duration_s"] == pytest.approx(2.5)
+    assert (enc, llm) == (125, 62) and meta["duration_s"] == pytest.approx(2.5)  # 125 // 2
     # Claim 10 hours of audio in the data chunk while carrying 2.5 s.
     pos = data.index(b"data")
     lying = data[: pos + 4] + struct.pack("<I", 16000 * 4 * 36000) + data[pos + 8 :]
     with pytest.raises(CountError, match="declares") as err:
         Counter(CountingConfig()).audio(lying)
     assert err.value.reason == "bad_audio"
+
+
+@pytest.mark.parametrize("samples", [800, 8000, 16160, 20800, 35520, 124320, 160, 161, 479999])
+def test_audio_lengths_are_whisper_and_qwen2_audio_s_own(samples):
+    """Qwen2-Audio's processor gives a 16 kHz clip ceil(samples / 160) mel frames, (mel - 1) //
+    2 + 1 encoder frames and (frames - 2) // 2 + 1 <|AUDIO|> tokens: counted as ceil(25 per
+    second), every clip with an odd number of frames planned one token more than the model
+    emits, and 2.22 s (2.22 * 50 = 111.00000000000001) one encoder frame more."""
+    from pipeline.counting import AudioConfig, audio_lengths
+
+    mel = -(-samples // 160)
+    frames = (mel - 1) // 2 + 1
+    tokens = (frames - 2) // 2 + 1
+    assert audio_lengths(samples / 16000, AudioConfig()) == (frames, max(1, tokens))
+    enc, llm, _ = Counter(CountingConfig()).audio(_wav_frames(samples, 16000))
+    assert (enc, llm) == (frames, max(1, tokens))
+
+
+def _wav_frames(frames: int, rate: int) -> bytes:
+    out = io.BytesIO()
+    soundfile.write(out, np.zeros(frames, np.float32), rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
 
 
 def test_flac_duration_via_soundfile():

@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     counting.add_argument("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s,
                           help="audio encoder frames per second (100/k: mel frames are 10 ms)")
     counting.add_argument("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s,
-                          help="audio LLM tokens per second")
+                          help="audio LLM tokens per second; a whole divisor of the frame rate pools the frames (50 / 25: floor(frames / 2), as Qwen2-Audio)")
     counting.add_argument("--audio-pad-window", type=finite_float, default=None,
                           help="audio encoder padded to windows of this many seconds "
                                "(default: unset, no padding)")
