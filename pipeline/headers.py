@@ -279,10 +279,30 @@ def wav_header(data: bytes | memoryview) -> tuple[int, int, float] | None:
                     "bad_audio",
                     f"wav data chunk declares 0 bytes although {present} follow it: decoders read it as empty",
                 )
+            _check_no_second_wav(data, body + size + (size & 1))
             # Decoders read whole blocks only: a part block at the end is no sample.
             return rate, channels, (size - size % align) / byte_rate
         pos = body + size + (size & 1)  # chunks are word-aligned
     raise HeaderError("bad_audio", "wav has no fmt/data chunks")
+
+
+#: Chunks after a WAV's data chunk `_check_no_second_wav` looks at (a LIST, an id3 tag...).
+_WAV_TRAILING_CHUNKS = 64
+
+
+def _check_no_second_wav(data: bytes | memoryview, pos: int) -> None:
+    """HeaderError where another RIFF file starts among the chunks after the data chunk (WAV
+    files joined with `cat`): libsndfile refuses the whole file ("No 'RIFF' chunk marker"),
+    while the first file's header alone counts as a clip."""
+    for _ in range(_WAV_TRAILING_CHUNKS):
+        if pos + 8 > len(data):
+            return
+        if bytes(data[pos:pos + 4]) in (b"RIFF", b"RIFX", b"RF64"):
+            raise HeaderError("bad_audio", f"a second WAV file starts at byte {pos} (files joined "
+                                           "with cat), which libsndfile cannot open: join them "
+                                           "with sox a.wav b.wav out.wav, or ffmpeg's concat")
+        (size,) = struct.unpack_from("<I", data, pos + 4)
+        pos += 8 + size + (size & 1)
 
 
 def _wav_pcm_format(channels: int, rate: int, byte_rate: int, align: int, bits: int) -> tuple[int, int, int, int]:

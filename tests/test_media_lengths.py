@@ -69,6 +69,21 @@ def test_a_compressed_wav_is_counted_by_its_decoder_not_its_nominal_byte_rate(fr
     assert COUNTER.audio(d)[2]["duration_s"] == pytest.approx(_decoded_s(d))
 
 
+def test_wavs_joined_with_cat_are_refused_and_what_else_may_follow_a_wav_is_not():
+    """`cat a.wav b.wav`: the first file's header counted 1 s, while libsndfile refuses the
+    whole file at the second RIFF header, so the clip trained on a blank input."""
+    first, second = _wav(16000), _wav(8000)
+    with pytest.raises(CountError, match=f"a second WAV file starts at byte {len(first)} \\(files "
+                                         "joined with cat\\).*sox a.wav b.wav out.wav") as err:
+        COUNTER.audio(first + second)
+    assert err.value.reason == "bad_audio"
+    with pytest.raises(RuntimeError):
+        soundfile.read(io.BytesIO(first + second))
+    for tail in (bytes(1000), b"TAG" + bytes(125), b"junk after the data " * 5):
+        enc, rows = _rows_as_planned(first + tail)  # libsndfile reads these as the clip alone
+        assert enc == rows == COUNTER.audio(first)[0]
+
+
 def test_a_pcm_wav_whose_block_align_lies_is_refused():
     """Mono 16-bit with block_align 4 (and byte_rate to match) counted half the frames the
     decoder reads (it goes by channels and bits)."""
