@@ -307,10 +307,13 @@ def log_mel(wave: np.ndarray, num_frames: int) -> np.ndarray:
         wave = np.pad(wave, (0, n - wave.size))
     padded = np.pad(wave, N_FFT // 2, mode="reflect")
     frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP][:num_frames]
-    power = np.abs(np.fft.rfft(frames * _window(), axis=1)) ** 2
-    log_spec = np.log10(np.maximum(_project(power.astype(np.float32)), 1e-10))
+    with np.errstate(over="ignore", invalid="ignore"):
+        mel = _project((np.abs(np.fft.rfft(frames * _window(), axis=1)) ** 2).astype(np.float32))
+    if not np.isfinite(mel).all():  # samples far past full scale overflow float32: in float64
+        mel = _project(np.abs(np.fft.rfft(frames.astype(np.float64) * _window(), axis=1)) ** 2)
+    log_spec = np.log10(np.maximum(mel, 1e-10))
     log_spec = np.maximum(log_spec, log_spec.max(initial=-10.0) - 8.0)
-    return (log_spec + 4.0) / 4.0
+    return ((log_spec + 4.0) / 4.0).astype(np.float32, copy=False)
 
 
 def decode_audio(data: bytes | memoryview) -> tuple[np.ndarray, int]:
@@ -319,6 +322,11 @@ def decode_audio(data: bytes | memoryview) -> tuple[np.ndarray, int]:
         wave, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
         raise UndecodableError(f"audio cannot be decoded: {library_message(e)}") from None
+    finite = np.isfinite(wave)
+    if not finite.all():  # a float WAV may hold them; one would make every mel value NaN
+        at = int(np.argmin(finite.all(axis=1)))
+        raise UndecodableError(f"audio holds NaN or infinite samples (the first at sample {at} "
+                               f"of {len(wave)}): its input would be NaN throughout")
     return wave.mean(axis=1), int(rate)
 
 

@@ -922,3 +922,37 @@ def test_a_datanode_reader_keeps_its_heartbeats_while_an_item_decodes_for_long(t
     assert not slow  # the slow item was decoded
     assert sorted(flat_keys(got)) == sorted(all_keys(shards))
     assert "reader_left name=r0 why=timeout" not in caplog.text
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_float_clip_holding_nan_or_inf_is_undecodable_not_a_nan_input(bad):
+    """One NaN sample in a float WAV made every value of the clip's log-mel NaN (it spreads
+    through the STFT to the clip's maximum, which every value is clamped against): training
+    went NaN for good, with no message. It is an undecodable item now (a blank input, warned;
+    skipped on the data node with --preprocess-on datanode)."""
+    wave = (0.1 * np.sin(np.arange(32000) * 0.05)).astype(np.float32)
+    wave[1000] = bad
+    out = io.BytesIO()
+    soundfile.write(out, wave, 16000, format="WAV", subtype="FLOAT")
+    cfg = PreprocessConfig()
+    enc, _, meta = Counter(CountingConfig()).audio(out.getvalue())
+    with pytest.raises(PreprocessError, match="NaN or infinite samples \\(the first at sample 1000"):
+        preprocess_item("audio", out.getvalue(), cfg, enc_len=enc, key="k", member="wav", meta=meta)
+
+
+def test_a_float_clip_far_past_full_scale_gives_a_finite_input():
+    """A float sample of 3e38 overflowed float32's powers to inf, and the clamp to the clip's
+    maximum made the whole input inf: the powers are taken in float64 then."""
+    wave = (0.1 * np.sin(np.arange(32000) * 0.05)).astype(np.float32)
+    cfg = PreprocessConfig()
+    rows = {}
+    for name, peak in (("clean", None), ("huge", 3e38)):
+        if peak is not None:
+            wave[1000] = peak
+        out = io.BytesIO()
+        soundfile.write(out, wave, 16000, format="WAV", subtype="FLOAT")
+        enc, _, meta = Counter(CountingConfig()).audio(out.getvalue())
+        rows[name] = preprocess_item("audio", out.getvalue(), cfg, enc_len=enc, key="k",
+                                     member="wav", meta=meta).astype(np.float32)
+        assert np.isfinite(rows[name]).all(), name
+    assert rows["huge"].max() > rows["clean"].max()
