@@ -110,10 +110,15 @@ class VideoHeader:
 def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
     """The video rules the `--video-fps`/`--video-min-frames`/`--video-max-pixels` and patch
     options describe (data nodes and trainers build them here, so they cannot disagree): a budget
-    under the default minimum lowers the minimum with it, so a budget under 1 is refused here,
-    by its flag."""
-    if max_pixels < 1:
-        raise ValueError(f"--video-max-pixels must be >= 1 (pixels per sampled frame), got {max_pixels}")
+    under the default minimum lowers the minimum with it, so a budget under one patch group (a
+    token count given for pixels) is refused here, by its flag."""
+    group = (patch_size * merge_size) ** 2  # the pixels of one LLM token
+    if max_pixels < group:
+        # A token budget given for a pixel one (Qwen's "768 (x 28 x 28)"): every frame resized
+        # to one token, silently.
+        raise ValueError(f"--video-max-pixels {max_pixels} is under one {patch_size * merge_size}x"
+                         f"{patch_size * merge_size} patch group ({group} pixels): it counts "
+                         f"pixels per sampled frame, e.g. {768 * group} (768 x {group})")
     return VideoConfig(fps=fps, min_frames=min_frames, max_pixels=max_pixels, patch_size=patch_size,
                        merge_size=merge_size, min_pixels=min(VideoConfig().min_pixels, max_pixels))
 

@@ -249,7 +249,11 @@ CASES = {
     "read pixel budget below 1": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
                                                 "--min-pixels", "0"], ["--min-pixels 0", "--max-pixels"]),
     "video pixel budget below 1": (lambda f, p: [*MMD, "inspect", f["shard"], "--video-max-pixels", "0"],
-                                   ["--video-max-pixels", ">= 1", "got 0"]),
+                                   ["--video-max-pixels 0", "under one 28x28 patch group"]),
+    # Qwen's "768 (x 28 x 28)" token budget given as pixels: every frame was one token, silently
+    "video pixel budget in tokens": (lambda f, p: [*MMD, "inspect", f["shard"], "--video-max-pixels", "768"],
+                                     ["--video-max-pixels 768", "784 pixels", "pixels per sampled frame",
+                                      "602112"]),
     "read malloc keep past a C int": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",
                                                     "--malloc-keep-mb", "1024"],
                                       ["--malloc-keep-mb", "0 to 1023", "got 1024"]),
