@@ -311,6 +311,46 @@ def _presented(data, elst: tuple[int, int], moov: tuple[int, int], stbl: tuple[i
     return seconds, sum(int(np.count_nonzero((shown >= lo) & (shown < hi))) for lo, hi in spans)
 
 
+#: Bytes of a track's last sample `_check_last_sample` looks at.
+_LAST_SAMPLE_BYTES = 4096
+
+
+def _check_last_sample(data, stbl: tuple[int, int], stsz: tuple[int, int], sample_size: int,
+                       count: int) -> None:
+    """`bad_video` where the track's last sample lies in zeros: a partial download that its
+    downloader preallocated (aria2, BitTorrent clients) has every box whole, its index first (a
+    "faststart" file, as web exports and phones write), and zeros where its later frames should
+    be. Every codec's frame starts with bytes that are not all zero (a NAL length, a marker).
+    The sample is found from the chunk offsets (stco/co64) and sample-to-chunk runs (stsc)."""
+    co = _child(data, *stbl, b"stco")
+    wide = co is None
+    co = co or _child(data, *stbl, b"co64")
+    stsc = _child(data, *stbl, b"stsc")
+    if co is None or stsc is None or count == 0:
+        return
+    (chunks,) = struct.unpack_from(">I", data, co[0] + 4) if co[0] + 8 <= co[1] else (0,)
+    (runs,) = struct.unpack_from(">I", data, stsc[0] + 4) if stsc[0] + 8 <= stsc[1] else (0,)
+    width = 8 if wide else 4
+    if (chunks == 0 or runs == 0 or co[0] + 8 + width * chunks > co[1]
+            or stsc[0] + 8 + 12 * runs > stsc[1]):
+        return  # FFmpeg reads no such table either: not this check's to judge
+    last_chunk = struct.unpack_from(">Q" if wide else ">I", data, co[0] + 8 + width * (chunks - 1))[0]
+    table = np.frombuffer(data, ">u4", 3 * runs, stsc[0] + 8).astype(np.int64).reshape(runs, 3)
+    spans = np.diff(np.append(table[:, 0], chunks + 1))  # chunks each run covers
+    before = int((spans * table[:, 1]).sum() - table[-1, 1])  # samples ahead of the last chunk
+    if not 0 <= before < count:
+        return
+    if sample_size:
+        sizes = np.full(count - before, sample_size, dtype=np.int64)
+    else:
+        sizes = np.frombuffer(data, ">u4", count - before, stsz[0] + 12 + 4 * before).astype(np.int64)
+    at = last_chunk + int(sizes[:-1].sum())
+    size = int(sizes[-1])
+    if size and at + size <= len(data) and not any(data[at:at + min(size, _LAST_SAMPLE_BYTES)]):
+        raise _bad(f"MP4 is truncated: zeros where its last frame should be (byte {at} of "
+                   f"{len(data)}): a partial download, its index whole")
+
+
 def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
     """The first video track of an MP4/MOV file from its boxes; None if not ISO-BMFF or fragmented
     (fragments keep their tables in `moof` boxes; PyAV reads those).
@@ -375,6 +415,7 @@ def mp4_header(data: bytes | memoryview) -> VideoHeader | None:
             payload = int(np.frombuffer(data, ">u4", count, stsz[0] + 12).sum(dtype=np.int64))
         if payload > mdat_bytes:
             raise _bad(f"MP4 video samples total {payload} bytes but mdat holds {mdat_bytes} (file cut?)")
+        _check_last_sample(data, stbl, stsz, sample_size, count)
         # The frame rate from the sample durations (mdhd's duration also counts x264's B-frame
         # delay), the duration from the edit list: what FFmpeg presents of those samples.
         seconds = ticks / timescale

@@ -269,3 +269,28 @@ def test_the_pixel_budget_sizes_the_count_and_the_decode_alike():
     assert video_patches(data, meta, tight, enc_len=enc).shape == (enc, 3 * 2 * 14 * 14)
     with pytest.raises(ValueError, match="total_pixels=0"):
         VideoConfig(total_pixels=0)
+
+
+@pytest.mark.parametrize("codec", ["libx264", "mpeg4"])
+@pytest.mark.parametrize("kept", [0.3, 0.6, 0.9])
+def test_a_preallocated_partial_faststart_mp4_is_refused(tmp_path, codec, kept):
+    """A "faststart" MP4 (its index first, as web exports and phones write) that a preallocating
+    downloader left half done: every box is whole and the zeros lie where the later frames
+    should be. It was counted whole and could not be decoded on the trainer (a blank input)."""
+    with av.open(str(tmp_path / "clip.mp4"), "w", format="mp4", options={"movflags": "faststart"}) as out:
+        video = out.add_stream(codec, rate=25, options={"threads": "1"})
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        noise = np.random.default_rng(0)  # frames that compress badly: mdat outweighs the index
+        for _ in range(50):
+            frame = noise.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            out.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(video.encode())
+    whole = (tmp_path / "clip.mp4").read_bytes()
+    assert whole.find(b"moov") < whole.find(b"mdat")
+    enc, _, _ = count_video(whole, CFG)  # the whole file counts
+    assert enc > 0
+    cut = int(len(whole) * kept)
+    assert whole.find(b"mdat") < 0.3 * len(whole)
+    with pytest.raises(CountError, match="MP4 is truncated: zeros where its last frame should be") as err:
+        count_video(whole[:cut] + bytes(len(whole) - cut), CFG)
+    assert err.value.reason == "bad_video"
