@@ -316,6 +316,30 @@ def test_commit_refuses_a_step_this_client_did_not_hand_out():
         c.close()
 
 
+def test_behind_a_consumer_commit_takes_only_steps_its_loop_was_handed():
+    """Behind a PrefetchPool (the README's loop) the client hands steps to the pool ahead of the
+    loop: a commit of a step the pool held but the loop never got was accepted and journaled,
+    the BYE counted it trained, and the restart skipped it untrained (probe)."""
+    c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)
+    try:
+        c.load_state_dict({"next_step": 4})  # the client has handed steps 0..3 to its consumer
+        position, holding = [None], [False]
+        c.taken_ahead(3, lambda: position[0], lambda: holding[0])
+        with pytest.raises(ValueError, match=r"commit\(0\): this client's consumer has handed "
+                                             r"its loop no step yet"):
+            c.commit(0, timeout=0.5)
+        position[0], holding[0] = 2, True  # the loop took steps 0 and 1, and holds step 1
+        for ahead in (2, 3):
+            with pytest.raises(ValueError, match=rf"commit\({ahead}\): this client's consumer "
+                                                 r"has handed its loop steps up to 1"):
+                c.commit(ahead, timeout=0.5)
+        assert c._thread is None
+        with pytest.raises(TimeoutError):  # the held step itself is the loop's to commit
+            c.commit(1, timeout=0.5)
+    finally:
+        c.close()
+
+
 @pytest.mark.timeout(30)
 def test_commit_on_a_closed_or_failed_client_says_so_instead_of_waiting(shards):
     c = DispatcherClient("tcp://127.0.0.1:1", 0, 1, 1)

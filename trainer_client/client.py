@@ -754,20 +754,23 @@ class DispatcherClient:
         self._generation = 0
         self._ahead = 0  # steps a consumer (a PrefetchPool) takes ahead of the loop
         self._loop_position = None  # the consumer's: the step after the last its loop took
+        self._loop_holding = None  # the consumer's: whether its loop still holds that step
         self._holding = False  # the loop has a step it took and has not asked past yet
         # The latest step the loop said it trained: it committed it, or reported its timings.
         self._trained: int | None = None
 
-    def taken_ahead(self, steps: int, position=None) -> None:
+    def taken_ahead(self, steps: int, position=None, holding=None) -> None:
         """A consumer of this client (a `PrefetchPool`) takes up to `steps` steps from it ahead
         of the training loop; `position()`, the step after the last it handed to the loop (None
-        before the first). The dispatcher hears of both: a rank resumed from a checkpoint is
+        before the first), and `holding()`, whether the loop still holds that last step (it
+        never asked past it). The dispatcher hears of both: a rank resumed from a checkpoint is
         at its first step until its credits pass these steps too (else a peer restored from
         another checkpoint, joining while this rank waits in that step's collectives, is not
         refused), and a rank that leaves says where its loop stopped, not where the consumer
-        had read to."""
+        had read to. `commit` takes only steps handed to the loop."""
         self._ahead = max(0, int(steps))
         self._loop_position = position
+        self._loop_holding = holding
         if self._peer is not None:  # the next HELLO (a reconnect) says it
             self._peer.hello["ahead"] = self._ahead
 
@@ -963,12 +966,16 @@ class DispatcherClient:
             # A float or string came back as a malformed-message warning after the whole timeout,
             # and a tensor could not be sent at all: the client thread died with it.
             raise ValueError(f"commit(step) takes a step number >= 0 (a Step's .step), got {step!r}")
-        if self._consumed is None or number >= self._consumed:
+        # Behind a consumer taking steps ahead (a PrefetchPool) only what it handed to the loop
+        # counts: the steps it holds ahead were never trained.
+        handed = (self._loop_position() if self._loop_position is not None else self._consumed)
+        if handed is None or number >= handed:
             # Journaled, it would resume every rank after steps this one never trained.
-            handed = ("no step yet" if self._consumed is None
-                      else f"steps up to {self._consumed - 1}")
-            raise ValueError(f"commit({number}): this client has handed out {handed}; commit "
-                             "the .step of a step the checkpoint holds the training of")
+            said = "no step yet" if handed is None else f"steps up to {handed - 1}"
+            who = ("this client's consumer has handed its loop" if self._loop_position is not None
+                   else "this client has handed out")
+            raise ValueError(f"commit({number}): {who} {said}; commit the .step of a step the "
+                             "checkpoint holds the training of")
         if self._fatal is not None:
             raise self._fatal
         self._said_trained(number)
@@ -1007,8 +1014,8 @@ class DispatcherClient:
 
     def close(self) -> None:
         if self._peer is not None:  # read by the client thread as it says BYE
-            at = (self._loop_position() if self._loop_position is not None
-                  else loop_stopped_at(self._consumed, self._holding))
+            at = (loop_stopped_at(self._loop_position(), bool(self._loop_holding and self._loop_holding()))
+                  if self._loop_position is not None else loop_stopped_at(self._consumed, self._holding))
             if at is not None and self._trained is not None:
                 at = max(at, self._trained + 1)  # a step committed or timed was trained
             self._peer.left_at = self._consumed if at is None else at

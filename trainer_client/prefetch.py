@@ -53,7 +53,7 @@ from pipeline.preprocess import (
     PREPROCESS_DTYPE, TENSOR_META, PreprocessConfig, PreprocessError, array_from_payload,
     check_rows, preprocess_item, row_dim,
 )
-from trainer_client.client import Interrupted, Microbatch, Step, loop_stopped_at
+from trainer_client.client import Interrupted, Microbatch, Step
 from trainer_client.options import ERROR_MODES, POOL_KINDS
 
 log = logging.getLogger("mmdispatch.prefetch")
@@ -257,7 +257,7 @@ class PrefetchPool:
         taken_ahead = getattr(self.source, "taken_ahead", None)
         if taken_ahead is not None:  # its `ahead` micro-batches, and the step waiting for room
             taken_ahead(self.config.ahead + 1 if self.config.workers else 0,
-                        lambda: loop_stopped_at(self.next_step, self._holding))
+                        lambda: self.next_step, lambda: self._holding)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> PrefetchPool:
