@@ -386,6 +386,38 @@ def test_dataloader_adapter_yields_steps(shards):
     assert steps == [(0, 2), (1, 2), (2, 2), (3, 2)]
 
 
+def test_the_dataloader_path_states_the_tokenizer_the_model_s_ids_are_of(shards, tmp_path):
+    """`DispatcherDataset(preprocess=...)` stated the image, audio and video rules but never the
+    tokenizer: readers started without --tokenizer handed a BPE model UTF-8 byte values as
+    ids, silently, where the README's `DispatcherClient(inputs=rules)` was refused (probe)."""
+    from trainer_client.prefetch import PrefetchConfig
+
+    with pytest.raises(ValueError, match=r"DispatcherDataset\(preprocess=\.\.\.\) needs tokenizer=: "
+                                         r"the tokenizer file"):
+        DispatcherDataset("tcp://127.0.0.1:1", preprocess=PrefetchConfig(), rank=0,
+                          world_size=1, local_world_size=1)
+    with pytest.raises(ValueError, match="give tokenizer= or inputs=, not both"):
+        DispatcherDataset("tcp://127.0.0.1:1", tokenizer=None, inputs={}, rank=0, world_size=1,
+                          local_world_size=1)
+    bpe = tmp_path / "tokenizer.json"
+    bpe.write_text('{"model": {"type": "BPE"}}')
+    with dispatcher(make_config(shards, world_size=1, max_steps=2)) as srv, \
+            readers(srv.reader_endpoint, 1):  # byte-level readers: no --tokenizer
+        ds = DispatcherDataset(srv.trainer_endpoint, preprocess=PrefetchConfig(), tokenizer=str(bpe),
+                               rank=0, world_size=1, local_world_size=1, config=client_config())
+        try:
+            with pytest.raises(DispatcherError, match=r"inputs.*tokenizer: rank 0 'sha256:"):
+                next(iter(ds))
+        finally:
+            ds.close()
+        ds = DispatcherDataset(srv.trainer_endpoint, preprocess=PrefetchConfig(), tokenizer=None,
+                               rank=0, world_size=1, local_world_size=1, config=client_config())
+        try:
+            assert next(iter(ds)).step == 0
+        finally:
+            ds.close()
+
+
 def test_dataloader_default_batch_size_hands_each_step_over_whole(shards):
     """DataLoader's default batch_size=1 collates a list of one step: the step comes out as it
     came, none lost; a batch of several steps is refused naming batch_size=None."""

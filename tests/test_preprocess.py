@@ -747,7 +747,8 @@ def test_dataset_refuses_dataloader_workers_and_prepares_inputs_in_its_pool(tmp_
         with dispatcher(make_config(shards, world_size=1, max_steps=3)) as srv, \
                 readers(srv.reader_endpoint, 1, reader=reader, preprocess_on=where):
             ds = DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
-                                   config=client_config(), preprocess=PrefetchConfig(preprocess=PRE))
+                                   config=client_config(), preprocess=PrefetchConfig(preprocess=PRE),
+                                   tokenizer=None)
             try:
                 steps = list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0))
             finally:
@@ -805,7 +806,7 @@ def test_a_dataset_checkpoints_the_loops_position_not_its_pools(tmp_path):
     def dataset(srv):
         return DispatcherDataset(srv.trainer_endpoint, rank=0, world_size=1, local_world_size=1,
                                  config=client_config(),
-                                 preprocess=PrefetchConfig(preprocess=PRE, ahead=4))
+                                 preprocess=PrefetchConfig(preprocess=PRE, ahead=4), tokenizer=None)
 
     with dispatcher(make_config(shards, world_size=1, max_epochs=1)) as srv, \
             readers(srv.reader_endpoint, 1, reader=ReaderConfig(counting=DEMO)):

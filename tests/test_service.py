@@ -1035,7 +1035,7 @@ def test_a_pool_closed_while_its_feeder_waits_for_a_step_leaves_that_step_to_the
             client = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config())
             source = PrefetchPool(client, prefetch)
         else:
-            source = DispatcherDataset(srv.trainer_endpoint, preprocess=prefetch, rank=0,
+            source = DispatcherDataset(srv.trainer_endpoint, preprocess=prefetch, tokenizer=None, rank=0,
                                        world_size=2, local_world_size=2, config=client_config())
         try:
             first = next(iter(source)).step

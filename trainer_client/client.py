@@ -1056,6 +1056,10 @@ def _collate_steps(batch: list, *, collate_fn_map=None) -> Step:
 default_collate_fn_map[Step] = _collate_steps
 
 
+#: DispatcherDataset's `tokenizer` left out (None is a value: byte-level ids).
+_UNSTATED = object()
+
+
 class DispatcherDataset(torch.utils.data.IterableDataset):
     """DataLoader adapter: yields `Step`s; use `DataLoader(ds, batch_size=None, num_workers=0)`
     (DataLoader's default `batch_size=1` hands each step over as it came, too).
@@ -1067,12 +1071,25 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
     The client is created lazily in `__iter__`, so the dataset itself pickles (no sockets).
     Checkpoint it with `state_dict()` / `load_state_dict()` (before the first iteration too)
     and commit through `client.commit(step)`; `close()` ends the pool and the client.
+
+    `tokenizer`: the tokenizer file the model's text ids are of (None: byte-level ids); with
+    `preprocess` it is required (or `inputs=` stating the rules yourself): the dispatcher refuses
+    readers that tokenize otherwise, where unstated a reader without `--tokenizer` gave the
+    model byte values for ids, silently.
     """
 
-    def __init__(self, address: str, *, preprocess=None, **client_kwargs) -> None:
+    def __init__(self, address: str, *, preprocess=None, tokenizer=_UNSTATED, **client_kwargs) -> None:
         super().__init__()
+        if preprocess is not None and tokenizer is _UNSTATED and "inputs" not in client_kwargs:
+            raise ValueError("DispatcherDataset(preprocess=...) needs tokenizer=: the tokenizer "
+                             "file your model's text ids are of (None for byte-level ids), so "
+                             "that readers tokenizing otherwise are refused")
+        if tokenizer is not _UNSTATED and "inputs" in client_kwargs:
+            raise ValueError("DispatcherDataset: give tokenizer= or inputs=, not both (inputs= "
+                             "states every rule, the tokenizer's too)")
         self.address = address
         self.preprocess = preprocess
+        self.tokenizer = tokenizer
         self.client_kwargs = client_kwargs
         self.client: DispatcherClient | None = None
         self.pool = None
@@ -1124,9 +1141,15 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
                              "preprocess in parallel")
         if self.client is None:
             kwargs = self.client_kwargs
-            if self.preprocess is not None and "inputs" not in kwargs:
-                # The rules the pool prepares inputs by: the dispatcher refuses a mismatch.
-                kwargs = {**kwargs, "inputs": self.preprocess.preprocess.identity()}
+            if "inputs" not in kwargs and (self.preprocess is not None or self.tokenizer is not _UNSTATED):
+                # The rules the pool prepares inputs by and the text ids are of: the dispatcher
+                # refuses a mismatch.
+                from pipeline.tokenize import tokenizer_identity
+
+                rules = {} if self.preprocess is None else self.preprocess.preprocess.identity()
+                if self.tokenizer is not _UNSTATED:
+                    rules.update(tokenizer_identity(self.tokenizer))
+                kwargs = {**kwargs, "inputs": rules}
             client = DispatcherClient(self.address, **kwargs)
             if self._restore is not None:
                 try:
