@@ -418,6 +418,36 @@ def test_the_dataloader_path_states_the_tokenizer_the_model_s_ids_are_of(shards,
             ds.close()
 
 
+def test_a_dataloader_iterating_a_rewound_dataset_goes_on_from_the_state(shards):
+    """A loss-spike rollback: `ds.load_state_dict(saved)` closed the pool the DataLoader's
+    iterator was, and that loop died with "next() on a closed PrefetchPool: create a new one
+    over its source", a pool its user never made (probe). The same iterator now goes on from
+    the saved step, with the same samples."""
+    from trainer_client.prefetch import PrefetchConfig
+
+    with dispatcher(make_config(shards, world_size=1, max_steps=8)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        ds = DispatcherDataset(srv.trainer_endpoint, preprocess=PrefetchConfig(), tokenizer=None,
+                               rank=0, world_size=1, local_world_size=1, config=client_config())
+        try:
+            it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=0))
+            keys = {}
+            for _ in range(2):
+                step = next(it)
+                keys[step.step] = [mb.keys for mb in step.microbatches]
+            saved = ds.state_dict()
+            for _ in range(2):
+                step = next(it)
+                keys[step.step] = [mb.keys for mb in step.microbatches]
+            assert sorted(keys) == [0, 1, 2, 3] and saved["next_step"] == 2
+            ds.load_state_dict(saved)
+            again = [next(it) for _ in range(2)]
+            assert [s.step for s in again] == [2, 3]
+            assert [[mb.keys for mb in s.microbatches] for s in again] == [keys[2], keys[3]]
+        finally:
+            ds.close()
+
+
 def test_dataloader_default_batch_size_hands_each_step_over_whole(shards):
     """DataLoader's default batch_size=1 collates a list of one step: the step comes out as it
     came, none lost; a batch of several steps is refused naming batch_size=None."""

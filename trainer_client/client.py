@@ -1111,9 +1111,10 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
         return dict(self._restore or {})
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a `state_dict()` (see `DispatcherClient.load_state_dict`). Steps a pool
-        prepared ahead go back to the client first; a state loaded before the first iteration
-        is checked and applied when the client starts."""
+        """Resume at a `state_dict()` (see `DispatcherClient.load_state_dict`), also while a
+        DataLoader iterates it: its next step is `state['next_step']` (a rollback). Steps a pool
+        prepared ahead are dropped; a state loaded before the first iteration is checked and
+        applied when the client starts."""
         if not isinstance(state, dict):
             raise ValueError(f"load_state_dict takes the dict state_dict() returned, got "
                              f"{type(state).__name__}")
@@ -1122,8 +1123,10 @@ class DispatcherDataset(torch.utils.data.IterableDataset):
             self._restore = dict(state)
             return
         if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+            # Rewound, not closed: the DataLoader's iterator is this pool, and goes on from
+            # `state` (closed, it died naming a PrefetchPool its user never made).
+            self.pool.load_state_dict(state)
+            return
         self.client.load_state_dict(state)
 
     def close(self) -> None:
