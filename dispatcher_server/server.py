@@ -403,8 +403,12 @@ class Dispatcher:
             return
         self._ranks_gone_said = True
         left = [s.left_at for s in self.slots if s.said_bye and s.left_at is not None]
-        event("ranks_gone", logging.WARNING, next_step=min(left, default=self.next_plan),
-              last_commit=self._checkpointed(),
+        committed = self._checkpointed()
+        # A restore from the checkpoint resumes after the commit, wherever the loops said they
+        # stopped (a loop that left holding its committed step said that step).
+        event("ranks_gone", logging.WARNING,
+              next_step=max(min(left, default=self.next_plan), committed + 1),
+              last_commit=committed,
               why="every rank has left before the end of the data: the dispatcher keeps the "
                   "job's place and waits, without a bound, for the job restored from its "
                   "checkpoint to resume here",

@@ -334,6 +334,10 @@ def test_behind_a_consumer_commit_takes_only_steps_its_loop_was_handed():
                                                  r"has handed its loop steps up to 1"):
                 c.commit(ahead, timeout=0.5)
         assert c._thread is None
+        c.report_timings(3, [{"llm": [0.1, [3]], "exchange": 0.0}])  # held ahead: not trained
+        assert c._trained is None
+        c.report_timings(1, [{"llm": [0.1, [3]], "exchange": 0.0}])
+        assert c._trained == 1
         with pytest.raises(TimeoutError):  # the held step itself is the loop's to commit
             c.commit(1, timeout=0.5)
     finally:

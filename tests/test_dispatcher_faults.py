@@ -1251,6 +1251,28 @@ def test_every_rank_gone_before_the_end_of_the_data_is_said_once(caplog):
         d._close()
 
 
+def test_ranks_gone_names_the_step_after_the_last_commit_as_where_to_resume(caplog):
+    """Probe: loops that left holding their committed step said that step, and the line read
+    `next_step=2 last_commit=2` while the restore from that checkpoint resumes at step 3."""
+    d = Dispatcher(_config(world_size=2))
+    try:
+        _fill_and_plan(d, 16)
+        d.finished = lambda: False
+        with caplog.at_level(logging.WARNING, logger="mmdispatch"):
+            for rank in (0, 1):
+                _trainer_says(d, b"t%d" % rank, P.HELLO, role="trainer", rank=rank, world_size=2,
+                              next_step=None, prefetch=2)
+                d.delivery.credit(d.slots[rank], 4, received=3)
+                _trainer_says(d, b"t%d" % rank, P.COMMIT, step=2)
+            for rank in (0, 1):
+                _trainer_says(d, b"t%d" % rank, P.BYE, next_step=2)
+            d._check_ranks_gone()
+        (said,) = [r.getMessage() for r in caplog.records if "ranks_gone" in r.getMessage()]
+        assert "next_step=3 last_commit=2" in said, said
+    finally:
+        d._close()
+
+
 def test_a_done_job_waits_for_a_lost_rank_whose_own_last_commit_is_older(caplog):
     """Rank 1 committed step 1, then died; rank 0 committed step 3, the last, and said BYE. The
     job's checkpoint is step 1 (rank 1 has no later one), but the wait looked at the latest

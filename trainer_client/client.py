@@ -1001,9 +1001,10 @@ class DispatcherClient:
 
     def _said_trained(self, step: int) -> None:
         """The loop trained `step` (it commits or times it): its BYE counts it trained, also
-        when it leaves holding it (a `break` after its step limit)."""
-        if self._consumed is not None and step < self._consumed and (
-                self._trained is None or step > self._trained):
+        when it leaves holding it (a `break` after its step limit). Behind a consumer, only a
+        step it handed to the loop."""
+        handed = self._loop_position() if self._loop_position is not None else self._consumed
+        if handed is not None and step < handed and (self._trained is None or step > self._trained):
             self._trained = step
 
     def _check_open(self, what: str) -> None:
