@@ -220,8 +220,7 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     sample_ptr = plan.sample_ptr.tolist()
     heads, buffers, nbytes, holders, item_ptr, rank_bytes = _items_by_rank(
         batch, plan, holders=endpoints is not None)
-    lengths, rank_starts, arrays = packed.lengths, packed.rank_starts, packed.buffer
-    pack = packer().pack
+    lengths, pack = packed.lengths, packer().pack
     out = []
     for rank in range(W):
         mbs, table = [], {}
@@ -238,15 +237,15 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
                   "rank": rank, "world_size": W, "microbatches": mbs}
         if endpoints is not None:
             header["readers"] = [list(endpoints[h]) for h in table]
-        r0, r1 = rank_starts[rank], rank_starts[rank + 1]
+        arrays = packed.rank_frame(rank)
         a, z = item_ptr[rank * M], item_ptr[rank * M + M]
         data = buffers[a:z]
-        if 8 * (r1 - r0) + rank_bytes[rank] <= FRAME_LIMIT:
-            data.insert(0, arrays[r0:r1])
+        if arrays.nbytes + rank_bytes[rank] <= FRAME_LIMIT:
+            data.insert(0, arrays)
             out.append([pack(header), b"".join(data)])
         else:  # split at item boundaries, the arrays whole and first
-            out.append([pack(header), *coalesce([arrays[r0:r1].tobytes(), *data],
-                                                [8 * (r1 - r0), *nbytes[a:z]], FRAME_LIMIT)])
+            out.append([pack(header), *coalesce([arrays.tobytes(), *data],
+                                                [arrays.nbytes, *nbytes[a:z]], FRAME_LIMIT)])
     return out
 
 
