@@ -282,7 +282,7 @@ def _is(x: Any, types: Any) -> bool:
 
 def _check_fields(type_: str, fields: dict[str, Any]) -> None:
     types, required = _COMPILED[type_]
-    if fields.keys() - types.keys():
+    if not fields.keys() <= types.keys():  # a subset test builds no set
         name = next(n for n in fields if n not in types)
         raise ProtocolError(f"{type_}: unknown field {str(name)[:40]!r}")
     if not required <= fields.keys():
