@@ -68,12 +68,26 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used; the message is one line naming file, key and fix."""
 
 
+_BRANCHES = ("list[", "str", "function-", "constrained-")  # pydantic's names of a union's types
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """The first error's field, as the union branch that says most about it: `shards = ["a",
+    5]` fails both `str` (the whole list) and `list[str]` (item 1), and the second names the item."""
+    def field(error: dict) -> tuple:
+        return tuple(p for p in error["loc"] if not str(p).startswith(_BRANCHES))
+
+    first = field(errors[0])
+    same = [e for e in errors if field(e)[:len(first)] == first]
+    return max(same, key=lambda e: len(field(e)))
+
+
 def _describe(error: dict, path: str) -> str:
     loc = []
     for part in error["loc"]:
         if isinstance(part, int) and loc:
             loc[-1] = f"{loc[-1]}[{part}]"
-        elif not str(part).startswith(("list[", "str", "function-", "constrained-")):
+        elif not str(part).startswith(_BRANCHES):
             loc.append(str(part))
     where = ".".join(loc) or "(top level)"
     if loc == ["sources"] and error["type"] in ("too_short", "missing"):
@@ -91,6 +105,9 @@ def _describe(error: dict, path: str) -> str:
         return (f"{path}: {where}: expected {what} (ASCII letters, digits, '_', '.', '-'; not "
                 f"starting with '.' or '-'), got {error['input']!r}")
     expected = error["msg"].removeprefix("Input should be ").removeprefix("a valid ").rstrip(".")
+    if error["type"] == "model_type":  # pydantic names its model class: the user wrote TOML
+        expected = (f"a table of kind = [extensions] (kinds: {', '.join(FIELD_KINDS)})"
+                    if loc and loc[-1] == "fields" else "a table")
     got = TOML_TYPES.get(type(error["input"]), type(error["input"]).__name__)
     return f"{path}: {where}: expected {expected}, got {error['input']!r} ({got})"
 
@@ -115,7 +132,7 @@ def load_dataset(path: str) -> tuple[list[Source], int | None]:
     try:
         model = DatasetModel.model_validate(data)
     except ValidationError as e:
-        raise DatasetError(_describe(e.errors()[0], path)) from None
+        raise DatasetError(_describe(_most_specific(e.errors()), path)) from None
     names = [s.name for s in model.sources]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

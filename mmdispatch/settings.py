@@ -130,6 +130,9 @@ def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
 def load(path: str) -> dict[str, dict]:
     """The settings a file holds, per table, validated; ConfigError naming the first problem."""
     data = read_toml(path, "config", ConfigError)
+    if "sources" in data and not set(data) & set(TABLES):
+        raise ConfigError(f"{path} is a dataset file ([[sources]]), not a settings file: give it "
+                          f"as --dataset {path}")
     try:
         settings = schema().model_validate(data)
     except ValidationError as e:

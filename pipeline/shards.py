@@ -105,7 +105,9 @@ def _check_suffix(path: str, spec: str, local: bool = True) -> None:
             raise ValueError(f"shard {path!r} (from spec {spec!r}) {fix}")
         listed = (" (a file listing shards is not read: give the shards as a glob, a {000..099} "
                   "range or their directory, or in a --dataset file)"
-                  if path.lower().endswith((".txt", ".lst", ".list")) else "")
+                  if path.lower().endswith((".txt", ".lst", ".list"))
+                  else f" (a dataset file is given as --dataset {path})"
+                  if path.lower().endswith(".toml") else "")
         raise ValueError(f"shard {path!r} (from spec {spec!r}) must end with one of {SHARD_SUFFIXES} "
                          f"(in any case){listed}")
 

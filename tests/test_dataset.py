@@ -115,6 +115,13 @@ shards = ["file:a/x.tar", "ts/2024-01-01T10:00.tar", "pipe:cat x.tar"]
      r"sources\[0\]\.fields\.image\[0\]: expected an extension such as 'jpg' .*got '\.jpg'"),
     ('shufle_buffer = 3\n[[sources]]\nname = "a"\nshards = "x.tar"\n', r"shufle_buffer: unknown key"),
     ('[[sources]\n', r"not valid TOML"),
+    # probe: the item at fault, not the whole list as "expected string"; no internal class name
+    ('[[sources]]\nname = "a"\nshards = ["x.tar", 5]\n',
+     r"sources\[0\]\.shards\[1\]: expected string, got 5 \(an integer\)$"),
+    ('[[sources]]\nname = "a"\nshards = 5\n', r"sources\[0\]\.shards: expected string, got 5"),
+    ('[[sources]]\nname = "a"\nshards = "x.tar"\nfields = ["txt"]\n',
+     r"sources\[0\]\.fields: expected a table of kind = \[extensions\] \(kinds: image, audio, "
+     r"video, text, conversation\), got \['txt'\] \(an array\)$"),
     # a weight whose share of the blend underflows (or all but): refused, by the weight written
     *((f'[[sources]]\nname = "a"\nshards = "x.tar"\nweight = {w}\n'
        '[[sources]]\nname = "b"\nshards = "y.tar"\nweight = 1\n',
@@ -525,3 +532,18 @@ def test_the_unshuffled_warnings_fix_starts_and_shuffles_the_source(tmp_path, ca
     flags = flags.replace(" shuffles it", "").replace(",", "").replace(" with", "").split()
     fixed = serve.build_config(serve.resolve(parser.parse_args([*base, *flags])))  # not refused
     assert fixed.block_sizes[1] >= 2, (flags, fixed.block_sizes)
+
+
+def test_a_dataset_file_given_where_shards_or_settings_go_points_to_dataset(tmp_path):
+    """Probe: `--shards ds.toml` said a shard must end in .tar; `--config ds.toml` said to move
+    shuffle_buffer into a [serve] table. Neither said it is a dataset file `--dataset` takes."""
+    from mmdispatch.settings import ConfigError, load
+    from pipeline.shards import expand_shards
+
+    (tmp_path / "x.tar").write_bytes(b"")
+    path = _write(tmp_path, 'shuffle_buffer = 10\n[[sources]]\nname = "a"\nshards = "x.tar"\n')
+    with pytest.raises(ValueError, match=f"a dataset file is given as --dataset {path}"):
+        expand_shards([path])
+    with pytest.raises(ConfigError, match=rf"{path} is a dataset file \(\[\[sources\]\]\), not a "
+                                          rf"settings file: give it as --dataset {path}$"):
+        load(path)
