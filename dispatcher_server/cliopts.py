@@ -229,7 +229,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 #: Exceptions whose message is written for the user (the rest are bugs and keep their traceback).
-_USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError", "FetchError"}
+_USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError", "FetchError",
+                     "PeerRankStopped"}
 
 
 def is_user_error(error: BaseException) -> bool:

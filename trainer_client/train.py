@@ -53,6 +53,17 @@ except KeyboardInterrupt:
 
 log = logging.getLogger("mmdispatch.train")
 
+
+class PeerRankStopped(RuntimeError):
+    """A collective broke because another rank left mid-step: said in one line (run_reporting_errors)."""
+
+
+def collective_failed(error: RuntimeError) -> bool:
+    """Whether `error` is a collective that broke (a peer rank gone): torch's distributed errors,
+    and gloo's, which torch raises as plain RuntimeErrors naming its transport."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo/" in text or "Connection closed by peer" in text
+
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -341,6 +352,15 @@ def train(args: argparse.Namespace) -> int:
                     client.commit(step.step)
             if args.steps and done >= args.steps:
                 break
+    except RuntimeError as e:
+        if not collective_failed(e):
+            raise
+        # A peer rank left mid-step (it stopped on its own error, e.g. no dispatcher to answer
+        # it): this rank's collective breaks with gloo's or NCCL's traceback, which reads as a
+        # crash in the exchange.
+        raise PeerRankStopped(f"rank {ctx.rank}: a collective with the other ranks failed after "
+                              f"{done} step(s): a peer rank stopped; its own log says why "
+                              f"({' '.join(str(e).split())[:200]})") from None
     finally:
         progress.close()
         client.close()  # first: a pool's feeder waiting on it for a step stops at once; its BYE
