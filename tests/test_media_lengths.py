@@ -96,10 +96,12 @@ def test_a_pcm_wav_whose_block_align_lies_is_refused():
 
 
 def _mp3(rate: int, frames: int, *, cover_bytes: int = 0, xing: bool = False, container: str = "mp3",
-         channels: int = 1) -> bytes:
+         channels: int = 1, wave: np.ndarray | None = None, vbr_quality: int | None = None) -> bytes:
     """An MP3 of LAME frames without a Xing/Info frame (as some encoders and cutters leave),
     with an ID3v2 tag of `cover_bytes` in front when given; with `xing`, FFmpeg's Info frame
-    first (as LAME writes by default); in a WAV (format tag 0x55) with `container="wav"`."""
+    first (as LAME writes by default); in a WAV (format tag 0x55) with `container="wav"`. Of
+    `wave` ([channels, frames] in [-1, 1]) where given, else a sine; VBR at `vbr_quality`
+    (LAME's -q:a) where given, else LAME's constant bitrate."""
     av = pytest.importorskip("av")
     out = io.BytesIO()
     options = {} if container != "mp3" else {"id3v2_version": "0"} if xing else {"write_xing": "0", "id3v2_version": "0"}
@@ -110,9 +112,13 @@ def _mp3(rate: int, frames: int, *, cover_bytes: int = 0, xing: bool = False, co
         pytest.skip(f"no MP3 encoder in this PyAV: {e}")
     layout = "mono" if channels == 1 else "stereo"
     stream.layout = layout
+    if vbr_quality is not None:
+        stream.codec_context.qscale = vbr_quality
+        stream.codec_context.flags |= av.codec.context.Flags.qscale
     step = stream.codec_context.frame_size or 1152
     fmt = stream.codec_context.format.name
-    wave = np.repeat(0.3 * np.sin(np.arange(frames) * 0.05)[None], channels, axis=0)
+    if wave is None:
+        wave = np.repeat(0.3 * np.sin(np.arange(frames) * 0.05)[None], channels, axis=0)
     for pos in range(0, frames, step):
         chunk = wave[:, pos:pos + step]
         if not stream.codec_context.format.is_planar:
@@ -120,7 +126,7 @@ def _mp3(rate: int, frames: int, *, cover_bytes: int = 0, xing: bool = False, co
         if fmt.startswith("s16"):
             chunk = (chunk * 32767).astype(np.int16)
         elif fmt.startswith("s32"):
-            chunk = (chunk * (2**31 - 1)).astype(np.int32)
+            chunk = (chunk.astype(np.float64) * (2**31 - 1)).astype(np.int32)
         else:
             chunk = chunk.astype(np.float32)
         frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout=layout)
@@ -219,35 +225,10 @@ def _vbr_mp3(xing: bool, rate: int = 44100) -> bytes:
     """4 s of a VBR MP3 (LAME -q:a 4): 2 s of loud noise, then 2 s of silence, so its first
     frames are far richer than its mean; with FFmpeg's Info frame first, or without
     (`-write_xing 0`, as a stripped header or a stream rip leaves)."""
-    av = pytest.importorskip("av")
-    out = io.BytesIO()
-    try:
-        container = av.open(out, "w", format="mp3",
-                            options={"id3v2_version": "0", **({} if xing else {"write_xing": "0"})})
-        stream = container.add_stream("libmp3lame", rate=rate, layout="mono")
-    except (av.error.FFmpegError, ValueError) as e:
-        pytest.skip(f"no MP3 encoder in this PyAV: {e}")
-    stream.codec_context.qscale = 4
-    stream.codec_context.flags |= av.codec.context.Flags.qscale
     t = np.arange(4 * rate) / rate
     noise = np.random.default_rng(0).standard_normal(t.size)
     wave = np.clip(np.where(t < 2, 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * noise, 0), -1, 1)
-    wave = wave.astype(np.float32)
-    fmt = stream.codec_context.format.name
-    for pos in range(0, wave.size, 1152):
-        chunk = wave[None, pos:pos + 1152]
-        if fmt.startswith("s16"):
-            chunk = (chunk * 32767).astype(np.int16)
-        elif fmt.startswith("s32"):
-            chunk = (chunk.astype(np.float64) * (2**31 - 1)).astype(np.int32)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout="mono")
-        frame.sample_rate, frame.pts = rate, pos
-        for packet in stream.encode(frame):
-            container.mux(packet)
-    for packet in stream.encode(None):
-        container.mux(packet)
-    container.close()
-    return out.getvalue()
+    return _mp3(rate, t.size, xing=xing, wave=wave[None], vbr_quality=4)
 
 
 def test_a_vbr_mp3_without_its_xing_frame_is_refused_where_libsndfile_reads_a_prefix():
