@@ -550,7 +550,7 @@ def _check_mp3_read_whole(data: bytes | memoryview, header: tuple[int, int, floa
     frame's bitrate, and stops there: a variable bitrate stream whose first frame is richer than
     the rest (its header stripped, a stream rip) would decode to a prefix, and train on a blank
     input in its planned place."""
-    rate, _, duration = header
+    duration = header[2]
     try:
         info = soundfile.info(io.BytesIO(data))
     except Exception as e:  # libsndfile reports every malformed input as a RuntimeError
