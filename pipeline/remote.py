@@ -45,11 +45,12 @@ BLOCK_BYTES = 4 << 20
 #: given up: long enough to ride out a server restart or a short network outage, short enough
 #: that a shard gone for good is reported while the job still runs.
 RETRY_S = 60.0
-#: The same for a member read back by `read_range` for a trainer: a failing read is answered
-#: (with the error) soon, and the trainer asks the next reader (`FetchConfig.attempts`); a slow
-#: read that makes progress is waited for, the reader telling the trainer it is still at work
-#: (`pipeline.payloads.KEEPALIVE_S`). Read-backs run on their own threads, not the payload one.
-READ_BACK_RETRY_S = 3.0
+#: The same for a member read back by `read_range` for a trainer (direct payloads): the same
+#: outage is ridden out, the reader telling the trainer it is still at work meanwhile
+#: (`pipeline.payloads.KEEPALIVE_S`; the trainer waits on it up to `FetchConfig.busy_max_s`).
+#: A read-back that gave up after 3 s made the trainer's attempts fail within 7 s of a short
+#: outage that a streaming read rode out. Read-backs run on their own threads, not the payload one.
+READ_BACK_RETRY_S = RETRY_S
 #: The first backoff, doubled each retry up to BACKOFF_MAX_S.
 BACKOFF_S = 0.5
 BACKOFF_MAX_S = 8.0

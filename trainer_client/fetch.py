@@ -21,10 +21,11 @@ from its shard file (a cache miss: a replay, `--payload-cache-mb 0`, a remote st
 trickles) sends a HEARTBEAT every second (`pipeline.payloads.KEEPALIVE_S`) until it answers,
 and each one moves the request's deadline to `timeout_s` from then, up to `busy_max_s` (300 s)
 after the request was sent; a slow store that makes progress is waited for, a dead or hung
-reader is left after `timeout_s`. A reader's own read-back gives up a failing remote read
-after `pipeline.remote.READ_BACK_RETRY_S` (3 s) of retries and answers with the error; the
-trainer then asks the next reader after a backoff of `backoff_min_s` doubling to
-`backoff_max_s`, `attempts` (4) times in all before the step fails with a FetchError.
+reader is left after `timeout_s`. A reader's own read-back retries a failing remote read for
+`pipeline.remote.READ_BACK_RETRY_S` (60 s, as a streaming read: an object store's short outage
+loses nothing), then answers with the error; the trainer then asks the next reader after a
+backoff of `backoff_min_s` doubling to `backoff_max_s`, `attempts` (4) times in all before the
+step fails with a FetchError.
 """
 
 from __future__ import annotations
