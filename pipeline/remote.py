@@ -130,8 +130,14 @@ def expand(url: str, spec: str) -> list[str]:
         if fs.isfile(pattern):
             return [url]
         found = sorted(fs.glob(pattern))
+        bucket = pattern.split("/", 1)[0]
+        missing = not found and not fs.exists(bucket)
     except Exception as e:  # noqa: BLE001 - any listing failure is one line naming the spec
         raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: {diagnose(e)[1]}") from None
+    if missing:  # a store lists a missing bucket as empty: a typo, or another endpoint or account
+        raise ValueError(f"shard spec {spec!r}: listing {url!r} failed: the bucket {bucket!r} "
+                         "does not exist (check its name, and the endpoint and account the "
+                         "credentials are for)")
     prefix = url.split("://", 1)[0] + "://"
     return [prefix + p for p in found]
 

@@ -280,6 +280,16 @@ def test_s3_globs_list_the_bucket_and_read_as_the_local_files_do(shards, s3):
 
 
 @pytest.mark.timeout(120)
+def test_an_s3_glob_in_a_bucket_that_does_not_exist_says_so(shards, s3):
+    """Probe: it said "no shard file matches ...; a file whose name holds * ? or [ is named by
+    its exact path", hiding the missing bucket that a plain URL there names."""
+    from pipeline.shards import expand_shards
+
+    with pytest.raises(ValueError, match=r"listing 's3://no-such-bucket/train/\*\.tar' failed: the "
+                                         r"bucket 'no-such-bucket' does not exist"):
+        expand_shards(["s3://no-such-bucket/train/*.tar"])
+
+
 def test_an_s3_key_with_glob_characters_is_named_by_itself(shards, s3):
     """`br[1].tar` matched no glob (its [1] is a character class); an object of exactly that
     key is taken first, as a local file of that name is."""
