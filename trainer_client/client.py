@@ -966,9 +966,7 @@ class DispatcherClient:
             # A float or string came back as a malformed-message warning after the whole timeout,
             # and a tensor could not be sent at all: the client thread died with it.
             raise ValueError(f"commit(step) takes a step number >= 0 (a Step's .step), got {step!r}")
-        # Behind a consumer taking steps ahead (a PrefetchPool) only what it handed to the loop
-        # counts: the steps it holds ahead were never trained.
-        handed = (self._loop_position() if self._loop_position is not None else self._consumed)
+        handed = self._handed()
         if handed is None or number >= handed:
             # Journaled, it would resume every rank after steps this one never trained.
             said = "no step yet" if handed is None else f"steps up to {handed - 1}"
@@ -999,11 +997,17 @@ class DispatcherClient:
         if error:
             raise error[0]
 
+    def _handed(self) -> int | None:
+        """The step after the last this client handed to the training loop (None before the
+        first). Behind a consumer taking steps ahead (a PrefetchPool), the step after the last
+        the consumer handed to its loop: the steps it holds ahead were never trained."""
+        return self._loop_position() if self._loop_position is not None else self._consumed
+
     def _said_trained(self, step: int) -> None:
         """The loop trained `step` (it commits or times it): its BYE counts it trained, also
         when it leaves holding it (a `break` after its step limit). Behind a consumer, only a
         step it handed to the loop."""
-        handed = self._loop_position() if self._loop_position is not None else self._consumed
+        handed = self._handed()
         if handed is not None and step < handed and (self._trained is None or step > self._trained):
             self._trained = step
 
