@@ -953,9 +953,10 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     stopping.set()
                 if p.exitcode >= 0 or stopping.is_set():
                     codes.append(p.exitcode)
-                    alone = p.exitcode == 0 and procs and not stopping.is_set()
-                    if p.exitcode > 0 or alone:
-                        say_failures(w)  # a failure, or a worker stopped by its own signal
+                    # A failure, or a worker stopped by its own signal, also when `read` was
+                    # stopped since (its workers are stopped below: none has been yet). A worker
+                    # done says nothing: its pipe reads as ended at once.
+                    say_failures(w)
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure. A
@@ -984,6 +985,10 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     level="WARNING")
                 procs[w] = start(w)
     finally:
+        # Workers that ended before `read` stopped them, and were not yet seen to: one stopped
+        # by a signal to it alone says so now (under load a SIGTERM to `read` right after it
+        # came before the loop woke, and the line was lost).
+        ended = [w for w, p in procs.items() if not p.is_alive()]
         for p in procs.values():
             if p.is_alive():  # the worker says BYE and leaves, logging the signal `read` got
                 try:
@@ -1000,7 +1005,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 codes.append(1)
                 continue
             codes.append(max(p.exitcode or 0, 0))
-            if p.exitcode and p.exitcode > 0:
+            if (p.exitcode and p.exitcode > 0) or (w in ended and p.exitcode == 0):
                 say_failures(w)
     if INTERRUPTED in codes:  # Ctrl-C while workers started: as a start-up interrupt ends
         say("mmdispatch read: interrupted", log_format)

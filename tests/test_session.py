@@ -269,6 +269,26 @@ def test_a_hangup_of_one_worker_is_said_as_such_not_as_its_supervisor_s_death():
 
 
 @pytest.mark.timeout(90)
+def test_a_worker_stopped_alone_just_before_read_is_stopped_is_still_said():
+    """A worker stopped by its own SIGHUP, then `read` stopped before its loop saw that worker
+    end (a loaded machine): the worker's line was lost, so nothing said `read` had run short."""
+    with _read_with_workers(2) as (proc, children):
+        workers = [pid for pid in children if _is_worker(pid)]
+        os.kill(proc.pid, signal.SIGSTOP)  # its loop cannot see the worker end before SIGTERM
+        try:
+            os.kill(workers[0], signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while _pid_alive(workers[0]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.terminate()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    assert err.count("reason=SIGHUP") == 1 and err.count("reason=SIGTERM") == 1, err
+    assert err.count("stopped by SIGHUP sent to it alone; the other workers read on") == 1, err
+
+
+@pytest.mark.timeout(90)
 def test_a_worker_killed_at_shutdown_fails_mmdispatch_read():
     """SIGTERM to `read --workers 2` with one worker stopped (SIGSTOP) killed it after 10 s and
     still exited 0, as if every worker had said BYE."""
