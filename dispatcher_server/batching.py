@@ -18,8 +18,8 @@ from typing import NamedTuple
 import numpy as np
 
 from dispatcher_server.planner.types import ENCODER_PHASES, EncoderItems, StepInputs
-from dispatcher_server.protocol import (ANCHOR, DEFAULT_LIMITS, HOLDERS, STEP, VERSION, coalesce,
-                                        packer)
+from dispatcher_server.protocol import (ANCHOR, DEFAULT_LIMITS, HOLDERS, SOURCE_DTYPE, STEP,
+                                        VERSION, coalesce, packer)
 from dispatcher_server.stepwire import pack_step
 
 _PHASE_OF = {"image": "vision", "video": "vision", "audio": "audio"}
@@ -89,6 +89,7 @@ class StepBatch:
     inputs: StepInputs
     keys: list[str]  # per sample id
     tokens: list[bytes]  # per sample id
+    sources: np.ndarray  # per sample id: its source's index (SOURCE_DTYPE)
     phase_items: dict[str, np.ndarray]  # phase -> flat position of each item id
     item_owner: np.ndarray  # flat -> sample id
     item_headers: list[tuple]  # flat -> STEP item header (StepItemHeader's fields)
@@ -163,14 +164,16 @@ def take(col: list, idx: list[int]) -> list:
     return [col[i] for i in idx]
 
 
-def build_batch(samples: list[Sample]) -> StepBatch:
-    """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order.
+def build_batch(samples: list[Sample], num_sources: int = 1) -> StepBatch:
+    """Planner inputs: per sample text/LLM length, per encoder phase its items in sample order;
+    each sample's source, of `num_sources` (a shard position's source is its position modulo
+    their number, `StepAssembler.stream_of`).
 
     Whole-step columns, no per-sample or per-item Python step: the fields come out of the
     sample and item records in one transpose each (a step at 2,560 ranks holds tens of thousands
     of samples and items).
     """
-    keys, _, _, text_len, llm_len, tokens, items, payloads, _, _ = (
+    keys, pos, _, text_len, llm_len, tokens, items, payloads, _, _ = (
         zip(*samples) if samples else ((),) * len(Sample._fields))
     keys, tokens = list(keys), list(tokens)
     flat = list(chain.from_iterable(items))
@@ -195,6 +198,7 @@ def build_batch(samples: list[Sample]) -> StepBatch:
                         llm_len=np.array(llm_len, dtype=np.int64), encoders=encoders)
     return StepBatch(
         samples=samples, inputs=inputs, keys=keys, tokens=tokens,
+        sources=(np.array(pos, dtype=np.int64) % num_sources).astype(SOURCE_DTYPE),
         phase_items=phase_items, item_owner=owner,
         item_headers=list(zip(modality, take(keys, owner.tolist()), member, meta)),
         item_payloads=payloads, item_sizes=[memoryview(p).nbytes for p in payloads])
@@ -217,6 +221,8 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
     packed = pack_step(plan)
     order = plan.sample_order.tolist()
     keys, tokens = take(batch.keys, order), take(batch.tokens, order)
+    sources = batch.sources[plan.sample_order].tobytes()
+    width = batch.sources.itemsize
     sample_ptr = plan.sample_ptr.tolist()
     heads, buffers, nbytes, holders, item_ptr, rank_bytes = _items_by_rank(
         batch, plan, holders=endpoints is not None)
@@ -229,7 +235,8 @@ def step_messages(batch: StepBatch, plan, *, step: int, epoch: int, seq: int,
             s0, s1 = sample_ptr[g], sample_ptr[g + 1]
             a, z = item_ptr[p], item_ptr[p + 1]
             mb = {"arrays": lengths[g], "keys": keys[s0:s1], "tokens": tokens[s0:s1],
-                  "items": heads[a:z], "payloads": z - a, "sizes": nbytes[a:z]}
+                  "items": heads[a:z], "payloads": z - a, "sizes": nbytes[a:z],
+                  "sources": sources[s0 * width:s1 * width]}
             if endpoints is not None:
                 mb[HOLDERS] = [table.setdefault(h, len(table)) for h in holders[a:z]]
             mbs.append(mb)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from dispatcher_server.blend import normalized
 from dispatcher_server.measure import RefitConfig
 from dispatcher_server.planner.config import PlannerConfig
-from dispatcher_server.protocol import DEFAULT_LIMITS, PAYLOAD_MODES, Limits, reference_path
+from dispatcher_server.protocol import (DEFAULT_LIMITS, DEFAULT_SOURCE, PAYLOAD_MODES, Limits,
+                                        reference_path)
 
 MODES = ("deterministic", "arrival")
 #: Most times a source's blend weight may be below the largest one: past it the source would be
@@ -158,7 +159,7 @@ class ServerConfig:
         if not self.sources:
             if not self.shards:
                 raise ValueError("the shard list is empty")
-            self.sources = [Source(name="default", shards=list(self.shards))]
+            self.sources = [Source(name=DEFAULT_SOURCE, shards=list(self.shards))]
         self.shards = [url for src in self.sources for url in src.shards]
         names = [src.name for src in self.sources]
         if len(set(names)) != len(names):
@@ -247,7 +248,7 @@ class ServerConfig:
                 + sum(self.windows))
 
     def _sources_digest(self) -> dict:
-        if len(self.sources) == 1 and self.sources[0].name == "default":
+        if len(self.sources) == 1 and self.sources[0].name == DEFAULT_SOURCE:
             return {}
         return {"sources": [[src.name, src.weight, len(src.shards)] for src in self.sources]}
 

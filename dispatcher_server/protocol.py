@@ -52,7 +52,9 @@ import msgpack
 #: v12: a STEP carries all its micro-batches' arrays and payloads in one coalesced data frame
 #:     (more only past `Limits.max_frame_bytes`), not two frames or more per micro-batch; the
 #:     micro-batch's `parts` is gone (see `_check_step`).
-VERSION = 12
+#: v13: a STEP micro-batch says each sample's source (`sources`: uint16 per sample, an index
+#:     into the job's source names, which a trainer's WELCOME lists as `sources`).
+VERSION = 13
 
 HELLO = "hello"  # peer -> dispatcher: version, role and who it is
 WELCOME = "welcome"  # dispatcher -> peer: accepted, with the session parameters
@@ -112,7 +114,7 @@ SCHEMAS: dict[str, dict[str, tuple[Any, bool]]] = {
               "world_size": (_INT, False), "next_step": (_INT, False),
               "num_microbatches": (_OPT_INT, False), "payloads": (str, False),
               "dataset": (dict, False), "readers": (list, False), "shards": (list, False),
-              "ranks_per_node": (_INT, False)},
+              "ranks_per_node": (_INT, False), "sources": (list, False)},
     ERROR: {"code": (str, True), "message": (str, True), "ack": (_OPT_INT, False)},
     HEARTBEAT: {},
     # direct mode: where the reader serves payloads, and its CurveZMQ public key (z85) if any
@@ -675,7 +677,11 @@ class StepItemHeader(NamedTuple):
 
 
 MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list, "payloads": int,
-                     "sizes": list}
+                     "sizes": list, "sources": bytes}
+#: A STEP micro-batch's `sources`: each sample's source, as an index into WELCOME's `sources`.
+SOURCE_DTYPE = "<u2"
+#: The name of the one source of a job served from `--shards` (no dataset file).
+DEFAULT_SOURCE = "default"
 #: direct mode: a micro-batch also says, per item, which entry of the STEP's `readers` holds it.
 HOLDERS = "holders"
 
@@ -692,6 +698,8 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: negative counts")
         if len(mb["keys"]) != len(mb["tokens"]) or not all(isinstance(k, str) for k in mb["keys"]):
             raise ProtocolError("step: keys and tokens disagree")
+        if len(mb["sources"]) != 2 * len(mb["keys"]):
+            raise ProtocolError("step: keys and sources disagree")
         if not all(isinstance(t, bytes) and (not t or t[0] in _WIDTH_SET) for t in mb["tokens"]):
             raise ProtocolError("step: tokens must be bytes, empty or led by a width of "
                                 f"{'/'.join(map(str, TOKEN_WIDTHS))}")

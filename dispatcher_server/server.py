@@ -666,7 +666,7 @@ class Dispatcher:
         filled = self.assembler.take_step()
         if len(self._one_shard_warned) < len(self.assembler.streams):
             self._warn_one_shard_blocks()
-        step, batch = self.next_plan, build_batch(filled.samples)
+        step, batch = self.next_plan, build_batch(filled.samples, len(self.assembler.streams))
         digest, keys = batch.digests()
         c1 = thread_time()
         self._cpu["assemble"] += c1 - c0
@@ -1489,6 +1489,7 @@ class Dispatcher:
                    world_size=self.config.world_size, next_step=want,
                    num_microbatches=self.config.planner.num_microbatches,
                    payloads=self.config.payloads, dataset=self.dataset, ranks_per_node=g,
+                   sources=[st.name for st in self.assembler.streams],
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
 
     def _refuse_resume(self, ident: bytes, msg: P.Message, why: str) -> None:

@@ -47,6 +47,24 @@ def _samples(n: int = 10) -> list[Sample]:
     return out
 
 
+def test_each_sample_names_its_source_by_the_names_the_dispatcher_gave():
+    """A sample's source is its shard position modulo the number of sources; the STEP carries
+    its index and the client names it by WELCOME's list, refusing an index past that list."""
+    samples = [s._replace(pos=i % 3) for i, s in enumerate(_samples())]
+    plan = plan_step(build_batch(samples).inputs, Topology(world_size=2, ranks_per_node=1),
+                     PlannerConfig(num_microbatches=2))
+    for rank in range(2):
+        msg = P.decode(rank_message(build_batch(samples, 3), plan, step=0, epoch=0, rank=rank,
+                                    seq=1))
+        for mb in decode_step(msg, sources=["a", "b", "c"]).microbatches:
+            assert mb.sources == ["abc"[samples[i].pos] for i in mb.plan.samples.tolist()]
+        with pytest.raises(P.ProtocolError, match="source index 2 is not among the 2 sources"):
+            decode_step(msg, sources=["a", "b"])
+        one = P.decode(rank_message(build_batch(samples), plan, step=0, epoch=0, rank=rank,
+                                    seq=1))
+        assert {s for mb in decode_step(one).microbatches for s in mb.sources} == {"default"}
+
+
 def test_decoded_step_is_views_over_the_received_frames():
     samples = _samples()
     batch = build_batch(samples)

@@ -247,7 +247,8 @@ def test_a_blend_of_real_media_reaches_trainers_as_tensors_of_exactly_the_planne
     """Three sources (captions, speech, conversations with images and clips), a trained BPE
     tokenizer and its ChatML template, through a dispatcher and two readers to two ranks: every
     text, image, video and audio tensor has exactly the planned length, conversations carry a
-    loss mask on their assistant tokens only, and every sample of an epoch arrives once."""
+    loss mask on their assistant tokens only, every sample of an epoch arrives once, naming the
+    source it came from."""
     pytest.importorskip("torch")
     pytest.importorskip("av")
     from dispatcher_server.config import FlowConfig
@@ -286,6 +287,10 @@ def test_a_blend_of_real_media_reaches_trainers_as_tensors_of_exactly_the_planne
                     assert arr.shape[0] == int(eb.enc_len[i])
                     seen.append((phase, eb.modalities[i]))
             seen += [("llm", k) for k in mb.keys]
+            # each sample names the source it was drawn from
+            assert len(mb.sources) == len(mb.keys)
+            assert all(k in keys[src] for k, src in zip(mb.keys, mb.sources)), mb.sources
+            seen += [("source", src) for src in mb.sources]
         return seen
 
     config = make_config([], sources=sources, world_size=2, global_batch=6, max_epochs=1,
@@ -298,6 +303,7 @@ def test_a_blend_of_real_media_reaches_trainers_as_tensors_of_exactly_the_planne
     assert {m for ph, m in seen if ph == "audio"} == {"audio"}
     delivered = Counter(k for ph, k in seen if ph == "llm")
     assert max(delivered.values()) == 1
+    assert {src for ph, src in seen if ph == "source"} == set(keys)
     # The job ends when a source has been read once; the others are within one epoch.
     assert any(set(delivered) >= ks for ks in keys.values())
 

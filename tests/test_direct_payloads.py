@@ -37,7 +37,7 @@ from trainer_client.fetch import FetchConfig, FetchError, PayloadFetcher
 def test_step_holders_must_index_the_step_readers():
     def step(holders, readers):
         mb = {"arrays": [], "keys": [], "tokens": [], "items": [["image", "k", "jpg", {}]],
-              "payloads": 1, "sizes": [1]}
+              "payloads": 1, "sizes": [1], "sources": b""}
         if holders is not None:
             mb[P.HOLDERS] = holders
         extra = {} if readers is None else {"readers": readers}
@@ -131,7 +131,7 @@ def _step_held_by_the_dead(shard: str, holder: P.ReaderEndpoint = DEAD) -> tuple
                             readers=[list(holder)], microbatches=[
                                 {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                  "items": [[it.modality, rec.key, it.member, {}]],
-                                 "sizes": [len(ref)], P.HOLDERS: [0]}]))
+                                 "sizes": [len(ref)], "sources": b"", P.HOLDERS: [0]}]))
     return bytes(rec.members[it.member]), msg
 
 

@@ -85,9 +85,20 @@ def test_payloads_past_a_frames_limit_travel_in_frames_of_whole_items():
     assert [bytes(v) for v in P.item_views(reply.frames, reply["sizes"])] == members
 
 
+def test_a_step_names_one_source_per_sample():
+    mb = {"arrays": [0] * 21, "keys": ["a", "b"], "tokens": [b"", b""], "items": [],
+          "payloads": 0, "sizes": [], "sources": np.array([0, 1], P.SOURCE_DTYPE).tobytes()}
+    P.decode(P.encode(P.STEP, frames=[b""], step=0, epoch=0, rank=0, world_size=1,
+                      microbatches=[mb]))
+    for sources in (b"", b"\0\0", [0, 1]):
+        with pytest.raises(P.ProtocolError):
+            P.decode(P.encode(P.STEP, frames=[b""], step=0, epoch=0, rank=0, world_size=1,
+                              microbatches=[{**mb, "sources": sources}]))
+
+
 def test_step_data_frame_must_match_its_arrays_and_sizes():
     mb = {"arrays": [0] * 21, "keys": [], "tokens": [], "items": [["image", "k", "png", {}]],
-          "payloads": 1, "sizes": [5]}
+          "payloads": 1, "sizes": [5], "sources": b""}
     good = P.decode(P.encode(P.STEP, frames=[b"12345"], step=0, epoch=0, rank=0, world_size=1,
                              microbatches=[mb]))
     assert [(bytes(a), [bytes(p) for p in items]) for a, items in P.microbatch_frames(good)] == [

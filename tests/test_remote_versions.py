@@ -591,4 +591,4 @@ def _one_item_step(ref: bytes, reader) -> P.Message:
                              readers=[list(reader)], microbatches=[
                                  {"arrays": [], "keys": [], "tokens": [], "payloads": 1,
                                   "items": [["image", "k", "k.jpg", {}]],
-                                  "sizes": [len(ref)], P.HOLDERS: [0]}]))
+                                  "sizes": [len(ref)], "sources": b"", P.HOLDERS: [0]}]))

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -109,6 +110,7 @@ class Microbatch:
     index: int
     plan: RankMicrobatch  # numpy views; the exchange tables live in plan.exchanges
     keys: list[str]  # LLM samples in packing order
+    sources: list[str]  # per sample, in packing order: the name of the dataset source it came from
     # per sample, in packing order: the text's token ids as the data node tokenized them
     # (int32[text_len]) and its loss mask (bool[text_len], True on training targets)
     text_ids: list[torch.Tensor]
@@ -290,11 +292,13 @@ def text_tensors(tokens: list[bytes], text_len: list[int]) -> tuple[list[torch.T
 
 
 def decode_step(msg: P.Message, files: ShardFiles | None = None,
-                fetched: list[list[memoryview]] | None = None) -> Step:
+                fetched: list[list[memoryview]] | None = None,
+                sources: Sequence[str] = (P.DEFAULT_SOURCE,)) -> Step:
     """Tensors and views over `msg`'s frames; ProtocolError if the frames disagree with the header.
 
     With `files` (reference payload mode) the payload frames hold references, read from disk;
     `fetched` (direct mode) holds the bytes they name, per micro-batch (`fetch.PayloadFetcher`).
+    `sources`: the job's source names (WELCOME's), which the samples' source indices name.
     """
     out = Step(step=msg["step"], epoch=msg["epoch"], rank=msg["rank"])
     for m, (mb, (buf, items)) in enumerate(zip(msg["microbatches"], P.microbatch_frames(msg))):
@@ -325,10 +329,22 @@ def decode_step(msg: P.Message, files: ShardFiles | None = None,
         cu[1:] = torch.cumsum(tensors["sample_llm_len"], 0)
         text_ids, loss_mask = text_tensors(mb["tokens"], plan.text_len.tolist())
         out.microbatches.append(Microbatch(
-            step=out.step, index=m, plan=plan, keys=list(mb["keys"]), text_ids=text_ids, loss_mask=loss_mask,
+            step=out.step, index=m, plan=plan, keys=list(mb["keys"]),
+            sources=_source_names(mb["sources"], sources), text_ids=text_ids, loss_mask=loss_mask,
             text_len=tensors["text_len"], sample_llm_len=tensors["sample_llm_len"],
             cu_seqlens=cu, encoders=encoders, tensors=tensors))
     return out
+
+
+def _source_names(raw: bytes, names: Sequence[str]) -> list[str]:
+    """Each sample's source name, from a micro-batch's `sources` (indices into `names`)."""
+    index = np.frombuffer(raw, P.SOURCE_DTYPE)
+    if len(index) and int(index.max()) >= len(names):
+        raise P.ProtocolError(f"step: source index {int(index.max())} is not among the "
+                              f"{len(names)} sources the dispatcher named")
+    if len(names) == 1:
+        return [names[0]] * len(index)
+    return [names[i] for i in index.tolist()]
 
 
 def loop_stopped_at(next_step: int | None, holding: bool) -> int | None:
@@ -388,9 +404,10 @@ class ClientConfig:
                              backoff_max_s=self.backoff_max_s,
                              curve=PeerCurve.from_files(self.secret_file, self.server_public_file))
 
-    def fetcher(self, out: queue.Queue) -> PayloadFetcher:
-        """The direct-mode payload fetcher of a client whose steps go to `out`."""
-        return PayloadFetcher(decode=lambda msg, fetched: decode_step(msg, fetched=fetched),
+    def fetcher(self, out: queue.Queue, decode) -> PayloadFetcher:
+        """The direct-mode payload fetcher of a client whose steps go to `out`, decoded by
+        `decode(msg, fetched)`."""
+        return PayloadFetcher(decode=decode,
                               out=out, curve=PeerCurve.from_files(self.secret_file,
                                                                   self.server_public_file),
                               config=FetchConfig(timeout_s=self.fetch_timeout_s,
@@ -492,6 +509,7 @@ class _TrainerPeer:
         self.consumed = next_step  # next step the training loop takes
         self.restored = dataset  # the fingerprint of the job a restored state came from
         self.dataset: dict | None = None  # the dispatcher's, from WELCOME
+        self.sources: list[str] = [P.DEFAULT_SOURCE]  # the job's source names, from WELCOME
         self.steps = steps
         self.commands = commands
         # The client's rewind count as of the last resync this thread carried out: stamped on
@@ -528,6 +546,7 @@ class _TrainerPeer:
         self._check_dataset(msg.get("dataset"))
         self._payload_mode(msg.get("payloads", "inline"))
         self._check_topology(msg.get("ranks_per_node"))
+        self.sources = [str(n) for n in msg.get("sources", [P.DEFAULT_SOURCE])] or [P.DEFAULT_SOURCE]
         if self.fetcher is not None:
             self.fetcher.readers = msg.get("readers", [])
         self.next_expected = msg["next_step"]
@@ -606,9 +625,13 @@ class _TrainerPeer:
             # still running when a rewind comes lands in the queue after the rewind.
             self.fetcher.put(item, stamp=self.generation)
         elif isinstance(item, P.Message):
-            self.steps.put((self.generation, decode_step(item, self.files)))
+            self.steps.put((self.generation, self.decode(item)))
         else:
             self.steps.put((self.generation, item))
+
+    def decode(self, msg: P.Message, fetched: list[list[memoryview]] | None = None) -> Step:
+        """`decode_step` with this session's payload mode and source names."""
+        return decode_step(msg, self.files, fetched, self.sources)
 
     def _check_dataset(self, served: dict | None) -> None:
         if self.restored is not None and served is not None and differing(self.restored, served):
@@ -625,7 +648,7 @@ class _TrainerPeer:
             self.files.close()
             self.files = None
         if mode == "direct" and self.fetcher is None:
-            self.fetcher = self.make_fetcher(self.steps)
+            self.fetcher = self.make_fetcher(self.steps, self.decode)
         elif mode != "direct" and self.fetcher is not None:
             self.fetcher.close()
             self.fetcher = None
