@@ -55,6 +55,12 @@ class ProbeResult:
     # tar not written grouped by key, `tar cf x.tar *.jpg *.txt`): readers would take each run
     # of its members as a sample, and train the samples of such a shard in pieces
     apart: tuple[str, str, str, str] | None = None
+    # (shard, key, suffixes, other key, its suffixes): the members of each sample kept in one
+    # directory per kind (`images/0.jpg`, `captions/0.txt`): a key includes its directory, so
+    # readers would train the image and its text as two samples
+    split: tuple[str, str, str, str, str] | None = None
+    # the first shard's keys as the probe walked them, each with its members' suffixes
+    key_suffixes: dict[str, set[str]] = field(default_factory=dict, repr=False)
     timed_out: bool = False  # `probe_within` gave up: what was read proves nothing
     gave_up_on: str | None = None  # the shard being read when `probe_within` gave up
     reading: object = field(default=None, repr=False)  # the shard stream open now, if any
@@ -125,7 +131,8 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
         whole = False  # read to its end (a loop not left by `break`)
         try:
             members = _keys_apart(tar_members(open_decompressed(stream, url),
-                                              reader_config.max_member_bytes), result, url)
+                                              reader_config.max_member_bytes), result, url,
+                                  result.key_suffixes if len(result.shards) == 1 else None)
             groups = group_samples(members, unnamed, reader_config.max_sample_bytes)
             for _key, group, problem in groups:
                 if result.apart is not None:
@@ -155,6 +162,9 @@ def probe_source(urls: Sequence[str], reader_config: ReaderConfig, *, max_sample
         except (TarError, OSError) as e:
             result.unreadable.append((url, str(e)))
         finally:
+            if len(result.shards) == 1 and result.apart is None:
+                result.split = _split_by_directory(url, result.key_suffixes)
+            result.key_suffixes = {}
             result.reading = None
             try:
                 stream.close()
@@ -171,9 +181,10 @@ MAX_KEYS_CHECKED = 200_000
 KEY_WALK_S = 5.0
 
 
-def _keys_apart(members, result: ProbeResult, url: str):
+def _keys_apart(members, result: ProbeResult, url: str, suffixes: dict[str, set] | None = None):
     """`members`, passed on; notes in `result.apart` the first key whose run of members starts
-    again after other keys' members (the shard is not grouped by key)."""
+    again after other keys' members (the shard is not grouped by key), and in `suffixes` (if
+    given) each key's members' suffixes."""
     seen: dict[str, str] = {}  # key -> its first member's name
     last = None
     for name, data in members:
@@ -183,7 +194,28 @@ def _keys_apart(members, result: ProbeResult, url: str):
             first = seen.setdefault(last, name)
             if first is not name and result.apart is None:
                 result.apart = (url, last, first, name)
+        if parts is not None and suffixes is not None:
+            suffixes.setdefault(parts[0], set()).add(parts[1].lower())
         yield name, data
+
+
+def _split_by_directory(url: str, suffixes: dict[str, set[str]]
+                        ) -> tuple[str, str, str, str, str] | None:
+    """The first two keys of `url` that are one sample kept in two directories by kind, when
+    at least half of the names in directories are so: the same name under two directories
+    whose members have no suffix in common (`images/0.jpg`, `captions/0.txt`). Folders of
+    samples alike (`cat/001.jpg`, `dog/001.jpg`) share suffixes and are not."""
+    by_name: dict[str, list[str]] = {}
+    for key in suffixes:
+        folder, slash, name = key.rpartition("/")
+        if slash:
+            by_name.setdefault(name, []).append(key)
+    pieces = [keys for keys in by_name.values() if len(keys) > 1
+              and sum(map(len, (suffixes[k] for k in keys))) == len(set().union(*(suffixes[k] for k in keys)))]
+    if not pieces or 2 * len(pieces) < len(by_name):
+        return None
+    a, b = pieces[0][:2]
+    return url, a, ", ".join(sorted(suffixes[a])), b, ", ".join(sorted(suffixes[b]))
 
 
 def _mapped_tar(url: str, config: ReaderConfig) -> bool:
@@ -244,6 +276,17 @@ def refusal(result: ProbeResult, source: str = "default") -> str | None:
                       f"one sample, so its samples would train in pieces: write the shard with "
                       f"its files sorted by name (tar --sort=name -cf, or webdataset's "
                       f"TarWriter) (checked at start; --probe-samples 0 skips the check)")
+    if result.split is not None:
+        url, key, found, other, other_found = result.split
+        name = key.rpartition("/")[2]
+        return redact(f"source {source!r}: shard {url!r} keeps each sample's members in a "
+                      f"directory per kind ({key!r} holds {found}, {other!r} holds "
+                      f"{other_found}): a sample's key is its members' path up to the first dot, "
+                      f"directory included, so readers would train these as separate samples "
+                      f"(the {found} without the {other_found}): write each sample's members "
+                      f"side by side under one key ({name}.{found.split(', ')[0]}, "
+                      f"{name}.{other_found.split(', ')[0]}), e.g. with webdataset's TarWriter "
+                      f"(checked at start; --probe-samples 0 skips the check)")
     if not result.refused:
         return None
     shown = ", ".join(result.shards[:3]) + (f" and {len(result.shards) - 3} more"

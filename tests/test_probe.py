@@ -104,6 +104,36 @@ def test_a_shard_whose_samples_members_lie_apart_is_refused_naming_them(tmp_path
     assert result.apart is None and result.usable == 1
 
 
+def _in_folders(path, members: dict[str, bytes], keys: int) -> str:
+    """A shard of `keys` names per folder whose members are FOLDER/NAME.SUFFIX for each entry
+    'FOLDER/.SUFFIX' of `members`, in name order (`tar --sort=name`)."""
+    names = sorted(f"{where.split('/.')[0]}/{i:03d}.{where.split('/.')[1]}"
+                   for where in members for i in range(keys))
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name in names:
+            data = members[name[:name.index("/")] + "/." + name.rsplit(".", 1)[1]]
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_a_shard_keeping_each_kind_in_its_own_directory_is_refused(tmp_path):
+    """Probe: a tar of `images/` and `captions/` folders (the usual non-WebDataset layout) was
+    served without a word: keys include their directory, so every image trained alone on no
+    token and every caption without its image. Folders of whole samples are served."""
+    split = _in_folders(tmp_path / "split.tar", {"images/.jpg": b"x", "captions/.txt": b"a"}, 50)
+    line = refusal(probe_source([split], ReaderConfig()), "captions")
+    assert line is not None and f"shard {split!r} keeps each sample's members in a directory per kind" in line
+    assert "'captions/000' holds txt, 'images/000' holds jpg" in line
+    assert "side by side under one key (000.txt, 000.jpg)" in line
+    # class folders of whole samples, the same names in each: samples, not pieces
+    classes = _in_folders(tmp_path / "classes.tar", {"cat/.jpg": b"x", "cat/.txt": b"a",
+                                                     "dog/.jpg": b"x", "dog/.txt": b"a"}, 50)
+    result = probe_source([classes], ReaderConfig())
+    assert result.split is None and refusal(result) is None
+
+
 def test_serve_refuses_a_dataset_without_usable_members(unusable):
     proc = subprocess.run(
         [sys.executable, "-m", "mmdispatch.cli", "serve", "--shards", *unusable, "--world-size", "1",
