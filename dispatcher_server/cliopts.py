@@ -233,10 +233,24 @@ _USER_ERROR_NAMES = {"TooManyErrors", "FatalReaderError", "DispatcherError", "Fe
                      "PeerRankStopped"}
 
 
+#: Optional dependencies by module, with the extra that installs each (pyproject.toml): a
+#: command that needs one on an install without it says which extra to add.
+OPTIONAL_MODULES = {"torch": "trainer", "matplotlib": "report", "av": "video", "s3fs": "cloud",
+                    "gcsfs": "cloud", "aiohttp": "cloud"}
+
+
+def _missing_extra(error: BaseException) -> str | None:
+    """The extra that installs the optional module `error` (a ModuleNotFoundError) lacks."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return None
+    return OPTIONAL_MODULES.get(error.name.partition(".")[0])
+
+
 def is_user_error(error: BaseException) -> bool:
     import zmq
 
     return (isinstance(error, (ValueError, OSError, zmq.ZMQError))
+            or _missing_extra(error) is not None
             or any(cls.__name__ in _USER_ERROR_NAMES for cls in type(error).__mro__))
 
 
@@ -245,6 +259,12 @@ def user_message(error: BaseException) -> str:
 
     import zmq
 
+    extra = _missing_extra(error)
+    if extra is not None:
+        module = error.name.partition(".")[0]
+        wheel = " (pick its wheel index as in the README)" if module == "torch" else ""
+        return (f"this needs {module}, which is not installed: pip install "
+                f"'mmdispatch[{extra}]'{wheel}")
     text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, zmq.ZMQError) and error.errno == errno.EADDRINUSE:
         return f"{text}: another process holds that port; choose another one (port 0 lets the OS pick)"

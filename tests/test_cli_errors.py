@@ -881,3 +881,19 @@ def test_a_sigterm_while_the_interpreter_waits_for_threads_exits_143_without_a_t
                           cwd=root, env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_command_needing_an_extra_not_installed_names_the_extra(tmp_path):
+    """`mmdispatch calibrate` on an install without torch (`pip install mmdispatch`) ended in a
+    traceback; it names the extra to install, in one line, exit status 2 (probe)."""
+    (tmp_path / "torch").mkdir()  # torch as an install without it has it: not there at all
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    out = subprocess.run([*MMD, "calibrate", "--out", str(tmp_path / "cost.json")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30,
+                         env={"PYTHONPATH": f"{tmp_path}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == ("mmdispatch calibrate: error: this needs torch, which is not "
+                                  "installed: pip install 'mmdispatch[trainer]' (pick its wheel "
+                                  "index as in the README)"), out.stderr
