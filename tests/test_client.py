@@ -622,3 +622,35 @@ def test_a_closed_or_stopped_client_says_so_instead_of_an_old_error(shards):
                      lambda: c.report_timings(0, [{"llm": [0.1, [3]], "exchange": 0.0}])):
             with pytest.raises(RuntimeError, match="on a closed DispatcherClient: create a new one"):
                 call()
+
+
+@pytest.mark.timeout(60)
+def test_a_loop_waiting_for_a_step_says_so_in_the_trainer_s_log(shards, monkeypatch, caplog):
+    """Trainers started without a reader waited silently until step_timeout_s (600 s); only
+    the dispatcher's log, elsewhere, said why. The client says it waits, and where to look."""
+    import trainer_client.client as client_module
+
+    monkeypatch.setattr(client_module, "WAIT_SAY_S", 0.5)
+    monkeypatch.setattr(client_module, "WAIT_SAY_EVERY_S", 1.0)
+    caplog.set_level("WARNING", logger="mmdispatch.client")
+    with dispatcher(make_config(shards, world_size=1)) as srv:  # no reader
+        c = DispatcherClient(srv.trainer_endpoint, 0, 1, 1,
+                             config=ClientConfig(heartbeat_s=0.2, timeout_s=1.5, step_timeout_s=2.8))
+        try:
+            with pytest.raises(TimeoutError):
+                next(iter(c))
+        finally:
+            c.close()
+    said = [r.getMessage() for r in caplog.records if "event=waiting_for_step" in r.getMessage()]
+    assert 2 <= len(said) <= 3, said  # at 0.5 s, then every 1 s until the timeout
+    assert f"rank=0 step=0 dispatcher={srv.trainer_endpoint}" in said[0]
+    assert "event=no_readers (start mmdispatch read)" in said[0]
+    # Behind a PrefetchPool holding steps its loop has not taken, the loop is not waiting.
+    caplog.clear()
+    c.taken_ahead(2, position=lambda: 0, holding=lambda: False)
+    c._consumed = 2
+    c._say_waiting(40.0)
+    assert not [r for r in caplog.records if "waiting_for_step" in r.getMessage()]
+    c._consumed = 0
+    c._say_waiting(40.0)
+    assert [r for r in caplog.records if "waiting_for_step" in r.getMessage()]

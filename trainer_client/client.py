@@ -487,6 +487,11 @@ _STATE_KEYS = frozenset({"next_step", "rank", "world_size", "dataset"})
 
 #: Measured steps a client holds while it cannot send them.
 MAX_PENDING_TIMINGS = 16
+#: Seconds a training loop waits for a step before its client says so (a warning line), then
+#: again every WAIT_SAY_EVERY_S: the reason (no reader connected, a rank stopped) is in the
+#: dispatcher's log, which runs elsewhere; the trainers' log said nothing until step_timeout_s.
+WAIT_SAY_S = 30.0
+WAIT_SAY_EVERY_S = 120.0
 
 
 class _TrainerPeer:
@@ -836,7 +841,9 @@ class DispatcherClient:
             raise StopIteration
         thread = self.start()._thread  # close() from another thread may clear the attribute
         limit = self.config.step_timeout_s
-        deadline = None if limit is None else time.monotonic() + limit
+        waiting_since = time.monotonic()
+        deadline = None if limit is None else waiting_since + limit
+        say_at = waiting_since + WAIT_SAY_S
         while True:
             if self._rewinding.is_set():
                 raise Rewound("load_state_dict moved the client while this thread waited for a step")
@@ -850,7 +857,11 @@ class DispatcherClient:
                 if thread is None or not thread.is_alive():
                     raise RuntimeError("dispatcher client closed" if self._closing.is_set()
                                        else "dispatcher client thread stopped")
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if now >= say_at and (deadline is None or now < deadline):
+                    self._say_waiting(now - waiting_since)
+                    say_at = now + WAIT_SAY_EVERY_S
+                if deadline is not None and now > deadline:
                     raise TimeoutError(
                         f"no step from {self.address} within {limit} s: the dispatcher plans "
                         "ahead only as far as every rank has taken its steps, so a rank that "
@@ -870,6 +881,31 @@ class DispatcherClient:
             self._commands.put(("consumed", self._consumed))
             self._holding = True
             return item
+
+    def _say_waiting(self, seconds: float) -> None:
+        """One line: the loop has waited `seconds` for its next step, and where to look why.
+        Not while a consumer taking steps ahead (a PrefetchPool) still holds steps its loop has
+        not taken: that loop is training, slower than steps come, not waiting."""
+        handed = self._handed()
+        if self._loop_position is not None and self._consumed is not None and (
+                handed is not None and handed < self._consumed):
+            return
+        session = self._session
+        connected = session is not None and session.welcomed
+        step = self._consumed
+        if step is None and self._peer is not None:  # the WELCOME's: where the job starts
+            step = self._peer.consumed
+        if connected:
+            why = ("the dispatcher has sent no step: it sends one once readers deliver its "
+                   "samples and every rank has taken the steps before it")
+            fix = ("see the dispatcher's log: event=no_readers (start mmdispatch read), "
+                   "event=trainer_lost (a rank stopped)")
+        else:
+            why = "no dispatcher has answered"
+            fix = "check that the dispatcher runs at that address, and its CurveZMQ keys"
+        log.warning("mmdispatch event=waiting_for_step rank=%s step=%s dispatcher=%s seconds=%d "
+                    "why='%s' fix='%s'", self.rank, "first" if step is None else step,
+                    self.address, seconds, why, fix)
 
     def unread(self, steps: list[Step]) -> None:
         """Hand `steps` out again, before any other: the last steps this client handed out, in
