@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dispatcher_server.blend import normalized
@@ -61,7 +62,7 @@ def render_mixture(mix: dict[str, dict], console: Console) -> None:
         table.add_column(col, justify="left" if col == "source" else "right")
     for name, m in mix.items():
         by = m["token_share_by_modality"]
-        table.add_row(name, f"{m['weight']:g}", f"{m['sample_share']:.1%}",
+        table.add_row(escape(name), f"{m['weight']:g}", f"{m['sample_share']:.1%}",
                       f"{m['llm_tokens_per_sample']:.0f}", f"{m['token_share']:.1%}",
                       *(f"{by[k]:.1%}" for k in MODALITIES))
     console.print(table)
@@ -82,7 +83,7 @@ def run_dataset(args: argparse.Namespace) -> int:
         reports[src.name] = shards.collect(src.shards, config, show_progress=sys.stderr.isatty(),
                                            stall_s=args.stall_timeout)
         if not args.json:
-            console.rule(f"source {src.name!r}: {len(src.shards)} shards, weight {src.weight:g}")
+            console.rule(escape(f"source {src.name!r}: {len(src.shards)} shards, weight {src.weight:g}"))
             shards.render(reports[src.name], console)
     mix = mixture(sources, reports)
     if args.json:

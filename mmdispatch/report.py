@@ -318,6 +318,7 @@ def _steps(seg: dict) -> str:
 
 def print_table(summary: dict, console=None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = console or Console()
@@ -344,7 +345,7 @@ def print_table(summary: dict, console=None) -> None:
                       f"{summary['bytes']['balanced'][loc] / 1e6:.1f}")
     table.add_row("plan ms (p50)", "", f"{summary['plan_ms_p50']:.1f}")
     for name, src in summary.get("sources", {}).items():
-        table.add_row(f"source {name}", "", f"{src['samples']} ({src['share']:.1%})")
+        table.add_row(escape(f"source {name}"), "", f"{src['samples']} ({src['share']:.1%})")
     if "loss_last" in summary:
         table.add_row("loss first -> last", "", f"{summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     if summary.get("skipped_records"):

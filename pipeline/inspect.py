@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -244,7 +245,7 @@ def render(report: dict, console: Console) -> None:
     mix.add_column("samples", justify="right")
     mix.add_column("share", justify="right")
     for name, count in report["mix_counts"].items():
-        mix.add_row(name, str(count), f"{report['mix'][name]:.1%}")
+        mix.add_row(escape(name), str(count), f"{report['mix'][name]:.1%}")
     console.print(mix)
     per = report["images_per_sample"]
     console.print("images per sample: " + ", ".join(f"{k}: {v}" for k, v in per.items()))
@@ -252,8 +253,8 @@ def render(report: dict, console: Console) -> None:
     reasons = ", ".join(f"{k}={v}" for k, v in errors["by_reason"].items()) or "none"
     truncated = (f"; samples truncated to --max-seq-len: {errors['num_truncated']}"
                  if errors["num_truncated"] else "")
-    console.print(f"errors: {errors['num_errors']} ({reasons}); "
-                  f"ignored members: {format_ignored(errors['ignored_members'])}{truncated}",
+    console.print(escape(f"errors: {errors['num_errors']} ({reasons}); "
+                         f"ignored members: {format_ignored(errors['ignored_members'])}{truncated}"),
                   highlight=False)
     if report["bad_shards"]:
         bad = Table(title="shards with errors")
@@ -262,7 +263,9 @@ def render(report: dict, console: Console) -> None:
         for b in report["bad_shards"]:
             reasons = ", ".join(f"{k}={v}" for k, v in b["by_reason"].items())
             first = (b["first_error"] or "") + (" (stopped: too many in a row)" if b["stopped"] else "")
-            bad.add_row(b["shard"], str(b["samples"]), str(b["errors"]), reasons, first)
+            # shard names and messages as written: `[...]` in them is no console markup
+            bad.add_row(escape(b["shard"]), str(b["samples"]), str(b["errors"]), escape(reasons),
+                        escape(first))
         console.print(bad)
     hist = report["histogram"]
     if hist:

@@ -95,6 +95,22 @@ def test_inspect_fails_only_when_nothing_is_readable(tmp_path, capsys):
     assert "shards with errors" in " ".join(captured.out.split())
 
 
+def test_inspect_prints_shard_names_and_messages_as_written(tmp_path, capsys, monkeypatch):
+    """Square brackets in a shard's path and in an error's fix were taken as console markup:
+    `[red]/x.tar` printed as `/x.tar` in red, and "the dataset file's [sources.fields]" lost
+    its key (probe)."""
+    import tarfile
+
+    monkeypatch.setenv("COLUMNS", "400")
+    (tmp_path / "[red]").mkdir()
+    shard = tmp_path / "[red]" / "x.tar"
+    with tarfile.open(shard, "w") as tar:
+        tar.add(__file__, arcname="mk1.py")
+    assert main(["inspect", str(shard)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"{shard} " in out and "the dataset file's [sources.fields]" in out, out
+
+
 def test_log_histogram_buckets():
     hist = log_histogram(np.array([1, 3, 3, 8, 1000]))
     assert hist[0] == {"lo": 1, "hi": 2, "count": 1}
