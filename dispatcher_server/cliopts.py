@@ -370,9 +370,14 @@ def _warn_secret_server_key(path: str) -> None:
         "and the secret need not be copied to readers and trainers")
 
 
-def check_endpoint(flag: str, address: str) -> str:
+#: Hosts that bind every interface: an endpoint to connect to names one machine.
+WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
+
+
+def check_endpoint(flag: str, address: str, *, connect: bool = False) -> str:
     """`address` if it names a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH...), else a ValueError
-    naming the flag and the form."""
+    naming the flag and the form. `connect`: an address to connect to, which names a host and
+    a port (a wildcard, or `*` as the port, only binds)."""
     if "://" not in address:
         raise ValueError(f"{flag} {address!r}: an endpoint looks like tcp://HOST:PORT "
                          "(e.g. tcp://10.0.0.5:5555)")
@@ -380,6 +385,18 @@ def check_endpoint(flag: str, address: str) -> str:
     if scheme not in ZMQ_TRANSPORTS:
         raise ValueError(f"{flag} {address!r}: ZeroMQ speaks {', '.join(ZMQ_TRANSPORTS)}, not "
                          f"{scheme}; an endpoint looks like tcp://HOST:PORT")
+    if scheme == "tcp":
+        host, colon, port = address[len("tcp://"):].rpartition(":")
+        if not colon or not host or "]" in port:  # "]": the colon was inside [IPv6]
+            raise ValueError(f"{flag} {address!r}: no port; an endpoint looks like tcp://HOST:PORT "
+                             "(e.g. tcp://10.0.0.5:5555)")
+        if connect and host in WILDCARD_HOSTS:
+            raise ValueError(f"{flag} {address!r}: {host} binds every interface of a machine; "
+                             f"connect to the host the dispatcher runs on (e.g. "
+                             f"tcp://10.0.0.5:{port if port.isdigit() else 5555})")
+        if connect and not port.isdigit():
+            raise ValueError(f"{flag} {address!r}: port {port!r} is no number; an endpoint to "
+                             "connect to looks like tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555)")
     port = address.rsplit(":", 1)[-1]
     # ZeroMQ takes a port past 65535 modulo 65536: tcp://host:99999 would bind or reach 34463.
     if address.startswith("tcp://") and port.lstrip("-").isdigit() and not 0 <= int(port) <= 65535:

@@ -678,7 +678,7 @@ def max_workers() -> int:
 
 
 def config_from_args(args: argparse.Namespace, worker: int = 0) -> ReaderServiceConfig:
-    check_endpoint("--dispatcher", args.dispatcher)
+    check_endpoint("--dispatcher", args.dispatcher, connect=True)
     if not 1 <= args.workers <= max_workers():
         raise ValueError(f"--workers must be 1 to {max_workers()} (4 x this host's "
                          f"{os.cpu_count() or 1} CPUs), got {args.workers}")

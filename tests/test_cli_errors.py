@@ -155,6 +155,13 @@ CASES = {
                                ["not_a_tokenizer.json", "not an HF tokenizers JSON file"]),
     "endpoint without tcp://": (lambda f, p: [*MMD, "read", "--dispatcher", "localhost:5555", "--timeout", "1"],
                                 ["localhost:5555", "tcp://HOST:PORT"]),
+    # probe: these got ZeroMQ's "Invalid argument", through a worker, with no fix
+    "endpoint without a port": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://localhost"],
+                                ["'tcp://localhost': no port", "tcp://HOST:PORT"]),
+    "endpoint a wildcard (read)": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://*:5555"],
+                                   ["'tcp://*:5555'", "connect to the host the dispatcher runs on"]),
+    "endpoint a wildcard (train)": (lambda f, p: [*TRAIN, "--dispatcher", "tcp://0.0.0.0:5555"],
+                                    ["'tcp://0.0.0.0:5555'", "tcp://10.0.0.5:5555"]),
     "bind without tcp://": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                           "--reader-bind", "127.0.0.1:0"], ["127.0.0.1:0", "tcp://HOST:PORT"]),
     "read payload ports past 65535": (lambda f, p: [*MMD, "read", "--dispatcher", "tcp://127.0.0.1:9",

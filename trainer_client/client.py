@@ -737,7 +737,7 @@ class DispatcherClient:
                  local_world_size: int | None = None, *, config: ClientConfig | None = None,
                  context: zmq.Context | None = None, inputs: dict | None = None) -> None:
         # ZeroMQ's own word for an address without a transport is "Invalid argument".
-        self.address = check_endpoint("DispatcherClient address", address)
+        self.address = check_endpoint("DispatcherClient address", address, connect=True)
         self.inputs = inputs
         self.rank = _env_int("RANK", 0) if rank is None else rank
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size

@@ -220,7 +220,7 @@ def client_config(args: argparse.Namespace) -> ClientConfig:
 
 
 def train(args: argparse.Namespace) -> int:
-    check_endpoint("--dispatcher", args.dispatcher)
+    check_endpoint("--dispatcher", args.dispatcher, connect=True)
     check_curve_pair(args.curve_secret, args.curve_server_key)
     if args.train_log:
         check_output_file("--train-log", args.train_log)
