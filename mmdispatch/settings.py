@@ -14,6 +14,7 @@ import argparse
 import difflib
 import functools
 import importlib
+import os
 import tomllib
 from typing import Any, Literal
 
@@ -113,16 +114,28 @@ def _describe(error: dict, path: str) -> str:
 def read_toml(path: str, what: str, error: type[ValueError]) -> dict:
     """The contents of the TOML file `path` (a `what` file: "config", "dataset"); `error`, one
     line naming the file, when it is missing, unreadable, not UTF-8 or not TOML."""
+    from pipeline.shards import is_shard_name
+
+    # shards given where the file goes: say where they go (and where a directory's file is)
+    shards = " (shards are given as --shards)"
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise error(f"{what} file {path!r} does not exist") from None
+        globbed = shards if any(c in path for c in "*?[{") else ""
+        raise error(f"{what} file {path!r} does not exist{globbed}") from None
+    except IsADirectoryError:
+        inside = os.path.join(path, "dataset.toml")
+        fix = (f"give the file in it, --{what} {inside}" if what == "dataset" and os.path.isfile(inside)
+               else f"give the TOML file itself{shards if what == 'dataset' else ''}")
+        raise error(f"{what} file {path!r} is a directory: {fix}") from None
     except OSError as e:
         raise error(f"{what} file {path!r} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise error(f"{path}: not valid TOML ({e})") from None
     except UnicodeDecodeError as e:
+        if is_shard_name(path):
+            raise error(f"{what} file {path!r} is a shard, not a TOML file{shards}") from None
         raise error(f"{what} file {path!r} is not UTF-8 text (byte {e.object[e.start]:#04x} at "
                     f"offset {e.start}): give a TOML file saved as UTF-8") from None
 

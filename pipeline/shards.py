@@ -274,7 +274,10 @@ def expand_shards(specs: Sequence[str] | str) -> list[str]:
                 _refuse_other_compressions(spec, entries)
                 matches = _listed(spec, [(p, regular) for p, regular in entries if is_shard_name(p)])
                 if not matches:
-                    nested = (f"; its subdirectories are not listed: give "
+                    tomls = sorted(p for p, regular in entries if regular and p.endswith(".toml"))
+                    nested = (f"; it holds {tomls[0]!r}: a dataset file is given as --dataset "
+                              f"{tomls[0]}" if tomls
+                              else f"; its subdirectories are not listed: give "
                               f"'{os.path.join(path, '**', '*.tar')}' for the shards under it"
                               if any(os.path.isdir(p) for p, _ in entries) else "")
                     raise FileNotFoundError(f"directory {path!r} (from spec {spec!r}) holds no "

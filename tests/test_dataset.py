@@ -553,3 +553,24 @@ def test_a_dataset_file_given_where_shards_or_settings_go_points_to_dataset(tmp_
     with pytest.raises(ConfigError, match=rf"{path} is a dataset file \(\[\[sources\]\]\), not a "
                                           rf"settings file: give it as --dataset {path}$"):
         load(path)
+
+
+def test_shards_given_where_the_dataset_file_goes_and_back_say_which_flag_takes_them(tmp_path):
+    """Probe: `--shards DIR` of a dataset (its dataset.toml beside the source folders) advised
+    a glob that serves every source as one, weights and field maps gone; `--dataset DIR`,
+    `--dataset x.tar` and `--dataset 'x/*.tar'` named no fix."""
+    from pipeline.shards import expand_shards
+
+    (tmp_path / "captions").mkdir()
+    path = _write(tmp_path, '[[sources]]\nname = "a"\nshards = "captions"\n', "dataset.toml")
+    with pytest.raises(FileNotFoundError,
+                       match=f"it holds {path!r}: a dataset file is given as --dataset {path}$"):
+        expand_shards([str(tmp_path)])
+    with pytest.raises(DatasetError, match=f"is a directory: give the file in it, --dataset {path}$"):
+        load_dataset(str(tmp_path))
+    shard = tmp_path / "captions" / "0.tar"
+    shard.write_bytes(b"\xff" * 1024)
+    with pytest.raises(DatasetError, match=r"is a shard, not a TOML file \(shards are given as --shards\)"):
+        load_dataset(str(shard))
+    with pytest.raises(DatasetError, match=r"does not exist \(shards are given as --shards\)"):
+        load_dataset(str(tmp_path / "captions" / "*.tar"))
