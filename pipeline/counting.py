@@ -764,6 +764,8 @@ class Counter:
             text = text[1:]
         if not ((ext == "json") if as_json is None else as_json):
             return text
+        if not text.strip():  # a 0-byte JSON (a writer killed mid-way): no text, as a 0-byte .txt
+            return ""
         try:
             obj = json.loads(text)
         except ValueError as e:

@@ -274,11 +274,15 @@ def test_an_empty_text_member_beside_media_is_tallied_as_an_empty_json_field_is(
 
     shard = write_tar(tmp_path / "s.tar", [("a.jpg", jpeg(32, 32)), ("a.txt", b""),
                                            ("b.jpg", jpeg(32, 32)), ("b.txt", b"a caption"),
-                                           ("c.txt", b"")])
+                                           ("c.txt", b""),
+                                           # a 0-byte JSON (a writer killed mid-way) alike: it
+                                           # dropped the image as bad_json (probe)
+                                           ("d.jpg", jpeg(32, 32)), ("d.json", b"")])
     stats, ignored = ErrorStats(), Counter()
     records = list(iter_shard(shard, config("skip"), stats=stats, ignored=ignored))
-    assert [(r.key, r.text_len > 0) for r in records] == [("a", False), ("b", True)]
-    assert ignored == {"txt (empty)": 2}  # a's, and c's, which is skipped as empty_sample
+    assert [(r.key, r.text_len > 0) for r in records] == [("a", False), ("b", True), ("d", False)]
+    # a's and c's (c skipped as empty_sample), d's
+    assert ignored == {"txt (empty)": 2, "json (empty)": 1}
     ((reason, _, key, message),) = stats.recent
     assert (reason, key) == ("empty_sample", "c") and "text member 'txt' is empty" in message
 
