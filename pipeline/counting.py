@@ -204,6 +204,8 @@ class AudioConfig:
             )
         if self.pad_window_s is not None and self.pad_window_s <= 0:
             raise ValueError(f"pad_window_s={self.pad_window_s} must be > 0 seconds (unset: no padding)")
+        if not self.max_duration_s > 0:
+            raise ValueError(f"max_duration_s={self.max_duration_s} must be > 0 seconds")
         if self.pad_window_s is not None and not (
                 1 <= self.pad_window_s * self.encoder_frames_per_s and self.pad_window_s <= MAX_PAD_WINDOW_S):
             # A window in frames (a cost file's, calibrate's: Whisper's 1500) given as seconds
@@ -696,7 +698,8 @@ class Counter:
                 f"audio header declares {rate} Hz, outside [{cfg.min_sample_rate}, {cfg.max_sample_rate}]",
             )
         if duration > cfg.max_duration_s:
-            raise CountError("bad_audio", f"audio lasts {duration:.0f} s, over max_duration_s={cfg.max_duration_s}")
+            raise CountError("bad_audio", f"audio lasts {duration:.0f} s, over the {cfg.max_duration_s:g} s "
+                                          f"limit (--max-clip-seconds; raise it for longer recordings)")
         if duration <= 0:
             raise CountError("bad_audio", "audio header states no samples: the clip is empty or truncated")
         enc, llm = audio_lengths(duration, cfg)

@@ -95,6 +95,9 @@ def add_reader_arguments(parser: argparse.ArgumentParser) -> None:
     add("--video-max-pixels", type=int, default=video.max_pixels, help="video resize upper pixel budget per frame")
     add("--audio-frames-per-s", type=finite_float, default=audio.encoder_frames_per_s, help="audio encoder frames per second")
     add("--audio-tokens-per-s", type=finite_float, default=audio.llm_tokens_per_s, help="audio LLM tokens per second; a whole divisor of the frame rate pools the frames (50 / 25: floor(frames / 2), as Qwen2-Audio)")
+    add("--max-clip-seconds", type=finite_float, default=audio.max_duration_s,
+        help="skip audio and video members that last longer (bad_audio, bad_video): a header "
+             "claiming days is corrupt; raise it for longer recordings (lectures, audiobooks)")
     add("--audio-pad-window", type=finite_float, default=None,
         help="cost the audio encoder padded to windows of this many seconds (30 for Whisper; a "
              "cost file's window counts frames; default: unset, no padding, each clip costs "
@@ -140,6 +143,7 @@ COUNTING_FLAGS = {
     "merge_size": "--merge-size", "max_header_pixels": "--max-header-pixels",
     "video fps": "--video-fps", "video min_frames": "--video-min-frames", "encoder_frames_per_s": "--audio-frames-per-s",
     "llm_tokens_per_s": "--audio-tokens-per-s", "pad_window_s": "--audio-pad-window",
+    "max_duration_s": "--max-clip-seconds",
     "max_text_bytes": "--max-text-bytes", "max_member_bytes": "--max-member-bytes",
     "max_seq_len": "--max-seq-len", "over_length": "--over-length",
     "max_consecutive": "--max-consecutive-errors",
@@ -180,12 +184,12 @@ def _reader_config(args: argparse.Namespace, keep_members: bool) -> ReaderConfig
         ),
         audio=AudioConfig(
             encoder_frames_per_s=args.audio_frames_per_s, llm_tokens_per_s=args.audio_tokens_per_s,
-            pad_window_s=args.audio_pad_window,
+            pad_window_s=args.audio_pad_window, max_duration_s=args.max_clip_seconds,
         ),
         text=TextConfig(**text_kwargs),
         video=video_config(fps=args.video_fps, min_frames=args.video_min_frames,
                            max_pixels=args.video_max_pixels, patch_size=args.patch_size,
-                           merge_size=args.merge_size),
+                           merge_size=args.merge_size, max_duration_s=args.max_clip_seconds),
     )
     errors = ErrorPolicy(mode=args.errors, max_consecutive=args.max_consecutive_errors)
     return ReaderConfig(

@@ -107,7 +107,8 @@ class VideoHeader:
     container: str
 
 
-def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: int, merge_size: int) -> VideoConfig:
+def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: int, merge_size: int,
+                 max_duration_s: float = VideoConfig.max_duration_s) -> VideoConfig:
     """The video rules the `--video-fps`/`--video-min-frames`/`--video-max-pixels` and patch
     options describe (data nodes and trainers build them here, so they cannot disagree): a budget
     under the default minimum lowers the minimum with it, so a budget under one patch group (a
@@ -120,7 +121,8 @@ def video_config(*, fps: float, min_frames: int, max_pixels: int, patch_size: in
                          f"{patch_size * merge_size} patch group ({group} pixels): it counts "
                          f"pixels per sampled frame, e.g. {768 * group} (768 x {group})")
     return VideoConfig(fps=fps, min_frames=min_frames, max_pixels=max_pixels, patch_size=patch_size,
-                       merge_size=merge_size, min_pixels=min(VideoConfig().min_pixels, max_pixels))
+                       merge_size=merge_size, min_pixels=min(VideoConfig().min_pixels, max_pixels),
+                       max_duration_s=max_duration_s)
 
 
 # -- lengths -------------------------------------------------------------------------------------
@@ -537,7 +539,8 @@ def count_video(data: bytes | memoryview, cfg: VideoConfig) -> tuple[int, int, d
     if not (math.isfinite(h.duration_s) and h.duration_s > 0):
         raise _bad(f"{h.container} declares duration {h.duration_s} s")
     if h.duration_s > cfg.max_duration_s:
-        raise _bad(f"video lasts {h.duration_s:.0f} s, over max_duration_s={cfg.max_duration_s}")
+        raise _bad(f"video lasts {h.duration_s:.0f} s, over the {cfg.max_duration_s:g} s limit "
+                   f"(--max-clip-seconds; raise it for longer recordings)")
     if not (math.isfinite(h.fps) and 0 < h.fps <= cfg.max_fps):
         raise _bad(f"{h.container} declares {h.fps:g} frames per second, outside (0, {cfg.max_fps}]")
     if h.width < 1 or h.height < 1 or h.width * h.height > cfg.max_header_pixels:

@@ -606,3 +606,21 @@ def test_an_audio_pad_window_outside_seconds_is_refused_naming_the_unit(window):
     with pytest.raises(ValueError, match=r"must be seconds.*Whisper's window is 30"):
         AudioConfig(pad_window_s=window)
     assert AudioConfig(pad_window_s=30.0).pad_window_s == 30.0
+
+
+def test_clips_past_the_length_limit_are_refused_naming_the_flag_that_raises_it():
+    """Probe: a 5-hour recording was bad_audio "over max_duration_s=14400.0", a setting no
+    command or settings file has; --max-clip-seconds sets it for audio and video alike."""
+    from pipeline.reader import add_reader_arguments, reader_config_from_args
+
+    short = Counter(CountingConfig(audio=AudioConfig(max_duration_s=1.5)))
+    with pytest.raises(CountError, match=r"audio lasts 2 s, over the 1.5 s limit "
+                                         r"\(--max-clip-seconds; raise it for longer recordings\)"):
+        short.audio(_wav(2.0))
+    assert Counter(CountingConfig(audio=AudioConfig(max_duration_s=3.0))).audio(_wav(2.0))[0] > 0
+    parser = argparse.ArgumentParser()
+    add_reader_arguments(parser)
+    config = reader_config_from_args(parser.parse_args(["--max-clip-seconds", "36000"])).counting
+    assert config.audio.max_duration_s == config.video.max_duration_s == 36000
+    with pytest.raises(ValueError, match="--max-clip-seconds 0.0 must be > 0 seconds"):
+        reader_config_from_args(parser.parse_args(["--max-clip-seconds", "0"]))
