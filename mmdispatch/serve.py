@@ -171,6 +171,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             _add_option(group, dest)
 
 
+class _GivenOnce(argparse.Action):
+    """A flag that takes one value: given twice, the first would be dropped without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)!r}, "
+                         f"{values!r}): one dataset file lists every source of the job; give one")
+        setattr(namespace, self.dest, values)
+
+
 def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
     type_, default, help_ = OPTIONS[dest]
     flag = "--" + dest.replace("_", "-")
@@ -181,7 +191,11 @@ def _add_option(group: argparse._ArgumentGroup, dest: str) -> None:
         text = help_ if action == "store_true" else f"{help_} (default: {str(default).lower()})"
         group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text)
     elif dest == "shards":
-        group.add_argument(flag, nargs="+", default=argparse.SUPPRESS, help=text)
+        # `--shards A --shards B` serves both (the second replaced the first, whose shards were
+        # never read, and the job ended as done)
+        group.add_argument(flag, nargs="+", action="extend", default=argparse.SUPPRESS, help=text)
+    elif dest == "dataset":
+        group.add_argument(flag, action=_GivenOnce, default=argparse.SUPPRESS, help=text)
     else:
         group.add_argument(flag, type=str.upper if dest == "log_level" else type_,
                            choices=CHOICES.get(dest), default=argparse.SUPPRESS, help=text)

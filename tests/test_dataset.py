@@ -574,3 +574,21 @@ def test_shards_given_where_the_dataset_file_goes_and_back_say_which_flag_takes_
         load_dataset(str(shard))
     with pytest.raises(DatasetError, match=r"does not exist \(shards are given as --shards\)"):
         load_dataset(str(tmp_path / "captions" / "*.tar"))
+
+
+def test_shards_given_twice_are_all_served_and_a_second_dataset_file_is_refused(tmp_path):
+    """Probe: `serve --shards A --shards B` served B alone (A never read, the job 'done');
+    `--dataset` twice kept the last file without a word."""
+    import subprocess
+    import sys
+
+    from mmdispatch.cli import build_parser
+
+    args = build_parser("serve").parse_args(["--shards", "a.tar", "b.tar", "--shards", "c.tar",
+                                             "--world-size", "1", "--global-batch", "4"])
+    assert args.shards == ["a.tar", "b.tar", "c.tar"]
+    out = subprocess.run([sys.executable, "-m", "mmdispatch.cli", "serve", "--dataset", "a.toml",
+                          "--dataset", "b.toml", "--world-size", "1", "--global-batch", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--dataset is given twice ('a.toml', 'b.toml')" in out.stderr
