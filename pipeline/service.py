@@ -900,13 +900,18 @@ def _supervise(args: argparse.Namespace, mp) -> int:
     failures: dict[int, multiprocessing.connection.Connection] = {}
     said: set[str] = set()
 
-    def say_failures(w: int) -> None:
+    def say_failures(w: int, quiet: bool = False) -> None:
+        """Say what worker `w` sent; `quiet`: not that a signal stopped it alone when `read`
+        got that very signal too (a Ctrl-C or a kill of the process group reaches them all)."""
         pipe = failures.get(w)
+        own = f"stopped by {signal.Signals(stopped_by[0]).name} sent to it alone"
         while pipe is not None and pipe.poll(0.2):
             try:
                 why = pipe.recv()
             except (EOFError, OSError):
                 return
+            if quiet and why.startswith(own):
+                continue
             if why not in said:
                 said.add(why)
                 say(f"mmdispatch read: worker {w}: {why}", log_format)
@@ -956,7 +961,7 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                     # A failure, or a worker stopped by its own signal, also when `read` was
                     # stopped since (its workers are stopped below: none has been yet). A worker
                     # done says nothing: its pipe reads as ended at once.
-                    say_failures(w)
+                    say_failures(w, quiet=p.exitcode == 0 and stopping.is_set())
                     if p.exitcode > 0 and procs and not stopping.is_set():
                         # it said why (one line): the others would read on short of a worker,
                         # and `read` would run on with an exit status hiding the failure. A
@@ -1005,8 +1010,10 @@ def _supervise(args: argparse.Namespace, mp) -> int:
                 codes.append(1)
                 continue
             codes.append(max(p.exitcode or 0, 0))
-            if (p.exitcode and p.exitcode > 0) or (w in ended and p.exitcode == 0):
+            if p.exitcode and p.exitcode > 0:
                 say_failures(w)
+            elif w in ended and p.exitcode == 0:
+                say_failures(w, quiet=True)
     if INTERRUPTED in codes:  # Ctrl-C while workers started: as a start-up interrupt ends
         say("mmdispatch read: interrupted", log_format)
         return INTERRUPTED
