@@ -120,6 +120,15 @@ class PeerSession:
         self._last_sent = time.monotonic()
         return self._seq
 
+    def keepalive(self) -> None:
+        """A heartbeat if one is due, from a long step inside this session's own thread (a
+        long header walk, `pipeline.keepalive`): the dispatcher hears the peer is alive."""
+        if self.welcomed and time.monotonic() - self._last_sent > self._heartbeat_s:
+            try:
+                self.send(P.HEARTBEAT)
+            except Disconnected:
+                pass
+
     def hello(self) -> None:
         """Say HELLO again on this connection (the dispatcher forgot us, or the role resyncs)."""
         if self.welcomed:
@@ -209,7 +218,9 @@ class PeerSession:
                         return "finished"
             busy = self.role.tick(self)
             now = time.monotonic()
-            if now - self._last_recv > self._silence_s:
+            # Messages waiting were heard: a tick that took long (a long header walk, which
+            # heartbeats through `keepalive`) read none of them yet.
+            if now - self._last_recv > self._silence_s and not self.sock.poll(0, zmq.POLLIN):
                 heard = "no WELCOME" if not self.welcomed else "nothing"
                 return (f"{heard} from the dispatcher for {self._silence_s:g} s (stopped, "
                         "restarted, or unreachable)")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import struct
 import zlib
 
+from pipeline import keepalive
+
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # SOF0..SOF15 carry the frame size; C4 (DHT), C8 (JPG) and CC (DAC) share the range but do not.
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
@@ -589,6 +591,8 @@ def _mpeg_walk(data, start: int, rate: int) -> tuple[int, int, int, str | None]:
         frames += 1
         samples += frame[1]
         pos += frame[0]
+        if not frames & keepalive.EVERY:  # hours of audio: seconds of walking
+            keepalive.alive()
     return frames, samples, pos, None
 
 

@@ -37,6 +37,7 @@ from dispatcher_server.cliopts import (
     setup_logging,
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
+from pipeline import keepalive
 from pipeline.errors import ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig, length_identity, placeholder_identity
@@ -202,9 +203,12 @@ class ReaderWorker:
         self._told_unused = False  # the direct-mode options set under another mode, said once
 
     def run(self, stop: threading.Event | None = None) -> None:
+        # Local shards are counted in this thread: a long header walk heartbeats meanwhile.
+        keepalive.install(self.session.keepalive)
         try:
             self.session.run(stop or threading.Event())
         finally:
+            keepalive.install(None)
             if self.payload_server is not None:
                 self.payload_server.close()
 

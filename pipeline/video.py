@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline import keepalive
 from pipeline.counting import CountError, ImageConfig, UndecodableError, library_message, smart_resize
 
 #: CLIP's normalization, which Qwen2-VL's image and video processors use.
@@ -473,6 +474,8 @@ def _stream_span(container, stream) -> tuple[float, int]:
         if t is None or packet.is_discard:  # the demuxer's end-of-stream packet; frames FFmpeg drops
             continue
         frames += 1
+        if not frames & keepalive.EVERY:  # hours of video: seconds of demuxing
+            keepalive.alive()
         first = t if first is None else min(first, t)
         end = max(end if end is not None else t, t + (packet.duration or step))
     if not frames:

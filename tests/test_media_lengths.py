@@ -365,3 +365,31 @@ def test_a_corrupt_video_stream_is_undecodable_not_a_stopped_loop():
         preprocess_item("video", bytes(d), PRE, enc_len=enc, key="k", member="mp4", meta=meta)
     assert got.value.undecodable and "does not decode" in str(got.value)
     assert issubclass(UndecodableError, ValueError)
+
+
+def test_a_long_header_walk_lets_the_reader_s_session_heartbeat():
+    """Probe: counting a long clip in the reader's session thread (a local shard) held its
+    heartbeats back past the dispatcher's timeout: the reader was dropped three times and a
+    good sample abandoned. Long walks call the thread's keepalive hook every 4096 frames."""
+    import threading
+
+    from pipeline import headers, keepalive
+
+    d = _mp3(16000, 16000)
+    start = headers.id3v2_end(d)
+    first = headers._mpeg_frame(d, start)[0]
+    middle = d[start + 4 * first:start + 5 * first]  # a CBR frame, repeated: hours of audio
+    long = d[:start] + middle * 20_000
+    beats: list[str] = []
+    keepalive.install(lambda: beats.append(threading.current_thread().name))
+    try:
+        rate, _, seconds = headers.mp3_header(long)
+    finally:
+        keepalive.install(None)
+    assert seconds > 600 and len(beats) == 20_000 // (keepalive.EVERY + 1)
+    other: list[float] = []  # a thread without the hook (read-ahead, inspect): none called
+    t = threading.Thread(target=lambda: other.append(headers.mp3_header(long)[2]))
+    t.start()
+    t.join(60)
+    assert other == [seconds] and len(beats) == 20_000 // (keepalive.EVERY + 1)
+

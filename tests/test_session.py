@@ -751,3 +751,69 @@ def test_workers_that_cannot_reach_the_dispatcher_say_so_once():
     reasons = [line for line in lines if re.search(r"worker \d: ", line)]
     assert len(reasons) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) <= 2, proc.stderr
+
+
+def test_a_session_s_keepalive_heartbeats_only_when_one_is_due():
+    """`PeerSession.keepalive`, called from a long header walk in the session's thread
+    (`pipeline.keepalive`), sends a heartbeat when one is due, and only then."""
+    import zmq
+
+    from dispatcher_server import protocol as P
+    from dispatcher_server.session import PeerSession, SessionConfig
+
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    class Role:
+        def hello_fields(self):
+            return {"role": "reader"}
+
+    session = PeerSession(SessionConfig(address=f"tcp://127.0.0.1:{port}", heartbeat_s=0.2),
+                          Role(), context=ctx, name="reader")
+    try:
+        session.sock = ctx.socket(zmq.DEALER)
+        session.sock.connect(f"tcp://127.0.0.1:{port}")
+        session.keepalive()  # not welcomed: nothing to keep alive
+        session.welcomed = True
+        session.keepalive()  # never sent: due
+        session.keepalive()  # just sent: not due
+        time.sleep(0.3)
+        session.keepalive()
+        got = []
+        while router.poll(500):
+            got.append(P.decode(router.recv_multipart()[1:]).type)
+        assert got == [P.HEARTBEAT, P.HEARTBEAT]
+    finally:
+        session.sock.close(linger=0)
+        router.close(linger=0)
+
+
+def test_a_tick_longer_than_the_silence_allowed_is_no_silence_while_messages_wait():
+    """Probe: a reader counting a long clip in its session thread read nothing for seconds; the
+    dispatcher's messages waited on its socket, yet it took the dispatcher for silent and
+    reconnected, re-reading the shard from the start, for good. Waiting messages are heard."""
+    class Slow(_Role):
+        slept = False
+
+        def tick(self, session) -> bool:
+            if session.welcomed and not self.slept:
+                self.slept = True
+                time.sleep(1.5)  # past timeout_s=0.5, while the router keeps talking
+            return False
+
+    with ScriptedRouter() as router:
+        role = Slow()
+        session = PeerSession(SessionConfig(address=router.endpoint, timeout_s=0.5, poll_ms=10,
+                                            backoff_min_s=0.05, backoff_max_s=0.1), role,
+                              name="probe")
+        stop = threading.Event()
+        with _running(session.run, stop) as (errors, _):
+            router.welcome(router.expect(P.HELLO), heartbeat_s=0.1)  # silent after 0.5 s
+            deadline = time.monotonic() + 2.5
+            while time.monotonic() < deadline:
+                router.send(P.HEARTBEAT)
+                time.sleep(0.1)
+            assert role.slept and session.num_reconnects == 0
+            stop.set()
+    assert not errors
