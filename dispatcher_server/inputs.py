@@ -90,8 +90,9 @@ class InputRules:
                         f"samples (another tokenizer or template), stop the dispatcher, remove "
                         f"{self.path} and start it again (the uncommitted steps are then planned "
                         "anew); rules that keep or skip other samples (--max-seq-len, "
-                        "placeholders, fields) make another sample sequence: start a new job (a "
-                        "new --journal-dir, trainers without their data state)")
+                        "placeholders, fields, --max-member-bytes and the other limits) make "
+                        "another sample sequence: start a new job (a new --journal-dir, "
+                        "trainers without their data state)")
             elif gone:
                 fix += (f"; {' and '.join(gone)} left, but the session keeps the rules first "
                         "stated (what was sent was counted by them) until the dispatcher "

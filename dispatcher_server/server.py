@@ -932,8 +932,8 @@ class Dispatcher:
         Planning it anew, as for other lengths, broke exactly-once without a word."""
         why = (f"journaled step {step} comes back with other samples than it was planned with: "
                "the readers keep or skip other samples than then (their rules changed, e.g. "
-               "--max-seq-len, placeholders or fields after inputs.json was removed, or the "
-               "shards changed), so resuming would train some samples again and others never. "
+               "--max-seq-len, placeholders, fields or a limit such as --max-member-bytes after "
+               "inputs.json was removed, or the shards changed), so resuming would train some samples again and others never. "
                "Give the readers the job's rules and shards and start the dispatcher again, or "
                "start a new job (a new --journal-dir, trainers without their data state)")
         raise Fatal(why)  # not a halt (halted.json): the same settings resume once readers agree

@@ -194,7 +194,8 @@ class ReaderWorker:
         self._configs: dict[str, ReaderConfig] = {}  # a source's field map -> reader config
         self._stall_warned = False
         # stated in HELLO, checked by the dispatcher; the template is the one just loaded
-        self.inputs = input_rules(config.reader.counting, encoder.template if encoder else None)
+        self.inputs = input_rules(config.reader.counting, encoder.template if encoder else None,
+                                  max_member_bytes=config.reader.max_member_bytes)
         # Said in every HELLO: a reconnect of this worker replaces its earlier session at once
         # (names may repeat across processes; this does not).
         self.instance = secrets.token_hex(8)
@@ -563,17 +564,25 @@ class ReaderWorker:
         return True
 
 
-def input_rules(counting: CountingConfig, template: ChatTemplate | None = None) -> dict:
+def input_rules(counting: CountingConfig, template: ChatTemplate | None = None, *,
+                max_member_bytes: int | None = None) -> dict:
     """The rules this data node's model inputs follow (`PreprocessConfig.identity`), with the
     tokenizer's identity and the chat template's (`chat_template`: readers render
     conversations into the ids they send; trainers, which receive ids, do not state it) and
     the placeholders items are placed at (`placeholders`: "none", or e.g. "image=<image>")
     and the length samples are held to (`max_seq_len`: "none", or e.g. "4096 truncate"),
-    unless text is only estimated (then no ids are sent). `template`: the one the reader
-    loaded, if it has (else it is resolved from `counting`)."""
+    unless text is only estimated (then no ids are sent); and the limits past which a sample is
+    skipped (`max_member_bytes`, `max_text_bytes`, `max_header_pixels`, `max_clip_seconds`):
+    readers skipping other samples send other sequences, whichever reader reads which shard.
+    `template`: the one the reader loaded, if it has (else it is resolved from `counting`)."""
     from pipeline.preprocess import PreprocessConfig
 
     rules = PreprocessConfig.of(counting).identity()
+    rules.update(max_text_bytes=counting.text.max_text_bytes,
+                 max_header_pixels=counting.image.max_header_pixels,
+                 max_clip_seconds=counting.audio.max_duration_s)
+    if max_member_bytes is not None:
+        rules["max_member_bytes"] = max_member_bytes
     if not counting.text.estimate:
         rules.update(tokenizer_identity(counting.text.tokenizer_path))
         rules.update({"chat_template": template.identity} if template is not None else

@@ -236,6 +236,30 @@ def test_readers_holding_samples_to_another_length_are_refused_like_another_toke
     assert "max_seq_len" not in input_rules(CountingConfig(text=TextConfig(estimate=True, max_seq_len=8)))
 
 
+def test_readers_skipping_samples_past_other_limits_are_refused():
+    """Probe: readers with another --max-member-bytes (--max-text-bytes, --max-header-pixels)
+    joined one job: two identical runs skipped 12 and 7 samples, whichever reader read which
+    shard, and differed at every step. The limits are input rules, as --max-seq-len is."""
+    from dispatcher_server.inputs import InputRules
+    from pipeline.counting import AudioConfig, ImageConfig
+    from pipeline.service import input_rules
+
+    ours = input_rules(CountingConfig(), max_member_bytes=1 << 20)
+    session = InputRules()
+    assert session.admit("reader 'a'", ours) is None
+    assert session.admit("reader 'b'", dict(ours)) is None
+    for other, shown in (
+            (input_rules(CountingConfig(), max_member_bytes=1 << 10), "max_member_bytes: reader 'c' 1024"),
+            (input_rules(CountingConfig(text=TextConfig(max_text_bytes=99)), max_member_bytes=1 << 20),
+             "max_text_bytes: reader 'c' 99"),
+            (input_rules(CountingConfig(image=ImageConfig(max_header_pixels=10**6)), max_member_bytes=1 << 20),
+             "max_header_pixels: reader 'c' 1000000"),
+            (input_rules(CountingConfig(audio=AudioConfig(max_duration_s=60.0)), max_member_bytes=1 << 20),
+             "max_clip_seconds: reader 'c' 60.0")):
+        why = session.admit("reader 'c'", other)
+        assert why is not None and shown in why, why
+
+
 # -- the command line ---------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,words", [

@@ -869,7 +869,7 @@ def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
     from pipeline.service import FatalReaderError, ReaderWorker, input_rules
 
     with dispatcher(make_config(shards, world_size=1)) as srv:
-        ours = input_rules(CountingConfig())
+        ours = input_rules(CountingConfig(), max_member_bytes=ReaderConfig().max_member_bytes)
         client = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config(),
                                   inputs={**ours, "image.patch_size": 16})
         with readers(srv.reader_endpoint, 1):  # the default rules state the session's first
