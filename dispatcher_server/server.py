@@ -1587,6 +1587,15 @@ class Dispatcher:
 
     def _commit(self, slot: TrainerSlot, msg: P.Message) -> None:
         step = msg["step"]
+        if self.fatal is not None:
+            # The job stopped on an error, which may concern the steps handed out before it
+            # (a step replayed with other samples): journaled now, a commit would make the
+            # restart that the error advises resume past them, and fail again.
+            why = f"commit({step}) refused: the job stopped ({self.fatal})"
+            self.metrics.error("commit", detail=why)
+            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=why,
+                       ack=msg.seq)
+            return
         try:
             if self.replay.commit(step):
                 event("commit", step=step, rank=slot.rank)

@@ -261,6 +261,21 @@ def test_a_huge_commit_without_a_journal_is_refused_and_the_dispatcher_keeps_ser
         peer.expect(P.HEARTBEAT, timeout=3)  # still serving
 
 
+def test_a_commit_after_the_job_stopped_on_an_error_is_refused_with_the_reason(tmp_path):
+    """Probe: a commit that came after the dispatcher stopped on "journaled step 12 comes back
+    with other samples" was journaled, so the restart the error advises resumed past the steps
+    in question and failed again. After a fatal stop, commits are refused with its reason."""
+    d = Dispatcher(_config(tmp_path))
+    with _welcomed_trainer(d) as peer:
+        d.fatal = "journaled step 12 comes back with other samples than it was planned with"
+        seq = peer.send(P.COMMIT, step=0)
+        err = peer.expect(P.ERROR, timeout=3)
+        assert err["code"] == "commit" and err["ack"] == seq
+        assert err["message"] == ("commit(0) refused: the job stopped (journaled step 12 comes "
+                                  "back with other samples than it was planned with)")
+        assert d.replay.committed == -1
+
+
 @pytest.mark.timeout(60)
 def test_a_dispatcher_busy_past_the_timeout_keeps_the_peers_whose_messages_wait():
     """A pump longer than the liveness timeout (a slow plan, a long pause) must not expire the
