@@ -156,6 +156,9 @@ def _refuse_compressed(header: bytes) -> None:
             raise TarError("bad_tar", f"{c.name}-compressed bytes where a tar header belongs, which "
                            f"readers do not inflate: decompress it ({c.unpack}) or give it as "
                            f"'pipe:{c.cat} FILE'")
+    if header.startswith((b"PK\x03\x04", b"PK\x05\x06")):  # a local file header; an empty ZIP
+        raise TarError("bad_tar", "a ZIP archive, not a tar: readers read tar shards; write the "
+                       "samples into a tar (webdataset's TarWriter, or unzip and tar --sort=name)")
 
 
 def _number(field: bytes, offset: int) -> int:

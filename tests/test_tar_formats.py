@@ -115,6 +115,18 @@ def test_local_files_are_still_judged_by_name(tmp_path):
     assert keys == [] and stats.by_reason == {"bad_tar": 1} and "Not a gzipped file" in stats.recent[-1][3]
 
 
+def test_a_zip_named_tar_is_named_for_what_it_is(tmp_path):
+    """A ZIP archive named .tar was "corrupt numeric field b'00\\x0000000'" (probe)."""
+    import zipfile
+
+    path = tmp_path / "x.tar"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("a.txt", "a caption")
+    keys, stats = _read(str(path))
+    assert keys == [] and stats.by_reason == {"bad_tar": 1}
+    assert stats.recent[-1][3].startswith("a ZIP archive, not a tar: readers read tar shards")
+
+
 @pytest.mark.parametrize("compression,cat", [("bzip2", "bzcat"), ("xz", "xzcat"), ("zstd", "zstdcat")])
 def test_a_tar_compressed_so_that_readers_do_not_inflate_it_named_tar_is_named_for_what_it_is(
         tmp_path, compression, cat):
