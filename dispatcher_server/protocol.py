@@ -678,8 +678,10 @@ class StepItemHeader(NamedTuple):
 
 MICROBATCH_FIELDS = {"arrays": list, "keys": list, "tokens": list, "items": list, "payloads": int,
                      "sizes": list, "sources": bytes}
-#: A STEP micro-batch's `sources`: each sample's source, as an index into WELCOME's `sources`.
-SOURCE_DTYPE = "<u2"
+#: A STEP micro-batch's `sources`: each sample's source, as an index into WELCOME's `sources`
+#: (SOURCE_WIDTH bytes, little-endian).
+SOURCE_WIDTH = 2
+SOURCE_DTYPE = f"<u{SOURCE_WIDTH}"
 #: The name of the one source of a job served from `--shards` (no dataset file).
 DEFAULT_SOURCE = "default"
 #: direct mode: a micro-batch also says, per item, which entry of the STEP's `readers` holds it.
@@ -698,7 +700,7 @@ def _check_step(fields: dict, payloads: list) -> None:
             raise ProtocolError("step: negative counts")
         if len(mb["keys"]) != len(mb["tokens"]) or not all(isinstance(k, str) for k in mb["keys"]):
             raise ProtocolError("step: keys and tokens disagree")
-        if len(mb["sources"]) != 2 * len(mb["keys"]):
+        if len(mb["sources"]) != SOURCE_WIDTH * len(mb["keys"]):
             raise ProtocolError("step: keys and sources disagree")
         if not all(isinstance(t, bytes) and (not t or t[0] in _WIDTH_SET) for t in mb["tokens"]):
             raise ProtocolError("step: tokens must be bytes, empty or led by a width of "

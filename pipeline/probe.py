@@ -207,11 +207,15 @@ def _split_by_directory(url: str, suffixes: dict[str, set[str]]
     samples alike (`cat/001.jpg`, `dog/001.jpg`) share suffixes and are not."""
     by_name: dict[str, list[str]] = {}
     for key in suffixes:
-        folder, slash, name = key.rpartition("/")
+        _, slash, name = key.rpartition("/")
         if slash:
             by_name.setdefault(name, []).append(key)
-    pieces = [keys for keys in by_name.values() if len(keys) > 1
-              and sum(map(len, (suffixes[k] for k in keys))) == len(set().union(*(suffixes[k] for k in keys)))]
+
+    def disjoint(keys: list[str]) -> bool:  # no suffix in two of the keys
+        kinds = [suffixes[k] for k in keys]
+        return sum(map(len, kinds)) == len(set().union(*kinds))
+
+    pieces = [keys for keys in by_name.values() if len(keys) > 1 and disjoint(keys)]
     if not pieces or 2 * len(pieces) < len(by_name):
         return None
     a, b = pieces[0][:2]
