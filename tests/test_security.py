@@ -248,7 +248,10 @@ def _rogue(endpoint: str, stop: threading.Event, sent: dict, seed: int) -> None:
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(endpoint)
-        send("oversized", [P.encode(P.HEARTBEAT)[0], b"\0" * (P.DEFAULT_LIMITS.max_frame_bytes + 1)])
+        # (max_frame_bytes + 1 is within WIRE_SLACK: libzmq took all 256 MiB of it in, and a
+        # loaded machine sampled the dispatcher's RSS while it held them: "grew 426 MiB")
+        send("oversized", [P.encode(P.HEARTBEAT)[0],
+                           b"\0" * (P.DEFAULT_LIMITS.max_frame_bytes + P.WIRE_SLACK + 1)])
     finally:
         sock.close(linger=2000)
 
