@@ -314,7 +314,7 @@ _sample_case("zero_jpg", "bad_image", "a zero-byte .jpg", lambda: {"jpg": b"", "
 _sample_case("zero_png", "bad_image", "a zero-byte .png", lambda: {"png": b"", "txt": b"caption"})
 _sample_case("zero_wav", "bad_audio", "a zero-byte .wav", lambda: {"txt": b"caption", "wav": b""})
 _sample_case("zero_flac", "bad_audio", "a zero-byte .flac", lambda: {"flac": b"", "txt": b"caption"})
-_sample_case("zero_json", "bad_json", "a zero-byte .json", lambda: {"json": b""})
+_sample_case("zero_json", "empty_sample", "a zero-byte .json (no text, as a zero-byte .txt)", lambda: {"json": b""})
 _sample_case("json_nested_too_deep", "bad_json", "a .json caption whose metadata nests 5,000 objects deep",
              lambda: {"jpg": jpeg(16, 16),
                       "json": b'{"caption": "a cat", "meta": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001})
