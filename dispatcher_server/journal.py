@@ -545,6 +545,12 @@ class Journal:
             return unpack_cursor(entry.cursor_after)
         return self._read_step(step)["cursor_after"]
 
+    def record_of(self, step: int) -> StepEntry:
+        """A step's record as journaled (its digests; its plan not read), JournalError for a
+        step the journal no longer keeps."""
+        self._check_known(step, f"cannot read step {step}")
+        return _entry(self._read_step(step))
+
     def read_entry(self, step: int) -> StepEntry:
         """A step's entry as journaled; its plan None once the plan file it was in was reused."""
         self._check_known(step, f"cannot read step {step}")

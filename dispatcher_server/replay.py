@@ -38,6 +38,9 @@ class ReplaySource:
         self.cursors: dict[int, bytes] = {}
         self.committed = journal.last_committed if journal is not None else -1
         self.replay: dict[int, StepEntry] = {}
+        # A rewind before the last commit: the committed steps taken again, (first, last), whose
+        # journal records their samples are checked against (`journaled_plan`)
+        self.recheck: tuple[int, int] | None = None
         self._as_journaled: dict[int, str | None] = {}  # step replayed verbatim -> its settings
         self.took: dict[int, list] = {}  # arrival mode: step -> its journaled `took` runs
         # Shard positions skipped as unopenable (the journal's, across restarts): a rewind or a
@@ -123,6 +126,9 @@ class ReplaySource:
         self.replay, self._as_journaled = {}, {}
         # A rewind to a checkpoint before the last commit: the trainers' commits from here on
         # are of the steps taken again (the journal moves its commit back as it records them).
+        # Those steps are planned anew, but checked against their records first: readers that
+        # keep or skip other samples since would hand them out with other samples unnoticed.
+        self.recheck = (step, self.committed) if self.journal is not None else None
         self.committed = min(self.committed, step - 1)
         if self.journal is not None:
             # A dict of its own: a commit arriving before a step is replayed (a rank ahead of
@@ -141,17 +147,26 @@ class ReplaySource:
         running out of memory)."""
         entry = self.replay.pop(step, None)
         if entry is None:
-            return None, ""
-        if not entry.digest.startswith(DIGEST_PREFIX) and keys_digest is not None:
-            digest = keys_digest()
-        if entry.digest != digest:
-            if entry.keys is not None and keys_digest is not None and entry.keys != keys_digest():
-                return None, OTHER_SAMPLES
-            return None, OTHER_LENGTHS
+            return None, self._rechecked(step, digest, keys_digest)
+        mismatch = _mismatch(entry, digest, keys_digest)
+        if mismatch:
+            return None, mismatch
         if not self._planned_alike(entry):
             return None, ""
         self._as_journaled[step] = entry.settings
         return self.journal.plan_of(entry), ""
+
+    def _rechecked(self, step: int, digest: str, keys_digest: Callable[[], str] | None) -> str:
+        """How a committed step taken again (a rewind before the last commit) differs from its
+        journal record ("" when alike, or when the journal keeps it no more): it is planned
+        anew either way, as the journal moves its commit back."""
+        if self.recheck is None or not self.recheck[0] <= step <= self.recheck[1]:
+            return ""
+        try:
+            entry = self.journal.record_of(step)
+        except JournalError:
+            return ""
+        return _mismatch(entry, digest, keys_digest)
 
     def _planned_alike(self, entry: StepEntry) -> bool:
         """Whether a journaled step was planned under the world size and plan settings in
@@ -227,6 +242,19 @@ class ReplaySource:
         """Journal skipped samples ((key, reason, index) records) for the audit."""
         if self.journal is not None and skipped:
             self.journal.record_skipped(url, skipped)
+
+
+def _mismatch(entry: StepEntry, digest: str, keys_digest: Callable[[], str] | None) -> str:
+    """How a step's samples differ from its journal record `entry`: "" when alike,
+    `OTHER_SAMPLES`, or `OTHER_LENGTHS`. A record written before digests covered lengths is
+    compared by `keys_digest()`."""
+    if not entry.digest.startswith(DIGEST_PREFIX) and keys_digest is not None:
+        digest = keys_digest()
+    if entry.digest == digest:
+        return ""
+    if entry.keys is not None and keys_digest is not None and entry.keys != keys_digest():
+        return OTHER_SAMPLES
+    return OTHER_LENGTHS
 
 
 def setting_differences(journal: dict, now: dict) -> list[str]:

@@ -1083,6 +1083,31 @@ def test_a_journal_that_keeps_keys_tells_other_samples_from_other_lengths(tmp_pa
         j.close()
 
 
+def test_a_rewind_before_the_last_commit_checks_the_committed_steps_taken_again(tmp_path):
+    """Probe: trainers restored from a checkpoint older than the last commit, with readers
+    that since skip other samples, were handed the committed steps taken again with other
+    samples, unchecked: committed plans leave the replay list. They are checked against their
+    journal records (and planned anew, as before); the uncommitted ones replay as journaled."""
+    from dispatcher_server.replay import OTHER_LENGTHS, OTHER_SAMPLES, ReplaySource
+
+    j = Journal(str(tmp_path), _fp(), fsync=False)
+    for s in range(6):
+        j.record_step(StepEntry(step=s, epoch=0, world_size=2, num_samples=8, keys=f"keys{s}",
+                                cursor_after={"base": s + 1}, digest=f"2:d{s}", plan={"p": s}))
+    r = ReplaySource(j, world_size=2)
+    try:
+        assert r.commit(3)
+        r.reset(1)  # the checkpoint of step 0
+        assert r.journaled_plan(1, "2:d1", lambda: "keys1") == (None, "")  # alike: planned anew
+        assert r.journaled_plan(2, "2:other", lambda: "other") == (None, OTHER_SAMPLES)
+        assert r.journaled_plan(3, "2:other", lambda: "keys3") == (None, OTHER_LENGTHS)
+        assert r.journaled_plan(4, "2:d4", lambda: "keys4") == ({"p": 4}, "")  # not committed
+        r.reset(5)  # a later rewind past the commit: nothing committed is taken again
+        assert r.journaled_plan(5, "2:d5", lambda: "keys5") == ({"p": 5}, "")
+    finally:
+        j.close()
+
+
 def test_a_resume_past_every_planned_step_names_the_journal_of_that_run(tmp_path):
     """A checkpoint of a later run than the journal (or than a dispatcher without one) asked
     to 'resume further back', or named no fix at all."""
