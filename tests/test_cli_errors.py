@@ -662,7 +662,7 @@ COUNTING_MISTAKES = {
     "--max-header-pixels": "0", "--video-fps": "0", "--video-min-frames": "0", "--video-max-pixels": "0",
     "--audio-frames-per-s": "0", "--audio-tokens-per-s": "-1", "--audio-pad-window": "0",
     "--max-text-bytes": "0", "--max-member-bytes": "0", "--max-consecutive-errors": "0",
-    "--max-seq-len": "0",
+    "--max-seq-len": "0", "--max-clip-seconds": "0",
 }
 
 
