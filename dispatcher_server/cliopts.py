@@ -385,16 +385,16 @@ def check_endpoint(flag: str, address: str, *, connect: bool = False) -> str:
     if scheme not in ZMQ_TRANSPORTS:
         raise ValueError(f"{flag} {address!r}: ZeroMQ speaks {', '.join(ZMQ_TRANSPORTS)}, not "
                          f"{scheme}; an endpoint looks like tcp://HOST:PORT")
-    if scheme == "tcp":
+    if connect and scheme == "tcp":  # (binds and advertised endpoints have checks of their own)
         host, colon, port = address[len("tcp://"):].rpartition(":")
         if not colon or not host or "]" in port:  # "]": the colon was inside [IPv6]
             raise ValueError(f"{flag} {address!r}: no port; an endpoint looks like tcp://HOST:PORT "
                              "(e.g. tcp://10.0.0.5:5555)")
-        if connect and host in WILDCARD_HOSTS:
+        if host in WILDCARD_HOSTS:
             raise ValueError(f"{flag} {address!r}: {host} binds every interface of a machine; "
                              f"connect to the host the dispatcher runs on (e.g. "
                              f"tcp://10.0.0.5:{port if port.isdigit() else 5555})")
-        if connect and not port.isdigit():
+        if not port.isdigit():
             raise ValueError(f"{flag} {address!r}: port {port!r} is no number; an endpoint to "
                              "connect to looks like tcp://HOST:PORT (e.g. tcp://10.0.0.5:5555)")
     port = address.rsplit(":", 1)[-1]
