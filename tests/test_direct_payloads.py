@@ -141,6 +141,40 @@ def _payload_server(shard: str) -> PayloadServer:
     return server
 
 
+@pytest.mark.timeout(60)
+def test_closing_a_fetcher_whose_thread_is_busy_leaves_its_sockets_to_it(shards, monkeypatch):
+    """CI: a client closing while its fetch thread was still inside a ZeroMQ call (past the
+    10 s join) closed that thread's sockets under it, and libzmq aborted the whole process.
+    The sockets belong to the fetch thread: it closes them as it leaves."""
+    from trainer_client import fetch
+
+    monkeypatch.setattr(fetch, "CLOSE_WAIT_S", 0.2)
+    member, msg = _step_held_by_the_dead(shards[0])
+    server = _payload_server(shards[0])
+    inside, leave = threading.Event(), threading.Event()
+
+    def decode(m, fetched):  # the thread busy past close()'s wait, its sockets open
+        inside.set()
+        leave.wait(20)
+        return fetched
+
+    fetcher = PayloadFetcher(decode=decode, out=queue.Queue(), config=QUICK_FETCH)
+    try:
+        fetcher.readers = [P.ReaderEndpoint(server.endpoint, "")]
+        fetcher.put(msg)
+        assert inside.wait(20)
+        socks = list(fetcher._socks.values())
+        assert socks
+        fetcher.close()  # returns with the thread still busy: its sockets untouched
+        assert not any(sock.closed for sock in socks)
+        leave.set()
+        fetcher._thread.join(20)
+        assert all(sock.closed for sock in socks)  # closed by the thread as it left
+    finally:
+        leave.set()
+        server.close()
+
+
 def test_a_dead_holder_is_replaced_by_another_reader(shards):
     """A reference fetched from a reader that does not answer is served by another one from its
     shard file; with no reader left the step fails with one error naming shard and readers."""

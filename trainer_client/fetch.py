@@ -106,6 +106,10 @@ def _tried(req: _Request) -> str:
     return "; ".join(parts)
 
 
+#: Seconds `PayloadFetcher.close` waits for its thread to leave.
+CLOSE_WAIT_S = 10.0
+
+
 class PayloadFetcher:
     """`put(msg)` STEP messages (or any other item, passed on in order); `decode(msg, fetched)`
     turns a message and its payloads (per micro-batch, one view per item) into what goes
@@ -145,13 +149,23 @@ class PayloadFetcher:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(10)
-        for sock in self._socks.values():
-            sock.close(linger=0)
-        self._ctx.term()
+        self._thread.join(CLOSE_WAIT_S)
+        if not self._thread.is_alive():
+            self._ctx.term()
+        # Else the thread is still inside a ZeroMQ call on one of its sockets: closing them
+        # from here aborted the whole process (ZeroMQ sockets belong to one thread). It closes
+        # them as it leaves; the context goes with the process.
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:  # the sockets are this thread's: only it closes them
+            for sock in self._socks.values():
+                sock.close(linger=0)
+            self._socks.clear()
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             try:
                 item, stamp = self._inbox.get(timeout=0.1)
