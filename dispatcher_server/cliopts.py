@@ -405,6 +405,33 @@ def check_endpoint(flag: str, address: str, *, connect: bool = False) -> str:
     return address
 
 
+def tcp_host_port(endpoint: str) -> tuple[str, str | None]:
+    """(host, port text or None) of a tcp:// endpoint, brackets of an IPv6 host kept."""
+    netloc = endpoint[len("tcp://"):].rstrip("/")
+    if netloc.endswith("]") or ":" not in netloc:
+        return netloc, None
+    host, _, port = netloc.rpartition(":")
+    return host, port
+
+
+def check_tcp_bind(flag: str, bind: str, form: str, *, any_port: bool = True) -> None:
+    """ValueError, one line naming `flag`, the value and `form` (the endpoint to give), for a
+    tcp:// bind without a host, a port or a numeric port: ZeroMQ's bind says only "Invalid
+    argument" or "No such device". `any_port`: `*` (the OS picks) is a port too."""
+    if not bind.startswith("tcp://"):
+        return
+    host, port = tcp_host_port(bind)
+    if port is None:
+        what = "no port"
+    elif not (port.isdigit() or any_port and port == "*"):
+        what = f"port {port!r} is no number"
+    elif not host:
+        what = "no host or interface"
+    else:
+        return
+    raise ValueError(f"{flag} {bind!r}: {what}; {form}")
+
+
 def check_ipc_bind(flag: str, address: str) -> None:
     """ValueError, one line naming `flag`, the value and the fix, for an ipc:// endpoint whose
     socket file cannot be made: ZeroMQ's bind names neither the flag nor the directory."""

@@ -25,7 +25,8 @@ import zmq
 
 from dispatcher_server.cliopts import (
     LOG_LEVELS, LOGGING_GROUP, MAX_MALLOC_KEEP_MB, add_config_argument, check_endpoint,
-    check_ipc_bind, finite_float, json_line, named_by_flags, say, setup_logging, unwind_on_sigterm,
+    check_ipc_bind, check_tcp_bind, finite_float, json_line, named_by_flags, say, setup_logging,
+    unwind_on_sigterm,
 )
 from dispatcher_server.config import (
     MODES, BatchConfig, CurveConfig, FlowConfig, LivenessConfig, ServerConfig, Source,
@@ -404,7 +405,10 @@ def _check_flags(v: dict) -> None:
         for path in made:
             os.rmdir(path)
     for flag in ("--reader-bind", "--trainer-bind"):
-        check_ipc_bind(flag, check_endpoint(flag, v[flag[2:].replace("-", "_")]))
+        bind = check_endpoint(flag, v[flag[2:].replace("-", "_")])
+        check_ipc_bind(flag, bind)
+        check_tcp_bind(flag, bind, "give tcp://HOST:PORT, e.g. tcp://0.0.0.0:5555 for every "
+                                   "interface (port 0 lets the OS pick)")
     if not 0 <= v["metrics_port"] <= 65535:
         raise ValueError(f"--metrics-port must be 0 (off) to 65535, got {v['metrics_port']}")
     _check_own_ports(v)

@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from dispatcher_server import protocol as P
-from dispatcher_server.cliopts import check_ipc_bind, redact
+from dispatcher_server.cliopts import check_ipc_bind, check_tcp_bind, redact, tcp_host_port
 from dispatcher_server.endpoint import allow_ipv6
 from pipeline.shards import read_range
 
@@ -119,26 +119,12 @@ WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 _HOST = re.compile(r"[A-Za-z0-9_.-]+|\[[0-9A-Za-z:.%]+\]")
 
 
-def _tcp_host_port(endpoint: str) -> tuple[str, str | None]:
-    """(host, port text or None) of a tcp:// endpoint, brackets of an IPv6 host kept."""
-    netloc = endpoint[len("tcp://"):].rstrip("/")
-    if netloc.endswith("]") or ":" not in netloc:
-        return netloc, None
-    host, _, port = netloc.rpartition(":")
-    return host, port
-
-
 def check_bind(bind: str, flag: str = "--payload-bind") -> None:
     """ValueError, one line naming `flag`, for a tcp:// endpoint without a port (ZeroMQ's bind
     says only "Invalid argument") or an ipc:// one in no directory it can make a socket in."""
     check_ipc_bind(flag, bind)
-    if not bind.startswith("tcp://"):
-        return
-    port = _tcp_host_port(bind)[1]
-    if port is None or not port.isdigit():
-        what = "no port" if port is None else f"port {port!r} is no number"
-        raise ValueError(f"{flag} {bind!r}: {what}; give tcp://HOST:PORT (worker w of --workers "
-                         f"binds PORT + w), or tcp://HOST:0 for an ephemeral port")
+    check_tcp_bind(flag, bind, "give tcp://HOST:PORT (worker w of --workers binds PORT + w), or "
+                               "tcp://HOST:0 for an ephemeral port", any_port=False)
 
 
 def check_advertise(advertise: str, flag: str = "--payload-advertise") -> None:
@@ -146,7 +132,7 @@ def check_advertise(advertise: str, flag: str = "--payload-advertise") -> None:
     trainer can connect to: a wildcard host, port 0, or a host no host name or address spells."""
     if not advertise.startswith("tcp://"):
         return
-    host, port = _tcp_host_port(advertise)
+    host, port = tcp_host_port(advertise)
     if host in WILDCARD_HOSTS:
         why = f"host {host} means every interface when binding, and no trainer can connect to it"
     elif not _HOST.fullmatch(host):
@@ -184,7 +170,7 @@ def advertised(bound: str, advertise: str | None, dispatcher: str) -> str:
     port = urlsplit(bound).port
     if advertise:
         check_advertise(advertise)
-        if not advertise.startswith("tcp://") or _tcp_host_port(advertise)[1] is not None:
+        if not advertise.startswith("tcp://") or tcp_host_port(advertise)[1] is not None:
             return advertise
         return f"{advertise.rstrip('/')}:{port}"
     host = urlsplit(bound).hostname
