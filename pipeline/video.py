@@ -460,15 +460,16 @@ def _ebml_problem(data) -> str | None:
     return None
 
 
-def _stream_span(container, stream) -> tuple[float, int]:
-    """(seconds, frames) of a video stream from its demuxed packets, none decoded: the first
-    presented timestamp to the last frame's end. Matroska keeps no per-stream duration, and its
-    Duration (absent when muxed live) is the container's end: other streams and a start offset
-    included."""
+def _stream_span(container, stream) -> tuple[float, int, int]:
+    """(seconds, frames, end) of a video stream from its demuxed packets, none decoded: the first
+    presented timestamp to the last frame's end, and the byte its last packet ends at (-1 where
+    the demuxer does not say). Matroska keeps no per-stream duration, and its Duration (absent
+    when muxed live) is the container's end: other streams and a start offset included."""
     rate = stream.average_rate or stream.guessed_rate
     step = round(1 / (rate * stream.time_base)) if rate else 0  # a packet stating no duration: a frame
     first = end = None
     frames = 0
+    last_byte = -1
     for packet in container.demux(stream):
         t = packet.pts if packet.pts is not None else packet.dts
         if t is None or packet.is_discard:  # the demuxer's end-of-stream packet; frames FFmpeg drops
@@ -478,9 +479,36 @@ def _stream_span(container, stream) -> tuple[float, int]:
             keepalive.alive()
         first = t if first is None else min(first, t)
         end = max(end if end is not None else t, t + (packet.duration or step))
+        if packet.pos >= 0:
+            last_byte = max(last_byte, packet.pos + packet.size)
     if not frames:
         raise _bad(f"{container.format.name.split(',')[0]} video stream holds no frame")
-    return float((end - first) * stream.time_base), frames
+    return float((end - first) * stream.time_base), frames, last_byte
+
+
+#: Zero bytes past a container's last video packet that make it a partial download: a muxer
+#: ends its file with an index or a Void element (Matroska), an idx1 chunk (AVI), never a zero run.
+_ZERO_TAIL_BYTES = 64
+
+
+def _check_zero_tail(data, last_byte: int, seconds: float, declared: float | None, fps: float,
+                     container: str) -> None:
+    """`bad_video` where zeros follow the last demuxed frame to the file's end, and the frames
+    fall short of the duration the container declares (or it declares none): a preallocated
+    partial download of a WebM/MKV/AVI has a whole header and zeros where its later clusters
+    should be. FFmpeg demuxes the frames before the zeros and stops without an error: the clip
+    would be counted, and trained, as its first seconds. (Zeros over the index alone, every
+    frame there, do no harm.)"""
+    tail = len(data) - last_byte
+    if last_byte < 0 or tail < _ZERO_TAIL_BYTES:
+        return
+    if declared and fps > 0 and seconds >= declared - 1.5 / fps:  # every frame there
+        return
+    head = bytes(data[last_byte:last_byte + min(tail, _LAST_SAMPLE_BYTES)])
+    if not head.strip(b"\0") and not bytes(data[-_ZERO_TAIL_BYTES:]).strip(b"\0"):
+        of = f" of {declared:.1f} s" if declared else ""
+        raise _bad(f"{container} is truncated: zeros from byte {last_byte} of {len(data)}, after "
+                   f"its frames of the first {seconds:.1f} s{of}: a partial download, its header whole")
 
 
 def _native_fps(declared, seconds: float, frames: int) -> float:
@@ -510,9 +538,13 @@ def _pyav_header(data: bytes | memoryview) -> VideoHeader:
                 raise _bad(f"{container.format.name} container has no video stream")
             stream = container.streams.video[0]
             ctx = stream.codec_context
-            seconds, frames = _stream_span(container, stream)
+            name = container.format.name.split(",")[0]
+            seconds, frames, last_byte = _stream_span(container, stream)
+            declared = container.duration / 1e6 if container.duration else None  # AV_TIME_BASE
+            _check_zero_tail(data, last_byte, seconds, declared, frames / seconds if seconds > 0 else 0.0,
+                             name)
             return VideoHeader(seconds, _native_fps(stream.average_rate, seconds, frames), frames, ctx.width,
-                               ctx.height, ctx.name, container.format.name.split(",")[0])
+                               ctx.height, ctx.name, name)
     except CountError:
         raise
     except Exception as e:  # FFmpeg reports every malformed input as some av.error.* / ValueError

@@ -294,3 +294,28 @@ def test_a_preallocated_partial_faststart_mp4_is_refused(tmp_path, codec, kept):
     with pytest.raises(CountError, match="MP4 is truncated: zeros where its last frame should be") as err:
         count_video(whole[:cut] + bytes(len(whole) - cut), CFG)
     assert err.value.reason == "bad_video"
+
+
+@pytest.mark.parametrize("fmt", ["mkv", "webm"])
+@pytest.mark.parametrize("kept", [0.1, 0.4, 0.7])
+def test_a_preallocated_partial_matroska_is_refused(fmt, kept):
+    """A WebM/MKV that a preallocating downloader left part done: its header whole, zeros where
+    its later clusters should be. FFmpeg demuxes the frames before the zeros without an error,
+    so the clip was counted as its first seconds and trained so (or undecodable on the trainer)."""
+    whole = video_clip(64, 48, 10, 100, seed=1, fmt=fmt)
+    assert count_video(whole, CFG)[2]["frames"] == 100
+    cut = int(len(whole) * kept)
+    with pytest.raises(CountError, match=r"matroska is truncated: zeros from byte \d+ of \d+, after its "
+                                         r"frames of the first [\d.]+ s of 10.0 s") as err:
+        count_video(whole[:cut] + bytes(len(whole) - cut), CFG)
+    assert err.value.reason == "bad_video"
+
+
+def test_a_matroska_whose_index_alone_is_zeros_counts_every_frame():
+    """Zeros over what follows the last frame (the Cues index) lose no frame: counted whole."""
+    whole = video_clip(64, 48, 25, 600, seed=1, fmt="mkv")  # its Cues outgrow the zero run that counts
+    with av.open(io.BytesIO(whole)) as c:
+        end = max(p.pos + p.size for p in c.demux(c.streams.video[0]) if p.pts is not None)
+    assert len(whole) - end >= 64
+    enc, _, meta = count_video(whole[:end] + bytes(len(whole) - end), CFG)
+    assert (enc, meta["frames"]) == (count_video(whole, CFG)[0], 600)
