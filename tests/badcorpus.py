@@ -203,6 +203,11 @@ def _half(data: bytes) -> bytes:
     return data[: len(data) // 2]
 
 
+def _zero_tail(data: bytes) -> bytes:
+    """`data` of its full length, its second half zeros."""
+    return _half(data) + bytes(len(data) - len(data) // 2)
+
+
 def _drop_frames(mp4: bytes, count: int) -> bytes:
     """An MP4 (moov after mdat) whose mdat loses its last `count` bytes, box sizes kept consistent:
     the sample table then claims more bytes than mdat holds."""
@@ -394,6 +399,8 @@ _sample_case("video_garbage", "bad_video", "an .mp4 that is random bytes (no con
              lambda: {"mp4": bytes(np.random.default_rng(7).integers(0, 256, 500, dtype=np.uint8)), "txt": b"c"})
 _sample_case("mkv_truncated", "bad_video", "a real MKV cut in half (its Segment size overruns the file)",
              lambda: {"mkv": _half(clip("mkv")), "txt": b"c"})
+_sample_case("mkv_zero_tail", "bad_video", "a real MKV whose second half is zeros (a preallocated partial "
+             "download: its Segment size whole)", lambda: {"mkv": _zero_tail(clip("mkv")), "txt": b"c"})
 
 # Text.
 _sample_case("txt_not_utf8", "bad_text", "Latin-1 text in a .txt", lambda: {"txt": "café olé".encode("latin-1")})
