@@ -454,7 +454,7 @@ def audio_lengths(duration_s: float, cfg: AudioConfig) -> tuple[int, int]:
 
 def _utf8(data: bytes | memoryview, what: str) -> str:
     try:
-        return str(data, "utf-8")
+        text = str(data, "utf-8")
     except UnicodeDecodeError as e:
         head = bytes(data[:2])
         if head in (b"\xff\xfe", b"\xfe\xff"):  # a UTF-16 byte-order mark (Windows "Unicode")
@@ -462,7 +462,26 @@ def _utf8(data: bytes | memoryview, what: str) -> str:
             raise CountError("bad_text", f"{what} is UTF-16 ({order}-endian, byte-order mark "
                                          f"{head.hex(' ').upper()}), not UTF-8: re-encode it as "
                                          "UTF-8 (iconv -f UTF-16 -t UTF-8)") from None
+        if _wide_text(data):
+            raise CountError("bad_text", f"{what} is not UTF-8 ({e.reason} at byte {e.start}){_WIDE}") from None
         raise CountError("bad_text", f"{what} is not UTF-8 ({e.reason} at byte {e.start})") from None
+    at = text.find("\0")
+    if at >= 0:  # valid UTF-8, but no text: ASCII in UTF-16/32 without a byte-order mark, binary
+        why = _WIDE if _wide_text(data) else ": binary data in a text member? remove them"
+        raise CountError("bad_text", f"{what} holds NUL characters (U+0000, the first at character "
+                                     f"{at}){why}")
+    return text
+
+
+#: Why a text whose bytes are a quarter or more NULs is not UTF-8, and the fix.
+_WIDE = (": UTF-16 or UTF-32 without a byte-order mark (every other byte NUL)? re-encode it as "
+         "UTF-8 (iconv -f UTF-16LE -t UTF-8)")
+
+
+def _wide_text(data: bytes | memoryview) -> bool:
+    """Whether `data` looks like UTF-16/UTF-32 text: a quarter or more of its first 4 KiB NULs."""
+    head = bytes(data[:4096])
+    return len(head) >= 2 and head.count(0) * 4 >= len(head)
 
 
 def gunzip(data: bytes | memoryview, max_bytes: int) -> bytes:
@@ -746,8 +765,9 @@ class Counter:
         """A sample's (`member_text` value, what) pairs as its text: a JSON member's plain
         text/caption field (`FieldText`) counts only when the sample has no text member, as
         img2dataset's `key.txt` beside `key.json` (whose `caption` repeats it) would otherwise
-        count the caption twice."""
-        if any(isinstance(v, str) and not isinstance(v, FieldText) for v, _ in values):
+        count the caption twice. An empty text member (0 bytes) holds nothing to count twice:
+        the caption counts."""
+        if any(isinstance(v, str) and not isinstance(v, FieldText) and v for v, _ in values):
             return [(v, what) for v, what in values if not isinstance(v, FieldText)]
         return values
 

@@ -90,7 +90,8 @@ class FieldMap:
             values[kind] = tuple(e.strip().lstrip(".").lower() for e in exts)
         defaults = cls()
         # A kind given explicitly takes its extensions from every kind left at its default:
-        # `{"text": ["txt", "json"]}` moves json from conversation to text instead of failing.
+        # `{"text": ["txt", "json"]}` moves json from conversation to text instead of failing
+        # (a JSON member is read for its text field under either kind).
         given = {e: kind for kind, exts in values.items() for e in exts}
         for kind in KINDS:
             if kind not in values:

@@ -345,7 +345,7 @@ class SampleBuilder:
         images: list[tuple[str, bytes]] = []
         audios: list[tuple[str, bytes]] = []
         videos: list[tuple[str, bytes]] = []
-        texts: list[tuple[str, bytes, str, bool]] = []
+        texts: list[tuple[str, bytes, str, bool | None]] = []
         max_text = self.config.counting.text.max_text_bytes
         for suffix, data in members.items():
             kind, ext, gz = self.classify(suffix)
@@ -360,7 +360,9 @@ class SampleBuilder:
             elif kind == "audio":
                 audios.append((suffix, data))
             else:
-                texts.append((suffix, data, ext, kind == "conversation"))
+                # JSON is read for its text field under either kind: a map naming json as text
+                # trained the raw JSON source, braces, keys and URLs (probe)
+                texts.append((suffix, data, ext, True if kind == "conversation" else None))
         items: list[Item] = []
         items_llm = 0
         # LLM sequence convention: images, then videos, then audio clips, each in natural name
@@ -494,7 +496,8 @@ def _say_textless(url: str, samples: int, labels: list[str]) -> None:
         "samples_without_text", shard=redact(url), samples=samples, members=",".join(labels),
         why="no sample of the shard holds text, and their JSON members hold none of the text "
             "fields: they train as their images, video or audio alone, on no token",
-        fix="name the JSON's text field with --json-field (the dataset file's json_fields), or, "
+        fix="name the JSON's text field with --json-field (json_field in the config file's "
+            "[counting] table), or, "
             "for interleaved documents, see 'Placeholders' in docs/datasets.md"))
 
 

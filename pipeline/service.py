@@ -573,12 +573,14 @@ def input_rules(counting: CountingConfig, template: ChatTemplate | None = None, 
     and the length samples are held to (`max_seq_len`: "none", or e.g. "4096 truncate"),
     unless text is only estimated (then no ids are sent); and the limits past which a sample is
     skipped (`max_member_bytes`, `max_text_bytes`, `max_header_pixels`, `max_clip_seconds`):
-    readers skipping other samples send other sequences, whichever reader reads which shard.
+    readers skipping other samples send other sequences, whichever reader reads which shard;
+    and the JSON fields text is read from (`json_fields`: another picks another text).
     `template`: the one the reader loaded, if it has (else it is resolved from `counting`)."""
     from pipeline.preprocess import PreprocessConfig
 
     rules = PreprocessConfig.of(counting).identity()
-    rules.update(max_text_bytes=counting.text.max_text_bytes,
+    rules.update(json_fields=",".join(counting.text.json_fields),
+                 max_text_bytes=counting.text.max_text_bytes,
                  max_header_pixels=counting.image.max_header_pixels,
                  max_clip_seconds=counting.audio.max_duration_s)
     if max_member_bytes is not None:

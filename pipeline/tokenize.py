@@ -134,6 +134,11 @@ class HFTokenizer:
             self.tokenizer = _HF.from_file(path)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ValueError(f"tokenizer file {path!r} {_not_a_tokenizer(path, e)}") from None
+        # A tokenizer.json saved with truncation or padding on keeps them, and encode() would
+        # cut every text to that length or pad it with trained pad ids; the model's tokenizer
+        # (transformers) turns both off unless asked. Lengths are --max-seq-len's to hold.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.name = os.path.basename(path)
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
@@ -169,16 +174,27 @@ def _not_a_tokenizer(path: str, error: Exception) -> str:
 
 
 def tokenizer_identity(path: str | None) -> dict[str, str]:
-    """`{"tokenizer": ...}`: `byte-level`, or the SHA-256 of the tokenizer file (its first 16 hex
-    digits), so data nodes and trainers can be checked to use the same ids."""
+    """`{"tokenizer": ...}`: `byte-level`, or the SHA-256 (its first 16 hex digits) of the
+    tokenizer file's JSON written canonically (keys sorted, no spaces), its `truncation` and
+    `padding` left out (readers turn both off): data nodes and trainers are checked to use the
+    same ids, and the same tokenizer saved again (indented otherwise, by another version) is the
+    same. A file that is no JSON is hashed as its bytes."""
     if path is None:
         return {"tokenizer": "byte-level"}
     try:
         with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+            raw = f.read()
     except OSError as e:
         raise ValueError(f"tokenizer file {path!r} cannot be read: {e.strerror or e}") from None
-    return {"tokenizer": f"sha256:{digest}"}
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict):
+        obj.pop("truncation", None)
+        obj.pop("padding", None)
+        raw = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    return {"tokenizer": f"sha256:{hashlib.sha256(raw).hexdigest()[:16]}"}
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

@@ -611,6 +611,27 @@ def test_utf16_text_is_named_as_utf16(encoding):
         Counter(CountingConfig()).text(data, "txt", "member 'txt'")
 
 
+@pytest.mark.parametrize("encoding,member", [("utf-16-le", "txt"), ("utf-16-be", "txt"), ("utf-32-le", "txt"),
+                                             ("utf-16-le", "json")])
+def test_utf16_or_utf32_text_without_a_byte_order_mark_is_named(encoding, member):
+    """Probe: ASCII in UTF-16/32 without a BOM is valid UTF-8, every other byte NUL: it was
+    trained as NUL-interleaved ids (a .json got a JSON parse position instead)."""
+    text = json.dumps({"caption": "hello world, a cat"}) if member == "json" else "hello world, a cat"
+    with pytest.raises(CountError, match=r"UTF-16 or UTF-32 without a byte-order mark.*iconv") as err:
+        Counter(CountingConfig()).text(text.encode(encoding), member, f"member {member!r}")
+    assert err.value.reason == "bad_text"
+    with pytest.raises(CountError, match="is not UTF-8.*UTF-16 or UTF-32 without a byte-order mark"):
+        Counter(CountingConfig()).text("東京 café".encode("utf-16-le"), "txt", "member 'txt'")
+
+
+def test_nul_characters_in_text_are_named():
+    with pytest.raises(CountError, match=r"holds NUL characters \(U\+0000, the first at character 4\): "
+                                         "binary data"):
+        Counter(CountingConfig()).text(b"some\0text that goes on and on", "txt", "member 'txt'")
+    with pytest.raises(CountError, match="NUL characters.*UTF-16 or UTF-32"):
+        Counter(CountingConfig()).text(b"\0\0\0\0", "txt", "member 'txt'")
+
+
 # 5. ---------------------------------------------------------------------------------------
 TURNS_LOOP = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 NAMED = [{"name": "default", "template": TURNS_LOOP},

@@ -185,6 +185,25 @@ def test_a_conversation_member_under_any_suffix_is_parsed_as_json(tmp_path):
     assert ByteTokenizer.decode(plain.tokens.ids) == json.dumps(turns)
 
 
+def test_json_mapped_as_text_is_read_for_its_text_field():
+    """Probe: `text = ["json"]` (the kind named text, for captions in key.json) trained every
+    JSON member verbatim: braces, keys and URLs."""
+    builder = SampleBuilder(ReaderConfig(fields=FieldMap.from_dict({"text": ["txt", "json"]})))
+    rec = builder.build("k", {"json": json.dumps({"caption": "a red car", "url": "http://x"}).encode()}, "s", 0)
+    assert ByteTokenizer.decode(rec.tokens.ids) == "a red car"
+
+
+def test_an_empty_text_member_does_not_shadow_a_json_caption():
+    """Probe: a 0-byte .txt beside key.json {"caption": ...} trained the image on no text (the
+    caption counts only where no text member holds the text; an empty one holds none)."""
+    builder = SampleBuilder(ReaderConfig())
+    caption = json.dumps({"caption": "the real caption"}).encode()
+    rec = builder.build("k", {"txt": b"", "json": caption}, "s", 0)
+    assert ByteTokenizer.decode(rec.tokens.ids) == "the real caption"
+    rec = builder.build("k", {"txt": b"said", "json": caption}, "s", 0)  # a text member: once
+    assert ByteTokenizer.decode(rec.tokens.ids) == "said"
+
+
 def test_video_members_follow_the_field_map(tmp_path):
     shard = write_tar(tmp_path / "v.tar", [("k.mp4", b"\0\0\0\x18ftypisom"), ("k.txt", b"words")])
     stats = ErrorStats()

@@ -255,7 +255,10 @@ def test_readers_skipping_samples_past_other_limits_are_refused():
             (input_rules(CountingConfig(image=ImageConfig(max_header_pixels=10**6)), max_member_bytes=1 << 20),
              "max_header_pixels: reader 'c' 1000000"),
             (input_rules(CountingConfig(audio=AudioConfig(max_duration_s=60.0)), max_member_bytes=1 << 20),
-             "max_clip_seconds: reader 'c' 60.0")):
+             "max_clip_seconds: reader 'c' 60.0"),
+            # probe: readers with another --json-field trained shard by shard on other fields
+            (input_rules(CountingConfig(text=TextConfig(json_fields=("caption",))), max_member_bytes=1 << 20),
+             "json_fields: reader 'c' 'caption', reader 'a' 'text,caption,conversations,messages'")):
         why = session.admit("reader 'c'", other)
         assert why is not None and shown in why, why
 

@@ -63,6 +63,45 @@ def test_hf_tokenizer_ids_equal_the_library_encode(data):
     assert tok.encode("<|im_start|>").tolist() == [hf.token_to_id("<|im_start|>")]
 
 
+def test_a_tokenizer_saved_with_truncation_or_padding_encodes_every_text_whole(data, tmp_path):
+    """Probe: a tokenizer.json saved with truncation (or padding) on cut every text to 16 ids
+    (or padded it with trained pad ids) where the model's tokenizer turns both off."""
+    _, path = data
+    text = " ".join(["the dispatcher balances a shard of samples"] * 20)
+    whole = tokenizers.Tokenizer.from_file(path).encode(text, add_special_tokens=False).ids
+    plain = tokenizers.Tokenizer.from_file(path)
+    for name, setting, saved_len in (("truncating", lambda t: t.enable_truncation(max_length=16), 16),
+                                     ("padding", lambda t: t.enable_padding(length=1024, pad_id=0), 1024)):
+        saved = tokenizers.Tokenizer.from_file(path)
+        setting(saved)
+        saved.save(str(tmp_path / f"{name}.json"))
+        assert len(tokenizers.Tokenizer.from_file(str(tmp_path / f"{name}.json")).encode(text).ids) == saved_len
+        tok = load_tokenizer(str(tmp_path / f"{name}.json"))
+        assert tok.encode(text).tolist() == whole and 16 < len(whole) < 1024, name
+        assert tok.encode("short").tolist() == plain.encode("short", add_special_tokens=False).ids, name
+        assert tok.encode_with_offsets(text)[0].tolist() == whole, name
+
+
+def test_one_tokenizer_saved_again_is_the_same_tokenizer_and_another_is_not(data, tmp_path):
+    """Probe: the same tokenizer re-saved (indented otherwise, keys in another order, its
+    truncation on) was refused as other rules; the identity is of the JSON, not its bytes."""
+    from pipeline.tokenize import tokenizer_identity
+
+    _, path = data
+    obj = json.loads(open(path, encoding="utf-8").read())
+    (tmp_path / "indented.json").write_text(json.dumps(obj, indent=1, ensure_ascii=True))
+    (tmp_path / "reordered.json").write_text(json.dumps(dict(reversed(list(obj.items())))))
+    (tmp_path / "truncating.json").write_text(json.dumps({**obj, "truncation": {"max_length": 16}}))
+    vocab = obj["model"]["vocab"]
+    first = next(iter(vocab))
+    other = {**obj, "model": {**obj["model"], "vocab": {**vocab, first: vocab[first] + 10**6}}}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    ours = tokenizer_identity(path)
+    for same in ("indented.json", "reordered.json", "truncating.json"):
+        assert tokenizer_identity(str(tmp_path / same)) == ours, same
+    assert tokenizer_identity(str(tmp_path / "other.json")) != ours
+
+
 @pytest.mark.parametrize("which", ["bytes", "bpe"])
 def test_chat_template_renders_and_masks_exactly_the_assistant_tokens(data, which):
     path = None if which == "bytes" else data[1]
