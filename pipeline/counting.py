@@ -765,10 +765,13 @@ class Counter:
         """A sample's (`member_text` value, what) pairs as its text: a JSON member's plain
         text/caption field (`FieldText`) counts only when the sample has no text member, as
         img2dataset's `key.txt` beside `key.json` (whose `caption` repeats it) would otherwise
-        count the caption twice. An empty text member (0 bytes) holds nothing to count twice:
-        the caption counts."""
-        if any(isinstance(v, str) and not isinstance(v, FieldText) and v for v, _ in values):
+        count the caption twice. A blank text member (0 bytes, or white space) holds nothing to
+        count twice: the caption counts, in its place."""
+        if any(isinstance(v, str) and not isinstance(v, FieldText) and v.strip() for v, _ in values):
             return [(v, what) for v, what in values if not isinstance(v, FieldText)]
+        if any(isinstance(v, FieldText) for v, _ in values):  # blank text members beside it: none
+            return [(v, what) for v, what in values
+                    if isinstance(v, FieldText) or not (isinstance(v, str) and not v.strip())]
         return values
 
     def member_text(self, data: bytes | memoryview, ext: str, what: str,
@@ -801,7 +804,7 @@ class Counter:
         if not isinstance(obj, dict):
             raise CountError("bad_json", f"{what} holds {json_kind(obj)}, expected an object or a list of turns")
         # the first of the fields that holds something: {"text": "", "caption": "..."} is a caption
-        name = next((f for f in cfg.json_fields if obj.get(f) not in _EMPTY), None)
+        name = next((f for f in cfg.json_fields if not _blank(obj.get(f))), None)
         if name is None:
             empty = next((f for f in cfg.json_fields if f in obj), None)
             return None if empty is None else EmptyField(empty, json.dumps(obj[empty]))
@@ -825,7 +828,9 @@ def _sendable(text: str, what: str) -> str:
     return text
 
 
-_EMPTY = (None, "", [])  # a text field holding these holds no text
+def _blank(value: object) -> bool:
+    """Whether a JSON text field holds no text: null, white space alone, or an empty list."""
+    return value is None or (value.isspace() or not value if isinstance(value, str) else value == [])
 
 
 class EmptyField(NamedTuple):

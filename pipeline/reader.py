@@ -328,6 +328,21 @@ class SampleBuilder:
             self._suffixes[suffix] = got
         return got
 
+    def _say_joined(self, shard: str, key: str, texts: list) -> None:
+        """One warning per set of plain text members a process sees joined in one sample
+        (COCO's `key.0.txt`...`key.4.txt` captions train as one run-on text): the rule is the
+        documented one, but rarely what several captions were meant for (probe)."""
+        plain = tuple(sfx for sfx, _, ext, as_json in texts if not as_json and ext != "json")
+        if len(plain) < 2 or plain in _JOINED_SAID or len(_JOINED_SAID) >= 64:
+            return
+        _JOINED_SAID.add(plain)
+        log.warning("%s", event_line(
+            "text_members_joined", shard=redact(shard), key=key, members=",".join(plain),
+            why="a sample holds several text members: their ids are joined in natural name order, "
+                "without separator, into one text, every token trained",
+            fix="keep one text member per sample (several captions: a sample each), or write "
+                "the separator you want into the texts"))
+
     def count_ignored(self, members: Iterable[str], into: Tally) -> None:
         """Add the members (suffixes) no kind maps to `into`, by `ignored_label`."""
         for suffix in members:
@@ -387,6 +402,7 @@ class SampleBuilder:
         if texts:
             if len(texts) > 1:
                 texts.sort(key=lambda m: _natural(m[0]))
+                self._say_joined(shard, key, texts)
             values = []
             for sfx, d, ext, js in texts:
                 value = self.counter.member_text(d, ext, f"member {sfx!r}", js)
@@ -479,6 +495,7 @@ def _log_defect_once(e: Exception, url: str, key: str) -> None:
                   exc_info=e)
 
 
+_JOINED_SAID: set[tuple[str, ...]] = set()  # the plain text member sets text_members_joined named
 _TEXTLESS_SAID: list[str] = []  # the first shard samples_without_text was said for
 
 

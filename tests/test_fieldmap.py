@@ -200,8 +200,31 @@ def test_an_empty_text_member_does_not_shadow_a_json_caption():
     caption = json.dumps({"caption": "the real caption"}).encode()
     rec = builder.build("k", {"txt": b"", "json": caption}, "s", 0)
     assert ByteTokenizer.decode(rec.tokens.ids) == "the real caption"
+    rec = builder.build("k", {"txt": b" \n", "json": caption}, "s", 0)  # white space alone: blank
+    assert ByteTokenizer.decode(rec.tokens.ids) == "the real caption"
     rec = builder.build("k", {"txt": b"said", "json": caption}, "s", 0)  # a text member: once
     assert ByteTokenizer.decode(rec.tokens.ids) == "said"
+    # Inside one JSON, a field of white space holds no text either: the next field counts.
+    rec = builder.build("k", {"json": json.dumps({"text": " ", "caption": "a dog"}).encode()}, "s", 0)
+    assert ByteTokenizer.decode(rec.tokens.ids) == "a dog"
+
+
+def test_several_text_members_joined_are_said_once(caplog):
+    """Probe: COCO-style key.0.txt...key.2.txt captions trained as one run-on text, unsaid."""
+    from pipeline import reader
+
+    reader._JOINED_SAID.clear()
+    builder = SampleBuilder(ReaderConfig())
+    members = {"0.txt": b"A cat.", "1.txt": b"A kitten.", "2.txt": b"Feline."}
+    with caplog.at_level("WARNING", logger="mmdispatch"):
+        for key in ("a", "b"):
+            rec = builder.build(key, members, "shard-0.tar", 0)
+            assert ByteTokenizer.decode(rec.tokens.ids) == "A cat.A kitten.Feline."
+        builder.build("c", {"json": json.dumps([{"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "yo"}]).encode(),
+                            "txt": b"more"}, "shard-0.tar", 0)  # conversation + text: documented
+    said = [r.getMessage() for r in caplog.records if "text_members_joined" in r.getMessage()]
+    assert len(said) == 1 and "key=a" in said[0] and "members=0.txt,1.txt,2.txt" in said[0], said
 
 
 def test_video_members_follow_the_field_map(tmp_path):
