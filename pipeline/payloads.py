@@ -286,11 +286,11 @@ class PayloadServer:
 
     def held_bytes(self) -> dict[bytes, int]:
         """Reply bytes held now, by trainer: being read back, or queued in ZeroMQ and not yet
-        sent."""
-        self._queued = [q for q in self._queued if not q[1].done]
+        sent. Reads only: tests and tools may call it from another thread."""
         held: dict[bytes, int] = {}
-        for ident, _, n in self._queued:
-            held[ident] = held.get(ident, 0) + n
+        for ident, tracker, n in list(self._queued):
+            if not tracker.done:
+                held[ident] = held.get(ident, 0) + n
         for work in self._working.values():
             held[work[0]] = held.get(work[0], 0) + work[3]
         return held
@@ -298,6 +298,7 @@ class PayloadServer:
     def _start_waiting(self) -> None:
         """Serve the waiting requests in order, each while its bytes fit MAX_REPLY_BYTES or
         its trainer holds nothing; a HEARTBEAT to those left waiting."""
+        self._queued = [q for q in self._queued if not q[1].done]
         held = self.held_bytes()
         total = sum(held.values())
         now = time.monotonic()
