@@ -654,3 +654,37 @@ def test_a_loop_waiting_for_a_step_says_so_in_the_trainer_s_log(shards, monkeypa
     c._consumed = 0
     c._say_waiting(40.0)
     assert [r for r in caplog.records if "waiting_for_step" in r.getMessage()]
+
+
+@pytest.mark.timeout(90)
+def test_a_client_whose_rank_another_claimed_hands_out_none_of_the_steps_it_took_ahead(shards):
+    """Probe: a trainer of another job pointed here took over a live rank; the old connection,
+    told `replaced`, still handed its loop the two steps it had prefetched, which the new claim
+    got again: those steps were trained twice."""
+    from trainer_client.prefetch import PrefetchConfig, PrefetchPool
+
+    with dispatcher(make_config(shards, world_size=1, max_steps=12)) as srv, \
+            readers(srv.reader_endpoint, 1):
+        first = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config(prefetch=4))
+        pool = PrefetchPool(first, PrefetchConfig(workers=1, ahead=4))
+        second = None
+        try:
+            assert next(pool).step == 0
+            deadline = time.monotonic() + 30
+            while first._steps.qsize() + pool._ready.qsize() < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # steps taken ahead, by the client and by the pool
+            assert first._steps.qsize() + pool._ready.qsize() >= 2
+            second = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
+            second.start()
+            while first.superseded() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(DispatcherError, match="replaced"):
+                next(pool)
+            with pytest.raises(DispatcherError, match="replaced"):
+                next(first)
+            assert next(second).step == 0  # a fresh claim starts after the last commit (none)
+        finally:
+            pool.close()
+            first.close()
+            if second is not None:
+                second.close()

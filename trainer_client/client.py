@@ -829,9 +829,18 @@ class DispatcherClient:
     def __iter__(self):
         return self
 
+    def superseded(self) -> DispatcherError | None:
+        """The error this client stopped with where another connection claimed its rank (ERROR
+        `replaced`), else None: the steps it took ahead now go to that connection, so none of
+        them is handed out here (a pool over the client asks too)."""
+        fatal = self._fatal
+        return fatal if isinstance(fatal, DispatcherError) and fatal.code == "replaced" else None
+
     def __next__(self) -> Step:
         self._check_open("next()")
         self._holding = False  # asking for the next step: the loop is done with the last one
+        if self.superseded() is not None:  # probe: two steps were trained twice after it
+            raise self._fatal
         if self._returned:  # the dispatcher was told of them when they were first handed out
             step = self._returned.popleft()
             self._consumed = step.step + 1
