@@ -77,6 +77,10 @@ PAYLOADS = "payloads"  # reader -> trainer (direct mode): the bytes of one FETCH
 #: (`--errors raise`, or more consecutive bad samples than `--max-consecutive-errors`): the
 #: dispatcher stops the job with its message instead of handing the shard to the next reader.
 READER_STOPPED = "reader_stopped"
+#: ERROR code the dispatcher sends a trainer, after its WELCOME, where its HELLO took its rank
+#: over from a connection still heard from (the older one gets `replaced`): a warning, not a
+#: stop (a restarted trainer is fine), so a trainer of another job pointed here says so.
+TOOK_OVER = "took_over"
 
 ROLES = ("reader", "trainer")
 #: Most shards a reader holds at once (SHARD_REQUEST `shards`, default 1): it reads one and

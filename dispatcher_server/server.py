@@ -1450,15 +1450,19 @@ class Dispatcher:
                 self._refuse_resume(ident, msg, str(e))
                 return
             event("rewind", step=target, requested_by=rank)
+        took_over = None
         if slot.ident is not None and slot.ident != ident:
             # The newer claim wins (a restarted process must not wait out the old one's
             # timeout); the older connection is told, so two processes of one rank stop
             # instead of taking turns, each re-introduced by the other's unknown_peer.
-            event("rank_replaced", logging.WARNING, rank=rank)
+            heard = now - slot.last_seen
+            event("rank_replaced", logging.WARNING, rank=rank, heard_s=round(heard, 1))
             self._send(self.trainer_sock, slot.ident, P.ERROR, code="replaced", message=(
                 f"rank {rank} was claimed by another connection, so this one stops: a restarted "
                 f"trainer of rank {rank} is fine; otherwise two processes have rank {rank} "
                 "(check each one's RANK)"))
+            if heard < 2 * self.config.liveness.heartbeat_s:
+                took_over = heard
         self.delivery.connect(slot, ident)
         slot.last_seen = now
         self._live_due = 0.0  # its last_sent may be old: a heartbeat may be due at the next check
@@ -1491,6 +1495,14 @@ class Dispatcher:
                    payloads=self.config.payloads, dataset=self.dataset, ranks_per_node=g,
                    sources=[st.name for st in self.assembler.streams],
                    **(self._reader_table() if self.config.payloads == "direct" else {}))
+        if took_over is not None:
+            # Said to the new claim too (a warning, not a stop): a trainer of another job
+            # pointed here by mistake would otherwise train this job's data without a word.
+            self._send(self.trainer_sock, ident, P.ERROR, code=P.TOOK_OVER, message=(
+                f"rank {rank} of this job was held by a live connection (heard {took_over:.1f} s "
+                f"ago), which now stops; this trainer goes on at step {want} of the job: a "
+                "restarted trainer is fine, but one of another job pointed at this dispatcher "
+                "by mistake trains this job's data: stop it"))
 
     def _refuse_resume(self, ident: bytes, msg: P.Message, why: str) -> None:
         """Answer a trainer's HELLO with ERROR `resume` (it stops with `why`), counted."""

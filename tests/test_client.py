@@ -657,7 +657,7 @@ def test_a_loop_waiting_for_a_step_says_so_in_the_trainer_s_log(shards, monkeypa
 
 
 @pytest.mark.timeout(90)
-def test_a_client_whose_rank_another_claimed_hands_out_none_of_the_steps_it_took_ahead(shards):
+def test_a_client_whose_rank_another_claimed_hands_out_none_of_the_steps_it_took_ahead(shards, caplog):
     """Probe: a trainer of another job pointed here took over a live rank; the old connection,
     told `replaced`, still handed its loop the two steps it had prefetched, which the new claim
     got again: those steps were trained twice."""
@@ -675,9 +675,14 @@ def test_a_client_whose_rank_another_claimed_hands_out_none_of_the_steps_it_took
                 time.sleep(0.05)  # steps taken ahead, by the client and by the pool
             assert first._steps.qsize() + pool._ready.qsize() >= 2
             second = DispatcherClient(srv.trainer_endpoint, 0, 1, 1, config=client_config())
-            second.start()
-            while first.superseded() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            with caplog.at_level("WARNING", logger="mmdispatch"):
+                second.start()
+                while first.superseded() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                while "rank_taken_over" not in caplog.text and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            # the new claim is told it took a live rank over: another job's trainer would say so
+            assert "event=rank_taken_over" in caplog.text and "held by a live connection" in caplog.text
             with pytest.raises(DispatcherError, match="replaced"):
                 next(pool)
             with pytest.raises(DispatcherError, match="replaced"):

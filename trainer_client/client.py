@@ -703,6 +703,10 @@ class _TrainerPeer:
             return
         if code in _FATAL_CODES:
             raise DispatcherError(code, text)
+        if code == P.TOOK_OVER:
+            log.warning("mmdispatch event=rank_taken_over dispatcher=%s rank=%s why=%r",
+                        session.config.address, self.hello.get("rank"), text)
+            return
         log.warning("mmdispatch event=client_error dispatcher=%s rank=%s code=%s message=%r",
                     session.config.address, self.hello.get("rank"), code, text)
 
