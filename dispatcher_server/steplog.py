@@ -7,6 +7,7 @@ only up to `max_ranks_with_loads` ranks, so the log stays small at thousands of 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import time
@@ -86,9 +87,23 @@ class StepLog:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _drop_torn_tail(self.path)
             self._f = open(self.path, "a", encoding="utf-8")
         except OSError as e:  # not writable by this user, a read-only filesystem
+            raise ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): "
+                             "give a file in a directory the dispatcher can write") from None
+        try:  # held while this dispatcher appends: another one's records would interleave
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.close()
+            raise ValueError(f"--step-log {str(path)!r} is appended to by another dispatcher "
+                             "running now: two jobs' steps would interleave in it; give each "
+                             "job its own step log") from None
+        except OSError:
+            pass  # a filesystem without locks (some network mounts): appended unguarded
+        try:
+            _drop_torn_tail(self.path)
+        except OSError as e:
+            self._f.close()
             raise ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): "
                              "give a file in a directory the dispatcher can write") from None
         self.failed: str | None = None  # why the log stopped, if it did

@@ -129,6 +129,23 @@ def test_a_step_log_that_cannot_be_written_stops_logging_and_lets_the_job_go_on(
     assert log.failed is not None
 
 
+def test_a_step_log_another_dispatcher_appends_to_is_refused_in_one_line(tmp_path):
+    """Probe: two jobs given one --step-log both ran, their plans interleaved, and only the
+    report said so afterwards."""
+    path = tmp_path / "steps.jsonl"
+    first = StepLog(path)
+    first.write({"kind": "plan", "step": 0})
+    with pytest.raises(ValueError, match=r"--step-log '.*steps.jsonl' is appended to by another "
+                                         r"dispatcher running now.*its own step log"):
+        StepLog(path)
+    first.write({"kind": "plan", "step": 1})
+    first.close()
+    again = StepLog(path)  # once the first has stopped, the log goes on (a restart of the job)
+    again.write({"kind": "plan", "step": 2})
+    again.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
 def _write_plans(path, world_size: int, steps, *, seed: int = 0, **record_options) -> None:
     """Append real plan records of `steps` at `world_size` to the step log at `path`."""
     rng = np.random.default_rng(seed)
