@@ -289,8 +289,12 @@ class ReaderWorker:
             session.finish()
         elif msg.type == P.ERROR:
             if msg["code"] in ("version", "role", "inputs"):
+                said = msg["message"]
+                path = self.config.reader.counting.text.tokenizer_path
+                if msg["code"] == "inputs" and "tokenizer:" in said:  # the refusal names hashes
+                    said += f" (this reader's --tokenizer: {path or 'none, byte-level ids'})"
                 raise FatalReaderError(f"dispatcher at {self.config.dispatcher} refused this "
-                                       f"reader: {msg['message']}")
+                                       f"reader: {said}")
             if msg["code"] == "halted":  # it stopped the job (its journal's disk is full)
                 raise FatalReaderError(f"dispatcher at {self.config.dispatcher} stopped the "
                                        f"job: {msg['message']}")

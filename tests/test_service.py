@@ -863,7 +863,7 @@ def test_a_reader_sending_unplannable_samples_cannot_break_the_dispatcher(shards
     assert sorted(flat_keys(got)) == sorted(expected[2:])  # indices 0, 1 were consumed as bad
 
 
-def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
+def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards, tmp_path):
     from pipeline.counting import CountingConfig, ImageConfig
     from pipeline.reader import ReaderConfig
     from pipeline.service import FatalReaderError, ReaderWorker, input_rules
@@ -894,6 +894,17 @@ def test_peers_counting_by_other_rules_are_refused_naming_the_rule(shards):
         with pytest.raises(FatalReaderError, match=r"image\.max_pixels: reader 'odd' 65536, reader 'r0'"
                                                    r".* reader 'r0' left, .* until the dispatcher "
                                                    r"restarts: restart it once every peer agrees"):
+            worker.run()
+        # Another tokenizer: the line names hashes, and the reader adds its own file (probe).
+        from pipeline.counting import TextConfig
+        from pipeline.gendata import write_tokenizer
+
+        tok = write_tokenizer(str(tmp_path), shards[:1])
+        other = ReaderConfig(counting=CountingConfig(text=TextConfig(tokenizer_path=tok)))
+        worker = ReaderWorker(ReaderServiceConfig(dispatcher=srv.reader_endpoint, name="tok",
+                                                  reader=other, timeout_s=1.5))
+        with pytest.raises(FatalReaderError, match=r"tokenizer: reader 'tok' 'sha256:.*\(this "
+                                                   r"reader's --tokenizer: .*tokenizer.json\)$"):
             worker.run()
         # Agreeing peers, and peers stating nothing, are admitted.
         assert srv.inputs.admit("rank 0", ours) is None and srv.inputs.admit("rank 0", None) is None
