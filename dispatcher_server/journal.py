@@ -905,6 +905,11 @@ def _difference(journal: Any, config: Any) -> str:
     """How a setting differs, said so the difference shows: for two lists (shards, sources)
     their lengths and the entries one has and the other lacks, or the first entry that differs
     (cutting both lists to their first entries hid a change further down)."""
+    if isinstance(journal, dict) and isinstance(config, dict):
+        diffs = _dict_differences(journal, config)
+        if diffs:
+            shown = "; ".join(f"{path}: journal has {a}, config has {b}" for path, a, b in diffs[:3])
+            return shown + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
     if not (isinstance(journal, list) and isinstance(config, list)):
         return f"journal has {_short(journal)}, config has {_short(config)}"
     counts = f"journal has {len(journal)} entries, config has {len(config)}"
@@ -919,6 +924,24 @@ def _difference(journal: Any, config: Any) -> str:
     return (f"{counts}, the same entries in another order; first difference at entry {i}: "
             f"journal has {_short_text(theirs[i]) if i < len(theirs) else 'none'}, config has "
             f"{_short_text(ours[i]) if i < len(ours) else 'none'}")
+
+
+def _dict_differences(journal: dict, config: dict, path: str = "") -> list[tuple[str, str, str]]:
+    """(key path, journal's value, config's value) of every differing leaf of two nested dicts
+    (a field map per source: cutting both reprs to their first characters hid which source and
+    kind changed); a key one lacks shows as "none"."""
+    out = []
+    for key in sorted(journal.keys() | config.keys(), key=str):
+        where = f"{path}.{key}" if path else str(key)
+        a, b = journal.get(key, _NONE), config.get(key, _NONE)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _dict_differences(a, b, where)
+        elif a != b:
+            out.append((where, "none" if a is _NONE else _short(a), "none" if b is _NONE else _short(b)))
+    return out
+
+
+_NONE = object()  # a key a dict lacks (`_dict_differences`)
 
 
 def _few(items: list[str], most: int = 3) -> str:

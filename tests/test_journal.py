@@ -106,6 +106,20 @@ def test_a_changed_shard_list_is_refused_naming_the_difference(tmp_path):
             "'/data/shard-000005.tar'") in str(e.value)
 
 
+def test_a_changed_field_map_is_refused_naming_the_source_and_kind(tmp_path):
+    """Probe: both field maps cut to their first 117 characters looked the same, and the
+    change (a later source's image extensions) was cut off."""
+    maps = {name: {"image": ["jpg", "png"], "text": ["txt"], "audio": ["wav", "flac"]}
+            for name in ("captions", "speech", "chat")}
+    j = Journal(str(tmp_path), _fp(field_maps=maps))
+    j.record_step(_entry(0))
+    j.close()
+    changed = {**maps, "chat": {**maps["chat"], "image": ["jpg"]}}
+    with pytest.raises(JournalError) as e:
+        Journal(str(tmp_path), _fp(field_maps=changed))
+    assert "field_maps: chat.image: journal has ['jpg', 'png'], config has ['jpg']" in str(e.value)
+
+
 def test_uncommitted_plans_are_kept_on_disk_not_in_memory(tmp_path):
     """Each step's plan stayed in memory until a commit: MBs a step at thousands of ranks, so a
     job that checkpoints every thousand steps held GBs. Replays read them back."""
@@ -1035,7 +1049,8 @@ def test_a_changed_field_map_is_refused_and_a_journal_from_before_field_maps_res
     j = Journal(str(tmp_path / "new"), _fp(field_maps=audio))
     j.record_step(_entry(0))
     j.close()
-    with pytest.raises(JournalError, match=r"field_maps: journal has .*flac.*, config has"):
+    with pytest.raises(JournalError, match=r"field_maps: news.audio: journal has \[.wav., .flac.\], "
+                                           r"config has \[.wav.\]"):
         Journal(str(tmp_path / "new"), _fp(field_maps={"news": {"audio": ["wav"]}}))
     with pytest.raises(JournalError, match="field_maps"):
         Journal(str(tmp_path / "new"), _fp(field_maps={}))  # the readers' default map now
