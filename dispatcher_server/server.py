@@ -226,6 +226,11 @@ class Dispatcher:
         self._budget_cut: tuple | None = None  # (step, samples, M): the first the budget cut
         self._block_bytes_warned = False  # shuffle blocks held past max_buffered_bytes (_gauges)
         self._stream_end_said = False  # event=stream_end logged (_send_ends); _reset clears it
+        # The newest step handed out this run, across rewinds, and the commits of steps past
+        # the newest planned since a rewind (a rank ahead of another restarted from an older
+        # checkpoint): (trainer identity, rank, HELLO seq, step), answered once it is planned.
+        self._planned_high = -1
+        self._held_commits: list[tuple[bytes, int, int, int]] = []
         self._live_due = 0.0  # before this moment no peer is silent or idle long enough (_liveness)
         start = self.replay.committed + 1
         self._first_step = start  # where ranks not heard from yet may start (_fresh_step)
@@ -711,6 +716,9 @@ class Dispatcher:
                         "(or fix the journal directory) and start the dispatcher again: it "
                         "resumes from the journal") from e
         self._cpu["journal"] += thread_time() - c2
+        self._planned_high = max(self._planned_high, step)
+        if self._held_commits:
+            self._answer_held_commits()
         self._check_commits_lag(step)
         self.delivery.add(RetainedStep(step=step, epoch=filled.epoch, batch=batch, plan=plan,
                                        messages=None,
@@ -1599,31 +1607,53 @@ class Dispatcher:
 
     def _commit(self, slot: TrainerSlot, msg: P.Message) -> None:
         step = msg["step"]
+        if self.fatal is None and self.replay.last_step < step <= self._planned_high:
+            # Handed out before a rewind (another rank resumed from an older checkpoint) and
+            # not planned again yet: answered once it is, not refused as never planned (the
+            # rank stopped on it, and its checkpoint could not be resumed from).
+            self._held_commits.append((slot.ident, slot.rank, msg.seq, step))
+            return
+        self._commit_step(slot.ident, slot.rank, msg.seq, step)
+
+    def _answer_held_commits(self) -> None:
+        """Commit the held commits of steps planned again by now (`_commit`)."""
+        held, self._held_commits = self._held_commits, []
+        for ident, rank, seq, step in held:
+            if step <= self.replay.last_step:
+                self._commit_step(ident, rank, seq, step)
+            else:
+                self._held_commits.append((ident, rank, seq, step))
+
+    def _commit_step(self, ident: bytes, rank: int, seq: int, step: int) -> None:
+        """Journal the commit of `step` by the trainer at `ident` and answer it (COMMIT, or ERROR
+        `commit` with the reason)."""
         if self.fatal is not None:
             # The job stopped on an error, which may concern the steps handed out before it
             # (a step replayed with other samples): journaled now, a commit would make the
             # restart that the error advises resume past them, and fail again.
             why = f"commit({step}) refused: the job stopped ({self.fatal})"
             self.metrics.error("commit", detail=why)
-            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=why,
-                       ack=msg.seq)
+            self._send(self.trainer_sock, ident, P.ERROR, code="commit", message=why,
+                       ack=seq)
             return
         try:
             if self.replay.commit(step):
-                event("commit", step=step, rank=slot.rank)
+                event("commit", step=step, rank=rank)
         except JournalError as e:
             self.metrics.error("commit", detail=str(e))
-            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=str(e),
-                       ack=msg.seq)
+            self._send(self.trainer_sock, ident, P.ERROR, code="commit", message=str(e),
+                       ack=seq)
             return
         except OSError as e:
             why = (f"commit({step}) was not made durable: the journal write failed ({e}); "
                    "the dispatcher stops and resumes from its journal once restarted")
-            self._send(self.trainer_sock, slot.ident, P.ERROR, code="commit", message=why,
-                       ack=msg.seq)
+            self._send(self.trainer_sock, ident, P.ERROR, code="commit", message=why,
+                       ack=seq)
             raise Fatal(why) from e
-        slot.committed = step if slot.committed is None else max(slot.committed, step)
-        self._send(self.trainer_sock, slot.ident, P.COMMIT, step=step)  # durable now: tell it
+        slot = self.delivery.slots[rank]
+        if slot.ident == ident:
+            slot.committed = step if slot.committed is None else max(slot.committed, step)
+        self._send(self.trainer_sock, ident, P.COMMIT, step=step)  # durable now: tell it
         self.metrics.uncommitted_steps.set(max(0, self.next_plan - 1 - self.replay.committed))
 
     # -- liveness and sending -------------------------------------------------------

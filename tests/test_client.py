@@ -693,3 +693,49 @@ def test_a_client_whose_rank_another_claimed_hands_out_none_of_the_steps_it_took
             first.close()
             if second is not None:
                 second.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_of_a_step_handed_out_before_another_rank_rewound_is_answered(shards, tmp_path):
+    """Probe: ranks restarted from one checkpoint, the first ran ahead alone; the second's
+    resume rewound the stream, and the first's commit of a step it had been handed, not planned
+    again yet, was refused as 'never planned': its trainer died, and the commits of the other
+    rank, acknowledged, could later not be resumed from."""
+    import threading
+
+    with dispatcher(make_config(shards, world_size=2, journal_dir=str(tmp_path / "j"))) as srv, \
+            readers(srv.reader_endpoint, 1):
+        first = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config(prefetch=6))
+        second = None
+        try:
+            # Both ranks train steps 0..1, commit 1 and leave (BYE), as a job stopping cleanly.
+            second = DispatcherClient(srv.trainer_endpoint, 1, 2, 2, config=client_config(prefetch=1))
+            for c in (first, second):
+                assert [next(c).step for _ in range(2)] == [0, 1]
+            first.commit(1, timeout=30)
+            first.close()
+            second.close()
+            # Restarted from that checkpoint, rank 0 comes back first and runs ahead alone.
+            first = DispatcherClient(srv.trainer_endpoint, 0, 2, 2, config=client_config(prefetch=4))
+            first.load_state_dict({"next_step": 2})
+            assert [next(first).step for _ in range(4)] == [2, 3, 4, 5]
+            first.commit(3, timeout=30)
+            # Rank 1 comes back from the same checkpoint (step 2), before the last commit: the
+            # stream is rewound, and planned again only as far as rank 1 takes its steps.
+            second = DispatcherClient(srv.trainer_endpoint, 1, 2, 2, config=client_config(prefetch=1))
+            second.load_state_dict({"next_step": 2})
+            second.start()
+            deadline = time.monotonic() + 5  # (the re-plan may pass step 5 unseen: a race)
+            while srv.replay.last_step >= 5 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the rewind: steps 2.. are planned again from here
+            # Sent at once: held until step 5 is planned again, then journaled and answered.
+            done: list = []
+            committer = threading.Thread(target=lambda: done.append(first.commit(5, timeout=60)))
+            committer.start()
+            assert [next(second).step for _ in range(4)] == [2, 3, 4, 5]
+            committer.join(60)
+            assert done == [None] and srv.replay.committed == 5
+        finally:
+            first.close()
+            if second is not None:
+                second.close()
