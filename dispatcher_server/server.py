@@ -1229,7 +1229,10 @@ class Dispatcher:
             raise Fatal(f"reader {reader.name!r} read another copy of shard {url} than the one "
                         f"first read: its tar {', its '.join(differs)}. Make every node's copy of "
                         "the dataset the same (sync them from one source) and start the job "
-                        "again (a dispatcher with --journal-dir resumes where it stopped)")
+                        "again (a dispatcher with --journal-dir resumes where it stopped); a "
+                        "shard rewritten since this job first read it makes another sample "
+                        "sequence: restore the shard the job was started with, or start a new "
+                        "job (a new --journal-dir, trainers without their data state)")
 
     def _open_failed(self, reader: Reader, a: Assignment, skipped: list[P.SkipRecord]) -> bool:
         """A reader that could not open its shard leaves it to the others (a node missing a
