@@ -830,7 +830,9 @@ def _sendable(text: str, what: str) -> str:
 
 def _blank(value: object) -> bool:
     """Whether a JSON text field holds no text: null, white space alone, or an empty list."""
-    return value is None or (value.isspace() or not value if isinstance(value, str) else value == [])
+    if isinstance(value, str):
+        return not value or value.isspace()
+    return value is None or value == []
 
 
 class EmptyField(NamedTuple):

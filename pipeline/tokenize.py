@@ -193,7 +193,8 @@ def tokenizer_identity(path: str | None) -> dict[str, str]:
     if isinstance(obj, dict):
         obj.pop("truncation", None)
         obj.pop("padding", None)
-        raw = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        raw = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()  # (ASCII: a lone
+        # surrogate escape, which some vocabularies hold, has no UTF-8)
     return {"tokenizer": f"sha256:{hashlib.sha256(raw).hexdigest()[:16]}"}
 
 
