@@ -704,8 +704,11 @@ class _TrainerPeer:
         if code in _FATAL_CODES:
             raise DispatcherError(code, text)
         if code == P.TOOK_OVER:
-            log.warning("mmdispatch event=rank_taken_over dispatcher=%s rank=%s why=%r",
-                        session.config.address, self.hello.get("rank"), text)
+            # After a reconnect of its own, the live connection was most likely this trainer's
+            # earlier one (the dispatcher heard it until it gave up): not worth a warning.
+            level = logging.INFO if session.num_reconnects else logging.WARNING
+            log.log(level, "mmdispatch event=rank_taken_over dispatcher=%s rank=%s why=%r",
+                    session.config.address, self.hello.get("rank"), text)
             return
         log.warning("mmdispatch event=client_error dispatcher=%s rank=%s code=%s message=%r",
                     session.config.address, self.hello.get("rank"), code, text)
