@@ -100,10 +100,11 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                                  "shard and index) rather than take down every reader in turn"),
     "reader_bind": (str, "tcp://127.0.0.1:0", "endpoint readers connect to"),
     "trainer_bind": (str, "tcp://127.0.0.1:0", "endpoint trainers connect to"),
-    "journal_dir": (str, None, "journal directory (enables exact, checked resume; unset: "
-                                 "trainers restored from a checkpoint resume at their step by "
-                                 "planning the data again from its start, which is exact only "
-                                 "if no shard and no reader rule changed: nothing checks them)"),
+    "journal_dir": (str, None, "journal directory (enables exact, checked resume; default: "
+                                 "unset, no journal: trainers restored from a checkpoint resume "
+                                 "at their step by planning the data again from its start, "
+                                 "exact only if no shard and no reader rule changed: nothing "
+                                 "checks them)"),
     "no_fsync": (bool, False, "skip fsync of journal records (tests only)"),
     "journal_plan_file_mb": (int, 64, "size at which the journal's plan file being written hands "
                                       "over to the other (disk: about twice this)"),
