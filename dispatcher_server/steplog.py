@@ -48,6 +48,10 @@ def plan_record(step: int, plan: StepPlan, *, config: PlannerConfig, plan_ms: fl
         "ranks_per_node": plan.topology.ranks_per_node, "num_microbatches": plan.num_microbatches,
         "balanced": bal, "random": rnd,
         "predicted_speedup_vs_random": rnd["step_time"] / bal["step_time"] if bal["step_time"] > 0 else 1.0,
+        # what `bytes` assume an encoder output token weighs: the cost model's, else a default
+        # (those phases listed in `bytes_assumed`)
+        "bytes_per_token": {p: config.bytes_for(p) for p in plan.inputs.encoders},
+        "bytes_assumed": [p for p in plan.inputs.encoders if p not in config.bytes_per_token],
         **({"sources": sources} if sources else {}),
     }
 

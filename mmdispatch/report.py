@@ -90,7 +90,10 @@ _METHOD = {
 }
 REQUIRED = {
     "plan": {"step": _INT, "plan_ms": _NUMBER, "world_size": _INT, "ranks_per_node": _INT,
-             "balanced": _METHOD, "random": _METHOD, "sources": _Optional(_Each(_INT))},
+             "balanced": _METHOD, "random": _METHOD, "sources": _Optional(_Each(_INT)),
+             "bytes_per_token": _Optional(_Each(_INT)),
+             "bytes_assumed": _Optional(_Leaf(lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                                              "a list of phase names"))},
     "train": {"step": _INT, "loss": _NUMBER, "samples_per_s": _Optional(_NUMBER)},
     "measure": {"step": _INT, "measured_step_s": _NUMBER,
                 "phases": _Each({"predicted_max": _NUMBER, "measured_max": _NUMBER,
@@ -274,6 +277,12 @@ def summarize(records: StepRecords) -> dict:
         ],
         "skipped_records": records.skipped,
     }
+    weights, assumed = {}, set()
+    for p in plans:  # step logs written before plans said it: left out
+        weights.update(p.get("bytes_per_token", {}))
+        assumed.update(p.get("bytes_assumed", ()))
+    if weights:
+        out["bytes_per_token"], out["bytes_assumed"] = weights, sorted(assumed)
     mixture: dict[str, int] = {}
     for p in plans:
         for name, n in p.get("sources", {}).items():
@@ -341,8 +350,15 @@ def print_table(summary: dict, console=None) -> None:
             table.add_row(f"  W={s['world_size']}, {_steps(s)}", "1.00x",
                           _relative_time(s["predicted_speedup_vs_random"]))
     for loc in LOCALITY_ORDER:
-        table.add_row(f"exchange MB {loc}", f"{summary['bytes']['random'][loc] / 1e6:.1f}",
+        table.add_row(f"predicted exchange MB {loc}", f"{summary['bytes']['random'][loc] / 1e6:.1f}",
                       f"{summary['bytes']['balanced'][loc] / 1e6:.1f}")
+    weights, assumed = summary.get("bytes_per_token"), summary.get("bytes_assumed")
+    if weights:
+        table.caption = "exchange predicted at " + ", ".join(
+            f"{b} B per {p} token" + (f" (assumed: a {b // 2}-wide bf16 output)" if p in assumed else "")
+            for p, b in weights.items())
+        if assumed:
+            table.caption += "; serve --cost-model gives your model's"
     table.add_row("plan ms (p50)", "", f"{summary['plan_ms_p50']:.1f}")
     for name, src in summary.get("sources", {}).items():
         table.add_row(escape(f"source {name}"), "", f"{src['samples']} ({src['share']:.1%})")

@@ -97,6 +97,27 @@ def test_the_report_shows_a_blend_s_realized_mixture(tmp_path, capsys):
     assert "source img" in out and "56.2%" in out
 
 
+def test_the_report_says_exchange_bytes_are_predicted_and_at_what_token_weight(tmp_path, capsys):
+    """Probe: 'exchange MB' was 64x what the trainers exchanged: a prediction at the default
+    8 KiB per token (a 4096-wide bf16 output), said nowhere."""
+    rng = np.random.default_rng(2)
+    topo = Topology(world_size=2, ranks_per_node=2)
+    for name, config in (("default", PlannerConfig(num_microbatches=1)),
+                         ("given", PlannerConfig(num_microbatches=1, bytes_per_token={"vision": 256, "audio": 512}))):
+        log = StepLog(tmp_path / f"{name}.jsonl")
+        log.write(plan_record(0, plan_step(synthetic_step(rng, 8), topo, config), config=config, plan_ms=1.0))
+        log.close()
+        s = report.summarize(report.load_step_log(tmp_path / f"{name}.jsonl"))
+        report.print_table(s)
+        out = " ".join(capsys.readouterr().out.split())
+        assert "predicted exchange MB same_rank" in out
+        if name == "default":
+            assert s["bytes_assumed"] and "8192 B per vision token (assumed: a 4096-wide bf16 output)" in out
+            assert "serve --cost-model gives your model's" in out
+        else:
+            assert s["bytes_assumed"] == [] and "256 B per vision token" in out and "assumed" not in out
+
+
 def test_a_record_being_written_or_torn_by_a_kill_is_left_out_not_fatal(step_logs):
     # `report` reads the log live, and a killed dispatcher leaves its last record cut short:
     # that line ends without a newline; every complete record before it still counts.
