@@ -1318,9 +1318,19 @@ class Dispatcher:
         """Members of a finished shard that no field map kind names: metrics, log, step log."""
         if not ignored:
             return
+        # Names past the job's first MAX_IGNORED_SUFFIXES - 1 of a source count as IGNORED_OTHER
+        # in the metric and the step log (a reader caps each shard's only: a sidecar suffix per
+        # sample made a series per sample); the per-shard line names them all.
+        seen = self.ignored_members.setdefault(source, Counter())
+        folded: Counter = Counter()
         for suffix, n in ignored.items():
+            known = suffix in seen or len(seen) < P.MAX_IGNORED_SUFFIXES - 1
+            folded[suffix if known or suffix == P.IGNORED_OTHER else P.IGNORED_OTHER] += n
+            if known:
+                seen[suffix] += 0  # held by name from here on
+        for suffix, n in folded.items():
             self.metrics.ignored(source, suffix, n)
-        self.ignored_members.setdefault(source, Counter()).update(ignored)
+        seen.update(folded)
         event("members_ignored", source=source, shard=url,
               suffixes=",".join(f"{s or '(no suffix)'}={n}" for s, n in sorted(ignored.items())))
 

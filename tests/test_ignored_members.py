@@ -196,3 +196,29 @@ def test_a_blend_whose_source_yields_nothing_tells_the_trainers_why(tmp_path, cl
         finally:
             client.close()
     assert steps == list(range(srv.next_plan))
+
+
+def test_ignored_suffixes_are_few_in_metrics_and_step_log_across_a_whole_job():
+    """Probe: a sidecar suffix per sample (`KEY.rev<shard>_<i>`) made one metric series per
+    sample, and every step-log record repeated them all: each shard's counts were capped, the
+    job's were not. Past the first names a source's further ones count as IGNORED_OTHER."""
+    from dispatcher_server.server import Dispatcher
+    from tests.test_dispatcher_faults import _config
+
+    d = Dispatcher(_config())
+    try:
+        total = 0
+        for shard in range(10):
+            counts = {f"rev{shard}_{i}": 1 for i in range(20)}
+            d._ignored("default", f"s{shard}.tar", counts)
+            total += sum(counts.values())
+        d._ignored("default", "s10.tar", {"rev0_0": 5})  # a name held keeps its own count
+        total += 5
+        held = d.ignored_members["default"]
+        assert len(held) == P.MAX_IGNORED_SUFFIXES and sum(held.values()) == total
+        assert held["rev0_0"] == 6 and held[P.IGNORED_OTHER] == total - 6 - (P.MAX_IGNORED_SUFFIXES - 2)
+        series = [s for m in d.metrics.registry.collect() if m.name == "mmdispatch_members_ignored"
+                  for s in m.samples if s.name.endswith("_total")]
+        assert len(series) == P.MAX_IGNORED_SUFFIXES and sum(s.value for s in series) == total
+    finally:
+        d.stop()
