@@ -29,6 +29,7 @@ from dispatcher_server import protocol as P
 from dispatcher_server.assembler import StepAssembler
 from dispatcher_server.batching import build_batch, step_messages
 from dispatcher_server.blend import as_drawn, differing
+from dispatcher_server.cliopts import event_line
 from dispatcher_server.config import DATASET_FINGERPRINT_DEFAULTS, ServerConfig
 from dispatcher_server.credits import Holdings, grants
 from dispatcher_server.delivery import Delivery, RetainedStep, TrainerSlot
@@ -507,7 +508,8 @@ class Dispatcher:
         if self.fatal is None:
             self.fatal = why
             self.metrics.halted.set(1)  # /metrics still answers while ranks are told why
-            log.error("mmdispatch event=fatal %s", why)
+            # `why` a field (a key under --log-format json), whole: event_line would cut it
+            log.error("%s why=%r", event_line("fatal", next_step=self.next_plan), why)
             self._send_ends()
 
     def _close(self, linger_ms: int = 0) -> None:

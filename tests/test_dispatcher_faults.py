@@ -454,6 +454,14 @@ def test_a_full_disk_at_a_readers_hello_stops_the_job_and_tells_the_reader(tmp_p
         assert d.metrics.registry.get_sample_value("mmdispatch_halted") == 1
         assert not any(r.exc_info for r in caplog.records), "a traceback was logged"
         assert "kind=internal" not in caplog.text and "event=fatal" in caplog.text
+        # Its reason is a field, whole (probe: under --log-format json, only "event": "fatal").
+        import json
+
+        from dispatcher_server.cliopts import JsonFormatter
+
+        (fatal,) = [r for r in caplog.records if "event=fatal" in r.getMessage()]
+        fields = json.loads(JsonFormatter().format(fatal))
+        assert fields["event"] == "fatal" and fields["why"] == d.fatal and fields["next_step"] == 0
         # Nothing left behind, nothing half-admitted.
         assert not [n for n in os.listdir(tmp_path) if ".tmp" in n]
         assert d.inputs.rules == {}
