@@ -166,6 +166,9 @@ def setup_logging(log_format: str = "text", level: str = "INFO") -> None:
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # A library's warnings.warn (Pillow's decompression-bomb warning, torch's UserWarnings)
+    # went to stderr as raw lines, not one JSON object: a WARNING record of `py.warnings` now.
+    logging.captureWarnings(True)
     # Object-storage libraries log routine events at INFO ("Found credentials in environment
     # variables."): ours say what matters, theirs show from WARNING on, and all of it at DEBUG.
     for name in LIBRARY_LOGGERS:

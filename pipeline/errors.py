@@ -90,6 +90,13 @@ class SkipDigest:
         if due:
             self.flush()
 
+    def flush_due(self) -> None:
+        """Flush once skips are pending and `every_s` has passed since the last flush: called
+        from a reader's loop, so one that stays up (or is killed) does not keep them unsaid
+        until its next skip or its exit."""
+        if self.pending and self.clock() - self.since >= self.every_s:
+            self.flush()
+
     def flush(self) -> str | None:
         """Log (and return) the line for the failures counted since the last flush, if any."""
         with self.lock:

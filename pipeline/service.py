@@ -38,7 +38,7 @@ from dispatcher_server.cliopts import (
 )
 from dispatcher_server.tuning import end_with_parent, keep_freed_memory, relax_gc
 from pipeline import keepalive
-from pipeline.errors import ErrorStats, SampleError, TooManyErrors
+from pipeline.errors import DIGEST, ErrorStats, SampleError, TooManyErrors
 from pipeline.fieldmap import FieldMap
 from pipeline.counting import CountingConfig, length_identity, placeholder_identity
 from pipeline import remote
@@ -303,6 +303,7 @@ class ReaderWorker:
         return True
 
     def tick(self, session: PeerSession) -> bool:
+        DIGEST.flush_due()  # skips counted, said every DIGEST.every_s
         if not session.welcomed:
             return False
         # The oldest assignment with credits: usually the shard being read; another when

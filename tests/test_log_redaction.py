@@ -118,3 +118,35 @@ def test_json_log_fields_are_numbers_where_they_are_numbers():
     out = json.loads(JsonFormatter().format(record))
     assert (out["step"], out["plan_ms"], out["lb_ratio"]) == (17, 0.42, 1.0)
     assert (out["keys"], out["name"], out["shard"], out["detail"]) == ("123", "0", "/d/0.tar", "12")
+
+
+def test_a_library_warning_is_one_json_line_like_every_other():
+    """Probe: Pillow's DecompressionBombWarning reached a --log-format json stream as two raw
+    lines (the warning and `warnings.warn(`)."""
+    code = ("from dispatcher_server.cliopts import setup_logging; setup_logging('json'); "
+            "import warnings; warnings.warn('image size exceeds the limit', UserWarning)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = run.stderr.splitlines()
+    assert run.returncode == 0 and lines, run.stderr
+    records = [json.loads(line) for line in lines]  # every line one JSON object
+    assert [(r["logger"], r["level"]) for r in records] == [("py.warnings", "WARNING")]
+    assert "image size exceeds the limit" in records[0]["message"]
+
+
+def test_pending_skips_are_said_once_due_without_another_skip():
+    """Probe: skips after the first of each reason went unsaid until the reader's next skip
+    or its exit; a reader that stays up never said them."""
+    from pipeline.errors import SkipDigest
+
+    now = [0.0]
+    digest = SkipDigest(every_s=10.0, clock=lambda: now[0])
+    said = []
+    digest.flush = lambda real=digest.flush: said.append(real())
+    digest.note("too_long", "a.tar")
+    digest.flush_due()
+    assert said == []  # not due yet
+    now[0] = 10.5
+    digest.flush_due()
+    assert len(said) == 1 and "count=1" in said[0] and "too_long=1" in said[0]
+    digest.flush_due()
+    assert len(said) == 1  # nothing pending: nothing said
