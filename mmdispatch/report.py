@@ -358,7 +358,7 @@ def print_table(summary: dict, console=None) -> None:
             f"{b} B per {p} token" + (f" (assumed: a {b // 2}-wide bf16 output)" if p in assumed else "")
             for p, b in weights.items())
         if assumed:
-            table.caption += "; serve --cost-model gives your model's"
+            table.caption += "; serve --exchange-bytes-per-token gives your model's"
     table.add_row("plan ms (p50)", "", f"{summary['plan_ms_p50']:.1f}")
     for name, src in summary.get("sources", {}).items():
         table.add_row(escape(f"source {name}"), "", f"{src['samples']} ({src['share']:.1%})")

@@ -34,6 +34,7 @@ from dispatcher_server.config import (
 from dispatcher_server.costfile import load_cost_file
 from dispatcher_server.planner import PlannerConfig, Topology
 from dispatcher_server.planner.config import DEFAULT_LLM_CAPACITY_FACTOR, OVERSIZE_POLICIES
+from dispatcher_server.planner.types import ENCODER_PHASES
 from dispatcher_server.planner.warm import warm_up
 from dispatcher_server.protocol import PAYLOAD_MODES
 from dispatcher_server.security import check_allowed_keys, load_secret, warn_if_readable
@@ -82,6 +83,11 @@ OPTIONS: dict[str, tuple[object, object, str]] = {
                             "whole share in one micro-batch)"),
     "oversize": (str, "error", "samples over capacity: error or isolate"),
     "cost_model": (str, None, "cost file written by 'mmdispatch calibrate' (default: FLOP-formula costs)"),
+    "exchange_bytes_per_token": (str, None, "bytes of one encoder output token the trainers "
+                                 "exchange (output width x dtype bytes: 5120 for a 2560-wide "
+                                 "bf16 output), as N or per phase as vision=N,audio=N; it sizes "
+                                 "the exchange bytes plans predict and the step log and report "
+                                 "show (default: unset, 8192 each: a 4096-wide bf16 output)"),
     "max_buffered_samples": (int, 4096, "samples the dispatcher may hold, credits included"),
     "max_buffered_bytes": (int, 256 << 20, "bytes held (payloads, and 768 a sample item for its "
                            "header and view) after which reader credits stop, and no "
@@ -152,7 +158,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
                          "probe_samples", "probe_timeout_s"),
     "batch and planning": ("world_size", "ranks_per_node", "global_batch", "token_budget",
                            "num_microbatches", "microbatch_token_budget", "llm_capacity",
-                           "llm_capacity_factor", "oversize", "cost_model", "refit"),
+                           "llm_capacity_factor", "oversize", "cost_model",
+                           "exchange_bytes_per_token", "refit"),
     "readers and buffering": ("max_buffered_samples", "max_buffered_bytes", "max_retained_steps",
                               "inflight_shards", "credit_batch", "malloc_keep_mb"),
     "network and security": ("reader_bind", "trainer_bind", "heartbeat", "timeout", "io_threads",
@@ -325,6 +332,7 @@ def _too_large(v: dict) -> str | None:
 
 def _check_flags(v: dict) -> None:
     """Mistakes worth naming by their flags (the config classes name their own fields)."""
+    exchange_bytes(v["exchange_bytes_per_token"])
     for dest, (least, meaning) in AT_LEAST.items():
         if v[dest] is not None and v[dest] < least:
             raise ValueError(f"--{dest.replace('_', '-')} must be >= {least} ({meaning}), got {v[dest]}")
@@ -424,6 +432,30 @@ def _check_flags(v: dict) -> None:
                          f"--timeout 5)")
 
 
+def exchange_bytes(text: str | None) -> dict[str, int]:
+    """`--exchange-bytes-per-token` as phase -> bytes ({} unset); ValueError in one line naming
+    the value and the form."""
+    if not text:
+        return {}
+    form = "give N, or vision=N,audio=N (bytes of one encoder output token, N >= 1)"
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) == 1 and "=" not in parts[0]:
+        parts = [f"{phase}={parts[0]}" for phase in ENCODER_PHASES]
+    out: dict[str, int] = {}
+    for part in parts:
+        phase, eq, number = part.partition("=")
+        phase = phase.strip()
+        if not eq or phase not in ENCODER_PHASES or phase in out:
+            what = (f"phase {phase!r} is given twice" if phase in out else
+                    f"{part!r} names no encoder phase ({', '.join(ENCODER_PHASES)})")
+            raise ValueError(f"--exchange-bytes-per-token {text!r}: {what}; {form}")
+        if not number.strip().isdigit() or int(number) < 1:
+            raise ValueError(f"--exchange-bytes-per-token {text!r}: {number.strip()!r} is no "
+                             f"byte count; {form}")
+        out[phase] = int(number)
+    return out
+
+
 def _check_own_ports(v: dict) -> None:
     """Two of this command's own sockets on one TCP port and address: said as such, naming
     both flags (binding, the second would blame "another process")."""
@@ -497,6 +529,7 @@ def _build_config(v: dict, dataset: tuple[list[Source], int | None] | None) -> S
                               microbatch_token_budget=v["microbatch_token_budget"],
                               llm_capacity=v["llm_capacity"], oversize=v["oversize"],
                               llm_capacity_factor=v["llm_capacity_factor"] or None,
+                              bytes_per_token=exchange_bytes(v["exchange_bytes_per_token"]),
                               **({"cost": load_cost_file(v["cost_model"])} if v["cost_model"] else {})),
         flow=FlowConfig(max_buffered_samples=v["max_buffered_samples"],
                         max_buffered_bytes=v["max_buffered_bytes"],

@@ -164,6 +164,12 @@ CASES = {
                                     ["'tcp://0.0.0.0:5555'", "tcp://10.0.0.5:5555"]),
     "bind without tcp://": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                           "--reader-bind", "127.0.0.1:0"], ["127.0.0.1:0", "tcp://HOST:PORT"]),
+    "exchange bytes 0": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                       "--exchange-bytes-per-token", "vision=0"],
+                         ["--exchange-bytes-per-token 'vision=0'", "'0' is no byte count", "vision=N,audio=N"]),
+    "exchange bytes of no phase": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
+                                                 "--exchange-bytes-per-token", "llm=4"],
+                                   ["'llm=4' names no encoder phase (vision, audio)"]),
     # these got ZeroMQ's "Invalid argument" or "No such device", with a fix about interfaces
     "bind without a port": (lambda f, p: [*MMD, "serve", "--shards", f["shard"], *SERVE_OK,
                                           "--reader-bind", "tcp://127.0.0.1"],
@@ -914,3 +920,13 @@ def test_a_command_needing_an_extra_not_installed_names_the_extra(tmp_path):
     assert out.stderr.strip() == ("mmdispatch calibrate: error: this needs torch, which is not "
                                   "installed: pip install 'mmdispatch[trainer]' (pick its wheel "
                                   "index as in the README)"), out.stderr
+
+
+def test_exchange_bytes_per_token_reach_the_planner():
+    from dispatcher_server.planner import DEFAULT_BYTES_PER_TOKEN, PlannerConfig
+    from mmdispatch.serve import exchange_bytes
+
+    assert exchange_bytes(None) == {} and exchange_bytes("5120") == {"vision": 5120, "audio": 5120}
+    assert exchange_bytes("audio=2048, vision=5120") == {"audio": 2048, "vision": 5120}
+    config = PlannerConfig(bytes_per_token=exchange_bytes("audio=2048"))  # as serve builds it
+    assert (config.bytes_for("audio"), config.bytes_for("vision")) == (2048, DEFAULT_BYTES_PER_TOKEN)

@@ -113,7 +113,7 @@ def test_the_report_says_exchange_bytes_are_predicted_and_at_what_token_weight(t
         assert "predicted exchange MB same_rank" in out
         if name == "default":
             assert s["bytes_assumed"] and "8192 B per vision token (assumed: a 4096-wide bf16 output)" in out
-            assert "serve --cost-model gives your model's" in out
+            assert "serve --exchange-bytes-per-token gives your model's" in out
         else:
             assert s["bytes_assumed"] == [] and "256 B per vision token" in out and "assumed" not in out
 
