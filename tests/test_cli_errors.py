@@ -928,5 +928,5 @@ def test_exchange_bytes_per_token_reach_the_planner():
 
     assert exchange_bytes(None) == {} and exchange_bytes("5120") == {"vision": 5120, "audio": 5120}
     assert exchange_bytes("audio=2048, vision=5120") == {"audio": 2048, "vision": 5120}
-    config = PlannerConfig(bytes_per_token=exchange_bytes("audio=2048"))  # as serve builds it
+    config = PlannerConfig(num_microbatches=1, bytes_per_token=exchange_bytes("audio=2048"))  # as serve
     assert (config.bytes_for("audio"), config.bytes_for("vision")) == (2048, DEFAULT_BYTES_PER_TOKEN)
