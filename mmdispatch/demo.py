@@ -27,6 +27,7 @@ from pathlib import Path
 from dispatcher_server.cliopts import check_output_dir, finite_float
 from mmdispatch import report
 from mmdispatch.serve import read_ready
+from trainer_client.options import DEFAULT_HIDDEN
 
 #: Demo-sized counting rules: images capped at 448x448 pixels (<= 1024 patches), video frames
 #: at 64*28*28 pixels and audio at 5 encoder frames/s, so the CPU reference model stays fast;
@@ -289,7 +290,9 @@ def run(args: argparse.Namespace) -> int:
             "--world-size", str(world), "--ranks-per-node", str(args.ranks_per_node),
             "--global-batch", str(args.global_batch), "--num-microbatches", str(args.microbatches),
             "--seed", str(args.seed), "--max-epochs", "0", "--max-steps", str(args.steps), "--exit-when-done",
-            "--journal-dir", str(out / "journal"), "--step-log", str(steps_log)],
+            "--journal-dir", str(out / "journal"), "--step-log", str(steps_log),
+            # the reference model's encoder outputs, float32: the bytes the exchange moves
+            "--exchange-bytes-per-token", str(DEFAULT_HIDDEN * 4)],
             stdout=subprocess.PIPE, text=True)
         try:
             endpoints = read_ready(dispatcher.stdout, timeout=60)

@@ -17,6 +17,10 @@ from pipeline.preprocess import PreprocessConfig, mel_stride
 from pipeline.reader import counting_flag_errors
 from pipeline.video import VideoConfig, video_config
 
+#: The reference model's hidden size unless --hidden says otherwise (its towers' outputs,
+#: float32 on the exchange: 4 bytes each).
+DEFAULT_HIDDEN = 32
+
 #: Preprocessing pool kinds and error modes of `trainer_client.prefetch.PrefetchConfig` (kept
 #: here, free of torch, for the CLI).
 POOL_KINDS = ("thread", "process")
@@ -34,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--steps", type=int, default=0,
         help="stop after this many steps of this run, a resumed one too (0: until the dispatcher ends)")
     add("--lr", type=finite_float, default=3e-3, help="AdamW learning rate")
-    add("--hidden", type=int, default=32, help="hidden size of every reference-model tower (a "
+    add("--hidden", type=int, default=DEFAULT_HIDDEN, help="hidden size of every reference-model tower (a "
         "multiple of its 2 attention heads)")
     add("--exchange", choices=("single", "two_stage"), default="single",
         help="one world all-to-all, or intra-node then inter-node stages")
