@@ -846,8 +846,9 @@ class DispatcherClient:
     def __next__(self) -> Step:
         self._check_open("next()")
         self._holding = False  # asking for the next step: the loop is done with the last one
-        if self.superseded() is not None:  # probe: two steps were trained twice after it
-            raise self._fatal
+        superseded = self.superseded()
+        if superseded is not None:  # probe: two steps were trained twice after it
+            raise superseded
         if self._returned:  # the dispatcher was told of them when they were first handed out
             step = self._returned.popleft()
             self._consumed = step.step + 1

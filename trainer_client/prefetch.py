@@ -272,9 +272,9 @@ class PrefetchPool:
         if self._ended:
             raise StopIteration
         self._holding = False  # asking for the next step: the loop is done with the last one
-        superseded = getattr(self.source, "superseded", None)
-        if superseded is not None and superseded() is not None:  # its steps prepared: another's
-            raise superseded()
+        superseded = getattr(self.source, "superseded", lambda: None)()
+        if superseded is not None:  # the steps it prepared are another connection's now
+            raise superseded
         t0 = time.perf_counter()
         try:
             if self.config.workers == 0:
