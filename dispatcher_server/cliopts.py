@@ -389,8 +389,8 @@ def check_endpoint(flag: str, address: str, *, connect: bool = False) -> str:
         raise ValueError(f"{flag} {address!r}: ZeroMQ speaks {', '.join(ZMQ_TRANSPORTS)}, not "
                          f"{scheme}; an endpoint looks like tcp://HOST:PORT")
     if connect and scheme == "tcp":  # (binds and advertised endpoints have checks of their own)
-        host, colon, port = address[len("tcp://"):].rpartition(":")
-        if not colon or not host or "]" in port:  # "]": the colon was inside [IPv6]
+        host, port = tcp_host_port(address)
+        if port is None or not host:
             raise ValueError(f"{flag} {address!r}: no port; an endpoint looks like tcp://HOST:PORT "
                              "(e.g. tcp://10.0.0.5:5555)")
         if host in WILDCARD_HOSTS:

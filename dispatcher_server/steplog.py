@@ -80,6 +80,11 @@ def _drop_torn_tail(path: Path) -> None:
             size, start = start, max(0, start - (1 << 20))
 
 
+def _unwritable(path: str | Path, e: OSError) -> ValueError:
+    return ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): give a "
+                      "file in a directory the dispatcher can write")
+
+
 class StepLog:
     """Appends JSON lines to a file, flushed per record so `mmdispatch report` can read it live.
 
@@ -93,8 +98,7 @@ class StepLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")
         except OSError as e:  # not writable by this user, a read-only filesystem
-            raise ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): "
-                             "give a file in a directory the dispatcher can write") from None
+            raise _unwritable(path, e) from None
         try:  # held while this dispatcher appends: another one's records would interleave
             fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -108,8 +112,7 @@ class StepLog:
             _drop_torn_tail(self.path)
         except OSError as e:
             self._f.close()
-            raise ValueError(f"--step-log {str(path)!r} cannot be written ({e.strerror or e}): "
-                             "give a file in a directory the dispatcher can write") from None
+            raise _unwritable(path, e) from None
         self.failed: str | None = None  # why the log stopped, if it did
 
     def write(self, record: dict) -> None:
